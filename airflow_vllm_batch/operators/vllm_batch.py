@@ -1,0 +1,497 @@
+"""The operator: one vLLM offline batch run from an input file to an S3 output."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from datetime import timedelta
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, BinaryIO
+
+from airflow.providers.amazon.aws.hooks.s3 import S3Hook
+from airflow.sdk import BaseOperator
+from airflow.sdk.exceptions import AirflowFailException
+from airflow.sdk.log import mask_secret
+
+from airflow_vllm_batch.batchfile import (
+    PreflightOptions,
+    PreflightReport,
+    ResultsReport,
+    check_results,
+    open_lines,
+    preflight,
+)
+from airflow_vllm_batch.exceptions import (
+    EngineError,
+    PreflightError,
+    PresignError,
+    TooManyFailedRequestsError,
+    VLLMBatchError,
+)
+from airflow_vllm_batch.hooks.vllm_engine import (
+    FALLBACK_SUPPORTED_URLS,
+    EngineInfo,
+    EngineRun,
+    VLLMEngineHook,
+    build_engine_argv,
+    probe_engine,
+    redact_urls,
+)
+
+if TYPE_CHECKING:
+    from airflow.sdk import Context
+
+#: SigV4 presigned URLs are valid for at most seven days.
+MAX_PRESIGN_SECONDS = 7 * 24 * 3600
+#: Used when the task has no execution_timeout and no presign_expires_in was given.
+DEFAULT_PRESIGN_SECONDS = 24 * 3600
+#: Added to execution_timeout: the engine's final PUT happens at the very end.
+PRESIGN_MARGIN_SECONDS = 15 * 60
+
+
+class VLLMBatchOperator(BaseOperator):
+    """Run an OpenAI-format batch file through vLLM's offline batch runner.
+
+    The task checks the input before any engine starts (preflight), makes presigned
+    S3 URLs so the engine needs no AWS credentials, runs
+    ``python -m vllm.entrypoints.openai.run_batch`` as a child process on this
+    worker, checks that every request was answered exactly once, publishes the
+    results (and an error file) and returns a manifest::
+
+        {"output_uri", "error_uri", "input_uri", "model",
+         "request_counts": {"total", "completed", "failed"},
+         "usage": {"prompt_tokens", "completion_tokens", "total_tokens"},
+         "duration_s", "vllm_version"}
+
+    ``output_uri`` is also pushed under the XCom key ``output_uri``. The engine writes
+    to a staging key unique to the try (``<output key>.staging/...``); the final
+    objects appear only after the results check passed, so a failed try never leaves
+    a half-written output.
+
+    :param input_uri: the batch file: ``s3://bucket/key``, a local path on the worker,
+        or an http(s) URL. (templated)
+    :param output_uri: where the results go: ``s3://bucket/key``. (templated)
+    :param model: the model name or directory, passed to ``--model``; every line's
+        ``body.model`` must name it (or see ``rewrite_model``). (templated)
+    :param error_uri: where failed lines go. Default: the output key with
+        ``.jsonl`` replaced by ``.errors.jsonl``. (templated)
+    :param engine_args: more batch-runner arguments, e.g.
+        ``["--max-model-len", "4096", "--tensor-parallel-size", "2"]``. (templated)
+    :param engine_python: the Python of the environment that has vLLM. Default: the
+        Python running this task. (templated)
+    :param engine_command: a command prefix that replaces
+        ``<engine_python> -m vllm.entrypoints.openai.run_batch``, for engines in
+        another image or wrapper. (templated)
+    :param engine_env: environment variables added for the engine, e.g.
+        ``{"CUDA_VISIBLE_DEVICES": "0"}``. (templated)
+    :param aws_conn_id: the Airflow AWS connection for S3. Default ``aws_default``.
+    :param presign_expires_in: seconds the presigned URLs stay valid. Default: the
+        task's ``execution_timeout`` plus 15 minutes, or 24 hours without one; at most
+        7 days (SigV4's limit).
+    :param max_failed_ratio: the share of failed requests above which the task fails
+        after publishing the files. Default 0: any failed request fails the task.
+        (templated: a rendered string is read as a number)
+    :param invalid_lines: ``"fail"`` (default) fails the task on any invalid input
+        line before the engine starts; ``"skip"`` sends invalid lines to the error
+        file with their reason and runs the valid ones.
+    :param rewrite_model: rewrite every line's ``body.model`` to ``model`` instead of
+        failing on a mismatch. Default False.
+    :param default_body: fields filled into every request body that lacks them, e.g.
+        ``{"max_completion_tokens": 256}``. (templated)
+    :param max_lines: the most request lines accepted. Default: no limit.
+    :param supported_urls: the batch URLs to accept. Default: asked of the engine
+        environment (or vLLM 0.32's list when ``engine_command`` is set).
+    :param kill_grace_s: seconds between SIGTERM and SIGKILL when stopping the engine.
+    """
+
+    template_fields: Sequence[str] = (
+        "input_uri",
+        "output_uri",
+        "error_uri",
+        "model",
+        "engine_args",
+        "engine_python",
+        "engine_command",
+        "engine_env",
+        "default_body",
+        "max_failed_ratio",
+    )
+    template_fields_renderers = {"engine_args": "json", "engine_env": "json", "default_body": "json"}
+    ui_color = "#e8f0fe"
+
+    def __init__(
+        self,
+        *,
+        input_uri: str,
+        output_uri: str,
+        model: str,
+        error_uri: str | None = None,
+        engine_args: Sequence[str] = (),
+        engine_python: str | None = None,
+        engine_command: Sequence[str] | None = None,
+        engine_env: Mapping[str, str] | None = None,
+        aws_conn_id: str | None = "aws_default",
+        presign_expires_in: int | None = None,
+        max_failed_ratio: float = 0.0,
+        invalid_lines: str = "fail",
+        rewrite_model: bool = False,
+        default_body: Mapping[str, Any] | None = None,
+        max_lines: int | None = None,
+        supported_urls: Sequence[str] | None = None,
+        kill_grace_s: float = 30.0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.input_uri = input_uri
+        self.output_uri = output_uri
+        self.error_uri = error_uri
+        self.model = model
+        self.engine_args = engine_args
+        self.engine_python = engine_python
+        self.engine_command = engine_command
+        self.engine_env = engine_env
+        self.aws_conn_id = aws_conn_id
+        self.presign_expires_in = presign_expires_in
+        self.max_failed_ratio = max_failed_ratio
+        self.invalid_lines = invalid_lines
+        self.rewrite_model = rewrite_model
+        self.default_body = default_body
+        self.max_lines = max_lines
+        self.supported_urls = supported_urls
+        self.kill_grace_s = kill_grace_s
+
+    @cached_property
+    def s3_hook(self) -> S3Hook:
+        """The S3 hook of ``aws_conn_id``."""
+        return S3Hook(aws_conn_id=self.aws_conn_id)
+
+    @cached_property
+    def engine_hook(self) -> VLLMEngineHook:
+        """Runs the engine process; kept so that ``on_kill`` can stop it."""
+        return VLLMEngineHook(kill_grace_s=self.kill_grace_s)
+
+    # -- the story -------------------------------------------------------------------
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        started = time.monotonic()
+        self._check_arguments()
+        engine = self.inspect_engine()
+        staging = self.staging_prefix(context)
+        with tempfile.TemporaryDirectory(prefix="vllm-batch-") as tmp:
+            work = Path(tmp)
+            report = self.preflight(engine, work)
+            engine_input = self.stage_input(report, work, staging)
+            get_url, put_url = self.presign(engine_input, f"{staging}/results.jsonl")
+            run = self.run_engine(get_url, put_url)
+            run.vllm_version = run.vllm_version or engine.vllm_version
+            results = self.check_output(report, work, staging, run)
+            manifest = self.publish(report, results, work, staging, run, started)
+        context["ti"].xcom_push(key="output_uri", value=manifest["output_uri"])
+        self.fail_on_too_many_failures(manifest, context)
+        return manifest
+
+    def on_kill(self) -> None:
+        """Stop the whole engine process group; staging objects are removed by the next try."""
+        self.engine_hook.terminate()
+
+    # -- steps -----------------------------------------------------------------------
+
+    def _check_arguments(self) -> None:
+        # Rendered templates are strings; a Param-driven ratio arrives as "0.1".
+        self.max_failed_ratio = float(self.max_failed_ratio)
+        if not self.output_uri.startswith("s3://"):
+            raise VLLMBatchError(f"output_uri must be an s3:// URI, got {self.output_uri!r}.")
+        if self.invalid_lines not in ("fail", "skip"):
+            raise VLLMBatchError(f"invalid_lines must be 'fail' or 'skip', got {self.invalid_lines!r}.")
+        if not 0 <= self.max_failed_ratio <= 1:
+            raise VLLMBatchError(f"max_failed_ratio must be between 0 and 1, got {self.max_failed_ratio!r}.")
+
+    def inspect_engine(self) -> EngineInfo:
+        """Ask the engine environment for its vLLM version and the batch URLs it serves."""
+        if self.engine_command:
+            info = EngineInfo(vllm_version=None, supported_urls=FALLBACK_SUPPORTED_URLS)
+        else:
+            info = probe_engine(self.engine_python or _default_python())
+            self.log.info("Engine: vLLM %s; batch URLs: %s", info.vllm_version, sorted(info.supported_urls))
+        if self.supported_urls:
+            info = EngineInfo(info.vllm_version, frozenset(self.supported_urls))
+        return info
+
+    def staging_prefix(self, context: Context) -> str:
+        """Return a key prefix unique to this try, after removing what earlier tries left."""
+        bucket, key = S3Hook.parse_s3_url(self.output_uri)
+        root = f"{key}.staging/"
+        leftovers = self.s3_hook.list_keys(bucket_name=bucket, prefix=root) or []
+        if leftovers:
+            self.log.info("Removing %d staging object(s) left by an earlier try under %s", len(leftovers), root)
+            self.s3_hook.delete_objects(bucket=bucket, keys=leftovers)
+        try_number = getattr(context.get("ti"), "try_number", 0)
+        return f"{root}try-{try_number}-{uuid.uuid4().hex[:8]}"
+
+    def preflight(self, engine: EngineInfo, work: Path) -> PreflightReport:
+        """Check the whole input before any engine starts; write a cleaned copy when needed."""
+        options = PreflightOptions(
+            supported_urls=engine.supported_urls,
+            model=self.model,
+            rewrite_model=self.rewrite_model,
+            default_body=dict(self.default_body or {}),
+            invalid_lines=self.invalid_lines,
+            max_lines=self.max_lines,
+        )
+        rewriting = self.invalid_lines == "skip" or self.rewrite_model or bool(self.default_body)
+        with (
+            self._open_input() as lines,
+            _maybe_open(work / "input.jsonl", rewriting) as cleaned,
+            _maybe_open(work / "preflight-errors.jsonl", rewriting) as errors,
+        ):
+            report = preflight(lines, options, cleaned_out=cleaned, errors_out=errors)
+        self.log.info("Preflight of %s:\n%s", self.input_uri, report.format())
+        try:
+            if self.invalid_lines == "fail" or not report.runnable:
+                report.raise_for_problems(self.input_uri)
+            if not report.valid_lines:
+                raise PreflightError(f"{self.input_uri} has no request line: nothing to run.", report)
+        except PreflightError as err:
+            # The same file fails the same way on every try: no retry, no GPU time.
+            raise AirflowFailException(str(err)) from err
+        return report
+
+    def stage_input(self, report: PreflightReport, work: Path, staging: str) -> str:
+        """Return the input the engine reads: the original, or the cleaned copy staged next to the output."""
+        if not report.needs_rewrite:
+            return self.input_uri
+        cleaned = work / "input.jsonl"
+        if not self.input_uri.startswith("s3://"):
+            return str(cleaned)
+        bucket, _ = S3Hook.parse_s3_url(self.output_uri)
+        key = f"{staging}/input.jsonl"
+        self.s3_hook.load_file(str(cleaned), key=key, bucket_name=bucket, replace=True)
+        self.log.info("Engine reads the cleaned copy s3://%s/%s", bucket, key)
+        return f"s3://{bucket}/{key}"
+
+    def presign(self, engine_input: str, staging_key: str) -> tuple[str, str]:
+        """Return ``(input for the engine, presigned PUT URL of the staging output)``.
+
+        Both URLs are registered with the secrets masker before anything can log them.
+        """
+        expires_in = self.presign_seconds()
+        if engine_input.startswith("s3://"):
+            bucket, key = S3Hook.parse_s3_url(engine_input)
+            get_url = self._presign("get_object", bucket, key, expires_in)
+        else:
+            get_url = engine_input
+        bucket, _ = S3Hook.parse_s3_url(self.output_uri)
+        put_url = self._presign("put_object", bucket, staging_key, expires_in)
+        self.log.info("Presigned URLs valid for %ds; the engine writes s3://%s/%s", expires_in, bucket, staging_key)
+        return get_url, put_url
+
+    def presign_seconds(self) -> int:
+        """Seconds the presigned URLs must stay valid: the task's whole time budget."""
+        if self.presign_expires_in is not None:
+            seconds = int(self.presign_expires_in)
+        elif isinstance(self.execution_timeout, timedelta):
+            seconds = int(self.execution_timeout.total_seconds()) + PRESIGN_MARGIN_SECONDS
+        else:
+            seconds = DEFAULT_PRESIGN_SECONDS
+        if not 0 < seconds <= MAX_PRESIGN_SECONDS:
+            raise PresignError(
+                f"Presigned URLs would need to be valid for {seconds}s, but SigV4 allows 1 to "
+                f"{MAX_PRESIGN_SECONDS}s (7 days). Shorten execution_timeout, set presign_expires_in, "
+                "or split the batch into shards."
+            )
+        return seconds
+
+    def run_engine(self, get_url: str, put_url: str) -> EngineRun:
+        """Run the batch runner to completion; raise when it failed."""
+        argv = build_engine_argv(
+            input_location=get_url,
+            output_location=put_url,
+            model=self.model,
+            engine_args=list(self.engine_args or ()),
+            engine_command=self.engine_command,
+            python=self.engine_python or _default_python(),
+        )
+        env = {**os.environ, **{k: str(v) for k, v in (self.engine_env or {}).items()}}
+        self.log.info("Starting the vLLM engine: %s", redact_urls(" ".join(argv)))
+        run = self.engine_hook.run(argv, env=env)
+        self.log.info("vLLM engine exited with code %s after %.1fs", run.returncode, run.duration_s)
+        if run.returncode != 0:
+            how = f"was killed by signal {-run.returncode}" if run.returncode < 0 else f"exited with code {run.returncode}"
+            if run.returncode in (-9, 137):
+                how += " (SIGKILL: out of memory? see the kernel log)"
+            raise EngineError(
+                f"The vLLM engine {how}; nothing was published. Last lines of its log:\n"
+                + "\n".join(run.tail[-15:])
+            )
+        return run
+
+    def check_output(self, report: PreflightReport, work: Path, staging: str, run: EngineRun) -> ResultsReport:
+        """Check that the staged output answers every request exactly once."""
+        bucket, _ = S3Hook.parse_s3_url(self.output_uri)
+        key = f"{staging}/results.jsonl"
+        if not self.s3_hook.check_for_key(key, bucket_name=bucket):
+            raise EngineError(
+                "The vLLM engine exited 0 but its output never reached S3 (its upload failed: see "
+                "'Failed to upload' in the log above). Last lines of its log:\n" + "\n".join(run.tail[-15:])
+            )
+        engine_input = work / "input.jsonl" if report.needs_rewrite else None
+        with (
+            _s3_lines(self.s3_hook, bucket, key) as result_lines,
+            (open_lines(str(engine_input)) if engine_input else self._open_input()) as input_lines,
+            open(work / "engine-errors.jsonl", "wb") as errors,
+        ):
+            results = check_results(result_lines, input_lines, errors_out=errors)
+        self.log.info("Results check:\n%s", results.format())
+        if results.engine_failure:
+            self._delete_prefix(bucket, staging)
+            raise EngineError(
+                "The vLLM engine died during the run although it exited 0: every request came back "
+                f"as an error ({'; '.join(results.sample_errors[:3])}). Nothing was published; look "
+                "for the engine's crash (often out of memory) earlier in this log."
+            )
+        results.raise_for_mismatch()
+        return results
+
+    def publish(
+        self,
+        report: PreflightReport,
+        results: ResultsReport,
+        work: Path,
+        staging: str,
+        run: EngineRun,
+        started: float,
+    ) -> dict[str, Any]:
+        """Move the staged output to ``output_uri``, write the error file, return the manifest."""
+        out_bucket, out_key = S3Hook.parse_s3_url(self.output_uri)
+        err_bucket, err_key = S3Hook.parse_s3_url(self.resolved_error_uri)
+        self.s3_hook.get_conn().copy(
+            {"Bucket": out_bucket, "Key": f"{staging}/results.jsonl"}, out_bucket, out_key
+        )
+        skipped = report.invalid_lines if self.invalid_lines == "skip" else 0
+        failed = results.request_counts["failed"] + skipped
+        error_uri = None
+        if failed:
+            merged = _concat(work / "all-errors.jsonl", work / "preflight-errors.jsonl", work / "engine-errors.jsonl")
+            self.s3_hook.load_file(str(merged), key=err_key, bucket_name=err_bucket, replace=True)
+            error_uri = self.resolved_error_uri
+        elif self.s3_hook.check_for_key(err_key, bucket_name=err_bucket):
+            # A re-run with no failures must not leave an earlier run's error file behind.
+            self.s3_hook.delete_objects(bucket=err_bucket, keys=[err_key])
+        counts = results.request_counts
+        manifest = {
+            "output_uri": self.output_uri,
+            "error_uri": error_uri,
+            "input_uri": self.input_uri,
+            "model": self.model,
+            "request_counts": {
+                "total": counts["total"] + skipped,
+                "completed": counts["completed"],
+                "failed": failed,
+            },
+            "usage": dict(results.usage),
+            "duration_s": round(time.monotonic() - started, 3),
+            "engine_duration_s": round(run.duration_s, 3),
+            "vllm_version": run.vllm_version,
+            "manifest_uri": self.resolved_manifest_uri,
+        }
+        # Written last: its presence says the output and error file beside it are complete.
+        man_bucket, man_key = S3Hook.parse_s3_url(self.resolved_manifest_uri)
+        self.s3_hook.load_string(json.dumps(manifest, indent=2), key=man_key, bucket_name=man_bucket, replace=True)
+        self._delete_prefix(out_bucket, staging)
+        self.log.info("Published %s (%d completed, %d failed)", self.output_uri, counts["completed"], failed)
+        return manifest
+
+    def fail_on_too_many_failures(self, manifest: dict[str, Any], context: Context) -> None:
+        """Fail the task when the failed share exceeds ``max_failed_ratio`` (files stay published)."""
+        counts = manifest["request_counts"]
+        if counts["total"] and counts["failed"] / counts["total"] > self.max_failed_ratio:
+            context["ti"].xcom_push(key="manifest", value=manifest)
+            raise TooManyFailedRequestsError(
+                f"{counts['failed']} of {counts['total']} requests failed, more than max_failed_ratio="
+                f"{self.max_failed_ratio}. The results and the error file are published: "
+                f"{manifest['output_uri']}, {manifest['error_uri']}; the manifest is in XCom key 'manifest'."
+            )
+
+    # -- helpers ---------------------------------------------------------------------
+
+    @property
+    def resolved_error_uri(self) -> str:
+        """``error_uri``, or the output URI with ``.jsonl`` replaced by ``.errors.jsonl``."""
+        return self.error_uri or f"{self._output_stem}.errors.jsonl"
+
+    @property
+    def resolved_manifest_uri(self) -> str:
+        """Where the manifest is written beside the output: ``<output stem>.manifest.json``."""
+        return f"{self._output_stem}.manifest.json"
+
+    @property
+    def _output_stem(self) -> str:
+        return self.output_uri[: -len(".jsonl")] if self.output_uri.endswith(".jsonl") else self.output_uri
+
+    @contextlib.contextmanager
+    def _open_input(self) -> Iterator[Any]:
+        if self.input_uri.startswith("s3://"):
+            bucket, key = S3Hook.parse_s3_url(self.input_uri)
+            with _s3_lines(self.s3_hook, bucket, key) as lines:
+                yield lines
+        else:
+            with open_lines(self.input_uri) as lines:
+                yield lines
+
+    def _presign(self, method: str, bucket: str, key: str, expires_in: int) -> str:
+        url = self.s3_hook.generate_presigned_url(
+            client_method=method, params={"Bucket": bucket, "Key": key}, expires_in=expires_in
+        )
+        if not url:
+            raise PresignError(
+                f"S3Hook could not presign {method} for s3://{bucket}/{key} (connection "
+                f"{self.aws_conn_id!r}); see the error above. Check the connection's credentials and region."
+            )
+        mask_secret(url)
+        return url
+
+    def _delete_prefix(self, bucket: str, prefix: str) -> None:
+        keys = self.s3_hook.list_keys(bucket_name=bucket, prefix=prefix) or []
+        if keys:
+            self.s3_hook.delete_objects(bucket=bucket, keys=keys)
+
+
+def _default_python() -> str:
+    import sys
+
+    return sys.executable
+
+
+@contextlib.contextmanager
+def _maybe_open(path: Path, enabled: bool) -> Iterator[BinaryIO | None]:
+    if not enabled:
+        yield None
+        return
+    with open(path, "wb") as f:
+        yield f
+
+
+@contextlib.contextmanager
+def _s3_lines(hook: S3Hook, bucket: str, key: str) -> Iterator[Any]:
+    body = hook.get_key(key, bucket_name=bucket).get()["Body"]
+    try:
+        with open_lines(body) as lines:
+            yield lines
+    finally:
+        body.close()
+
+
+def _concat(target: Path, *parts: Path) -> Path:
+    with open(target, "wb") as out:
+        for part in parts:
+            if part.exists():
+                with open(part, "rb") as f:
+                    while chunk := f.read(1 << 20):
+                        out.write(chunk)
+    return target

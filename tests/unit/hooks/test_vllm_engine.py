@@ -1,0 +1,143 @@
+"""Unit tests of the engine hook: argv, redaction, the probe, the process group."""
+
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+import time
+
+import pytest
+
+from airflow_vllm_batch.hooks.vllm_engine import (
+    RUN_BATCH_MODULE,
+    VLLMEngineHook,
+    build_engine_argv,
+    expand_url_matchers,
+    probe_engine,
+    redact_urls,
+)
+
+GET = "http://127.0.0.1:8333/b/in%20put.jsonl?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential=AK%2F2026&X-Amz-Signature=abc123"
+PUT = "https://s3.example.com/b/out.jsonl?X-Amz-Expires=3600&X-Amz-Signature=def456"
+
+
+def test_default_argv_runs_the_batch_runner_module_with_this_python():
+    argv = build_engine_argv(input_location=GET, output_location=PUT, model="m", engine_args=["--enforce-eager"])
+    assert argv == [sys.executable, "-m", RUN_BATCH_MODULE, "-i", GET, "-o", PUT, "--model", "m", "--enforce-eager"]
+
+
+def test_engine_python_replaces_the_interpreter():
+    argv = build_engine_argv(input_location="in", output_location="out", model="m", python="/opt/vllm/bin/python")
+    assert argv[:3] == ["/opt/vllm/bin/python", "-m", RUN_BATCH_MODULE]
+
+
+def test_engine_command_replaces_the_whole_prefix():
+    argv = build_engine_argv(
+        input_location="in", output_location="out", model="m", engine_command=["vllm-wrapper", "run-batch"]
+    )
+    assert argv == ["vllm-wrapper", "run-batch", "-i", "in", "-o", "out", "--model", "m"]
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        f"INFO Reading batch from {GET}...",
+        f"INFO Uploading outputs to {PUT}",
+        f"args: Namespace(input_file='{GET}', output_file='{PUT}')",
+        # vLLM sometimes cuts long values with "...": exact-string masking would miss these.
+        "INFO Reading batch from http://h/b/k.jsonl?X-Amz-Algorithm=AWS4&X-Amz-Signature=abc1...",
+        "cut before the url ends X-Amz-Signature=deadbeef and more",
+    ],
+)
+def test_redaction_removes_every_signature(line):
+    redacted = redact_urls(line)
+    for secret in ("abc123", "def456", "abc1", "deadbeef", "AK%2F2026"):
+        assert secret not in redacted
+
+
+def test_redaction_keeps_bucket_and_key_visible():
+    assert redact_urls(f"Reading batch from {GET}...") == "Reading batch from http://127.0.0.1:8333/b/in%20put.jsonl?<redacted>"
+
+
+def test_suffix_matchers_expand_to_the_urls_a_line_may_use():
+    urls = expand_url_matchers(["/v1/chat/completions"], ["/score"])
+    assert urls == {"/v1/chat/completions", "/score", "/v1/score", "/v2/score"}
+
+
+def test_probe_reads_the_installed_vllm_without_importing_it():
+    pytest.importorskip("vllm", reason="needs the engine environment")
+    info = probe_engine(sys.executable)
+    assert info.vllm_version == "0.32.0"
+    assert {"/v1/chat/completions", "/v1/embeddings", "/v1/score", "/v1/rerank"} <= info.supported_urls
+    assert "/v1/completions" not in info.supported_urls  # the 0.32 runner does not serve it
+
+
+def test_probe_of_an_environment_without_vllm_says_what_to_set(tmp_path):
+    from airflow_vllm_batch.exceptions import EngineError
+
+    # -I isolates from site-packages' .pth files but a venv still sees its packages;
+    # a fake python that prints no vLLM stands in for an environment without it.
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/sh\necho \'{"distribution": null, "vllm_version": null}\'\n')
+    fake.chmod(0o755)
+    with pytest.raises(EngineError, match="engine_python"):
+        probe_engine(str(fake))
+
+
+def test_run_streams_lines_redacted_and_returns_the_exit_code():
+    script = f"print('Reading batch from {GET}...'); print('vLLM batch processing API version 9.9.9'); raise SystemExit(3)"
+    lines: list[str] = []
+    run = VLLMEngineHook().run([sys.executable, "-c", script], on_line=lines.append)
+    assert run.returncode == 3
+    assert run.vllm_version == "9.9.9"
+    assert lines[0] == "Reading batch from http://127.0.0.1:8333/b/in%20put.jsonl?<redacted>"
+    assert "abc123" not in "".join(run.tail)
+
+
+def test_terminate_kills_the_whole_process_group_children_included(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    # A parent that ignores SIGTERM and a grandchild, like vLLM's frontend and EngineCore.
+    script = textwrap.dedent(
+        f"""
+        import signal, subprocess, sys, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        open({str(pid_file)!r}, "w").write(str(child.pid))
+        print("ready", flush=True)
+        time.sleep(600)
+        """
+    )
+    hook = VLLMEngineHook(kill_grace_s=1)
+    import threading
+
+    done = threading.Event()
+
+    def run():
+        hook.run([sys.executable, "-c", script], on_line=lambda _: None)
+        done.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    deadline = time.monotonic() + 20
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    leader = hook.process.pid
+    hook.terminate()
+    assert done.wait(10)
+    for pid in (leader, child):
+        deadline = time.monotonic() + 5
+        while _alive(pid):
+            assert time.monotonic() < deadline, f"pid {pid} survived"
+            time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purposes: only its parent's wait() is missing.
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(") ", 1)[1][0] != "Z"

@@ -31,7 +31,8 @@ CPU_ENGINE_ENV = {
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
 }
-CPU_ENGINE_ARGS = "--enforce-eager --max-model-len 512"
+# No --max-model-len: it must fit each model (all-MiniLM allows 256), and both defaults fit in 1 GiB of KV cache.
+CPU_ENGINE_ARGS = "--enforce-eager"
 
 
 def embedded_env(s3: SeaweedFS, chat_model: Path, airflow_home: Path, base: Mapping[str, str] | None = None) -> dict[str, str]:

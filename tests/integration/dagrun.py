@@ -33,6 +33,21 @@ def load_dag(filename: str, attribute: str, retries: int = 0):
     return dag
 
 
+def register_dag(dag) -> None:
+    """Write a DAG defined in a test to the metadata DB, as the DAG processor would.
+
+    ``dag.test()`` runs only DAGs that a bundle's sync has serialized; this one lives in
+    no bundle file, so it is synced on its own under the default bundle's name.
+    """
+    from airflow.dag_processing.bundles.manager import DagBundlesManager
+    from airflow.dag_processing.dagbag import DagBag, sync_bag_to_db
+
+    DagBundlesManager().sync_bundles_to_db()
+    bag = DagBag(dag_folder=os.devnull)
+    bag.bag_dag(dag)
+    sync_bag_to_db(bag, "dags-folder", None)
+
+
 @dataclass
 class DagRunResult:
     """The outcome of one ``dag.test()``: states, XComs, and everything printed meanwhile."""

@@ -1,0 +1,133 @@
+"""VLLMBatchOperator against real S3 and a real engine process: bad input, skips, engine faults."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from datetime import datetime, timezone
+
+import pytest
+
+from airflow_vllm_batch.embedded.demo import BUCKET
+from tests.integration.dagrun import DagRunResult, register_dag, run_dag
+
+pytestmark = pytest.mark.integration
+
+
+def _line(custom_id: str, model: str, **body) -> str:
+    body = {"model": model, "messages": [{"role": "user", "content": "Say hi"}], **body}
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body})
+
+
+def _put(seaweed, key: str, text: str) -> str:
+    seaweed.client().put_object(Bucket=BUCKET, Key=key, Body=text.encode())
+    return f"s3://{BUCKET}/{key}"
+
+
+def _keys(seaweed, prefix: str) -> list[str]:
+    listed = seaweed.client().list_objects_v2(Bucket=BUCKET, Prefix=prefix).get("Contents", [])
+    return sorted(o["Key"][len(prefix) :] for o in listed)
+
+
+def _read(seaweed, key: str) -> list[dict]:
+    body = seaweed.client().get_object(Bucket=BUCKET, Key=key)["Body"].read().decode()
+    return [json.loads(line) for line in body.splitlines() if line.strip()]
+
+
+def _run_operator(name: str, **op_kwargs) -> DagRunResult:
+    from airflow.sdk import DAG
+
+    from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
+
+    with DAG(f"op_{name}", schedule=None, start_date=datetime(2026, 1, 1, tzinfo=timezone.utc)) as dag:
+        VLLMBatchOperator(task_id="vllm_batch", **op_kwargs)
+    register_dag(dag)
+    return run_dag(dag)
+
+
+def test_one_bad_line_fails_in_seconds_naming_the_line_and_starting_no_engine(embedded, airflow_db, tiny_model):
+    model = str(tiny_model)
+    text = "\n".join([_line("a", model), _line("b", model), '{"custom_id": "c", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "' + model + '"}}'])
+    uri = _put(embedded, "bad/input.jsonl", text + "\n")
+    started = time.monotonic()
+    result = _run_operator("bad_line", input_uri=uri, output_uri=f"s3://{BUCKET}/bad/results.jsonl", model=model)
+    elapsed = time.monotonic() - started
+    assert result.state == "failed"
+    assert "line 3 (custom_id 'c')" in result.output
+    assert "messages" in result.output
+    assert "Starting the vLLM engine" not in result.output
+    assert elapsed < 15  # dag.test's own start-up included; the task itself takes well under 5 s
+    assert _keys(embedded, "bad/") == ["input.jsonl"]
+
+
+@pytest.mark.engine
+def test_skip_mode_runs_the_valid_lines_and_files_the_invalid_ones_with_reasons(embedded, airflow_db, tiny_model):
+    model = str(tiny_model)
+    lines = [
+        _line("ok-1", model),
+        '{"custom_id": "broken", "method": "POST", "url": "/v1/chat/completions", "body": ',
+        _line("ok-2", "some-other-name"),  # rewritten to `model`
+        _line("get", model).replace('"POST"', '"GET"'),
+        _line("ok-3", model, max_completion_tokens=3),
+    ]
+    uri = _put(embedded, "skip/input.jsonl", "\n".join(lines))  # no final newline
+    result = _run_operator(
+        "skip",
+        input_uri=uri,
+        output_uri=f"s3://{BUCKET}/skip/results.jsonl",
+        model=model,
+        invalid_lines="skip",
+        rewrite_model=True,
+        default_body={"max_completion_tokens": 5},
+        max_failed_ratio=0.5,
+        engine_args=["--enforce-eager", "--max-model-len", "512"],
+    )
+    assert result.state == "success", result.output[-3000:]
+    manifest = result.xcom("vllm_batch")
+    assert manifest["request_counts"] == {"total": 5, "completed": 3, "failed": 2}
+    assert manifest["error_uri"] == f"s3://{BUCKET}/skip/results.errors.jsonl"
+    results = _read(embedded, "skip/results.jsonl")
+    assert sorted(r["custom_id"] for r in results) == ["ok-1", "ok-2", "ok-3"]
+    tokens = {r["custom_id"]: r["response"]["body"]["usage"]["completion_tokens"] for r in results}
+    assert tokens["ok-3"] <= 3 and tokens["ok-1"] <= 5  # default_body filled only where missing
+    errors = _read(embedded, "skip/results.errors.jsonl")
+    assert len(errors) == 2
+    assert [e["error"]["line"] for e in errors] == [2, 4]
+    assert errors[1]["custom_id"] == "get" and "POST" in errors[1]["error"]["message"]
+    assert "not valid JSON" in errors[0]["error"]["message"]
+    assert _keys(embedded, "skip/") == [
+        "input.jsonl",
+        "results.errors.jsonl",
+        "results.jsonl",
+        "results.manifest.json",
+    ]
+
+
+def test_engine_killed_by_sigkill_fails_the_task_and_publishes_nothing(embedded, airflow_db, tiny_model):
+    uri = _put(embedded, "killed/input.jsonl", _line("a", str(tiny_model)) + "\n")
+    suicide = [sys.executable, "-c", "import os, signal; print('engine up', flush=True); os.kill(os.getpid(), signal.SIGKILL)"]
+    result = _run_operator(
+        "killed",
+        input_uri=uri,
+        output_uri=f"s3://{BUCKET}/killed/results.jsonl",
+        model=str(tiny_model),
+        engine_command=suicide,
+    )
+    assert result.state == "failed"
+    assert "killed by signal 9" in result.output
+    assert _keys(embedded, "killed/") == ["input.jsonl"]
+
+
+def test_engine_that_exits_0_without_output_fails_the_task(embedded, airflow_db, tiny_model):
+    uri = _put(embedded, "silent/input.jsonl", _line("a", str(tiny_model)) + "\n")
+    result = _run_operator(
+        "silent",
+        input_uri=uri,
+        output_uri=f"s3://{BUCKET}/silent/results.jsonl",
+        model=str(tiny_model),
+        engine_command=[sys.executable, "-c", "print('Failed to upload data (attempt 5)')"],
+    )
+    assert result.state == "failed"
+    assert "output never reached S3" in result.output
+    assert _keys(embedded, "silent/") == ["input.jsonl"]

@@ -1,0 +1,162 @@
+"""A compact index of custom_ids: 64-bit hashes and line numbers, not the strings.
+
+A Python ``set`` of a million custom_id strings costs around 100 MB, and any
+structure probed at random per line (a set, a large bitmap, thousands of small
+buckets) misses the CPU caches on every line, which at a few hundred thousand
+lines per second is most of the time budget. So the streaming pass only
+*appends*: each custom_id's hash and line number go to one of 64 partitions
+(``array('q')`` buffers, 16 bytes per line, whose ends stay in cache). The
+comparisons happen once, at the end, one partition at a time (a dict of about
+n/64 entries), so memory stays flat apart from those 16 bytes per line.
+
+The hash is Python's ``hash(str)`` (SipHash, 64-bit on the platforms Airflow
+runs on), salted per process; an index lives within one process, so the salt
+does not matter. Two *different* custom_ids share a hash with probability about
+n²/2⁶⁵ (3·10⁻⁸ for a million lines). The checks can confirm the listed
+findings exactly with a second pass over the file (they read only the lines
+named), which also recovers the custom_id strings for the messages.
+"""
+
+from __future__ import annotations
+
+import heapq
+from array import array
+from collections.abc import Iterator
+
+#: 64 partitions: their 128 array tails stay in cache while streaming, and the
+#: end-of-stream dict of one partition holds ~n/64 entries.
+PARTITION_BITS = 6
+
+
+class CustomIdIndex:
+    """
+    Hashes of custom_ids with the line each was seen on, appended while streaming.
+
+    :param partition_bits: log2 of the number of partitions. Default 6.
+    """
+
+    __slots__ = ("mask", "hashes", "lines")
+
+    def __init__(self, partition_bits: int = PARTITION_BITS) -> None:
+        self.mask = (1 << partition_bits) - 1
+        self.hashes: list[array] = [array("q") for _ in range(self.mask + 1)]
+        self.lines: list[array] = [array("q") for _ in range(self.mask + 1)]
+
+    def __len__(self) -> int:
+        return sum(len(hs) for hs in self.hashes)
+
+    def add(self, custom_id: str, line: int) -> None:
+        """
+        Record ``custom_id`` as seen on ``line`` (hot loops inline this; keep them in step).
+
+        :param custom_id: the custom_id.
+        :param line: its 1-based line number.
+        """
+        h = hash(custom_id)
+        p = h & self.mask
+        self.hashes[p].append(h)
+        self.lines[p].append(line)
+
+    def repeats(self) -> Iterator[tuple[int, int]]:
+        """Yield ``(line, first_line)`` for every entry whose id was already seen on ``first_line``; not in line order."""
+        for p, hs in enumerate(self.hashes):
+            # A set built in C answers "no repeats here" for most partitions.
+            if len(set(hs)) == len(hs):
+                continue
+            first: dict[int, int] = {}
+            for h, line in zip(hs, self.lines[p]):
+                seen = first.setdefault(h, line)
+                if seen != line:
+                    yield line, seen
+
+    def match(self, other: CustomIdIndex) -> Iterator[tuple[str, int, int]]:
+        """
+        Compare this index (e.g. the input's) with ``other`` (e.g. the results').
+
+        Yield ``("missing", line, 0)`` for each id of this index never in ``other``,
+        ``("extra", other_line, 0)`` for each entry of ``other`` not in this index,
+        and ``("repeat", other_line, first_other_line)`` for each entry of ``other``
+        repeating an id already matched. Not in line order.
+
+        :param other: an index built with the same number of partitions, in the same process.
+        """
+        if other.mask != self.mask:
+            raise ValueError("indexes must have the same number of partitions")
+        for p, hs in enumerate(self.hashes):
+            wanted: dict[int, int] = {}
+            for h, line in zip(hs, self.lines[p]):
+                wanted.setdefault(h, line)
+            answered: dict[int, int] = {}
+            for h, line in zip(other.hashes[p], other.lines[p]):
+                if h not in wanted:
+                    yield "extra", line, 0
+                    continue
+                first = answered.setdefault(h, line)
+                if first != line:
+                    yield "repeat", line, first
+            for h, line in wanted.items():
+                if h not in answered:
+                    yield "missing", line, 0
+
+    def memory_bytes(self) -> int:
+        """Return the bytes held by the index's buffers (for benchmarks and logs)."""
+        return sum(a.buffer_info()[1] * a.itemsize for a in self.hashes + self.lines)
+
+
+class FirstN:
+    """
+    Count items and keep the ``limit`` smallest, in bounded memory.
+
+    :param limit: how many to keep.
+    """
+
+    __slots__ = ("limit", "count", "_heap")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.count = 0
+        self._heap: list = []  # max-heap by negated key, holding the smallest items
+
+    def add(self, item: tuple) -> None:
+        """Count ``item`` and keep it if it is among the ``limit`` smallest so far."""
+        self.count += 1
+        if self.limit <= 0:
+            return
+        entry = (-item[0], item)
+        if len(self._heap) < self.limit:
+            heapq.heappush(self._heap, entry)
+        elif entry > self._heap[0]:
+            heapq.heapreplace(self._heap, entry)
+
+    def items(self) -> list:
+        """Return the kept items, sorted."""
+        return sorted(entry[1] for entry in self._heap)
+
+
+def hash_partitions(partition_bits: int = PARTITION_BITS) -> list[array]:
+    """
+    Return empty partitions for bare hashes (no line numbers): the cheapest record a hot loop can keep.
+
+    Append ``h`` to ``parts[h & (len(parts) - 1)]``; find repeats afterwards with
+    :func:`repeated_hashes` and locate them with a second pass.
+
+    :param partition_bits: log2 of the number of partitions. Default 6.
+    """
+    return [array("q") for _ in range(1 << partition_bits)]
+
+
+def repeated_hashes(parts: list[array]) -> dict[int, int]:
+    """
+    Return ``{hash: times seen}`` for every hash seen more than once, one partition at a time.
+
+    :param parts: partitions filled as :func:`hash_partitions` describes.
+    """
+    found: dict[int, int] = {}
+    for hs in parts:
+        if len(set(hs)) == len(hs):
+            continue
+        counts: dict[int, int] = {}
+        for h in hs:
+            counts[h] = counts.get(h, 0) + 1
+        found.update((h, n) for h, n in counts.items() if n > 1)
+    return found

@@ -1,0 +1,326 @@
+"""msgspec models of one line of an OpenAI-format batch file, as vLLM 0.32 reads and writes it.
+
+The models are deliberately *narrow*: they name only the fields this package
+checks or counts. msgspec skips every other field without building Python
+objects for it, which is what makes validating a million lines take seconds.
+vLLM's own pydantic models (``vllm.entrypoints.launchers.run_batch``) remain the
+authority on everything else in a request body.
+
+Request line (input)::
+
+    {"custom_id": "request-1", "method": "POST", "url": "/v1/chat/completions",
+     "body": {"model": "...", "messages": [{"role": "user", "content": "..."}]}}
+
+Result line (output), current shape written by vLLM 0.32::
+
+    {"id": "vllm-...", "custom_id": "request-1",
+     "response": {"status_code": 200, "request_id": "vllm-batch-...", "body": {...}},
+     "error": null}
+
+and the older shape in vLLM's early documentation, where ``response`` is the
+completion itself (``{"id", "object", "choices", "usage", ...}``). ``error`` is
+``null``, a string (vLLM's own request errors, e.g. an unsupported URL) or an
+object (vLLM's ``ErrorResponse``: ``{"error": {"message", "type", "param", "code"}}``).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+#: The endpoints ``vllm run-batch`` 0.32 serves for text models
+#: (``build_endpoint_registry`` in ``vllm/entrypoints/launchers/run_batch.py``).
+#: vLLM also matches any URL *ending* in ``/score`` or ``/rerank`` and serves
+#: ``/v1/audio/transcriptions`` and ``/v1/audio/translations``; which of them a
+#: given model supports is for the caller to ask the engine.
+DEFAULT_SUPPORTED_URLS: frozenset[str] = frozenset(
+    {"/v1/chat/completions", "/v1/embeddings", "/v1/score", "/v1/rerank"}
+)
+
+NonEmptyStr = Annotated[str, msgspec.Meta(min_length=1)]
+
+
+# -- request lines -------------------------------------------------------------------
+
+
+# gc=False on every model: decoded lines never form reference cycles, and
+# structs the garbage collector does not track decode about 20% faster.
+
+
+class RequestLine(msgspec.Struct, gc=False):
+    """The envelope of one request; ``body`` is kept as raw JSON, to be decoded per ``url``."""
+
+    custom_id: NonEmptyStr
+    method: Literal["POST"]
+    url: str
+    body: msgspec.Raw
+
+
+class CustomIdOnly(msgspec.Struct, gc=False):
+    """Just the ``custom_id`` of a request line, for matching results to requests."""
+
+    custom_id: Any = None
+
+
+class ChatMessage(msgspec.Struct, gc=False):
+    """One chat message; only its ``role`` is checked."""
+
+    role: str
+
+
+class RequestBody(msgspec.Struct, gc=False):
+    """Fields every body may carry and preflight checks."""
+
+    model: str | None = None
+    stream: bool | None = None
+
+
+class ChatBody(RequestBody, kw_only=True):
+    """Body of ``/v1/chat/completions``."""
+
+    messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
+
+
+class EmbeddingsBody(RequestBody):
+    """Body of ``/v1/embeddings``: ``input`` (text or tokens), or chat-style ``messages``."""
+
+    input: str | list | msgspec.UnsetType = msgspec.UNSET
+    messages: list | msgspec.UnsetType = msgspec.UNSET
+
+
+class ScoreBody(RequestBody):
+    """Body of ``/v1/score``: one of vLLM 0.32's four pairs of fields."""
+
+    text_1: Any = msgspec.UNSET
+    text_2: Any = msgspec.UNSET
+    queries: Any = msgspec.UNSET
+    documents: Any = msgspec.UNSET
+    items: Any = msgspec.UNSET
+    data_1: Any = msgspec.UNSET
+    data_2: Any = msgspec.UNSET
+
+
+class RerankBody(RequestBody):
+    """Body of ``/v1/rerank``."""
+
+    query: Any = msgspec.UNSET
+    documents: Any = msgspec.UNSET
+
+
+#: The pairs of fields vLLM 0.32's ``ScoreRequest`` union accepts, in its order.
+SCORE_FIELD_PAIRS: tuple[tuple[str, str], ...] = (
+    ("queries", "documents"),
+    ("queries", "items"),
+    ("data_1", "data_2"),
+    ("text_1", "text_2"),
+)
+
+
+def chat_body_complete(body: ChatBody) -> bool:
+    """Return True: the struct itself requires a non-empty ``messages``."""
+    return True
+
+
+def embeddings_body_complete(body: EmbeddingsBody) -> bool:
+    """Return whether the body has ``input`` or ``messages``."""
+    return body.input is not msgspec.UNSET or body.messages is not msgspec.UNSET
+
+
+def score_body_complete(body: ScoreBody) -> bool:
+    """Return whether the body has one complete pair of score fields."""
+    unset = msgspec.UNSET
+    return any(
+        getattr(body, first) is not unset and getattr(body, second) is not unset
+        for first, second in SCORE_FIELD_PAIRS
+    )
+
+
+def rerank_body_complete(body: RerankBody) -> bool:
+    """Return whether the body has ``query`` and ``documents``."""
+    return body.query is not msgspec.UNSET and body.documents is not msgspec.UNSET
+
+
+#: url -> (body struct, completeness check, human description of what the body needs).
+BODY_SPECS: dict[str, tuple[type[RequestBody], Any, str]] = {
+    "/v1/chat/completions": (
+        ChatBody,
+        None,
+        '"messages": a non-empty list of objects, each with a "role"',
+    ),
+    "/v1/embeddings": (
+        EmbeddingsBody,
+        embeddings_body_complete,
+        '"input" (a string or a list) or "messages"',
+    ),
+    "/v1/score": (
+        ScoreBody,
+        score_body_complete,
+        '"text_1" and "text_2" (or "queries" and "documents", "queries" and "items", '
+        '"data_1" and "data_2")',
+    ),
+    "/v1/rerank": (
+        RerankBody,
+        rerank_body_complete,
+        '"query" and "documents"',
+    ),
+}
+
+
+class LineKey(msgspec.Struct, gc=False):
+    """The ``custom_id`` and ``url`` of a request line, for locating repeats in a second pass."""
+
+    custom_id: Any = None
+    url: Any = None
+
+
+def request_struct(body: type[RequestBody], url: str | None = None, model: str | None = None) -> type[msgspec.Struct]:
+    """
+    Return a request-line model whose ``body`` is decoded as ``body``.
+
+    Decoding a whole line with it is one pass, about twice as fast as the
+    envelope (:class:`RequestLine`) followed by the body. With ``url`` and
+    ``model``, the model is *strict*: it only accepts that URL, that
+    ``body.model`` and a ``body.stream`` that is not true, so that a valid
+    line needs no check in Python (msgspec fails fast on anything else).
+
+    :param body: the body model for the line's URL.
+    :param url: the only URL accepted, or ``None`` for any string.
+    :param model: the only ``body.model`` accepted, or ``None`` for any (or none).
+    """
+    if model is not None:
+        body = msgspec.defstruct(
+            f"{body.__name__}Strict",
+            [("model", Literal[model]), ("stream", Literal[False] | None, None)],
+            bases=(body,),
+            kw_only=True,
+            gc=False,
+        )
+    return msgspec.defstruct(
+        f"{body.__name__}Request",
+        [
+            ("custom_id", NonEmptyStr),
+            ("method", Literal["POST"]),
+            ("url", str if url is None else Literal[url]),
+            ("body", body),
+        ],
+        gc=False,
+    )
+
+
+def body_spec_for(url: str) -> tuple[type[RequestBody], Any, str]:
+    """
+    Return the body model for a URL, following vLLM's matching rules.
+
+    vLLM routes any URL ending in ``/score`` or ``/rerank`` to the scoring
+    handlers; an unknown URL gets the most lenient model (only model/stream).
+
+    :param url: the request line's ``url``.
+    """
+    spec = BODY_SPECS.get(url)
+    if spec is not None:
+        return spec
+    if url.endswith("/score"):
+        return BODY_SPECS["/v1/score"]
+    if url.endswith("/rerank"):
+        return BODY_SPECS["/v1/rerank"]
+    return (RequestBody, None, "an object")
+
+
+# -- result lines --------------------------------------------------------------------
+
+
+class Usage(msgspec.Struct, gc=False):
+    """Token usage of one response; vLLM may leave a count out or null."""
+
+    prompt_tokens: int | None = 0
+    completion_tokens: int | None = 0
+    total_tokens: int | None = 0
+
+
+class DataItem(msgspec.Struct, gc=False):
+    """One element of a list response (an embedding, a score); only its type is read."""
+
+    object: str | None = None
+
+
+class ResponseBody(msgspec.Struct, gc=False):
+    """The fields of a response body that are counted."""
+
+    object: str | None = None
+    usage: Usage | None = None
+    data: list[DataItem] | None = None
+    # Raw cannot sit in a union with None; an empty Raw means "absent".
+    results: msgspec.Raw = msgspec.Raw()
+
+
+class ResultResponse(msgspec.Struct, gc=False):
+    """``response`` of a result line, in either shape.
+
+    Current shape: ``status_code``, ``request_id``, ``body``. Older shape: the
+    completion itself, so ``object`` and ``usage`` sit at this level.
+    """
+
+    status_code: int | None = None
+    request_id: str | None = None
+    body: ResponseBody | None = None
+    object: str | None = None
+    usage: Usage | None = None
+    data: list[DataItem] | None = None
+    # Raw cannot sit in a union with None; an empty Raw means "absent".
+    results: msgspec.Raw = msgspec.Raw()
+
+
+class ResultLine(msgspec.Struct, gc=False):
+    """One line of vLLM's batch output (or of preflight's errors file, where custom_id may be null)."""
+
+    custom_id: str | None = None
+    id: str | None = None
+    response: ResultResponse | None = None
+    error: Any = None
+
+
+def object_type(body: ResponseBody | ResultResponse | None) -> str | None:
+    """
+    Return a short name for the kind of response: ``chat.completion``, ``embedding``, ``score``, ``rerank``...
+
+    A list response (``"object": "list"``) is named after its first element.
+
+    :param body: the decoded response body (or the old-shape response).
+    """
+    if body is None:
+        return None
+    kind = body.object
+    if kind == "list" and body.data:
+        kind = body.data[0].object or kind
+    elif kind is None and len(body.results):
+        kind = "rerank"
+    return kind
+
+
+#: Response object type -> the endpoint that produces it, for per-endpoint counts.
+OBJECT_TO_URL: dict[str, str] = {
+    "chat.completion": "/v1/chat/completions",
+    "embedding": "/v1/embeddings",
+    "score": "/v1/score",
+    "rerank": "/v1/rerank",
+}
+
+
+def error_message(error: Any) -> str | None:
+    """
+    Return the human message of a result line's ``error``, whatever its shape.
+
+    :param error: ``None``, a string, ``{"message": ...}`` or ``{"error": {"message": ...}}``.
+    """
+    if error is None:
+        return None
+    if isinstance(error, str):
+        return error
+    if isinstance(error, dict):
+        inner = error.get("error")
+        if isinstance(inner, dict) and isinstance(inner.get("message"), str):
+            return inner["message"]
+        if isinstance(error.get("message"), str):
+            return error["message"]
+    return msgspec.json.encode(error).decode("utf-8", "replace")

@@ -1,0 +1,768 @@
+"""Preflight: stream-check a batch input file before any GPU time is spent on it.
+
+vLLM 0.32's ``run-batch`` reads the whole input, and one line it cannot parse
+makes it exit with a traceback after the model has loaded; a wrong model name
+or URL turns every line into an error result. :func:`preflight` finds those
+problems first, in one pass, in bounded memory, at several hundred thousand
+lines per second.
+
+What a line must be (checks in order; the first failure is the line's problem):
+
+1. at most ``max_line_bytes`` bytes; valid UTF-8 without a byte order mark
+   (a BOM is rejected rather than stripped: vLLM would crash on it, and the
+   fix, saving without BOM, is one click);
+2. one JSON object (``\\r\\n`` endings are fine: the ``\\r`` is JSON whitespace);
+3. ``custom_id``: a non-empty string, unique in the file;
+4. ``method``: ``"POST"``; ``url``: one of ``supported_urls``;
+5. ``body``: an object that fits its URL (chat: ``messages``, a non-empty list
+   of objects with a ``role``; embeddings: ``input`` or ``messages``; score:
+   ``text_1``/``text_2`` or vLLM's ``queries``/``documents``, ``queries``/``items``,
+   ``data_1``/``data_2``; rerank: ``query`` and ``documents``);
+6. ``body.stream`` not true;
+7. ``body.model``: a string, the same on every line (and equal to ``model``
+   when given, unless ``rewrite_model``).
+
+Blank (whitespace-only) lines are skipped and not counted; line numbers are
+physical line numbers, as an editor shows them.
+
+Repeated custom_ids are found after the pass (see
+:mod:`~airflow_vllm_batch.batchfile.index`): with ``reread`` (a callable that
+opens the file again) a second pass confirms them exactly and names the repeat
+line, its first line and the id; without it they are counted as one file-level
+problem. A repeat fails the file in both modes: results are matched by
+custom_id, and which of the two requests is meant is ambiguous.
+
+The cleaned copy (``cleaned_out``) holds every valid line, newline-terminated,
+with its bytes as read, except lines whose ``body.model`` is rewritten or that
+get ``default_body`` fields: those are re-encoded (compact JSON, key order kept,
+new keys appended to ``body``).
+
+In ``skip`` mode each invalid line is written to ``errors_out`` as a result-like
+line (the shape of vLLM's own error lines, so one reader handles both)::
+
+    {"id": null, "custom_id": "request-7" | null,
+     "response": {"status_code": 400, "request_id": null, "body": null},
+     "error": {"code": "invalid_request", "message": "<what is wrong — how to fix>", "line": 7}}
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import IO, Any, ContextManager, Literal
+
+import msgspec
+
+from airflow_vllm_batch.batchfile.index import FirstN, hash_partitions, repeated_hashes
+from airflow_vllm_batch.batchfile.models import (
+    DEFAULT_SUPPORTED_URLS,
+    CustomIdOnly,
+    LineKey,
+    RequestLine,
+    body_spec_for,
+    request_struct,
+)
+from airflow_vllm_batch.batchfile.problems import Problem, format_problem_list, short_custom_id
+from airflow_vllm_batch.exceptions import PreflightError
+
+#: A request line longer than this is refused by default: real chat requests are
+#: a few KiB, and a single huge line is more likely a file without newlines.
+DEFAULT_MAX_LINE_BYTES = 1_000_000
+DEFAULT_MAX_PROBLEMS_LISTED = 50
+
+_BOM = b"\xef\xbb\xbf"
+# ValidationError subclasses DecodeError; msgspec raises UnicodeDecodeError for
+# bad UTF-8 inside a string it decodes; KeyError is an unsupported URL.
+_DECODE_ERRORS = (msgspec.DecodeError, UnicodeDecodeError, KeyError)
+_UNSET = msgspec.UNSET
+# Keys that default_body may not fill: they are checked, not defaulted.
+_RESERVED_DEFAULT_KEYS = frozenset({"model", "stream"})
+
+
+@dataclass(frozen=True)
+class PreflightOptions:
+    """
+    What a valid input file is, and what to do with invalid lines.
+
+    :param supported_urls: URLs the engine serves; ask the engine rather than
+        hard-coding. Default: chat completions, embeddings, score, rerank.
+    :param model: the model every line must name in ``body.model``; ``None`` (default)
+        only requires one model across the file.
+    :param rewrite_model: when True, ``body.model`` is set to ``model`` in the
+        cleaned copy instead of being checked. Needs ``model``. Default False.
+    :param default_body: fields added to every body that lacks them, in the
+        cleaned copy (e.g. ``{"max_completion_tokens": 512}``). May not hold
+        ``model`` or ``stream``. Default empty.
+    :param invalid_lines: ``"fail"`` (default): any invalid line fails the file;
+        ``"skip"``: invalid lines are left out of the cleaned copy and written to
+        ``errors_out``.
+    :param max_lines: most requests a file may hold; more is a file-level problem
+        and reading stops. Default ``None`` (no limit).
+    :param max_line_bytes: longest line accepted, in bytes. Default 1,000,000.
+    :param max_problems_listed: problems kept in the report (all are counted). Default 50.
+    """
+
+    supported_urls: frozenset[str] = DEFAULT_SUPPORTED_URLS
+    model: str | None = None
+    rewrite_model: bool = False
+    default_body: Mapping[str, Any] = field(default_factory=dict)
+    invalid_lines: Literal["fail", "skip"] = "fail"
+    max_lines: int | None = None
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
+    max_problems_listed: int = DEFAULT_MAX_PROBLEMS_LISTED
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "supported_urls", frozenset(self.supported_urls))
+        object.__setattr__(self, "default_body", dict(self.default_body or {}))
+        if self.invalid_lines not in ("fail", "skip"):
+            raise ValueError(f"invalid_lines must be 'fail' or 'skip', not {self.invalid_lines!r}")
+        if self.rewrite_model and not self.model:
+            raise ValueError("rewrite_model=True needs model= (the name to write into every body)")
+        reserved = _RESERVED_DEFAULT_KEYS.intersection(self.default_body)
+        if reserved:
+            raise ValueError(
+                f"default_body may not set {sorted(reserved)}: use model= (with rewrite_model=True) "
+                "for the model; batch requests never stream"
+            )
+        if self.max_line_bytes < 1:
+            raise ValueError("max_line_bytes must be positive")
+        if not self.supported_urls:
+            raise ValueError("supported_urls is empty: no request could ever be valid")
+
+
+@dataclass
+class PreflightReport:
+    """
+    What preflight found in one input file.
+
+    :param source: printable name of the file (no presigned query string).
+    :param mode: the ``invalid_lines`` mode it ran with.
+    """
+
+    source: str | None = None
+    mode: str = "fail"
+    total_lines: int = 0
+    valid_lines: int = 0
+    invalid_lines: int = 0
+    blank_lines: int = 0
+    rewritten_lines: int = 0
+    url_counts: dict[str, int] = field(default_factory=dict)
+    models: dict[str, int] = field(default_factory=dict)
+    problems: list[Problem] = field(default_factory=list)
+    problem_count: int = 0
+    file_problems: list[Problem] = field(default_factory=list)
+    stopped_early: bool = False
+
+    @property
+    def ok(self) -> bool:
+        """True when no problem at all was found."""
+        return self.problem_count == 0
+
+    @property
+    def needs_rewrite(self) -> bool:
+        """True when the cleaned copy differs from the input (lines skipped or rewritten)."""
+        return self.invalid_lines > 0 or self.rewritten_lines > 0
+
+    @property
+    def runnable(self) -> bool:
+        """True when the engine can be started: ``ok`` in fail mode; some valid line and no file-level problem in skip mode."""
+        if self.mode == "skip":
+            return not self.file_problems and self.valid_lines > 0
+        return self.ok
+
+    @property
+    def model(self) -> str | None:
+        """The model most lines name (the only one, in a clean file)."""
+        if not self.models:
+            return None
+        return max(self.models.items(), key=lambda item: item[1])[0]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the report as a JSON-ready dict."""
+        return {
+            "source": self.source,
+            "ok": self.ok,
+            "runnable": self.runnable,
+            "mode": self.mode,
+            "total_lines": self.total_lines,
+            "valid_lines": self.valid_lines,
+            "invalid_lines": self.invalid_lines,
+            "blank_lines": self.blank_lines,
+            "rewritten_lines": self.rewritten_lines,
+            "needs_rewrite": self.needs_rewrite,
+            "url_counts": dict(self.url_counts),
+            "models": dict(self.models),
+            "problem_count": self.problem_count,
+            "problems": [p.to_dict() for p in self.problems],
+            "stopped_early": self.stopped_early,
+        }
+
+    def summary(self) -> str:
+        """Return the one-line count summary."""
+        text = (
+            f"{self.total_lines} requests: {self.valid_lines} valid, {self.invalid_lines} invalid"
+        )
+        if self.rewritten_lines:
+            text += f", {self.rewritten_lines} rewritten"
+        return text
+
+    def format(self) -> str:
+        """Return a multi-line text report for task logs."""
+        name = self.source or "batch file"
+        head = "OK" if self.ok else f"{self.problem_count} problem(s)"
+        out = [f"Preflight of {name}: {head}", f"  {self.summary()}"]
+        if self.url_counts:
+            out.append("  per url: " + ", ".join(f"{u}={n}" for u, n in sorted(self.url_counts.items())))
+        if self.models:
+            out.append("  models: " + ", ".join(f"{m}={n}" for m, n in self.models.items()))
+        out.extend(format_problem_list(self.problems, self.problem_count))
+        return "\n".join(out)
+
+    def raise_for_problems(self, source_name: str | None = None) -> None:
+        """
+        Raise :class:`PreflightError` unless the file can run as configured (see :attr:`runnable`).
+
+        :param source_name: name used in the message; default the report's ``source``.
+        """
+        if self.runnable:
+            return
+        name = source_name or self.source or "batch file"
+        lines = [f"{name} failed preflight: {self.summary()}, {self.problem_count} problem(s)."]
+        lines.extend(format_problem_list(self.problems, self.problem_count))
+        lines.append(
+            "Fix the lines above and upload the file again"
+            + ("" if self.mode == "skip" else ", or run with invalid_lines='skip' to leave them out")
+            + "."
+        )
+        raise PreflightError("\n".join(lines), report=self)
+
+
+def preflight(
+    lines: Iterable[bytes],
+    options: PreflightOptions | None = None,
+    cleaned_out: IO[bytes] | None = None,
+    errors_out: IO[bytes] | None = None,
+    *,
+    source: str | None = None,
+    reread: Callable[[], ContextManager[Iterable[bytes]]] | None = None,
+) -> PreflightReport:
+    """
+    Check every line of a batch input file in one streaming pass.
+
+    :param lines: raw lines as ``bytes`` (with or without their ``\\n``), e.g. from :func:`open_lines`.
+    :param options: what to check; default :class:`PreflightOptions()`.
+    :param cleaned_out: binary writable; receives every valid line (see the module docs).
+    :param errors_out: binary writable; in ``skip`` mode receives one error line per invalid line.
+    :param source: printable name of the file, for the report.
+    :param reread: optional callable opening the same file again, e.g.
+        ``lambda: open_lines(path)``; used only when custom_ids repeat, to confirm the
+        listed repeats exactly and name their custom_ids (without it, repeats are
+        found by 64-bit hash and named by line numbers only).
+    """
+    opts = options or PreflightOptions()
+    report = PreflightReport(source=source, mode=opts.invalid_lines)
+    checker = _Checker(opts, report, errors_out)
+    checker.run(lines, cleaned_out)
+    checker.finish(reread)
+    return report
+
+
+class _Checker:
+    """The state of one preflight pass: a fast loop (:meth:`run`) and a slow path for everything unusual."""
+
+    def __init__(self, opts: PreflightOptions, report: PreflightReport, errors_out: IO[bytes] | None) -> None:
+        self.opts = opts
+        self.report = report
+        self.errors_out = errors_out if opts.invalid_lines == "skip" else None
+        self.expected_model: str | None = opts.model
+        self.first_model_line = 0
+        self.default_items = list(opts.default_body.items())
+        self.decode_envelope = msgspec.json.Decoder(RequestLine).decode
+        # Lenient decoders (any model, any stream) for the slow path; strict ones
+        # (only this URL, this model, no stream) once the model is known.
+        self.lenient = {url: self._line_decoder(url, None) for url in opts.supported_urls}
+        self.strict: dict[str, tuple[Any, Any, list[tuple[str, str]]]] = {}
+        if self.expected_model is not None:
+            self.strict = {url: self._line_decoder(url, self.expected_model) for url in opts.supported_urls}
+        self.parts = hash_partitions()
+        self.invalid_line_numbers = array("q")
+        self.write: Any = None
+        # The loop's current decoder: the strict one of the last valid line's URL.
+        self.url: str | None = None
+        self.decode: Any = _to_slow_path
+        self.complete: Any = None
+        self.default_attrs: list[tuple[str, str]] = []
+        self.limit = opts.max_lines if opts.max_lines is not None else sys.maxsize
+        self.stopped = False
+        self.blank = 0
+        self.rewritten = 0
+        self.model_changed = 0
+        # Valid lines per URL are counted per run of lines decoded with one URL's
+        # decoder ("segment"), so the fast path keeps no counters.
+        self.url_counts: dict[str, int] = {}
+        self.seg_start = 1
+        self.seg_skip = 0
+
+    def _line_decoder(self, url: str, model: str | None) -> tuple[Any, Any, list[tuple[str, str]]]:
+        """Build a whole-line decoder for ``url`` (strict when ``model`` is given); default_body keys become extra optional body fields."""
+        struct, complete, _ = body_spec_for(url)
+        default_attrs: list[tuple[str, str]] = []
+        if self.default_items:
+            extra, rename = [], {}
+            for i, (key, _value) in enumerate(self.default_items):
+                if key in struct.__struct_fields__:
+                    default_attrs.append((key, key))
+                    continue
+                attr = f"_default_{i}"
+                extra.append((attr, Any, _UNSET))
+                rename[attr] = key
+                default_attrs.append((key, attr))
+            if extra:
+                struct = msgspec.defstruct(
+                    f"{struct.__name__}WithDefaults",
+                    extra,
+                    bases=(struct,),
+                    rename=rename,
+                    kw_only=True,
+                    gc=False,
+                )
+        line_struct = request_struct(struct, url if model is not None else None, model)
+        return msgspec.json.Decoder(line_struct).decode, complete, default_attrs
+
+    # -- the hot loop ------------------------------------------------------------
+    # A valid line costs one msgspec decode (which checks the URL, the model and
+    # stream too) and a handful of bytecodes; each bytecode statement costs about
+    # as much as decoding 50 bytes, so everything else goes to slow_line().
+
+    def run(self, lines: Iterable[bytes], cleaned_out: IO[bytes] | None) -> None:
+        """Check every line; fill the report (custom_id repeats are found afterwards, by :meth:`finish`)."""
+        max_bytes = self.opts.max_line_bytes
+        has_defaults = bool(self.default_items)
+        write = self.write = cleaned_out.write if cleaned_out is not None else None
+        slow_line = self.slow_line
+        parts = self.parts
+        mask = len(parts) - 1
+        decode, complete, limit = self.decode, self.complete, self.limit
+        lineno = 0
+
+        for raw in lines:
+            lineno += 1
+            try:
+                req = decode(raw)
+            except _DECODE_ERRORS:
+                req = None
+            if req is None or lineno > limit or len(raw) > max_bytes or (
+                complete is not None and not complete(req.body)
+            ):
+                slow_line(raw, lineno)
+                if self.stopped:
+                    break
+                decode, complete, limit = self.decode, self.complete, self.limit
+                continue
+            if not raw.isascii():
+                try:
+                    raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    slow_line(raw, lineno)
+                    continue
+            h = hash(req.custom_id)
+            parts[h & mask].append(h)
+            if has_defaults:
+                raw = self.fill_defaults(raw, req.body)
+            if write is not None:
+                write(raw + b"\n")
+
+        self.close_segment(lineno + 1 if not self.stopped else lineno)
+        report = self.report
+        report.total_lines = lineno - self.blank - (1 if self.stopped else 0)
+        report.blank_lines = self.blank
+        report.valid_lines = sum(self.url_counts.values())
+        report.url_counts = self.url_counts
+        report.rewritten_lines = self.rewritten
+        expected = self.expected_model
+        same_model = report.valid_lines - self.model_changed
+        if expected is not None and same_model > 0:
+            report.models = {expected: same_model, **report.models}
+
+    def slow_line(self, raw: bytes, lineno: int) -> None:
+        """Handle any line the fast path did not: blank, invalid, another URL, a model to rewrite."""
+        if not raw or raw.isspace():
+            self.blank += 1
+            self.limit += 1
+            self.seg_skip += 1
+            return
+        if lineno > self.limit:
+            self.too_many_lines(lineno)
+            return
+        if len(raw) > self.opts.max_line_bytes:
+            self.invalid(lineno, None, self.too_long_message(len(raw)))
+            return
+        try:
+            raw.decode("utf-8")
+            url = self.decode_envelope(raw).url
+            decode, complete, default_attrs = self.lenient[url]
+            req = decode(raw)
+        except _DECODE_ERRORS:
+            self.invalid(lineno, *self.diagnose(raw, lineno))
+            return
+        body = req.body
+        if body.stream or (complete is not None and not complete(body)):
+            self.invalid(lineno, *self.diagnose(raw, lineno))
+            return
+        model = body.model
+        change_model = False
+        if self.expected_model is None:
+            if model is None:
+                self.invalid(lineno, *self.diagnose(raw, lineno))
+                return
+            # The first line that names a model sets the model of the file.
+            self.expected_model = model
+            self.first_model_line = lineno
+            self.strict = {u: self._line_decoder(u, model) for u in self.opts.supported_urls}
+        elif model != self.expected_model:
+            self.count_model(model)
+            if not self.opts.rewrite_model:
+                self.invalid(lineno, *self.diagnose(raw, lineno))
+                return
+            change_model = True
+        if url != self.url:
+            self.close_segment(lineno)
+            self.url = url
+            self.decode, self.complete, self.default_attrs = self.strict[url]
+        h = hash(req.custom_id)
+        self.parts[h & (len(self.parts) - 1)].append(h)
+        missing = [k for k, attr in default_attrs if getattr(body, attr) in (_UNSET, None)]
+        if change_model or missing:
+            raw = self.rewrite(raw, self.expected_model if change_model else None, missing)
+            self.rewritten += 1
+            self.model_changed += change_model
+        if self.write is not None:
+            self.write(raw + b"\n")
+
+    def close_segment(self, end: int) -> None:
+        """Count the valid lines of the run of lines before ``end`` that used one URL's decoder."""
+        if self.url is not None:
+            count = end - self.seg_start - self.seg_skip
+            self.url_counts[self.url] = self.url_counts.get(self.url, 0) + count
+        self.seg_start = end
+        self.seg_skip = 0
+
+    def fill_defaults(self, raw: bytes, body: Any) -> bytes:
+        """Return the line with the default_body fields it lacks added (unchanged when it lacks none)."""
+        missing = [k for k, attr in self.default_attrs if getattr(body, attr) in (_UNSET, None)]
+        if not missing:
+            return raw
+        self.rewritten += 1
+        return self.rewrite(raw, None, missing)
+
+    def finish(self, reread: Callable[[], ContextManager[Iterable[bytes]]] | None) -> None:
+        """Find repeated custom_ids, locate them with a second pass when possible, then file-level problems."""
+        opts = self.opts
+        report = self.report
+        repeated = repeated_hashes(self.parts)
+        self.parts = []
+        if repeated:
+            if reread is not None:
+                self.locate_repeats(repeated, reread)
+            else:
+                count = sum(n - 1 for n in repeated.values())
+                self.count_repeats(count, listed=False)
+                if len(report.url_counts) == 1:
+                    for url in report.url_counts:
+                        report.url_counts[url] -= count
+                self.file_problem(
+                    f"{count} request(s) repeat an earlier custom_id — give every request a unique custom_id "
+                    "(run `airflow-vllm-batch validate` on the file to list them)"
+                )
+        if report.total_lines == 0 and not report.stopped_early:
+            self.file_problem("the file has no requests — check that the right file was uploaded")
+        elif opts.invalid_lines == "skip" and report.valid_lines <= 0 and report.total_lines:
+            self.file_problem("no valid request is left after skipping invalid lines — fix the file")
+
+    def locate_repeats(
+        self, repeated: dict[int, int], reread: Callable[[], ContextManager[Iterable[bytes]]]
+    ) -> None:
+        """Second pass: name each repeat's line and first line, comparing the custom_id strings exactly."""
+        decode = msgspec.json.Decoder(LineKey).decode
+        skip = set(self.invalid_line_numbers)
+        first_seen: dict[str, int] = {}
+        found = FirstN(self.opts.max_problems_listed)
+        with reread() as lines:
+            for lineno, raw in enumerate(lines, start=1):
+                if lineno in skip:
+                    continue
+                try:
+                    key = decode(raw)
+                except (msgspec.DecodeError, UnicodeDecodeError):
+                    continue
+                cid = key.custom_id
+                if cid.__class__ is not str or hash(cid) not in repeated:
+                    continue
+                first = first_seen.setdefault(cid, lineno)
+                if first != lineno:
+                    found.add((lineno, first, cid))
+                    if key.url in self.report.url_counts:
+                        self.report.url_counts[key.url] -= 1
+        if not found.count:
+            return  # only 64-bit collisions between different ids
+        self.count_repeats(found.count)
+        problems = []
+        for line, first, cid in found.items():
+            message = f"custom_id repeats the one on line {first} — give every request a unique custom_id"
+            problems.append(Problem(line, short_custom_id(cid), message))
+            if self.errors_out is not None:
+                self.errors_out.write(error_line(line, short_custom_id(cid), message))
+        merged = sorted(self.report.problems + problems, key=lambda p: p.line)
+        self.report.problems = merged[: self.opts.max_problems_listed]
+        if self.opts.invalid_lines == "skip":
+            self.file_problem(
+                f"{found.count} request(s) repeat an earlier custom_id; repeats are not skipped, because "
+                "results are matched by custom_id and which request is meant is ambiguous — "
+                "make every custom_id unique"
+            )
+
+    def count_repeats(self, count: int, listed: bool = True) -> None:
+        """Move ``count`` lines from valid to invalid (and count them as problems when they are listed one by one)."""
+        self.report.valid_lines -= count
+        self.report.invalid_lines += count
+        if listed:
+            self.report.problem_count += count
+
+    def count_model(self, model: str | None) -> None:
+        """Count a model name seen on a line that does not match the expected one."""
+        if model is None:
+            return
+        models = self.report.models
+        if model in models or len(models) < 100:
+            models[model] = models.get(model, 0) + 1
+
+    def invalid(self, lineno: int, custom_id: str | None, message: str) -> None:
+        """Record an invalid line: count it, list it, and in skip mode write its error line."""
+        report = self.report
+        report.invalid_lines += 1
+        report.problem_count += 1
+        self.seg_skip += 1
+        self.invalid_line_numbers.append(lineno)
+        if len(report.problems) < self.opts.max_problems_listed:
+            report.problems.append(Problem(lineno, custom_id, message))
+        if self.errors_out is not None:
+            self.errors_out.write(error_line(lineno, custom_id, message))
+
+    def file_problem(self, message: str, line: int = 0) -> None:
+        """Record a problem of the whole file (it fails the file in both modes)."""
+        problem = Problem(line, None, message)
+        self.report.file_problems.append(problem)
+        self.report.problem_count += 1
+        if len(self.report.problems) < self.opts.max_problems_listed:
+            self.report.problems.append(problem)
+
+    def too_many_lines(self, lineno: int) -> None:
+        """Stop at the first request over ``max_lines``."""
+        self.stopped = True
+        self.report.stopped_early = True
+        self.file_problem(
+            f"more than {self.opts.max_lines} requests (max_lines); reading stopped at line {lineno} — "
+            "split the file into shards of at most max_lines and map over them with .expand()",
+            line=lineno,
+        )
+
+    def too_long_message(self, size: int) -> str:
+        """Message for a line over ``max_line_bytes``."""
+        return (
+            f"line is {size:,} bytes, over max_line_bytes={self.opts.max_line_bytes:,} — "
+            "check that every request ends with a newline, or raise max_line_bytes"
+        )
+
+    def rewrite(self, raw: bytes, model: str | None, missing: list[str]) -> bytes:
+        """Return the line with ``body.model`` set and missing default_body fields added."""
+        obj = msgspec.json.decode(raw)
+        body = obj["body"]
+        if model is not None:
+            body["model"] = model
+        for key in missing:
+            body[key] = self.opts.default_body[key]
+        return msgspec.json.encode(obj)
+
+    def diagnose(self, raw: bytes, lineno: int) -> tuple[str | None, str]:
+        """Return ``(custom_id, message)`` for the first thing wrong with an invalid line."""
+        return diagnose_line(
+            raw,
+            lineno,
+            self.opts,
+            expected_model=self.expected_model,
+            first_model_line=self.first_model_line,
+        )
+
+
+def _to_slow_path(raw: bytes) -> Any:
+    """Decoder in place until the first valid line: sends every line to the slow path."""
+    raise KeyError("no decoder yet")
+
+
+def error_line(lineno: int, custom_id: str | None, message: str) -> bytes:
+    """
+    Return the error line written to ``errors_out`` for an invalid input line (newline-terminated).
+
+    :param lineno: the input line number.
+    :param custom_id: the line's custom_id, when it could be read.
+    :param message: what is wrong and how to fix it.
+    """
+    return (
+        msgspec.json.encode(
+            {
+                "id": None,
+                "custom_id": custom_id,
+                "response": {"status_code": 400, "request_id": None, "body": None},
+                "error": {"code": "invalid_request", "message": message, "line": lineno},
+            }
+        )
+        + b"\n"
+    )
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    return "object"
+
+
+def diagnose_line(
+    raw: bytes,
+    lineno: int,
+    opts: PreflightOptions,
+    *,
+    expected_model: str | None = None,
+    first_model_line: int = 0,
+) -> tuple[str | None, str]:
+    """
+    Explain what is wrong with one line, in words a user can act on.
+
+    Decodes the line generically (slow, but only invalid lines get here) and
+    walks the checks in the order the module docstring lists them.
+
+    :param raw: the line, without its newline.
+    :param lineno: its line number.
+    :param opts: the preflight options.
+    :param expected_model: the model of the file so far, if known.
+    :param first_model_line: the line that set ``expected_model`` (0 when it came from options).
+    """
+    if raw.startswith(_BOM):
+        return None, (
+            "line starts with a UTF-8 byte order mark (BOM), which vLLM cannot read — "
+            "save the file as UTF-8 without BOM"
+        )
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return None, (
+            f"not valid UTF-8 (byte 0x{raw[exc.start]:02x} at offset {exc.start}) — "
+            "save the file as UTF-8"
+        )
+    try:
+        obj = msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
+        detail = str(exc).removeprefix("JSON is malformed: ")
+        if "truncated" in detail:
+            detail = "the line ends before the JSON object does"
+            hint = "write each request as one JSON object on a single line"
+        else:
+            hint = "write each request as one complete JSON object on its own line"
+        return None, f"not valid JSON ({detail}) — {hint}"
+    if not isinstance(obj, dict):
+        return None, f"a JSON {_json_type(obj)}, not an object — each line must be one request object"
+
+    if "custom_id" not in obj:
+        return None, 'missing "custom_id" — give every request a unique string custom_id'
+    cid = obj["custom_id"]
+    if not isinstance(cid, str):
+        return None, f'"custom_id" is a {_json_type(cid)}, not a string — use a unique string custom_id'
+    shown = short_custom_id(cid)
+    if not cid:
+        return shown, '"custom_id" is empty — use a unique, non-empty string custom_id'
+
+    method = obj.get("method")
+    if method is None:
+        return shown, 'missing "method" — add "method": "POST"'
+    if method != "POST":
+        return shown, f'"method" is {msgspec.json.encode(method).decode()}, only "POST" is supported — set "method": "POST"'
+
+    url = obj.get("url")
+    supported = ", ".join(sorted(opts.supported_urls))
+    if url is None:
+        return shown, f'missing "url" — set "url" to one of: {supported}'
+    if not isinstance(url, str):
+        return shown, f'"url" is a {_json_type(url)}, not a string — set "url" to one of: {supported}'
+    if url not in opts.supported_urls:
+        return shown, f'"url" {url!r} is not served by this engine — use one of: {supported}'
+
+    if "body" not in obj:
+        return shown, f'missing "body" — add the request body for {url}'
+    body = obj["body"]
+    if not isinstance(body, dict):
+        return shown, f'"body" is a {_json_type(body)}, not an object — put the {url} request parameters in an object'
+
+    struct, complete, needs = body_spec_for(url)
+    try:
+        decoded = msgspec.convert(body, struct)
+    except msgspec.ValidationError as exc:
+        where = str(exc).replace("`$.", "`body.").replace("`$`", "`body`")
+        if " - at `body.model`" in where:
+            return shown, f'"body.model" is a {_json_type(body.get("model"))}, not a string — set it to the model name'
+        if " - at `body.stream`" in where:
+            return shown, '"body.stream" must be a boolean — remove it (batch requests never stream)'
+        return shown, f"body does not fit {url}: {where} — the body needs {needs}"
+    if complete is not None and not complete(decoded):
+        return shown, f"body does not fit {url}: it needs {needs}"
+    if decoded.stream:
+        return shown, '"body.stream" is true, but batch requests cannot stream — remove "stream" or set it to false'
+
+    model = decoded.model
+    if model is None:
+        if opts.model:
+            return shown, f'"body.model" is missing — set it to {opts.model!r} (or run with rewrite_model=True)'
+        return shown, '"body.model" is missing — name the model in every request (the same on every line)'
+    if expected_model is not None and model != expected_model and not opts.rewrite_model:
+        if first_model_line:
+            return shown, (
+                f'"body.model" is {model!r}, but line {first_model_line} uses {expected_model!r} — '
+                "a batch file must use one model; split it by model"
+            )
+        return shown, (
+            f'"body.model" is {model!r}, expected {expected_model!r} — '
+            "set it to the model the task runs (or run with rewrite_model=True)"
+        )
+    # The fast path found something this walk does not; say what the decoder said.
+    return shown, "the request could not be read — check it against the OpenAI batch format"
+
+
+def custom_ids_at(lines: Iterable[bytes], wanted: set[int]) -> dict[int, str | None]:
+    """
+    Return the custom_ids on the given line numbers, reading no further than the last of them.
+
+    :param lines: the file's lines, from the start.
+    :param wanted: 1-based line numbers.
+    """
+    decode = msgspec.json.Decoder(CustomIdOnly).decode
+    found: dict[int, str | None] = {}
+    if not wanted:
+        return found
+    last = max(wanted)
+    for lineno, raw in enumerate(lines, start=1):
+        if lineno in wanted:
+            try:
+                found[lineno] = short_custom_id(decode(raw).custom_id)
+            except (msgspec.DecodeError, UnicodeDecodeError):
+                found[lineno] = None
+        if lineno >= last:
+            break
+    return found

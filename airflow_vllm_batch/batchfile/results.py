@@ -1,0 +1,417 @@
+"""Results check: does the engine's output answer the input, and how did it go?
+
+:func:`check_results` streams the input once (custom_ids into a compact
+:class:`~airflow_vllm_batch.batchfile.index.CustomIdIndex`) and the results once,
+and reports:
+
+* answers: every input custom_id answered exactly once, nothing extra (missing,
+  extra and repeated custom_ids are named, the first 50 of each, and counted);
+* outcomes: ``request_counts`` (total / completed / failed), per HTTP status, per
+  kind of response (chat.completion, embedding, score, rerank);
+* ``usage``: prompt, completion and total tokens summed over the results;
+* ``engine_failure``: vLLM 0.32 exits 0 even when its engine core died; every
+  request then comes back as a 500 whose error says "EngineCore encountered an
+  issue" (``vllm.v1.engine.exceptions.EngineDeadError``). This flag catches it.
+
+A result line has **failed** when its ``error`` is not null or its
+``response.status_code`` is not 200; its exact bytes are copied to
+``errors_out`` (newline-terminated). Both result shapes are read (see
+:mod:`~airflow_vllm_batch.batchfile.models`). Blank lines and a missing final
+newline (vLLM uploads its output without one) are fine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import ContextManager
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+import msgspec
+
+from airflow_vllm_batch.batchfile.index import CustomIdIndex, FirstN
+from airflow_vllm_batch.batchfile.models import (
+    OBJECT_TO_URL,
+    CustomIdOnly,
+    ResultLine,
+    error_message,
+    object_type,
+)
+from airflow_vllm_batch.batchfile.preflight import custom_ids_at
+from airflow_vllm_batch.batchfile.problems import Problem, format_problem_list
+from airflow_vllm_batch.exceptions import ResultsCheckError
+
+#: What vLLM's ``EngineDeadError`` puts in every error once the engine core is gone.
+ENGINE_DEAD_MARKER = "EngineCore"
+DEFAULT_MAX_LISTED = 50
+DEFAULT_SAMPLE_ERRORS = 5
+
+#: A callable that opens a file again, e.g. ``lambda: open_lines(path)``.
+Reopen = Callable[[], ContextManager[Iterable[bytes]]]
+
+
+@dataclass
+class ResultsReport:
+    """
+    What the results check found.
+
+    :param source: printable name of the results file.
+    :param input_source: printable name of the input file, when one was checked against.
+    """
+
+    source: str | None = None
+    input_source: str | None = None
+    input_checked: bool = False
+    input_total: int = 0
+    input_duplicate_count: int = 0
+    input_unreadable_count: int = 0
+    total: int = 0
+    completed: int = 0
+    failed: int = 0
+    blank_lines: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    status_counts: dict[str, int] = field(default_factory=dict)
+    object_counts: dict[str, int] = field(default_factory=dict)
+    missing: list[Problem] = field(default_factory=list)
+    missing_count: int = 0
+    extra: list[Problem] = field(default_factory=list)
+    extra_count: int = 0
+    duplicates: list[Problem] = field(default_factory=list)
+    duplicate_count: int = 0
+    unparseable: list[Problem] = field(default_factory=list)
+    unparseable_count: int = 0
+    engine_dead_lines: int = 0
+    sample_errors: list[str] = field(default_factory=list)
+
+    @property
+    def request_counts(self) -> dict[str, int]:
+        """``{"total", "completed", "failed"}`` as in the XCom manifest."""
+        return {"total": self.total, "completed": self.completed, "failed": self.failed}
+
+    @property
+    def usage(self) -> dict[str, int]:
+        """``{"prompt_tokens", "completion_tokens", "total_tokens"}`` as in the XCom manifest."""
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.total_tokens,
+        }
+
+    @property
+    def endpoint_counts(self) -> dict[str, int]:
+        """Result counts per endpoint URL, inferred from each response's object type."""
+        out: dict[str, int] = {}
+        for kind, count in self.object_counts.items():
+            key = OBJECT_TO_URL.get(kind, kind)
+            out[key] = out.get(key, 0) + count
+        return out
+
+    @property
+    def engine_failure(self) -> bool:
+        """True when nothing completed and the errors say vLLM's engine core died."""
+        return self.total > 0 and self.completed == 0 and self.engine_dead_lines > 0
+
+    @property
+    def answers_ok(self) -> bool:
+        """True when every input custom_id is answered exactly once and nothing extra (True without input)."""
+        return self.missing_count == 0 and self.extra_count == 0 and self.duplicate_count == 0
+
+    @property
+    def ok(self) -> bool:
+        """True when every result line could be read and the answers are complete."""
+        return self.unparseable_count == 0 and self.answers_ok
+
+    @property
+    def failed_ratio(self) -> float:
+        """Failed results over all results (0.0 for an empty file)."""
+        return self.failed / self.total if self.total else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the report as a JSON-ready dict."""
+        return {
+            "source": self.source,
+            "input_source": self.input_source,
+            "ok": self.ok,
+            "request_counts": self.request_counts,
+            "usage": self.usage,
+            "status_counts": dict(self.status_counts),
+            "object_counts": dict(self.object_counts),
+            "endpoint_counts": self.endpoint_counts,
+            "engine_failure": self.engine_failure,
+            "engine_dead_lines": self.engine_dead_lines,
+            "sample_errors": list(self.sample_errors),
+            "input_checked": self.input_checked,
+            "input_total": self.input_total if self.input_checked else None,
+            "missing_count": self.missing_count,
+            "missing": [p.to_dict() for p in self.missing],
+            "extra_count": self.extra_count,
+            "extra": [p.to_dict() for p in self.extra],
+            "duplicate_count": self.duplicate_count,
+            "duplicates": [p.to_dict() for p in self.duplicates],
+            "unparseable_count": self.unparseable_count,
+            "unparseable": [p.to_dict() for p in self.unparseable],
+            "blank_lines": self.blank_lines,
+        }
+
+    def mismatch_lines(self) -> list[str]:
+        """Return the text lines naming what does not match (empty when :attr:`ok`)."""
+        out: list[str] = []
+        groups = (
+            ("input request(s) without a result (input line numbers)", self.missing, self.missing_count),
+            ("result(s) for a custom_id not in the input (result line numbers)", self.extra, self.extra_count),
+            ("repeated answer(s) (result line numbers)", self.duplicates, self.duplicate_count),
+            ("result line(s) that could not be read", self.unparseable, self.unparseable_count),
+        )
+        for title, problems, count in groups:
+            if count:
+                out.append(f"  {count} {title}:")
+                out.extend(format_problem_list(problems, count, indent="    "))
+        return out
+
+    def format(self) -> str:
+        """Return a multi-line text report for task logs."""
+        name = self.source or "results"
+        head = "OK" if self.ok else "MISMATCH"
+        out = [
+            f"Results check of {name}: {head}",
+            f"  requests: {self.total} total, {self.completed} completed, {self.failed} failed",
+            f"  usage: {self.prompt_tokens} prompt + {self.completion_tokens} completion = "
+            f"{self.total_tokens} total tokens",
+        ]
+        if self.input_checked:
+            out.append(f"  input: {self.input_total} requests in {self.input_source or 'input'}")
+        if self.status_counts:
+            out.append("  per status: " + ", ".join(f"{k}={v}" for k, v in sorted(self.status_counts.items())))
+        if self.object_counts:
+            out.append("  per endpoint: " + ", ".join(f"{k}={v}" for k, v in sorted(self.endpoint_counts.items())))
+        if self.engine_failure:
+            out.append("  ENGINE FAILURE: nothing completed and vLLM reports its engine core died")
+        for message in self.sample_errors:
+            out.append(f"  error: {message}")
+        out.extend(self.mismatch_lines())
+        return "\n".join(out)
+
+    def raise_for_mismatch(self, source_name: str | None = None) -> None:
+        """
+        Raise :class:`ResultsCheckError` unless the results answer the input exactly (see :attr:`ok`).
+
+        :param source_name: name used in the message; default the report's ``source``.
+        """
+        if self.ok:
+            return
+        name = source_name or self.source or "results"
+        lines = [f"{name} does not answer its input: {self.total} results for {self.input_total} requests."]
+        lines.extend(self.mismatch_lines())
+        lines.append(
+            "The engine's output is incomplete or corrupt; nothing was published. "
+            "Retry the task; if it repeats, check the engine log above."
+        )
+        raise ResultsCheckError("\n".join(lines))
+
+
+def check_results(
+    result_lines: Iterable[bytes],
+    input_lines: Iterable[bytes] | None,
+    errors_out: IO[bytes] | None = None,
+    *,
+    reread_input: Reopen | None = None,
+    reread_results: Reopen | None = None,
+    max_listed: int = DEFAULT_MAX_LISTED,
+    max_sample_errors: int = DEFAULT_SAMPLE_ERRORS,
+    source: str | None = None,
+    input_source: str | None = None,
+) -> ResultsReport:
+    """
+    Count the outcomes of a results file and, given the input, check it answers every request once.
+
+    :param result_lines: the results file's lines (``bytes``, e.g. from :func:`open_lines`).
+    :param input_lines: the input file's lines, or ``None`` for statistics only.
+    :param errors_out: binary writable; receives every failed result line's exact bytes.
+    :param reread_input: optional callable opening the input again (e.g.
+        ``lambda: open_lines(path)``); used only when requests are missing, to name
+        their custom_ids. Without it they are named by input line number.
+    :param reread_results: the same for the results file; used only for extra or
+        repeated answers.
+    :param max_listed: how many missing / extra / repeated ids to name. Default 50.
+    :param max_sample_errors: how many error messages to keep. Default 5.
+    :param source: printable name of the results file.
+    :param input_source: printable name of the input file.
+    """
+    report = ResultsReport(source=source, input_source=input_source)
+    input_index: CustomIdIndex | None = None
+    if input_lines is not None:
+        input_index = _index_input(input_lines, report)
+    results_index = _scan_results(
+        result_lines, input_index is not None, report, errors_out, max_listed, max_sample_errors
+    )
+    if input_index is not None and results_index is not None:
+        _match(input_index, results_index, report, reread_input, reread_results, max_listed)
+    return report
+
+
+def _index_input(input_lines: Iterable[bytes], report: ResultsReport) -> CustomIdIndex:
+    """Read every input custom_id into an index."""
+    decode = msgspec.json.Decoder(CustomIdOnly).decode
+    index = CustomIdIndex()
+    hashes, lines, mask = index.hashes, index.lines, index.mask
+    lineno = blank = unreadable = 0
+    for raw in input_lines:
+        lineno += 1
+        try:
+            cid = decode(raw).custom_id
+        except (msgspec.DecodeError, UnicodeDecodeError):
+            if not raw or raw.isspace():
+                blank += 1
+                continue
+            cid = None
+        if cid.__class__ is not str:
+            # Preflight refuses such lines; vLLM cannot answer them either.
+            unreadable += 1
+            continue
+        h = hash(cid)
+        hashes[h & mask].append(h)
+        lines[h & mask].append(lineno)
+    report.input_checked = True
+    report.input_total = lineno - blank
+    report.input_duplicate_count = sum(1 for _ in index.repeats())
+    report.input_unreadable_count = unreadable
+    return index
+
+
+def _scan_results(
+    result_lines: Iterable[bytes],
+    build_index: bool,
+    report: ResultsReport,
+    errors_out: IO[bytes] | None,
+    max_listed: int,
+    max_sample_errors: int,
+) -> CustomIdIndex | None:
+    """Count outcomes and usage of every result line; index their custom_ids when asked."""
+    decode = msgspec.json.Decoder(ResultLine).decode
+    index = CustomIdIndex() if build_index else None
+    if index is not None:
+        hashes, index_lines, mask = index.hashes, index.lines, index.mask
+    write = errors_out.write if errors_out is not None else None
+    status_counts: dict[str, int] = {}
+    object_counts: dict[str, int] = {}
+    lineno = completed = failed = blank = 0
+    prompt = completion = tokens = dead = 0
+    samples = report.sample_errors
+
+    for raw in result_lines:
+        lineno += 1
+        try:
+            result = decode(raw)
+        except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+            if not raw or raw.isspace():
+                blank += 1
+                continue
+            report.unparseable_count += 1
+            if len(report.unparseable) < max_listed:
+                report.unparseable.append(
+                    Problem(lineno, None, f"not a result line ({exc}) — the output is corrupt; rerun the batch")
+                )
+            continue
+        response = result.response
+        error = result.error
+        status: int | None = None
+        body = None
+        if response is not None:
+            status = response.status_code
+            if status is None and response.request_id is None:
+                body = response  # older shape: the response is the completion itself
+            else:
+                body = response.body
+        if error is None and (status is None or status == 200):
+            completed += 1
+            key = "200"
+        else:
+            failed += 1
+            key = str(status) if status is not None else "none"
+            if write is not None:
+                write(raw)
+                write(b"\n")
+            message = error_message(error) or f"HTTP status {status}"
+            if ENGINE_DEAD_MARKER in message:
+                dead += 1
+            if len(samples) < max_sample_errors:
+                samples.append(f"{result.custom_id}: {message}" if result.custom_id else message)
+        status_counts[key] = status_counts.get(key, 0) + 1
+        if body is not None:
+            usage = body.usage
+            if usage is not None:
+                prompt += usage.prompt_tokens or 0
+                completion += usage.completion_tokens or 0
+                tokens += usage.total_tokens or 0
+            kind = object_type(body) or "unknown"
+        else:
+            kind = "error" if key != "200" else "unknown"
+        object_counts[kind] = object_counts.get(kind, 0) + 1
+
+        if index is not None:
+            cid = result.custom_id
+            if cid is None:
+                report.extra_count += 1
+                if len(report.extra) < max_listed:
+                    report.extra.append(Problem(lineno, None, "result line has no custom_id"))
+                continue
+            h = hash(cid)
+            hashes[h & mask].append(h)
+            index_lines[h & mask].append(lineno)
+
+    report.total = lineno - blank - report.unparseable_count
+    report.completed = completed
+    report.failed = failed
+    report.blank_lines = blank
+    report.prompt_tokens = prompt
+    report.completion_tokens = completion
+    report.total_tokens = tokens
+    report.status_counts = status_counts
+    report.object_counts = object_counts
+    report.engine_dead_lines = dead
+    return index
+
+
+def _match(
+    input_index: CustomIdIndex,
+    results_index: CustomIdIndex,
+    report: ResultsReport,
+    reread_input: Reopen | None,
+    reread_results: Reopen | None,
+    max_listed: int,
+) -> None:
+    """Compare the two indexes; count and name missing, extra and repeated answers."""
+    missing, extra, repeat = FirstN(max_listed), FirstN(max_listed), FirstN(max_listed)
+    pick = {"missing": missing, "extra": extra, "repeat": repeat}
+    for kind, line, first in input_index.match(results_index):
+        pick[kind].add((line, first))
+    input_names: dict[int, str | None] = {}
+    result_names: dict[int, str | None] = {}
+    if missing.count and reread_input is not None:
+        with reread_input() as again:
+            input_names = custom_ids_at(again, {line for line, _ in missing.items()})
+    wanted = {line for line, _ in extra.items()} | {line for line, _ in repeat.items()}
+    if wanted and reread_results is not None:
+        with reread_results() as again:
+            result_names = custom_ids_at(again, wanted)
+    report.missing_count = missing.count
+    report.missing = [
+        Problem(line, input_names.get(line), "has no result — the engine did not answer this request")
+        for line, _ in missing.items()
+    ]
+    report.extra_count += extra.count
+    report.extra = sorted(
+        report.extra
+        + [
+            Problem(line, result_names.get(line), "answers a custom_id that is not in the input")
+            for line, _ in extra.items()
+        ],
+        key=lambda p: p.line,
+    )[:max_listed]
+    report.duplicate_count = repeat.count
+    report.duplicates = [
+        Problem(line, result_names.get(line), f"answers the same request as result line {first}")
+        for line, first in repeat.items()
+    ]

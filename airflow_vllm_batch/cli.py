@@ -1,0 +1,306 @@
+"""``airflow-vllm-batch``: check batch files from a terminal, with the operator's own code.
+
+::
+
+    airflow-vllm-batch validate input.jsonl [--model M] [--supported-url URL ...] [--json]
+    airflow-vllm-batch stats results.jsonl [--input input.jsonl] [--json]
+
+Sources are local paths, ``http(s)://`` URLs, ``s3://bucket/key`` (read with
+Airflow's ``S3Hook`` and ``--aws-conn-id``, imported only then) or ``-`` for
+stdin. Exit status: 0 clean, 1 problems found, 2 the file could not be read or
+the arguments are wrong. A progress bar goes to stderr when it is a terminal and
+the file is large (or its size is unknown); ``--progress``/``--no-progress`` override.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from airflow_vllm_batch.batchfile import (
+    DEFAULT_MAX_LINE_BYTES,
+    DEFAULT_SUPPORTED_URLS,
+    PreflightOptions,
+    PreflightReport,
+    ResultsReport,
+    check_results,
+    describe_source,
+    open_lines,
+    preflight,
+    source_size,
+)
+from airflow_vllm_batch.exceptions import VLLMBatchError
+
+#: Below this size a progress bar would only flicker.
+PROGRESS_MIN_BYTES = 32 << 20
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """
+    Run the CLI; return the exit status.
+
+    :param argv: arguments without the program name; default ``sys.argv[1:]``.
+    """
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except VLLMBatchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the argument parser of ``airflow-vllm-batch``."""
+    parser = argparse.ArgumentParser(
+        prog="airflow-vllm-batch",
+        description="Validate vLLM / OpenAI batch JSONL files and summarise results.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true", help="print the report as JSON (for scripts)")
+    common.add_argument("--aws-conn-id", default="aws_default", help="Airflow connection for s3:// URIs")
+    progress = common.add_mutually_exclusive_group()
+    progress.add_argument("--progress", dest="progress", action="store_true", default=None, help="always show a progress bar")
+    progress.add_argument("--no-progress", dest="progress", action="store_false", help="never show a progress bar")
+
+    validate = sub.add_parser("validate", parents=[common], help="preflight-check a batch input file")
+    validate.add_argument("source", help="path, http(s) URL, s3://bucket/key or - for stdin")
+    validate.add_argument("--model", help="model every request must name in body.model")
+    validate.add_argument("--rewrite-model", action="store_true", help="accept other models (the operator would rewrite them)")
+    validate.add_argument(
+        "--supported-url",
+        action="append",
+        dest="supported_urls",
+        metavar="URL",
+        help=f"URL the engine serves (repeatable); default: {', '.join(sorted(DEFAULT_SUPPORTED_URLS))}",
+    )
+    validate.add_argument("--max-lines", type=int, help="most requests allowed")
+    validate.add_argument("--max-line-bytes", type=int, default=DEFAULT_MAX_LINE_BYTES, help="longest line allowed")
+    validate.add_argument("--max-problems", type=int, default=50, help="problems listed (all are counted)")
+    validate.set_defaults(func=run_validate)
+
+    stats = sub.add_parser("stats", parents=[common], help="summarise a results file (and check it against its input)")
+    stats.add_argument("source", help="results: path, http(s) URL, s3://bucket/key or - for stdin")
+    stats.add_argument("--input", dest="input_source", help="the input file, to check every request is answered once")
+    stats.set_defaults(func=run_stats)
+    return parser
+
+
+# -- commands ------------------------------------------------------------------------
+
+
+def run_validate(args: argparse.Namespace) -> int:
+    """Run ``validate``; 0 when the file is clean, 1 otherwise."""
+    try:
+        options = PreflightOptions(
+            supported_urls=frozenset(args.supported_urls or DEFAULT_SUPPORTED_URLS),
+            model=args.model,
+            rewrite_model=args.rewrite_model,
+            max_lines=args.max_lines,
+            max_line_bytes=args.max_line_bytes,
+            max_problems_listed=args.max_problems,
+        )
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    name = display_name(args.source)
+    with reading(args.source, args.aws_conn_id, args.progress, options.max_line_bytes) as lines:
+        report = preflight(
+            lines,
+            options,
+            source=name,
+            reread=None if args.source == "-" else (lambda: reading(args.source, args.aws_conn_id, False)),
+        )
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        print_preflight(report)
+    return 0 if report.ok else 1
+
+
+def run_stats(args: argparse.Namespace) -> int:
+    """Run ``stats``; 0 when every line was read (and, with ``--input``, every request answered once), else 1."""
+    name = display_name(args.source)
+    with contextlib.ExitStack() as stack:
+        results = stack.enter_context(reading(args.source, args.aws_conn_id, args.progress))
+        inputs = None
+        if args.input_source:
+            inputs = stack.enter_context(reading(args.input_source, args.aws_conn_id, args.progress))
+        report = check_results(
+            results,
+            inputs,
+            reread_input=(lambda: reading(args.input_source, args.aws_conn_id, False)) if args.input_source else None,
+            reread_results=None if args.source == "-" else (lambda: reading(args.source, args.aws_conn_id, False)),
+            source=name,
+            input_source=display_name(args.input_source) if args.input_source else None,
+        )
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        print_results(report)
+    return 0 if report.ok else 1
+
+
+# -- reading -------------------------------------------------------------------------
+
+
+def display_name(source: str) -> str:
+    """Return a printable name for a source argument (presigned query strings removed)."""
+    return "<stdin>" if source == "-" else describe_source(source)
+
+
+@contextlib.contextmanager
+def reading(
+    source: str,
+    aws_conn_id: str,
+    progress: bool | None,
+    max_line_bytes: int | None = None,
+) -> Iterator[Iterator[bytes]]:
+    """
+    Open any CLI source as lines, with a progress bar on stderr when wanted.
+
+    :param source: a path, an http(s) URL, ``s3://bucket/key`` or ``-``.
+    :param aws_conn_id: Airflow connection used for ``s3://``.
+    :param progress: True / False to force the bar, None to decide from the tty and the size.
+    :param max_line_bytes: passed to the reader so an endless line is cut, not held whole.
+    """
+    kwargs: dict[str, Any] = {}
+    if max_line_bytes is not None:
+        kwargs["max_line_bytes"] = max_line_bytes
+    with contextlib.ExitStack() as stack:
+        size: int | None
+        if source == "-":
+            target: Any = sys.stdin.buffer
+            size = None
+        elif source.startswith("s3://"):
+            target, size = open_s3(source, aws_conn_id)
+            stack.callback(target.close)
+        else:
+            target, size = source, source_size(source)
+        show = progress if progress is not None else (sys.stderr.isatty() and (size is None or size >= PROGRESS_MIN_BYTES))
+        if show:
+            kwargs["on_bytes"] = stack.enter_context(progress_bar(display_name(source), size))
+        yield stack.enter_context(open_lines(target, **kwargs))
+
+
+def open_s3(uri: str, aws_conn_id: str) -> tuple[Any, int | None]:
+    """
+    Return the streaming body and size of an S3 object, read with Airflow's ``S3Hook``.
+
+    :param uri: ``s3://bucket/key``.
+    :param aws_conn_id: the Airflow connection id.
+    """
+    hook = s3_hook(aws_conn_id)
+    bucket, key = hook.parse_s3_url(uri)
+    try:
+        obj = hook.get_key(key, bucket_name=bucket)
+        response = obj.get()
+    except Exception as exc:  # botocore raises many types; the message is what matters here
+        raise VLLMBatchError(f"{uri}: cannot read the object ({exc}).") from exc
+    return response["Body"], response.get("ContentLength")
+
+
+def s3_hook(aws_conn_id: str) -> Any:
+    """Return an ``S3Hook``; Airflow is imported only here, so the rest of the CLI works without it."""
+    try:
+        from airflow.providers.amazon.aws.hooks.s3 import S3Hook
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise VLLMBatchError(
+            "s3:// needs apache-airflow-providers-amazon; install it or pass a local path or URL."
+        ) from exc
+    return S3Hook(aws_conn_id=aws_conn_id)
+
+
+@contextlib.contextmanager
+def progress_bar(name: str, size: int | None) -> Iterator[Any]:
+    """Yield a callback that advances a rich progress bar (bytes read) on stderr."""
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    columns = [TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn()]
+    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task(name, total=size)
+        yield lambda n: bar.advance(task, n)
+
+
+# -- printing ------------------------------------------------------------------------
+
+
+def _console() -> Any:
+    from rich.console import Console
+
+    return Console(highlight=False)
+
+
+def print_preflight(report: PreflightReport) -> None:
+    """Print a preflight report for a terminal."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    console = _console()
+    status = "[green]OK[/green]" if report.ok else f"[red]{report.problem_count} problem(s)[/red]"
+    console.print(f"[bold]{report.source}[/bold]: {status}")
+    table = Table(show_header=False, box=None, pad_edge=False)
+    table.add_row("requests", str(report.total_lines))
+    table.add_row("valid", str(report.valid_lines))
+    table.add_row("invalid", str(report.invalid_lines))
+    if report.blank_lines:
+        table.add_row("blank lines", str(report.blank_lines))
+    for url, count in sorted(report.url_counts.items()):
+        table.add_row(f"  {url}", str(count))
+    for model, count in report.models.items():
+        table.add_row("model", f"{model} ({count})")
+    console.print(table)
+    for problem in report.problems:
+        console.print(f"[red]✗[/red] {escape(str(problem))}", soft_wrap=True)
+    if report.problem_count > len(report.problems):
+        console.print(f"... and {report.problem_count - len(report.problems)} more")
+
+
+def print_results(report: ResultsReport) -> None:
+    """Print a results report for a terminal."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    console = _console()
+    status = "[green]OK[/green]" if report.ok else "[red]MISMATCH[/red]"
+    console.print(f"[bold]{report.source}[/bold]: {status}")
+    table = Table(title="Outcomes", show_header=True)
+    table.add_column("")
+    table.add_column("count", justify="right")
+    for key, value in report.request_counts.items():
+        table.add_row(key, str(value))
+    for status_code, count in sorted(report.status_counts.items()):
+        table.add_row(f"HTTP {status_code}", str(count))
+    for endpoint, count in sorted(report.endpoint_counts.items()):
+        table.add_row(endpoint, str(count))
+    console.print(table)
+    usage = Table(title="Usage (tokens)")
+    for key in report.usage:
+        usage.add_column(key, justify="right")
+    usage.add_row(*(f"{value:,}" for value in report.usage.values()))
+    console.print(usage)
+    if report.engine_failure:
+        console.print("[red bold]Engine failure:[/red bold] nothing completed and vLLM reports its engine core died.")
+    for message in report.sample_errors:
+        console.print(f"[yellow]error[/yellow] {escape(message)}", soft_wrap=True)
+    for line in report.mismatch_lines():
+        console.print(escape(line), soft_wrap=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

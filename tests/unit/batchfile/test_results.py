@@ -1,0 +1,183 @@
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from airflow_vllm_batch.batchfile import check_results, open_lines
+from airflow_vllm_batch.exceptions import ResultsCheckError
+
+
+def request(cid: str) -> bytes:
+    return json.dumps(
+        {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": {"model": "m", "messages": [{"role": "user"}]}}
+    ).encode()
+
+
+def ok_result(cid: str, prompt: int = 3, completion: int = 2) -> bytes:
+    body = {
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
+    }
+    return json.dumps(
+        {"id": "vllm-1", "custom_id": cid, "response": {"status_code": 200, "request_id": "r", "body": body}, "error": None}
+    ).encode()
+
+
+def failed_result(cid: str, status: int = 400, error: object = "bad request") -> bytes:
+    return json.dumps(
+        {"id": "vllm-2", "custom_id": cid, "response": {"status_code": status, "request_id": "r", "body": None}, "error": error}
+    ).encode()
+
+
+ENGINE_DEAD = {
+    "error": {
+        "message": "EngineCore encountered an issue. See stack trace (above) for the root cause.",
+        "type": "InternalServerError",
+        "param": None,
+        "code": 500,
+    }
+}
+
+
+def check(results: list[bytes], inputs: list[bytes] | None, **kwargs):
+    rdata = b"\n".join(results)  # like vLLM's upload: no final newline
+    idata = b"\n".join(inputs) + b"\n" if inputs is not None else None
+    with open_lines(io.BytesIO(rdata)) as rl:
+        il = open_lines(io.BytesIO(idata)) if idata is not None else None
+        with il if il is not None else _null() as lines:
+            return check_results(
+                rl,
+                lines,
+                reread_input=(lambda: open_lines(io.BytesIO(idata))) if idata is not None else None,
+                reread_results=lambda: open_lines(io.BytesIO(rdata)),
+                **kwargs,
+            )
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.parametrize("name", ["chat_results_example.jsonl", "score_results_example.jsonl"])
+def test_seed_result_examples_parse(seed_dir, name):
+    with open_lines(seed_dir / name) as lines:
+        report = check_results(lines, None)
+    assert report.ok and report.request_counts == {"total": 2, "completed": 2, "failed": 0}
+
+
+def test_old_shape_usage_is_summed(seed_dir):
+    with open_lines(seed_dir / "chat_results_example.jsonl") as lines:
+        report = check_results(lines, None)
+    assert report.usage == {"prompt_tokens": 52, "completion_tokens": 36, "total_tokens": 88}
+    assert report.endpoint_counts == {"/v1/chat/completions": 2}
+
+
+def test_current_shape_score_is_counted_per_endpoint(seed_dir):
+    with open_lines(seed_dir / "score_results_example.jsonl") as lines:
+        report = check_results(lines, None)
+    assert report.endpoint_counts == {"/v1/score": 2}
+    assert report.usage["prompt_tokens"] == 74
+
+
+def test_complete_answers_are_ok():
+    report = check([ok_result("a"), ok_result("b")], [request("a"), request("b")])
+    assert report.ok and report.request_counts == {"total": 2, "completed": 2, "failed": 0}
+    assert report.usage == {"prompt_tokens": 6, "completion_tokens": 4, "total_tokens": 10}
+
+
+def test_missing_answer_is_named_with_input_line():
+    report = check([ok_result("a")], [request("a"), request("b")])
+    assert not report.ok and report.missing_count == 1
+    assert (report.missing[0].line, report.missing[0].custom_id) == (2, "b")
+
+
+def test_extra_answer_is_named_with_result_line():
+    report = check([ok_result("a"), ok_result("zz")], [request("a")])
+    assert report.extra_count == 1 and (report.extra[0].line, report.extra[0].custom_id) == (2, "zz")
+
+
+def test_repeated_answer_is_named_with_both_result_lines():
+    report = check([ok_result("a"), ok_result("b"), ok_result("a")], [request("a"), request("b")])
+    assert report.duplicate_count == 1
+    assert report.duplicates[0].line == 3 and "result line 1" in report.duplicates[0].message
+
+
+def test_failed_lines_are_counted_and_copied_exactly():
+    bad = failed_result("b")
+    errors = io.BytesIO()
+    report = check([ok_result("a"), bad], [request("a"), request("b")], errors_out=errors)
+    assert report.request_counts == {"total": 2, "completed": 1, "failed": 1}
+    assert report.status_counts == {"200": 1, "400": 1}
+    assert errors.getvalue() == bad + b"\n"
+    assert report.sample_errors == ["b: bad request"]
+
+
+def test_error_object_with_status_200_is_failed():
+    report = check([failed_result("a", status=200, error={"message": "boom"})], None)
+    assert report.failed == 1 and report.sample_errors == ["a: boom"]
+
+
+def test_engine_death_is_detected():
+    report = check([failed_result(c, 500, ENGINE_DEAD) for c in "abc"], [request(c) for c in "abc"])
+    assert report.engine_failure and report.answers_ok
+
+
+def test_plain_server_errors_are_not_an_engine_failure():
+    report = check([failed_result("a", 500, "out of memory")], None)
+    assert not report.engine_failure
+
+
+def test_some_completed_is_not_an_engine_failure():
+    report = check([ok_result("a"), failed_result("b", 500, ENGINE_DEAD)], None)
+    assert not report.engine_failure
+
+
+def test_stats_only_without_input():
+    report = check([ok_result("a"), ok_result("a")], None)
+    assert report.ok and not report.input_checked and report.total == 2
+
+
+def test_unreadable_result_line_is_reported():
+    report = check([ok_result("a"), b"{oops"], None)
+    assert not report.ok and report.unparseable[0].line == 2
+
+
+def test_blank_result_lines_are_skipped():
+    report = check([ok_result("a"), b"", ok_result("b"), b""], [request("a"), request("b")])
+    assert report.ok and report.total == 2
+
+
+def test_raise_for_mismatch_lists_what_is_missing():
+    report = check([ok_result("a")], [request("a"), request("b")])
+    with pytest.raises(ResultsCheckError, match=r"1 input request\(s\) without a result"):
+        report.raise_for_mismatch("results.jsonl")
+
+
+def test_raise_for_mismatch_passes_when_ok():
+    check([ok_result("a")], [request("a")]).raise_for_mismatch()
+
+
+def test_many_missing_are_counted_but_first_listed():
+    report = check([], [request(str(i)) for i in range(120)])
+    assert report.missing_count == 120 and len(report.missing) == 50
+    assert [p.line for p in report.missing[:3]] == [1, 2, 3]
+
+
+def test_preflight_error_lines_read_as_failed_results():
+    line = b'{"id":null,"custom_id":null,"response":{"status_code":400,"request_id":null,"body":null},"error":{"code":"invalid_request","message":"x","line":3}}'
+    report = check([line], None)
+    assert report.failed == 1 and report.status_counts == {"400": 1}
+
+
+def test_to_dict_matches_the_manifest_keys():
+    data = check([ok_result("a")], [request("a")]).to_dict()
+    assert set(data["request_counts"]) == {"total", "completed", "failed"}
+    assert set(data["usage"]) == {"prompt_tokens", "completion_tokens", "total_tokens"}
+    json.dumps(data)

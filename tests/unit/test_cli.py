@@ -1,0 +1,109 @@
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from airflow_vllm_batch import cli
+
+REQUEST = (
+    '{"custom_id": "%s", "method": "POST", "url": "/v1/chat/completions", '
+    '"body": {"model": "m", "messages": [{"role": "user", "content": "hi"}]}}\n'
+)
+RESULT = (
+    '{"id": "vllm-1", "custom_id": "%s", "response": {"status_code": 200, "request_id": "r", '
+    '"body": {"object": "chat.completion", "usage": {"prompt_tokens": 4, "completion_tokens": 6, "total_tokens": 10}}}, '
+    '"error": null}\n'
+)
+
+
+@pytest.fixture
+def batch(tmp_path: Path) -> Path:
+    path = tmp_path / "input.jsonl"
+    path.write_text(REQUEST % "a" + REQUEST % "b")
+    return path
+
+
+def test_validate_clean_file_exits_zero(batch, capsys):
+    assert cli.main(["validate", str(batch), "--no-progress"]) == 0
+    assert "OK" in capsys.readouterr().out
+
+
+def test_validate_bad_file_exits_one_and_lists_problem(tmp_path, capsys):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(REQUEST % "a" + "not json\n" + REQUEST % "a")
+    assert cli.main(["validate", str(path), "--no-progress"]) == 1
+    out = capsys.readouterr().out
+    assert "line 2" in out and "not valid JSON" in out
+    assert "line 3" in out and "repeats the one on line 1" in out
+
+
+def test_validate_json_output_is_the_report(batch, capsys):
+    assert cli.main(["validate", str(batch), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["valid_lines"] == 2 and data["models"] == {"m": 2}
+
+
+def test_validate_model_option_is_enforced(batch, capsys):
+    assert cli.main(["validate", str(batch), "--model", "other", "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["invalid_lines"] == 2
+
+
+def test_validate_supported_url_option_restricts_urls(batch, capsys):
+    assert cli.main(["validate", str(batch), "--supported-url", "/v1/embeddings", "--json"]) == 1
+    assert "is not served" in capsys.readouterr().out
+
+
+def test_validate_missing_file_exits_two(tmp_path, capsys):
+    assert cli.main(["validate", str(tmp_path / "nope.jsonl")]) == 2
+    assert "cannot open" in capsys.readouterr().err
+
+
+def test_stats_prints_outcomes_and_usage(tmp_path, capsys):
+    path = tmp_path / "results.jsonl"
+    path.write_text((RESULT % "a" + RESULT % "b").rstrip("\n"))
+    assert cli.main(["stats", str(path), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "completed" in out and "20" in out and "/v1/chat/completions" in out
+
+
+def test_stats_with_input_reports_missing_answers(tmp_path, batch, capsys):
+    path = tmp_path / "results.jsonl"
+    path.write_text(RESULT % "a")
+    assert cli.main(["stats", str(path), "--input", str(batch), "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["missing_count"] == 1 and data["missing"][0]["custom_id"] == "b"
+
+
+def test_stats_reads_s3_through_the_hook(monkeypatch, capsys):
+    class FakeObject:
+        def get(self):
+            return {"Body": io.BytesIO((RESULT % "a").encode()), "ContentLength": 10}
+
+    class FakeHook:
+        def __init__(self, aws_conn_id):
+            assert aws_conn_id == "my_aws"
+
+        @staticmethod
+        def parse_s3_url(uri):
+            return "bucket", "key.jsonl"
+
+        def get_key(self, key, bucket_name):
+            assert (bucket_name, key) == ("bucket", "key.jsonl")
+            return FakeObject()
+
+    monkeypatch.setattr(cli, "s3_hook", lambda conn_id: FakeHook(conn_id))
+    assert cli.main(["stats", "s3://bucket/key.jsonl", "--aws-conn-id", "my_aws", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["request_counts"]["total"] == 1
+
+
+def test_validate_reads_stdin(monkeypatch, capsys):
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO((REQUEST % "a").encode())))
+    assert cli.main(["validate", "-", "--json"]) == 0
+
+
+def test_progress_bar_goes_to_stderr_when_forced(batch, capsys):
+    assert cli.main(["validate", str(batch), "--progress", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ok"] is True

@@ -85,6 +85,31 @@ def build_engine_argv(
     return [*prefix, "-i", input_location, "-o", output_location, "--model", model, *engine_args]
 
 
+#: Runs a module as ``python -m`` would, with its arguments taken from the environment.
+_LAUNCHER = (
+    "import json, os, runpy, sys; "
+    "sys.argv = [sys.argv[1], *json.loads(os.environ.pop('VLLM_BATCH_ENGINE_ARGV'))]; "
+    "runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)"
+)
+
+
+def conceal_arguments(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+    """Move the arguments of a ``python -m module ...`` command into an environment variable.
+
+    A process's command line is world-readable (``ps``, ``/proc/PID/cmdline``), so
+    presigned URLs passed as ``-i``/``-o`` would be visible to every local user for the
+    whole run. Its environment is readable only by the same user; the launcher also
+    drops the variable once read.
+
+    :param argv: ``[python, "-m", module, *arguments]``, as :func:`build_engine_argv` makes.
+    :return: the argv to start instead, and the environment variables to add.
+    """
+    python, flag, module, *arguments = argv
+    if flag != "-m":
+        raise ValueError(f"expected [python, '-m', module, ...], got {argv[:3]!r}")
+    return [python, "-c", _LAUNCHER, module], {"VLLM_BATCH_ENGINE_ARGV": json.dumps(arguments)}
+
+
 @dataclass(frozen=True)
 class EngineInfo:
     """What an engine environment offers.

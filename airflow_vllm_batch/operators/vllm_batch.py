@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from airflow.providers.amazon.aws.hooks.s3 import S3Hook
-from airflow.sdk import BaseOperator
+from airflow.sdk import Asset, BaseOperator
 from airflow.sdk.exceptions import AirflowFailException
 from airflow.sdk.log import mask_secret
 
@@ -40,6 +40,7 @@ from airflow_vllm_batch.hooks.vllm_engine import (
     EngineRun,
     VLLMEngineHook,
     build_engine_argv,
+    conceal_arguments,
     probe_engine,
     redact_urls,
 )
@@ -108,6 +109,9 @@ class VLLMBatchOperator(BaseOperator):
     :param supported_urls: the batch URLs to accept. Default: asked of the engine
         environment (or vLLM 0.32's list when ``engine_command`` is set).
     :param kill_grace_s: seconds between SIGTERM and SIGKILL when stopping the engine.
+    :param resume: when ``<output stem>.manifest.json`` already records a complete run of
+        the same input (same ETag) and model, return it without running the engine, so
+        retries, clears and backfill re-runs cost no GPU time. Default True.
     """
 
     template_fields: Sequence[str] = (
@@ -145,6 +149,7 @@ class VLLMBatchOperator(BaseOperator):
         max_lines: int | None = None,
         supported_urls: Sequence[str] | None = None,
         kill_grace_s: float = 30.0,
+        resume: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -165,6 +170,7 @@ class VLLMBatchOperator(BaseOperator):
         self.max_lines = max_lines
         self.supported_urls = supported_urls
         self.kill_grace_s = kill_grace_s
+        self.resume = resume
 
     @cached_property
     def s3_hook(self) -> S3Hook:
@@ -181,6 +187,16 @@ class VLLMBatchOperator(BaseOperator):
     def execute(self, context: Context) -> dict[str, Any]:
         started = time.monotonic()
         self._check_arguments()
+        input_etag = self.input_fingerprint()
+        manifest = self.completed_manifest(input_etag) if self.resume else None
+        if manifest is None:
+            manifest = self.run_batch(context, input_etag, started)
+        self.announce(manifest, context)
+        self.fail_on_too_many_failures(manifest, context)
+        return manifest
+
+    def run_batch(self, context: Context, input_etag: str | None, started: float) -> dict[str, Any]:
+        """Preflight, presign, run the engine, check and publish; return the manifest."""
         engine = self.inspect_engine()
         staging = self.staging_prefix(context)
         with tempfile.TemporaryDirectory(prefix="vllm-batch-") as tmp:
@@ -191,10 +207,57 @@ class VLLMBatchOperator(BaseOperator):
             run = self.run_engine(get_url, put_url)
             run.vllm_version = run.vllm_version or engine.vllm_version
             results = self.check_output(report, work, staging, run)
-            manifest = self.publish(report, results, work, staging, run, started)
-        context["ti"].xcom_push(key="output_uri", value=manifest["output_uri"])
-        self.fail_on_too_many_failures(manifest, context)
+            return self.publish(report, results, work, staging, run, started, input_etag)
+
+    def input_fingerprint(self) -> str | None:
+        """Return what identifies this exact input: the S3 ETag, or size and mtime of a local file.
+
+        None for an http(s) input, which then always runs.
+        """
+        if self.input_uri.startswith("s3://"):
+            bucket, key = S3Hook.parse_s3_url(self.input_uri)
+            return self.s3_hook.head_object(key, bucket_name=bucket)["ETag"].strip('"')
+        if self.input_uri.startswith(("http://", "https://")):
+            return None
+        stat = os.stat(self.input_uri)
+        return f"local-{stat.st_size}-{stat.st_mtime_ns}"
+
+    def completed_manifest(self, input_etag: str | None) -> dict[str, Any] | None:
+        """Return the manifest of an earlier complete run of this same input and model, if any.
+
+        The manifest is written last at publish, so its presence means the output and
+        error file beside it are complete: a retry, a cleared task or a backfill re-run
+        returns it instead of spending GPU time again.
+        """
+        if input_etag is None:
+            return None
+        bucket, key = S3Hook.parse_s3_url(self.resolved_manifest_uri)
+        if not self.s3_hook.check_for_key(key, bucket_name=bucket):
+            return None
+        manifest = json.loads(self.s3_hook.read_key(key, bucket_name=bucket))
+        same = (manifest.get("input_uri"), manifest.get("input_etag"), manifest.get("model")) == (
+            self.input_uri,
+            input_etag,
+            self.model,
+        )
+        out_bucket, out_key = S3Hook.parse_s3_url(self.output_uri)
+        if not same or not self.s3_hook.check_for_key(out_key, bucket_name=out_bucket):
+            self.log.info("An earlier manifest exists at %s but for another input or model: running.", self.resolved_manifest_uri)
+            return None
+        self.log.info(
+            "Output already complete for this input and model (%s): not running the engine again. "
+            "Set resume=False to force a new run.",
+            self.resolved_manifest_uri,
+        )
         return manifest
+
+    def announce(self, manifest: dict[str, Any], context: Context) -> None:
+        """Push ``output_uri`` to XCom and attach the counts to the outlet asset events."""
+        context["ti"].xcom_push(key="output_uri", value=manifest["output_uri"])
+        extra = {k: manifest[k] for k in ("output_uri", "error_uri", "manifest_uri", "model", "request_counts", "usage")}
+        for outlet in self.outlets or ():
+            if isinstance(outlet, Asset):
+                context["outlet_events"][outlet].extra = extra
 
     def on_kill(self) -> None:
         """Stop the whole engine process group; staging objects are removed by the next try."""
@@ -250,7 +313,7 @@ class VLLMBatchOperator(BaseOperator):
             _maybe_open(work / "input.jsonl", rewriting) as cleaned,
             _maybe_open(work / "preflight-errors.jsonl", rewriting) as errors,
         ):
-            report = preflight(lines, options, cleaned_out=cleaned, errors_out=errors)
+            report = preflight(lines, options, cleaned_out=cleaned, errors_out=errors, reread=self._open_input)
         self.log.info("Preflight of %s:\n%s", self.input_uri, report.format())
         try:
             if self.invalid_lines == "fail" or not report.runnable:
@@ -319,6 +382,9 @@ class VLLMBatchOperator(BaseOperator):
         )
         env = {**os.environ, **{k: str(v) for k, v in (self.engine_env or {}).items()}}
         self.log.info("Starting the vLLM engine: %s", redact_urls(" ".join(argv)))
+        if not self.engine_command:
+            argv, hidden = conceal_arguments(argv)
+            env.update(hidden)
         run = self.engine_hook.run(argv, env=env)
         self.log.info("vLLM engine exited with code %s after %.1fs", run.returncode, run.duration_s)
         if run.returncode != 0:
@@ -346,7 +412,13 @@ class VLLMBatchOperator(BaseOperator):
             (open_lines(str(engine_input)) if engine_input else self._open_input()) as input_lines,
             open(work / "engine-errors.jsonl", "wb") as errors,
         ):
-            results = check_results(result_lines, input_lines, errors_out=errors)
+            results = check_results(
+                result_lines,
+                input_lines,
+                errors_out=errors,
+                reread_input=(lambda: open_lines(str(engine_input))) if engine_input else self._open_input,
+                reread_results=lambda: _s3_lines(self.s3_hook, bucket, key),
+            )
         self.log.info("Results check:\n%s", results.format())
         if results.engine_failure:
             self._delete_prefix(bucket, staging)
@@ -366,6 +438,7 @@ class VLLMBatchOperator(BaseOperator):
         staging: str,
         run: EngineRun,
         started: float,
+        input_etag: str | None,
     ) -> dict[str, Any]:
         """Move the staged output to ``output_uri``, write the error file, return the manifest."""
         out_bucket, out_key = S3Hook.parse_s3_url(self.output_uri)
@@ -388,6 +461,7 @@ class VLLMBatchOperator(BaseOperator):
             "output_uri": self.output_uri,
             "error_uri": error_uri,
             "input_uri": self.input_uri,
+            "input_etag": input_etag,
             "model": self.model,
             "request_counts": {
                 "total": counts["total"] + skipped,

@@ -57,6 +57,7 @@ class DagRunResult:
     task_states: dict[str, str]
     xcoms: dict[tuple[str, str], Any] = field(default_factory=dict)
     output: str = ""
+    rendered: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def xcom(self, task_id: str, key: str = "return_value") -> Any:
         return self.xcoms[(task_id, key)]
@@ -90,8 +91,10 @@ def captured_fds(path: Path) -> Iterator[None]:
 
 def run_dag(dag, run_conf: dict | None = None, logical_date=None) -> DagRunResult:
     """Run ``dag`` in-process; capture its console output (the task logs) and XComs."""
+    from airflow.models.renderedtifields import RenderedTaskInstanceFields
     from airflow.models.xcom import XComModel
     from airflow.utils.session import create_session
+    from sqlalchemy import select
 
     kwargs: dict[str, Any] = {"run_conf": run_conf}
     if logical_date is not None:
@@ -105,7 +108,15 @@ def run_dag(dag, run_conf: dict | None = None, logical_date=None) -> DagRunResul
         tis = {ti.task_id: str(ti.state) for ti in dr.get_task_instances(session=session)}
         rows = session.scalars(XComModel.get_many(run_id=dr.run_id, dag_ids=dag.dag_id)).all()
         xcoms = {(row.task_id, row.key): _xcom_value(row.value) for row in rows}
-    return DagRunResult(dr.run_id, str(dr.state), tis, xcoms, output)
+        rendered = {
+            row.task_id: row.rendered_fields
+            for row in session.scalars(
+                select(RenderedTaskInstanceFields).where(
+                    RenderedTaskInstanceFields.dag_id == dag.dag_id, RenderedTaskInstanceFields.run_id == dr.run_id
+                )
+            )
+        }
+    return DagRunResult(dr.run_id, str(dr.state), tis, xcoms, output, rendered)
 
 
 def _xcom_value(value: Any) -> Any:

@@ -91,11 +91,17 @@ def test_engine_log_is_streamed_with_urls_redacted(pipeline_run, seaweed):
     assert seaweed.secret_key not in out
 
 
-def test_no_presigned_url_or_secret_in_any_xcom(pipeline_run, embeddings_run, seaweed):
+def test_no_presigned_url_or_secret_in_any_xcom_or_rendered_field(pipeline_run, embeddings_run, seaweed):
     for run in (pipeline_run, embeddings_run):
-        text = json.dumps(run.xcoms, default=str)
+        assert run.xcoms and run.rendered  # there is something to search
+        text = repr(run.xcoms) + repr(run.rendered)
         for marker in (*SECRET_MARKERS, seaweed.secret_key, "X-Amz-"):
             assert marker not in text
+
+
+def test_rendered_fields_show_the_templated_uris(pipeline_run):
+    fields = pipeline_run.rendered["vllm_batch"]
+    assert fields["output_uri"].endswith("/results.jsonl") and "{{" not in fields["output_uri"]
 
 
 def test_embeddings_dag_returns_one_384_dim_vector_per_text(embeddings_run, seaweed):

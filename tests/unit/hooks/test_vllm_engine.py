@@ -13,6 +13,7 @@ from airflow_vllm_batch.hooks.vllm_engine import (
     RUN_BATCH_MODULE,
     VLLMEngineHook,
     build_engine_argv,
+    conceal_arguments,
     expand_url_matchers,
     probe_engine,
     redact_urls,
@@ -141,3 +142,24 @@ def _alive(pid: int) -> bool:
     # A zombie is dead for our purposes: only its parent's wait() is missing.
     with open(f"/proc/{pid}/stat") as f:
         return f.read().split(") ", 1)[1][0] != "Z"
+
+
+def test_concealed_arguments_reach_the_module_but_not_the_command_line(tmp_path):
+    (tmp_path / "fake_runner.py").write_text(
+        "import os, sys\n"
+        "cmdline = open(f'/proc/{os.getpid()}/cmdline', 'rb').read()\n"
+        "print('argv', sys.argv[1:])\n"
+        "print('visible', b'abc123' in cmdline)\n"
+        "print('env-left', 'VLLM_BATCH_ENGINE_ARGV' in os.environ)\n"
+    )
+    argv = build_engine_argv(input_location=GET, output_location=PUT, model="m", python=sys.executable)
+    argv[2] = "fake_runner"  # stands in for vllm.entrypoints.openai.run_batch
+    launch, extra_env = conceal_arguments(argv)
+    assert GET not in " ".join(launch)
+    env = {**os.environ, **extra_env, "PYTHONPATH": str(tmp_path)}
+    lines: list[str] = []
+    run = VLLMEngineHook().run(launch, env=env, on_line=lines.append)
+    assert run.returncode == 0, lines
+    # The module got the real arguments (the log line shows them redacted).
+    assert lines[0] == redact_urls("argv " + repr(["-i", GET, "-o", PUT, "--model", "m"]))
+    assert lines[1:] == ["visible False", "env-left False"]

@@ -1,0 +1,348 @@
+"""Split a big batch into shards for dynamic task mapping, and merge the shards' results.
+
+A batch of millions of requests runs as many ``VLLMBatchOperator`` tasks, one per
+shard, spread by Airflow over the GPU workers, each retried on its own::
+
+    split = VLLMBatchSplitOperator(task_id="split", input_uri=..., shard_prefix=PREFIX + "/shards/")
+    inference = VLLMBatchOperator.partial(task_id="vllm_batch", model=M, queue="gpu").expand_kwargs(split.output)
+    merge = VLLMBatchMergeOperator(task_id="merge", shard_manifests=inference.output, output_uri=PREFIX + "/results.jsonl")
+
+A retry redoes only what is missing: the split finds the shards an earlier try
+uploaded (same content, same SHA-256) and leaves them untouched, so their ETags stay
+the same, and ``VLLMBatchOperator`` (``resume=True``) returns the manifest of a shard
+that is already complete instead of starting the engine again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from airflow.providers.amazon.aws.hooks.s3 import S3Hook
+from airflow.sdk import BaseOperator
+
+from airflow_vllm_batch.batchfile import open_lines
+from airflow_vllm_batch.sharding import (
+    DEFAULT_MAX_BYTES,
+    DEFAULT_MAX_REQUESTS,
+    MAX_LINE_BYTES,
+    Shard,
+    ShardingError,
+    merge_results,
+    shard_name,
+    split_lines,
+    sum_manifests,
+)
+
+if TYPE_CHECKING:
+    from airflow.sdk import Context
+
+#: User metadata key holding a shard's SHA-256, how a retry recognises its shards.
+SHA256_METADATA = "sha256"
+#: A shard's results sit beside it: ``shard-00000.jsonl`` -> ``shard-00000.results.jsonl``.
+RESULTS_SUFFIX = ".results.jsonl"
+
+_SHARD_KEY = re.compile(r"^shard-(\d{5,})\.")
+
+
+class VLLMBatchSplitOperator(BaseOperator):
+    """Split a batch file into shards in S3 and return one ``VLLMBatchOperator`` kwargs dict per shard.
+
+    Streams the input (never whole in memory), writes each shard to a temporary
+    file and uploads it as ``<shard_prefix>shard-00000.jsonl``, ``shard-00001.jsonl``,
+    ... (multipart for large shards). The return value feeds
+    ``VLLMBatchOperator.partial(...).expand_kwargs(...)``::
+
+        [{"input_uri": "s3://b/p/shards/shard-00000.jsonl",
+          "output_uri": "s3://b/p/shards/shard-00000.results.jsonl"}, ...]
+
+    The split is deterministic: the same input and limits give the same shards,
+    byte for byte. A shard already in S3 with the same content (SHA-256 in its
+    metadata) is not uploaded again, so its ETag, which the inference task's resume
+    check compares, stays the same across retries. Shard objects left by an earlier
+    split into more shards are removed. Blank lines are dropped; every request line
+    keeps its bytes; a line larger than ``max_bytes`` gets a shard of its own.
+
+    :param input_uri: the batch file: ``s3://bucket/key``, or a local path or http(s)
+        URL readable by the worker. (templated)
+    :param shard_prefix: ``s3://bucket/prefix/`` for the shards and their results;
+        make it specific to the run, e.g. ``s3://b/batches/{{ run_id | key_safe }}/shards/``.
+        (templated)
+    :param max_requests: the most requests in a shard. Default 20,000 (see
+        :data:`airflow_vllm_batch.sharding.DEFAULT_MAX_REQUESTS` for why). (templated)
+    :param max_bytes: the most input bytes in a shard. Default 256 MiB. (templated)
+    :param aws_conn_id: the Airflow AWS connection. Default ``aws_default``.
+    """
+
+    template_fields: Sequence[str] = ("input_uri", "shard_prefix", "max_requests", "max_bytes")
+    ui_color = "#e8f0fe"
+
+    def __init__(
+        self,
+        *,
+        input_uri: str,
+        shard_prefix: str,
+        max_requests: int | str = DEFAULT_MAX_REQUESTS,
+        max_bytes: int | str = DEFAULT_MAX_BYTES,
+        aws_conn_id: str | None = "aws_default",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.input_uri = input_uri
+        self.shard_prefix = shard_prefix
+        self.max_requests = max_requests
+        self.max_bytes = max_bytes
+        self.aws_conn_id = aws_conn_id
+
+    @cached_property
+    def s3_hook(self) -> S3Hook:
+        """The S3 hook of ``aws_conn_id``."""
+        return S3Hook(aws_conn_id=self.aws_conn_id)
+
+    def execute(self, context: Context) -> list[dict[str, str]]:
+        bucket, prefix = _parse_prefix(self.shard_prefix)
+        with tempfile.TemporaryDirectory(prefix="vllm-batch-split-") as tmp:
+            shards = self.split_and_upload(Path(tmp) / "shard.jsonl", bucket, prefix)
+        if not shards:
+            raise ShardingError(f"{self.input_uri} has no request line: nothing to split.")
+        self.remove_stale_shards(bucket, prefix, len(shards))
+        requests = sum(s.requests for s in shards)
+        self.log.info("Split %s into %d shard(s), %d requests, under s3://%s/%s", self.input_uri, len(shards), requests, bucket, prefix)
+        return [self.shard_kwargs(bucket, prefix, shard) for shard in shards]
+
+    def split_and_upload(self, scratch: Path, bucket: str, prefix: str) -> list[Shard]:
+        """Write each shard to ``scratch`` and upload it before the next one is written."""
+
+        def open_shard(index: int):
+            return open(scratch, "wb")
+
+        shards = []
+        with self._open_input() as lines:
+            for shard in split_lines(lines, open_shard, max_requests=self.max_requests, max_bytes=self.max_bytes):
+                self.upload_shard(scratch, bucket, prefix + shard_name(shard.index), shard)
+                shards.append(shard)
+        return shards
+
+    def upload_shard(self, path: Path, bucket: str, key: str, shard: Shard) -> None:
+        """Upload one shard, unless the same content is already there (keeping its ETag)."""
+        head = self.s3_hook.head_object(key, bucket_name=bucket)
+        if head and head.get("ContentLength") == shard.size and head.get("Metadata", {}).get(SHA256_METADATA) == shard.sha256:
+            self.log.info("Shard %d (%d requests, lines %d...) already in s3://%s/%s: kept", shard.index, shard.requests, shard.first_line, bucket, key)
+            return
+        # S3Hook.load_file takes no per-object metadata; this is its own call with it added.
+        self.s3_hook.get_conn().upload_file(
+            str(path),
+            bucket,
+            key,
+            ExtraArgs={**self.s3_hook.extra_args, "Metadata": {SHA256_METADATA: shard.sha256}},
+            Config=self.s3_hook.transfer_config,
+        )
+        self.log.info("Shard %d (%d requests, %d bytes, lines %d...) uploaded to s3://%s/%s", shard.index, shard.requests, shard.size, shard.first_line, bucket, key)
+
+    def remove_stale_shards(self, bucket: str, prefix: str, count: int) -> None:
+        """Delete shards (and their results) numbered ``count`` or more, left by a split into more shards."""
+        keys = self.s3_hook.list_keys(bucket_name=bucket, prefix=prefix) or []
+        stale = [k for k in keys if (m := _SHARD_KEY.match(k[len(prefix) :])) and int(m.group(1)) >= count]
+        if stale:
+            self.log.info("Removing %d object(s) of shards beyond the %d of this split", len(stale), count)
+            self.s3_hook.delete_objects(bucket=bucket, keys=stale)
+
+    @staticmethod
+    def shard_kwargs(bucket: str, prefix: str, shard: Shard) -> dict[str, str]:
+        """The ``VLLMBatchOperator`` arguments of one shard."""
+        key = prefix + shard_name(shard.index)
+        return {
+            "input_uri": f"s3://{bucket}/{key}",
+            "output_uri": f"s3://{bucket}/{key.removesuffix('.jsonl')}{RESULTS_SUFFIX}",
+        }
+
+    @contextlib.contextmanager
+    def _open_input(self) -> Iterator[Iterator[bytes]]:
+        if self.input_uri.startswith("s3://"):
+            bucket, key = S3Hook.parse_s3_url(self.input_uri)
+            with _s3_body(self.s3_hook, bucket, key) as body, open_lines(body, max_line_bytes=MAX_LINE_BYTES) as lines:
+                yield lines
+        else:
+            with open_lines(self.input_uri, max_line_bytes=MAX_LINE_BYTES) as lines:
+                yield lines
+
+
+class VLLMBatchMergeOperator(BaseOperator):
+    """Concatenate the shards' results and error files in shard order; write the batch's manifest.
+
+    Streams each shard's result file from S3 into a temporary file (each line's bytes
+    kept, newline-terminated) and uploads it to ``output_uri`` (multipart for large
+    files); the shards' error files go to ``error_uri`` the same way. The manifest,
+    ``<output stem>.manifest.json``, is written last (and an earlier one deleted
+    first), so its presence means the merged files are complete. Returns it::
+
+        {"output_uri", "error_uri", "input_uri", "input_etag", "model",
+         "request_counts", "usage", "duration_s", "engine_duration_s", "vllm_version",
+         "manifest_uri", "shards", "shard_duration_s", "max_shard_duration_s",
+         "merge_duration_s", "shard_manifest_uris"}
+
+    ``duration_s`` is the compute spent (the shards' durations plus the merge), not
+    the wall time, which depends on how many workers ran the shards at once.
+
+    :param shard_manifests: the shards' manifests in shard order, normally the mapped
+        ``VLLMBatchOperator``'s ``.output``. (templated)
+    :param output_uri: ``s3://bucket/key`` of the merged results. (templated)
+    :param error_uri: where the merged error lines go. Default: the output key with
+        ``.jsonl`` replaced by ``.errors.jsonl``. (templated)
+    :param input_uri: the unsplit input, recorded in the manifest (with its ETag when
+        in S3). Default: none. (templated)
+    :param aws_conn_id: the Airflow AWS connection. Default ``aws_default``.
+    """
+
+    template_fields: Sequence[str] = ("shard_manifests", "output_uri", "error_uri", "input_uri")
+    ui_color = "#e8f0fe"
+
+    def __init__(
+        self,
+        *,
+        shard_manifests: Any,
+        output_uri: str,
+        error_uri: str | None = None,
+        input_uri: str | None = None,
+        aws_conn_id: str | None = "aws_default",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.shard_manifests = shard_manifests
+        self.output_uri = output_uri
+        self.error_uri = error_uri
+        self.input_uri = input_uri
+        self.aws_conn_id = aws_conn_id
+
+    @cached_property
+    def s3_hook(self) -> S3Hook:
+        """The S3 hook of ``aws_conn_id``."""
+        return S3Hook(aws_conn_id=self.aws_conn_id)
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        started = time.monotonic()
+        manifests = self.collect_manifests()
+        summary = sum_manifests(manifests)
+        self.remove_manifest()
+        with tempfile.TemporaryDirectory(prefix="vllm-batch-merge-") as tmp:
+            lines = self.concatenate([m["output_uri"] for m in manifests], Path(tmp) / "results.jsonl", self.output_uri)
+            error_uri = self.merge_errors(manifests, Path(tmp) / "errors.jsonl")
+        self.log.info("Merged %d shard(s) into %s (%d lines)", len(manifests), self.output_uri, lines)
+        manifest = self.build_manifest(summary, error_uri, time.monotonic() - started)
+        self.write_manifest(manifest)
+        context["ti"].xcom_push(key="output_uri", value=self.output_uri)
+        return manifest
+
+    def collect_manifests(self) -> list[dict[str, Any]]:
+        """The shards' manifests as a list, in shard (map index) order."""
+        manifests = [m for m in (self.shard_manifests or []) if m is not None]
+        if not manifests:
+            raise ShardingError("No shard manifests to merge: did the mapped inference task run?")
+        incomplete = [i for i, m in enumerate(manifests) if not isinstance(m, dict) or not m.get("output_uri")]
+        if incomplete:
+            raise ShardingError(f"Shard manifest(s) {incomplete} have no output_uri: the inference task of those shards did not publish.")
+        return manifests
+
+    def concatenate(self, uris: Sequence[str], scratch: Path, target: str) -> int:
+        """Merge ``uris`` (in order) into ``target`` through ``scratch``; return the lines written."""
+        with open(scratch, "wb") as out:
+            lines = merge_results(self._bodies(uris), out)
+        bucket, key = S3Hook.parse_s3_url(target)
+        self.s3_hook.load_file(str(scratch), key=key, bucket_name=bucket, replace=True)
+        return lines
+
+    def merge_errors(self, manifests: Sequence[dict[str, Any]], scratch: Path) -> str | None:
+        """Merge the shards' error files; return ``error_uri``, or None (removing a stale one) when there are none."""
+        error_uris = [m["error_uri"] for m in manifests if m.get("error_uri")]
+        bucket, key = S3Hook.parse_s3_url(self.resolved_error_uri)
+        if error_uris:
+            lines = self.concatenate(error_uris, scratch, self.resolved_error_uri)
+            self.log.info("Merged %d shard error file(s) into %s (%d lines)", len(error_uris), self.resolved_error_uri, lines)
+            return self.resolved_error_uri
+        if self.s3_hook.check_for_key(key, bucket_name=bucket):
+            self.s3_hook.delete_objects(bucket=bucket, keys=[key])
+        return None
+
+    def build_manifest(self, summary: dict[str, Any], error_uri: str | None, merge_s: float) -> dict[str, Any]:
+        """The batch's manifest: the shards' sums, in the shape of ``VLLMBatchOperator``'s."""
+        return {
+            "output_uri": self.output_uri,
+            "error_uri": error_uri,
+            "input_uri": self.input_uri,
+            "input_etag": self._input_etag(),
+            "model": summary["model"],
+            "request_counts": summary["request_counts"],
+            "usage": summary["usage"],
+            "duration_s": round(summary["shard_duration_s"] + merge_s, 3),
+            "engine_duration_s": summary["engine_duration_s"],
+            "vllm_version": summary["vllm_version"],
+            "manifest_uri": self.resolved_manifest_uri,
+            "shards": summary["shards"],
+            "shard_duration_s": summary["shard_duration_s"],
+            "max_shard_duration_s": summary["max_shard_duration_s"],
+            "merge_duration_s": round(merge_s, 3),
+            "shard_manifest_uris": summary["shard_manifest_uris"],
+        }
+
+    def remove_manifest(self) -> None:
+        """Delete an earlier merge's manifest first, so that a merge failing midway leaves none."""
+        bucket, key = S3Hook.parse_s3_url(self.resolved_manifest_uri)
+        if self.s3_hook.check_for_key(key, bucket_name=bucket):
+            self.s3_hook.delete_objects(bucket=bucket, keys=[key])
+
+    def write_manifest(self, manifest: dict[str, Any]) -> None:
+        """Write the manifest beside the output, last."""
+        bucket, key = S3Hook.parse_s3_url(self.resolved_manifest_uri)
+        self.s3_hook.load_string(json.dumps(manifest, indent=2), key=key, bucket_name=bucket, replace=True)
+
+    @property
+    def resolved_error_uri(self) -> str:
+        """``error_uri``, or the output URI with ``.jsonl`` replaced by ``.errors.jsonl``."""
+        return self.error_uri or f"{self._output_stem}.errors.jsonl"
+
+    @property
+    def resolved_manifest_uri(self) -> str:
+        """``<output stem>.manifest.json``, as ``VLLMBatchOperator`` names it."""
+        return f"{self._output_stem}.manifest.json"
+
+    @property
+    def _output_stem(self) -> str:
+        return self.output_uri.removesuffix(".jsonl")
+
+    def _bodies(self, uris: Sequence[str]) -> Iterator[Any]:
+        """Open each object's body in turn, closing it before the next one opens."""
+        for uri in uris:
+            bucket, key = S3Hook.parse_s3_url(uri)
+            with _s3_body(self.s3_hook, bucket, key) as body:
+                yield body
+
+    def _input_etag(self) -> str | None:
+        if not self.input_uri or not self.input_uri.startswith("s3://"):
+            return None
+        bucket, key = S3Hook.parse_s3_url(self.input_uri)
+        head = self.s3_hook.head_object(key, bucket_name=bucket)
+        return head.get("ETag") if head else None
+
+
+def _parse_prefix(uri: str) -> tuple[str, str]:
+    if not uri.startswith("s3://"):
+        raise ShardingError(f"shard_prefix must be an s3:// URI, got {uri!r}.")
+    bucket, key = S3Hook.parse_s3_url(uri)
+    # A prefix is a folder: "…/shards" and "…/shards/" mean the same.
+    return bucket, key.rstrip("/") + "/" if key else ""
+
+
+@contextlib.contextmanager
+def _s3_body(hook: S3Hook, bucket: str, key: str) -> Iterator[Any]:
+    body = hook.get_key(key, bucket_name=bucket).get()["Body"]
+    try:
+        yield body
+    finally:
+        body.close()

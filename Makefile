@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(BIN)/python -m airflow_vllm_batch.embedded.demo
 
-test: $(STAMP)
+test: $(STAMP) system-deps
 	$(BIN)/python -m pytest -q -ra --durations=15
 
 test-unit: $(STAMP)

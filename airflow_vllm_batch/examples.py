@@ -99,3 +99,21 @@ def embedding_requests(n: int, model: str) -> bytes:
         for i in range(n)
     ]
     return ("\n".join(lines) + "\n").encode()
+
+
+#: Name of the Asset the pipeline DAG's inference task updates.
+RESULTS_ASSET_NAME = "vllm_batch_pipeline_results"
+
+
+def results_asset():
+    """The Asset the pipeline DAG's inference task updates: its results prefix in the example bucket.
+
+    Every successful run emits an event on it whose ``extra`` holds the manifest's
+    ``output_uri``, ``error_uri``, ``manifest_uri``, ``request_counts``, ``usage`` and
+    ``model``; ``dags/vllm_batch_asset_consumer.py`` is scheduled on it. The URI is a
+    prefix (Airflow drops a trailing ``/``), so it names the results of every run.
+    """
+    # Imported here: the rest of this module is plain settings that need no Airflow.
+    from airflow.sdk import Asset
+
+    return Asset(name=RESULTS_ASSET_NAME, uri=f"s3://{bucket()}/vllm-batch/vllm_batch_pipeline")

@@ -38,3 +38,7 @@ class TooManyFailedRequestsError(VLLMBatchError):
 
 class PresignError(VLLMBatchError):
     """A presigned URL could not be made (bad connection, bad bucket or key, expiry too long)."""
+
+
+class PublishError(VLLMBatchError):
+    """The results could not be put in S3 (unreachable, denied); the message says what was kept."""

@@ -28,6 +28,22 @@ def get_provider_info() -> dict[str, Any]:
                 "python-modules": ["airflow_vllm_batch.operators.vllm_batch"],
             }
         ],
+        "extra-links": ["airflow_vllm_batch.links.output.VLLMBatchOutputLink"],
+        "config": {
+            "vllm_batch": {
+                "description": "Settings of the airflow-vllm-batch provider.",
+                "options": {
+                    "output_link_template": {
+                        "description": 'URL of the "vLLM batch output" extra link, formatted with {bucket} '
+                        "and {key} (the key percent-encoded). Read on the worker when the task finishes.",
+                        "version_added": "0.1.0",
+                        "type": "string",
+                        "example": "http://localhost:8888/buckets/{bucket}/{key}",
+                        "default": "https://s3.console.aws.amazon.com/s3/object/{bucket}?prefix={key}",
+                    }
+                },
+            }
+        },
         "hooks": [
             {
                 "integration-name": "vLLM Batch",

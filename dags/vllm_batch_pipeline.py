@@ -25,6 +25,7 @@ from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
 
 log = logging.getLogger(__name__)
 
+RESULTS_ASSET = examples.results_asset()
 PREFIX = "s3://" + examples.bucket() + "/vllm-batch/{{ dag.dag_id }}/{{ run_id | key_safe }}"
 
 
@@ -65,6 +66,7 @@ def vllm_batch_pipeline():
         max_failed_ratio="{{ params.max_failed_ratio }}",
         execution_timeout=timedelta(hours=6),
         queue="gpu",
+        outlets=[RESULTS_ASSET],
     )
 
     @task

@@ -328,7 +328,8 @@ class VLLMBatchMergeOperator(BaseOperator):
             return None
         bucket, key = S3Hook.parse_s3_url(self.input_uri)
         head = self.s3_hook.head_object(key, bucket_name=bucket)
-        return head.get("ETag") if head else None
+        # Unquoted, as VLLMBatchOperator records it.
+        return head["ETag"].strip('"') if head else None
 
 
 def _parse_prefix(uri: str) -> tuple[str, str]:
@@ -336,7 +337,7 @@ def _parse_prefix(uri: str) -> tuple[str, str]:
         raise ShardingError(f"shard_prefix must be an s3:// URI, got {uri!r}.")
     bucket, key = S3Hook.parse_s3_url(uri)
     # A prefix is a folder: "…/shards" and "…/shards/" mean the same.
-    return bucket, key.rstrip("/") + "/" if key else ""
+    return bucket, (key.rstrip("/") + "/") if key else ""
 
 
 @contextlib.contextmanager

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from airflow.providers.amazon.aws.hooks.s3 import S3Hook
+from botocore.exceptions import BotoCoreError, ClientError
 from airflow.sdk import Asset, BaseOperator
 from airflow.sdk.exceptions import AirflowFailException
 from airflow.sdk.log import mask_secret
@@ -27,13 +28,17 @@ from airflow_vllm_batch.batchfile import (
     open_lines,
     preflight,
 )
+from airflow_vllm_batch.engine_output import DEFAULT_RESULTS_DIR, LocalEngineOutput, StagedEngineOutput
 from airflow_vllm_batch.exceptions import (
     EngineError,
     PreflightError,
     PresignError,
+    PublishError,
     TooManyFailedRequestsError,
     VLLMBatchError,
 )
+from airflow_vllm_batch.lineage import lineage_for
+from airflow_vllm_batch.links.output import VLLMBatchOutputLink
 from airflow_vllm_batch.hooks.vllm_engine import (
     FALLBACK_SUPPORTED_URLS,
     EngineInfo,
@@ -112,6 +117,14 @@ class VLLMBatchOperator(BaseOperator):
     :param resume: when ``<output stem>.manifest.json`` already records a complete run of
         the same input (same ETag) and model, return it without running the engine, so
         retries, clears and backfill re-runs cost no GPU time. Default True.
+    :param output_mode: ``"local"`` (default): the engine writes a file on this worker,
+        which the operator checks and uploads with S3Hook; if S3 is unreachable then,
+        the file is kept in ``results_dir`` and a retry on this worker publishes it
+        without running the engine again. ``"presigned"``: the engine PUTs its output
+        to a presigned staging URL — for engines that run where this worker's disk is
+        not and that hold no AWS credentials (vLLM loses the results if that PUT fails).
+    :param results_dir: where local results wait to be published. Default: the system
+        temporary directory's ``airflow-vllm-batch``.
     """
 
     template_fields: Sequence[str] = (
@@ -127,6 +140,7 @@ class VLLMBatchOperator(BaseOperator):
         "max_failed_ratio",
     )
     template_fields_renderers = {"engine_args": "json", "engine_env": "json", "default_body": "json"}
+    operator_extra_links = (VLLMBatchOutputLink(),)
     ui_color = "#e8f0fe"
 
     def __init__(
@@ -150,6 +164,8 @@ class VLLMBatchOperator(BaseOperator):
         supported_urls: Sequence[str] | None = None,
         kill_grace_s: float = 30.0,
         resume: bool = True,
+        output_mode: str = "local",
+        results_dir: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -171,6 +187,8 @@ class VLLMBatchOperator(BaseOperator):
         self.supported_urls = supported_urls
         self.kill_grace_s = kill_grace_s
         self.resume = resume
+        self.output_mode = output_mode
+        self.results_dir = results_dir
 
     @cached_property
     def s3_hook(self) -> S3Hook:
@@ -187,7 +205,13 @@ class VLLMBatchOperator(BaseOperator):
     def execute(self, context: Context) -> dict[str, Any]:
         started = time.monotonic()
         self._check_arguments()
-        input_etag = self.input_fingerprint()
+        try:
+            input_etag = self.input_fingerprint()
+        except (BotoCoreError, ClientError) as err:
+            raise VLLMBatchError(
+                f"Cannot read {self.input_uri} ({err}). Nothing was run; check that S3 is reachable with "
+                f"connection {self.aws_conn_id!r} and that the object exists, then retry."
+            ) from err
         manifest = self.completed_manifest(input_etag) if self.resume else None
         if manifest is None:
             manifest = self.run_batch(context, input_etag, started)
@@ -199,15 +223,39 @@ class VLLMBatchOperator(BaseOperator):
         """Preflight, presign, run the engine, check and publish; return the manifest."""
         engine = self.inspect_engine()
         staging = self.staging_prefix(context)
+        output = self.engine_output(input_etag, staging)
         with tempfile.TemporaryDirectory(prefix="vllm-batch-") as tmp:
             work = Path(tmp)
             report = self.preflight(engine, work)
-            engine_input = self.stage_input(report, work, staging)
-            get_url, put_url = self.presign(engine_input, f"{staging}/results.jsonl")
-            run = self.run_engine(get_url, put_url)
+            if output.recovered():
+                self.log.info(
+                    "Results of an earlier try were never published; publishing them from %s "
+                    "without running the engine again.",
+                    output.describe(),
+                )
+                run = EngineRun(returncode=0, duration_s=0.0)
+            else:
+                engine_input = self.stage_input(report, work, staging)
+                input_location = self.presign_input(engine_input)
+                run = self.run_engine(input_location, self.engine_output_location(output))
+                self.confirm_output(output, run)
             run.vllm_version = run.vllm_version or engine.vllm_version
-            results = self.check_output(report, work, staging, run)
-            return self.publish(report, results, work, staging, run, started, input_etag)
+            try:
+                results = self.check_output(report, work, output, staging)
+                manifest = self.publish(report, results, work, output, staging, run, started, input_etag)
+            except (BotoCoreError, ClientError) as err:
+                raise PublishError(f"S3 failed after the engine finished ({err}). {self._kept(output)}") from err
+        output.discard()
+        return manifest
+
+    @staticmethod
+    def _kept(output) -> str:
+        if isinstance(output, LocalEngineOutput):
+            return (
+                f"The results are kept at {output.describe()}: a retry on this worker publishes them "
+                "without running the engine again."
+            )
+        return "The engine's results are lost with its staging object; a retry runs the batch again."
 
     def input_fingerprint(self) -> str | None:
         """Return what identifies this exact input: the S3 ETag, or size and mtime of a local file.
@@ -254,10 +302,17 @@ class VLLMBatchOperator(BaseOperator):
     def announce(self, manifest: dict[str, Any], context: Context) -> None:
         """Push ``output_uri`` to XCom and attach the counts to the outlet asset events."""
         context["ti"].xcom_push(key="output_uri", value=manifest["output_uri"])
+        VLLMBatchOutputLink.persist(context=context, output_uri=manifest["output_uri"])
+        self._published_error_uri = manifest["error_uri"]
         extra = {k: manifest[k] for k in ("output_uri", "error_uri", "manifest_uri", "model", "request_counts", "usage")}
         for outlet in self.outlets or ():
             if isinstance(outlet, Asset):
                 context["outlet_events"][outlet].extra = extra
+
+    def get_openlineage_facets_on_complete(self, task_instance: Any) -> Any:
+        """Report the input file and the published results (and error file) to OpenLineage."""
+        # getattr: OpenLineage also calls this for a task that failed before announce().
+        return lineage_for(self.input_uri, self.output_uri, getattr(self, "_published_error_uri", None))
 
     def on_kill(self) -> None:
         """Stop the whole engine process group; staging objects are removed by the next try."""
@@ -270,6 +325,8 @@ class VLLMBatchOperator(BaseOperator):
         self.max_failed_ratio = float(self.max_failed_ratio)
         if not self.output_uri.startswith("s3://"):
             raise VLLMBatchError(f"output_uri must be an s3:// URI, got {self.output_uri!r}.")
+        if self.output_mode not in ("local", "presigned"):
+            raise VLLMBatchError(f"output_mode must be 'local' or 'presigned', got {self.output_mode!r}.")
         if self.invalid_lines not in ("fail", "skip"):
             raise VLLMBatchError(f"invalid_lines must be 'fail' or 'skip', got {self.invalid_lines!r}.")
         if not 0 <= self.max_failed_ratio <= 1:
@@ -338,21 +395,29 @@ class VLLMBatchOperator(BaseOperator):
         self.log.info("Engine reads the cleaned copy s3://%s/%s", bucket, key)
         return f"s3://{bucket}/{key}"
 
-    def presign(self, engine_input: str, staging_key: str) -> tuple[str, str]:
-        """Return ``(input for the engine, presigned PUT URL of the staging output)``.
+    def engine_output(self, input_etag: str | None, staging: str):
+        """Return where the engine writes: a local file kept across tries, or a staging key."""
+        if self.output_mode == "presigned":
+            bucket, _ = S3Hook.parse_s3_url(self.output_uri)
+            return StagedEngineOutput(self.s3_hook, bucket, f"{staging}/results.jsonl")
+        # Without a fingerprint (http input) a retry cannot trust old results: a fresh directory.
+        identity = input_etag if input_etag is not None else uuid.uuid4().hex
+        return LocalEngineOutput(self.results_dir or DEFAULT_RESULTS_DIR, self.output_uri, identity, self.model)
 
-        Both URLs are registered with the secrets masker before anything can log them.
-        """
-        expires_in = self.presign_seconds()
-        if engine_input.startswith("s3://"):
-            bucket, key = S3Hook.parse_s3_url(engine_input)
-            get_url = self._presign("get_object", bucket, key, expires_in)
-        else:
-            get_url = engine_input
-        bucket, _ = S3Hook.parse_s3_url(self.output_uri)
-        put_url = self._presign("put_object", bucket, staging_key, expires_in)
-        self.log.info("Presigned URLs valid for %ds; the engine writes s3://%s/%s", expires_in, bucket, staging_key)
-        return get_url, put_url
+    def presign_input(self, engine_input: str) -> str:
+        """Return what the engine reads: a presigned GET URL for S3, else the path or URL itself."""
+        if not engine_input.startswith("s3://"):
+            return engine_input
+        bucket, key = S3Hook.parse_s3_url(engine_input)
+        return self._presign("get_object", bucket, key, self.presign_seconds())
+
+    def engine_output_location(self, output) -> str:
+        """Return the engine's ``-o``: a local path, or a presigned PUT URL of the staging key."""
+        if isinstance(output, StagedEngineOutput):
+            url = self._presign("put_object", output.bucket, output.key, self.presign_seconds())
+            self.log.info("The engine uploads its results to %s", output.describe())
+            return url
+        return output.engine_location
 
     def presign_seconds(self) -> int:
         """Seconds the presigned URLs must stay valid: the task's whole time budget."""
@@ -370,11 +435,11 @@ class VLLMBatchOperator(BaseOperator):
             )
         return seconds
 
-    def run_engine(self, get_url: str, put_url: str) -> EngineRun:
+    def run_engine(self, input_location: str, output_location: str) -> EngineRun:
         """Run the batch runner to completion; raise when it failed."""
         argv = build_engine_argv(
-            input_location=get_url,
-            output_location=put_url,
+            input_location=input_location,
+            output_location=output_location,
             model=self.model,
             engine_args=list(self.engine_args or ()),
             engine_command=self.engine_command,
@@ -397,18 +462,19 @@ class VLLMBatchOperator(BaseOperator):
             )
         return run
 
-    def check_output(self, report: PreflightReport, work: Path, staging: str, run: EngineRun) -> ResultsReport:
-        """Check that the staged output answers every request exactly once."""
-        bucket, _ = S3Hook.parse_s3_url(self.output_uri)
-        key = f"{staging}/results.jsonl"
-        if not self.s3_hook.check_for_key(key, bucket_name=bucket):
+    def confirm_output(self, output, run: EngineRun) -> None:
+        """Raise when the engine exited 0 but left no output (vLLM's upload gave up)."""
+        if not output.engine_finished():
             raise EngineError(
-                "The vLLM engine exited 0 but its output never reached S3 (its upload failed: see "
-                "'Failed to upload' in the log above). Last lines of its log:\n" + "\n".join(run.tail[-15:])
+                f"The vLLM engine exited 0 but wrote no output to {output.describe()} (its upload failed: "
+                "see 'Failed to upload' in the log above). Last lines of its log:\n" + "\n".join(run.tail[-15:])
             )
+
+    def check_output(self, report: PreflightReport, work: Path, output, staging: str) -> ResultsReport:
+        """Check that the engine's output answers every request exactly once."""
         engine_input = work / "input.jsonl" if report.needs_rewrite else None
         with (
-            _s3_lines(self.s3_hook, bucket, key) as result_lines,
+            output.open_lines() as result_lines,
             (open_lines(str(engine_input)) if engine_input else self._open_input()) as input_lines,
             open(work / "engine-errors.jsonl", "wb") as errors,
         ):
@@ -417,11 +483,12 @@ class VLLMBatchOperator(BaseOperator):
                 input_lines,
                 errors_out=errors,
                 reread_input=(lambda: open_lines(str(engine_input))) if engine_input else self._open_input,
-                reread_results=lambda: _s3_lines(self.s3_hook, bucket, key),
+                reread_results=output.open_lines,
             )
         self.log.info("Results check:\n%s", results.format())
         if results.engine_failure:
-            self._delete_prefix(bucket, staging)
+            output.discard()
+            self._delete_prefix(S3Hook.parse_s3_url(self.output_uri)[0], staging)
             raise EngineError(
                 "The vLLM engine died during the run although it exited 0: every request came back "
                 f"as an error ({'; '.join(results.sample_errors[:3])}). Nothing was published; look "
@@ -435,17 +502,16 @@ class VLLMBatchOperator(BaseOperator):
         report: PreflightReport,
         results: ResultsReport,
         work: Path,
+        output,
         staging: str,
         run: EngineRun,
         started: float,
         input_etag: str | None,
     ) -> dict[str, Any]:
-        """Move the staged output to ``output_uri``, write the error file, return the manifest."""
+        """Put the results at ``output_uri``, write the error file and the manifest (last)."""
         out_bucket, out_key = S3Hook.parse_s3_url(self.output_uri)
         err_bucket, err_key = S3Hook.parse_s3_url(self.resolved_error_uri)
-        self.s3_hook.get_conn().copy(
-            {"Bucket": out_bucket, "Key": f"{staging}/results.jsonl"}, out_bucket, out_key
-        )
+        output.publish(self.s3_hook, out_bucket, out_key)
         skipped = report.invalid_lines if self.invalid_lines == "skip" else 0
         failed = results.request_counts["failed"] + skipped
         error_uri = None

@@ -114,3 +114,25 @@ def test_embeddings_dag_returns_one_384_dim_vector_per_text(embeddings_run, seaw
         (item,) = line["response"]["body"]["data"]
         assert len(item["embedding"]) == 384
     assert embeddings_run.xcom("check_vectors") == {"count": N_EMBED}
+
+
+def test_pipeline_output_link_points_at_the_results(pipeline_run):
+    bucket, _, key = pipeline_run.xcom("vllm_batch")["output_uri"].removeprefix("s3://").partition("/")
+    assert pipeline_run.xcom("vllm_batch", "_link_VLLMBatchOutputLink") == (
+        f"https://s3.console.aws.amazon.com/s3/object/{bucket}?prefix={key}"
+    )
+
+
+def test_pipeline_emits_the_results_asset_event_with_the_counts(pipeline_run):
+    from airflow.models.asset import AssetEvent, AssetModel
+    from airflow.utils.session import create_session
+    from sqlalchemy import select
+
+    with create_session() as session:
+        event = session.scalars(
+            select(AssetEvent)
+            .join(AssetModel, AssetEvent.asset_id == AssetModel.id)
+            .where(AssetModel.name == "vllm_batch_pipeline_results", AssetEvent.source_run_id == pipeline_run.run_id)
+        ).one()
+    assert event.extra["request_counts"] == {"total": N_CHAT, "completed": N_CHAT, "failed": 0}
+    assert event.extra["output_uri"] == pipeline_run.xcom("vllm_batch")["output_uri"]

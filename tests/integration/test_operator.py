@@ -129,5 +129,5 @@ def test_engine_that_exits_0_without_output_fails_the_task(embedded, airflow_db,
         engine_command=[sys.executable, "-c", "print('Failed to upload data (attempt 5)')"],
     )
     assert result.state == "failed"
-    assert "output never reached S3" in result.output
+    assert "wrote no output" in result.output
     assert _keys(embedded, "silent/") == ["input.jsonl"]

@@ -1,0 +1,109 @@
+"""The "vLLM batch output" extra link: a button from the task to its results object.
+
+Airflow 3 way, as amazon's ``BaseAwsLink``: during ``execute`` the operator stores the
+output's bucket and key in XCom (:meth:`VLLMBatchOutputLink.persist`); when the task
+finishes, the task runner calls :meth:`VLLMBatchOutputLink.get_link` on the worker and
+stores the formatted URL under the link's ``xcom_key``, which is what the UI shows.
+So the URL template is read on the worker, from the worker's configuration.
+
+The URL comes from a template formatted with ``{bucket}`` and ``{key}`` (the key
+percent-encoded, ``/`` kept), taken from, in order:
+
+1. Airflow config ``[vllm_batch] output_link_template`` (or the environment variable
+   ``AIRFLOW__VLLM_BATCH__OUTPUT_LINK_TEMPLATE``), e.g. a SeaweedFS filer
+   ``http://localhost:8888/buckets/{bucket}/{key}`` or a MinIO console;
+2. the AWS S3 console, :data:`DEFAULT_OUTPUT_LINK_TEMPLATE`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, ClassVar
+from urllib.parse import quote
+
+from airflow.sdk import BaseOperatorLink, conf
+
+if TYPE_CHECKING:
+    from airflow.sdk import BaseOperator, Context
+    from airflow.sdk.types import TaskInstanceKey
+
+log = logging.getLogger(__name__)
+
+#: The AWS S3 console page of one object.
+DEFAULT_OUTPUT_LINK_TEMPLATE = "https://s3.console.aws.amazon.com/s3/object/{bucket}?prefix={key}"
+#: Config section and option of the template; the env var is AIRFLOW__VLLM_BATCH__OUTPUT_LINK_TEMPLATE.
+CONFIG_SECTION = "vllm_batch"
+CONFIG_OPTION = "output_link_template"
+
+
+def output_link_template() -> str:
+    """Return the configured URL template, or the AWS S3 console's when none is set."""
+    return conf.get(CONFIG_SECTION, CONFIG_OPTION, fallback=None) or DEFAULT_OUTPUT_LINK_TEMPLATE
+
+
+def parse_output_uri(output_uri: str) -> tuple[str, str]:
+    """Split ``s3://bucket/key`` into ``(bucket, key)``.
+
+    :param output_uri: the operator's ``output_uri``.
+    :raises ValueError: if it is not an ``s3://`` URI with a bucket and a key.
+    """
+    bucket, _, key = output_uri.removeprefix("s3://").partition("/")
+    if not output_uri.startswith("s3://") or not bucket or not key:
+        raise ValueError(f"Expected s3://bucket/key, got {output_uri!r}.")
+    return bucket, key
+
+
+def format_output_link(bucket: str, key: str, template: str | None = None) -> str:
+    """Return the URL of an output object.
+
+    :param bucket: the bucket.
+    :param key: the object key; percent-encoded into the URL, ``/`` kept.
+    :param template: a URL with ``{bucket}`` and ``{key}``. Default: :func:`output_link_template`.
+    :raises KeyError: if the template names a placeholder other than bucket and key.
+    """
+    # A key is free text (spaces, '+', '#', '?'); unencoded it would change the URL's meaning.
+    return (template or output_link_template()).format(bucket=quote(bucket, safe=""), key=quote(key, safe="/"))
+
+
+class VLLMBatchOutputLink(BaseOperatorLink):
+    """Link from a ``VLLMBatchOperator`` task to its output object (S3 console or a configured URL)."""
+
+    name = "vLLM batch output"
+    #: XCom key of what :meth:`persist` stores: ``{"bucket": ..., "key": ...}``.
+    key: ClassVar[str] = "vllm_batch_output_link"
+
+    def get_link(self, operator: BaseOperator, *, ti_key: TaskInstanceKey) -> str:
+        """Return the output's URL, or ``""`` when the task stored none (it failed before publishing).
+
+        :param operator: the task's operator.
+        :param ti_key: the task instance to return the link for.
+        """
+        # The task runner's XCom (custom backends included); imported here, not when DAG files are parsed.
+        from airflow.sdk.execution_time.xcom import XCom
+
+        # A link must never break the task or the UI: any failure is an empty link.
+        try:
+            stored: dict[str, Any] | None = XCom.get_value(key=self.key, ti_key=ti_key)
+            return format_output_link(stored["bucket"], stored["key"]) if stored else ""
+        except Exception:
+            log.warning("Could not build the %r link of %s", self.name, ti_key, exc_info=True)
+            return ""
+
+    @classmethod
+    def persist(cls, *, context: Context, output_uri: str) -> None:
+        """Store where the output is, for :meth:`get_link`; call it from ``execute`` once published.
+
+        Only the bucket and key are stored (never a URL with credentials), so the link
+        follows the template configured when the task finishes.
+
+        A failure here is logged, not raised: the results are already published, and a
+        missing button is no reason to fail (and retry) the task.
+
+        :param context: the task's context (its ``ti`` pushes the XCom).
+        :param output_uri: ``s3://bucket/key`` of the published results.
+        """
+        try:
+            bucket, key = parse_output_uri(output_uri)
+            context["ti"].xcom_push(key=cls.key, value={"bucket": bucket, "key": key})
+        except Exception:
+            log.warning("Could not store the %r link of %s", cls.name, output_uri, exc_info=True)

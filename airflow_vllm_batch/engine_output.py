@@ -31,6 +31,7 @@ from typing import Any
 from airflow.providers.amazon.aws.hooks.s3 import S3Hook
 
 from airflow_vllm_batch.batchfile import open_lines
+from airflow_vllm_batch.output_files import s3_lines
 
 #: Default parent of the local results directories (one per output, input and model).
 DEFAULT_RESULTS_DIR = os.path.join(tempfile.gettempdir(), "airflow-vllm-batch")
@@ -104,14 +105,8 @@ class StagedEngineOutput:
     def engine_finished(self) -> bool:
         return self.hook.check_for_key(self.key, bucket_name=self.bucket)
 
-    @contextlib.contextmanager
-    def open_lines(self) -> Iterator[Iterator[bytes]]:
-        body = self.hook.get_key(self.key, bucket_name=self.bucket).get()["Body"]
-        try:
-            with open_lines(body) as lines:
-                yield lines
-        finally:
-            body.close()
+    def open_lines(self) -> contextlib.AbstractContextManager[Iterator[bytes]]:
+        return s3_lines(self.hook, self.bucket, self.key)
 
     def publish(self, hook: S3Hook, bucket: str, key: str) -> None:
         """Server-side copy (managed: multipart above 5 GB) from staging to the final key."""

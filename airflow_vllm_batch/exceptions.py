@@ -42,3 +42,7 @@ class PresignError(VLLMBatchError):
 
 class PublishError(VLLMBatchError):
     """The results could not be put in S3 (unreachable, denied); the message says what was kept."""
+
+
+class ShardingError(VLLMBatchError):
+    """A batch file could not be split into shards, or shard results not merged back."""

@@ -23,9 +23,8 @@ newline (vLLM uploads its output without one) are fine.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import ContextManager
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import IO, Any, ContextManager
 
 import msgspec
 

@@ -29,6 +29,7 @@ from airflow.providers.amazon.aws.hooks.s3 import S3Hook
 from airflow.sdk import BaseOperator
 
 from airflow_vllm_batch.batchfile import open_lines
+from airflow_vllm_batch.output_files import default_error_uri, manifest_uri, s3_body
 from airflow_vllm_batch.sharding import (
     DEFAULT_MAX_BYTES,
     DEFAULT_MAX_REQUESTS,
@@ -167,7 +168,7 @@ class VLLMBatchSplitOperator(BaseOperator):
     def _open_input(self) -> Iterator[Iterator[bytes]]:
         if self.input_uri.startswith("s3://"):
             bucket, key = S3Hook.parse_s3_url(self.input_uri)
-            with _s3_body(self.s3_hook, bucket, key) as body, open_lines(body, max_line_bytes=MAX_LINE_BYTES) as lines:
+            with s3_body(self.s3_hook, bucket, key) as body, open_lines(body, max_line_bytes=MAX_LINE_BYTES) as lines:
                 yield lines
         else:
             with open_lines(self.input_uri, max_line_bytes=MAX_LINE_BYTES) as lines:
@@ -305,22 +306,18 @@ class VLLMBatchMergeOperator(BaseOperator):
     @property
     def resolved_error_uri(self) -> str:
         """``error_uri``, or the output URI with ``.jsonl`` replaced by ``.errors.jsonl``."""
-        return self.error_uri or f"{self._output_stem}.errors.jsonl"
+        return self.error_uri or default_error_uri(self.output_uri)
 
     @property
     def resolved_manifest_uri(self) -> str:
         """``<output stem>.manifest.json``, as ``VLLMBatchOperator`` names it."""
-        return f"{self._output_stem}.manifest.json"
-
-    @property
-    def _output_stem(self) -> str:
-        return self.output_uri.removesuffix(".jsonl")
+        return manifest_uri(self.output_uri)
 
     def _bodies(self, uris: Sequence[str]) -> Iterator[Any]:
         """Open each object's body in turn, closing it before the next one opens."""
         for uri in uris:
             bucket, key = S3Hook.parse_s3_url(uri)
-            with _s3_body(self.s3_hook, bucket, key) as body:
+            with s3_body(self.s3_hook, bucket, key) as body:
                 yield body
 
     def _input_etag(self) -> str | None:
@@ -338,12 +335,3 @@ def _parse_prefix(uri: str) -> tuple[str, str]:
     bucket, key = S3Hook.parse_s3_url(uri)
     # A prefix is a folder: "…/shards" and "…/shards/" mean the same.
     return bucket, (key.rstrip("/") + "/") if key else ""
-
-
-@contextlib.contextmanager
-def _s3_body(hook: S3Hook, bucket: str, key: str) -> Iterator[Any]:
-    body = hook.get_key(key, bucket_name=bucket).get()["Body"]
-    try:
-        yield body
-    finally:
-        body.close()

@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from airflow.providers.amazon.aws.hooks.s3 import S3Hook
-from botocore.exceptions import BotoCoreError, ClientError
 from airflow.sdk import Asset, BaseOperator
 from airflow.sdk.exceptions import AirflowFailException
 from airflow.sdk.log import mask_secret
+from botocore.exceptions import BotoCoreError, ClientError
 
 from airflow_vllm_batch.batchfile import (
     PreflightOptions,
@@ -37,8 +37,6 @@ from airflow_vllm_batch.exceptions import (
     TooManyFailedRequestsError,
     VLLMBatchError,
 )
-from airflow_vllm_batch.lineage import lineage_for
-from airflow_vllm_batch.links.output import VLLMBatchOutputLink
 from airflow_vllm_batch.hooks.vllm_engine import (
     FALLBACK_SUPPORTED_URLS,
     EngineInfo,
@@ -49,6 +47,9 @@ from airflow_vllm_batch.hooks.vllm_engine import (
     probe_engine,
     redact_urls,
 )
+from airflow_vllm_batch.lineage import lineage_for
+from airflow_vllm_batch.links.output import VLLMBatchOutputLink
+from airflow_vllm_batch.output_files import default_error_uri, manifest_uri, s3_lines
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
@@ -563,22 +564,18 @@ class VLLMBatchOperator(BaseOperator):
     @property
     def resolved_error_uri(self) -> str:
         """``error_uri``, or the output URI with ``.jsonl`` replaced by ``.errors.jsonl``."""
-        return self.error_uri or f"{self._output_stem}.errors.jsonl"
+        return self.error_uri or default_error_uri(self.output_uri)
 
     @property
     def resolved_manifest_uri(self) -> str:
         """Where the manifest is written beside the output: ``<output stem>.manifest.json``."""
-        return f"{self._output_stem}.manifest.json"
-
-    @property
-    def _output_stem(self) -> str:
-        return self.output_uri[: -len(".jsonl")] if self.output_uri.endswith(".jsonl") else self.output_uri
+        return manifest_uri(self.output_uri)
 
     @contextlib.contextmanager
     def _open_input(self) -> Iterator[Any]:
         if self.input_uri.startswith("s3://"):
             bucket, key = S3Hook.parse_s3_url(self.input_uri)
-            with _s3_lines(self.s3_hook, bucket, key) as lines:
+            with s3_lines(self.s3_hook, bucket, key) as lines:
                 yield lines
         else:
             with open_lines(self.input_uri) as lines:
@@ -615,16 +612,6 @@ def _maybe_open(path: Path, enabled: bool) -> Iterator[BinaryIO | None]:
         return
     with open(path, "wb") as f:
         yield f
-
-
-@contextlib.contextmanager
-def _s3_lines(hook: S3Hook, bucket: str, key: str) -> Iterator[Any]:
-    body = hook.get_key(key, bucket_name=bucket).get()["Body"]
-    try:
-        with open_lines(body) as lines:
-            yield lines
-    finally:
-        body.close()
 
 
 def _concat(target: Path, *parts: Path) -> Path:

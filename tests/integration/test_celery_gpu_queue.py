@@ -1,0 +1,266 @@
+"""The sharded DAG on a real Airflow deployment: CeleryExecutor, Redis, a ``gpu`` worker.
+
+Everything a production install runs, on 127.0.0.1 and a throw-away home: Redis (the
+Celery broker), ``airflow api-server``, ``scheduler``, ``dag-processor``, one
+``airflow celery worker -q gpu`` and one for the ``default`` queue (the upload, split,
+merge and validate tasks). The DAG is triggered through the REST API (``/api/v2``,
+a JWT from ``POST /auth/token``), polled until it ends, and every process started here
+is stopped by its process group at the end and checked gone.
+
+Airflow 3 runs the CeleryExecutor on SQLite (the workers reach the database only
+through the API server's execution API), so no PostgreSQL is needed here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import pytest
+
+from airflow_vllm_batch.embedded.demo import BUCKET, embedded_env
+from airflow_vllm_batch.embedded.seaweedfs import _free_ports
+
+pytestmark = [pytest.mark.integration, pytest.mark.engine, pytest.mark.celery]
+
+REPO = Path(__file__).resolve().parents[2]
+DAG_ID = "vllm_batch_sharded"
+N_REQUESTS = 20
+SHARD_SIZE = 10
+RUN_TIMEOUT_S = 420
+LOOPBACK = "127.0.0.1"
+
+
+@dataclass
+class Deployment:
+    """The processes of one Airflow deployment, and how to talk to it."""
+
+    home: Path
+    api_url: str
+    env: dict[str, str]
+    processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+    token: str | None = None
+    stopped: bool = False
+
+    def start(self, name: str, argv: list[str]) -> subprocess.Popen:
+        log = open(self.home / f"{name}.log", "ab")  # noqa: SIM115 - closed with the process
+        # Its own session: stop() signals the whole group (Celery's pool, task supervisors).
+        proc = subprocess.Popen(argv, env=self.env, cwd=self.home, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        log.close()
+        self.processes[name] = proc
+        return proc
+
+    def log(self, name: str) -> str:
+        return (self.home / f"{name}.log").read_text(errors="replace")
+
+    def request(self, method: str, path: str, body: dict | None = None, timeout: float = 30) -> dict:
+        headers = {"Content-Type": "application/json"}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(self.api_url + path, data=data, method=method, headers=headers)
+        with urllib.request.urlopen(req, timeout=timeout) as response:  # noqa: S310 - loopback only
+            return json.loads(response.read() or b"null")
+
+    def check_alive(self) -> None:
+        for name, proc in self.processes.items():
+            if proc.poll() is not None:
+                raise AssertionError(f"{name} exited with code {proc.returncode}:\n{self.log(name)[-3000:]}")
+
+    def stop(self, grace_s: float = 20) -> list[int]:
+        """Stop every process started here, with all their descendants; return the PIDs still alive (none, normally)."""
+        if self.stopped:
+            return []
+        self.stopped = True
+        tracked: list[psutil.Process] = []
+        for proc in self.processes.values():
+            try:
+                leader = psutil.Process(proc.pid)
+                # Engines run in sessions of their own (the operator's doing): collect them too.
+                tracked += [leader, *leader.children(recursive=True)]
+            except psutil.Error:
+                pass
+        for proc in self.processes.values():
+            if proc.poll() is None:
+                _signal_group(proc.pid, signal.SIGTERM)
+        _, alive = psutil.wait_procs(tracked, timeout=grace_s)
+        for process in alive:
+            # psutil.Process.kill() refuses a PID that was reused by someone else's process.
+            try:
+                process.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(alive, timeout=10)
+        for proc in self.processes.values():
+            proc.wait(timeout=10)
+        return [p.pid for p in tracked if _alive(p)]
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _alive(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _wait(what: str, check, timeout: float, deployment: Deployment, interval: float = 1.0):
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        deployment.check_alive()
+        try:
+            result = check()
+            if result:
+                return result
+        except (urllib.error.URLError, ConnectionError, OSError, KeyError, ValueError) as err:
+            last = err
+        time.sleep(interval)
+    raise AssertionError(f"Timed out after {timeout:.0f}s waiting for {what} (last error: {last})")
+
+
+def _celery_env(seaweed, tiny_model: Path, home: Path, redis_port: int, api_port: int) -> dict[str, str]:
+    dags = home / "dags"
+    dags.mkdir()
+    # Only the DAG under test: the others (a @daily one among them) would start runs of their own.
+    (dags / f"{DAG_ID}.py").symlink_to(REPO / "dags" / f"{DAG_ID}.py")
+    (home / "passwords.json").write_text(json.dumps({"admin": secrets.token_urlsafe(16)}))
+    env = embedded_env(seaweed, tiny_model, home)
+    env.update(
+        {
+            "AIRFLOW__CORE__DAGS_FOLDER": str(dags),
+            "AIRFLOW__CORE__EXECUTOR": "CeleryExecutor",
+            "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://{LOOPBACK}:{api_port}/execution/",
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin",
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(home / "passwords.json"),
+            "AIRFLOW__API__HOST": LOOPBACK,
+            "AIRFLOW__API__PORT": str(api_port),
+            "AIRFLOW__API__BASE_URL": f"http://{LOOPBACK}:{api_port}",
+            "AIRFLOW__API_AUTH__JWT_SECRET": secrets.token_urlsafe(32),
+            "AIRFLOW__CELERY__BROKER_URL": f"redis://{LOOPBACK}:{redis_port}/0",
+            "AIRFLOW__CELERY__RESULT_BACKEND": f"redis://{LOOPBACK}:{redis_port}/1",
+            "AIRFLOW__CELERY__WORKER_CONCURRENCY": "1",
+            "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
+            "AIRFLOW__SCHEDULER__SCHEDULER_HEARTBEAT_SEC": "2",
+            "AIRFLOW__LOGGING__LOGGING_LEVEL": "INFO",
+            # The test's own Airflow home must not leak in from pytest's process.
+            "AIRFLOW__CORE__UNIT_TEST_MODE": "False",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    return env
+
+
+@pytest.fixture(scope="module")
+def deployment(seaweed, tiny_model, tmp_path_factory) -> Iterator[Deployment]:
+    """Redis and a whole Airflow (CeleryExecutor) on loopback ports; stopped and checked gone at the end."""
+    redis = shutil.which("redis-server")
+    if redis is None:
+        pytest.fail("redis-server is not installed: `make test` installs it (apt-get install redis-server).")
+    home = tmp_path_factory.mktemp("celery-airflow")
+    redis_port, api_port = _free_ports(2)
+    env = _celery_env(seaweed, tiny_model, home, redis_port, api_port)
+    airflow = str(Path(sys.executable).with_name("airflow"))
+    dep = Deployment(home=home, api_url=f"http://{LOOPBACK}:{api_port}", env=env)
+    subprocess.run([airflow, "db", "migrate"], env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        dep.start("redis", [redis, "--bind", LOOPBACK, "--port", str(redis_port), "--save", "", "--appendonly", "no", "--dir", str(home)])
+        dep.start("api-server", [airflow, "api-server", "--host", LOOPBACK, "--port", str(api_port), "--workers", "1"])
+        dep.start("scheduler", [airflow, "scheduler"])
+        dep.start("dag-processor", [airflow, "dag-processor"])
+        # --skip-serve-logs: two workers on one host would both bind the log server's port.
+        dep.start("worker-gpu", [airflow, "celery", "worker", "-q", "gpu", "-c", "1", "-H", "gpu@%h", "--skip-serve-logs"])
+        dep.start("worker-default", [airflow, "celery", "worker", "-q", "default", "-c", "1", "-H", "default@%h", "--skip-serve-logs"])
+        _wait("the API server", lambda: dep.request("GET", "/api/v2/monitor/health"), 180, dep)
+        password = json.loads((home / "passwords.json").read_text())["admin"]
+        dep.token = dep.request("POST", "/auth/token", {"username": "admin", "password": password})["access_token"]
+        yield dep
+    finally:
+        dep.stop()
+
+
+@pytest.fixture(scope="module")
+def celery_run(deployment: Deployment) -> dict:
+    """Trigger the sharded DAG through the REST API and wait for the run to end."""
+    dep = deployment
+    _wait(f"the DAG processor to parse {DAG_ID}", lambda: dep.request("GET", f"/api/v2/dags/{DAG_ID}"), 180, dep, interval=2)
+    dep.request("PATCH", f"/api/v2/dags/{DAG_ID}", {"is_paused": False})
+    conf = {"n_requests": N_REQUESTS, "shard_size": SHARD_SIZE, "max_tokens": 4}
+    run = dep.request("POST", f"/api/v2/dags/{DAG_ID}/dagRuns", {"logical_date": None, "conf": conf})
+    run_path = f"/api/v2/dags/{DAG_ID}/dagRuns/{run['dag_run_id']}"
+    started = time.monotonic()
+
+    def finished():
+        state = dep.request("GET", run_path)["state"]
+        return state if state in ("success", "failed") else None
+
+    state = _wait("the DAG run to finish", finished, RUN_TIMEOUT_S, dep, interval=3)
+    tis = dep.request("GET", f"{run_path}/taskInstances")["task_instances"]
+    merged = None
+    if state == "success":
+        merged = dep.request("GET", f"{run_path}/taskInstances/merge/xcomEntries/return_value")["value"]
+    return {"state": state, "task_instances": tis, "merged": merged, "duration_s": time.monotonic() - started, "run_id": run["dag_run_id"]}
+
+
+def _diagnose(dep: Deployment) -> str:
+    return "\n".join(f"--- {name} ---\n{dep.log(name)[-2500:]}" for name in ("scheduler", "worker-gpu", "worker-default"))
+
+
+def test_sharded_dag_triggered_through_the_rest_api_succeeds_on_celery(celery_run, deployment):
+    assert celery_run["state"] == "success", _diagnose(deployment)
+    states = {(ti["task_id"], ti["map_index"]): ti["state"] for ti in celery_run["task_instances"]}
+    assert states == {
+        ("upload", -1): "success",
+        ("split", -1): "success",
+        ("vllm_batch", 0): "success",
+        ("vllm_batch", 1): "success",
+        ("merge", -1): "success",
+        ("validate", -1): "success",
+    }
+
+
+def test_inference_tasks_are_queued_on_gpu_and_run_by_the_gpu_worker_only(celery_run, deployment):
+    queues = {(ti["task_id"], ti["map_index"]): ti["queue"] for ti in celery_run["task_instances"]}
+    assert queues[("vllm_batch", 0)] == queues[("vllm_batch", 1)] == "gpu"
+    assert {q for (task_id, _), q in queues.items() if task_id != "vllm_batch"} == {"default"}
+    gpu_log, default_log = deployment.log("worker-gpu"), deployment.log("worker-default")
+    assert gpu_log.count("task_id='vllm_batch'") == 2, gpu_log[-3000:]
+    assert "task_id='vllm_batch'" not in default_log
+    for task_id in ("upload", "split", "merge", "validate"):
+        assert f"task_id='{task_id}'" in default_log
+        assert f"task_id='{task_id}'" not in gpu_log
+
+
+def test_merged_output_of_the_celery_run_answers_every_request_in_order(celery_run, seaweed):
+    merged = celery_run["merged"]
+    assert merged["request_counts"] == {"total": N_REQUESTS, "completed": N_REQUESTS, "failed": 0}
+    assert merged["shards"] == 2
+    bucket, _, key = merged["output_uri"].removeprefix("s3://").partition("/")
+    assert bucket == BUCKET
+    body = seaweed.client().get_object(Bucket=bucket, Key=key)["Body"].read().decode()
+    assert [json.loads(line)["custom_id"] for line in body.splitlines()] == [f"request-{i}" for i in range(N_REQUESTS)]
+
+
+def test_every_process_started_for_the_deployment_is_gone_after_teardown(deployment, celery_run):
+    # Runs last in this module: stop now (the fixture's finalizer then finds nothing to stop).
+    leftover = deployment.stop()
+    assert leftover == []
+    assert all(proc.poll() is not None for proc in deployment.processes.values())

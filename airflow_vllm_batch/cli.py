@@ -197,13 +197,16 @@ def open_s3(uri: str, aws_conn_id: str) -> tuple[Any, int | None]:
     :param uri: ``s3://bucket/key``.
     :param aws_conn_id: the Airflow connection id.
     """
-    hook = s3_hook(aws_conn_id)
-    bucket, key = hook.parse_s3_url(uri)
-    try:
-        obj = hook.get_key(key, bucket_name=bucket)
-        response = obj.get()
-    except Exception as exc:  # botocore raises many types; the message is what matters here
-        raise VLLMBatchError(f"{uri}: cannot read the object ({exc}).") from exc
+    # Airflow logs to stdout (connection look-ups, the secrets masker); stdout is the
+    # report's, which scripts parse with --json, so Airflow's chatter goes to stderr.
+    with contextlib.redirect_stdout(sys.stderr):
+        hook = s3_hook(aws_conn_id)
+        bucket, key = hook.parse_s3_url(uri)
+        try:
+            obj = hook.get_key(key, bucket_name=bucket)
+            response = obj.get()
+        except Exception as exc:  # botocore raises many types; the message is what matters here
+            raise VLLMBatchError(f"{uri}: cannot read the object ({exc}).") from exc
     return response["Body"], response.get("ContentLength")
 
 

@@ -127,6 +127,8 @@ def test_s3_down_at_start_then_after_inference_loses_nothing_and_retries_publish
         engine_command=[sys.executable, str(wrapper)],
         engine_args=["--enforce-eager"],
         engine_env={"FAULT_S3_PID": str(s3.pid)},
+        # A rewrite, so the engine reads a cleaned copy staged in S3 beside the output.
+        default_body={"temperature": 0.0},
     )
 
     first = _run("s3_dies", **kwargs)

@@ -75,7 +75,9 @@ def test_one_bad_line_fails_in_seconds_naming_the_line_and_starting_no_engine(em
 
 
 @pytest.mark.engine
-def test_skip_mode_runs_the_valid_lines_and_files_the_invalid_ones_with_reasons(embedded, airflow_db, tiny_model):
+def test_skip_mode_on_a_local_file_runs_the_valid_lines_and_files_the_invalid_ones_with_reasons(
+    embedded, airflow_db, tiny_model, tmp_path
+):
     model = str(tiny_model)
     lines = [
         _line("ok-1", model),
@@ -84,7 +86,9 @@ def test_skip_mode_runs_the_valid_lines_and_files_the_invalid_ones_with_reasons(
         _line("get", model).replace('"POST"', '"GET"'),
         _line("ok-3", model, max_completion_tokens=3),
     ]
-    uri = _put(embedded, "skip/input.jsonl", "\n".join(lines))  # no final newline
+    local_input = tmp_path / "input.jsonl"  # a file on the worker, read by the engine directly
+    local_input.write_text("\n".join(lines))  # no final newline
+    uri = str(local_input)
     result = _run_operator(
         "skip",
         input_uri=uri,
@@ -110,7 +114,6 @@ def test_skip_mode_runs_the_valid_lines_and_files_the_invalid_ones_with_reasons(
     assert errors[1]["custom_id"] == "get" and "POST" in errors[1]["error"]["message"]
     assert "not valid JSON" in errors[0]["error"]["message"]
     assert _keys(embedded, "skip/") == [
-        "input.jsonl",
         "results.errors.jsonl",
         "results.jsonl",
         "results.manifest.json",

@@ -19,12 +19,14 @@ from __future__ import annotations
 import collections
 import json
 import os
+import queue
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -188,11 +190,14 @@ class VLLMEngineHook(BaseHook):
 
     :param kill_grace_s: seconds between SIGTERM and SIGKILL when stopping the engine.
     :param tail_lines: how many of the last output lines to keep for error messages.
+    :param drain_s: seconds of silence after the leader exited before the rest of its
+        group is killed (children that outlive it would hold the log pipe open forever).
     """
 
-    def __init__(self, kill_grace_s: float = 30.0, tail_lines: int = 40, **kwargs) -> None:
+    def __init__(self, kill_grace_s: float = 30.0, tail_lines: int = 40, drain_s: float = 10.0, **kwargs) -> None:
         super().__init__(**kwargs)
         self.kill_grace_s = kill_grace_s
+        self.drain_s = drain_s
         self.tail_lines = tail_lines
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -228,8 +233,7 @@ class VLLMEngineHook(BaseHook):
             start_new_session=True,
         )
         try:
-            assert self.process.stdout is not None
-            for raw in iter(self.process.stdout.readline, b""):
+            for raw in self._output_lines(self.process):
                 line = redact_urls(raw.decode("utf-8", errors="replace").rstrip())
                 if version is None and (match := _VERSION_LINE.search(line)):
                     version = match.group(1)
@@ -240,6 +244,40 @@ class VLLMEngineHook(BaseHook):
             # Reached with a live process only on an interruption (timeout, SIGTERM).
             self.terminate()
         return EngineRun(returncode, time.monotonic() - started, version, list(tail))
+
+    def _output_lines(self, process: subprocess.Popen[bytes]) -> Iterator[bytes]:
+        """Yield the engine's output lines until its pipe closes, or its leader is gone for good.
+
+        End of file alone is not enough: when the leader dies (OOM-killed, say), its
+        ``EngineCore`` child still holds the pipe open and may live on. Once the leader
+        has exited and ``drain_s`` seconds passed with no more output, the rest of the
+        group is killed, which closes the pipe.
+        """
+        assert process.stdout is not None
+        lines: queue.Queue[bytes | None] = queue.Queue()
+
+        def pump() -> None:
+            for raw in iter(process.stdout.readline, b""):
+                lines.put(raw)
+            lines.put(None)
+
+        threading.Thread(target=pump, name="vllm-engine-output", daemon=True).start()
+        quiet_since: float | None = None
+        while True:
+            try:
+                raw = lines.get(timeout=0.5)
+            except queue.Empty:
+                if process.poll() is None:
+                    continue
+                quiet_since = quiet_since or time.monotonic()
+                if time.monotonic() - quiet_since > self.drain_s:
+                    self.log.warning("The engine's leader exited; stopping what is left of its process group")
+                    _signal_group(process.pid, signal.SIGKILL)
+                continue
+            if raw is None:
+                return
+            quiet_since = None
+            yield raw
 
     def terminate(self) -> None:
         """Stop the engine's whole process group: SIGTERM, then SIGKILL after the grace period.

@@ -163,3 +163,26 @@ def test_concealed_arguments_reach_the_module_but_not_the_command_line(tmp_path)
     # The module got the real arguments (the log line shows them redacted).
     assert lines[0] == redact_urls("argv " + repr(["-i", GET, "-o", PUT, "--model", "m"]))
     assert lines[1:] == ["visible False", "env-left False"]
+
+
+def test_run_returns_when_the_leader_dies_while_a_child_holds_the_log_pipe(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    # The leader starts a child that inherits stdout (as EngineCore does), then is killed.
+    script = textwrap.dedent(
+        f"""
+        import os, signal, subprocess, sys
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        open({str(pid_file)!r}, "w").write(str(child.pid))
+        print("engine up", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    started = time.monotonic()
+    run = VLLMEngineHook(drain_s=1).run([sys.executable, "-c", script], on_line=lambda _: None)
+    assert run.returncode == -9
+    assert time.monotonic() - started < 30
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while _alive(child):
+        assert time.monotonic() < deadline, "the child outlived the engine"
+        time.sleep(0.05)

@@ -114,8 +114,12 @@ def test_persist_does_not_fail_the_task_when_the_xcom_push_fails():
     context["ti"].xcom_push.assert_called_once()
 
 
-def test_serialized_dag_keeps_the_link_name_and_xcom_key():
+def test_serialized_dag_keeps_the_link_name_and_xcom_key(monkeypatch):
     from airflow.serialization.serialized_objects import DagSerialization
+
+    # Process-wide switch that Airflow's DAG processor turns off when it deserializes
+    # (load_op_links=False); an earlier test in the same process may have left it off.
+    monkeypatch.setattr(DagSerialization, "_load_operator_extra_links", True)
 
     with DAG("link_dag", schedule=None) as dag:
         LinkedOperator(task_id="vllm_batch")

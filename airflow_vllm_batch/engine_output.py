@@ -26,7 +26,6 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 from airflow.providers.amazon.aws.hooks.s3 import S3Hook
 
@@ -119,5 +118,3 @@ class StagedEngineOutput:
     def describe(self) -> str:
         return f"s3://{self.bucket}/{self.key}"
 
-
-EngineOutput = Any  # LocalEngineOutput | StagedEngineOutput (duck-typed; see the two classes)

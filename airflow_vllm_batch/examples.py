@@ -68,6 +68,19 @@ def key_safe(value: str) -> str:
     return re.sub(r"[^A-Za-z0-9._=-]", "_", value)
 
 
+def upload_requests(data: bytes, dag_id: str, run_id: str) -> str:
+    """Write request lines to ``<bucket>/vllm-batch/<dag_id>/<run id>/input.jsonl``; return its URI.
+
+    The same prefix the example DAGs template their outputs under, so each run's
+    files sit together and runs never share a key.
+    """
+    from airflow.providers.amazon.aws.hooks.s3 import S3Hook
+
+    key = f"vllm-batch/{dag_id}/{key_safe(run_id)}/input.jsonl"
+    S3Hook(aws_conn_id=aws_conn_id()).load_bytes(data, key=key, bucket_name=bucket(), replace=True)
+    return f"s3://{bucket()}/{key}"
+
+
 def chat_requests(n: int, model: str, max_tokens: int, temperature: float) -> bytes:
     """Return ``n`` chat-completion request lines as JSONL bytes (``request-0`` ...)."""
     lines = []

@@ -39,10 +39,8 @@ def vllm_batch_embeddings():
     @task
     def upload(params: dict, run_id: str, dag=None) -> str:
         """Write the embedding requests to S3 and return their URI."""
-        key = f"vllm-batch/{dag.dag_id}/{examples.key_safe(run_id)}/input.jsonl"
         data = examples.embedding_requests(params["n_requests"], params["model"])
-        S3Hook(aws_conn_id=examples.aws_conn_id()).load_bytes(data, key=key, bucket_name=examples.bucket(), replace=True)
-        return f"s3://{examples.bucket()}/{key}"
+        return examples.upload_requests(data, dag.dag_id, run_id)
 
     embed = VLLMBatchOperator(
         task_id="vllm_embed",

@@ -49,11 +49,10 @@ def vllm_batch_pipeline():
     @task
     def upload(params: dict, run_id: str, dag=None) -> str:
         """Write the request file to S3 and return its URI."""
-        key = f"vllm-batch/{dag.dag_id}/{examples.key_safe(run_id)}/input.jsonl"
         data = examples.chat_requests(params["n_requests"], params["model"], params["max_tokens"], params["temperature"])
-        S3Hook(aws_conn_id=examples.aws_conn_id()).load_bytes(data, key=key, bucket_name=examples.bucket(), replace=True)
-        log.info("Uploaded %d requests (%d bytes) to s3://%s/%s", params["n_requests"], len(data), examples.bucket(), key)
-        return f"s3://{examples.bucket()}/{key}"
+        uri = examples.upload_requests(data, dag.dag_id, run_id)
+        log.info("Uploaded %d requests (%d bytes) to %s", params["n_requests"], len(data), uri)
+        return uri
 
     input_uri = upload()
     inference = VLLMBatchOperator(

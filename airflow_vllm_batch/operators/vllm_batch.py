@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 import tempfile
 import time
 import uuid
@@ -338,7 +339,7 @@ class VLLMBatchOperator(BaseOperator):
         if self.engine_command:
             info = EngineInfo(vllm_version=None, supported_urls=FALLBACK_SUPPORTED_URLS)
         else:
-            info = probe_engine(self.engine_python or _default_python())
+            info = probe_engine(self.engine_python or sys.executable)
             self.log.info("Engine: vLLM %s; batch URLs: %s", info.vllm_version, sorted(info.supported_urls))
         if self.supported_urls:
             info = EngineInfo(info.vllm_version, frozenset(self.supported_urls))
@@ -444,7 +445,7 @@ class VLLMBatchOperator(BaseOperator):
             model=self.model,
             engine_args=list(self.engine_args or ()),
             engine_command=self.engine_command,
-            python=self.engine_python or _default_python(),
+            python=self.engine_python or sys.executable,
         )
         env = {**os.environ, **{k: str(v) for k, v in (self.engine_env or {}).items()}}
         self.log.info("Starting the vLLM engine: %s", redact_urls(" ".join(argv)))
@@ -597,12 +598,6 @@ class VLLMBatchOperator(BaseOperator):
         keys = self.s3_hook.list_keys(bucket_name=bucket, prefix=prefix) or []
         if keys:
             self.s3_hook.delete_objects(bucket=bucket, keys=keys)
-
-
-def _default_python() -> str:
-    import sys
-
-    return sys.executable
 
 
 @contextlib.contextmanager

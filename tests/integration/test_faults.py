@@ -150,9 +150,8 @@ def test_s3_down_at_start_then_after_inference_loses_nothing_and_retries_publish
     assert second.state == "success", second.output[-3000:]
     assert "without running the engine again" in second.output
     assert "Starting the vLLM engine" not in second.output
-    kept_bytes = first_kept
     body = s3.client().get_object(Bucket=BUCKET, Key="job/results.jsonl")["Body"].read()
-    assert body == kept_bytes  # the very results of the first try, byte for byte
+    assert body == first_kept  # the very results of the first try, byte for byte
     assert sorted(json.loads(line)["custom_id"] for line in body.decode().splitlines()) == ["r0", "r1", "r2"]
     assert not list(results_dir.glob("*/results.jsonl"))  # published, then removed
 

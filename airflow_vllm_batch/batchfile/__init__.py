@@ -38,7 +38,9 @@ from airflow_vllm_batch.batchfile.results import (
     check_results,
 )
 from airflow_vllm_batch.batchfile.sources import (
+    Lines,
     describe_source,
+    is_compressed,
     iter_lines,
     open_lines,
     redact_url,
@@ -50,6 +52,7 @@ __all__ = [
     "DEFAULT_SUPPORTED_URLS",
     "ENGINE_DEAD_MARKER",
     "CustomIdIndex",
+    "Lines",
     "PreflightOptions",
     "PreflightReport",
     "Problem",
@@ -61,6 +64,7 @@ __all__ = [
     "diagnose_line",
     "error_line",
     "error_message",
+    "is_compressed",
     "iter_lines",
     "open_lines",
     "preflight",

@@ -19,6 +19,16 @@ Line endings and BOM, by design:
 * A UTF-8 byte order mark is passed through as well; :func:`preflight` rejects
   it with a clear message on line 1 (vLLM's own reader would crash on it).
 
+Compressed files: :func:`open_lines` recognises gzip by its first bytes (``1f 8b``),
+not by the file's name, and decompresses it while streaming (memory stays bounded;
+a multi-member file such as ``cat a.gz b.gz`` reads as one). Corrupt or truncated
+gzip data raises :class:`~airflow_vllm_batch.exceptions.PreflightError` naming the
+file. zstd is recognised (``28 b5 2f fd``) and refused with a clear message: no
+zstd library is a dependency. vLLM cannot read a compressed file, so a caller that
+hands the file to the engine checks :attr:`Lines.compression` (or
+:func:`is_compressed` before opening) and gives the engine an uncompressed copy
+(preflight's cleaned copy).
+
 :func:`open_lines` is a context manager, so an HTTP connection or a file is
 closed as soon as the ``with`` block ends, even when the consumer stops early::
 
@@ -28,17 +38,19 @@ closed as soon as the ``with`` block ends, even when the consumer stops early::
 
 from __future__ import annotations
 
+import gzip
 import os
 import re
 import urllib.error
 import urllib.parse
 import urllib.request
+import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from itertools import chain
 from typing import IO, Protocol, Union
 
-from airflow_vllm_batch.exceptions import VLLMBatchError
+from airflow_vllm_batch.exceptions import PreflightError, VLLMBatchError
 
 #: Bytes read from the source per call; large enough that the per-call overhead
 #: vanishes, small enough to keep memory flat.
@@ -48,6 +60,11 @@ DEFAULT_CHUNK_SIZE = 1 << 20
 DEFAULT_READER_MAX_LINE_BYTES = 64 << 20
 
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+GZIP_MAGIC = b"\x1f\x8b"
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+#: Bytes needed to recognise every supported or refused compression format.
+_MAGIC_BYTES = 4
 
 
 class SupportsRead(Protocol):
@@ -95,13 +112,40 @@ def redact_url(url: str) -> str:
     return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", "")) + suffix
 
 
+class Lines:
+    """
+    The lines of one source (``bytes``, no ``\\n``), and what is known about the file itself.
+
+    Iterating a ``Lines`` iterates its inner C-level iterator directly, so a
+    ``for`` loop over it costs no more than over a plain iterator.
+
+    :ivar compression: ``"gzip"`` when the source was decompressed while reading, else ``None``.
+    :ivar ended_with_newline: once every line was read: whether the file's last byte
+        was ``\\n`` (``None`` before the end). Lets a writer reproduce the file's bytes
+        exactly (vLLM uploads its output without a final newline).
+    """
+
+    __slots__ = ("_lines", "compression", "ended_with_newline")
+
+    def __init__(self, lines: Iterator[bytes], compression: str | None = None) -> None:
+        self._lines = lines
+        self.compression = compression
+        self.ended_with_newline: bool | None = None
+
+    def __iter__(self) -> Iterator[bytes]:
+        return self._lines
+
+    def __next__(self) -> bytes:
+        return next(self._lines)
+
+
 def iter_lines(
     stream: SupportsRead,
     *,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     max_line_bytes: int | None = DEFAULT_READER_MAX_LINE_BYTES,
     on_bytes: ProgressCallback | None = None,
-) -> Iterator[bytes]:
+) -> Lines:
     """
     Yield the lines of a binary stream, without their ``\\n``, reading it in chunks.
 
@@ -111,9 +155,11 @@ def iter_lines(
         bytes; ``None`` keeps every line whole. Default 64 MiB.
     :param on_bytes: called with the size of every chunk read, e.g. to move a progress bar.
     """
+    lines = Lines(iter(()))
     # chain() walks each chunk's list of lines in C; a generator yielding line
     # by line would add a frame switch per line (~40% of the reading time).
-    return chain.from_iterable(_line_batches(stream, chunk_size, max_line_bytes, on_bytes))
+    lines._lines = chain.from_iterable(_line_batches(stream, chunk_size, max_line_bytes, on_bytes, lines))
+    return lines
 
 
 def _line_batches(
@@ -121,9 +167,11 @@ def _line_batches(
     chunk_size: int,
     cap: int | None,
     on_bytes: ProgressCallback | None,
+    state: Lines | None = None,
 ) -> Iterator[list[bytes]]:
-    """Yield, per chunk read, the list of lines it completes."""
+    """Yield, per chunk read, the list of lines it completes; record on ``state`` how the stream ended."""
     read = stream.read
+    last = b""
     # Pieces of a line that spans chunks, joined once when its newline arrives;
     # concatenating on every chunk would be quadratic for a very long line.
     pending: list[bytes] = []
@@ -132,6 +180,7 @@ def _line_batches(
         chunk = read(chunk_size)
         if not chunk:
             break
+        last = chunk
         if on_bytes is not None:
             on_bytes(len(chunk))
         parts = chunk.split(b"\n")
@@ -155,9 +204,11 @@ def _line_batches(
         if tail:
             pending.append(tail)
             pending_len = len(tail)
+    if state is not None:
+        state.ended_with_newline = last.endswith(b"\n")
     if pending:
-        last = b"".join(pending)
-        yield [last if cap is None else last[: cap + 1]]
+        tail_line = b"".join(pending)
+        yield [tail_line if cap is None else tail_line[: cap + 1]]
 
 
 @contextmanager
@@ -168,27 +219,32 @@ def open_lines(
     max_line_bytes: int | None = DEFAULT_READER_MAX_LINE_BYTES,
     on_bytes: ProgressCallback | None = None,
     timeout: float = 60.0,
-) -> Iterator[Iterator[bytes]]:
+) -> Iterator[Lines]:
     """
     Open a source and give an iterator over its lines (``bytes``, no ``\\n``).
 
     A context manager: the file or connection it opened is closed on exit. A
-    file-like object passed in is *not* closed (its owner closes it).
+    file-like object passed in is *not* closed (its owner closes it). gzip data
+    is decompressed while reading (see the module docs); the :class:`Lines`
+    given says so in its ``compression``.
 
     :param source: a local path (``str`` or ``os.PathLike``), an ``http://`` or
         ``https://`` URL (e.g. a presigned S3 GET URL, streamed with urllib), or
         a binary file-like object with ``read(n)`` such as a botocore ``StreamingBody``.
     :param chunk_size: bytes per read. Default 1 MiB.
-    :param max_line_bytes: see :func:`iter_lines`. Default 64 MiB.
-    :param on_bytes: progress callback, called with the size of each chunk read.
+    :param max_line_bytes: see :func:`iter_lines`; for a compressed file it applies
+        to the decompressed lines. Default 64 MiB.
+    :param on_bytes: progress callback, called with the size of each chunk read
+        (compressed bytes for a compressed file, so it matches the file's size).
     :param timeout: socket timeout in seconds for URLs. Default 60.
     """
-    kwargs = {"chunk_size": chunk_size, "max_line_bytes": max_line_bytes, "on_bytes": on_bytes}
+    kwargs = {"chunk_size": chunk_size, "max_line_bytes": max_line_bytes}
+    name = describe_source(source)
     if isinstance(source, (str, os.PathLike)):
         text = os.fspath(source)
         if isinstance(text, str) and text.startswith(("http://", "https://")):
             with _open_url(text, timeout) as response:
-                yield iter_lines(response, **kwargs)
+                yield _decoded_lines(response, name, on_bytes, kwargs)
             return
         if isinstance(text, str) and _SCHEME.match(text):
             raise VLLMBatchError(
@@ -200,17 +256,155 @@ def open_lines(
         except OSError as exc:
             raise VLLMBatchError(f"{text}: cannot open the file ({exc.strerror}).") from exc
         with handle:
-            yield iter_lines(handle, **kwargs)
+            yield _decoded_lines(handle, name, on_bytes, kwargs)
         return
     if not hasattr(source, "read"):
         raise TypeError(f"open_lines() needs a path, an http(s) URL or a binary file-like object, got {type(source).__name__}")
-    yield iter_lines(source, **kwargs)
+    yield _decoded_lines(source, name, on_bytes, kwargs)
 
 
-def _open_url(url: str, timeout: float):
-    """Open a GET request for ``url``, raising an error that never shows the query string."""
+def _decoded_lines(stream: SupportsRead, name: str, on_bytes: ProgressCallback | None, kwargs: dict) -> Lines:
+    """Recognise the stream's compression from its first bytes and return its (decompressed) lines."""
+    head = _read_at_least(stream, _MAGIC_BYTES)
+    compression = compression_of_head(head)
+    if compression == "zstd":
+        raise PreflightError(
+            f"{name} is compressed with zstd, which cannot be read here (no zstd library is installed) — "
+            "decompress it (`zstd -d`) or compress it with gzip instead."
+        )
+    raw: SupportsRead = _Prefixed(head, stream) if head else stream
+    if compression is None:
+        return iter_lines(raw, on_bytes=on_bytes, **kwargs)
+    if on_bytes is not None:
+        raw = _Counting(raw, on_bytes)
+    lines = iter_lines(_GzipReader(raw, name), **kwargs)
+    lines.compression = compression
+    return lines
+
+
+def compression_of_head(head: bytes) -> str | None:
+    """
+    Return ``"gzip"`` or ``"zstd"`` when ``head`` (a file's first bytes) starts with that format's magic, else ``None``.
+
+    :param head: at least the first 4 bytes of the file (fewer only for a shorter file).
+    """
+    if head.startswith(GZIP_MAGIC):
+        return "gzip"
+    if head.startswith(ZSTD_MAGIC):
+        return "zstd"
+    return None
+
+
+def is_compressed(source: Source, *, timeout: float = 60.0) -> bool:
+    """
+    Return whether a source is compressed (gzip or zstd), reading only its first bytes.
+
+    Decided by content, never by the name. For a file-like object only a seekable
+    one can be asked (it is rewound); for a stream, open it with :func:`open_lines`
+    and read :attr:`Lines.compression` instead.
+
+    :param source: as for :func:`open_lines`.
+    :param timeout: socket timeout in seconds for URLs. Default 60.
+    """
+    if isinstance(source, (str, os.PathLike)):
+        text = os.fspath(source)
+        if isinstance(text, str) and text.startswith(("http://", "https://")):
+            request = urllib.request.Request(text, method="GET", headers={"Range": f"bytes=0-{_MAGIC_BYTES - 1}"})
+            with _open_url(request, timeout) as response:
+                return compression_of_head(response.read(_MAGIC_BYTES)) is not None
+        try:
+            with open(text, "rb") as handle:
+                return compression_of_head(handle.read(_MAGIC_BYTES)) is not None
+        except OSError as exc:
+            raise VLLMBatchError(f"{text}: cannot open the file ({exc.strerror}).") from exc
+    seek = getattr(source, "seek", None)
+    if seek is None or not getattr(source, "seekable", lambda: False)():
+        raise TypeError("is_compressed() cannot rewind this stream; use open_lines(...).compression instead")
+    start = source.tell()  # type: ignore[union-attr]
     try:
-        return urllib.request.urlopen(urllib.request.Request(url, method="GET"), timeout=timeout)  # noqa: S310
+        return compression_of_head(_read_at_least(source, _MAGIC_BYTES)) is not None
+    finally:
+        seek(start)
+
+
+def _read_at_least(stream: SupportsRead, size: int) -> bytes:
+    """Read ``size`` bytes (fewer only at the end of the stream): a network body may return less per call."""
+    head = b""
+    while len(head) < size:
+        piece = stream.read(size - len(head))
+        if not piece:
+            break
+        head += piece
+    return head
+
+
+class _Prefixed:
+    """A stream with the bytes already read from it put back in front."""
+
+    __slots__ = ("_head", "_stream")
+
+    def __init__(self, head: bytes, stream: SupportsRead) -> None:
+        self._head = head
+        self._stream = stream
+
+    def read(self, n: int = -1, /) -> bytes:
+        if not self._head:
+            return self._stream.read(n)
+        if n is None or n < 0:
+            data, self._head = self._head + self._stream.read(), b""
+            return data
+        # A short read is fine: every reader here loops until b"".
+        data, self._head = self._head[:n], self._head[n:]
+        return data
+
+
+class _Counting:
+    """A stream that reports the size of each read to a progress callback."""
+
+    __slots__ = ("_stream", "_on_bytes")
+
+    def __init__(self, stream: SupportsRead, on_bytes: ProgressCallback) -> None:
+        self._stream = stream
+        self._on_bytes = on_bytes
+
+    def read(self, n: int = -1, /) -> bytes:
+        data = self._stream.read(n)
+        if data:
+            self._on_bytes(len(data))
+        return data
+
+
+class _GzipReader:
+    """Decompress a gzip stream while reading; corrupt or truncated data raises an error naming the file."""
+
+    __slots__ = ("_gzip", "_name")
+
+    def __init__(self, raw: SupportsRead, name: str) -> None:
+        # GzipFile reads its fileobj forward only, so a socket or StreamingBody works.
+        self._gzip = gzip.GzipFile(fileobj=raw, mode="rb")  # type: ignore[arg-type]
+        self._name = name
+
+    def read(self, n: int = -1, /) -> bytes:
+        try:
+            return self._gzip.read(n)
+        except EOFError:
+            raise PreflightError(
+                f"{self._name}: the gzip file is truncated (it ends before its compressed data does) — "
+                "upload the whole file again (`gzip -t` checks a file)."
+            ) from None
+        except (gzip.BadGzipFile, zlib.error) as exc:
+            raise PreflightError(
+                f"{self._name}: the gzip data is corrupt ({exc}) — "
+                "compress and upload the file again (`gzip -t` checks a file)."
+            ) from None
+
+
+def _open_url(url: str | urllib.request.Request, timeout: float):
+    """Open a GET request for ``url``, raising an error that never shows the query string."""
+    request = url if isinstance(url, urllib.request.Request) else urllib.request.Request(url, method="GET")
+    url = request.full_url
+    try:
+        return urllib.request.urlopen(request, timeout=timeout)  # noqa: S310
     except urllib.error.HTTPError as exc:
         raise VLLMBatchError(
             f"{redact_url(url)}: HTTP {exc.code} {exc.reason} while reading the batch file; "

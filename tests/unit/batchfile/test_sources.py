@@ -1,13 +1,16 @@
 from __future__ import annotations
 
+import gzip
 import http.server
 import io
 import threading
 
 import pytest
 
-from airflow_vllm_batch.batchfile import describe_source, iter_lines, open_lines, redact_url
-from airflow_vllm_batch.exceptions import VLLMBatchError
+from airflow_vllm_batch.batchfile import describe_source, is_compressed, iter_lines, open_lines, redact_url
+from airflow_vllm_batch.exceptions import PreflightError, VLLMBatchError
+
+JSONL = b'{"a": 1}\n{"b": 2}\n'
 
 
 class Trickle(io.RawIOBase):
@@ -79,6 +82,10 @@ def http_server():
                 self.send_error(403)
                 return
             body = b'{"a": 1}\n{"b": 2}'
+            if self.path.startswith("/gz"):
+                body = gzip.compress(JSONL)
+            if self.headers.get("Range") == "bytes=0-3":
+                body = body[:4]
             self.send_response(200)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
@@ -113,3 +120,101 @@ def test_redact_url_drops_query_and_credentials():
 
 def test_describe_source_of_a_file_like_is_its_type():
     assert describe_source(io.BytesIO()) == "<BytesIO>"
+
+
+class NoSeek:
+    """A forward-only stream, like a botocore StreamingBody."""
+
+    def __init__(self, data: bytes):
+        self._data = io.BytesIO(data)
+
+    def read(self, n=-1):
+        return self._data.read(n)
+
+
+def test_gzip_path_is_decompressed_whatever_its_name(tmp_path):
+    path = tmp_path / "input.jsonl"  # no .gz: detection is by content
+    path.write_bytes(gzip.compress(JSONL))
+    with open_lines(path) as lines:
+        assert (list(lines), lines.compression) == ([b'{"a": 1}', b'{"b": 2}'], "gzip")
+
+
+def test_gzip_stream_is_decompressed_in_small_reads():
+    with open_lines(Trickle(gzip.compress(JSONL)), chunk_size=5) as lines:
+        assert list(lines) == [b'{"a": 1}', b'{"b": 2}']
+
+
+def test_gzip_forward_only_stream_is_decompressed():
+    with open_lines(NoSeek(gzip.compress(JSONL))) as lines:
+        assert list(lines) == [b'{"a": 1}', b'{"b": 2}']
+
+
+def test_concatenated_gzip_members_read_as_one_file():
+    with open_lines(io.BytesIO(gzip.compress(b"1\n") + gzip.compress(b"2\n"))) as lines:
+        assert list(lines) == [b"1", b"2"]
+
+
+def test_gzip_http_url_is_decompressed(http_server):
+    with open_lines(f"{http_server}/gz/in.jsonl.gz?X-Amz-Signature=secret") as lines:
+        assert (list(lines), lines.compression) == ([b'{"a": 1}', b'{"b": 2}'], "gzip")
+
+
+def test_uncompressed_source_reports_no_compression():
+    with open_lines(io.BytesIO(JSONL)) as lines:
+        list(lines)
+        assert lines.compression is None
+
+
+@pytest.mark.parametrize(
+    ("name", "data", "fragment"),
+    [
+        ("truncated", gzip.compress(JSONL * 500)[:-40], "the gzip file is truncated"),
+        ("corrupt", gzip.compress(JSONL * 500)[:20] + b"\0" * 40 + gzip.compress(JSONL * 500)[60:], "the gzip data is corrupt"),
+        ("trailing_garbage", gzip.compress(JSONL) + b"not gzip", "the gzip data is corrupt"),
+    ],
+)
+def test_bad_gzip_raises_an_error_naming_the_file(tmp_path, name, data, fragment):
+    path = tmp_path / f"{name}.jsonl.gz"
+    path.write_bytes(data)
+    with pytest.raises(PreflightError) as excinfo:
+        with open_lines(path) as lines:
+            list(lines)
+    assert str(path) in str(excinfo.value) and fragment in str(excinfo.value)
+
+
+def test_zstd_is_refused_with_what_to_do():
+    with pytest.raises(PreflightError, match=r"compressed with zstd.*gzip"):
+        with open_lines(io.BytesIO(b"\x28\xb5\x2f\xfd" + b"\0" * 20)):
+            pass
+
+
+def test_progress_counts_compressed_bytes_for_gzip():
+    data = gzip.compress(JSONL * 100)
+    seen = []
+    with open_lines(io.BytesIO(data), on_bytes=seen.append) as lines:
+        list(lines)
+    assert sum(seen) == len(data)
+
+
+@pytest.mark.parametrize(("data", "expected"), [(gzip.compress(JSONL), True), (JSONL, False), (b"", False)])
+def test_is_compressed_reads_the_magic_bytes_of_a_path(tmp_path, data, expected):
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    assert is_compressed(path) is expected
+
+
+def test_is_compressed_rewinds_a_seekable_stream():
+    stream = io.BytesIO(gzip.compress(JSONL))
+    assert is_compressed(stream) and stream.tell() == 0
+
+
+def test_is_compressed_asks_a_url_for_its_first_bytes(http_server):
+    assert is_compressed(f"{http_server}/gz/in.jsonl?sig=1")
+    assert not is_compressed(f"{http_server}/plain.jsonl?sig=1")
+
+
+@pytest.mark.parametrize(("data", "expected"), [(b"a\nb\n", True), (b"a\nb", False), (b"", False)])
+def test_lines_record_whether_the_file_ended_with_a_newline(data, expected):
+    with open_lines(io.BytesIO(data), chunk_size=1) as lines:
+        list(lines)
+        assert lines.ended_with_newline is expected

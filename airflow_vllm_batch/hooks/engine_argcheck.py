@@ -1,0 +1,148 @@
+"""Parse engine arguments with the engine environment's own vLLM argument parser.
+
+This file runs as a script in the *engine's* Python (``python -I engine_argcheck.py``),
+which may be a different environment from Airflow's, so it imports nothing from
+``airflow_vllm_batch``; it imports only the vLLM module that builds the parser of the
+chosen entrypoint (no engine, no model, no GPU). It reads one JSON object on stdin, a
+list of argument lists to check (several share one import, which is the slow part)::
+
+    {"checks": [{"entrypoint": "run_batch", "argv": ["-i", "x", "-o", "y", "--model", "m", ...]}]}
+
+and prints one JSON object as the last line of stdout, a result for each check::
+
+    {"engine_argcheck": 1, "results": [{"ok": false, "stage": "parse",
+     "error": "argument --max-model-len: invalid human_readable_int_or_auto value: 'abc'",
+     "help": "python -m vllm.entrypoints.launchers.run_batch --help", "import_s": 7.9, "parse_s": 0.2}]}
+
+``stage`` is ``"import"`` (the parser could not be built: no or broken vLLM),
+``"parse"`` (argparse refused the arguments) or ``"validate"`` (the entrypoint's own
+quick checks, run before it loads a model, refused them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import re
+import sys
+import time
+
+#: Where each entrypoint's parser has lived, newest first: (module, help command).
+PARSER_MODULES = {
+    "run_batch": (
+        ("vllm.entrypoints.launchers.run_batch", "python -m vllm.entrypoints.launchers.run_batch --help"),
+        ("vllm.entrypoints.openai.run_batch", "python -m vllm.entrypoints.openai.run_batch --help"),
+    ),
+    "api_server": (
+        ("vllm.entrypoints.launchers.cli_args", "vllm serve --help"),
+        ("vllm.entrypoints.openai.cli_args", "vllm serve --help"),
+    ),
+}
+
+#: The quick checks each entrypoint runs on its parsed arguments before loading a model.
+VALIDATORS = {"run_batch": "validate_run_batch_args", "api_server": "validate_parsed_serve_args"}
+
+#: Marks the result line, so log lines a vLLM import prints to stdout are never mistaken for it.
+RESULT_KEY = "engine_argcheck"
+
+
+class ArgumentsRejected(Exception):
+    """argparse refused the arguments (raised instead of printing usage and exiting)."""
+
+
+def _load_parser_module(entrypoint: str):
+    """Import the first module of ``entrypoint`` that has ``make_arg_parser``; return it and its help command."""
+    errors = []
+    for name, help_cmd in PARSER_MODULES[entrypoint]:
+        try:
+            module = importlib.import_module(name)
+        except ImportError as exc:
+            errors.append(f"{name}: {exc}")
+            continue
+        if hasattr(module, "make_arg_parser"):
+            return module, help_cmd
+        errors.append(f"{name}: no make_arg_parser")
+    raise ImportError("; ".join(errors))
+
+
+def _raising_parser_class():
+    """Return vLLM's ``FlexibleArgumentParser`` changed to raise on a bad argument instead of exiting."""
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    class RaisingArgumentParser(FlexibleArgumentParser):
+        def error(self, message):
+            # argparse's hook for every refusal: it would print usage and exit(2).
+            raise ArgumentsRejected(message)
+
+        def exit(self, status=0, message=None):
+            raise ArgumentsRejected(
+                f"asks the parser to print and exit (--help or --version?){': ' + message.strip() if message else ''}"
+            )
+
+    return RaisingArgumentParser
+
+
+def _hint(message: str) -> str:
+    """Add what to use instead of an option vLLM removed."""
+    if message.startswith("unrecognized arguments:") and re.search(r"(^|\s)--task(=|\s|$)", message):
+        return message + (
+            " (--task was removed: use --runner pooling, and --convert embed or classify"
+            " to adapt a generative model)"
+        )
+    return message
+
+
+def check(entrypoint: str, argv: list[str]) -> dict:
+    """Parse ``argv`` as ``entrypoint`` would; return the result object (see the module docstring)."""
+    result: dict = {"ok": False, "stage": "import", "entrypoint": entrypoint}
+    started = time.monotonic()
+    try:
+        module, help_cmd = _load_parser_module(entrypoint)
+        parser_class = _raising_parser_class()
+    except Exception as exc:  # noqa: BLE001 - any failure here means no usable vLLM parser
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        result["import_s"] = round(time.monotonic() - started, 3)
+        return result
+    result["import_s"] = round(time.monotonic() - started, 3)
+    result["help"] = help_cmd
+    result["parser_module"] = module.__name__
+
+    started = time.monotonic()
+    result["stage"] = "parse"
+    try:
+        args = module.make_arg_parser(parser_class()).parse_args(argv)
+        result["stage"] = "validate"
+        validator = getattr(module, VALIDATORS[entrypoint], None)
+        if validator is not None:
+            validator(args)
+    except ArgumentsRejected as exc:
+        result["error"] = _hint(str(exc))
+    except Exception as exc:  # noqa: BLE001 - vLLM raises ValueError, TypeError, KeyError here
+        text = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
+        result["error"] = text.removeprefix("Error: ") or type(exc).__name__
+    else:
+        result["ok"] = True
+        result.pop("stage")
+    result["parse_s"] = round(time.monotonic() - started, 3)
+    return result
+
+
+def main() -> int:
+    """Read the checks on stdin, print the results as the last stdout line."""
+    request = json.load(sys.stdin)
+    # vLLM logs to stdout; keep the result line the only JSON object we print there.
+    with contextlib.redirect_stdout(sys.stderr):
+        results = [check(c["entrypoint"], [str(a) for a in c["argv"]]) for c in request["checks"]]
+    sys.stdout.write(json.dumps({RESULT_KEY: 1, "results": results}) + "\n")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    # A normal exit tears down torch and vLLM's imports, which costs 2-3 s more than the
+    # whole parse; nothing here needs cleaning up, so leave at once.
+    os._exit(code)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import heapq
 from array import array
+from bisect import bisect_left
 from collections.abc import Iterator
 
 #: 64 partitions: their 128 array tails stay in cache while streaming, and the
@@ -35,12 +36,14 @@ class CustomIdIndex:
     :param partition_bits: log2 of the number of partitions. Default 6.
     """
 
-    __slots__ = ("mask", "hashes", "lines")
+    __slots__ = ("mask", "hashes", "lines", "_sorted")
 
     def __init__(self, partition_bits: int = PARTITION_BITS) -> None:
         self.mask = (1 << partition_bits) - 1
         self.hashes: list[array] = [array("q") for _ in range(self.mask + 1)]
         self.lines: list[array] = [array("q") for _ in range(self.mask + 1)]
+        # Per partition, (hashes, lines) sorted by hash, made by line_of() on first use.
+        self._sorted: list[tuple[array, array] | None] = [None] * (self.mask + 1)
 
     def __len__(self) -> int:
         return sum(len(hs) for hs in self.hashes)
@@ -56,6 +59,28 @@ class CustomIdIndex:
         p = h & self.mask
         self.hashes[p].append(h)
         self.lines[p].append(line)
+
+    def line_of(self, custom_id: str) -> int | None:
+        """
+        Return the first line ``custom_id`` was seen on, or ``None``; for look-ups once the index is complete.
+
+        The first look-up in a partition sorts it (a copy of ~1/64 of the index,
+        kept for later look-ups), so a few look-ups cost little and even one per
+        line stays at 16 more bytes per line.
+
+        :param custom_id: the custom_id to find.
+        """
+        h = hash(custom_id)
+        p = h & self.mask
+        part = self._sorted[p]
+        if part is None:
+            hs, ls = self.hashes[p], self.lines[p]
+            # A stable sort keeps equal hashes in line order: bisect finds the first line.
+            order = sorted(range(len(hs)), key=hs.__getitem__)
+            part = self._sorted[p] = (array("q", map(hs.__getitem__, order)), array("q", map(ls.__getitem__, order)))
+        hashes, lines = part
+        i = bisect_left(hashes, h)
+        return lines[i] if i < len(hashes) and hashes[i] == h else None
 
     def repeats(self) -> Iterator[tuple[int, int]]:
         """Yield ``(line, first_line)`` for every entry whose id was already seen on ``first_line``; not in line order."""

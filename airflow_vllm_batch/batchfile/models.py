@@ -76,10 +76,72 @@ class RequestBody(msgspec.Struct, gc=False):
     stream: bool | None = None
 
 
-class ChatBody(RequestBody, kw_only=True):
-    """Body of ``/v1/chat/completions``."""
+#: The OpenAI sampling fields of a chat body that preflight checks: name -> (type, what
+#: is allowed, in words). The types and ranges are the OpenAI API's, narrowed where
+#: vLLM 0.32 is stricter (``top_p`` > 0, ``top_k`` and ``min_tokens`` are vLLM's own;
+#: ``SamplingParams._verify_args`` and ``ChatCompletionRequest``). Every field but
+#: ``min_tokens`` may be null, which vLLM reads as "not set".
+_INT64 = msgspec.Meta(ge=-(2**63), le=2**63 - 1)
+SAMPLING_FIELDS: dict[str, tuple[Any, str]] = {
+    "temperature": (Annotated[float, msgspec.Meta(ge=0, le=2)], "a number from 0 to 2"),
+    "top_p": (Annotated[float, msgspec.Meta(gt=0, le=1)], "a number greater than 0 and at most 1"),
+    "max_tokens": (Annotated[int, msgspec.Meta(ge=1)], "an integer >= 1"),
+    "max_completion_tokens": (Annotated[int, msgspec.Meta(ge=1)], "an integer >= 1"),
+    "n": (Annotated[int, msgspec.Meta(ge=1)], "an integer >= 1"),
+    "presence_penalty": (Annotated[float, msgspec.Meta(ge=-2, le=2)], "a number from -2 to 2"),
+    "frequency_penalty": (Annotated[float, msgspec.Meta(ge=-2, le=2)], "a number from -2 to 2"),
+    "seed": (Annotated[int, _INT64], "a 64-bit integer"),
+    "stop": (str | list[str], "a string or a list of strings"),
+    "logprobs": (bool, "true or false"),
+    "top_logprobs": (Annotated[int, msgspec.Meta(ge=0, le=20)], "an integer from 0 to 20"),
+    "top_k": (Annotated[int, msgspec.Meta(ge=-1)], "an integer: 0 or -1 (no limit), or at least 1"),
+    "min_tokens": (Annotated[int, msgspec.Meta(ge=0)], "an integer >= 0"),
+}
+#: Sampling fields vLLM does not accept as null.
+NOT_NULLABLE = frozenset({"min_tokens"})
 
-    messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
+
+def _sampling_field_type(name: str) -> Any:
+    """Return the msgspec type of a sampling field (absent is allowed: null for most, UNSET for the rest)."""
+    kind = SAMPLING_FIELDS[name][0]
+    return kind | msgspec.UnsetType if name in NOT_NULLABLE else kind | None
+
+
+# Built from SAMPLING_FIELDS so that the checks and their messages cannot drift
+# apart; msgspec checks the types and ranges while decoding (the fast path).
+ChatBody = msgspec.defstruct(
+    "ChatBody",
+    [("messages", Annotated[list[ChatMessage], msgspec.Meta(min_length=1)])]
+    + [
+        (name, _sampling_field_type(name), msgspec.UNSET if name in NOT_NULLABLE else None)
+        for name in SAMPLING_FIELDS
+    ],
+    bases=(RequestBody,),
+    kw_only=True,
+    gc=False,
+    module=__name__,
+)
+ChatBody.__doc__ = """Body of ``/v1/chat/completions``: ``messages`` and the sampling fields of :data:`SAMPLING_FIELDS`."""
+
+
+def sampling_problem(body: dict) -> str | None:
+    """
+    Return what is wrong with the first bad sampling field of a chat body, or ``None``.
+
+    :param body: the decoded ``body`` object of a chat request.
+    """
+    for name in SAMPLING_FIELDS:
+        if name not in body:
+            continue
+        value = body[name]
+        try:
+            msgspec.convert(value, _sampling_field_type(name))
+        except msgspec.ValidationError:
+            found = msgspec.json.encode(value).decode("utf-8", "replace")
+            if len(found) > 60:
+                found = found[:60] + "..."
+            return f'"body.{name}" is {found}, but it must be {SAMPLING_FIELDS[name][1]} — fix the value or remove the field'
+    return None
 
 
 class EmbeddingsBody(RequestBody):
@@ -208,6 +270,26 @@ def request_struct(body: type[RequestBody], url: str | None = None, model: str |
     )
 
 
+#: Endpoints served by a generation model; everything vLLM routes to its pooling
+#: handlers (embeddings, any URL ending in /score or /rerank) needs a pooling model.
+GENERATE_URLS: frozenset[str] = frozenset(
+    {"/v1/chat/completions", "/v1/completions", "/v1/audio/transcriptions", "/v1/audio/translations"}
+)
+
+
+def endpoint_kind(url: str) -> Literal["generate", "pooling"] | None:
+    """
+    Return the kind of model that serves ``url``: ``"generate"``, ``"pooling"``, or ``None`` when unknown.
+
+    :param url: a request line's ``url``.
+    """
+    if url in GENERATE_URLS:
+        return "generate"
+    if url == "/v1/embeddings" or url.endswith(("/score", "/rerank")):
+        return "pooling"
+    return None
+
+
 def body_spec_for(url: str) -> tuple[type[RequestBody], Any, str]:
     """
     Return the body model for a URL, following vLLM's matching rules.
@@ -272,12 +354,16 @@ class ResultResponse(msgspec.Struct, gc=False):
 
 
 class ResultLine(msgspec.Struct, gc=False):
-    """One line of vLLM's batch output (or of preflight's errors file, where custom_id may be null)."""
+    """One line of vLLM's batch output (or of preflight's errors file, where custom_id may be null).
+
+    ``response`` and ``error`` are UNSET when the key is absent: a line with neither
+    is not a result line (a request line, or some other JSON object).
+    """
 
     custom_id: str | None = None
     id: str | None = None
-    response: ResultResponse | None = None
-    error: Any = None
+    response: ResultResponse | None | msgspec.UnsetType = msgspec.UNSET
+    error: Any = msgspec.UNSET
 
 
 def object_type(body: ResponseBody | ResultResponse | None) -> str | None:
@@ -305,6 +391,49 @@ OBJECT_TO_URL: dict[str, str] = {
     "score": "/v1/score",
     "rerank": "/v1/rerank",
 }
+
+
+#: HTTP status of a failed result -> the ``code`` of its error object.
+STATUS_ERROR_CODES: dict[int, str] = {
+    400: "invalid_request",
+    401: "unauthorized",
+    403: "forbidden",
+    404: "not_found",
+    408: "timeout",
+    413: "request_too_large",
+    422: "invalid_request",
+    429: "rate_limited",
+}
+
+
+def error_code(status_code: int | None) -> str:
+    """
+    Return the ``code`` of the error object of a failed result with this HTTP status.
+
+    :param status_code: ``response.status_code`` (``None`` or 200 when only ``error`` says it failed).
+    """
+    if status_code in STATUS_ERROR_CODES:
+        return STATUS_ERROR_CODES[status_code]
+    if status_code is None or status_code == 200 or status_code >= 500:
+        return "engine_error"
+    return f"http_{status_code}"
+
+
+def error_object(error: Any, status_code: int | None, line: int | None) -> dict[str, Any]:
+    """
+    Return a failed result's ``error`` in the one shape of the error file: ``{"code", "message", "line"}``.
+
+    An error already in that shape (preflight's) keeps its code and line.
+
+    :param error: the ``error`` as written: ``None``, a string, vLLM's ``ErrorResponse``, or ours.
+    :param status_code: ``response.status_code``, when there is one.
+    :param line: the input line of the request, when known.
+    """
+    if isinstance(error, dict) and isinstance(error.get("code"), str) and isinstance(error.get("message"), str):
+        kept = error.get("line")
+        return {"code": error["code"], "message": error["message"], "line": kept if isinstance(kept, int) else line}
+    message = error_message(error) or f"the engine answered with HTTP status {status_code}"
+    return {"code": error_code(status_code), "message": message, "line": line}
 
 
 def error_message(error: Any) -> str | None:

@@ -18,12 +18,29 @@ What a line must be (checks in order; the first failure is the line's problem):
    of objects with a ``role``; embeddings: ``input`` or ``messages``; score:
    ``text_1``/``text_2`` or vLLM's ``queries``/``documents``, ``queries``/``items``,
    ``data_1``/``data_2``; rerank: ``query`` and ``documents``);
-6. ``body.stream`` not true;
+6. ``body.stream`` not true; for chat, the OpenAI sampling fields
+   (``temperature``, ``top_p``, ``max_tokens``, ``max_completion_tokens``, ``n``,
+   ``presence_penalty``, ``frequency_penalty``, ``seed``, ``stop``, ``logprobs``,
+   ``top_logprobs``, ``top_k``, ``min_tokens``) of the right type and range
+   (:data:`~airflow_vllm_batch.batchfile.models.SAMPLING_FIELDS`);
 7. ``body.model``: a string, the same on every line (and equal to ``model``
-   when given, unless ``rewrite_model``).
+   when given, unless ``rewrite_model``);
+8. the URL fits the kind of model (``model_kind``): a generation model serves
+   chat, a pooling model (``--runner pooling``) embeddings, score and rerank.
+   Without ``model_kind``, a file that mixes the two kinds fails as a whole:
+   vLLM serves one kind per engine.
 
 Blank (whitespace-only) lines are skipped and not counted; line numbers are
-physical line numbers, as an editor shows them.
+physical line numbers, as an editor shows them. A gzip file is read decompressed
+(see :mod:`~airflow_vllm_batch.batchfile.sources`); vLLM cannot read it, so the
+report then says :attr:`PreflightReport.needs_rewrite` and the engine must be given
+the cleaned copy.
+
+The report's :attr:`~PreflightReport.custom_ids` index holds every valid line's
+custom_id with its line number *in the file the engine reads*: the cleaned copy's
+numbering when :attr:`~PreflightReport.needs_rewrite`, else the input's physical
+line numbers. :func:`~airflow_vllm_batch.batchfile.results.check_results` takes it
+(``input_index=``) so that the input is not read again to check the results.
 
 Repeated custom_ids are found after the pass (see
 :mod:`~airflow_vllm_batch.batchfile.index`): with ``reread`` (a callable that
@@ -49,20 +66,25 @@ from __future__ import annotations
 
 import sys
 from array import array
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import IO, Any, ContextManager, Literal
 
 import msgspec
 
-from airflow_vllm_batch.batchfile.index import FirstN, hash_partitions, repeated_hashes
+from airflow_vllm_batch.batchfile.index import CustomIdIndex, FirstN, repeated_hashes
 from airflow_vllm_batch.batchfile.models import (
     DEFAULT_SUPPORTED_URLS,
+    SAMPLING_FIELDS,
+    ChatBody,
     CustomIdOnly,
     LineKey,
     RequestLine,
     body_spec_for,
+    endpoint_kind,
     request_struct,
+    sampling_problem,
 )
 from airflow_vllm_batch.batchfile.problems import Problem, format_problem_list, short_custom_id
 from airflow_vllm_batch.exceptions import PreflightError
@@ -102,6 +124,10 @@ class PreflightOptions:
         and reading stops. Default ``None`` (no limit).
     :param max_line_bytes: longest line accepted, in bytes. Default 1,000,000.
     :param max_problems_listed: problems kept in the report (all are counted). Default 50.
+    :param model_kind: what the engine's model serves: ``"generate"`` (chat) or
+        ``"pooling"`` (embeddings, score, rerank; vLLM's ``--runner pooling``); lines
+        for the other kind are invalid. ``None`` (default): unknown, and a file
+        that mixes the two kinds fails as a whole.
     """
 
     supported_urls: frozenset[str] = DEFAULT_SUPPORTED_URLS
@@ -112,6 +138,7 @@ class PreflightOptions:
     max_lines: int | None = None
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
     max_problems_listed: int = DEFAULT_MAX_PROBLEMS_LISTED
+    model_kind: Literal["generate", "pooling"] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "supported_urls", frozenset(self.supported_urls))
@@ -128,6 +155,12 @@ class PreflightOptions:
             )
         if self.max_line_bytes < 1:
             raise ValueError("max_line_bytes must be positive")
+        if self.model_kind not in (None, "generate", "pooling"):
+            raise ValueError(f"model_kind must be 'generate', 'pooling' or None, not {self.model_kind!r}")
+        for key in SAMPLING_FIELDS.keys() & self.default_body.keys():
+            problem = sampling_problem({key: self.default_body[key]})
+            if problem:
+                raise ValueError(f"default_body: {problem}")
         if not self.supported_urls:
             raise ValueError("supported_urls is empty: no request could ever be valid")
 
@@ -154,6 +187,10 @@ class PreflightReport:
     problem_count: int = 0
     file_problems: list[Problem] = field(default_factory=list)
     stopped_early: bool = False
+    #: ``"gzip"`` when the input was decompressed while reading, else ``None``.
+    compression: str | None = None
+    #: Every valid line's custom_id and its line in the file the engine reads (see the module docs).
+    custom_ids: CustomIdIndex | None = field(default=None, repr=False, compare=False)
 
     @property
     def ok(self) -> bool:
@@ -162,8 +199,8 @@ class PreflightReport:
 
     @property
     def needs_rewrite(self) -> bool:
-        """True when the cleaned copy differs from the input (lines skipped or rewritten)."""
-        return self.invalid_lines > 0 or self.rewritten_lines > 0
+        """True when the engine must read the cleaned copy: lines skipped or rewritten, or a compressed input."""
+        return self.invalid_lines > 0 or self.rewritten_lines > 0 or self.compression is not None
 
     @property
     def runnable(self) -> bool:
@@ -192,6 +229,7 @@ class PreflightReport:
             "blank_lines": self.blank_lines,
             "rewritten_lines": self.rewritten_lines,
             "needs_rewrite": self.needs_rewrite,
+            "compression": self.compression,
             "url_counts": dict(self.url_counts),
             "models": dict(self.models),
             "problem_count": self.problem_count,
@@ -264,7 +302,10 @@ def preflight(
     opts = options or PreflightOptions()
     report = PreflightReport(source=source, mode=opts.invalid_lines)
     checker = _Checker(opts, report, errors_out)
+    report.custom_ids = checker.index
     checker.run(lines, cleaned_out)
+    # Known only now: a Lines from open_lines says so once it is opened.
+    report.compression = getattr(lines, "compression", None)
     checker.finish(reread)
     return report
 
@@ -282,12 +323,15 @@ class _Checker:
         self.decode_envelope = msgspec.json.Decoder(RequestLine).decode
         # Lenient decoders (any model, any stream) for the slow path; strict ones
         # (only this URL, this model, no stream) once the model is known.
-        self.lenient = {url: self._line_decoder(url, None) for url in opts.supported_urls}
+        # URLs the model cannot serve get no decoder: their lines go to diagnose_line.
+        self.urls = [url for url in opts.supported_urls if kind_problem(url, opts, None) is None]
+        self.lenient = {url: self._line_decoder(url, None) for url in self.urls}
         self.strict: dict[str, tuple[Any, Any, list[tuple[str, str]]]] = {}
         if self.expected_model is not None:
-            self.strict = {url: self._line_decoder(url, self.expected_model) for url in opts.supported_urls}
-        self.parts = hash_partitions()
+            self.strict = {url: self._line_decoder(url, self.expected_model) for url in self.urls}
+        self.index = CustomIdIndex()
         self.invalid_line_numbers = array("q")
+        self.blank_line_numbers = array("q")
         self.write: Any = None
         # The loop's current decoder: the strict one of the last valid line's URL.
         self.url: str | None = None
@@ -342,8 +386,7 @@ class _Checker:
         has_defaults = bool(self.default_items)
         write = self.write = cleaned_out.write if cleaned_out is not None else None
         slow_line = self.slow_line
-        parts = self.parts
-        mask = len(parts) - 1
+        hashes, id_lines, mask = self.index.hashes, self.index.lines, self.index.mask
         decode, complete, limit = self.decode, self.complete, self.limit
         lineno = 0
 
@@ -368,7 +411,8 @@ class _Checker:
                     slow_line(raw, lineno)
                     continue
             h = hash(req.custom_id)
-            parts[h & mask].append(h)
+            hashes[h & mask].append(h)
+            id_lines[h & mask].append(lineno)
             if has_defaults:
                 raw = self.fill_defaults(raw, req.body)
             if write is not None:
@@ -390,6 +434,7 @@ class _Checker:
         """Handle any line the fast path did not: blank, invalid, another URL, a model to rewrite."""
         if not raw or raw.isspace():
             self.blank += 1
+            self.blank_line_numbers.append(lineno)
             self.limit += 1
             self.seg_skip += 1
             return
@@ -420,7 +465,7 @@ class _Checker:
             # The first line that names a model sets the model of the file.
             self.expected_model = model
             self.first_model_line = lineno
-            self.strict = {u: self._line_decoder(u, model) for u in self.opts.supported_urls}
+            self.strict = {u: self._line_decoder(u, model) for u in self.urls}
         elif model != self.expected_model:
             self.count_model(model)
             if not self.opts.rewrite_model:
@@ -431,8 +476,7 @@ class _Checker:
             self.close_segment(lineno)
             self.url = url
             self.decode, self.complete, self.default_attrs = self.strict[url]
-        h = hash(req.custom_id)
-        self.parts[h & (len(self.parts) - 1)].append(h)
+        self.index.add(req.custom_id, lineno)
         missing = [k for k, attr in default_attrs if getattr(body, attr) in (_UNSET, None)]
         if change_model or missing:
             raw = self.rewrite(raw, self.expected_model if change_model else None, missing)
@@ -461,8 +505,7 @@ class _Checker:
         """Find repeated custom_ids, locate them with a second pass when possible, then file-level problems."""
         opts = self.opts
         report = self.report
-        repeated = repeated_hashes(self.parts)
-        self.parts = []
+        repeated = repeated_hashes(self.index.hashes)
         if repeated:
             if reread is not None:
                 self.locate_repeats(repeated, reread)
@@ -476,10 +519,36 @@ class _Checker:
                     f"{count} request(s) repeat an earlier custom_id — give every request a unique custom_id "
                     "(run `airflow-vllm-batch validate` on the file to list them)"
                 )
+        self.check_one_kind()
+        if report.needs_rewrite:
+            self.renumber_for_cleaned_copy()
         if report.total_lines == 0 and not report.stopped_early:
             self.file_problem("the file has no requests — check that the right file was uploaded")
         elif opts.invalid_lines == "skip" and report.valid_lines <= 0 and report.total_lines:
             self.file_problem("no valid request is left after skipping invalid lines — fix the file")
+
+    def check_one_kind(self) -> None:
+        """Fail a file that mixes generation and pooling requests: one engine serves one kind."""
+        by_kind: dict[str, list[str]] = {}
+        for url, count in sorted(self.report.url_counts.items()):
+            kind = endpoint_kind(url)
+            if count > 0 and kind is not None:
+                by_kind.setdefault(kind, []).append(f"{url} ({count:,})")
+        if len(by_kind) > 1:
+            self.file_problem(
+                f"the file mixes generation requests ({', '.join(by_kind['generate'])}) with pooling requests "
+                f"({', '.join(by_kind['pooling'])}); vLLM serves one kind per engine (a generation model, or a "
+                "pooling model with --runner pooling) — put each kind in a file of its own"
+            )
+
+    def renumber_for_cleaned_copy(self) -> None:
+        """Give the index the cleaned copy's line numbers: it has no blank or invalid lines."""
+        skipped = sorted(self.invalid_line_numbers + self.blank_line_numbers)
+        if not skipped:
+            return
+        lines = self.index.lines
+        for p, numbers in enumerate(lines):
+            lines[p] = array("q", [n - bisect_left(skipped, n) for n in numbers])
 
     def locate_repeats(
         self, repeated: dict[int, int], reread: Callable[[], ContextManager[Iterable[bytes]]]
@@ -570,9 +639,13 @@ class _Checker:
 
     def too_long_message(self, size: int) -> str:
         """Message for a line over ``max_line_bytes``."""
+        limit = self.opts.max_line_bytes
+        # A reader given the same limit cuts a longer line to limit + 1 bytes, so
+        # that size means "longer than the limit, true size unknown".
+        found = f"more than {limit:,} bytes" if size == limit + 1 else f"{size:,} bytes"
         return (
-            f"line is {size:,} bytes, over max_line_bytes={self.opts.max_line_bytes:,} — "
-            "check that every request ends with a newline, or raise max_line_bytes"
+            f"line is {found}, over max_line_bytes={limit:,} — check that every request ends with a newline; "
+            "for longer requests raise the limit (max_line_bytes on the operator, or --max-line-bytes in the CLI)"
         )
 
     def rewrite(self, raw: bytes, model: str | None, missing: list[str]) -> bytes:
@@ -704,6 +777,11 @@ def diagnose_line(
         return shown, f'"url" is a {_json_type(url)}, not a string — set "url" to one of: {supported}'
     if url not in opts.supported_urls:
         return shown, f'"url" {url!r} is not served by this engine — use one of: {supported}'
+    body = obj.get("body")
+    named = body.get("model") if isinstance(body, dict) else None
+    wrong_kind = kind_problem(url, opts, expected_model or (named if isinstance(named, str) else None))
+    if wrong_kind:
+        return shown, wrong_kind
 
     if "body" not in obj:
         return shown, f'missing "body" — add the request body for {url}'
@@ -712,6 +790,10 @@ def diagnose_line(
         return shown, f'"body" is a {_json_type(body)}, not an object — put the {url} request parameters in an object'
 
     struct, complete, needs = body_spec_for(url)
+    if struct is ChatBody:
+        bad_field = sampling_problem(body)
+        if bad_field:
+            return shown, bad_field
     try:
         decoded = msgspec.convert(body, struct)
     except msgspec.ValidationError as exc:
@@ -743,6 +825,29 @@ def diagnose_line(
         )
     # The fast path found something this walk does not; say what the decoder said.
     return shown, "the request could not be read — check it against the OpenAI batch format"
+
+
+def kind_problem(url: str, opts: PreflightOptions, model: str | None) -> str | None:
+    """
+    Return why the engine's model cannot serve ``url`` (see ``model_kind``), or ``None`` when it can or it is unknown.
+
+    :param url: the request's URL.
+    :param opts: the preflight options (``model_kind``, ``model``).
+    :param model: the model the file names, when known.
+    """
+    kind = endpoint_kind(url)
+    if opts.model_kind is None or kind is None or kind == opts.model_kind:
+        return None
+    name = f"model {(opts.model or model)!r}" if (opts.model or model) else "the model"
+    if opts.model_kind == "generate":
+        return (
+            f"{name} is a generation model; {url} needs a pooling model (--runner pooling) — "
+            "put these requests in a file of their own"
+        )
+    return (
+        f"{name} is a pooling model (--runner pooling); {url} needs a generation model — "
+        "put these requests in a file of their own"
+    )
 
 
 def custom_ids_at(lines: Iterable[bytes], wanted: set[int]) -> dict[int, str | None]:

@@ -1,8 +1,9 @@
 """Results check: does the engine's output answer the input, and how did it go?
 
-:func:`check_results` streams the input once (custom_ids into a compact
-:class:`~airflow_vllm_batch.batchfile.index.CustomIdIndex`) and the results once,
-and reports:
+:func:`check_results` streams the results once and compares their custom_ids with
+the input's, held in a compact :class:`~airflow_vllm_batch.batchfile.index.CustomIdIndex`:
+preflight's (``input_index=report.custom_ids``, so the input is not read again),
+or one built here from ``input_lines``. It reports:
 
 * answers: every input custom_id answered exactly once, nothing extra (missing,
   extra and repeated custom_ids are named, the first 50 of each, and counted);
@@ -14,10 +15,22 @@ and reports:
   issue" (``vllm.v1.engine.exceptions.EngineDeadError``). This flag catches it.
 
 A result line has **failed** when its ``error`` is not null or its
-``response.status_code`` is not 200; its exact bytes are copied to
-``errors_out`` (newline-terminated). Both result shapes are read (see
-:mod:`~airflow_vllm_batch.batchfile.models`). Blank lines and a missing final
-newline (vLLM uploads its output without one) are fine.
+``response.status_code`` is not 200, and **succeeded** otherwise. The two go to
+two files, as in OpenAI's Batch API (see the contract in
+:mod:`airflow_vllm_batch.batchfile`):
+
+* ``results_out`` gets the exact bytes of every successful line. The lines are
+  separated by ``\\n`` and end with one only if the results file did (vLLM uploads
+  its output without a final newline), so with no failures and no blank lines
+  the bytes equal the results file's: a caller may publish it by copying instead.
+* ``errors_out`` gets every failed line, newline-terminated, with ``id``,
+  ``custom_id`` and ``response`` as the engine wrote them and ``error`` rewritten
+  to ``{"code", "message", "line"}`` (:func:`~airflow_vllm_batch.batchfile.models.error_object`):
+  the shape of preflight's own error lines.
+
+Both result shapes are read (see :mod:`~airflow_vllm_batch.batchfile.models`).
+Blank lines are skipped (and written to neither file). A JSON object with neither
+``response`` nor ``error`` is not a result line: it is counted as unreadable.
 """
 
 from __future__ import annotations
@@ -34,6 +47,7 @@ from airflow_vllm_batch.batchfile.models import (
     CustomIdOnly,
     ResultLine,
     error_message,
+    error_object,
     object_type,
 )
 from airflow_vllm_batch.batchfile.preflight import custom_ids_at
@@ -44,6 +58,12 @@ from airflow_vllm_batch.exceptions import ResultsCheckError
 ENGINE_DEAD_MARKER = "EngineCore"
 DEFAULT_MAX_LISTED = 50
 DEFAULT_SAMPLE_ERRORS = 5
+
+_UNSET = msgspec.UNSET
+_NOT_A_RESULT = (
+    'not a result line (it has neither "response" nor "error") — check that this is the engine\'s '
+    "output, not the request file"
+)
 
 #: A callable that opens a file again, e.g. ``lambda: open_lines(path)``.
 Reopen = Callable[[], ContextManager[Iterable[bytes]]]
@@ -212,9 +232,11 @@ class ResultsReport:
 
 def check_results(
     result_lines: Iterable[bytes],
-    input_lines: Iterable[bytes] | None,
+    input_lines: Iterable[bytes] | None = None,
     errors_out: IO[bytes] | None = None,
     *,
+    input_index: CustomIdIndex | None = None,
+    results_out: IO[bytes] | None = None,
     reread_input: Reopen | None = None,
     reread_results: Reopen | None = None,
     max_listed: int = DEFAULT_MAX_LISTED,
@@ -225,9 +247,16 @@ def check_results(
     """
     Count the outcomes of a results file and, given the input, check it answers every request once.
 
-    :param result_lines: the results file's lines (``bytes``, e.g. from :func:`open_lines`).
-    :param input_lines: the input file's lines, or ``None`` for statistics only.
-    :param errors_out: binary writable; receives every failed result line's exact bytes.
+    :param result_lines: the results file's lines (``bytes``, e.g. from :func:`open_lines`;
+        its ``ended_with_newline`` lets ``results_out`` end as the file did).
+    :param input_lines: the input file's lines (the file the engine read), or ``None``.
+    :param errors_out: binary writable; receives every failed result line, its
+        ``error`` rewritten to ``{"code", "message", "line"}`` (see the module docs).
+    :param input_index: instead of ``input_lines``: the custom_ids of the file the
+        engine read, with their line numbers, e.g. ``PreflightReport.custom_ids``.
+        With neither, only statistics are gathered.
+    :param results_out: binary writable; receives the exact bytes of every successful
+        result line (see the module docs).
     :param reread_input: optional callable opening the input again (e.g.
         ``lambda: open_lines(path)``); used only when requests are missing, to name
         their custom_ids. Without it they are named by input line number.
@@ -238,13 +267,16 @@ def check_results(
     :param source: printable name of the results file.
     :param input_source: printable name of the input file.
     """
+    if input_lines is not None and input_index is not None:
+        raise ValueError("pass input_lines or input_index, not both")
     report = ResultsReport(source=source, input_source=input_source)
-    input_index: CustomIdIndex | None = None
     if input_lines is not None:
         input_index = _index_input(input_lines, report)
-    results_index = _scan_results(
-        result_lines, input_index is not None, report, errors_out, max_listed, max_sample_errors
-    )
+    elif input_index is not None:
+        _count_index(input_index, report)
+    outputs = _Outputs(results_out, errors_out, input_index)
+    results_index = _scan_results(result_lines, input_index is not None, report, outputs, max_listed, max_sample_errors)
+    outputs.finish(getattr(result_lines, "ended_with_newline", None))
     if input_index is not None and results_index is not None:
         _match(input_index, results_index, report, reread_input, reread_results, max_listed)
     return report
@@ -279,11 +311,49 @@ def _index_input(input_lines: Iterable[bytes], report: ResultsReport) -> CustomI
     return index
 
 
+def _count_index(index: CustomIdIndex, report: ResultsReport) -> None:
+    """Fill the input figures of the report from an index built elsewhere (preflight's)."""
+    report.input_checked = True
+    report.input_total = len(index)
+    report.input_duplicate_count = sum(1 for _ in index.repeats())
+
+
+class _Outputs:
+    """Where the successful and the failed result lines go (see the module docs)."""
+
+    def __init__(
+        self, results_out: IO[bytes] | None, errors_out: IO[bytes] | None, input_index: CustomIdIndex | None
+    ) -> None:
+        self.results_write = results_out.write if results_out is not None else None
+        self.errors_write = errors_out.write if errors_out is not None else None
+        self.input_index = input_index
+        self.written = 0
+
+    def success(self, raw: bytes) -> None:
+        """Write a successful line as it was; the newline goes *before* all but the first, so the file can end as the input did."""
+        if self.written:
+            self.results_write(b"\n")
+        self.results_write(raw)
+        self.written += 1
+
+    def failure(self, raw: bytes, custom_id: str | None, status: int | None) -> None:
+        """Write a failed line with its ``error`` in the one shape of the error file."""
+        line = self.input_index.line_of(custom_id) if self.input_index is not None and custom_id is not None else None
+        obj = msgspec.json.decode(raw)
+        obj["error"] = error_object(obj.get("error"), status, line)
+        self.errors_write(msgspec.json.encode(obj) + b"\n")
+
+    def finish(self, ended_with_newline: bool | None) -> None:
+        """End the results file with a newline when the input ended with one (or when that is unknown)."""
+        if self.written and ended_with_newline is not False:
+            self.results_write(b"\n")
+
+
 def _scan_results(
     result_lines: Iterable[bytes],
     build_index: bool,
     report: ResultsReport,
-    errors_out: IO[bytes] | None,
+    outputs: _Outputs,
     max_listed: int,
     max_sample_errors: int,
 ) -> CustomIdIndex | None:
@@ -292,7 +362,8 @@ def _scan_results(
     index = CustomIdIndex() if build_index else None
     if index is not None:
         hashes, index_lines, mask = index.hashes, index.lines, index.mask
-    write = errors_out.write if errors_out is not None else None
+    succeeded = outputs.success if outputs.results_write is not None else None
+    failed_out = outputs.failure if outputs.errors_write is not None else None
     status_counts: dict[str, int] = {}
     object_counts: dict[str, int] = {}
     lineno = completed = failed = blank = 0
@@ -315,6 +386,14 @@ def _scan_results(
             continue
         response = result.response
         error = result.error
+        if response is _UNSET or error is _UNSET:
+            if response is _UNSET and error is _UNSET:
+                report.unparseable_count += 1
+                if len(report.unparseable) < max_listed:
+                    report.unparseable.append(Problem(lineno, result.custom_id, _NOT_A_RESULT))
+                continue
+            response = None if response is _UNSET else response
+            error = None if error is _UNSET else error
         status: int | None = None
         body = None
         if response is not None:
@@ -326,12 +405,13 @@ def _scan_results(
         if error is None and (status is None or status == 200):
             completed += 1
             key = "200"
+            if succeeded is not None:
+                succeeded(raw)
         else:
             failed += 1
             key = str(status) if status is not None else "none"
-            if write is not None:
-                write(raw)
-                write(b"\n")
+            if failed_out is not None:
+                failed_out(raw, result.custom_id, status)
             message = error_message(error) or f"HTTP status {status}"
             if ENGINE_DEAD_MARKER in message:
                 dead += 1

@@ -32,3 +32,10 @@ def test_first_n_keeps_smallest_and_counts_all():
     for n in [9, 1, 8, 2, 7, 3]:
         kept.add((n,))
     assert (kept.items(), kept.count) == ([(1,), (2,), (3,)], 6)
+
+
+def test_line_of_finds_the_first_line_of_an_id_and_none_for_an_unknown_one():
+    index = CustomIdIndex()
+    for line, cid in enumerate(["a", "b", "a"] + [f"x{i}" for i in range(500)], start=1):
+        index.add(cid, line)
+    assert (index.line_of("a"), index.line_of("b"), index.line_of("x499"), index.line_of("zz")) == (1, 2, 503, None)

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import gzip
 import io
 import json
 
@@ -82,6 +83,146 @@ def test_malformed_file_reports_line_and_reason(name, data, lineno, reason):
     first = report.problems[0]
     assert first.line == lineno, str(first)
     assert reason in first.message, str(first)
+
+
+EMBED = line("emb-1", url="/v1/embeddings", body={"model": "m", "input": "x"})
+
+
+def chat(**fields) -> bytes:
+    """One chat line whose body adds ``fields`` (e.g. sampling parameters), newline-terminated."""
+    return line(body={"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}) + b"\n"
+
+
+# Cases of issue 10 — (name, file bytes, options, line of the first problem (0: the file), message fragment)
+ISSUE_10 = [
+    ("line_cut_by_the_reader_has_unknown_size", good(1) + line(body={"model": "m", "messages": [{"role": "user", "content": "x" * 3000}]}) + b"\n", {"max_line_bytes": 1000, "_reader_max": 1000}, 2, "line is more than 1,000 bytes, over max_line_bytes=1,000"),
+    ("line_too_long_names_both_settings", good(1) + line(body={"model": "m", "messages": [{"role": "user", "content": "x" * 3000}]}) + b"\n", {"max_line_bytes": 1000}, 2, "max_line_bytes on the operator, or --max-line-bytes in the CLI"),
+    ("line_too_long_true_size", good(1) + line(body={"model": "m", "messages": [{"role": "user", "content": "x" * 3000}]}) + b"\n", {"max_line_bytes": 1000}, 2, "line is 3,"),
+    ("temperature_string", good(1) + chat(temperature="hot"), {}, 2, '"body.temperature" is "hot", but it must be a number from 0 to 2'),
+    ("temperature_too_high", chat(temperature=2.5), {}, 1, '"body.temperature" is 2.5, but it must be a number from 0 to 2'),
+    ("max_completion_tokens_negative", good(2) + chat(max_completion_tokens=-5), {}, 3, '"body.max_completion_tokens" is -5, but it must be an integer >= 1'),
+    ("max_tokens_zero", chat(max_tokens=0), {}, 1, '"body.max_tokens" is 0, but it must be an integer >= 1'),
+    ("max_tokens_float", chat(max_tokens=1.5), {}, 1, '"body.max_tokens" is 1.5, but it must be an integer >= 1'),
+    ("top_p_zero", chat(top_p=0), {}, 1, '"body.top_p" is 0, but it must be a number greater than 0 and at most 1'),
+    ("top_p_over_one", chat(top_p=1.5), {}, 1, '"body.top_p" is 1.5'),
+    ("n_zero", chat(n=0), {}, 1, '"body.n" is 0, but it must be an integer >= 1'),
+    ("n_boolean", chat(n=True), {}, 1, '"body.n" is true'),
+    ("presence_penalty_too_low", chat(presence_penalty=-3), {}, 1, '"body.presence_penalty" is -3, but it must be a number from -2 to 2'),
+    ("frequency_penalty_string", chat(frequency_penalty="0.5"), {}, 1, '"body.frequency_penalty" is "0.5", but it must be a number from -2 to 2'),
+    ("seed_float", chat(seed=1.5), {}, 1, '"body.seed" is 1.5, but it must be a 64-bit integer'),
+    ("stop_number", chat(stop=5), {}, 1, '"body.stop" is 5, but it must be a string or a list of strings'),
+    ("stop_list_of_numbers", chat(stop=["a", 1]), {}, 1, '"body.stop" is ["a",1]'),
+    ("logprobs_string", chat(logprobs="yes"), {}, 1, '"body.logprobs" is "yes", but it must be true or false'),
+    ("top_logprobs_too_high", chat(logprobs=True, top_logprobs=21), {}, 1, '"body.top_logprobs" is 21, but it must be an integer from 0 to 20'),
+    ("top_k_below_minus_one", chat(top_k=-2), {}, 1, '"body.top_k" is -2, but it must be an integer: 0 or -1 (no limit), or at least 1'),
+    ("min_tokens_negative", chat(min_tokens=-1), {}, 1, '"body.min_tokens" is -1, but it must be an integer >= 0'),
+    ("min_tokens_null", chat(min_tokens=None), {}, 1, '"body.min_tokens" is null'),
+    ("embeddings_for_generation_model", good(1) + EMBED + b"\n", {"model_kind": "generate"}, 2, "model 'm' is a generation model; /v1/embeddings needs a pooling model (--runner pooling) — put these requests in a file of their own"),
+    ("score_for_generation_model", line(url="/v1/score", body={"model": "m", "text_1": "a", "text_2": "b"}) + b"\n", {"model_kind": "generate", "model": "m"}, 1, "/v1/score needs a pooling model (--runner pooling)"),
+    ("rerank_for_generation_model", line(url="/v1/rerank", body={"model": "m", "query": "q", "documents": ["d"]}) + b"\n", {"model_kind": "generate"}, 1, "/v1/rerank needs a pooling model"),
+    ("chat_for_pooling_model", EMBED + b"\n" + good(1), {"model_kind": "pooling"}, 2, "model 'm' is a pooling model (--runner pooling); /v1/chat/completions needs a generation model"),
+    ("chat_and_embeddings_mixed", good(2) + EMBED + b"\n", {}, 0, "the file mixes generation requests (/v1/chat/completions (2)) with pooling requests (/v1/embeddings (1))"),
+    ("chat_and_score_mixed_in_skip_mode", good(1) + line("s", url="/v1/score", body={"model": "m", "text_1": "a", "text_2": "b"}) + b"\n", {"invalid_lines": "skip"}, 0, "vLLM serves one kind per engine"),
+]
+
+
+@pytest.mark.parametrize(("name", "data", "options", "lineno", "reason"), ISSUE_10, ids=[c[0] for c in ISSUE_10])
+def test_issue_10_case_reports_line_and_reason(name, data, options, lineno, reason):
+    options = dict(options)
+    reader_max = options.pop("_reader_max", None)
+    kwargs = {"max_line_bytes": reader_max} if reader_max else {}
+    with open_lines(io.BytesIO(data), **kwargs) as lines:
+        report = preflight(lines, PreflightOptions(**options), reread=lambda: open_lines(io.BytesIO(data)))
+    assert not report.runnable
+    first = report.problems[0]
+    assert first.line == lineno, str(first)
+    assert reason in first.message, str(first)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"temperature": 0}, {"temperature": 2}, {"temperature": 0.7}, {"top_p": 1}, {"top_p": 0.01},
+        {"max_tokens": 1}, {"max_completion_tokens": 4096}, {"n": 2}, {"presence_penalty": -2},
+        {"frequency_penalty": 2}, {"seed": -(2**63)}, {"stop": "\n"}, {"stop": ["a", "b"]}, {"stop": []},
+        {"logprobs": True, "top_logprobs": 20}, {"top_logprobs": 0}, {"top_k": -1}, {"top_k": 0}, {"top_k": 40},
+        {"min_tokens": 0}, {"temperature": None, "top_p": None, "max_tokens": None, "n": None, "seed": None, "stop": None},
+    ],
+    ids=lambda fields: "-".join(f"{k}={v}" for k, v in fields.items()),
+)
+def test_valid_sampling_fields_pass(fields):
+    assert run(chat(**fields)).ok
+
+
+def test_sampling_fields_are_not_checked_on_embeddings():
+    assert run(line(url="/v1/embeddings", body={"model": "m", "input": "x", "temperature": "hot"}) + b"\n").ok
+
+
+def test_bad_sampling_field_in_default_body_is_refused():
+    with pytest.raises(ValueError, match=r'default_body: "body.temperature" is "hot"'):
+        PreflightOptions(default_body={"temperature": "hot"})
+
+
+@pytest.mark.parametrize(("kind", "data"), [("generate", good(2)), ("pooling", EMBED + b"\n")])
+def test_lines_the_model_kind_serves_pass(kind, data):
+    assert run(data, model_kind=kind).ok
+
+
+def test_wrong_kind_lines_are_skipped_in_skip_mode():
+    report = run(good(2) + EMBED + b"\n", model_kind="generate", invalid_lines="skip")
+    assert report.runnable and (report.valid_lines, report.invalid_lines) == (2, 1)
+
+
+def test_gzip_input_is_read_and_not_called_invalid_utf8():
+    report = run(gzip.compress(good(3)))
+    assert report.ok and report.valid_lines == 3 and report.compression == "gzip"
+
+
+def test_gzip_input_needs_the_uncompressed_cleaned_copy():
+    out = io.BytesIO()
+    with open_lines(io.BytesIO(gzip.compress(good(2)))) as lines:
+        report = preflight(lines, cleaned_out=out)
+    assert report.needs_rewrite and out.getvalue() == good(2)
+
+
+def test_gzip_input_with_a_bad_line_reports_the_line():
+    report = run(gzip.compress(good(1) + b"junk\n"))
+    assert report.problems[0].line == 2 and "not valid JSON" in report.problems[0].message
+
+
+@pytest.mark.parametrize(
+    ("name", "data", "fragment"),
+    [
+        ("gzip_truncated", gzip.compress(good(300))[:-50], "the gzip file is truncated"),
+        ("gzip_trailing_garbage", gzip.compress(good(2)) + b"junk", "the gzip data is corrupt"),
+        ("zstd", b"\x28\xb5\x2f\xfd" + b"\0" * 30, "compressed with zstd"),
+    ],
+)
+def test_unreadable_compressed_file_raises_a_preflight_error(name, data, fragment):
+    with pytest.raises(PreflightError, match=fragment):
+        run(data)
+
+
+def test_custom_ids_carry_physical_line_numbers_when_the_input_is_read_as_is():
+    report = run(b"\n" + good(2) + b"\n" + line("last") + b"\n")
+    assert not report.needs_rewrite
+    index = report.custom_ids
+    assert (len(index), index.line_of("ok-0"), index.line_of("ok-1"), index.line_of("last")) == (3, 2, 3, 5)
+
+
+def test_custom_ids_carry_cleaned_copy_line_numbers_when_lines_are_dropped():
+    data = line("a") + b"\n\njunk\n" + line("b", method="GET") + b"\n" + line("c") + b"\n"
+    cleaned = io.BytesIO()
+    with open_lines(io.BytesIO(data)) as lines:
+        report = preflight(lines, PreflightOptions(invalid_lines="skip"), cleaned_out=cleaned, errors_out=io.BytesIO())
+    index = report.custom_ids
+    assert (len(index), index.line_of("a"), index.line_of("c"), index.line_of("b")) == (2, 1, 2, None)
+    assert [json.loads(x)["custom_id"] for x in cleaned.getvalue().splitlines()] == ["a", "c"]
+
+
+def test_custom_ids_follow_the_cleaned_copy_of_a_gzip_input():
+    report = run(gzip.compress(b"\n" + good(2)))
+    assert report.custom_ids.line_of("ok-1") == 2
 
 
 def test_corpus_has_at_least_thirty_cases():
@@ -225,11 +366,11 @@ def test_skip_mode_with_nothing_valid_is_not_runnable():
     assert not report.runnable
 
 
-def test_mixed_urls_are_counted_per_url():
-    data = line("a") + b"\n" + line("b", url="/v1/embeddings", body={"model": "m", "input": "x"}) + b"\n" + line("c") + b"\n"
+def test_mixed_pooling_urls_are_counted_per_url():
+    data = EMBED + b"\n" + line("b", url="/v1/score", body={"model": "m", "text_1": "a", "text_2": "b"}) + b"\n" + EMBED.replace(b"emb-1", b"c") + b"\n"
     report = run(data)
     assert report.ok
-    assert report.url_counts == {CHAT: 2, "/v1/embeddings": 1}
+    assert report.url_counts == {"/v1/embeddings": 2, "/v1/score": 1}
 
 
 @pytest.mark.parametrize(
@@ -282,6 +423,8 @@ def test_report_to_dict_is_json_serialisable():
         {"rewrite_model": True},
         {"default_body": {"model": "x"}},
         {"supported_urls": frozenset()},
+        {"model_kind": "chat"},
+        {"default_body": {"max_completion_tokens": -5}},
     ],
 )
 def test_bad_options_raise_value_error(kwargs):

@@ -5,8 +5,15 @@ import json
 
 import pytest
 
-from airflow_vllm_batch.batchfile import check_results, open_lines
+from pathlib import Path
+
+import openai.types
+import openai.types.chat
+
+from airflow_vllm_batch.batchfile import PreflightOptions, check_results, error_line, open_lines, preflight
 from airflow_vllm_batch.exceptions import ResultsCheckError
+
+DATA = Path(__file__).parent / "data"
 
 
 def request(cid: str) -> bytes:
@@ -109,13 +116,14 @@ def test_repeated_answer_is_named_with_both_result_lines():
     assert report.duplicates[0].line == 3 and "result line 1" in report.duplicates[0].message
 
 
-def test_failed_lines_are_counted_and_copied_exactly():
-    bad = failed_result("b")
+def test_failed_lines_are_counted_and_written_with_an_error_object():
     errors = io.BytesIO()
-    report = check([ok_result("a"), bad], [request("a"), request("b")], errors_out=errors)
+    report = check([ok_result("a"), failed_result("b")], [request("a"), request("b")], errors_out=errors)
     assert report.request_counts == {"total": 2, "completed": 1, "failed": 1}
     assert report.status_counts == {"200": 1, "400": 1}
-    assert errors.getvalue() == bad + b"\n"
+    written = json.loads(errors.getvalue())
+    assert written["error"] == {"code": "invalid_request", "message": "bad request", "line": 2}
+    assert written["response"] == {"status_code": 400, "request_id": "r", "body": None}
     assert report.sample_errors == ["b: bad request"]
 
 
@@ -181,3 +189,122 @@ def test_to_dict_matches_the_manifest_keys():
     assert set(data["request_counts"]) == {"total", "completed", "failed"}
     assert set(data["usage"]) == {"prompt_tokens", "completion_tokens", "total_tokens"}
     json.dumps(data)
+
+
+@pytest.mark.parametrize(
+    ("status", "error", "expected"),
+    [
+        (400, "Request must not be sent in stream mode", {"code": "invalid_request", "message": "Request must not be sent in stream mode"}),
+        (500, ENGINE_DEAD, {"code": "engine_error", "message": ENGINE_DEAD["error"]["message"]}),
+        (500, None, {"code": "engine_error", "message": "the engine answered with HTTP status 500"}),
+        (429, None, {"code": "rate_limited", "message": "the engine answered with HTTP status 429"}),
+        (418, "teapot", {"code": "http_418", "message": "teapot"}),
+        (200, {"message": "boom"}, {"code": "engine_error", "message": "boom"}),
+        (400, {"code": "invalid_request", "message": "from preflight", "line": 9}, {"code": "invalid_request", "message": "from preflight", "line": 9}),
+    ],
+    ids=["string", "vllm_error_response", "null_500", "null_429", "other_status", "message_object", "preflight_shape"],
+)
+def test_every_failed_line_gets_an_error_object_with_code_message_and_line(status, error, expected):
+    errors = io.BytesIO()
+    check([failed_result("a", status, error)], None, errors_out=errors)
+    assert json.loads(errors.getvalue())["error"] == {"line": None, **expected}
+
+
+def test_results_out_holds_only_the_successful_lines_exactly():
+    out = io.BytesIO()
+    oks = [ok_result("a"), ok_result("c").replace(b", ", b",  ")]
+    check([oks[0], failed_result("b"), oks[1], failed_result("d")], None, results_out=out)
+    assert out.getvalue() == oks[0] + b"\n" + oks[1]
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        ok_result("a") + b"\n" + ok_result("b"),
+        ok_result("a") + b"\n" + ok_result("b") + b"\n",
+        ok_result("a") + b"\r\n" + ok_result("b") + b"\r\n",
+    ],
+    ids=["no_final_newline", "final_newline", "crlf"],
+)
+def test_results_out_equals_the_results_file_when_nothing_failed(data):
+    out = io.BytesIO()
+    with open_lines(io.BytesIO(data), chunk_size=7) as lines:
+        check_results(lines, results_out=out)
+    assert out.getvalue() == data
+
+
+def test_engine_and_preflight_error_lines_have_one_shape():
+    errors = io.BytesIO()
+    check([failed_result("a", 500, "boom")], [request("a")], errors_out=errors)
+    engine = json.loads(errors.getvalue())
+    skipped = json.loads(error_line(4, "b", "not valid JSON"))
+    assert list(engine) == list(skipped) == ["id", "custom_id", "response", "error"]
+    assert list(engine["error"]) == list(skipped["error"]) == ["code", "message", "line"]
+
+
+def preflight_of(data: bytes, **options):
+    with open_lines(io.BytesIO(data)) as lines:
+        return preflight(lines, PreflightOptions(**options), cleaned_out=io.BytesIO(), errors_out=io.BytesIO())
+
+
+def test_preflight_index_replaces_reading_the_input_again():
+    inputs = b"\n".join([request("a"), request("b"), request("c")]) + b"\n"
+    results = b"\n".join([ok_result("c"), ok_result("a"), ok_result("x")])
+    index = preflight_of(inputs).custom_ids
+    with open_lines(io.BytesIO(results)) as rl:
+        report = check_results(rl, input_index=index, reread_input=lambda: open_lines(io.BytesIO(inputs)))
+    assert (report.input_total, report.missing_count, report.extra_count) == (3, 1, 1)
+    assert (report.missing[0].line, report.missing[0].custom_id) == (2, "b")
+
+
+def test_preflight_index_and_input_lines_give_the_same_report():
+    inputs = b"\n".join([request("a"), b"", request("b")]) + b"\n"
+    results = [ok_result("b"), failed_result("a"), ok_result("z")]
+    by_lines = check(results, [request("a"), b"", request("b")]).to_dict()
+    rdata = b"\n".join(results)
+    with open_lines(io.BytesIO(rdata)) as rl:
+        by_index = check_results(
+            rl, input_index=preflight_of(inputs).custom_ids, reread_results=lambda: open_lines(io.BytesIO(rdata))
+        ).to_dict()
+    assert by_index == by_lines
+
+
+def test_error_line_names_the_line_of_the_file_the_engine_read():
+    inputs = request("a") + b"\njunk\n" + request("b") + b"\n"
+    index = preflight_of(inputs, invalid_lines="skip").custom_ids  # the engine reads a, b
+    errors = io.BytesIO()
+    with open_lines(io.BytesIO(ok_result("a") + b"\n" + failed_result("b"))) as rl:
+        check_results(rl, input_index=index, errors_out=errors)
+    assert json.loads(errors.getvalue())["error"]["line"] == 2
+
+
+def test_input_lines_and_input_index_together_are_refused():
+    with pytest.raises(ValueError, match="not both"):
+        check_results([], [request("a")], input_index=preflight_of(request("a") + b"\n").custom_ids)
+
+
+@pytest.mark.parametrize("line", [request("a"), b'{"name": "x"}'], ids=["request_line", "other_object"])
+def test_a_line_without_response_or_error_is_not_a_result(line):
+    report = check([ok_result("a"), line], None)
+    assert not report.ok and report.unparseable[0].line == 2
+    assert "not a result line" in report.unparseable[0].message
+
+
+@pytest.mark.parametrize(
+    ("name", "body_type"),
+    [
+        ("vllm_chat_results.jsonl", openai.types.chat.ChatCompletion),
+        ("vllm_embeddings_results.jsonl", openai.types.CreateEmbeddingResponse),
+    ],
+)
+def test_every_published_result_parses_with_the_openai_sdk_types(name, body_type):
+    results, errors = io.BytesIO(), io.BytesIO()
+    with open_lines(DATA / name) as lines:
+        report = check_results(lines, results_out=results, errors_out=errors)
+    assert (report.completed, report.failed) == (len(results.getvalue().splitlines()), len(errors.getvalue().splitlines()))
+    assert report.completed >= 2 and report.failed >= 1
+    for raw in results.getvalue().splitlines():
+        body_type.model_validate(json.loads(raw)["response"]["body"])
+    for raw in errors.getvalue().splitlines():
+        error = json.loads(raw)["error"]
+        assert isinstance(error["code"], str) and isinstance(error["message"], str) and error["line"] is None

@@ -7,8 +7,10 @@
 
 Sources are local paths, ``http(s)://`` URLs, ``s3://bucket/key`` (read with
 Airflow's ``S3Hook`` and ``--aws-conn-id``, imported only then) or ``-`` for
-stdin. Exit status: 0 clean, 1 problems found, 2 the file could not be read or
-the arguments are wrong. A progress bar goes to stderr when it is a terminal and
+stdin; gzip files are read as they are (recognised by content). ``stats`` refuses
+a file that is not a results file (a request file, other JSON, an empty file) and
+says what it found. Exit status: 0 clean, 1 problems found, 2 the file could not
+be read, is not the kind of file the command reads, or the arguments are wrong. A progress bar goes to stderr when it is a terminal and
 the file is large (or its size is unknown); ``--progress``/``--no-progress`` override.
 """
 
@@ -18,17 +20,20 @@ import argparse
 import contextlib
 import json
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from itertools import chain
 from typing import Any
 
 from airflow_vllm_batch.batchfile import (
     DEFAULT_MAX_LINE_BYTES,
     DEFAULT_SUPPORTED_URLS,
+    Lines,
     PreflightOptions,
     PreflightReport,
     ResultsReport,
     check_results,
     describe_source,
+    line_kind,
     open_lines,
     preflight,
     source_size,
@@ -82,7 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"URL the engine serves (repeatable); default: {', '.join(sorted(DEFAULT_SUPPORTED_URLS))}",
     )
     validate.add_argument("--max-lines", type=int, help="most requests allowed")
-    validate.add_argument("--max-line-bytes", type=int, default=DEFAULT_MAX_LINE_BYTES, help="longest line allowed")
+    validate.add_argument(
+        "--max-line-bytes",
+        type=int,
+        default=DEFAULT_MAX_LINE_BYTES,
+        help=f"longest line allowed, in bytes (the operator's max_line_bytes); default {DEFAULT_MAX_LINE_BYTES:,}",
+    )
     validate.add_argument("--max-problems", type=int, default=50, help="problems listed (all are counted)")
     validate.set_defaults(func=run_validate)
 
@@ -112,6 +122,11 @@ def run_validate(args: argparse.Namespace) -> int:
         return 2
     name = display_name(args.source)
     with reading(args.source, args.aws_conn_id, args.progress, options.max_line_bytes) as lines:
+        lines, kind = peek_kind(lines)
+        if kind == "result":
+            # Anything else is validated line by line: the messages say what each line lacks.
+            print(f"error: {name} is {_FOUND[kind]}, not {_FOUND['request']}{_hint(kind, 'request')}", file=sys.stderr)
+            return 2
         report = preflight(
             lines,
             options,
@@ -130,9 +145,14 @@ def run_stats(args: argparse.Namespace) -> int:
     name = display_name(args.source)
     with contextlib.ExitStack() as stack:
         results = stack.enter_context(reading(args.source, args.aws_conn_id, args.progress))
+        results, wrong = expect_kind(results, name, "result")
         inputs = None
-        if args.input_source:
+        if args.input_source and wrong is None:
             inputs = stack.enter_context(reading(args.input_source, args.aws_conn_id, args.progress))
+            inputs, wrong = expect_kind(inputs, f"--input {display_name(args.input_source)}", "request")
+        if wrong is not None:
+            print(f"error: {wrong}", file=sys.stderr)
+            return 2
         report = check_results(
             results,
             inputs,
@@ -146,6 +166,62 @@ def run_stats(args: argparse.Namespace) -> int:
     else:
         print_results(report)
     return 0 if report.ok else 1
+
+
+# -- kinds of file ---------------------------------------------------------------------
+
+#: What each kind of first line says the file is.
+_FOUND = {
+    "result": "a results file",
+    "request": "a request (input) file",
+    "object": "a file of JSON objects that are neither requests nor results",
+    "json": "a JSON file whose lines are not objects",
+    "text": "not a JSON Lines file (its first line is not JSON)",
+}
+
+
+def expect_kind(lines: Iterable[bytes], name: str, wanted: str) -> tuple[Lines, str | None]:
+    """
+    Look at the first non-blank line; return the lines (all of them still to read) and why the file is the wrong kind, if it is.
+
+    :param lines: the file's lines.
+    :param name: how to name the file in the message.
+    :param wanted: ``"result"`` or ``"request"``.
+    """
+    lines, kind = peek_kind(lines)
+    if kind == wanted:
+        return lines, None
+    if kind == "blank":
+        return lines, f"{name} is empty (no lines), not {_FOUND[wanted]} — check that the right file was given"
+    return lines, f"{name} is {_FOUND[kind]}, not {_FOUND[wanted]}{_hint(kind, wanted)}"
+
+
+def peek_kind(lines: Iterable[bytes]) -> tuple[Lines, str]:
+    """
+    Return the lines (all of them still to read) and the kind of the first non-blank one (``"blank"`` if none).
+
+    :param lines: the file's lines; the :class:`Lines` returned keeps their ``compression``.
+    """
+    it = iter(lines)
+    compression = getattr(lines, "compression", None)
+    blanks: list[bytes] = []
+    for raw in it:
+        kind = line_kind(raw)
+        if kind != "blank":
+            return Lines(chain(blanks, [raw], it), compression), kind
+        blanks.append(raw)
+    return Lines(iter(blanks), compression), "blank"
+
+
+def _hint(found: str, wanted: str) -> str:
+    """What to run instead, when the file is the other kind of batch file."""
+    if found == "request" and wanted == "result":
+        return " — did you mean `airflow-vllm-batch validate`? (`stats` reads the engine's output)"
+    if found == "result" and wanted == "request":
+        return " — did you mean `airflow-vllm-batch stats`? (`validate` and --input take the requests)"
+    if wanted == "result":
+        return ' — a results line has "custom_id" and "response" or "error"'
+    return ' — a request line has "custom_id", "method", "url" and "body"'
 
 
 # -- reading -------------------------------------------------------------------------

@@ -55,6 +55,7 @@ from airflow_vllm_batch.batchfile.models import (
     endpoint_kind,
     error_message,
     error_object,
+    line_kind,
 )
 from airflow_vllm_batch.batchfile.preflight import (
     DEFAULT_MAX_LINE_BYTES,
@@ -102,6 +103,7 @@ __all__ = [
     "error_object",
     "is_compressed",
     "iter_lines",
+    "line_kind",
     "open_lines",
     "preflight",
     "redact_url",

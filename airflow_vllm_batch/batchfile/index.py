@@ -36,7 +36,7 @@ class CustomIdIndex:
     :param partition_bits: log2 of the number of partitions. Default 6.
     """
 
-    __slots__ = ("mask", "hashes", "lines", "_sorted")
+    __slots__ = ("_sorted", "hashes", "lines", "mask")
 
     def __init__(self, partition_bits: int = PARTITION_BITS) -> None:
         self.mask = (1 << partition_bits) - 1
@@ -135,7 +135,7 @@ class FirstN:
     :param limit: how many to keep.
     """
 
-    __slots__ = ("limit", "count", "_heap")
+    __slots__ = ("_heap", "count", "limit")
 
     def __init__(self, limit: int) -> None:
         self.limit = limit

@@ -384,6 +384,31 @@ def object_type(body: ResponseBody | ResultResponse | None) -> str | None:
     return kind
 
 
+def line_kind(raw: bytes) -> Literal["blank", "text", "json", "object", "request", "result"]:
+    """
+    Return what one line looks like, to tell a request file from a results file.
+
+    ``"result"``: an object with ``response`` or ``error``; ``"request"``: one with
+    ``url``, ``method`` or ``body``; ``"object"``: another JSON object; ``"json"``:
+    JSON but not an object; ``"text"``: not JSON; ``"blank"``: whitespace only.
+
+    :param raw: one line, without its newline.
+    """
+    if not raw.strip():
+        return "blank"
+    try:
+        obj = msgspec.json.decode(raw)
+    except (msgspec.DecodeError, UnicodeDecodeError):
+        return "text"
+    if not isinstance(obj, dict):
+        return "json"
+    if "response" in obj or "error" in obj:
+        return "result"
+    if "url" in obj or "method" in obj or "body" in obj:
+        return "request"
+    return "object"
+
+
 #: Response object type -> the endpoint that produces it, for per-endpoint counts.
 OBJECT_TO_URL: dict[str, str] = {
     "chat.completion": "/v1/chat/completions",

@@ -86,7 +86,11 @@ from airflow_vllm_batch.batchfile.models import (
     request_struct,
     sampling_problem,
 )
-from airflow_vllm_batch.batchfile.problems import Problem, format_problem_list, short_custom_id
+from airflow_vllm_batch.batchfile.problems import (
+    Problem,
+    format_problem_list,
+    short_custom_id,
+)
 from airflow_vllm_batch.exceptions import PreflightError
 
 #: A request line longer than this is refused by default: real chat requests are

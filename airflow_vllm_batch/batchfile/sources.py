@@ -361,7 +361,7 @@ class _Prefixed:
 class _Counting:
     """A stream that reports the size of each read to a progress callback."""
 
-    __slots__ = ("_stream", "_on_bytes")
+    __slots__ = ("_on_bytes", "_stream")
 
     def __init__(self, stream: SupportsRead, on_bytes: ProgressCallback) -> None:
         self._stream = stream
@@ -404,7 +404,7 @@ def _open_url(url: str | urllib.request.Request, timeout: float):
     request = url if isinstance(url, urllib.request.Request) else urllib.request.Request(url, method="GET")
     url = request.full_url
     try:
-        return urllib.request.urlopen(request, timeout=timeout)  # noqa: S310
+        return urllib.request.urlopen(request, timeout=timeout)
     except urllib.error.HTTPError as exc:
         raise VLLMBatchError(
             f"{redact_url(url)}: HTTP {exc.code} {exc.reason} while reading the batch file; "

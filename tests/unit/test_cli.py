@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import gzip
 import io
 import json
 from pathlib import Path
@@ -107,3 +108,85 @@ def test_validate_reads_stdin(monkeypatch, capsys):
 def test_progress_bar_goes_to_stderr_when_forced(batch, capsys):
     assert cli.main(["validate", str(batch), "--progress", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["ok"] is True
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "fragment"),
+    [
+        ("request_file", REQUEST % "a" + REQUEST % "b", "is a request (input) file, not a results file — did you mean `airflow-vllm-batch validate`?"),
+        ("other_json_objects", '{"name": "x"}\n{"name": "y"}\n', "is a file of JSON objects that are neither requests nor results"),
+        ("empty_file", "", "is empty (no lines), not a results file"),
+        ("blank_lines_only", "\n  \n", "is empty (no lines)"),
+        ("json_arrays", "[1, 2]\n", "is a JSON file whose lines are not objects"),
+        ("plain_text", "hello\n", "is not a JSON Lines file"),
+    ],
+)
+def test_stats_refuses_a_file_that_is_not_a_results_file(tmp_path, capsys, name, content, fragment):
+    path = tmp_path / f"{name}.jsonl"
+    path.write_text(content)
+    assert cli.main(["stats", str(path), "--json"]) == 2
+    captured = capsys.readouterr()
+    assert fragment in captured.err and str(path) in captured.err and captured.out == ""
+
+
+def test_stats_refuses_a_results_file_given_as_input(tmp_path, capsys):
+    results = tmp_path / "results.jsonl"
+    results.write_text(RESULT % "a")
+    assert cli.main(["stats", str(results), "--input", str(results)]) == 2
+    assert "is a results file, not a request (input) file" in capsys.readouterr().err
+
+
+def test_stats_keeps_leading_blank_lines_of_a_results_file(tmp_path, capsys):
+    path = tmp_path / "results.jsonl"
+    path.write_text("\n" + RESULT % "a")
+    assert cli.main(["stats", str(path), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (data["request_counts"]["total"], data["blank_lines"]) == (1, 1)
+
+
+def test_validate_reads_gzip_whatever_the_name(tmp_path, capsys):
+    path = tmp_path / "input.jsonl"
+    path.write_bytes(gzip.compress((REQUEST % "a" + REQUEST % "b").encode()))
+    assert cli.main(["validate", str(path), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (data["valid_lines"], data["compression"]) == (2, "gzip")
+
+
+def test_stats_reads_gzip_results_and_input(tmp_path, batch, capsys):
+    results = tmp_path / "results.jsonl.gz"
+    results.write_bytes(gzip.compress((RESULT % "a" + RESULT % "b").encode()))
+    inputs = tmp_path / "input.jsonl.gz"
+    inputs.write_bytes(gzip.compress(batch.read_bytes()))
+    assert cli.main(["stats", str(results), "--input", str(inputs), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["request_counts"]["completed"] == 2
+
+
+def test_validate_a_truncated_gzip_exits_two_naming_the_file(tmp_path, capsys):
+    path = tmp_path / "input.jsonl.gz"
+    path.write_bytes(gzip.compress((REQUEST % "a").encode() * 200)[:-30])
+    assert cli.main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert str(path) in err and "gzip file is truncated" in err
+
+
+def test_validate_a_huge_line_says_more_than_the_limit_not_a_made_up_size(tmp_path, capsys):
+    path = tmp_path / "input.jsonl"
+    path.write_text(REQUEST % "a" + REQUEST % ("x" * 3_000_000))
+    assert cli.main(["validate", str(path), "--json"]) == 1
+    message = json.loads(capsys.readouterr().out)["problems"][0]["message"]
+    assert "line is more than 1,000,000 bytes" in message and "1,000,001" not in message
+    assert "--max-line-bytes" in message
+
+
+def test_validate_max_line_bytes_option_raises_the_limit(tmp_path, capsys):
+    path = tmp_path / "input.jsonl"
+    path.write_text(REQUEST % ("x" * 2_000))
+    assert cli.main(["validate", str(path), "--max-line-bytes", "1000", "--json"]) == 1
+    assert cli.main(["validate", str(path), "--max-line-bytes", "5000", "--json"]) == 0
+
+
+def test_validate_refuses_a_results_file(tmp_path, capsys):
+    path = tmp_path / "results.jsonl"
+    path.write_text(RESULT % "a")
+    assert cli.main(["validate", str(path)]) == 2
+    assert "is a results file, not a request (input) file — did you mean `airflow-vllm-batch stats`?" in capsys.readouterr().err

@@ -1,6 +1,11 @@
 from __future__ import annotations
 
-from airflow_vllm_batch.batchfile.index import CustomIdIndex, FirstN, hash_partitions, repeated_hashes
+from airflow_vllm_batch.batchfile.index import (
+    CustomIdIndex,
+    FirstN,
+    hash_partitions,
+    repeated_hashes,
+)
 
 
 def test_repeats_yield_repeat_and_first_line():

@@ -2,15 +2,19 @@ from __future__ import annotations
 
 import io
 import json
-
-import pytest
-
 from pathlib import Path
 
 import openai.types
 import openai.types.chat
+import pytest
 
-from airflow_vllm_batch.batchfile import PreflightOptions, check_results, error_line, open_lines, preflight
+from airflow_vllm_batch.batchfile import (
+    PreflightOptions,
+    check_results,
+    error_line,
+    open_lines,
+    preflight,
+)
 from airflow_vllm_batch.exceptions import ResultsCheckError
 
 DATA = Path(__file__).parent / "data"

@@ -7,7 +7,13 @@ import threading
 
 import pytest
 
-from airflow_vllm_batch.batchfile import describe_source, is_compressed, iter_lines, open_lines, redact_url
+from airflow_vllm_batch.batchfile import (
+    describe_source,
+    is_compressed,
+    iter_lines,
+    open_lines,
+    redact_url,
+)
 from airflow_vllm_batch.exceptions import PreflightError, VLLMBatchError
 
 JSONL = b'{"a": 1}\n{"b": 2}\n'
@@ -176,16 +182,14 @@ def test_uncompressed_source_reports_no_compression():
 def test_bad_gzip_raises_an_error_naming_the_file(tmp_path, name, data, fragment):
     path = tmp_path / f"{name}.jsonl.gz"
     path.write_bytes(data)
-    with pytest.raises(PreflightError) as excinfo:
-        with open_lines(path) as lines:
-            list(lines)
+    with pytest.raises(PreflightError) as excinfo, open_lines(path) as lines:
+        list(lines)
     assert str(path) in str(excinfo.value) and fragment in str(excinfo.value)
 
 
 def test_zstd_is_refused_with_what_to_do():
-    with pytest.raises(PreflightError, match=r"compressed with zstd.*gzip"):
-        with open_lines(io.BytesIO(b"\x28\xb5\x2f\xfd" + b"\0" * 20)):
-            pass
+    with pytest.raises(PreflightError, match=r"compressed with zstd.*gzip"), open_lines(io.BytesIO(b"\x28\xb5\x2f\xfd" + b"\0" * 20)):
+        pass
 
 
 def test_progress_counts_compressed_bytes_for_gzip():

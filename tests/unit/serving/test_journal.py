@@ -1,0 +1,96 @@
+"""Unit tests of the journal: parts sealed by size and by time, durability, order, numbering."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import pytest
+
+from airflow_vllm_batch.serving import Journal, part_name
+
+LINE = b'{"custom_id":"r","n":"0123456789"}'  # 34 bytes + newline
+
+
+def test_parts_are_sealed_by_size(tmp_path):
+    reported: list[tuple[str, int]] = []
+    journal = Journal(tmp_path, on_part=lambda p, i: reported.append((p.name, i)), max_part_bytes=100)
+    for _ in range(7):
+        journal.write(LINE)
+    journal.close()
+    # 35-byte lines: the third crosses 100 bytes and seals; 7 lines make parts of 3, 3, 1.
+    assert [p.lines for p in journal.parts] == [3, 3, 1]
+    assert reported == [(part_name(0), 0), (part_name(1), 1), (part_name(2), 2)]
+    assert (tmp_path / part_name(0)).read_bytes() == (LINE + b"\n") * 3
+
+
+def test_a_part_is_sealed_when_its_time_is_up_even_when_no_more_answers_come(tmp_path):
+    async def scenario() -> Journal:
+        journal = Journal(tmp_path, checkpoint_interval_s=0.2)
+        async with journal:
+            journal.write(LINE)
+            await asyncio.sleep(0.5)
+            assert journal.lines_durable == 1 and len(journal.parts) == 1
+            journal.write(LINE)
+        return journal
+
+    journal = asyncio.run(scenario())
+    assert [p.lines for p in journal.parts] == [1, 1]
+
+
+def test_answers_are_durable_only_once_on_part_returned(tmp_path):
+    uploading, release = threading.Event(), threading.Event()
+
+    def slow_upload(path: Path, index: int) -> None:
+        uploading.set()
+        release.wait(5)
+
+    async def scenario() -> None:
+        journal = Journal(tmp_path, on_part=slow_upload, max_part_bytes=1)
+        async with journal:
+            journal.write(LINE)  # sealed at once: it is over the size bound
+            await asyncio.to_thread(uploading.wait, 5)
+            journal.write(LINE)  # the loop is free while the upload runs
+            assert (journal.lines_written, journal.lines_durable) == (2, 0)
+            release.set()
+        assert journal.lines_durable == 2
+
+    asyncio.run(scenario())
+
+
+def test_close_seals_the_last_part(tmp_path):
+    journal = Journal(tmp_path)
+    journal.write(LINE)
+    assert journal.parts == []
+    journal.close()
+    assert [p.lines for p in journal.parts] == [1] and journal.lines_durable == 1
+
+
+def test_an_empty_journal_makes_no_part(tmp_path):
+    journal = Journal(tmp_path)
+    journal.close()
+    assert journal.parts == [] and list(tmp_path.iterdir()) == []
+
+
+def test_a_resumed_journal_numbers_its_parts_after_the_earlier_ones(tmp_path):
+    journal = Journal(tmp_path, first_index=7)
+    journal.write(LINE)
+    journal.close()
+    assert [p.path.name for p in journal.parts] == [part_name(7)]
+
+
+def test_a_failed_upload_is_raised_on_the_next_write(tmp_path):
+    def fail(path: Path, index: int) -> None:
+        raise OSError("denied")
+
+    async def scenario() -> None:
+        journal = Journal(tmp_path, on_part=fail, max_part_bytes=1)
+        async with journal:
+            journal.write(LINE)
+            await asyncio.sleep(0.2)
+            with pytest.raises(OSError, match="denied"):
+                journal.write(LINE)
+
+    with pytest.raises(OSError, match="denied"):
+        asyncio.run(scenario())

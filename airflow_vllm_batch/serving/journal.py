@@ -65,7 +65,9 @@ class Journal:
 
     :param directory: where the part files go (created if missing).
     :param on_part: called with ``(path, index)`` of every sealed part, in order, in a
-        worker thread. An exception from it fails the run. Default: nothing.
+        worker thread. An exception from it fails the run. It must be idempotent (an S3
+        put is): a run cancelled in the middle of a report reports that part again.
+        Default: nothing.
     :param checkpoint_interval_s: seal a part this many seconds after its first line.
         Default 60.
     :param max_part_bytes: seal a part once it holds this many bytes. Default 64 MiB.
@@ -207,7 +209,12 @@ class Journal:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Seal the last part and wait until every part was reported."""
+        """Seal the last part and wait until every part was reported.
+
+        When the run is being cancelled (the task got SIGTERM, or hit its timeout), the
+        parts still unreported are reported in this thread before the cancellation goes
+        on: what was answered is checkpointed even by a run that is stopping.
+        """
         self.seal()
         self._closing = True
         if self._task is None:
@@ -215,13 +222,20 @@ class Journal:
         assert self._wakeup is not None
         self._wakeup.set()
         task, self._task = self._task, None
-        await task
+        try:
+            await task
+        except asyncio.CancelledError:
+            self._report_the_rest()
+            raise
 
     def close(self) -> None:
         """Seal the last part and report every unreported part, in this thread (no event loop)."""
         if self._task is not None:
             raise RuntimeError("Journal.close() while its async context runs; use aclose()")
         self.seal()
+        self._report_the_rest()
+
+    def _report_the_rest(self) -> None:
         while self._unreported:
             part = self._unreported[0]
             self._report(part)

@@ -53,14 +53,17 @@ import msgspec
 from airflow_vllm_batch.serving.errors import BadRequestLineError, ServerAuthError, ServerUnavailableError
 from airflow_vllm_batch.serving.journal import Journal
 
-#: Default requests in flight. vLLM's server schedules at most ``--max-num-seqs``
-#: sequences at once: 256 by default on most GPUs (128 on a CPU, 1024 on H100/H200/B200).
-#: Matching it fills the engine's batch; more only queue inside the server, cost its
-#: memory, and are answered twice after a kill (they are never checkpointed). The client
-#: refills a finished slot in about a millisecond over a keep-alive connection, against a
-#: decode step of tens of milliseconds, so a waiting queue buys almost nothing. Raise it to
-#: the server's ``--max-num-seqs`` (times its replicas, behind a load balancer).
-DEFAULT_MAX_IN_FLIGHT = 256
+#: Default requests in flight: twice vLLM's default ``--max-num-seqs`` on most GPUs (256;
+#: 128 on a CPU, 1024 on H100/H200/B200). The server runs at most ``--max-num-seqs``
+#: sequences at once; a finished one is replaced at the next step only if a request is
+#: already waiting in the server, because the client's refill (answer, journal, next POST,
+#: the server's parsing and tokenizing) takes longer than a step when the server is busy.
+#: Measured on the CPU server (max-num-seqs 128, 5,000 requests, benchmarks/engines.py):
+#: 64 in flight 88 s, 128 87 s, 256 52 s, 512 50 s. More than about twice buys nothing and
+#: costs: requests in flight are never checkpointed, so a kill answers them twice. For a
+#: bigger server or a load-balanced deployment, set twice its ``--max-num-seqs`` times
+#: its replicas (the ``max_in_flight`` extra of the ``vllm`` connection).
+DEFAULT_MAX_IN_FLIGHT = 512
 #: Default retries of a transient failure; with the backoff below, about 30 s of patience
 #: (a server restart behind a load balancer) before the task gives up and Airflow retries.
 DEFAULT_RETRIES = 6
@@ -178,7 +181,7 @@ def run_stream(
         is appended).
     :param api_key: the server's API key, sent as ``Authorization: Bearer``; None for none.
     :param journal: where answers go; see :class:`~airflow_vllm_batch.serving.journal.Journal`.
-    :param max_in_flight: most requests sent and not yet answered. Default 256.
+    :param max_in_flight: most requests sent and not yet answered. Default 512.
     :param skip: ``skip(custom_id)`` is true for a request answered already (a resumed
         run); such lines are not sent. Called in the reader thread, one call at a time.
     :param retries: times a transiently failed request is sent again. Default 6.

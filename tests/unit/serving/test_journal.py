@@ -94,3 +94,23 @@ def test_a_failed_upload_is_raised_on_the_next_write(tmp_path):
 
     with pytest.raises(OSError, match="denied"):
         asyncio.run(scenario())
+
+
+def test_a_cancelled_run_still_reports_what_it_wrote(tmp_path):
+    reported: list[int] = []
+
+    async def run() -> None:
+        async with journal:
+            journal.write(LINE)
+            await asyncio.sleep(10)
+
+    async def scenario() -> None:
+        task = asyncio.create_task(run())
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    journal = Journal(tmp_path, on_part=lambda p, i: reported.append(i))
+    asyncio.run(scenario())
+    assert reported == [0] and journal.lines_durable == 1

@@ -1,8 +1,8 @@
 """Benchmark the batch-file checks: preflight and the results check, speed and peak memory.
 
-Generates chat request files (1M and 100k lines by default, ~250 bytes a line)
-and matching results files in a temporary directory, then runs each check in a
-fresh child process, so that the peak RSS (``ru_maxrss`` of that child) belongs
+Generates chat request files (1M and 100k lines by default, ~250 bytes a line),
+a gzip copy of each and matching results files in a temporary directory, then
+runs each check in a fresh child process, so that the peak RSS (``ru_maxrss`` of that child) belongs
 to one run. vLLM's own line model, ``BatchRequestInput.model_validate_json``, runs
 on the same file for comparison (capped at ``--vllm-lines`` lines: it is ~50x slower).
 
@@ -13,11 +13,18 @@ Usage::
 
 Prints a markdown table. Lines/s are over CPU time of the check itself
 (``time.process_time``), which is what "one core" means; wall time is printed too.
+
+Checks: ``preflight`` (no output), ``preflight+cleaned`` (writing the cleaned copy),
+``preflight-gzip`` (the same file gzip-compressed), ``results`` (the results check
+reading the input again, as the CLI does), ``results-index`` (the results check
+given preflight's ``custom_ids``, as the operator does: only the check is timed,
+and the peak RSS includes preflight's index).
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import platform
@@ -55,6 +62,9 @@ def generate(directory: Path, n: int) -> tuple[Path, Path]:
         for start in range(0, n, 10_000):
             block = b"\n".join(RESULT % (i, i, i, i) for i in range(start, min(n, start + 10_000)))
             f.write((b"\n" if start else b"") + block)
+    with open(requests, "rb") as f, gzip.open(f"{requests}.gz", "wb", compresslevel=1) as out:
+        while chunk := f.read(1 << 20):
+            out.write(chunk)
     return requests, results
 
 
@@ -76,6 +86,17 @@ def child(kind: str, requests: str, results: str, limit: int) -> dict:
         with open_lines(requests) as lines, open(os.devnull, "wb") as sink:
             report = preflight(lines, cleaned_out=sink)
         count, ok = report.total_lines, report.ok
+    elif kind == "preflight-gzip":
+        with open_lines(f"{requests}.gz") as lines:
+            report = preflight(lines)
+        count, ok = report.total_lines, report.ok and report.compression == "gzip"
+    elif kind == "results-index":
+        with open_lines(requests) as lines:
+            index = preflight(lines).custom_ids
+        wall, cpu = time.perf_counter(), time.process_time()
+        with open_lines(results) as result_lines:
+            report = check_results(result_lines, input_index=index)
+        count, ok = report.total, report.ok
     elif kind == "results":
         with open_lines(results) as result_lines, open_lines(requests) as input_lines:
             report = check_results(result_lines, input_lines)
@@ -137,7 +158,8 @@ def main() -> None:
         for n in (int(x) for x in args.lines.split(",")):
             requests, results = generate(Path(tmp), n)
             size_mb = requests.stat().st_size / 1e6
-            kinds = ["preflight", "preflight+cleaned", "results"] + ([] if args.no_vllm else ["vllm"])
+            kinds = ["preflight", "preflight+cleaned", "preflight-gzip", "results", "results-index"]
+            kinds += [] if args.no_vllm else ["vllm"]
             for kind in kinds:
                 figures = run_child(kind, requests, results, args.vllm_lines)
                 figures["file_lines"] = n
@@ -146,6 +168,7 @@ def main() -> None:
                 print(f"# {n:,} lines / {kind}: {figures}", file=sys.stderr)
             requests.unlink()
             results.unlink()
+            Path(f"{requests}.gz").unlink()
 
     print(f"Python {platform.python_version()}, {platform.machine()}, {os.cpu_count()} CPUs\n")
     print("| file | check | lines checked | CPU s | wall s | lines/s (CPU) | RSS at start | peak RSS |")

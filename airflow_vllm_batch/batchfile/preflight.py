@@ -91,6 +91,7 @@ from airflow_vllm_batch.batchfile.problems import (
     format_problem_list,
     short_custom_id,
 )
+from airflow_vllm_batch.batchfile.sources import compression_of_head
 from airflow_vllm_batch.exceptions import PreflightError
 
 #: A request line longer than this is refused by default: real chat requests are
@@ -394,8 +395,7 @@ class _Checker:
         decode, complete, limit = self.decode, self.complete, self.limit
         lineno = 0
 
-        for raw in lines:
-            lineno += 1
+        for lineno, raw in enumerate(lines, 1):  # noqa: B007 - lineno is read after the loop
             try:
                 req = decode(raw)
             except _DECODE_ERRORS:
@@ -415,8 +415,9 @@ class _Checker:
                     slow_line(raw, lineno)
                     continue
             h = hash(req.custom_id)
-            hashes[h & mask].append(h)
-            id_lines[h & mask].append(lineno)
+            p = h & mask
+            hashes[p].append(h)
+            id_lines[p].append(lineno)
             if has_defaults:
                 raw = self.fill_defaults(raw, req.body)
             if write is not None:
@@ -552,7 +553,7 @@ class _Checker:
             return
         lines = self.index.lines
         for p, numbers in enumerate(lines):
-            lines[p] = array("q", [n - bisect_left(skipped, n) for n in numbers])
+            lines[p] = array(numbers.typecode, [n - bisect_left(skipped, n) for n in numbers])
 
     def locate_repeats(
         self, repeated: dict[int, int], reread: Callable[[], ContextManager[Iterable[bytes]]]
@@ -737,6 +738,13 @@ def diagnose_line(
         return None, (
             "line starts with a UTF-8 byte order mark (BOM), which vLLM cannot read — "
             "save the file as UTF-8 without BOM"
+        )
+    compression = compression_of_head(raw) if lineno == 1 else None
+    if compression is not None:
+        return None, (
+            f"the file is {compression}-compressed but was read without decompressing it — "
+            "read it with open_lines(), which decompresses gzip"
+            + (", or decompress it first" if compression == "zstd" else "")
         )
     try:
         raw.decode("utf-8")

@@ -178,6 +178,12 @@ def test_gzip_input_is_read_and_not_called_invalid_utf8():
     assert report.ok and report.valid_lines == 3 and report.compression == "gzip"
 
 
+def test_gzip_lines_read_without_decompressing_are_called_gzip_not_bad_utf8():
+    report = preflight(gzip.compress(good(2)).split(b"\n"))
+    assert report.problems[0].line == 1
+    assert "gzip-compressed but was read without decompressing" in report.problems[0].message
+
+
 def test_gzip_input_needs_the_uncompressed_cleaned_copy():
     out = io.BytesIO()
     with open_lines(io.BytesIO(gzip.compress(good(2)))) as lines:

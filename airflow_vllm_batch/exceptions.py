@@ -1,15 +1,35 @@
 """Exceptions raised by airflow-vllm-batch.
 
 Every failure raises a subclass of :class:`VLLMBatchError`, whose message says what
-went wrong, where (file, line, custom_id) and what to do about it. The module has no
-Airflow imports so that the batch-file code and the CLI can use it too.
+went wrong, where (parameter, file, line, custom_id) and what to do about it.
+
+Each class says whether trying again can help (:attr:`VLLMBatchError.retryable`). A
+mistake in the arguments, the input or the engine settings fails the same way on every
+try, so the operator turns those into Airflow's ``AirflowFailException`` (no retry, no
+GPU time); transient failures (S3 or the engine going away, another run holding the
+output) are raised as they are and Airflow's own ``retries`` take over. The module has
+no Airflow imports so that the batch-file code and the CLI can use it too.
 """
 
 from __future__ import annotations
 
 
 class VLLMBatchError(Exception):
-    """Base class of every error raised by this provider."""
+    """Base class of every error raised by this provider.
+
+    :cvar retryable: whether another try of the task can succeed.
+    """
+
+    retryable: bool = True
+
+
+# -- mistakes: the same on every try ------------------------------------------------------
+
+
+class ConfigurationError(VLLMBatchError):
+    """An operator argument or rendered value is not usable; the message names the parameter."""
+
+    retryable = False
 
 
 class PreflightError(VLLMBatchError):
@@ -19,9 +39,71 @@ class PreflightError(VLLMBatchError):
     :param report: the full preflight report, for callers that want the details.
     """
 
+    retryable = False
+
     def __init__(self, message: str, report: object | None = None) -> None:
         super().__init__(message)
         self.report = report
+
+
+class InputNotFoundError(VLLMBatchError):
+    """The input file does not exist or cannot be read with the given connection."""
+
+    retryable = False
+
+
+class LocationError(VLLMBatchError):
+    """An output, error or staging location is malformed, missing or not writable."""
+
+    retryable = False
+
+
+class EngineConfigurationError(VLLMBatchError):
+    """The engine settings cannot work: bad engine arguments, a missing model, no vLLM."""
+
+    retryable = False
+
+
+class EngineArgumentsError(EngineConfigurationError):
+    """``engine_args`` were refused by the engine's own argument parser (or are malformed)."""
+
+
+class ModelNotFoundError(EngineConfigurationError):
+    """``model`` names a local path that does not exist, or a hub model not cached while offline."""
+
+
+class IncompleteModelError(EngineConfigurationError):
+    """``model`` is a local directory that does not look like a model (config, weights or tokenizer missing)."""
+
+
+class EngineArgsCheckError(EngineConfigurationError):
+    """The engine environment could not check ``engine_args``: no vLLM there, a crash or a timeout.
+
+    :param message: what happened and what to do.
+    :param retryable: True when trying again may help (a timeout on a busy machine).
+    """
+
+    def __init__(self, message: str, *, retryable: bool = False) -> None:
+        super().__init__(message)
+        self.retryable = retryable
+
+
+class PresignError(VLLMBatchError):
+    """A presigned URL could not be made (bad connection, bad bucket or key, expiry too long)."""
+
+    retryable = False
+
+
+class TooManyFailedRequestsError(VLLMBatchError):
+    """More requests failed than ``max_failed_ratio`` allows (the files are still written).
+
+    A retry would return the same published results, so it is not retried.
+    """
+
+    retryable = False
+
+
+# -- transient: another try can succeed ---------------------------------------------------
 
 
 class ResultsCheckError(VLLMBatchError):
@@ -32,17 +114,23 @@ class EngineError(VLLMBatchError):
     """The vLLM engine failed: a non-zero exit, a kill, or vLLM's silent failure mode."""
 
 
-class TooManyFailedRequestsError(VLLMBatchError):
-    """More requests failed than ``max_failed_ratio`` allows (the files are still written)."""
-
-
-class PresignError(VLLMBatchError):
-    """A presigned URL could not be made (bad connection, bad bucket or key, expiry too long)."""
-
-
 class PublishError(VLLMBatchError):
     """The results could not be put in S3 (unreachable, denied); the message says what was kept."""
 
 
+class StorageUnavailableError(VLLMBatchError):
+    """S3 could not be reached before anything ran (connection refused, timeout)."""
+
+
+class InputChangedError(VLLMBatchError):
+    """The input was overwritten while the task ran; the next try runs the new content."""
+
+
+class OutputBusyError(VLLMBatchError):
+    """Another run holds the output (its lease is live); the message names that run."""
+
+
 class ShardingError(VLLMBatchError):
     """A batch file could not be split into shards, or shard results not merged back."""
+
+    retryable = False

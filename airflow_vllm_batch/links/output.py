@@ -12,7 +12,9 @@ percent-encoded, ``/`` kept), taken from, in order:
 1. Airflow config ``[vllm_batch] output_link_template`` (or the environment variable
    ``AIRFLOW__VLLM_BATCH__OUTPUT_LINK_TEMPLATE``), e.g. a SeaweedFS filer
    ``http://localhost:8888/buckets/{bucket}/{key}`` or a MinIO console;
-2. the AWS S3 console, :data:`DEFAULT_OUTPUT_LINK_TEMPLATE`.
+2. for a connection with its own ``endpoint_url`` (MinIO, SeaweedFS, Ceph...), the
+   object's path-style URL on that endpoint: the AWS console knows nothing of that store;
+3. the AWS S3 console, :data:`DEFAULT_OUTPUT_LINK_TEMPLATE`.
 """
 
 from __future__ import annotations
@@ -84,26 +86,43 @@ class VLLMBatchOutputLink(BaseOperatorLink):
         # A link must never break the task or the UI: any failure is an empty link.
         try:
             stored: dict[str, Any] | None = XCom.get_value(key=self.key, ti_key=ti_key)
-            return format_output_link(stored["bucket"], stored["key"]) if stored else ""
+            if not stored:
+                return ""
+            template = conf.get(CONFIG_SECTION, CONFIG_OPTION, fallback=None)
+            if not template and stored.get("endpoint_url"):
+                template = stored["endpoint_url"].rstrip("/") + "/{bucket}/{key}"
+            return format_output_link(stored["bucket"], stored["key"], template)
         except Exception:
             log.warning("Could not build the %r link of %s", self.name, ti_key, exc_info=True)
             return ""
 
     @classmethod
-    def persist(cls, *, context: Context, output_uri: str) -> None:
+    def persist_empty(cls, *, context: Context) -> None:
+        """Store "no output yet", so that a task failing before publishing has an empty link, not an error."""
+        try:
+            context["ti"].xcom_push(key=cls.key, value=None)
+        except Exception:
+            log.warning("Could not reset the %r link", cls.name, exc_info=True)
+
+    @classmethod
+    def persist(cls, *, context: Context, output_uri: str, endpoint_url: str | None = None) -> None:
         """Store where the output is, for :meth:`get_link`; call it from ``execute`` once published.
 
-        Only the bucket and key are stored (never a URL with credentials), so the link
-        follows the template configured when the task finishes.
+        Only the bucket, key and S3 endpoint are stored (never a URL with credentials), so
+        the link follows the template configured when the task finishes.
 
         A failure here is logged, not raised: the results are already published, and a
         missing button is no reason to fail (and retry) the task.
 
         :param context: the task's context (its ``ti`` pushes the XCom).
         :param output_uri: ``s3://bucket/key`` of the published results.
+        :param endpoint_url: the S3 endpoint of the connection, when it is not AWS's.
         """
         try:
             bucket, key = parse_output_uri(output_uri)
-            context["ti"].xcom_push(key=cls.key, value={"bucket": bucket, "key": key})
+            value = {"bucket": bucket, "key": key}
+            if endpoint_url:
+                value["endpoint_url"] = endpoint_url
+            context["ti"].xcom_push(key=cls.key, value=value)
         except Exception:
             log.warning("Could not store the %r link of %s", cls.name, output_uri, exc_info=True)

@@ -16,7 +16,7 @@ that is already complete instead of starting the engine again.
 from __future__ import annotations
 
 import contextlib
-import json
+import hashlib
 import re
 import tempfile
 import time
@@ -28,8 +28,9 @@ from typing import TYPE_CHECKING, Any
 from airflow.providers.amazon.aws.hooks.s3 import S3Hook
 from airflow.sdk import BaseOperator
 
-from airflow_vllm_batch.batchfile import open_lines
-from airflow_vllm_batch.output_files import default_error_uri, manifest_uri, s3_body
+from airflow_vllm_batch.batchfile import open_lines, redact_url
+from airflow_vllm_batch.manifest import Manifest, RequestCounts, Usage
+from airflow_vllm_batch.storage import OutputStore, s3_body, split_s3_uri
 from airflow_vllm_batch.sharding import (
     DEFAULT_MAX_BYTES,
     DEFAULT_MAX_REQUESTS,
@@ -179,18 +180,20 @@ class VLLMBatchMergeOperator(BaseOperator):
     """Concatenate the shards' results and error files in shard order; write the batch's manifest.
 
     Streams each shard's result file from S3 into a temporary file (each line's bytes
-    kept, newline-terminated) and uploads it to ``output_uri`` (multipart for large
-    files); the shards' error files go to ``error_uri`` the same way. The manifest,
-    ``<output stem>.manifest.json``, is written last (and an earlier one deleted
-    first), so its presence means the merged files are complete. Returns it::
+    kept, newline-terminated) and publishes it to ``output_uri`` with the same protocol as
+    ``VLLMBatchOperator`` (:meth:`airflow_vllm_batch.storage.OutputStore.publish`): the old
+    manifest is deleted first, the results and the error file follow, the manifest
+    (``<output stem>.manifest.json``) comes last, so its presence means the merged files
+    are complete. Returns it::
 
         {"output_uri", "error_uri", "input_uri", "input_etag", "model",
          "request_counts", "usage", "duration_s", "engine_duration_s", "vllm_version",
-         "manifest_uri", "shards", "shard_duration_s", "max_shard_duration_s",
-         "merge_duration_s", "shard_manifest_uris"}
+         "fingerprint", "manifest_uri", "shards", "shard_duration_s",
+         "max_shard_duration_s", "merge_duration_s", "shard_manifest_uris"}
 
     ``duration_s`` is the compute spent (the shards' durations plus the merge), not
     the wall time, which depends on how many workers ran the shards at once.
+    ``fingerprint`` is a hash of the shards' fingerprints, in shard order.
 
     :param shard_manifests: the shards' manifests in shard order, normally the mapped
         ``VLLMBatchOperator``'s ``.output``. (templated)
@@ -227,19 +230,24 @@ class VLLMBatchMergeOperator(BaseOperator):
         """The S3 hook of ``aws_conn_id``."""
         return S3Hook(aws_conn_id=self.aws_conn_id)
 
+    @cached_property
+    def store(self) -> OutputStore:
+        """The merged output's objects in S3, named and published as a single run's are."""
+        return OutputStore(self.s3_hook, self.output_uri, self.error_uri)
+
     def execute(self, context: Context) -> dict[str, Any]:
         started = time.monotonic()
         manifests = self.collect_manifests()
         summary = sum_manifests(manifests)
-        self.remove_manifest()
         with tempfile.TemporaryDirectory(prefix="vllm-batch-merge-") as tmp:
-            lines = self.concatenate([m["output_uri"] for m in manifests], Path(tmp) / "results.jsonl", self.output_uri)
-            error_uri = self.merge_errors(manifests, Path(tmp) / "errors.jsonl")
-        self.log.info("Merged %d shard(s) into %s (%d lines)", len(manifests), self.output_uri, lines)
-        manifest = self.build_manifest(summary, error_uri, time.monotonic() - started)
-        self.write_manifest(manifest)
+            results = self.concatenate([m["output_uri"] for m in manifests], Path(tmp) / "results.jsonl")
+            error_uris = [m["error_uri"] for m in manifests if m.get("error_uri")]
+            errors = self.concatenate(error_uris, Path(tmp) / "errors.jsonl") if error_uris else None
+            manifest = self.build_manifest(manifests, summary, bool(errors), time.monotonic() - started)
+            self.store.publish(manifest, results_path=results, errors_path=errors)
+        self.log.info("Merged %d shard(s) into %s (%d error file(s))", len(manifests), self.output_uri, len(error_uris))
         context["ti"].xcom_push(key="output_uri", value=self.output_uri)
-        return manifest
+        return manifest.to_dict()
 
     def collect_manifests(self) -> list[dict[str, Any]]:
         """The shards' manifests as a list, in shard (map index) order."""
@@ -251,79 +259,59 @@ class VLLMBatchMergeOperator(BaseOperator):
             raise ShardingError(f"Shard manifest(s) {incomplete} have no output_uri: the inference task of those shards did not publish.")
         return manifests
 
-    def concatenate(self, uris: Sequence[str], scratch: Path, target: str) -> int:
-        """Merge ``uris`` (in order) into ``target`` through ``scratch``; return the lines written."""
+    def concatenate(self, uris: Sequence[str], scratch: Path) -> Path:
+        """Merge the objects ``uris`` (in order) into the local file ``scratch``."""
         with open(scratch, "wb") as out:
             lines = merge_results(self._bodies(uris), out)
-        bucket, key = S3Hook.parse_s3_url(target)
-        self.s3_hook.load_file(str(scratch), key=key, bucket_name=bucket, replace=True)
-        return lines
+        self.log.info("Merged %d file(s) into %d lines", len(uris), lines)
+        return scratch
 
-    def merge_errors(self, manifests: Sequence[dict[str, Any]], scratch: Path) -> str | None:
-        """Merge the shards' error files; return ``error_uri``, or None (removing a stale one) when there are none."""
-        error_uris = [m["error_uri"] for m in manifests if m.get("error_uri")]
-        bucket, key = S3Hook.parse_s3_url(self.resolved_error_uri)
-        if error_uris:
-            lines = self.concatenate(error_uris, scratch, self.resolved_error_uri)
-            self.log.info("Merged %d shard error file(s) into %s (%d lines)", len(error_uris), self.resolved_error_uri, lines)
-            return self.resolved_error_uri
-        if self.s3_hook.check_for_key(key, bucket_name=bucket):
-            self.s3_hook.delete_objects(bucket=bucket, keys=[key])
-        return None
-
-    def build_manifest(self, summary: dict[str, Any], error_uri: str | None, merge_s: float) -> dict[str, Any]:
+    def build_manifest(
+        self, manifests: Sequence[dict[str, Any]], summary: dict[str, Any], has_errors: bool, merge_s: float
+    ) -> Manifest:
         """The batch's manifest: the shards' sums, in the shape of ``VLLMBatchOperator``'s."""
-        return {
-            "output_uri": self.output_uri,
-            "error_uri": error_uri,
-            "input_uri": self.input_uri,
-            "input_etag": self._input_etag(),
-            "model": summary["model"],
-            "request_counts": summary["request_counts"],
-            "usage": summary["usage"],
-            "duration_s": round(summary["shard_duration_s"] + merge_s, 3),
-            "engine_duration_s": summary["engine_duration_s"],
-            "vllm_version": summary["vllm_version"],
-            "manifest_uri": self.resolved_manifest_uri,
-            "shards": summary["shards"],
-            "shard_duration_s": summary["shard_duration_s"],
-            "max_shard_duration_s": summary["max_shard_duration_s"],
-            "merge_duration_s": round(merge_s, 3),
-            "shard_manifest_uris": summary["shard_manifest_uris"],
-        }
-
-    def remove_manifest(self) -> None:
-        """Delete an earlier merge's manifest first, so that a merge failing midway leaves none."""
-        bucket, key = S3Hook.parse_s3_url(self.resolved_manifest_uri)
-        if self.s3_hook.check_for_key(key, bucket_name=bucket):
-            self.s3_hook.delete_objects(bucket=bucket, keys=[key])
-
-    def write_manifest(self, manifest: dict[str, Any]) -> None:
-        """Write the manifest beside the output, last."""
-        bucket, key = S3Hook.parse_s3_url(self.resolved_manifest_uri)
-        self.s3_hook.load_string(json.dumps(manifest, indent=2), key=key, bucket_name=bucket, replace=True)
+        fingerprints = [m.get("fingerprint") or "" for m in manifests]
+        return Manifest(
+            output_uri=self.output_uri,
+            error_uri=self.store.error_uri if has_errors else None,
+            input_uri=redact_url(self.input_uri) if self.input_uri and self.input_uri.startswith("http") else self.input_uri,
+            input_etag=self._input_etag(),
+            model=summary["model"],
+            request_counts=RequestCounts(**summary["request_counts"]),
+            usage=Usage(**summary["usage"]),
+            duration_s=round(summary["shard_duration_s"] + merge_s, 3),
+            engine_duration_s=summary["engine_duration_s"],
+            vllm_version=summary["vllm_version"],
+            fingerprint=hashlib.sha256("\n".join(fingerprints).encode()).hexdigest(),
+            manifest_uri=self.store.manifest_uri,
+            shards=summary["shards"],
+            shard_duration_s=summary["shard_duration_s"],
+            max_shard_duration_s=summary["max_shard_duration_s"],
+            merge_duration_s=round(merge_s, 3),
+            shard_manifest_uris=summary["shard_manifest_uris"],
+        )
 
     @property
     def resolved_error_uri(self) -> str:
         """``error_uri``, or the output URI with ``.jsonl`` replaced by ``.errors.jsonl``."""
-        return self.error_uri or default_error_uri(self.output_uri)
+        return self.store.error_uri
 
     @property
     def resolved_manifest_uri(self) -> str:
         """``<output stem>.manifest.json``, as ``VLLMBatchOperator`` names it."""
-        return manifest_uri(self.output_uri)
+        return self.store.manifest_uri
 
     def _bodies(self, uris: Sequence[str]) -> Iterator[Any]:
         """Open each object's body in turn, closing it before the next one opens."""
         for uri in uris:
-            bucket, key = S3Hook.parse_s3_url(uri)
+            bucket, key = split_s3_uri(uri, "shard_manifests[].output_uri")
             with s3_body(self.s3_hook, bucket, key) as body:
                 yield body
 
     def _input_etag(self) -> str | None:
         if not self.input_uri or not self.input_uri.startswith("s3://"):
             return None
-        bucket, key = S3Hook.parse_s3_url(self.input_uri)
+        bucket, key = split_s3_uri(self.input_uri, "input_uri")
         head = self.s3_hook.head_object(key, bucket_name=bucket)
         # Unquoted, as VLLMBatchOperator records it.
         return head["ETag"].strip('"') if head else None

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import hashlib
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import timedelta
 from functools import cached_property
@@ -22,6 +24,7 @@ from airflow.sdk.log import mask_secret
 from botocore.exceptions import BotoCoreError, ClientError
 
 from airflow_vllm_batch.batchfile import (
+    DEFAULT_MAX_LINE_BYTES,
     PreflightOptions,
     PreflightReport,
     ResultsReport,
@@ -29,15 +32,20 @@ from airflow_vllm_batch.batchfile import (
     open_lines,
     preflight,
 )
-from airflow_vllm_batch.engine_output import DEFAULT_RESULTS_DIR, LocalEngineOutput, StagedEngineOutput
 from airflow_vllm_batch.exceptions import (
+    ConfigurationError,
     EngineError,
+    InputChangedError,
+    InputNotFoundError,
     PreflightError,
     PresignError,
     PublishError,
+    StorageUnavailableError,
     TooManyFailedRequestsError,
     VLLMBatchError,
 )
+from airflow_vllm_batch.hooks.engine_checks import check_engine_args, inspect_model
+from airflow_vllm_batch.hooks.process import DEFAULT_GRACE_S
 from airflow_vllm_batch.hooks.vllm_engine import (
     FALLBACK_SUPPORTED_URLS,
     EngineInfo,
@@ -48,9 +56,12 @@ from airflow_vllm_batch.hooks.vllm_engine import (
     probe_engine,
     redact_urls,
 )
+from airflow_vllm_batch.identity import PinnedInput, RunIdentity, local_file_tag
+from airflow_vllm_batch.lease import LeaseHolder, OutputLease
 from airflow_vllm_batch.lineage import lineage_for
 from airflow_vllm_batch.links.output import VLLMBatchOutputLink
-from airflow_vllm_batch.output_files import default_error_uri, manifest_uri, s3_lines
+from airflow_vllm_batch.manifest import Manifest, RequestCounts, Usage
+from airflow_vllm_batch.storage import OutputStore, RunStaging, head_input, s3_lines, split_s3_uri
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
@@ -61,29 +72,38 @@ MAX_PRESIGN_SECONDS = 7 * 24 * 3600
 DEFAULT_PRESIGN_SECONDS = 24 * 3600
 #: Added to execution_timeout: the engine's final PUT happens at the very end.
 PRESIGN_MARGIN_SECONDS = 15 * 60
+#: Where the engine's local output and results kept after an S3 failure live.
+DEFAULT_RESULTS_DIR = os.path.join(tempfile.gettempdir(), "airflow-vllm-batch")
+#: Local results older than this are removed when the next task starts on the worker.
+LOCAL_RESULTS_MAX_AGE_S = 7 * 24 * 3600
+
+_MODES = {"output_mode": ("local", "presigned"), "invalid_lines": ("fail", "skip")}
 
 
 class VLLMBatchOperator(BaseOperator):
     """Run an OpenAI-format batch file through vLLM's offline batch runner.
 
-    The task checks the input before any engine starts (preflight), makes presigned
-    S3 URLs so the engine needs no AWS credentials, runs
-    ``python -m vllm.entrypoints.openai.run_batch`` as a child process on this
-    worker, checks that every request was answered exactly once, publishes the
-    results (and an error file) and returns a manifest::
+    The task pins the input and computes the run's identity (a fingerprint of the input's
+    ETag, the model, the engine and its arguments, the request defaults and modes). A
+    complete output made under the same identity is returned as it is; results an earlier
+    try of the same run left in staging are published without running the engine again.
+    Otherwise it checks the input before any engine starts (preflight), runs
+    ``python -m vllm.entrypoints.launchers.run_batch`` on this worker (bound to the task:
+    it never outlives it), stages the results durably in S3, checks that every request was
+    answered exactly once, publishes the results, the error file and, last, a manifest::
 
         {"output_uri", "error_uri", "input_uri", "model",
          "request_counts": {"total", "completed", "failed"},
          "usage": {"prompt_tokens", "completion_tokens", "total_tokens"},
-         "duration_s", "vllm_version"}
+         "duration_s", "vllm_version", "fingerprint", ...}
 
-    ``output_uri`` is also pushed under the XCom key ``output_uri``. The engine writes
-    to a staging key unique to the try (``<output key>.staging/...``); the final
-    objects appear only after the results check passed, so a failed try never leaves
-    a half-written output.
+    ``output_uri`` is also pushed under the XCom key ``output_uri``. One run writes an
+    output at a time: a lease beside it (``<output stem>.lease.json``) makes a second run
+    fail at once, naming the first. Mistakes (arguments, a missing input, a bad line, bad
+    engine settings) fail without retries; transient failures are left to Airflow's retries.
 
     :param input_uri: the batch file: ``s3://bucket/key``, a local path on the worker,
-        or an http(s) URL. (templated)
+        or an http(s) URL (never resumed: it cannot be pinned). (templated)
     :param output_uri: where the results go: ``s3://bucket/key``. (templated)
     :param model: the model name or directory, passed to ``--model``; every line's
         ``body.model`` must name it (or see ``rewrite_model``). (templated)
@@ -94,10 +114,10 @@ class VLLMBatchOperator(BaseOperator):
     :param engine_python: the Python of the environment that has vLLM. Default: the
         Python running this task. (templated)
     :param engine_command: a command prefix that replaces
-        ``<engine_python> -m vllm.entrypoints.openai.run_batch``, for engines in
+        ``<engine_python> -m vllm.entrypoints.launchers.run_batch``, for engines in
         another image or wrapper. (templated)
     :param engine_env: environment variables added for the engine, e.g.
-        ``{"CUDA_VISIBLE_DEVICES": "0"}``. (templated)
+        ``{"CUDA_VISIBLE_DEVICES": "0"}``. Not part of the run identity. (templated)
     :param aws_conn_id: the Airflow AWS connection for S3. Default ``aws_default``.
     :param presign_expires_in: seconds the presigned URLs stay valid. Default: the
         task's ``execution_timeout`` plus 15 minutes, or 24 hours without one; at most
@@ -113,20 +133,22 @@ class VLLMBatchOperator(BaseOperator):
     :param default_body: fields filled into every request body that lacks them, e.g.
         ``{"max_completion_tokens": 256}``. (templated)
     :param max_lines: the most request lines accepted. Default: no limit.
+    :param max_line_bytes: the longest request line accepted, in bytes. Default 1,000,000.
     :param supported_urls: the batch URLs to accept. Default: asked of the engine
         environment (or vLLM 0.32's list when ``engine_command`` is set).
     :param kill_grace_s: seconds between SIGTERM and SIGKILL when stopping the engine.
-    :param resume: when ``<output stem>.manifest.json`` already records a complete run of
-        the same input (same ETag) and model, return it without running the engine, so
-        retries, clears and backfill re-runs cost no GPU time. Default True.
+        Default 4, shorter than the supervisor's escalation after it SIGTERMs the task.
+    :param resume: return the manifest of a complete output made under the same run
+        identity instead of running again, and publish results an earlier try of this run
+        staged. Default True; False always runs the engine.
     :param output_mode: ``"local"`` (default): the engine writes a file on this worker,
-        which the operator checks and uploads with S3Hook; if S3 is unreachable then,
-        the file is kept in ``results_dir`` and a retry on this worker publishes it
-        without running the engine again. ``"presigned"``: the engine PUTs its output
-        to a presigned staging URL — for engines that run where this worker's disk is
-        not and that hold no AWS credentials (vLLM loses the results if that PUT fails).
-    :param results_dir: where local results wait to be published. Default: the system
-        temporary directory's ``airflow-vllm-batch``.
+        which the operator uploads to the run's staging in S3 (and keeps on the worker
+        if S3 is down then, for a retry on the same worker). ``"presigned"``: the engine
+        PUTs its output to a presigned staging URL — for engines that run where this
+        worker's disk is not and that hold no AWS credentials.
+    :param results_dir: where the engine's local output, and results kept while S3 was
+        down, live on the worker. Default: the system temporary directory's
+        ``airflow-vllm-batch``; entries older than 7 days are removed.
     """
 
     template_fields: Sequence[str] = (
@@ -163,8 +185,9 @@ class VLLMBatchOperator(BaseOperator):
         rewrite_model: bool = False,
         default_body: Mapping[str, Any] | None = None,
         max_lines: int | None = None,
+        max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
         supported_urls: Sequence[str] | None = None,
-        kill_grace_s: float = 30.0,
+        kill_grace_s: float = DEFAULT_GRACE_S,
         resume: bool = True,
         output_mode: str = "local",
         results_dir: str | None = None,
@@ -186,11 +209,13 @@ class VLLMBatchOperator(BaseOperator):
         self.rewrite_model = rewrite_model
         self.default_body = default_body
         self.max_lines = max_lines
+        self.max_line_bytes = max_line_bytes
         self.supported_urls = supported_urls
         self.kill_grace_s = kill_grace_s
         self.resume = resume
         self.output_mode = output_mode
         self.results_dir = results_dir
+        self._check_static_arguments()
 
     @cached_property
     def s3_hook(self) -> S3Hook:
@@ -202,111 +227,96 @@ class VLLMBatchOperator(BaseOperator):
         """Runs the engine process; kept so that ``on_kill`` can stop it."""
         return VLLMEngineHook(kill_grace_s=self.kill_grace_s)
 
+    @cached_property
+    def store(self) -> OutputStore:
+        """The output's objects in S3: staging, publishing, manifest and lease."""
+        return OutputStore(self.s3_hook, self.output_uri, self.error_uri)
+
+    def render_template_fields(self, context: Context, jinja_env: Any = None) -> None:
+        """Render as usual, then mask an http(s) input's URL before Airflow stores the rendered fields."""
+        super().render_template_fields(context, jinja_env)
+        if isinstance(self.input_uri, str) and self.input_uri.startswith(("http://", "https://")) and "?" in self.input_uri:
+            mask_secret(self.input_uri)
+            mask_secret(self.input_uri.split("?", 1)[1])
+
     # -- the story -------------------------------------------------------------------
 
     def execute(self, context: Context) -> dict[str, Any]:
-        started = time.monotonic()
-        self._check_arguments()
+        # An empty link until the output is published: the task runner asks for it even when
+        # the task fails, and a missing XCom would log an error on every failed task.
+        VLLMBatchOutputLink.persist_empty(context=context)
         try:
-            input_etag = self.input_fingerprint()
-        except (BotoCoreError, ClientError) as err:
-            raise VLLMBatchError(
-                f"Cannot read {self.input_uri} ({err}). Nothing was run; check that S3 is reachable with "
-                f"connection {self.aws_conn_id!r} and that the object exists, then retry."
+            return self.run(context)
+        except VLLMBatchError as err:
+            if not err.retryable:
+                # The same mistake fails the same way on every try: no retry, no GPU time.
+                raise AirflowFailException(str(err)) from err
+            raise
+
+    def run(self, context: Context) -> dict[str, Any]:
+        """Identify the run; return its published output, or run, check and publish it."""
+        started = time.monotonic()
+        self.check_rendered_values()
+        try:
+            pinned = self.pin_input()
+            engine = self.inspect_engine()
+            identity = self.run_identity(pinned, engine)
+            manifest = self.published_manifest(identity)
+        except BotoCoreError as err:
+            raise StorageUnavailableError(
+                f"Cannot reach S3 with connection {self.aws_conn_id!r} ({err}). Nothing was run; check that S3 is "
+                "reachable from this worker. The task is retried."
             ) from err
-        manifest = self.completed_manifest(input_etag) if self.resume else None
         if manifest is None:
-            manifest = self.run_batch(context, input_etag, started)
+            self.store.check_writable()
+            with self.store.lease(self.lease_holder(context, identity)) as lease:
+                manifest = self.run_batch(pinned, engine, identity, lease, started)
         self.announce(manifest, context)
         self.fail_on_too_many_failures(manifest, context)
-        return manifest
+        return manifest.to_dict()
 
-    def run_batch(self, context: Context, input_etag: str | None, started: float) -> dict[str, Any]:
-        """Preflight, presign, run the engine, check and publish; return the manifest."""
-        engine = self.inspect_engine()
-        staging = self.staging_prefix(context)
-        output = self.engine_output(input_etag, staging)
-        with tempfile.TemporaryDirectory(prefix="vllm-batch-") as tmp:
-            work = Path(tmp)
-            report = self.preflight(engine, work)
-            if output.recovered():
-                self.log.info(
-                    "Results of an earlier try were never published; publishing them from %s "
-                    "without running the engine again.",
-                    output.describe(),
-                )
-                run = EngineRun(returncode=0, duration_s=0.0)
-            else:
-                engine_input = self.stage_input(report, work, staging)
-                input_location = self.presign_input(engine_input)
-                run = self.run_engine(input_location, self.engine_output_location(output))
-                self.confirm_output(output, run)
-            run.vllm_version = run.vllm_version or engine.vllm_version
+    def run_batch(
+        self, pinned: PinnedInput, engine: EngineInfo, identity: RunIdentity, lease: OutputLease, started: float
+    ) -> Manifest:
+        """Preflight, run the engine (unless this run's results are staged), check and publish."""
+        staging = self.store.staging(identity)
+        with self.scratch(identity) as work:
+            report = self.preflight(engine, work, pinned)
+            results_path, run = self.engine_results(pinned, engine, identity, staging, report, work)
+            lease.ensure_held()
             try:
-                results = self.check_output(report, work, output, staging)
-                manifest = self.publish(report, results, work, output, staging, run, started, input_etag)
+                results = self.check_output(pinned, report, work, staging, results_path)
+                manifest = self.build_manifest(pinned, identity, report, results, run, started)
+                self.store.publish(
+                    manifest,
+                    staging=staging,
+                    # With no failed line the successes are the staged file byte for byte: copy it server side.
+                    results_path=work / "results.jsonl" if results.request_counts["failed"] else None,
+                    errors_path=self.error_file(report, work, results),
+                )
+                self.kept_results(identity).unlink(missing_ok=True)
             except (BotoCoreError, ClientError) as err:
-                raise PublishError(f"S3 failed after the engine finished ({err}). {self._kept(output)}") from err
-        output.discard()
-        return manifest
-
-    @staticmethod
-    def _kept(output) -> str:
-        if isinstance(output, LocalEngineOutput):
-            return (
-                f"The results are kept at {output.describe()}: a retry on this worker publishes them "
-                "without running the engine again."
-            )
-        return "The engine's results are lost with its staging object; a retry runs the batch again."
-
-    def input_fingerprint(self) -> str | None:
-        """Return what identifies this exact input: the S3 ETag, or size and mtime of a local file.
-
-        None for an http(s) input, which then always runs.
-        """
-        if self.input_uri.startswith("s3://"):
-            bucket, key = S3Hook.parse_s3_url(self.input_uri)
-            return self.s3_hook.head_object(key, bucket_name=bucket)["ETag"].strip('"')
-        if self.input_uri.startswith(("http://", "https://")):
-            return None
-        stat = os.stat(self.input_uri)
-        return f"local-{stat.st_size}-{stat.st_mtime_ns}"
-
-    def completed_manifest(self, input_etag: str | None) -> dict[str, Any] | None:
-        """Return the manifest of an earlier complete run of this same input and model, if any.
-
-        The manifest is written last at publish, so its presence means the output and
-        error file beside it are complete: a retry, a cleared task or a backfill re-run
-        returns it instead of spending GPU time again.
-        """
-        if input_etag is None:
-            return None
-        bucket, key = S3Hook.parse_s3_url(self.resolved_manifest_uri)
-        if not self.s3_hook.check_for_key(key, bucket_name=bucket):
-            return None
-        manifest = json.loads(self.s3_hook.read_key(key, bucket_name=bucket))
-        same = (manifest.get("input_uri"), manifest.get("input_etag"), manifest.get("model")) == (
-            self.input_uri,
-            input_etag,
-            self.model,
-        )
-        out_bucket, out_key = S3Hook.parse_s3_url(self.output_uri)
-        if not same or not self.s3_hook.check_for_key(out_key, bucket_name=out_bucket):
-            self.log.info("An earlier manifest exists at %s but for another input or model: running.", self.resolved_manifest_uri)
-            return None
+                raise PublishError(
+                    f"S3 failed while publishing ({err}). The engine's results are staged at "
+                    f"{staging.uri(staging.results_key)}: a retry publishes them without running the engine again."
+                ) from err
         self.log.info(
-            "Output already complete for this input and model (%s): not running the engine again. "
-            "Set resume=False to force a new run.",
-            self.resolved_manifest_uri,
+            "Published %s (%d completed, %d failed)",
+            self.output_uri,
+            manifest.request_counts.completed,
+            manifest.request_counts.failed,
         )
         return manifest
 
-    def announce(self, manifest: dict[str, Any], context: Context) -> None:
+    def announce(self, manifest: Manifest, context: Context) -> None:
         """Push ``output_uri`` to XCom and attach the counts to the outlet asset events."""
-        context["ti"].xcom_push(key="output_uri", value=manifest["output_uri"])
-        VLLMBatchOutputLink.persist(context=context, output_uri=manifest["output_uri"])
-        self._published_error_uri = manifest["error_uri"]
-        extra = {k: manifest[k] for k in ("output_uri", "error_uri", "manifest_uri", "model", "request_counts", "usage")}
+        context["ti"].xcom_push(key="output_uri", value=manifest.output_uri)
+        VLLMBatchOutputLink.persist(
+            context=context, output_uri=manifest.output_uri, endpoint_url=self.s3_hook.conn_config.endpoint_url
+        )
+        self._published_error_uri = manifest.error_uri
+        data = manifest.to_dict()
+        extra = {k: data.get(k) for k in ("output_uri", "error_uri", "manifest_uri", "model", "request_counts", "usage")}
         for outlet in self.outlets or ():
             if isinstance(outlet, Asset):
                 context["outlet_events"][outlet].extra = extra
@@ -317,46 +327,182 @@ class VLLMBatchOperator(BaseOperator):
         return lineage_for(self.input_uri, self.output_uri, getattr(self, "_published_error_uri", None))
 
     def on_kill(self) -> None:
-        """Stop the whole engine process group; staging objects are removed by the next try."""
+        """Stop the whole engine process group; this run's staging is kept for the next try."""
         self.engine_hook.terminate()
 
-    # -- steps -----------------------------------------------------------------------
+    # -- arguments -------------------------------------------------------------------
 
-    def _check_arguments(self) -> None:
-        # Rendered templates are strings; a Param-driven ratio arrives as "0.1".
-        self.max_failed_ratio = float(self.max_failed_ratio)
-        if not self.output_uri.startswith("s3://"):
-            raise VLLMBatchError(f"output_uri must be an s3:// URI, got {self.output_uri!r}.")
-        if self.output_mode not in ("local", "presigned"):
-            raise VLLMBatchError(f"output_mode must be 'local' or 'presigned', got {self.output_mode!r}.")
-        if self.invalid_lines not in ("fail", "skip"):
-            raise VLLMBatchError(f"invalid_lines must be 'fail' or 'skip', got {self.invalid_lines!r}.")
-        if not 0 <= self.max_failed_ratio <= 1:
-            raise VLLMBatchError(f"max_failed_ratio must be between 0 and 1, got {self.max_failed_ratio!r}.")
+    def _check_static_arguments(self) -> None:
+        """Check the arguments that are not templated, at DAG parse time."""
+        for name, allowed in _MODES.items():
+            if getattr(self, name) not in allowed:
+                raise ConfigurationError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}.")
+        for name in ("max_lines", "max_line_bytes", "presign_expires_in"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ConfigurationError(f"{name} must be a positive whole number or None, got {value!r}.")
+        if not isinstance(self.kill_grace_s, (int, float)) or self.kill_grace_s < 0:
+            raise ConfigurationError(f"kill_grace_s must be a number of seconds >= 0, got {self.kill_grace_s!r}.")
+
+    def check_rendered_values(self) -> None:
+        """Check and coerce the rendered templated values, in one place, before any I/O.
+
+        Rendered templates are strings: a Param-driven ``max_failed_ratio`` arrives as ``"0.1"``.
+        """
+        for name in ("input_uri", "output_uri", "model"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value.strip():
+                raise ConfigurationError(f"{name} must be a non-empty string, got {value!r} after rendering.")
+        split_s3_uri(self.output_uri, "output_uri")
+        if self.error_uri is not None:
+            split_s3_uri(self.error_uri, "error_uri")
+        try:
+            ratio = float(self.max_failed_ratio)
+        except (TypeError, ValueError):
+            ratio = -1.0
+        if not 0 <= ratio <= 1:
+            raise ConfigurationError(
+                f"max_failed_ratio must be a number from 0 to 1, got {self.max_failed_ratio!r} after rendering."
+            )
+        self.max_failed_ratio = ratio
+        for name in ("engine_args", "engine_command"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, str) or not all(isinstance(a, str) for a in value)):
+                raise ConfigurationError(
+                    f"{name} must be a list of strings, e.g. ['--max-model-len', '4096'], got {value!r}."
+                )
+        for name in ("engine_env", "default_body"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, Mapping):
+                raise ConfigurationError(f"{name} must be a mapping, got {type(value).__name__} {value!r}.")
+
+    # -- identity --------------------------------------------------------------------
+
+    def pin_input(self) -> PinnedInput:
+        """Return what identifies this exact input: S3 ETag/VersionId, or a local file's size, mtime and hash."""
+        uri = self.input_uri
+        if uri.startswith("s3://"):
+            head = head_input(self.s3_hook, uri)
+            return PinnedInput(uri, head["ETag"].strip('"'), head.get("VersionId"), head.get("ContentLength"))
+        if uri.startswith(("http://", "https://")):
+            return PinnedInput(uri)
+        if not os.path.isfile(uri):
+            raise InputNotFoundError(
+                f"input_uri: no file {uri!r} on worker {os.uname().nodename}. A local input must be on the worker "
+                "that runs the task; use an s3:// URI for files written by other tasks. Nothing was run."
+            )
+        return PinnedInput(uri, local_file_tag(uri), size=os.path.getsize(uri))
 
     def inspect_engine(self) -> EngineInfo:
-        """Ask the engine environment for its vLLM version and the batch URLs it serves."""
+        """Ask the engine environment what it offers, and check the model against it.
+
+        The model directory must exist and look like a model; its kind (generation or
+        pooling) decides which lines preflight accepts. Not possible for a custom
+        ``engine_command``, whose environment this worker cannot see.
+        """
         if self.engine_command:
             info = EngineInfo(vllm_version=None, supported_urls=FALLBACK_SUPPORTED_URLS)
         else:
-            info = probe_engine(self.engine_python or sys.executable)
-            self.log.info("Engine: vLLM %s; batch URLs: %s", info.vllm_version, sorted(info.supported_urls))
+            python = self.engine_python or sys.executable
+            info = probe_engine(python)
+            model = inspect_model(self.model, list(self.engine_args or ()), env=self._engine_environment())
+            info = dataclasses.replace(info, model_kind=model.kind)
+            self.log.info(
+                "Engine: vLLM %s, %s; batch URLs: %s; model kind: %s (%s)",
+                info.vllm_version,
+                info.runner_module,
+                sorted(info.supported_urls),
+                model.kind,
+                model.kind_source,
+            )
         if self.supported_urls:
-            info = EngineInfo(info.vllm_version, frozenset(self.supported_urls))
+            info = dataclasses.replace(info, supported_urls=frozenset(self.supported_urls))
         return info
 
-    def staging_prefix(self, context: Context) -> str:
-        """Return a key prefix unique to this try, after removing what earlier tries left."""
-        bucket, key = S3Hook.parse_s3_url(self.output_uri)
-        root = f"{key}.staging/"
-        leftovers = self.s3_hook.list_keys(bucket_name=bucket, prefix=root) or []
-        if leftovers:
-            self.log.info("Removing %d staging object(s) left by an earlier try under %s", len(leftovers), root)
-            self.s3_hook.delete_objects(bucket=bucket, keys=leftovers)
-        try_number = getattr(context.get("ti"), "try_number", 0)
-        return f"{root}try-{try_number}-{uuid.uuid4().hex[:8]}"
+    def check_engine_arguments(self, info: EngineInfo) -> None:
+        """Parse ``engine_args`` with the engine's own parser, once per worker and setting.
 
-    def preflight(self, engine: EngineInfo, work: Path) -> PreflightReport:
+        Importing vLLM's parser takes several seconds (torch), so this runs after preflight
+        (a bad line, the commoner mistake, fails first) and a marker in ``results_dir``
+        remembers arguments that passed, for the same engine environment and version.
+        """
+        if not self.engine_args or self.engine_command:
+            return
+        python = self.engine_python or sys.executable
+        digest = hashlib.sha256(json.dumps([python, info.vllm_version, self.model, list(self.engine_args)]).encode())
+        marker = Path(self.results_dir or DEFAULT_RESULTS_DIR) / f"engine-args-ok-{digest.hexdigest()[:16]}"
+        if marker.exists():
+            return
+        check_engine_args(python, self.model, list(self.engine_args))
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+
+    def run_identity(self, pinned: PinnedInput, engine: EngineInfo) -> RunIdentity:
+        """Everything that shapes the results (see :mod:`airflow_vllm_batch.identity`)."""
+        return RunIdentity(
+            {
+                "input": pinned.components(),
+                "model": self.model,
+                "vllm_version": engine.vllm_version,
+                "engine_command": list(self.engine_command or ()),
+                "engine_args": list(self.engine_args or ()),
+                "default_body": dict(self.default_body or {}),
+                "rewrite_model": bool(self.rewrite_model),
+                "invalid_lines": self.invalid_lines,
+                "max_lines": self.max_lines,
+                "max_line_bytes": self.max_line_bytes,
+                "supported_urls": sorted(self.supported_urls) if self.supported_urls else None,
+                "error_uri": self.store.error_uri,
+            }
+        )
+
+    def published_manifest(self, identity: RunIdentity) -> Manifest | None:
+        """The manifest of a complete output made under this identity, if there is one."""
+        if not self.resume:
+            return None
+        manifest, why = self.store.completed(identity)
+        if manifest is None:
+            self.log.info("Running: %s (run %s).", why, identity.short)
+            return None
+        self.log.info(
+            "Not running the engine again: %s (run %s, %s). Set resume=False to force a new run.",
+            why,
+            identity.short,
+            self.store.manifest_uri,
+        )
+        return manifest
+
+    def lease_holder(self, context: Context, identity: RunIdentity) -> LeaseHolder:
+        """Who this try is, for the output's lease."""
+        ti = context["ti"]
+        return LeaseHolder(
+            dag_id=ti.dag_id,
+            run_id=ti.run_id,
+            task_id=ti.task_id,
+            map_index=getattr(ti, "map_index", -1),
+            try_number=getattr(ti, "try_number", 0),
+            fingerprint=identity.fingerprint,
+        )
+
+    # -- steps -----------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def scratch(self, identity: RunIdentity) -> Iterator[Path]:
+        """A local directory for this try, removed when the try ends; old leftovers are aged out."""
+        root = Path(self.results_dir or DEFAULT_RESULTS_DIR)
+        root.mkdir(parents=True, exist_ok=True)
+        _age_out(root, LOCAL_RESULTS_MAX_AGE_S)
+        work = Path(tempfile.mkdtemp(prefix=f"{identity.short}-try-", dir=root))
+        try:
+            yield work
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+    def kept_results(self, identity: RunIdentity) -> Path:
+        """Where this worker keeps a run's results while S3 cannot take them."""
+        return Path(self.results_dir or DEFAULT_RESULTS_DIR) / identity.short / "results.jsonl"
+
+    def preflight(self, engine: EngineInfo, work: Path, pinned: PinnedInput) -> PreflightReport:
         """Check the whole input before any engine starts; write a cleaned copy when needed."""
         options = PreflightOptions(
             supported_urls=engine.supported_urls,
@@ -365,61 +511,125 @@ class VLLMBatchOperator(BaseOperator):
             default_body=dict(self.default_body or {}),
             invalid_lines=self.invalid_lines,
             max_lines=self.max_lines,
+            max_line_bytes=self.max_line_bytes,
+            model_kind=engine.model_kind,
         )
-        rewriting = self.invalid_lines == "skip" or self.rewrite_model or bool(self.default_body)
-        with (
-            self._open_input() as lines,
-            _maybe_open(work / "input.jsonl", rewriting) as cleaned,
-            _maybe_open(work / "preflight-errors.jsonl", rewriting) as errors,
-        ):
-            report = preflight(lines, options, cleaned_out=cleaned, errors_out=errors, reread=self._open_input)
-        self.log.info("Preflight of %s:\n%s", self.input_uri, report.format())
-        try:
-            if self.invalid_lines == "fail" or not report.runnable:
-                report.raise_for_problems(self.input_uri)
-            if not report.valid_lines:
-                raise PreflightError(f"{self.input_uri} has no request line: nothing to run.", report)
-        except PreflightError as err:
-            # The same file fails the same way on every try: no retry, no GPU time.
-            raise AirflowFailException(str(err)) from err
+        with self.open_input(pinned) as lines:
+            # The engine cannot read gzip: a compressed input gets an uncompressed cleaned copy.
+            rewriting = (
+                self.invalid_lines == "skip"
+                or self.rewrite_model
+                or bool(self.default_body)
+                or getattr(lines, "compression", None) is not None
+            )
+            with (
+                _maybe_open(work / "input.jsonl", rewriting) as cleaned,
+                _maybe_open(work / "preflight-errors.jsonl", rewriting) as errors,
+            ):
+                report = preflight(lines, options, cleaned_out=cleaned, errors_out=errors, reread=lambda: self.open_input(pinned))
+        report.source = pinned.display_uri
+        self.log.info("%s", report.format())
+        if self.invalid_lines == "fail" or not report.runnable:
+            report.raise_for_problems(pinned.display_uri)
+        if not report.valid_lines:
+            raise PreflightError(f"{pinned.display_uri} has no request line: nothing to run.", report)
         return report
 
-    def stage_input(self, report: PreflightReport, work: Path, staging: str) -> str:
-        """Return the input the engine reads: the original, or the cleaned copy staged next to the output."""
-        if not report.needs_rewrite:
-            return self.input_uri
-        cleaned = work / "input.jsonl"
-        if not self.input_uri.startswith("s3://"):
-            return str(cleaned)
-        bucket, _ = S3Hook.parse_s3_url(self.output_uri)
-        key = f"{staging}/input.jsonl"
-        self.s3_hook.load_file(str(cleaned), key=key, bucket_name=bucket, replace=True)
-        self.log.info("Engine reads the cleaned copy s3://%s/%s", bucket, key)
-        return f"s3://{bucket}/{key}"
+    def engine_results(
+        self,
+        pinned: PinnedInput,
+        engine: EngineInfo,
+        identity: RunIdentity,
+        staging: RunStaging,
+        report: PreflightReport,
+        work: Path,
+    ) -> tuple[Path | None, EngineRun]:
+        """Make sure the run's finished results are staged in S3; run the engine only when they are not.
 
-    def engine_output(self, input_etag: str | None, staging: str):
-        """Return where the engine writes: a local file kept across tries, or a staging key."""
+        :return: a local copy of the results when this try has one, and the engine's run.
+        """
+        recovered = EngineRun(returncode=0, duration_s=0.0, vllm_version=engine.vllm_version)
+        kept = self.kept_results(identity)
+        if self.resume and staging.has_results():
+            self.log.info(
+                "An earlier try of this run staged its results at %s: publishing them without running the engine.",
+                staging.uri(staging.results_key),
+            )
+            return None, recovered
+        if self.resume and kept.exists():
+            self.log.info(
+                "An earlier try on this worker kept its results at %s: publishing them without running the engine again.",
+                kept,
+            )
+            self.stage_results(staging, kept, identity)
+            return kept, recovered
+        self.check_engine_arguments(engine)
+        engine_input = self.engine_input(pinned, report, work, staging)
         if self.output_mode == "presigned":
-            bucket, _ = S3Hook.parse_s3_url(self.output_uri)
-            return StagedEngineOutput(self.s3_hook, bucket, f"{staging}/results.jsonl")
-        # Without a fingerprint (http input) a retry cannot trust old results: a fresh directory.
-        identity = input_etag if input_etag is not None else uuid.uuid4().hex
-        return LocalEngineOutput(self.results_dir or DEFAULT_RESULTS_DIR, self.output_uri, identity, self.model)
+            output = self._presign("put_object", staging.bucket, staging.results_key)
+            self.log.info("The engine uploads its results to %s", staging.uri(staging.results_key))
+            run = self.run_engine(engine, engine_input, output, work)
+            if not staging.has_results():
+                raise EngineError(
+                    f"The vLLM engine exited 0 but wrote no output to {staging.uri(staging.results_key)} (its upload "
+                    "failed: see 'Failed to upload' in the log above). Last lines of its log:\n" + "\n".join(run.tail[-15:])
+                )
+            self.confirm_input_unchanged(pinned, report)
+            return None, run
+        local = work / "engine-results.jsonl"
+        run = self.run_engine(engine, engine_input, str(local), work)
+        if not local.exists():
+            raise EngineError("The vLLM engine exited 0 but wrote no output file. Last lines of its log:\n" + "\n".join(run.tail[-15:]))
+        self.confirm_input_unchanged(pinned, report)
+        self.stage_results(staging, local, identity)
+        return local, run
 
-    def presign_input(self, engine_input: str) -> str:
-        """Return what the engine reads: a presigned GET URL for S3, else the path or URL itself."""
-        if not engine_input.startswith("s3://"):
-            return engine_input
-        bucket, key = S3Hook.parse_s3_url(engine_input)
-        return self._presign("get_object", bucket, key, self.presign_seconds())
+    def stage_results(self, staging: RunStaging, path: Path, identity: RunIdentity) -> None:
+        """Upload finished results to the run's staging; keep them on this worker if S3 fails."""
+        try:
+            staging.put_results(path)
+        except (BotoCoreError, ClientError) as err:
+            kept = self.kept_results(identity)
+            if path != kept:
+                kept.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(path, kept)
+            raise PublishError(
+                f"S3 failed while staging the engine's results ({err}). They are kept at {kept} on "
+                f"{os.uname().nodename}: a retry on this worker publishes them without running the engine; "
+                "a retry elsewhere runs the batch again."
+            ) from err
 
-    def engine_output_location(self, output) -> str:
-        """Return the engine's ``-o``: a local path, or a presigned PUT URL of the staging key."""
-        if isinstance(output, StagedEngineOutput):
-            url = self._presign("put_object", output.bucket, output.key, self.presign_seconds())
-            self.log.info("The engine uploads its results to %s", output.describe())
-            return url
-        return output.engine_location
+    def engine_input(self, pinned: PinnedInput, report: PreflightReport, work: Path, staging: RunStaging) -> str:
+        """Return what the engine reads: a presigned GET (pinned), a local path, or the http(s) URL."""
+        uri = pinned.uri
+        if report.needs_rewrite:
+            cleaned = work / "input.jsonl"
+            if not uri.startswith("s3://"):
+                return str(cleaned)
+            uri = staging.put_input(cleaned)
+            self.log.info("The engine reads the cleaned copy %s", uri)
+            bucket, key = split_s3_uri(uri, "input_uri")
+            return self._presign("get_object", bucket, key)
+        if uri.startswith("s3://"):
+            bucket, key = split_s3_uri(uri, "input_uri")
+            return self._presign("get_object", bucket, key, version_id=pinned.version_id)
+        return uri
+
+    def confirm_input_unchanged(self, pinned: PinnedInput, report: PreflightReport) -> None:
+        """Fail the try when the engine may have read another content than preflight checked.
+
+        A cleaned copy was made from the pinned content, and a VersionId pins the engine's GET
+        itself; otherwise the engine read the key as it was at its start, so the ETag is
+        compared again.
+        """
+        if not pinned.uri.startswith("s3://") or pinned.version_id or report.needs_rewrite:
+            return
+        head = head_input(self.s3_hook, pinned.uri)
+        if head["ETag"].strip('"') != pinned.etag:
+            raise InputChangedError(
+                f"{pinned.uri} was overwritten while the engine ran (ETag {pinned.etag} -> {head['ETag'].strip(chr(34))}). "
+                "Nothing was published; the next try checks and runs the new content."
+            )
 
     def presign_seconds(self) -> int:
         """Seconds the presigned URLs must stay valid: the task's whole time budget."""
@@ -437,127 +647,125 @@ class VLLMBatchOperator(BaseOperator):
             )
         return seconds
 
-    def run_engine(self, input_location: str, output_location: str) -> EngineRun:
+    def run_engine(self, engine: EngineInfo, input_location: str, output_location: str, work: Path) -> EngineRun:
         """Run the batch runner to completion; raise when it failed."""
+        engine_args = list(self.engine_args or ())
+        if not self.engine_command and "output_tmp_dir" in engine.runner_options and output_location.startswith("http"):
+            # Without it vLLM holds a URL output in memory until its final PUT.
+            engine_args += ["--output-tmp-dir", str(work)]
         argv = build_engine_argv(
             input_location=input_location,
             output_location=output_location,
             model=self.model,
-            engine_args=list(self.engine_args or ()),
+            engine_args=engine_args,
             engine_command=self.engine_command,
             python=self.engine_python or sys.executable,
+            runner_module=engine.runner_module,
         )
-        env = {**os.environ, **{k: str(v) for k, v in (self.engine_env or {}).items()}}
+        env = self._engine_environment()
         self.log.info("Starting the vLLM engine: %s", redact_urls(" ".join(argv)))
         if not self.engine_command:
             argv, hidden = conceal_arguments(argv)
             env.update(hidden)
         run = self.engine_hook.run(argv, env=env)
+        run.vllm_version = run.vllm_version or engine.vllm_version
         self.log.info("vLLM engine exited with code %s after %.1fs", run.returncode, run.duration_s)
         if run.returncode != 0:
             how = f"was killed by signal {-run.returncode}" if run.returncode < 0 else f"exited with code {run.returncode}"
             if run.returncode in (-9, 137):
                 how += " (SIGKILL: out of memory? see the kernel log)"
             raise EngineError(
-                f"The vLLM engine {how}; nothing was published. Last lines of its log:\n"
-                + "\n".join(run.tail[-15:])
+                f"The vLLM engine {how}; nothing was published. Last lines of its log:\n" + "\n".join(run.tail[-15:])
             )
         return run
 
-    def confirm_output(self, output, run: EngineRun) -> None:
-        """Raise when the engine exited 0 but left no output (vLLM's upload gave up)."""
-        if not output.engine_finished():
-            raise EngineError(
-                f"The vLLM engine exited 0 but wrote no output to {output.describe()} (its upload failed: "
-                "see 'Failed to upload' in the log above). Last lines of its log:\n" + "\n".join(run.tail[-15:])
-            )
+    def check_output(
+        self, pinned: PinnedInput, report: PreflightReport, work: Path, staging: RunStaging, results_path: Path | None
+    ) -> ResultsReport:
+        """Check that the results answer every request exactly once; drop them from staging if not.
 
-    def check_output(self, report: PreflightReport, work: Path, output, staging: str) -> ResultsReport:
-        """Check that the engine's output answers every request exactly once."""
+        The requests' custom_ids come from preflight's index, so the input is not read again
+        (only to name missing requests, on a mismatch). Successful lines go to
+        ``results.jsonl``, failed ones to ``engine-errors.jsonl`` in ``work``.
+        """
         engine_input = work / "input.jsonl" if report.needs_rewrite else None
+
+        def reread_input():
+            return open_lines(str(engine_input)) if engine_input else self.open_input(pinned)
+
+        results_reader = (lambda: open_lines(str(results_path))) if results_path else staging.open_results
         with (
-            output.open_lines() as result_lines,
-            (open_lines(str(engine_input)) if engine_input else self._open_input()) as input_lines,
+            results_reader() as result_lines,
+            open(work / "results.jsonl", "wb") as successes,
             open(work / "engine-errors.jsonl", "wb") as errors,
         ):
             results = check_results(
                 result_lines,
-                input_lines,
+                input_index=report.custom_ids,
+                results_out=successes,
                 errors_out=errors,
-                reread_input=(lambda: open_lines(str(engine_input))) if engine_input else self._open_input,
-                reread_results=output.open_lines,
+                reread_input=reread_input,
+                reread_results=results_reader,
+                source="the engine's results",
             )
-        self.log.info("Results check:\n%s", results.format())
+        self.log.info("%s", results.format())
         if results.engine_failure:
-            output.discard()
-            self._delete_prefix(S3Hook.parse_s3_url(self.output_uri)[0], staging)
+            staging.drop_results()
             raise EngineError(
                 "The vLLM engine died during the run although it exited 0: every request came back "
                 f"as an error ({'; '.join(results.sample_errors[:3])}). Nothing was published; look "
                 "for the engine's crash (often out of memory) earlier in this log."
             )
+        if not results.ok:
+            # Results that do not answer the input must not be published by the next try either.
+            staging.drop_results()
         results.raise_for_mismatch()
         return results
 
-    def publish(
+    def error_file(self, report: PreflightReport, work: Path, results: ResultsReport) -> Path | None:
+        """The failed lines (preflight's, then the engine's) as one file, or None when none failed."""
+        if not (results.request_counts["failed"] or self._skipped(report)):
+            return None
+        return _concat(work / "all-errors.jsonl", work / "preflight-errors.jsonl", work / "engine-errors.jsonl")
+
+    def build_manifest(
         self,
+        pinned: PinnedInput,
+        identity: RunIdentity,
         report: PreflightReport,
         results: ResultsReport,
-        work: Path,
-        output,
-        staging: str,
         run: EngineRun,
         started: float,
-        input_etag: str | None,
-    ) -> dict[str, Any]:
-        """Put the results at ``output_uri``, write the error file and the manifest (last)."""
-        out_bucket, out_key = S3Hook.parse_s3_url(self.output_uri)
-        err_bucket, err_key = S3Hook.parse_s3_url(self.resolved_error_uri)
-        output.publish(self.s3_hook, out_bucket, out_key)
-        skipped = report.invalid_lines if self.invalid_lines == "skip" else 0
-        failed = results.request_counts["failed"] + skipped
-        error_uri = None
-        if failed:
-            merged = _concat(work / "all-errors.jsonl", work / "preflight-errors.jsonl", work / "engine-errors.jsonl")
-            self.s3_hook.load_file(str(merged), key=err_key, bucket_name=err_bucket, replace=True)
-            error_uri = self.resolved_error_uri
-        elif self.s3_hook.check_for_key(err_key, bucket_name=err_bucket):
-            # A re-run with no failures must not leave an earlier run's error file behind.
-            self.s3_hook.delete_objects(bucket=err_bucket, keys=[err_key])
+    ) -> Manifest:
+        """The manifest of this run's publication."""
         counts = results.request_counts
-        manifest = {
-            "output_uri": self.output_uri,
-            "error_uri": error_uri,
-            "input_uri": self.input_uri,
-            "input_etag": input_etag,
-            "model": self.model,
-            "request_counts": {
-                "total": counts["total"] + skipped,
-                "completed": counts["completed"],
-                "failed": failed,
-            },
-            "usage": dict(results.usage),
-            "duration_s": round(time.monotonic() - started, 3),
-            "engine_duration_s": round(run.duration_s, 3),
-            "vllm_version": run.vllm_version,
-            "manifest_uri": self.resolved_manifest_uri,
-        }
-        # Written last: its presence says the output and error file beside it are complete.
-        man_bucket, man_key = S3Hook.parse_s3_url(self.resolved_manifest_uri)
-        self.s3_hook.load_string(json.dumps(manifest, indent=2), key=man_key, bucket_name=man_bucket, replace=True)
-        self._delete_prefix(out_bucket, staging)
-        self.log.info("Published %s (%d completed, %d failed)", self.output_uri, counts["completed"], failed)
-        return manifest
+        skipped = self._skipped(report)
+        failed = counts["failed"] + skipped
+        return Manifest(
+            output_uri=self.output_uri,
+            error_uri=self.store.error_uri if failed else None,
+            input_uri=pinned.display_uri,
+            input_etag=pinned.etag,
+            model=self.model,
+            request_counts=RequestCounts(total=counts["total"] + skipped, completed=counts["completed"], failed=failed),
+            usage=Usage(**results.usage),
+            duration_s=round(time.monotonic() - started, 3),
+            engine_duration_s=round(run.duration_s, 3),
+            vllm_version=run.vllm_version,
+            fingerprint=identity.fingerprint,
+            identity=dict(identity.components),
+            manifest_uri=self.store.manifest_uri,
+        )
 
-    def fail_on_too_many_failures(self, manifest: dict[str, Any], context: Context) -> None:
+    def fail_on_too_many_failures(self, manifest: Manifest, context: Context) -> None:
         """Fail the task when the failed share exceeds ``max_failed_ratio`` (files stay published)."""
-        counts = manifest["request_counts"]
-        if counts["total"] and counts["failed"] / counts["total"] > self.max_failed_ratio:
-            context["ti"].xcom_push(key="manifest", value=manifest)
+        counts = manifest.request_counts
+        if counts.total and counts.failed / counts.total > self.max_failed_ratio:
+            context["ti"].xcom_push(key="manifest", value=manifest.to_dict())
             raise TooManyFailedRequestsError(
-                f"{counts['failed']} of {counts['total']} requests failed, more than max_failed_ratio="
+                f"{counts.failed} of {counts.total} requests failed, more than max_failed_ratio="
                 f"{self.max_failed_ratio}. The results and the error file are published: "
-                f"{manifest['output_uri']}, {manifest['error_uri']}; the manifest is in XCom key 'manifest'."
+                f"{manifest.output_uri}, {manifest.error_uri}; the manifest is in XCom key 'manifest'."
             )
 
     # -- helpers ---------------------------------------------------------------------
@@ -565,27 +773,35 @@ class VLLMBatchOperator(BaseOperator):
     @property
     def resolved_error_uri(self) -> str:
         """``error_uri``, or the output URI with ``.jsonl`` replaced by ``.errors.jsonl``."""
-        return self.error_uri or default_error_uri(self.output_uri)
+        return self.store.error_uri
 
     @property
     def resolved_manifest_uri(self) -> str:
         """Where the manifest is written beside the output: ``<output stem>.manifest.json``."""
-        return manifest_uri(self.output_uri)
+        return self.store.manifest_uri
+
+    def _engine_environment(self) -> dict[str, str]:
+        return {**os.environ, **{k: str(v) for k, v in (self.engine_env or {}).items()}}
+
+    def _skipped(self, report: PreflightReport) -> int:
+        return report.invalid_lines if self.invalid_lines == "skip" else 0
 
     @contextlib.contextmanager
-    def _open_input(self) -> Iterator[Any]:
-        if self.input_uri.startswith("s3://"):
-            bucket, key = S3Hook.parse_s3_url(self.input_uri)
-            with s3_lines(self.s3_hook, bucket, key) as lines:
+    def open_input(self, pinned: PinnedInput) -> Iterator[Any]:
+        """Stream the input's lines; an S3 input is read at its pinned ETag (and VersionId)."""
+        if pinned.uri.startswith("s3://"):
+            bucket, key = split_s3_uri(pinned.uri, "input_uri")
+            with s3_lines(self.s3_hook, bucket, key, if_match=pinned.etag, version_id=pinned.version_id) as lines:
                 yield lines
         else:
-            with open_lines(self.input_uri) as lines:
+            with open_lines(pinned.uri) as lines:
                 yield lines
 
-    def _presign(self, method: str, bucket: str, key: str, expires_in: int) -> str:
-        url = self.s3_hook.generate_presigned_url(
-            client_method=method, params={"Bucket": bucket, "Key": key}, expires_in=expires_in
-        )
+    def _presign(self, method: str, bucket: str, key: str, version_id: str | None = None) -> str:
+        params = {"Bucket": bucket, "Key": key}
+        if version_id:
+            params["VersionId"] = version_id
+        url = self.s3_hook.generate_presigned_url(client_method=method, params=params, expires_in=self.presign_seconds())
         if not url:
             raise PresignError(
                 f"S3Hook could not presign {method} for s3://{bucket}/{key} (connection "
@@ -594,10 +810,16 @@ class VLLMBatchOperator(BaseOperator):
         mask_secret(url)
         return url
 
-    def _delete_prefix(self, bucket: str, prefix: str) -> None:
-        keys = self.s3_hook.list_keys(bucket_name=bucket, prefix=prefix) or []
-        if keys:
-            self.s3_hook.delete_objects(bucket=bucket, keys=keys)
+
+def _age_out(root: Path, max_age_s: float) -> None:
+    """Remove entries of ``root`` not touched for ``max_age_s`` (left by killed tries)."""
+    cutoff = time.time() - max_age_s
+    for entry in root.iterdir():
+        try:
+            if entry.stat().st_mtime < cutoff:
+                shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink()
+        except OSError:
+            continue
 
 
 @contextlib.contextmanager
@@ -614,6 +836,5 @@ def _concat(target: Path, *parts: Path) -> Path:
         for part in parts:
             if part.exists():
                 with open(part, "rb") as f:
-                    while chunk := f.read(1 << 20):
-                        out.write(chunk)
+                    shutil.copyfileobj(f, out, 1 << 20)
     return target

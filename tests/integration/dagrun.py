@@ -89,8 +89,11 @@ def captured_fds(path: Path) -> Iterator[None]:
             os.close(saved[1])
 
 
-def run_dag(dag, run_conf: dict | None = None, logical_date=None) -> DagRunResult:
-    """Run ``dag`` in-process; capture its console output (the task logs) and XComs."""
+def run_dag(dag, run_conf: dict | None = None, logical_date=None, run_after=None) -> DagRunResult:
+    """Run ``dag`` in-process; capture its console output (the task logs) and XComs.
+
+    A manual run's id is made from ``run_after``: the same ``run_after`` is the same run again.
+    """
     from airflow.models.renderedtifields import RenderedTaskInstanceFields
     from airflow.models.xcom import XComModel
     from airflow.utils.session import create_session
@@ -99,6 +102,8 @@ def run_dag(dag, run_conf: dict | None = None, logical_date=None) -> DagRunResul
     kwargs: dict[str, Any] = {"run_conf": run_conf}
     if logical_date is not None:
         kwargs["logical_date"] = logical_date
+    if run_after is not None:
+        kwargs["run_after"] = run_after
     with tempfile.TemporaryDirectory() as tmp:
         log_path = Path(tmp) / "dagrun.log"
         with captured_fds(log_path):

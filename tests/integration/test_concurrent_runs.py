@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from airflow_vllm_batch.embedded.demo import BUCKET, embedded_env
+from tests.processes import processes_with
 
 pytestmark = [pytest.mark.integration, pytest.mark.engine]
 
@@ -59,3 +60,83 @@ def test_five_runs_with_different_logical_dates_at_once_write_distinct_complete_
     assert len({m["output_uri"] for m in manifests.values()}) == len(DATES)  # keys are per run id
     for date, manifest in manifests.items():
         assert manifest["request_counts"] == {"total": 3, "completed": 3, "failed": 0}, date
+
+
+ONE_OUTPUT_SCRIPT = """
+import sys
+sys.path.insert(0, {repo!r})
+from datetime import datetime, timezone
+from airflow.sdk import DAG
+from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
+from tests.integration.dagrun import register_dag
+
+with DAG({dag_id!r}, schedule=None, start_date=datetime(2026, 1, 1, tzinfo=timezone.utc)) as dag:
+    VLLMBatchOperator(
+        task_id="vllm_batch",
+        input_uri={input_uri!r},
+        output_uri={output_uri!r},
+        model={model!r},
+        engine_args=["--enforce-eager"],
+        engine_env={{"BATCH_TEST_MARKER": {marker!r}}},
+        output_mode={mode!r},
+    )
+register_dag(dag)
+print("DAGRUN STATE", dag.test().state, flush=True)
+"""
+
+
+@pytest.mark.parametrize("first_mode", ["local", "presigned"])
+def test_a_second_run_on_an_output_in_use_fails_fast_naming_the_first_which_completes(
+    embedded, tiny_model, tmp_path, first_mode
+):
+    import time
+    import uuid
+
+    from tests.integration.dagrun import REPO
+
+    second_mode = "presigned" if first_mode == "local" else "local"
+    client = embedded.client()
+    prefix = f"one-output-{first_mode}"
+    lines = "".join(
+        json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions", "body": {"model": str(tiny_model), "messages": [{"role": "user", "content": f"hi {i}"}], "max_completion_tokens": 4}}) + "\n"
+        for i in range(4)
+    )
+    client.put_object(Bucket=BUCKET, Key=f"{prefix}/input.jsonl", Body=lines.encode())
+    template = tmp_path / "home-template"
+    env = embedded_env(embedded, tiny_model, template)
+    subprocess.run([str(Path(sys.executable).with_name("airflow")), "db", "migrate"], env=env, check=True, capture_output=True)
+    marker = uuid.uuid4().hex
+
+    def start(name: str, mode: str) -> tuple[subprocess.Popen, Path]:
+        home = tmp_path / f"home-{name}"
+        shutil.copytree(template, home)
+        script = tmp_path / f"{name}.py"
+        script.write_text(
+            ONE_OUTPUT_SCRIPT.format(
+                repo=str(REPO), dag_id=f"one_output_{name}", input_uri=f"s3://{BUCKET}/{prefix}/input.jsonl",
+                output_uri=f"s3://{BUCKET}/{prefix}/results.jsonl", model=str(tiny_model), marker=f"{marker}-{name}", mode=mode,
+            )
+        )
+        log_path = tmp_path / f"{name}.log"
+        run_env = {**env, "AIRFLOW_HOME": str(home), "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home}/airflow.db"}
+        with open(log_path, "wb") as log:
+            return subprocess.Popen([sys.executable, str(script)], env=run_env, stdout=log, stderr=subprocess.STDOUT), log_path
+
+    first, first_log = start("first", first_mode)
+    deadline = time.monotonic() + 300
+    while not processes_with(f"{marker}-first"):
+        assert first.poll() is None and time.monotonic() < deadline, first_log.read_text(errors="replace")[-3000:]
+        time.sleep(0.2)
+    second, second_log = start("second", second_mode)
+    second.wait(timeout=300)
+    second_out = second_log.read_text(errors="replace")
+    assert "DAGRUN STATE failed" in second_out
+    assert "Another run is writing this output: one_output_first.vllm_batch of run 'manual__" in second_out
+    assert not processes_with(f"{marker}-second") and "Starting the vLLM engine" not in second_out
+    first.wait(timeout=600)
+    first_out = first_log.read_text(errors="replace")
+    assert "DAGRUN STATE success" in first_out, first_out[-3000:]
+    body = client.get_object(Bucket=BUCKET, Key=f"{prefix}/results.jsonl")["Body"].read().decode()
+    assert sorted(json.loads(line)["custom_id"] for line in body.splitlines()) == ["r0", "r1", "r2", "r3"]
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket=BUCKET, Prefix=prefix).get("Contents", [])]
+    assert sorted(keys) == [f"{prefix}/input.jsonl", f"{prefix}/results.jsonl", f"{prefix}/results.manifest.json"]

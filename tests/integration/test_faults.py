@@ -16,12 +16,12 @@ import threading
 import time
 import uuid
 from datetime import datetime, timezone
-from pathlib import Path
 
 import pytest
 
 from airflow_vllm_batch.embedded.seaweedfs import SeaweedFS
 from tests.integration.dagrun import REPO, DagRunResult, register_dag, run_dag
+from tests.processes import processes_with
 
 pytestmark = [pytest.mark.integration, pytest.mark.engine]
 
@@ -43,7 +43,9 @@ def _chat_lines(model: str, n: int, max_tokens: int = 4) -> str:
     )
 
 
-def _run(name: str, **op_kwargs) -> DagRunResult:
+def _run(name: str, logical_date: datetime | None = None, **op_kwargs) -> DagRunResult:
+    """Run one task of ``VLLMBatchOperator``; the same ``name`` and ``logical_date`` are the same
+    DAG run and task instance again, as a retry or a clear is."""
     from airflow.sdk import DAG
 
     from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
@@ -51,24 +53,7 @@ def _run(name: str, **op_kwargs) -> DagRunResult:
     with DAG(f"fault_{name}", schedule=None, start_date=datetime(2026, 1, 1, tzinfo=timezone.utc)) as dag:
         VLLMBatchOperator(task_id="vllm_batch", **op_kwargs)
     register_dag(dag)
-    return run_dag(dag)
-
-
-def _processes_with(marker: str) -> list[int]:
-    """PIDs (not zombies) whose environment holds ``marker``: the engine and its children."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if marker.encode() not in (entry / "environ").read_bytes():
-                continue
-            state = (entry / "stat").read_text().split(") ", 1)[1][0]
-        except OSError:
-            continue
-        if state != "Z":
-            found.append(int(entry.name))
-    return found
+    return run_dag(dag, logical_date=logical_date, run_after=logical_date)
 
 
 def _wait_for(predicate, timeout: float, what: str):
@@ -111,7 +96,7 @@ def test_s3_down_at_start_then_after_inference_loses_nothing_and_retries_publish
         textwrap.dedent(
             """
             import os, signal, subprocess, sys
-            rc = subprocess.call([sys.executable, "-m", "vllm.entrypoints.openai.run_batch", *sys.argv[1:]])
+            rc = subprocess.call([sys.executable, "-m", "vllm.entrypoints.launchers.run_batch", *sys.argv[1:]])
             os.killpg(int(os.environ["FAULT_S3_PID"]), signal.SIGKILL)
             sys.exit(rc)
             """
@@ -131,22 +116,25 @@ def test_s3_down_at_start_then_after_inference_loses_nothing_and_retries_publish
         default_body={"temperature": 0.0},
     )
 
-    first = _run("s3_dies", **kwargs)
+    # Every run below is the same task instance again (a retry): it takes over the lease the
+    # first try could not give back while S3 was down.
+    retry = {"name": "s3_retries", "logical_date": datetime(2026, 1, 2, tzinfo=timezone.utc)}
+    first = _run(**retry, **kwargs)
     assert first.state == "failed"
-    assert "S3 failed after the engine finished" in first.output
-    assert "a retry on this worker publishes them without running the engine again" in first.output
+    assert "S3 failed while staging the engine's results" in first.output
+    assert "a retry on this worker publishes them without running the engine" in first.output
     (kept,) = results_dir.glob("*/results.jsonl")
     first_kept = kept.read_bytes()
     assert len(first_kept.splitlines()) == 3
 
     # S3 still down: a clear error before anything runs.
-    down = _run("s3_down", **kwargs)
+    down = _run(**retry, **kwargs)
     assert down.state == "failed"
     assert "Nothing was run; check that S3 is reachable" in down.output
     assert "Starting the vLLM engine" not in down.output
 
     s3 = own_s3(keys=(s3.access_key, s3.secret_key))  # back, same data, new port
-    second = _run("s3_back", **kwargs)
+    second = _run(**retry, **kwargs)
     assert second.state == "success", second.output[-3000:]
     assert "without running the engine again" in second.output
     assert "Starting the vLLM engine" not in second.output
@@ -155,9 +143,9 @@ def test_s3_down_at_start_then_after_inference_loses_nothing_and_retries_publish
     assert sorted(json.loads(line)["custom_id"] for line in body.decode().splitlines()) == ["r0", "r1", "r2"]
     assert not list(results_dir.glob("*/results.jsonl"))  # published, then removed
 
-    third = _run("s3_resume", **kwargs)
+    third = _run(**retry, **kwargs)
     assert third.state == "success"
-    assert "Output already complete" in third.output
+    assert "Not running the engine again: the output at" in third.output
     assert third.xcom("vllm_batch") == second.xcom("vllm_batch")
 
 
@@ -166,13 +154,13 @@ def test_sigkill_of_the_real_engine_fails_the_task_and_leaves_no_engine_process(
 
     model = str(tiny_model)
     embedded.client().put_object(Bucket=DEMO_BUCKET, Key="sigkill/input.jsonl", Body=_chat_lines(model, 2).encode())
-    marker = f"VLLM_BATCH_TEST_MARKER=sigkill-{uuid.uuid4().hex}"
+    marker = f"BATCH_TEST_MARKER=sigkill-{uuid.uuid4().hex}"
     killed: list[int] = []
 
     def kill_engine_leader():
         # Wait for the engine and its EngineCore child, then kill only the leader, as the
         # kernel's OOM killer would: the child must not be left running.
-        pids = _wait_for(lambda: len(p := _processes_with(marker)) >= 2 and p, 120, "the engine and EngineCore")
+        pids = _wait_for(lambda: len(p := processes_with(marker, guards=False)) >= 2 and p, 120, "the engine and EngineCore")
         leader = min(pids)
         os.kill(leader, signal.SIGKILL)
         killed.append(leader)
@@ -191,7 +179,7 @@ def test_sigkill_of_the_real_engine_fails_the_task_and_leaves_no_engine_process(
     assert killed, "the watcher never saw the engine"
     assert result.state == "failed"
     assert "killed by signal 9" in result.output
-    _wait_for(lambda: not _processes_with(marker), 15, "no engine process left")
+    _wait_for(lambda: not processes_with(marker), 15, "no engine process left")
     listed = embedded.client().list_objects_v2(Bucket=DEMO_BUCKET, Prefix="sigkill/").get("Contents", [])
     assert [o["Key"] for o in listed] == ["sigkill/input.jsonl"]
 
@@ -211,7 +199,7 @@ with DAG("fault_sigterm", schedule=None, start_date=datetime(2026, 1, 1, tzinfo=
         output_uri={output_uri!r},
         model={model!r},
         engine_args=["--enforce-eager"],
-        engine_env={{"VLLM_BATCH_TEST_MARKER": {marker!r}}},
+        engine_env={{"BATCH_TEST_MARKER": {marker!r}}},
         kill_grace_s=5,
     )
 register_dag(dag)
@@ -240,7 +228,7 @@ def test_sigterm_of_the_task_stops_every_engine_process(embedded, airflow_db, ti
     with open(log, "wb") as out:
         task = subprocess.Popen([sys.executable, str(script)], stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
         try:
-            _wait_for(lambda: len(_processes_with(f"VLLM_BATCH_TEST_MARKER={marker}")) >= 2, 120, "the engine")
+            _wait_for(lambda: len(processes_with(f"BATCH_TEST_MARKER={marker}")) >= 2, 120, "the engine")
             task.send_signal(signal.SIGTERM)  # what the supervisor does on a timeout, a clear, a deploy
             task.wait(timeout=90)
         finally:
@@ -248,6 +236,6 @@ def test_sigterm_of_the_task_stops_every_engine_process(embedded, airflow_db, ti
                 task.kill()
     output = log.read_text(errors="replace")
     assert "Stopping the vLLM engine" in output
-    _wait_for(lambda: not _processes_with(f"VLLM_BATCH_TEST_MARKER={marker}"), 15, "no engine process left")
+    _wait_for(lambda: not processes_with(f"BATCH_TEST_MARKER={marker}"), 15, "no engine process left")
     listed = embedded.client().list_objects_v2(Bucket=DEMO_BUCKET, Prefix="sigterm/").get("Contents", [])
     assert [o["Key"] for o in listed] == ["sigterm/input.jsonl"]

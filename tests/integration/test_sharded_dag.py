@@ -30,7 +30,7 @@ KILLED_SHARD = 1
 RUN_CONF = {"n_requests": N_REQUESTS, "shard_size": SHARD_SIZE, "max_tokens": 4}
 LOGICAL_DATE = datetime(2026, 3, 1, tzinfo=timezone.utc)
 ENGINE_STARTED = "Starting the vLLM engine"
-RESUMED = "not running the engine again"
+RESUMED = "Not running the engine again"
 
 
 class ShardEngineKiller(threading.Thread):

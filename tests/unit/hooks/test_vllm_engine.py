@@ -75,14 +75,14 @@ def test_probe_reads_the_installed_vllm_without_importing_it():
 
 
 def test_probe_of_an_environment_without_vllm_says_what_to_set(tmp_path):
-    from airflow_vllm_batch.exceptions import EngineError
+    from airflow_vllm_batch.exceptions import EngineConfigurationError
 
     # -I isolates from site-packages' .pth files but a venv still sees its packages;
     # a fake python that prints no vLLM stands in for an environment without it.
     fake = tmp_path / "python"
     fake.write_text('#!/bin/sh\necho \'{"distribution": null, "vllm_version": null}\'\n')
     fake.chmod(0o755)
-    with pytest.raises(EngineError, match="engine_python"):
+    with pytest.raises(EngineConfigurationError, match="engine_python"):
         probe_engine(str(fake))
 
 
@@ -150,10 +150,10 @@ def test_concealed_arguments_reach_the_module_but_not_the_command_line(tmp_path)
         "cmdline = open(f'/proc/{os.getpid()}/cmdline', 'rb').read()\n"
         "print('argv', sys.argv[1:])\n"
         "print('visible', b'abc123' in cmdline)\n"
-        "print('env-left', 'VLLM_BATCH_ENGINE_ARGV' in os.environ)\n"
+        "print('env-left', 'AIRFLOW_VLLM_BATCH_ENGINE_ARGV' in os.environ)\n"
     )
     argv = build_engine_argv(input_location=GET, output_location=PUT, model="m", python=sys.executable)
-    argv[2] = "fake_runner"  # stands in for vllm.entrypoints.openai.run_batch
+    argv[2] = "fake_runner"  # stands in for vllm.entrypoints.launchers.run_batch
     launch, extra_env = conceal_arguments(argv)
     assert GET not in " ".join(launch)
     env = {**os.environ, **extra_env, "PYTHONPATH": str(tmp_path)}

@@ -126,3 +126,24 @@ def test_serialized_dag_keeps_the_link_name_and_xcom_key(monkeypatch):
     task = DagSerialization.from_dict(DagSerialization.to_dict(dag)).task_dict["vllm_batch"]
     (link,) = task.operator_extra_links
     assert (link.name, link.xcom_key) == ("vLLM batch output", VLLMBatchOutputLink().xcom_key)
+
+
+def test_a_custom_s3_endpoint_links_to_the_object_there_not_to_the_aws_console(monkeypatch):
+    from airflow_vllm_batch.links import output as link_module
+
+    monkeypatch.delenv(ENV, raising=False)
+    stored = {"bucket": "b", "key": "runs/r 1/results.jsonl", "endpoint_url": "http://127.0.0.1:8333/"}
+    monkeypatch.setattr("airflow.sdk.execution_time.xcom.XCom.get_value", lambda **kw: stored)
+    url = link_module.VLLMBatchOutputLink().get_link(None, ti_key=None)
+    assert url == "http://127.0.0.1:8333/b/runs/r%201/results.jsonl"
+
+
+def test_a_failed_task_has_an_empty_link():
+    pushed = {}
+
+    class TI:
+        def xcom_push(self, key, value):
+            pushed[key] = value
+
+    VLLMBatchOutputLink.persist_empty(context={"ti": TI()})
+    assert pushed == {VLLMBatchOutputLink.key: None}

@@ -1,0 +1,225 @@
+"""One writer per output: a lease object beside it, ``<output stem>.lease.json``.
+
+A run takes the lease before it stages or publishes anything and gives it back when it
+ends. While it holds the lease, a thread rewrites it every ``heartbeat_s`` seconds. Another
+run that finds a live lease fails at once with a message naming the holder; nothing of
+either run is overwritten or deleted. A lease never outlives a killed task for long:
+
+* the *same task instance* (same DAG, run, task and map index: a retry, or a clear) takes
+  the lease over at once, because Airflow never runs two tries of one task instance at
+  the same time; so request-level resume after a SIGKILL is never blocked by the dead
+  try's own lease;
+* anyone else takes it over once its heartbeat is older than ``stale_after_s``, measured
+  on the S3 server's clock (the object's ``LastModified`` against the response's ``Date``),
+  so workers' clocks do not matter.
+
+Writes are conditional (``If-None-Match: *`` to create, ``If-Match: <etag>`` to renew or
+take over, and to delete), so two runs racing for a free output cannot both win. On a
+store without conditional writes the lease is read back after writing, which narrows the
+race to the time between the two.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+import time
+from dataclasses import asdict, dataclass, fields
+from email.utils import parsedate_to_datetime
+from typing import Any
+
+from botocore.exceptions import ClientError
+
+from airflow_vllm_batch.exceptions import OutputBusyError
+
+log = logging.getLogger(__name__)
+
+#: Seconds between heartbeats of a held lease.
+DEFAULT_HEARTBEAT_S = 30.0
+#: Seconds after the last heartbeat at which another run may take the lease over.
+DEFAULT_STALE_AFTER_S = 120.0
+
+
+@dataclass(frozen=True)
+class LeaseHolder:
+    """Who holds (or asks for) an output.
+
+    :param dag_id: the DAG.
+    :param run_id: the DAG run.
+    :param task_id: the task.
+    :param map_index: the map index (-1 when not mapped).
+    :param try_number: the try.
+    :param fingerprint: the run identity's fingerprint.
+    :param hostname: the worker.
+    """
+
+    dag_id: str
+    run_id: str
+    task_id: str
+    map_index: int
+    try_number: int
+    fingerprint: str
+    hostname: str = socket.gethostname()
+
+    def same_task_instance(self, other: LeaseHolder) -> bool:
+        """Whether ``other`` is another try of the same task instance."""
+        return (self.dag_id, self.run_id, self.task_id, self.map_index) == (
+            other.dag_id,
+            other.run_id,
+            other.task_id,
+            other.map_index,
+        )
+
+    def describe(self) -> str:
+        where = f"{self.dag_id}.{self.task_id}" + (f"[{self.map_index}]" if self.map_index >= 0 else "")
+        return f"{where} of run {self.run_id!r} (try {self.try_number}, on {self.hostname})"
+
+
+class OutputLease:
+    """The lease of one output; a context manager that acquires, heartbeats and releases it.
+
+    :param client: a boto3 S3 client.
+    :param bucket: the output's bucket.
+    :param key: the lease object's key.
+    :param holder: who asks for it.
+    :param heartbeat_s: seconds between heartbeats.
+    :param stale_after_s: seconds without a heartbeat after which others may take it.
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        bucket: str,
+        key: str,
+        holder: LeaseHolder,
+        *,
+        heartbeat_s: float = DEFAULT_HEARTBEAT_S,
+        stale_after_s: float = DEFAULT_STALE_AFTER_S,
+    ) -> None:
+        self.client = client
+        self.bucket = bucket
+        self.key = key
+        self.holder = holder
+        self.heartbeat_s = heartbeat_s
+        self.stale_after_s = stale_after_s
+        self._etag: str | None = None
+        self._lost = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def uri(self) -> str:
+        return f"s3://{self.bucket}/{self.key}"
+
+    def __enter__(self) -> OutputLease:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def acquire(self) -> None:
+        """Take the lease, or raise :class:`OutputBusyError` naming the run that holds it."""
+        current = self._read()
+        if current is None:
+            self._write(IfNoneMatch="*")
+        else:
+            other, etag, age = current
+            if other is not None and not other.same_task_instance(self.holder) and age < self.stale_after_s:
+                raise OutputBusyError(
+                    f"Another run is writing this output: {other.describe()} holds {self.uri} "
+                    f"(last heartbeat {age:.0f}s ago). Nothing was run. Give each run its own "
+                    "output_uri (template it with {{ run_id }} or the data interval), or wait for "
+                    f"that run; its lease is taken over once it has been silent for {self.stale_after_s:.0f}s."
+                )
+            if other is not None and not other.same_task_instance(self.holder):
+                log.warning("Taking over the stale lease of %s (silent for %.0fs)", other.describe(), age)
+            elif other is not None:
+                log.info("Taking over the lease of an earlier try of this task (try %s)", other.try_number)
+            self._write(IfMatch=etag)
+        self._verify()
+        self._thread = threading.Thread(target=self._heartbeat, name="vllm-batch-lease", daemon=True)
+        self._thread.start()
+
+    def ensure_held(self) -> None:
+        """Raise :class:`OutputBusyError` when another run took the lease over meanwhile."""
+        if self._lost.is_set():
+            other = self._read()
+            who = other[0].describe() if other and other[0] else "another run"
+            raise OutputBusyError(
+                f"{who} took over the lease {self.uri} while this try ran (this try's heartbeats "
+                "did not reach S3 in time?). Nothing was published by this try."
+            )
+
+    def release(self) -> None:
+        """Stop the heartbeat and delete the lease if it is still this run's."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.heartbeat_s + 5)
+        if self._etag is None or self._lost.is_set():
+            return
+        try:
+            self.client.delete_object(Bucket=self.bucket, Key=self.key, IfMatch=self._etag)
+        except ClientError as err:
+            log.warning("Could not remove the lease %s (%s); it goes stale by itself", self.uri, _code(err))
+        self._etag = None
+
+    # -- S3 ---------------------------------------------------------------------------
+
+    def _read(self) -> tuple[LeaseHolder | None, str, float] | None:
+        """The current holder, the lease's ETag and its age in seconds; None when free."""
+        try:
+            response = self.client.get_object(Bucket=self.bucket, Key=self.key)
+        except ClientError as err:
+            if _code(err) in ("NoSuchKey", "404"):
+                return None
+            raise
+        body = response["Body"].read()
+        server_now = parsedate_to_datetime(response["ResponseMetadata"]["HTTPHeaders"]["date"])
+        age = (server_now - response["LastModified"]).total_seconds()
+        try:
+            data = json.loads(body)
+            holder = LeaseHolder(**{f.name: data[f.name] for f in fields(LeaseHolder)})
+        except (ValueError, TypeError, KeyError):
+            holder = None  # unreadable: treat as free to take over
+        return holder, response["ETag"], age
+
+    def _write(self, **condition: str) -> None:
+        body = json.dumps({**asdict(self.holder), "written_at": time.time()}).encode()
+        try:
+            response = self.client.put_object(
+                Bucket=self.bucket, Key=self.key, Body=body, ContentType="application/json", **condition
+            )
+        except ClientError as err:
+            if _code(err) in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409"):
+                current = self._read()
+                who = current[0].describe() if current and current[0] else "another run"
+                raise OutputBusyError(
+                    f"{who} took the lease {self.uri} at the same moment. Nothing was run; give each run "
+                    "its own output_uri."
+                ) from None
+            raise
+        self._etag = response["ETag"]
+
+    def _verify(self) -> None:
+        current = self._read()
+        if current is None or current[1] != self._etag:
+            who = current[0].describe() if current and current[0] else "another run"
+            raise OutputBusyError(f"{who} took the lease {self.uri} at the same moment. Nothing was run.")
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self.heartbeat_s):
+            try:
+                self._write(IfMatch=self._etag)
+            except OutputBusyError:
+                log.error("Lost the lease %s to another run; this try will not publish.", self.uri)
+                self._lost.set()
+                return
+            except Exception as err:  # S3 down for a moment: try again at the next beat
+                log.warning("Lease heartbeat failed (%s); retrying in %.0fs", err, self.heartbeat_s)
+
+
+def _code(err: ClientError) -> str:
+    return str(err.response.get("Error", {}).get("Code", ""))

@@ -1,0 +1,91 @@
+"""The manifest: what one published batch output holds, written beside it last.
+
+``VLLMBatchOperator`` returns it (XCom), writes it to ``<output stem>.manifest.json``
+after the results and the error file, and trusts it on a later try only when its
+``fingerprint`` equals the new run's (see :mod:`airflow_vllm_batch.identity`).
+``VLLMBatchMergeOperator`` writes the same shape for a sharded batch, with the shard
+fields filled in; the CLI reads it. No field ever holds a credential: ``input_uri`` is
+stored redacted (no query string) when it is an http(s) URL.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class RequestCounts(msgspec.Struct):
+    """How many requests the batch held, and how they ended."""
+
+    total: int = 0
+    completed: int = 0
+    failed: int = 0
+
+
+class Usage(msgspec.Struct):
+    """Tokens the engine reported over all completed requests."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class Manifest(msgspec.Struct, omit_defaults=True):
+    """One published batch output.
+
+    :param output_uri: the results (successful requests).
+    :param error_uri: the failed requests, or None when none failed.
+    :param input_uri: the input, redacted.
+    :param model: the ``model`` argument.
+    :param request_counts: total, completed and failed requests.
+    :param usage: prompt, completion and total tokens.
+    :param duration_s: the task's time from start to publish.
+    :param vllm_version: the engine's vLLM version, when known.
+    :param fingerprint: the run identity this output was made under.
+    :param manifest_uri: where this manifest is stored.
+    :param input_etag: the input's pinned ETag (or local fingerprint), when there is one.
+    :param engine_duration_s: the engine's own time.
+    :param identity: the parts of the run identity, to tell a later run what changed.
+    :param shards: (merge only) how many shards were merged; the other shard fields too.
+    """
+
+    output_uri: str
+    error_uri: str | None
+    input_uri: str | None
+    model: str | None
+    request_counts: RequestCounts
+    usage: Usage
+    duration_s: float
+    vllm_version: str | None
+    fingerprint: str | None
+    manifest_uri: str
+    input_etag: str | None = None
+    engine_duration_s: float = 0.0
+    identity: dict[str, Any] | None = None
+    shards: int | None = None
+    shard_duration_s: float | None = None
+    max_shard_duration_s: float | None = None
+    merge_duration_s: float | None = None
+    shard_manifest_uris: list[str | None] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The manifest as plain JSON types, what goes to XCom (fields left at their default are omitted)."""
+        return msgspec.to_builtins(self)
+
+    def to_json(self) -> bytes:
+        """The manifest as stored beside the output."""
+        return msgspec.json.format(msgspec.json.encode(self), indent=2)
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> Manifest:
+        """Read a stored manifest.
+
+        :raises msgspec.ValidationError: when ``data`` is not a manifest of this shape.
+        """
+        return msgspec.json.decode(data, type=cls)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Manifest:
+        """Read a manifest from XCom (plain JSON types)."""
+        return msgspec.convert(data, type=cls)

@@ -1,0 +1,76 @@
+"""The guard that binds an engine's life to the task process (real processes, no engine)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from airflow_vllm_batch.hooks.process import start_bound_process
+from tests.processes import processes_with
+
+#: Stands in for vLLM: a leader that starts a child (as EngineCore is), both sleeping.
+ENGINE = (
+    "import subprocess, sys, time; "
+    "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+    "print('engine up', flush=True); time.sleep(600)"
+)
+
+
+def _gone_within(marker: str, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not processes_with(marker):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM])
+def test_the_engine_and_its_children_die_with_the_task_process(tmp_path, how):
+    marker = f"GUARD_TEST_{uuid.uuid4().hex}"
+    task = textwrap.dedent(
+        f"""
+        import os, sys, time
+        from airflow_vllm_batch.hooks.process import start_bound_process
+        proc = start_bound_process([sys.executable, "-c", {ENGINE!r}], env={{**os.environ, "{marker}": "1"}}, grace_s=1)
+        print(proc.stdout.readline().decode().strip(), flush=True)
+        time.sleep(600)
+        """
+    )
+    # The "task" has no signal handler of its own: SIGTERM kills it as SIGKILL does.
+    proc = subprocess.Popen([sys.executable, "-c", task], stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert proc.stdout.readline().strip() == b"engine up"
+    assert len(processes_with(marker)) == 3  # guard, engine, engine's child
+    proc.send_signal(how)
+    proc.wait()
+    assert _gone_within(marker, 5), f"still running: {processes_with(marker)}"
+
+
+def test_the_engines_exit_status_is_passed_on():
+    assert start_bound_process([sys.executable, "-c", "raise SystemExit(3)"]).wait() == 3
+    killed = start_bound_process([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])
+    assert killed.wait() == -signal.SIGKILL
+
+
+def test_a_command_that_cannot_start_says_so():
+    proc = start_bound_process(["/nonexistent/engine"])
+    out, _ = proc.communicate()
+    assert proc.returncode == 127
+    assert b"cannot start the engine '/nonexistent/engine'" in out
+
+
+def test_the_engines_argv_is_not_on_the_guards_command_line():
+    proc = start_bound_process([sys.executable, "-c", "import time; time.sleep(5)", "https://b/k?X-Amz-Signature=s3cr3t"])
+    try:
+        assert b"s3cr3t" not in Path(f"/proc/{proc.pid}/cmdline").read_bytes()
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

@@ -1,0 +1,72 @@
+"""A stand-in for vLLM's batch runner, for the fast operator tests only (never integration).
+
+Called as ``python fake_runner.py -i INPUT -o OUTPUT --model M [...]`` through the
+operator's ``engine_command``. It answers every chat line the way vLLM 0.32 does, reading
+and writing local paths or presigned URLs. The environment steers it:
+
+* ``FAKE_ENGINE_CALLS``: a file that gets one line per start (how tests count engine runs);
+* ``FAKE_ENGINE_DROP``: answer that many fewer lines (a results mismatch);
+* ``FAKE_ENGINE_EXIT``: exit with this code after writing nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import urllib.request
+
+
+def read(location: str) -> bytes:
+    if location.startswith("http"):
+        with urllib.request.urlopen(location) as response:
+            return response.read()
+    with open(location, "rb") as f:
+        return f.read()
+
+
+def write(location: str, data: bytes) -> None:
+    if location.startswith("http"):
+        urllib.request.urlopen(urllib.request.Request(location, data=data, method="PUT")).close()
+    else:
+        with open(location, "wb") as f:
+            f.write(data)
+
+
+def answer(request: dict, model: str) -> dict:
+    body = {
+        "id": "chatcmpl-" + request["custom_id"],
+        "object": "chat.completion",
+        "created": 0,
+        "model": model,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+    }
+    return {
+        "id": "vllm-" + request["custom_id"],
+        "custom_id": request["custom_id"],
+        "response": {"status_code": 200, "request_id": "r-" + request["custom_id"], "body": body},
+        "error": None,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("-i", required=True)
+    parser.add_argument("-o", required=True)
+    parser.add_argument("--model", required=True)
+    args, _ = parser.parse_known_args()
+    if calls := os.environ.get("FAKE_ENGINE_CALLS"):
+        with open(calls, "a") as f:
+            f.write(" ".join(sys.argv[1:3]).split("?")[0] + "\n")
+    if code := int(os.environ.get("FAKE_ENGINE_EXIT", "0")):
+        return code
+    requests = [json.loads(line) for line in read(args.i).splitlines() if line.strip()]
+    requests = requests[: len(requests) - int(os.environ.get("FAKE_ENGINE_DROP", "0"))]
+    write(args.o, b"".join(json.dumps(answer(r, args.model)).encode() + b"\n" for r in requests))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,300 @@
+"""Every branch of resume, recovery, staging, publishing and the lease, in seconds.
+
+Real S3 (SeaweedFS) and an engine stand-in (``fake_runner.py``, through ``engine_command``);
+the integration tests run the same paths with the real vLLM engine and Airflow's retries.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from airflow.sdk.exceptions import AirflowFailException
+from botocore.exceptions import ClientError
+
+from airflow_vllm_batch.exceptions import OutputBusyError, PublishError, ResultsCheckError
+from airflow_vllm_batch.lease import LeaseHolder
+from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
+from airflow_vllm_batch.storage import RunStaging
+
+FAKE_RUNNER = Path(__file__).with_name("fake_runner.py")
+
+
+class FakeTI:
+    """What the operator uses of a task instance."""
+
+    def __init__(self, try_number: int = 1, run_id: str = "run-1", map_index: int = -1) -> None:
+        self.dag_id, self.task_id, self.run_id = "d", "vllm_batch", run_id
+        self.try_number, self.map_index = try_number, map_index
+        self.xcoms: dict = {}
+
+    def xcom_push(self, key: str, value) -> None:
+        self.xcoms[key] = value
+
+
+def chat_lines(n: int, model: str = "m") -> bytes:
+    return b"".join(
+        json.dumps(
+            {"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions", "body": {"model": model, "messages": [{"role": "user", "content": f"hi {i}"}]}}
+        ).encode()
+        + b"\n"
+        for i in range(n)
+    )
+
+
+class Batch:
+    """One input and output in a fresh bucket, and a way to run the operator on them."""
+
+    def __init__(self, s3, bucket: str, tmp_path: Path) -> None:
+        self.client = s3.client()
+        self.bucket = bucket
+        self.calls = tmp_path / "engine-calls.txt"
+        self.results_dir = tmp_path / "results"
+        self.input_uri = f"s3://{bucket}/in/input.jsonl"
+        self.output_uri = f"s3://{bucket}/out/results.jsonl"
+        self.put("in/input.jsonl", chat_lines(5))
+
+    def put(self, key: str, data: bytes) -> None:
+        self.client.put_object(Bucket=self.bucket, Key=key, Body=data)
+
+    def get(self, key: str) -> bytes:
+        return self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
+
+    def keys(self, prefix: str = "") -> list[str]:
+        return [o["Key"] for o in self.client.list_objects_v2(Bucket=self.bucket, Prefix=prefix).get("Contents", [])]
+
+    @property
+    def engine_runs(self) -> int:
+        return len(self.calls.read_text().splitlines()) if self.calls.exists() else 0
+
+    def operator(self, **kwargs) -> VLLMBatchOperator:
+        env = {"FAKE_ENGINE_CALLS": str(self.calls), **kwargs.pop("engine_env", {})}
+        args = {
+            "task_id": "vllm_batch",
+            "input_uri": self.input_uri,
+            "output_uri": self.output_uri,
+            "model": "m",
+            "engine_command": [sys.executable, str(FAKE_RUNNER)],
+            "engine_env": env,
+            "results_dir": str(self.results_dir),
+        }
+        return VLLMBatchOperator(**{**args, **kwargs})
+
+    def run(self, ti: FakeTI | None = None, **kwargs) -> dict:
+        return self.operator(**kwargs).execute({"ti": ti or FakeTI(), "outlet_events": {}})
+
+
+@pytest.fixture
+def batch(s3, bucket, tmp_path) -> Batch:
+    return Batch(s3, bucket, tmp_path)
+
+
+def test_first_run_publishes_results_and_manifest_and_leaves_no_staging_lease_or_scratch(batch):
+    manifest = batch.run()
+    assert manifest["request_counts"] == {"total": 5, "completed": 5, "failed": 0}
+    assert manifest["error_uri"] is None
+    assert len(batch.get("out/results.jsonl").splitlines()) == 5
+    assert json.loads(batch.get("out/results.manifest.json"))["fingerprint"] == manifest["fingerprint"]
+    assert sorted(batch.keys()) == ["in/input.jsonl", "out/results.jsonl", "out/results.manifest.json"]
+    assert list(batch.results_dir.iterdir()) == []
+    assert batch.engine_runs == 1
+
+
+def test_same_identity_returns_the_published_manifest_without_the_engine(batch):
+    first = batch.run()
+    again = batch.run(FakeTI(run_id="backfill-rerun"))
+    assert again == first
+    assert batch.engine_runs == 1
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"engine_args": ["--max-model-len", "64"]}, "engine_args"),
+        ({"default_body": {"max_completion_tokens": 3}}, "default_body"),
+        ({"invalid_lines": "skip"}, "invalid_lines"),
+        ({"max_lines": 100}, "max_lines"),
+        ({"error_uri": "s3://{bucket}/elsewhere/errors.jsonl"}, "error_uri"),
+        ({"rewrite_model": True}, "rewrite_model"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
+def test_a_changed_setting_runs_again_and_the_log_names_it(batch, capfd, change, named):
+    batch.run()
+    change = {k: v.format(bucket=batch.bucket) if isinstance(v, str) else v for k, v in change.items()}
+    capfd.readouterr()
+    manifest = batch.run(**change)
+    assert batch.engine_runs == 2
+    assert f"made by a different run (changed: {named})" in capfd.readouterr().out
+    assert manifest["identity"][named] == change[named]
+
+
+def test_an_overwritten_input_is_a_new_run(batch, capfd):
+    batch.run()
+    batch.put("in/input.jsonl", chat_lines(6))
+    capfd.readouterr()
+    manifest = batch.run()
+    assert manifest["request_counts"]["total"] == 6
+    assert batch.engine_runs == 2
+    assert "(changed: input.etag)" in capfd.readouterr().out
+
+
+def test_results_that_fail_the_check_are_dropped_so_the_retry_runs_the_engine(batch):
+    with pytest.raises(ResultsCheckError, match="custom_id 'r4'\\): has no result"):
+        batch.run(engine_env={"FAKE_ENGINE_DROP": "1"})
+    assert not [k for k in batch.keys() if k.endswith("results.jsonl") and ".staging/" in k]
+    manifest = batch.run(FakeTI(try_number=2))
+    assert manifest["request_counts"]["completed"] == 5
+    assert batch.engine_runs == 2
+
+
+def test_staged_results_are_published_by_a_retry_without_the_engine(batch, monkeypatch):
+    from airflow_vllm_batch.storage import OutputStore
+
+    real_publish = OutputStore.publish
+
+    def s3_fails(self, *args, **kwargs):
+        raise ClientError({"Error": {"Code": "ServiceUnavailable", "Message": "down"}}, "PutObject")
+
+    monkeypatch.setattr(OutputStore, "publish", s3_fails)
+    with pytest.raises(PublishError, match="a retry publishes them without running the engine"):
+        batch.run()
+    assert any(k.endswith(".staging/" + k.split(".staging/")[1]) for k in batch.keys("out/"))
+    monkeypatch.setattr(OutputStore, "publish", real_publish)
+    # The retry may land on another worker: the local scratch is gone either way.
+    assert list(batch.results_dir.iterdir()) == []
+    manifest = batch.run(FakeTI(try_number=2))
+    assert manifest["request_counts"]["completed"] == 5
+    assert batch.engine_runs == 1
+    assert not [k for k in batch.keys() if ".staging/" in k]
+
+
+def test_results_kept_on_the_worker_when_staging_failed_are_published_by_the_retry(batch, monkeypatch):
+    real_put = RunStaging.put_results
+
+    def s3_fails(self, path):
+        raise ClientError({"Error": {"Code": "ServiceUnavailable", "Message": "down"}}, "PutObject")
+
+    monkeypatch.setattr(RunStaging, "put_results", s3_fails)
+    with pytest.raises(PublishError, match="kept at .* a retry on this worker publishes them") as err:
+        batch.run()
+    (kept,) = batch.results_dir.glob("*/results.jsonl")
+    assert str(kept) in str(err.value)
+    monkeypatch.setattr(RunStaging, "put_results", real_put)
+    manifest = batch.run(FakeTI(try_number=2))
+    assert manifest["request_counts"]["completed"] == 5
+    assert batch.engine_runs == 1
+    assert not kept.exists()
+
+
+def test_a_publish_that_fails_midway_leaves_no_manifest_to_trust(batch, monkeypatch):
+    from airflow_vllm_batch.storage import OutputStore
+
+    batch.run()
+    batch.put("in/input.jsonl", chat_lines(7))
+
+    def manifest_write_fails(self, manifest):
+        raise ClientError({"Error": {"Code": "ServiceUnavailable", "Message": "down"}}, "PutObject")
+
+    monkeypatch.setattr(OutputStore, "write_manifest", manifest_write_fails)
+    with pytest.raises(PublishError):
+        batch.run()
+    # The old manifest went first: nobody pairs it with the new results file.
+    assert "out/results.manifest.json" not in batch.keys()
+
+
+def test_publishing_removes_only_this_runs_staging(batch):
+    batch.put("out/results.jsonl.staging/0123456789abcdef/results.jsonl", b"another run's work\n")
+    batch.run()
+    assert "out/results.jsonl.staging/0123456789abcdef/results.jsonl" in batch.keys()
+
+
+def _hold(batch: Batch, holder: LeaseHolder) -> None:
+    batch.put("out/results.lease.json", json.dumps(holder.__dict__).encode())
+
+
+def test_a_second_run_on_a_held_output_fails_fast_naming_the_holder(batch):
+    _hold(batch, LeaseHolder("other_dag", "scheduled__2026-11-01", "vllm_batch", -1, 1, "f" * 64, "gpu-7"))
+    with pytest.raises(OutputBusyError, match=r"other_dag\.vllm_batch of run 'scheduled__2026-11-01' \(try 1, on gpu-7\)"):
+        batch.run()
+    assert batch.engine_runs == 0
+    assert "out/results.jsonl" not in batch.keys()
+
+
+def test_a_retry_of_the_same_task_instance_takes_over_its_own_dead_lease(batch):
+    _hold(batch, LeaseHolder("d", "run-1", "vllm_batch", -1, 1, "f" * 64, "gpu-7"))
+    manifest = batch.run(FakeTI(try_number=2))
+    assert manifest["request_counts"]["completed"] == 5
+    assert "out/results.lease.json" not in batch.keys()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        ({"max_failed_ratio": "abc"}, "max_failed_ratio must be a number from 0 to 1, got 'abc'"),
+        ({"max_failed_ratio": None}, "max_failed_ratio must be a number from 0 to 1, got None"),
+        ({"output_uri": "/tmp/results.jsonl"}, "output_uri must be an s3://bucket/key URI"),
+        ({"error_uri": "errors.jsonl"}, "error_uri must be an s3://bucket/key URI"),
+        ({"input_uri": "s3://{bucket}/in/typo.jsonl"}, "input_uri: s3://{bucket}/in/typo.jsonl does not exist"),
+        ({"input_uri": "/nonexistent/input.jsonl"}, "input_uri: no file '/nonexistent/input.jsonl'"),
+        ({"output_uri": "s3://no-such-bucket-here/r.jsonl"}, "output_uri: bucket 'no-such-bucket-here' does not exist"),
+        ({"error_uri": "s3://no-such-bucket-here/e.jsonl"}, "error_uri: bucket 'no-such-bucket-here' does not exist"),
+        ({"engine_args": "--max-model-len 64"}, "engine_args must be a list of strings"),
+    ],
+)
+def test_a_mistake_fails_without_retry_before_any_engine(batch, kwargs, fragment):
+    kwargs = {k: v.format(bucket=batch.bucket) if isinstance(v, str) else v for k, v in kwargs.items()}
+    with pytest.raises(AirflowFailException, match=fragment.format(bucket=batch.bucket).replace("(", r"\(").replace(")", r"\)")):
+        batch.run(**kwargs)
+    assert batch.engine_runs == 0
+
+
+@pytest.mark.parametrize("name", ["output_mode", "invalid_lines"])
+def test_a_bad_mode_fails_at_dag_parse_time(batch, name):
+    from airflow_vllm_batch.exceptions import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match=name):
+        batch.operator(**{name: "ignore"})
+
+
+def test_presigned_mode_stages_through_a_presigned_put_and_publishes(batch):
+    manifest = batch.run(output_mode="presigned")
+    assert manifest["request_counts"]["completed"] == 5
+    assert not [k for k in batch.keys() if ".staging/" in k]
+
+
+@pytest.fixture
+def http_input(tmp_path):
+    (tmp_path / "www").mkdir()
+    (tmp_path / "www" / "input.jsonl").write_bytes(chat_lines(3))
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):  # the test server's own access log is not the operator's
+            pass
+
+    handler = lambda *a: Quiet(*a, directory=str(tmp_path / "www"))  # noqa: E731
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_port}/input.jsonl?X-Amz-Signature=topsecret123&X-Amz-Credential=AKIDSECRET"
+    server.shutdown()
+
+
+def test_an_http_input_with_credentials_is_stored_and_logged_redacted(batch, http_input, capfd):
+    ti = FakeTI()
+    manifest = batch.run(ti, input_uri=http_input)
+    assert manifest["request_counts"]["completed"] == 3
+    stored = batch.get("out/results.manifest.json").decode()
+    logged = capfd.readouterr()
+    assert "Preflight of http://127.0.0.1" in logged.out
+    for text in (json.dumps(manifest), stored, json.dumps(ti.xcoms), logged.out, logged.err):
+        assert "topsecret123" not in text and "AKIDSECRET" not in text
+    assert manifest["input_uri"].endswith("/input.jsonl?<redacted>")
+
+
+def test_an_http_input_is_never_resumed(batch, http_input):
+    batch.run(input_uri=http_input)
+    batch.run(input_uri=http_input)
+    assert batch.engine_runs == 2

@@ -1,0 +1,38 @@
+"""The README's operator snippet renders as written for every kind of DAG run."""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def _snippet() -> str:
+    text = README.read_text()
+    section = text[text.index("## Use it") :]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+# Airflow 3 gives a logical date (and so ds) only to scheduled runs and backfills.
+RUNS = {
+    "scheduled": {"run_id": "scheduled__2026-11-21T00:00:00+00:00", "ds": "2026-11-21", "logical_date": datetime(2026, 11, 21, tzinfo=timezone.utc)},
+    "manual": {"run_id": "manual__2026-11-22T10:00:00+00:00"},
+    "asset_triggered": {"run_id": "asset_triggered__2026-11-22T10:00:00+00:00"},
+}
+
+
+@pytest.mark.parametrize("kind", RUNS)
+def test_the_readme_snippet_renders_for_every_kind_of_run(kind):
+    from airflow.sdk import DAG
+
+    with DAG("readme", schedule=None, start_date=datetime(2026, 1, 1, tzinfo=timezone.utc)) as dag:
+        exec(_snippet(), {})  # noqa: S102 - our own README
+    (task,) = dag.tasks
+    context = dict(RUNS[kind])
+    task.render_template_fields(context)
+    assert task.input_uri == f"s3://my-bucket/batches/{context['run_id']}/input.jsonl"
+    assert task.output_uri == f"s3://my-bucket/batches/{context['run_id']}/results.jsonl"

@@ -53,7 +53,16 @@ def get_provider_info() -> dict[str, Any]:
         "hooks": [
             {
                 "integration-name": "vLLM Batch",
-                "python-modules": ["airflow_vllm_batch.hooks.vllm_engine"],
+                "python-modules": [
+                    "airflow_vllm_batch.hooks.vllm_engine",
+                    "airflow_vllm_batch.hooks.vllm_server",
+                ],
+            }
+        ],
+        "connection-types": [
+            {
+                "hook-class-name": "airflow_vllm_batch.hooks.vllm_server.VLLMServerHook",
+                "connection-type": "vllm",
             }
         ],
     }

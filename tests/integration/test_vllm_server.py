@@ -1,0 +1,86 @@
+"""A real vLLM server (CPU, tiny model) started by the task's code, and a batch streamed through it.
+
+One server for the module (about 20-40 s to ready); each test sends its own requests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from openai.types.chat import ChatCompletion
+
+from airflow_vllm_batch.embedded.demo import CPU_ENGINE_ARGS, CPU_ENGINE_ENV
+from airflow_vllm_batch.hooks.vllm_server import VLLMServerHook, VLLMServerProcess
+from airflow_vllm_batch.serving import Journal, ModelNotServedError, ServerAuthError, run_stream
+
+pytestmark = [pytest.mark.integration, pytest.mark.engine]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model: Path) -> Iterator[VLLMServerProcess]:
+    with VLLMServerProcess(
+        str(tiny_model), engine_args=CPU_ENGINE_ARGS.split(), env={**os.environ, **CPU_ENGINE_ENV}, startup_timeout_s=300
+    ) as process:
+        print(f"vLLM server ready after {process.time_to_ready_s:.1f}s")
+        yield process
+
+
+def _lines(model: str, n: int, prefix: str = "chat") -> Iterator[tuple[int, bytes]]:
+    for i in range(n):
+        body = {"model": model, "messages": [{"role": "user", "content": f"Count to {i}"}], "max_completion_tokens": 4}
+        line = {"custom_id": f"{prefix}-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}
+        yield i + 1, json.dumps(line).encode()
+
+
+def _success_total(base_url: str) -> float:
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as response:  # noqa: S310
+        metrics = response.read().decode()
+    return sum(float(v) for v in re.findall(r"^vllm:request_success_total\{[^}]*\} (\S+)$", metrics, re.MULTILINE))
+
+
+def _results(journal: Journal) -> list[dict]:
+    return [json.loads(line) for part in journal.parts for line in part.path.read_bytes().splitlines()]
+
+
+def test_200_chat_requests_are_answered_once_each_with_openai_chat_completions(server, tiny_model, tmp_path):
+    before = _success_total(server.hook.base_url)
+    journal = Journal(tmp_path / "journal", max_part_bytes=64 * 1024)
+    stats = run_stream(
+        _lines(str(tiny_model), 200), base_url=server.hook.base_url, api_key=server.hook.api_key, journal=journal, max_in_flight=64
+    )
+    results = _results(journal)
+    assert sorted(r["custom_id"] for r in results) == sorted(f"chat-{i}" for i in range(200))
+    for result in results:
+        assert result["error"] is None and result["response"]["status_code"] == 200
+        ChatCompletion.model_validate(result["response"]["body"])
+    assert (stats.done, stats.failed, stats.durable) == (200, 0, 200)
+    assert stats.completion_tokens == sum(r["response"]["body"]["usage"]["completion_tokens"] for r in results)
+    assert len(journal.parts) > 1
+    assert _success_total(server.hook.base_url) - before == 200
+
+
+def test_a_request_for_another_model_gets_vllms_error_line(server, tmp_path):
+    journal = Journal(tmp_path)
+    run_stream(_lines("nope", 1), base_url=server.hook.base_url, api_key=server.hook.api_key, journal=journal)
+    (result,) = _results(journal)
+    assert result["response"] == {"status_code": 404, "request_id": result["response"]["request_id"], "body": None}
+    assert result["error"]["error"]["type"] == "NotFoundError" and result["error"]["error"]["code"] == 404
+
+
+def test_a_wrong_api_key_is_a_clear_error(server, tiny_model, tmp_path):
+    with pytest.raises(ServerAuthError, match="refused the API key"):
+        run_stream(_lines(str(tiny_model), 3), base_url=server.hook.base_url, api_key="wrong-key", journal=Journal(tmp_path))
+    with pytest.raises(ServerAuthError, match="refused the API key"):
+        VLLMServerHook(base_url=server.hook.base_url, api_key="wrong-key").served_models()
+
+
+def test_check_serves_names_the_served_model(server, tiny_model):
+    server.hook.check_serves(str(tiny_model))
+    with pytest.raises(ModelNotServedError, match=re.escape(f"it serves {str(tiny_model)!r}")):
+        server.hook.check_serves("nope")

@@ -1,0 +1,299 @@
+"""A real Airflow deployment on loopback for integration tests, and how to drive it.
+
+``airflow api-server``, ``airflow scheduler`` and ``airflow dag-processor`` run as
+separate processes on 127.0.0.1, with a throw-away ``AIRFLOW_HOME`` and SQLite, each in a
+session of its own so that :meth:`Deployment.stop` can stop it with every descendant
+(LocalExecutor workers, task supervisors, task runners, engines) and report any PID that
+survived. Tests talk to it only as a user would: the REST API (``/api/v2``, a JWT from
+``POST /auth/token``) and the task log files.
+
+:func:`local_executor_deployment` starts a LocalExecutor deployment (the executor's
+workers are children of the scheduler, each task runs under Airflow's real supervisor).
+The pieces (:class:`Deployment`, :func:`deployment_env`, :func:`wait_until`) are shared
+with deployments of other executors (see ``test_celery_gpu_queue.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from airflow_vllm_batch.embedded.demo import embedded_env
+from airflow_vllm_batch.embedded.seaweedfs import SeaweedFS, _free_ports
+
+LOOPBACK = "127.0.0.1"
+#: The states in which a DAG run or a task instance has ended.
+RUN_DONE = ("success", "failed")
+
+
+class DeploymentError(RuntimeError):
+    """A deployment process died, or the deployment did not reach a state in time."""
+
+
+@dataclass
+class Deployment:
+    """The processes of one Airflow deployment, and how to talk to it.
+
+    :param home: its ``AIRFLOW_HOME`` (logs of every process are written there too).
+    :param api_url: ``http://127.0.0.1:<port>``.
+    :param env: the environment every process was started with.
+    """
+
+    home: Path
+    api_url: str
+    env: dict[str, str]
+    processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+    token: str | None = None
+    stopped: bool = False
+
+    # -- processes -------------------------------------------------------------------
+
+    def start(self, name: str, argv: list[str]) -> subprocess.Popen:
+        """Start one process of the deployment, its output in ``<home>/<name>.log``."""
+        log = open(self.home / f"{name}.log", "ab")  # noqa: SIM115 - closed with the process
+        # Its own session: stop() signals the whole group (executor workers, task supervisors).
+        proc = subprocess.Popen(
+            argv, env=self.env, cwd=self.home, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
+        log.close()
+        self.processes[name] = proc
+        return proc
+
+    def log(self, name: str) -> str:
+        """The output of process ``name`` so far."""
+        return (self.home / f"{name}.log").read_text(errors="replace")
+
+    def check_alive(self) -> None:
+        """Raise, with its log, when a process of the deployment has exited."""
+        if self.stopped:
+            return
+        for name, proc in self.processes.items():
+            if proc.poll() is not None:
+                raise DeploymentError(f"{name} exited with code {proc.returncode}:\n{self.log(name)[-3000:]}")
+
+    def descendants(self, name: str) -> list[psutil.Process]:
+        """The live descendants of process ``name`` (for the scheduler: executor workers and tasks)."""
+        try:
+            return psutil.Process(self.processes[name].pid).children(recursive=True)
+        except psutil.Error:
+            return []
+
+    def stop(self, grace_s: float = 20) -> list[int]:
+        """Stop every process started here, with all their descendants; return the PIDs still alive (none, normally)."""
+        if self.stopped:
+            return []
+        self.stopped = True
+        tracked: list[psutil.Process] = []
+        for proc in self.processes.values():
+            try:
+                leader = psutil.Process(proc.pid)
+                # Engines run in sessions of their own (the operator's doing): collect them too.
+                tracked += [leader, *leader.children(recursive=True)]
+            except psutil.Error:
+                pass
+        for proc in self.processes.values():
+            if proc.poll() is None:
+                signal_group(proc.pid, signal.SIGTERM)
+        _, alive = psutil.wait_procs(tracked, timeout=grace_s)
+        for process in alive:
+            # psutil.Process.kill() refuses a PID that was reused by someone else's process.
+            with contextlib.suppress(psutil.Error):
+                process.kill()
+        psutil.wait_procs(alive, timeout=10)
+        for proc in self.processes.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=10)
+        return [p.pid for p in tracked if is_alive(p)]
+
+    # -- REST API --------------------------------------------------------------------
+
+    def request(self, method: str, path: str, body: dict | None = None, timeout: float = 30) -> Any:
+        """Call the REST API; an HTTP error is raised with the body the server sent."""
+        headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(self.api_url + path, data=data, method=method, headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as response:  # loopback only
+                return json.loads(response.read() or b"null")
+        except urllib.error.HTTPError as err:
+            detail = err.read().decode(errors="replace")[:2000]
+            raise urllib.error.HTTPError(err.url, err.code, f"{err.reason}: {detail}", err.headers, None) from None
+
+    def log_in(self, username: str = "admin") -> None:
+        """Get a JWT from ``/auth/token`` with the simple auth manager's generated password."""
+        password = json.loads((self.home / "passwords.json").read_text())[username]
+        self.token = self.request("POST", "/auth/token", {"username": username, "password": password})["access_token"]
+
+    def wait_for_dag(self, dag_id: str, timeout: float = 180) -> None:
+        """Wait until the DAG processor has parsed ``dag_id``, then unpause it."""
+        wait_until(f"the DAG processor to parse {dag_id}", lambda: self.request("GET", f"/api/v2/dags/{dag_id}"), timeout, self, interval=1)
+        self.request("PATCH", f"/api/v2/dags/{dag_id}", {"is_paused": False})
+
+    def trigger(self, dag_id: str, conf: Mapping[str, Any] | None = None) -> str:
+        """Trigger a DAG run through the REST API; return its run id."""
+        run = self.request("POST", f"/api/v2/dags/{dag_id}/dagRuns", {"logical_date": None, "conf": dict(conf or {})})
+        return run["dag_run_id"]
+
+    @staticmethod
+    def run_path(dag_id: str, run_id: str) -> str:
+        return f"/api/v2/dags/{dag_id}/dagRuns/{urllib.parse.quote(run_id, safe='')}"
+
+    def dag_run(self, dag_id: str, run_id: str) -> dict:
+        return self.request("GET", self.run_path(dag_id, run_id))
+
+    def task_instance(self, dag_id: str, run_id: str, task_id: str) -> dict:
+        return self.request("GET", f"{self.run_path(dag_id, run_id)}/taskInstances/{task_id}")
+
+    def task_tries(self, dag_id: str, run_id: str, task_id: str) -> list[dict]:
+        """Every try of a task instance (``/tries``): try number, state, start and end."""
+        return self.request("GET", f"{self.run_path(dag_id, run_id)}/taskInstances/{task_id}/tries")["task_instances"]
+
+    def set_task_state(self, dag_id: str, run_id: str, task_id: str, state: str) -> Any:
+        """What "mark failed" (or success) in the UI does: ``PATCH .../taskInstances/{task_id}``."""
+        return self.request("PATCH", f"{self.run_path(dag_id, run_id)}/taskInstances/{task_id}", {"new_state": state})
+
+    def wait_for_run(self, dag_id: str, run_id: str, timeout: float) -> str:
+        """Wait until the DAG run has ended; return its state."""
+
+        def ended():
+            state = self.dag_run(dag_id, run_id)["state"]
+            return state if state in RUN_DONE else None
+
+        return wait_until(f"DAG run {dag_id} {run_id} to end", ended, timeout, self, interval=1)
+
+    def task_log(self, dag_id: str, run_id: str, task_id: str, try_number: int) -> str:
+        """The log of one try, from the deployment's log folder (JSON lines, one event each)."""
+        path = self.home / "logs" / f"dag_id={dag_id}" / f"run_id={run_id}" / f"task_id={task_id}" / f"attempt={try_number}.log"
+        try:
+            return path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def diagnose(self, dag_id: str | None = None, run_id: str | None = None, task_id: str | None = None, tail: int = 4000) -> str:
+        """The tails of the scheduler's log and, given a run, of every try's task log."""
+        parts = [f"--- {name} ---\n{self.log(name)[-tail:]}" for name in ("scheduler",) if name in self.processes]
+        if dag_id and run_id and task_id:
+            for attempt in (1, 2, 3):
+                if text := self.task_log(dag_id, run_id, task_id, attempt):
+                    parts.append(f"--- {dag_id} {run_id} {task_id} try {attempt} ---\n{text[-tail:]}")
+        return "\n".join(parts)
+
+
+def signal_group(pgid: int, sig: int) -> None:
+    """Signal a process group; one that is gone already is not an error."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def is_alive(process: psutil.Process) -> bool:
+    """Whether a process is running (a zombie is not)."""
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def wait_until(what: str, check: Callable[[], Any], timeout: float, deployment: Deployment | None = None, interval: float = 1.0) -> Any:
+    """Call ``check`` until it returns something true; raise after ``timeout`` seconds.
+
+    The deployment's processes are checked alive on each round, so a crash fails at once
+    with its log instead of a time-out.
+    """
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        if deployment is not None:
+            deployment.check_alive()
+        try:
+            result = check()
+            if result:
+                return result
+        except (urllib.error.URLError, ConnectionError, OSError, KeyError, ValueError) as err:
+            last = err
+        time.sleep(interval)
+    raise DeploymentError(f"Timed out after {timeout:.0f}s waiting for {what} (last error: {last})")
+
+
+def deployment_env(s3: SeaweedFS, tiny_model: Path, home: Path, dags: Path, api_port: int, executor: str) -> dict[str, str]:
+    """The environment of every process of a deployment: Airflow on loopback, S3 and vLLM embedded.
+
+    Writes ``<home>/passwords.json`` (user ``admin``, a random password).
+    """
+    (home / "passwords.json").write_text(json.dumps({"admin": secrets.token_urlsafe(16)}))
+    env = embedded_env(s3, tiny_model, home)
+    env.update(
+        {
+            "AIRFLOW__CORE__DAGS_FOLDER": str(dags),
+            "AIRFLOW__CORE__EXECUTOR": executor,
+            "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://{LOOPBACK}:{api_port}/execution/",
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin",
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(home / "passwords.json"),
+            "AIRFLOW__API__HOST": LOOPBACK,
+            "AIRFLOW__API__PORT": str(api_port),
+            "AIRFLOW__API__BASE_URL": f"http://{LOOPBACK}:{api_port}",
+            "AIRFLOW__API_AUTH__JWT_SECRET": secrets.token_urlsafe(32),
+            "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
+            "AIRFLOW__SCHEDULER__SCHEDULER_HEARTBEAT_SEC": "2",
+            "AIRFLOW__LOGGING__LOGGING_LEVEL": "INFO",
+            # The test's own Airflow home must not leak in from pytest's process.
+            "AIRFLOW__CORE__UNIT_TEST_MODE": "False",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    return env
+
+
+@contextlib.contextmanager
+def local_executor_deployment(
+    s3: SeaweedFS,
+    tiny_model: Path,
+    home: Path,
+    dag_files: Mapping[str, str],
+    extra_env: Mapping[str, str] | None = None,
+) -> Iterator[Deployment]:
+    """Run api-server, scheduler (LocalExecutor) and dag-processor on loopback; stop them all at the end.
+
+    :param s3: the SeaweedFS behind connection ``aws_default``.
+    :param tiny_model: the tiny chat model's directory.
+    :param home: an empty directory: ``AIRFLOW_HOME``, SQLite database, logs, DAGs folder.
+    :param dag_files: file name -> source of the DAG files to write into the DAGs folder
+        (only these: the repo's example DAGs, a ``@daily`` one among them, would start
+        runs of their own).
+    :param extra_env: more environment variables for every process.
+    """
+    dags = home / "dags"
+    dags.mkdir()
+    for name, source in dag_files.items():
+        (dags / name).write_text(source)
+    (api_port,) = _free_ports(1)
+    env = deployment_env(s3, tiny_model, home, dags, api_port, "LocalExecutor")
+    env.update(extra_env or {})
+    airflow = str(Path(sys.executable).with_name("airflow"))
+    dep = Deployment(home=home, api_url=f"http://{LOOPBACK}:{api_port}", env=env)
+    subprocess.run([airflow, "db", "migrate"], env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        dep.start("api-server", [airflow, "api-server", "--host", LOOPBACK, "--port", str(api_port), "--workers", "1"])
+        dep.start("scheduler", [airflow, "scheduler"])
+        dep.start("dag-processor", [airflow, "dag-processor"])
+        wait_until("the API server", lambda: dep.request("GET", "/api/v2/monitor/health"), 180, dep)
+        dep.log_in()
+        yield dep
+    finally:
+        dep.stop()

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, fields
 from email.utils import parsedate_to_datetime
 from typing import Any
 
-from botocore.exceptions import ClientError
+from botocore.exceptions import BotoCoreError, ClientError
 
 from airflow_vllm_batch.exceptions import OutputBusyError
 
@@ -162,8 +162,9 @@ class OutputLease:
             return
         try:
             self.client.delete_object(Bucket=self.bucket, Key=self.key, IfMatch=self._etag)
-        except ClientError as err:
-            log.warning("Could not remove the lease %s (%s); it goes stale by itself", self.uri, _code(err))
+        except (ClientError, BotoCoreError) as err:
+            # Never hide the try's own failure (often this same S3 outage) behind the clean-up's.
+            log.warning("Could not remove the lease %s (%s); it goes stale by itself", self.uri, err)
         self._etag = None
 
     # -- S3 ---------------------------------------------------------------------------

@@ -186,3 +186,13 @@ def test_run_returns_when_the_leader_dies_while_a_child_holds_the_log_pipe(tmp_p
     while _alive(child):
         assert time.monotonic() < deadline, "the child outlived the engine"
         time.sleep(0.05)
+
+
+def test_the_probe_names_the_runner_module_the_engine_environment_has():
+    info = probe_engine(sys.executable)
+    # vLLM 0.32 keeps vllm.entrypoints.openai.run_batch only as a deprecated shim.
+    assert info.runner_module == "vllm.entrypoints.launchers.run_batch"
+    assert build_engine_argv(input_location="i", output_location="o", model="m", runner_module=info.runner_module)[1:3] == [
+        "-m",
+        "vllm.entrypoints.launchers.run_batch",
+    ]

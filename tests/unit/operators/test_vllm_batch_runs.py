@@ -298,3 +298,36 @@ def test_an_http_input_is_never_resumed(batch, http_input):
     batch.run(input_uri=http_input)
     batch.run(input_uri=http_input)
     assert batch.engine_runs == 2
+
+
+def test_the_input_is_read_once_from_s3_by_the_operator_and_once_by_the_engine(batch, monkeypatch):
+    import airflow_vllm_batch.storage as storage
+
+    reads = []
+    real_body = storage.s3_body
+
+    def counting_body(hook, bucket, key, **pin):
+        reads.append(key)
+        return real_body(hook, bucket, key, **pin)
+
+    monkeypatch.setattr(storage, "s3_body", counting_body)
+    batch.run()
+    # Preflight reads it (pinned); the results check uses preflight's index instead of a re-read.
+    assert reads.count("in/input.jsonl") == 1
+    assert batch.engine_runs == 1
+
+
+def test_leftovers_of_killed_tries_are_aged_out_of_the_results_dir(batch):
+    import os
+    import time
+
+    stale = batch.results_dir / "0123456789abcdef-try-dead"
+    stale.mkdir(parents=True)
+    (stale / "engine-results.jsonl").write_bytes(b"x\n")
+    week_ago = time.time() - 8 * 24 * 3600
+    os.utime(stale, (week_ago, week_ago))
+    fresh = batch.results_dir / "fedcba9876543210"
+    fresh.mkdir()
+    batch.run()
+    assert not stale.exists()
+    assert fresh.exists()

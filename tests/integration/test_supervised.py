@@ -474,11 +474,6 @@ def _failure(log: str) -> list[str]:
     return []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="OutputLease.release catches ClientError only: with S3 unreachable, its EndpointConnectionError "
-    "escapes the lease's __exit__ and replaces the operator's PublishError as the task's failure",
-)
 def test_s3_down_at_publish_fails_try_1_with_the_publish_error_that_says_a_retry_publishes(s3_down_at_publish):
     """The failure a user reads first names the fault and the remedy (PublishError: "a retry
     publishes them without running the engine again"), not a lease clean-up error."""

@@ -147,6 +147,7 @@ def test_results_that_fail_the_check_are_dropped_so_the_retry_runs_the_engine(ba
     with pytest.raises(ResultsCheckError, match="custom_id 'r4'\\): has no result"):
         batch.run(engine_env={"FAKE_ENGINE_DROP": "1"})
     assert not [k for k in batch.keys() if k.endswith("results.jsonl") and ".staging/" in k]
+    assert list(batch.results_dir.iterdir()) == []  # a failed try leaves no scratch behind
     manifest = batch.run(FakeTI(try_number=2))
     assert manifest["request_counts"]["completed"] == 5
     assert batch.engine_runs == 2

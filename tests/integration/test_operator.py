@@ -147,3 +147,79 @@ def test_engine_that_exits_0_without_output_fails_the_task(embedded, airflow_db,
     assert result.state == "failed"
     assert "wrote no output" in result.output
     assert _keys(embedded, "silent/") == ["input.jsonl"]
+
+
+def _try_number(result: DagRunResult, dag_id: str) -> int:
+    from airflow.models.taskinstance import TaskInstance
+    from airflow.utils.session import create_session
+    from sqlalchemy import select
+
+    with create_session() as session:
+        return session.scalar(
+            select(TaskInstance.try_number).where(TaskInstance.dag_id == dag_id, TaskInstance.run_id == result.run_id)
+        )
+
+
+def _mixed_endpoints(model: str) -> str:
+    embed = json.dumps({"custom_id": "e", "method": "POST", "url": "/v1/embeddings", "body": {"model": model, "input": "x"}})
+    return _line("c", model) + "\n" + embed + "\n"
+
+
+# Each: what the user got wrong -> the fragment the task's error must show. With the real
+# engine environment (probe, model check, engine argument parser), so a case that slipped
+# past these checks would start an engine and be caught by the assertions.
+MISTAKES = [
+    ("engine_args_bad_value", {"engine_args": ["--enforce-eager", "--max-model-len", "abc"]}, None, "engine_args: argument --max-model-len"),
+    ("engine_args_unknown", {"engine_args": ["--no-such-flag"]}, None, "engine_args: unrecognized arguments: --no-such-flag"),
+    ("model_dir_missing", {"model": "/nonexistent/model-dir"}, None, "model: the local model directory '/nonexistent/model-dir'"),
+    ("chat_and_embeddings_for_a_chat_model", {}, _mixed_endpoints, "is a generation model; /v1/embeddings needs a pooling model"),
+    ("temperature_hot", {}, lambda m: _line("c", m, temperature="hot") + "\n", '"body.temperature"'),
+    ("max_completion_tokens_negative", {}, lambda m: _line("c", m, max_completion_tokens=-5) + "\n", '"body.max_completion_tokens" is -5'),
+    ("missing_input_key", {"input_uri": f"s3://{BUCKET}/mistakes/typo.jsonl"}, None, "does not exist"),
+    ("error_uri_local_path", {"error_uri": "/tmp/errors.jsonl"}, None, "error_uri must be an s3://bucket/key URI"),
+    ("missing_output_bucket", {"output_uri": "s3://no-such-output-bucket/r.jsonl"}, None, "output_uri: bucket 'no-such-output-bucket' does not exist"),
+    ("max_failed_ratio_not_a_number", {"max_failed_ratio": "abc"}, None, "max_failed_ratio must be a number from 0 to 1"),
+]
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize(("name", "kwargs", "lines", "fragment"), MISTAKES, ids=[m[0] for m in MISTAKES])
+def test_a_mistake_fails_once_naming_the_fix_and_starts_no_engine(embedded, airflow_db, tiny_model, name, kwargs, lines, fragment):
+    from datetime import timedelta
+
+    model = str(tiny_model)
+    text = lines(model) if lines else _line("c", model) + "\n"
+    args = {
+        "input_uri": _put(embedded, f"mistakes/{name}/input.jsonl", text),
+        "output_uri": f"s3://{BUCKET}/mistakes/{name}/results.jsonl",
+        "model": model,
+        "engine_args": ["--enforce-eager"],
+        # A retryable error would show as a second try.
+        "retries": 1,
+        "retry_delay": timedelta(0),
+        **kwargs,
+    }
+    result = _run_operator(f"mistake_{name}", **args)
+    assert result.state == "failed"
+    assert fragment in result.output, result.output[-3000:]
+    assert "Starting the vLLM engine" not in result.output
+    assert _try_number(result, f"op_mistake_{name}") == 1
+
+
+@pytest.mark.engine
+def test_a_gzip_input_runs_and_the_engine_reads_an_uncompressed_copy(embedded, airflow_db, tiny_model):
+    import gzip
+
+    model = str(tiny_model)
+    text = "".join(_line(f"g{i}", model, max_completion_tokens=2) + "\n" for i in range(3))
+    embedded.client().put_object(Bucket=BUCKET, Key="gzip/input.jsonl.gz", Body=gzip.compress(text.encode()))
+    result = _run_operator(
+        "gzip",
+        input_uri=f"s3://{BUCKET}/gzip/input.jsonl.gz",
+        output_uri=f"s3://{BUCKET}/gzip/results.jsonl",
+        model=model,
+        engine_args=["--enforce-eager"],
+    )
+    assert result.state == "success", result.output[-3000:]
+    assert "The engine reads the cleaned copy" in result.output
+    assert sorted(r["custom_id"] for r in _read(embedded, "gzip/results.jsonl")) == ["g0", "g1", "g2"]

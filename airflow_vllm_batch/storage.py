@@ -7,6 +7,7 @@ One output ``s3://b/k/results.jsonl`` comes with::
     s3://b/k/results.lease.json            held while a run writes (see lease.py)
     s3://b/k/results.jsonl.staging/<run>/  one run's staging (<run>: its fingerprint's
                                            first 16 hex digits), shared by its tries
+        .../<run>/parts/part-000000.jsonl  the server engine's checkpoints, in order
 
 Publishing follows one protocol, so that no reader is ever misled (:meth:`OutputStore.publish`):
 
@@ -16,15 +17,18 @@ Publishing follows one protocol, so that no reader is ever misled (:meth:`Output
 4. the manifest is written, last; 5. this run's staging prefix is removed (and nobody
    else's: other runs' staging lives under other prefixes).
 
-The engine's finished results reach ``<run>/results.jsonl`` before they are checked or
-published, so a retry on any worker (or pod) finds them there and publishes them without
-running the engine again. ``VLLMBatchOperator`` and ``VLLMBatchMergeOperator`` both use
+The runner engine's finished results reach ``<run>/results.jsonl`` before they are checked
+or published, so a retry on any worker (or pod) finds them there and publishes them without
+running the engine again. The server engine checkpoints as it goes instead: each sealed
+part of its journal goes to ``<run>/parts/``, a retry on any worker skips the requests
+those parts answer, and the results check reads the parts in order (no assembled file). ``VLLMBatchOperator`` and ``VLLMBatchMergeOperator`` both use
 this module; the object names are made here only.
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -106,6 +110,10 @@ def s3_lines(hook: S3Hook, bucket: str, key: str, **pin: str | None) -> Iterator
         yield lines
 
 
+#: ``part-000123.jsonl``: the journal's part names (:func:`airflow_vllm_batch.serving.part_name`).
+_PART_NAME = re.compile(r"part-(\d{6,})\.jsonl$")
+
+
 class RunStaging:
     """The staging prefix of one run: shared by its tries, removed when it publishes.
 
@@ -145,8 +153,48 @@ class RunStaging:
         return s3_lines(self.hook, self.bucket, self.results_key)
 
     def drop_results(self) -> None:
-        """Forget staged results that failed the check, so that the next try runs the engine."""
-        self.hook.delete_objects(bucket=self.bucket, keys=[self.results_key])
+        """Forget staged results and checkpoint parts that failed the check, so that the next try runs the engine."""
+        self.hook.delete_objects(bucket=self.bucket, keys=[self.results_key, *self.list_parts().values()])
+
+    # -- the server engine's checkpoints ---------------------------------------------
+
+    @property
+    def parts_prefix(self) -> str:
+        """Where the journal's sealed parts go: ``<run>/parts/``."""
+        return f"{self.prefix}parts/"
+
+    def part_key(self, name: str) -> str:
+        """The key of the part file ``name`` (``part-000000.jsonl``)."""
+        return f"{self.parts_prefix}{name}"
+
+    def put_part(self, path: Path) -> None:
+        """Upload one sealed part under its own file name; idempotent (a part re-sent replaces itself)."""
+        self.hook.load_file(str(path), key=self.part_key(path.name), bucket_name=self.bucket, replace=True)
+
+    def list_parts(self) -> dict[int, str]:
+        """Return ``{part number: key}`` of the parts earlier tries uploaded, in part order."""
+        keys = self.hook.list_keys(bucket_name=self.bucket, prefix=self.parts_prefix) or []
+        found = {int(m.group(1)): key for key in keys if (m := _PART_NAME.search(key))}
+        return dict(sorted(found.items()))
+
+    @contextlib.contextmanager
+    def open_parts(self, parts: dict[int, str] | None = None) -> Iterator[Iterator[bytes]]:
+        """Stream the lines of every part, in part order, one part's body open at a time.
+
+        :param parts: the parts to read, as :meth:`list_parts` returns them. Default: all.
+        """
+        keys = list((self.list_parts() if parts is None else parts).values())
+
+        def lines() -> Iterator[bytes]:
+            for key in keys:
+                with s3_lines(self.hook, self.bucket, key) as part:
+                    yield from part
+
+        stream = lines()
+        try:
+            yield stream
+        finally:
+            stream.close()
 
     def put_input(self, path: Path) -> str:
         """Upload the cleaned input for the engine; return its URI."""

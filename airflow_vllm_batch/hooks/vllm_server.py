@@ -10,6 +10,10 @@ port, scheme, the API key as password), or one the task started itself
 free loopback port with a random API key, under the same guard as the batch runner
 (:func:`~airflow_vllm_batch.hooks.process.start_bound_process`), so the server and its
 children die with the task however the task dies.
+
+:class:`VLLMServerEngine` is what the operator drives: the server engine of one task,
+either a warm server through the connection or a server it starts for the batch, with
+one method that streams the batch through it (:meth:`VLLMServerEngine.run`).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import cached_property
 from typing import Any
 
@@ -37,6 +41,7 @@ from airflow.sdk.log import mask_secret
 from airflow_vllm_batch.exceptions import EngineError
 from airflow_vllm_batch.hooks.process import DEFAULT_GRACE_S, signal_group, start_bound_process
 from airflow_vllm_batch.hooks.vllm_engine import redact_urls
+from airflow_vllm_batch.serving import DEFAULT_MAX_IN_FLIGHT, Journal, StreamStats, run_stream
 from airflow_vllm_batch.serving.errors import ModelNotServedError, ServerAuthError, ServerUnavailableError
 
 #: The server module. ``python -m`` because the ``vllm`` console script is broken in the
@@ -173,6 +178,41 @@ class VLLMServerHook(BaseHook):
                 f"{', '.join(map(repr, served)) or 'no model'}. Set model to one of these, or point the "
                 "connection at a server that serves it."
             )
+
+    def version(self) -> str | None:
+        """Return the server's vLLM version (``GET /version``), or None when it does not say (a proxy, say)."""
+        try:
+            with self._open("/version", timeout=self.timeout_s) as response:
+                version = json.load(response).get("version")
+        except (urllib.error.URLError, OSError, ValueError, AttributeError):
+            return None
+        return str(version) if version else None
+
+    def stream_batch(
+        self,
+        requests: Iterable[tuple[int, bytes]],
+        *,
+        journal: Journal,
+        max_in_flight: int | None = None,
+        skip: Callable[[str], bool] | None = None,
+        on_progress: Callable[[StreamStats], None] | None = None,
+        progress_every_s: float = 15.0,
+    ) -> StreamStats:
+        """Stream request lines through this server into ``journal``; see :func:`~airflow_vllm_batch.serving.run_stream`.
+
+        :param max_in_flight: most requests in flight. Default: the connection's
+            ``max_in_flight`` extra, else serving's default (512).
+        """
+        return run_stream(
+            requests,
+            base_url=self.base_url,
+            api_key=self.api_key,
+            journal=journal,
+            max_in_flight=max_in_flight or self.max_in_flight or DEFAULT_MAX_IN_FLIGHT,
+            skip=skip,
+            on_progress=on_progress,
+            progress_every_s=progress_every_s,
+        )
 
     def test_connection(self) -> tuple[bool, str]:
         """Test the connection from the UI: list the served models."""
@@ -380,3 +420,95 @@ class VLLMServerProcess:
 
     def __exit__(self, *exc_info: object) -> None:
         self.terminate()
+
+
+class VLLMServerEngine:
+    """The server engine of one task: a warm server through a ``vllm`` connection, or one started for the batch.
+
+    With ``vllm_conn_id`` nothing is started: :meth:`check` makes sure the server serves
+    the model before anything is sent. Without it, :meth:`run` starts a
+    :class:`VLLMServerProcess` on this worker, streams the batch and stops it (also when
+    the stream fails); :meth:`terminate` stops it from ``on_kill``.
+
+    :param model: the model the requests name.
+    :param vllm_conn_id: the connection of a running server; None starts one.
+    :param engine_args: arguments of a started server.
+    :param env: a started server's environment.
+    :param python: a started server's Python.
+    :param grace_s: seconds between SIGTERM and SIGKILL when stopping a started server.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        vllm_conn_id: str | None = None,
+        engine_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        python: str | None = None,
+        grace_s: float = DEFAULT_GRACE_S,
+    ) -> None:
+        self.model = model
+        self.vllm_conn_id = vllm_conn_id
+        self.engine_args = list(engine_args)
+        self.env = env
+        self.python = python
+        self.grace_s = grace_s
+        self.process: VLLMServerProcess | None = None
+
+    @cached_property
+    def warm_hook(self) -> VLLMServerHook:
+        """The hook of the connection's server (only with ``vllm_conn_id``)."""
+        assert self.vllm_conn_id is not None
+        return VLLMServerHook(self.vllm_conn_id)
+
+    def check(self) -> str | None:
+        """Check that the connection's server serves the model; return its vLLM version (None if it does not say).
+
+        :raises ModelNotServedError: it does not serve the model (not retryable).
+        :raises ServerAuthError: it refused the API key (not retryable).
+        :raises ServerUnavailableError: it could not be reached (retryable).
+        """
+        self.warm_hook.check_serves(self.model)
+        return self.warm_hook.version()
+
+    def run(
+        self,
+        requests: Iterable[tuple[int, bytes]],
+        *,
+        journal: Journal,
+        max_in_flight: int | None = None,
+        skip: Callable[[str], bool] | None = None,
+        on_progress: Callable[[StreamStats], None] | None = None,
+        progress_every_s: float = 15.0,
+    ) -> StreamStats:
+        """Stream the batch through the server (starting and stopping one when there is no connection)."""
+        stream: dict[str, Any] = {
+            "journal": journal,
+            "max_in_flight": max_in_flight,
+            "skip": skip,
+            "on_progress": on_progress,
+            "progress_every_s": progress_every_s,
+        }
+        if self.vllm_conn_id is not None:
+            return self.warm_hook.stream_batch(requests, **stream)
+        self.process = VLLMServerProcess(
+            self.model, engine_args=self.engine_args, env=self.env, python=self.python, grace_s=self.grace_s
+        )
+        with self.process as server:
+            assert server.hook is not None
+            try:
+                return server.hook.stream_batch(requests, **stream)
+            except ServerUnavailableError:
+                if server.process is not None and server.process.poll() is not None:
+                    raise ServerUnavailableError(
+                        f"The vLLM server this task started exited (code {server.process.returncode}) during the "
+                        f"batch; the answers so far are checkpointed and the task's retry resumes from them. "
+                        f"Its last lines:\n{server._tail_text()}"
+                    ) from None
+                raise
+
+    def terminate(self) -> None:
+        """Stop a server this engine started; nothing for a warm server (it is not ours)."""
+        if self.process is not None:
+            self.process.terminate()

@@ -21,10 +21,12 @@ from airflow.providers.amazon.aws.hooks.s3 import S3Hook
 from airflow.sdk import Asset, BaseOperator
 from airflow.sdk.exceptions import AirflowFailException
 from airflow.sdk.log import mask_secret
+import msgspec
 from botocore.exceptions import BotoCoreError, ClientError
 
 from airflow_vllm_batch.batchfile import (
     DEFAULT_MAX_LINE_BYTES,
+    CustomIdIndex,
     PreflightOptions,
     PreflightReport,
     ResultsReport,
@@ -46,6 +48,7 @@ from airflow_vllm_batch.exceptions import (
 )
 from airflow_vllm_batch.hooks.engine_checks import check_engine_args, inspect_model
 from airflow_vllm_batch.hooks.process import DEFAULT_GRACE_S
+from airflow_vllm_batch.hooks.vllm_server import VLLMServerEngine
 from airflow_vllm_batch.hooks.vllm_engine import (
     FALLBACK_SUPPORTED_URLS,
     EngineInfo,
@@ -61,6 +64,8 @@ from airflow_vllm_batch.lease import LeaseHolder, OutputLease
 from airflow_vllm_batch.lineage import lineage_for
 from airflow_vllm_batch.links.output import VLLMBatchOutputLink
 from airflow_vllm_batch.manifest import Manifest, RequestCounts, Usage
+from airflow_vllm_batch.serving import Journal, StreamStats
+from airflow_vllm_batch.serving.journal import DEFAULT_MAX_PART_BYTES
 from airflow_vllm_batch.storage import OutputStore, RunStaging, head_input, s3_lines, split_s3_uri
 
 if TYPE_CHECKING:
@@ -77,11 +82,13 @@ DEFAULT_RESULTS_DIR = os.path.join(tempfile.gettempdir(), "airflow-vllm-batch")
 #: Local results older than this are removed when the next task starts on the worker.
 LOCAL_RESULTS_MAX_AGE_S = 7 * 24 * 3600
 
-_MODES = {"output_mode": ("local", "presigned"), "invalid_lines": ("fail", "skip")}
+_MODES = {"output_mode": ("local", "presigned"), "invalid_lines": ("fail", "skip"), "engine": ("runner", "server")}
+#: Seconds between progress lines of the server engine in the task log.
+PROGRESS_EVERY_S = 15.0
 
 
 class VLLMBatchOperator(BaseOperator):
-    """Run an OpenAI-format batch file through vLLM's offline batch runner.
+    """Run an OpenAI-format batch file through vLLM: its offline batch runner, or its OpenAI-compatible server.
 
     The task pins the input and computes the run's identity (a fingerprint of the input's
     ETag, the model, the engine and its arguments, the request defaults and modes). A
@@ -101,6 +108,23 @@ class VLLMBatchOperator(BaseOperator):
     output at a time: a lease beside it (``<output stem>.lease.json``) makes a second run
     fail at once, naming the first. Mistakes (arguments, a missing input, a bad line, bad
     engine settings) fail without retries; transient failures are left to Airflow's retries.
+
+    **Two engines.** ``engine="runner"`` (default) runs vLLM's batch runner per task, as
+    above. ``engine="server"`` streams the batch through vLLM's OpenAI-compatible server
+    instead: one the task starts on this worker (``engine_args``, ``engine_env`` and
+    ``engine_python`` apply; it is stopped when the task ends or is killed), or, with
+    ``vllm_conn_id``, a server that is already running (a warm engine, or a load-balanced
+    deployment), which must list ``model`` in ``/v1/models`` before anything is sent. The
+    server engine writes the runner's exact output lines, in completion order, and
+    checkpoints: every ``checkpoint_interval_s`` seconds (or 64 MiB) the new answers go to
+    the run's staging in S3 as a part, and a retry on any worker sends only the requests
+    no part answers. A retry resends at most what was in flight plus one interval's
+    answers. A server that goes away fails the try as transient, keeping the parts.
+
+    The run identity of a warm server holds the model and the vLLM version its
+    ``/version`` reports, not ``engine_args`` nor ``engine_command`` (the server's
+    arguments are not the task's to know); the server's URL is not in it either, so
+    moving a connection to another replica of the same deployment keeps resuming.
 
     :param input_uri: the batch file: ``s3://bucket/key``, a local path on the worker,
         or an http(s) URL (never resumed: it cannot be pinned). (templated)
@@ -149,6 +173,14 @@ class VLLMBatchOperator(BaseOperator):
     :param results_dir: where the engine's local output, and results kept while S3 was
         down, live on the worker. Default: the system temporary directory's
         ``airflow-vllm-batch``; entries older than 7 days are removed.
+    :param engine: ``"runner"`` (default): vLLM's batch runner; ``"server"``: vLLM's
+        OpenAI-compatible server, started on this worker unless ``vllm_conn_id`` is set.
+    :param vllm_conn_id: a connection of type ``vllm`` to a running server; implies
+        ``engine="server"``. Default None.
+    :param max_in_flight: the most requests sent to the server and not yet answered.
+        Default: the connection's ``max_in_flight`` extra, else 512.
+    :param checkpoint_interval_s: seconds between the server engine's checkpoints to S3.
+        Default 60.
     """
 
     template_fields: Sequence[str] = (
@@ -191,6 +223,10 @@ class VLLMBatchOperator(BaseOperator):
         resume: bool = True,
         output_mode: str = "local",
         results_dir: str | None = None,
+        engine: str = "runner",
+        vllm_conn_id: str | None = None,
+        max_in_flight: int | None = None,
+        checkpoint_interval_s: float = 60.0,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -215,6 +251,10 @@ class VLLMBatchOperator(BaseOperator):
         self.resume = resume
         self.output_mode = output_mode
         self.results_dir = results_dir
+        self.engine = "server" if vllm_conn_id else engine
+        self.vllm_conn_id = vllm_conn_id
+        self.max_in_flight = max_in_flight
+        self.checkpoint_interval_s = checkpoint_interval_s
         self._check_static_arguments()
 
     @cached_property
@@ -226,6 +266,18 @@ class VLLMBatchOperator(BaseOperator):
     def engine_hook(self) -> VLLMEngineHook:
         """Runs the engine process; kept so that ``on_kill`` can stop it."""
         return VLLMEngineHook(kill_grace_s=self.kill_grace_s)
+
+    @cached_property
+    def server_engine(self) -> VLLMServerEngine:
+        """The server engine (a warm server, or one this task starts); kept so that ``on_kill`` can stop it."""
+        return VLLMServerEngine(
+            self.model,
+            vllm_conn_id=self.vllm_conn_id,
+            engine_args=list(self.engine_args or ()),
+            env=self._engine_environment(),
+            python=self.engine_python,
+            grace_s=self.kill_grace_s,
+        )
 
     @cached_property
     def store(self) -> OutputStore:
@@ -287,18 +339,21 @@ class VLLMBatchOperator(BaseOperator):
             try:
                 results = self.check_output(pinned, report, work, staging, results_path)
                 manifest = self.build_manifest(pinned, identity, report, results, run, started)
+                # With no failed line the runner's successes are its staged file byte for byte: copy it
+                # server side. The server engine's results are parts: the check's successes file is the output.
+                copy_staged = not results.request_counts["failed"] and self.engine == "runner"
                 self.store.publish(
                     manifest,
                     staging=staging,
-                    # With no failed line the successes are the staged file byte for byte: copy it server side.
-                    results_path=work / "results.jsonl" if results.request_counts["failed"] else None,
+                    results_path=None if copy_staged else work / "results.jsonl",
                     errors_path=self.error_file(report, work, results),
                 )
                 self.kept_results(identity).unlink(missing_ok=True)
             except (BotoCoreError, ClientError) as err:
+                staged = staging.uri(staging.results_key if self.engine == "runner" else staging.parts_prefix)
                 raise PublishError(
                     f"S3 failed while publishing ({err}). The engine's results are staged at "
-                    f"{staging.uri(staging.results_key)}: a retry publishes them without running the engine again."
+                    f"{staged}: a retry publishes them without running the engine again."
                 ) from err
         self.log.info(
             "Published %s (%d completed, %d failed)",
@@ -327,8 +382,10 @@ class VLLMBatchOperator(BaseOperator):
         return lineage_for(self.input_uri, self.output_uri, getattr(self, "_published_error_uri", None))
 
     def on_kill(self) -> None:
-        """Stop the whole engine process group; this run's staging is kept for the next try."""
+        """Stop the whole engine process group (or the server this task started); this run's staging is kept for the next try."""
         self.engine_hook.terminate()
+        if "server_engine" in self.__dict__:
+            self.server_engine.terminate()
 
     # -- arguments -------------------------------------------------------------------
 
@@ -343,6 +400,17 @@ class VLLMBatchOperator(BaseOperator):
                 raise ConfigurationError(f"{name} must be a positive whole number or None, got {value!r}.")
         if not isinstance(self.kill_grace_s, (int, float)) or self.kill_grace_s < 0:
             raise ConfigurationError(f"kill_grace_s must be a number of seconds >= 0, got {self.kill_grace_s!r}.")
+        if self.max_in_flight is not None and (not isinstance(self.max_in_flight, int) or self.max_in_flight < 1):
+            raise ConfigurationError(f"max_in_flight must be a positive whole number or None, got {self.max_in_flight!r}.")
+        if not isinstance(self.checkpoint_interval_s, (int, float)) or self.checkpoint_interval_s <= 0:
+            raise ConfigurationError(
+                f"checkpoint_interval_s must be a number of seconds > 0, got {self.checkpoint_interval_s!r}."
+            )
+        if self.engine == "server" and (self.output_mode != "local" or self.engine_command):
+            raise ConfigurationError(
+                "engine='server' streams from this task to the server: output_mode='presigned' and engine_command "
+                "apply to the runner only (set engine_python for a server in another environment)."
+            )
 
     def check_rendered_values(self) -> None:
         """Check and coerce the rendered templated values, in one place, before any I/O.
@@ -400,7 +468,17 @@ class VLLMBatchOperator(BaseOperator):
         pooling) decides which lines preflight accepts. Not possible for a custom
         ``engine_command``, whose environment this worker cannot see.
         """
-        if self.engine_command:
+        if self.vllm_conn_id:
+            # The warm server's environment is not this worker's: ask the server itself.
+            version = self.server_engine.check()
+            info = EngineInfo(vllm_version=version, supported_urls=FALLBACK_SUPPORTED_URLS)
+            self.log.info(
+                "Engine: the vLLM server of connection %r (vLLM %s) serves %s",
+                self.vllm_conn_id,
+                version or "of unknown version",
+                self.model,
+            )
+        elif self.engine_command:
             info = EngineInfo(vllm_version=None, supported_urls=FALLBACK_SUPPORTED_URLS)
         else:
             python = self.engine_python or sys.executable
@@ -439,8 +517,7 @@ class VLLMBatchOperator(BaseOperator):
 
     def run_identity(self, pinned: PinnedInput, engine: EngineInfo) -> RunIdentity:
         """Everything that shapes the results (see :mod:`airflow_vllm_batch.identity`)."""
-        return RunIdentity(
-            {
+        components = {
                 "input": pinned.components(),
                 "model": self.model,
                 "vllm_version": engine.vllm_version,
@@ -454,7 +531,12 @@ class VLLMBatchOperator(BaseOperator):
                 "supported_urls": sorted(self.supported_urls) if self.supported_urls else None,
                 "error_uri": self.store.error_uri,
             }
-        )
+        if self.engine == "server":
+            components["engine"] = "vllm_connection" if self.vllm_conn_id else "server"
+        if self.vllm_conn_id:
+            # A warm server's arguments are not ours: it is named by its model and version.
+            components["engine_args"] = components["engine_command"] = None
+        return RunIdentity(components)
 
     def published_manifest(self, identity: RunIdentity) -> Manifest | None:
         """The manifest of a complete output made under this identity, if there is one."""
@@ -548,6 +630,8 @@ class VLLMBatchOperator(BaseOperator):
 
         :return: a local copy of the results when this try has one, and the engine's run.
         """
+        if self.engine == "server":
+            return None, self.server_results(pinned, engine, staging, report, work)
         recovered = EngineRun(returncode=0, duration_s=0.0, vllm_version=engine.vllm_version)
         kept = self.kept_results(identity)
         if self.resume and staging.has_results():
@@ -574,15 +658,83 @@ class VLLMBatchOperator(BaseOperator):
                     f"The vLLM engine exited 0 but wrote no output to {staging.uri(staging.results_key)} (its upload "
                     "failed: see 'Failed to upload' in the log above). Last lines of its log:\n" + "\n".join(run.tail[-15:])
                 )
-            self.confirm_input_unchanged(pinned, report)
+            self.confirm_input_unchanged(pinned, report, staging)
             return None, run
         local = work / "engine-results.jsonl"
         run = self.run_engine(engine, engine_input, str(local), work)
         if not local.exists():
             raise EngineError("The vLLM engine exited 0 but wrote no output file. Last lines of its log:\n" + "\n".join(run.tail[-15:]))
-        self.confirm_input_unchanged(pinned, report)
+        # Durable first: whatever fails after this, the engine's work is not lost.
         self.stage_results(staging, local, identity)
+        self.confirm_input_unchanged(pinned, report, staging)
         return local, run
+
+    def server_results(
+        self, pinned: PinnedInput, engine: EngineInfo, staging: RunStaging, report: PreflightReport, work: Path
+    ) -> EngineRun:
+        """Stream the requests no checkpoint answers yet through the server; checkpoint the answers to S3 as parts."""
+        if not self.resume:
+            staging.drop_results()
+        parts = staging.list_parts()
+        answered = self.answered_ids(staging, parts)
+        progress = _Progress(self.log, total=report.valid_lines, resumed=len(answered))
+        if parts:
+            self.log.info(
+                "Resuming from %d checkpoint part(s) at %s: %d of %d requests are answered already.",
+                len(parts),
+                staging.uri(staging.parts_prefix),
+                len(answered),
+                report.valid_lines,
+            )
+        if len(answered) >= report.valid_lines:
+            return EngineRun(returncode=0, duration_s=0.0, vllm_version=engine.vllm_version)
+        if not self.vllm_conn_id:
+            self.check_engine_arguments(engine)
+        journal = Journal(
+            work / "journal",
+            on_part=lambda path, index: staging.put_part(path),
+            checkpoint_interval_s=self.checkpoint_interval_s,
+            max_part_bytes=DEFAULT_MAX_PART_BYTES,
+            first_index=max(parts, default=-1) + 1,
+        )
+        skip = (lambda custom_id: answered.line_of(custom_id) is not None) if answered else None
+        started = time.monotonic()
+        try:
+            with self.engine_input_lines(pinned, report, work) as requests:
+                stats = self.server_engine.run(
+                    requests,
+                    journal=journal,
+                    max_in_flight=self.max_in_flight,
+                    skip=skip,
+                    on_progress=progress,
+                    progress_every_s=PROGRESS_EVERY_S,
+                )
+        except (BotoCoreError, ClientError) as err:
+            raise StorageUnavailableError(
+                f"S3 failed while checkpointing the server's answers to {staging.uri(staging.parts_prefix)} ({err}). "
+                f"The {journal.lines_durable + len(answered)} answers in parts uploaded before stay there; the task's "
+                "retry resumes from them."
+            ) from err
+        progress.summary(stats)
+        return EngineRun(returncode=0, duration_s=time.monotonic() - started, vllm_version=engine.vllm_version)
+
+    def answered_ids(self, staging: RunStaging, parts: dict[int, str]) -> CustomIdIndex:
+        """The custom_ids the checkpoint parts answer, as preflight's compact index (12 bytes each, 24 once looked up)."""
+        index = CustomIdIndex()
+        if not parts:
+            return index
+        with staging.open_parts(parts) as lines:
+            for number, raw in enumerate(lines, start=1):
+                if raw.strip():
+                    index.add(_decode_custom_id(raw).custom_id, number)
+        return index
+
+    @contextlib.contextmanager
+    def engine_input_lines(self, pinned: PinnedInput, report: PreflightReport, work: Path) -> Iterator[Iterator[tuple[int, bytes]]]:
+        """``(line number, line)`` of what the engine runs: preflight's cleaned copy, or the pinned input."""
+        opened = open_lines(str(work / "input.jsonl")) if report.needs_rewrite else self.open_input(pinned)
+        with opened as lines:
+            yield enumerate(lines, start=1)
 
     def stage_results(self, staging: RunStaging, path: Path, identity: RunIdentity) -> None:
         """Upload finished results to the run's staging; keep them on this worker if S3 fails."""
@@ -615,17 +767,25 @@ class VLLMBatchOperator(BaseOperator):
             return self._presign("get_object", bucket, key, version_id=pinned.version_id)
         return uri
 
-    def confirm_input_unchanged(self, pinned: PinnedInput, report: PreflightReport) -> None:
+    def confirm_input_unchanged(self, pinned: PinnedInput, report: PreflightReport, staging: RunStaging) -> None:
         """Fail the try when the engine may have read another content than preflight checked.
 
         A cleaned copy was made from the pinned content, and a VersionId pins the engine's GET
         itself; otherwise the engine read the key as it was at its start, so the ETag is
-        compared again.
+        compared again (after the results were staged, which a retry of this same run, same
+        ETag, may then publish).
         """
         if not pinned.uri.startswith("s3://") or pinned.version_id or report.needs_rewrite:
             return
-        head = head_input(self.s3_hook, pinned.uri)
+        try:
+            head = head_input(self.s3_hook, pinned.uri)
+        except (BotoCoreError, ClientError) as err:
+            raise PublishError(
+                f"S3 failed after the engine's results were staged at {staging.uri(staging.results_key)} ({err}): "
+                "a retry publishes them without running the engine again."
+            ) from err
         if head["ETag"].strip('"') != pinned.etag:
+            staging.drop_results()
             raise InputChangedError(
                 f"{pinned.uri} was overwritten while the engine ran (ETag {pinned.etag} -> {head['ETag'].strip(chr(34))}). "
                 "Nothing was published; the next try checks and runs the new content."
@@ -693,7 +853,10 @@ class VLLMBatchOperator(BaseOperator):
         def reread_input():
             return open_lines(str(engine_input)) if engine_input else self.open_input(pinned)
 
-        results_reader = (lambda: open_lines(str(results_path))) if results_path else staging.open_results
+        if self.engine == "server":
+            results_reader = staging.open_parts
+        else:
+            results_reader = (lambda: open_lines(str(results_path))) if results_path else staging.open_results
         with (
             results_reader() as result_lines,
             open(work / "results.jsonl", "wb") as successes,
@@ -809,6 +972,66 @@ class VLLMBatchOperator(BaseOperator):
             )
         mask_secret(url)
         return url
+
+
+class _CustomId(msgspec.Struct, gc=False):
+    custom_id: str
+
+
+_decode_custom_id = msgspec.json.Decoder(_CustomId).decode
+
+
+class _Progress:
+    """The server engine's progress lines in the task log, and its final summary.
+
+    :param log: the task's logger.
+    :param total: the requests of the batch (preflight's valid lines).
+    :param resumed: those answered by earlier tries' checkpoints.
+    """
+
+    def __init__(self, log: Any, total: int, resumed: int) -> None:
+        self.log = log
+        self.total = total
+        self.resumed = resumed
+
+    def __call__(self, stats: StreamStats) -> None:
+        done = self.resumed + stats.done
+        rate = stats.requests_per_s
+        eta = (self.total - done) / rate if rate > 0 else None
+        self.log.info(
+            "Progress: %d/%d requests (%.1f%%), %.1f requests/s, %.0f output tokens/s, %d failed, %d in flight, "
+            "%d checkpointed, ETA %s",
+            done,
+            self.total,
+            100.0 * done / self.total if self.total else 100.0,
+            rate,
+            stats.output_tokens_per_s,
+            stats.failed,
+            stats.in_flight,
+            self.resumed + stats.durable,
+            _duration(eta) if eta is not None else "unknown",
+        )
+
+    def summary(self, stats: StreamStats) -> None:
+        self.log.info(
+            "Server engine done: %d requests sent and answered in %s (%.1f requests/s, %.0f output tokens/s), "
+            "%d failed, %d retried, %d answered by earlier tries' checkpoints; %d prompt and %d output tokens.",
+            stats.done,
+            _duration(stats.elapsed_s),
+            stats.requests_per_s,
+            stats.output_tokens_per_s,
+            stats.failed,
+            stats.retried,
+            self.resumed,
+            stats.prompt_tokens,
+            stats.completion_tokens,
+        )
+
+
+def _duration(seconds: float) -> str:
+    seconds = round(seconds)
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}h{rest // 60:02d}m{rest % 60:02d}s" if hours else f"{rest // 60}m{rest % 60:02d}s"
 
 
 def _age_out(root: Path, max_age_s: float) -> None:

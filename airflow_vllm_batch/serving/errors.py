@@ -16,10 +16,16 @@ class ServerUnavailableError(VLLMBatchError):
 class ServerAuthError(VLLMBatchError):
     """The vLLM server refused the API key (HTTP 401 or 403); retrying will not help."""
 
+    retryable = False
+
 
 class ModelNotServedError(VLLMBatchError):
     """The vLLM server does not serve the model the batch asks for; retrying will not help."""
 
+    retryable = False
+
 
 class BadRequestLineError(VLLMBatchError):
     """A line of the input is not a request line; preflight should have stopped it."""
+
+    retryable = False

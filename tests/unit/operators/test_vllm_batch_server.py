@@ -1,0 +1,263 @@
+"""The server engine of VLLMBatchOperator, every branch in seconds.
+
+A stand-in vLLM server (aiohttp, ``tests/unit/serving/conftest.py``) reached through a
+``vllm`` connection given as ``AIRFLOW_CONN_...`` JSON, and real S3 (SeaweedFS). The real
+server runs the same paths in ``tests/integration/test_vllm_server.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+from airflow.sdk.exceptions import AirflowFailException
+from botocore.exceptions import ClientError
+
+from airflow_vllm_batch.exceptions import ConfigurationError, StorageUnavailableError
+from airflow_vllm_batch.operators import vllm_batch
+from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
+from airflow_vllm_batch.serving import ServerUnavailableError, stream
+from airflow_vllm_batch.storage import RunStaging
+from tests.unit.operators.test_vllm_batch_runs import FakeTI
+from tests.unit.serving.conftest import API_KEY, StandIn
+
+CONN_ID = "vllm_stand_in"
+N = 20
+
+
+class ServedStandIn(StandIn):
+    """The stand-in with the read-only endpoints a warm server has: ``/v1/models`` and ``/version``."""
+
+    served = ("m",)
+
+    async def _start(self) -> None:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self._handle)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/version", self._version)
+        self._runner = web.AppRunner(app, shutdown_timeout=0.1)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+
+    async def _models(self, request: web.Request) -> web.Response:
+        if request.headers.get("Authorization") != f"Bearer {API_KEY}":
+            return web.json_response({"error": {"message": "Unauthorized"}}, status=401)
+        return web.json_response({"object": "list", "data": [{"id": m, "object": "model"} for m in self.served]})
+
+    async def _version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": "0.32.0"})
+
+    def restart(self) -> None:
+        """Come back on the same port, as a restarted server behind the same address would."""
+        asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(10)
+
+    @property
+    def requests(self) -> int:
+        return sum(self.attempts.values())
+
+
+@pytest.fixture
+def server() -> Iterator[ServedStandIn]:
+    stand_in = ServedStandIn().start()
+    os.environ[f"AIRFLOW_CONN_{CONN_ID.upper()}"] = json.dumps(
+        {"conn_type": "vllm", "host": "127.0.0.1", "port": stand_in.port, "password": API_KEY, "extra": {"max_in_flight": 4}}
+    )
+    yield stand_in
+    os.environ.pop(f"AIRFLOW_CONN_{CONN_ID.upper()}", None)
+    stand_in.close()
+
+
+@pytest.fixture(autouse=True)
+def quick_retries(monkeypatch):
+    """No backoff between retries of a gone server: the retry count still bounds them."""
+    monkeypatch.setattr(stream, "_backoff", lambda attempt, first_s: 0.001)
+
+
+def requests_lines(n: int) -> bytes:
+    """Chat lines whose message is their custom_id (what the stand-in keys on)."""
+    return b"".join(
+        json.dumps(
+            {"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "m", "messages": [{"role": "user", "content": f"r{i}"}]}}
+        ).encode()
+        + b"\n"
+        for i in range(n)
+    )
+
+
+class Batch:
+    def __init__(self, s3, bucket: str, tmp_path: Path) -> None:
+        self.client = s3.client()
+        self.bucket = bucket
+        self.tmp_path = tmp_path
+        self.client.put_object(Bucket=bucket, Key="in/input.jsonl", Body=requests_lines(N))
+
+    def keys(self, prefix: str = "") -> list[str]:
+        return [o["Key"] for o in self.client.list_objects_v2(Bucket=self.bucket, Prefix=prefix).get("Contents", [])]
+
+    def lines(self, key: str) -> list[dict]:
+        body = self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
+        return [json.loads(line) for line in body.splitlines()]
+
+    def parts(self) -> list[str]:
+        return sorted(k for k in self.keys("out/") if "/parts/" in k)
+
+    def operator(self, **kwargs) -> VLLMBatchOperator:
+        args = {
+            "task_id": "vllm_batch",
+            "input_uri": f"s3://{self.bucket}/in/input.jsonl",
+            "output_uri": f"s3://{self.bucket}/out/results.jsonl",
+            "model": "m",
+            "vllm_conn_id": CONN_ID,
+            "checkpoint_interval_s": 0.05,
+            "results_dir": str(self.tmp_path / "results"),
+        }
+        return VLLMBatchOperator(**{**args, **kwargs})
+
+    def run(self, ti: FakeTI | None = None, **kwargs) -> dict:
+        return self.operator(**kwargs).execute({"ti": ti or FakeTI(), "outlet_events": {}})
+
+
+@pytest.fixture
+def batch(s3, bucket, tmp_path) -> Batch:
+    return Batch(s3, bucket, tmp_path)
+
+
+def _dies_after(server: ServedStandIn, answered: int):
+    """A behaviour that answers ``answered`` requests, then takes the server down for good (until restart)."""
+
+    async def behaviour(custom_id: str, body: dict, attempt: int) -> web.Response:
+        if int(custom_id[1:]) >= answered:
+            server.stop_soon()
+            await asyncio.sleep(30)  # cancelled by the shutdown
+        await asyncio.sleep(0.01)
+        return web.json_response(
+            {"id": custom_id, "object": "chat.completion", "created": 1, "model": "m", "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}}
+        )
+
+    return behaviour
+
+
+def test_a_warm_server_through_a_connection_answers_every_request_once_and_publishes(batch, server, capfd):
+    ti = FakeTI()
+    manifest = batch.run(ti)
+    assert manifest["request_counts"] == {"total": N, "completed": N, "failed": 0}
+    assert manifest["vllm_version"] == "0.32.0"
+    assert manifest["identity"]["engine"] == "vllm_connection" and manifest["identity"]["engine_args"] is None
+    assert sorted(r["custom_id"] for r in batch.lines("out/results.jsonl")) == sorted(f"r{i}" for i in range(N))
+    assert server.requests == N and set(server.attempts.values()) == {1}
+    assert server.max_in_flight <= 4  # the connection's max_in_flight extra
+    assert server.auth_headers == {f"Bearer {API_KEY}"}
+    assert sorted(batch.keys("out/")) == ["out/results.jsonl", "out/results.manifest.json"]  # staging and parts removed
+    logged = capfd.readouterr()
+    assert "Server engine done: 20 requests sent and answered" in logged.out
+    for text in (logged.out, logged.err, json.dumps(manifest), json.dumps(ti.xcoms), batch.client.get_object(Bucket=batch.bucket, Key="out/results.manifest.json")["Body"].read().decode()):
+        assert API_KEY not in text
+
+
+def test_a_warm_servers_arguments_are_not_in_the_run_identity(batch, server):
+    first = batch.run()
+    again = batch.run(FakeTI(run_id="rerun"), engine_args=["--max-model-len", "64"])
+    assert again == first
+    assert server.requests == N
+
+
+def test_a_model_the_server_does_not_serve_fails_fast_without_retry_naming_what_it_serves(batch, server):
+    server.served = ("other-model", "third")
+    with pytest.raises(AirflowFailException, match="does not serve model 'm'; it serves 'other-model', 'third'"):
+        batch.run()
+    assert server.requests == 0
+    assert batch.keys("out/") == []
+
+
+def test_a_dead_server_fails_the_try_as_retryable_and_keeps_its_checkpoints(batch, server):
+    server.behaviour = _dies_after(server, 10)
+    with pytest.raises(ServerUnavailableError, match="retrying the task resumes from them"):
+        batch.run(max_in_flight=1)
+    parts = batch.parts()
+    assert parts and all("/parts/part-" in k for k in parts)
+    answered = [r["custom_id"] for k in parts for r in batch.lines(k)]
+    assert sorted(answered) == sorted(f"r{i}" for i in range(10))
+    assert "out/results.jsonl" not in batch.keys() and "out/results.manifest.json" not in batch.keys()
+
+
+def test_a_retry_resumes_from_the_parts_and_sends_only_the_unanswered(batch, server, capfd):
+    server.behaviour = _dies_after(server, 10)
+    with pytest.raises(ServerUnavailableError):
+        batch.run(max_in_flight=1)
+    first_parts = batch.parts()
+    sent_first = dict(server.attempts)
+    server.restart()
+    server.behaviour = _dies_after(server, N)  # answers everything now
+    capfd.readouterr()
+    manifest = batch.run(FakeTI(try_number=2), max_in_flight=1)
+    assert manifest["request_counts"] == {"total": N, "completed": N, "failed": 0}
+    sent_second = {cid: n - sent_first.get(cid, 0) for cid, n in server.attempts.items() if n - sent_first.get(cid, 0)}
+    assert sorted(sent_second) == sorted(f"r{i}" for i in range(10, N))  # r10 was in flight when it died: sent again
+    assert set(sent_second.values()) == {1}
+    out = [r["custom_id"] for r in batch.lines("out/results.jsonl")]
+    assert sorted(out) == sorted(f"r{i}" for i in range(N))  # each exactly once
+    assert "Resuming from %d checkpoint part(s)" % len(first_parts) in capfd.readouterr().out
+    assert batch.parts() == []
+
+
+def test_a_retry_numbers_its_parts_after_the_earlier_tries(batch, server, monkeypatch):
+    server.behaviour = _dies_after(server, 10)
+    with pytest.raises(ServerUnavailableError):
+        batch.run(max_in_flight=1)
+    last = max(int(k.rsplit("part-", 1)[1].split(".")[0]) for k in batch.parts())
+    uploaded: list[str] = []
+    real_put = RunStaging.put_part
+    monkeypatch.setattr(RunStaging, "put_part", lambda self, path: (uploaded.append(path.name), real_put(self, path)))
+    server.restart()
+    server.behaviour = _dies_after(server, N)
+    batch.run(FakeTI(try_number=2), max_in_flight=1)
+    assert uploaded and min(int(name[5:11]) for name in uploaded) == last + 1
+
+
+def test_a_failed_part_upload_fails_the_try_as_retryable_and_the_retry_finishes(batch, server, monkeypatch):
+    real_put = RunStaging.put_part
+
+    def s3_fails(self, path):
+        raise ClientError({"Error": {"Code": "ServiceUnavailable", "Message": "down"}}, "PutObject")
+
+    monkeypatch.setattr(RunStaging, "put_part", s3_fails)
+    with pytest.raises(StorageUnavailableError, match="S3 failed while checkpointing .* the task's retry resumes"):
+        batch.run()
+    assert batch.keys("out/") == []
+    monkeypatch.setattr(RunStaging, "put_part", real_put)
+    manifest = batch.run(FakeTI(try_number=2))
+    assert manifest["request_counts"]["completed"] == N
+
+
+def test_progress_lines_show_done_rate_tokens_failures_and_eta(batch, server, monkeypatch, capfd):
+    monkeypatch.setattr(vllm_batch, "PROGRESS_EVERY_S", 0.05)
+
+    async def slow(custom_id: str, body: dict, attempt: int) -> web.Response:
+        await asyncio.sleep(0.05)
+        return web.json_response(
+            {"id": custom_id, "object": "chat.completion", "created": 1, "model": "m", "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}}
+        )
+
+    server.behaviour = slow
+    batch.run(max_in_flight=2)
+    out = capfd.readouterr().out
+    assert "Progress: " in out
+    line = next(line for line in out.splitlines() if "Progress: " in line)
+    for fragment in ("/20 requests (", "%), ", " requests/s, ", " output tokens/s, ", " failed, ", "ETA "):
+        assert fragment in line
+
+
+@pytest.mark.parametrize("kwargs", [{"output_mode": "presigned"}, {"engine_command": ["x"]}, {"checkpoint_interval_s": 0}, {"max_in_flight": 0}, {"engine": "ray", "vllm_conn_id": None}])
+def test_settings_that_do_not_fit_the_server_engine_fail_at_dag_parse_time(batch, kwargs):
+    with pytest.raises(ConfigurationError):
+        batch.operator(**kwargs)
+
+
+def test_a_connection_implies_the_server_engine(batch):
+    assert batch.operator().engine == "server"
+    assert batch.operator(vllm_conn_id=None).engine == "runner"

@@ -116,11 +116,21 @@ def test_embeddings_dag_returns_one_384_dim_vector_per_text(embeddings_run, seaw
     assert embeddings_run.xcom("check_vectors") == {"count": N_EMBED}
 
 
-def test_pipeline_output_link_points_at_the_results(pipeline_run):
+def test_every_published_result_body_parses_with_the_openai_sdk_types(pipeline_run, embeddings_run, seaweed):
+    from openai.types import CreateEmbeddingResponse
+    from openai.types.chat import ChatCompletion
+
+    for run, task_id, sdk_type in ((pipeline_run, "vllm_batch", ChatCompletion), (embeddings_run, "vllm_embed", CreateEmbeddingResponse)):
+        lines = _s3_lines(seaweed, run.xcom(task_id)["output_uri"])
+        assert lines
+        for line in lines:
+            sdk_type.model_validate(line["response"]["body"])
+
+
+def test_pipeline_output_link_points_at_the_results_on_the_connections_own_endpoint(pipeline_run, seaweed):
     bucket, _, key = pipeline_run.xcom("vllm_batch")["output_uri"].removeprefix("s3://").partition("/")
-    assert pipeline_run.xcom("vllm_batch", "_link_VLLMBatchOutputLink") == (
-        f"https://s3.console.aws.amazon.com/s3/object/{bucket}?prefix={key}"
-    )
+    # Not the AWS console: the connection has an endpoint_url of its own (SeaweedFS).
+    assert pipeline_run.xcom("vllm_batch", "_link_VLLMBatchOutputLink") == f"{seaweed.endpoint_url}/{bucket}/{key}"
 
 
 def test_pipeline_emits_the_results_asset_event_with_the_counts(pipeline_run):

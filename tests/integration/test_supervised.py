@@ -485,13 +485,6 @@ class EngineRanAgain(AssertionError):
     """Try 2 started the engine although try 1's engine had finished its batch."""
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=EngineRanAgain,
-    reason="confirm_input_unchanged HEADs the input after the engine exits and before its results are staged "
-    "or kept: with S3 down then, EndpointConnectionError escapes, the try's scratch directory (with the "
-    "results) is removed, and try 2 runs the engine again",
-)
 def test_retry_after_s3_went_down_while_the_engine_ran_publishes_its_results_without_the_engine(supervised):
     """S3 crashes while try 1's engine runs (it has read its input) and stays down until try 1
     failed: the finished results are kept on the worker, and try 2 (the same worker: LocalExecutor)

@@ -350,11 +350,7 @@ class VLLMBatchOperator(BaseOperator):
                 )
                 self.kept_results(identity).unlink(missing_ok=True)
             except (BotoCoreError, ClientError) as err:
-                staged = staging.uri(staging.results_key if self.engine == "runner" else staging.parts_prefix)
-                raise PublishError(
-                    f"S3 failed while publishing ({err}). The engine's results are staged at "
-                    f"{staged}: a retry publishes them without running the engine again."
-                ) from err
+                raise self._publish_failed(err, staging) from err
         self.log.info(
             "Published %s (%d completed, %d failed)",
             self.output_uri,
@@ -780,10 +776,7 @@ class VLLMBatchOperator(BaseOperator):
         try:
             head = head_input(self.s3_hook, pinned.uri)
         except (BotoCoreError, ClientError) as err:
-            raise PublishError(
-                f"S3 failed after the engine's results were staged at {staging.uri(staging.results_key)} ({err}): "
-                "a retry publishes them without running the engine again."
-            ) from err
+            raise self._publish_failed(err, staging) from err
         if head["ETag"].strip('"') != pinned.etag:
             staging.drop_results()
             raise InputChangedError(
@@ -942,6 +935,14 @@ class VLLMBatchOperator(BaseOperator):
     def resolved_manifest_uri(self) -> str:
         """Where the manifest is written beside the output: ``<output stem>.manifest.json``."""
         return self.store.manifest_uri
+
+    def _publish_failed(self, err: Exception, staging: RunStaging) -> PublishError:
+        """The error of an S3 failure once the engine's results are staged: nothing is lost."""
+        staged = staging.uri(staging.results_key if self.engine == "runner" else staging.parts_prefix)
+        return PublishError(
+            f"S3 failed while publishing ({err}). The engine's results are staged at {staged}: "
+            "a retry publishes them without running the engine again."
+        )
 
     def _engine_environment(self) -> dict[str, str]:
         return {**os.environ, **{k: str(v) for k, v in (self.engine_env or {}).items()}}

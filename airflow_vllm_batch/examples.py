@@ -9,6 +9,9 @@ worker (a real model, real S3) without edits:
 ``AIRFLOW_VLLM_BATCH_EMBED_MODEL``   embedding model name or directory
 ``AIRFLOW_VLLM_BATCH_ENGINE_ARGS``   extra runner arguments, shell-quoted (e.g. ``--enforce-eager``)
 ``AIRFLOW_VLLM_BATCH_AWS_CONN_ID``   the AWS connection (default ``aws_default``)
+``AIRFLOW_VLLM_BATCH_VLLM_CONN_ID``  a ``vllm`` connection to a running vLLM server: the
+                                     inference tasks stream through it (the server engine)
+                                     instead of starting vLLM's batch runner. Default: none.
 """
 
 from __future__ import annotations
@@ -39,6 +42,11 @@ def bucket() -> str:
 def aws_conn_id() -> str:
     """The AWS connection the example DAGs use."""
     return os.environ.get("AIRFLOW_VLLM_BATCH_AWS_CONN_ID", "aws_default")
+
+
+def vllm_conn_id() -> str | None:
+    """The ``vllm`` connection of a running server for the example DAGs, or None to run vLLM's batch runner."""
+    return os.environ.get("AIRFLOW_VLLM_BATCH_VLLM_CONN_ID") or None
 
 
 def chat_model() -> str:

@@ -10,6 +10,9 @@ retried alone. A retry, or a cleared run, redoes only what is missing: the split
 keeps the shards an earlier try uploaded, and each shard whose results are already
 published returns their manifest without starting the engine. Keys are templated by
 run id, so different runs never share shards or outputs.
+
+With ``AIRFLOW_VLLM_BATCH_VLLM_CONN_ID`` set (see :mod:`airflow_vllm_batch.examples`),
+every shard streams through that one running vLLM server: shards cost no engine start.
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ def vllm_batch_sharded():
         task_id="vllm_batch",
         model="{{ params.model }}",
         engine_args=examples.engine_args(),
+        vllm_conn_id=examples.vllm_conn_id(),
         aws_conn_id=examples.aws_conn_id(),
         execution_timeout=timedelta(hours=2),
         queue="gpu",

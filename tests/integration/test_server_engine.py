@@ -1,0 +1,203 @@
+"""The server engine end to end: one real vLLM server (CPU, tiny model) reached through a ``vllm`` connection.
+
+The pipeline and sharded example DAGs run against it (``AIRFLOW_VLLM_BATCH_VLLM_CONN_ID``);
+then a 2,000-request task is SIGKILLed at about half and run again as the same task
+instance: every custom_id is answered exactly once, and the server answered no more than
+the batch plus what was in flight plus one checkpoint interval's worth.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pytest
+from openai.types.chat import ChatCompletion
+
+from airflow_vllm_batch.embedded.demo import BUCKET, CPU_ENGINE_ARGS, CPU_ENGINE_ENV
+from airflow_vllm_batch.hooks.vllm_server import VLLMServerProcess
+from tests.integration.dagrun import REPO, load_dag, run_dag
+
+pytestmark = [pytest.mark.integration, pytest.mark.engine]
+
+CONN_ID = "vllm_tiny"
+N_KILL = 2000
+MAX_IN_FLIGHT = 128
+INTERVAL_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def warm(embedded, airflow_db, tiny_model: Path) -> Iterator[VLLMServerProcess]:
+    """One vLLM server for the module, behind connection ``vllm_tiny``; the example DAGs use it."""
+    with VLLMServerProcess(
+        str(tiny_model), engine_args=CPU_ENGINE_ARGS.split(), env={**os.environ, **CPU_ENGINE_ENV}, startup_timeout_s=300
+    ) as server:
+        assert server.hook is not None
+        host, port = server.hook.base_url.removeprefix("http://").split(":")
+        os.environ[f"AIRFLOW_CONN_{CONN_ID.upper()}"] = json.dumps(
+            {"conn_type": "vllm", "host": host, "port": int(port), "password": server.hook.api_key}
+        )
+        os.environ["AIRFLOW_VLLM_BATCH_VLLM_CONN_ID"] = CONN_ID
+        try:
+            yield server
+        finally:
+            os.environ.pop("AIRFLOW_VLLM_BATCH_VLLM_CONN_ID", None)
+            os.environ.pop(f"AIRFLOW_CONN_{CONN_ID.upper()}", None)
+
+
+def _success_total(base_url: str) -> float:
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as response:  # noqa: S310
+        metrics = response.read().decode()
+    return sum(float(v) for v in re.findall(r"^vllm:request_success_total\{[^}]*\} (\S+)$", metrics, re.MULTILINE))
+
+
+def _s3_lines(seaweed, uri: str) -> list[dict]:
+    bucket, _, key = uri.removeprefix("s3://").partition("/")
+    body = seaweed.client().get_object(Bucket=bucket, Key=key)["Body"].read().decode()
+    return [json.loads(line) for line in body.splitlines() if line.strip()]
+
+
+def test_the_pipeline_dag_runs_through_the_warm_server(warm, embedded):
+    before = _success_total(warm.hook.base_url)
+    run = run_dag(load_dag("vllm_batch_pipeline.py", "pipeline_dag"), run_conf={"n_requests": 12, "max_tokens": 8})
+    assert run.state == "success", run.output[-4000:]
+    manifest = run.xcom("vllm_batch")
+    assert manifest["request_counts"] == {"total": 12, "completed": 12, "failed": 0}
+    assert manifest["identity"]["engine"] == "vllm_connection"
+    assert "Starting the vLLM" not in run.output  # no engine start: the warm server answered
+    for line in _s3_lines(embedded, manifest["output_uri"]):
+        ChatCompletion.model_validate(line["response"]["body"])
+    assert _success_total(warm.hook.base_url) - before == 12
+    assert warm.hook.api_key not in run.output
+
+
+def test_the_sharded_dag_runs_every_shard_through_one_warm_server(warm, embedded):
+    before = _success_total(warm.hook.base_url)
+    run = run_dag(load_dag("vllm_batch_sharded.py", "sharded_dag"), run_conf={"n_requests": 90, "shard_size": 30, "max_tokens": 4})
+    assert run.state == "success", run.output[-4000:]
+    assert run.output.count("Server engine done: 30 requests") == 3
+    assert "Starting the vLLM" not in run.output
+    merged = run.xcom("merge")
+    for line in _s3_lines(embedded, merged["output_uri"]):
+        ChatCompletion.model_validate(line["response"]["body"])
+    assert _success_total(warm.hook.base_url) - before == 90
+
+
+TASK_SCRIPT = """
+import sys
+sys.path.insert(0, {repo!r})
+from datetime import datetime, timezone
+from airflow.sdk import DAG
+from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
+from tests.integration.dagrun import register_dag
+
+when = datetime(2026, 3, 1, tzinfo=timezone.utc)
+with DAG("server_engine_sigkill", schedule=None, start_date=datetime(2026, 1, 1, tzinfo=timezone.utc)) as dag:
+    VLLMBatchOperator(
+        task_id="vllm_batch",
+        input_uri={input_uri!r},
+        output_uri={output_uri!r},
+        model={model!r},
+        vllm_conn_id={conn_id!r},
+        max_in_flight={max_in_flight},
+        checkpoint_interval_s={interval},
+    )
+register_dag(dag)
+dr = dag.test(logical_date=when, run_after=when)
+print("DAGRUN STATE", dr.state, flush=True)
+"""
+
+
+def _chat_lines(model: str, n: int, max_tokens: int) -> bytes:
+    return b"".join(
+        json.dumps(
+            {
+                "custom_id": f"k{i}",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {"model": model, "messages": [{"role": "user", "content": f"Count to {i}"}], "max_completion_tokens": max_tokens, "ignore_eos": True},
+            }
+        ).encode()
+        + b"\n"
+        for i in range(n)
+    )
+
+
+def test_sigkill_at_half_then_the_same_task_instance_again_answers_each_request_once(warm, embedded, tiny_model, tmp_path):
+    client = embedded.client()
+    client.put_object(Bucket=BUCKET, Key="server-kill/input.jsonl", Body=_chat_lines(str(tiny_model), N_KILL, 24))
+    script = tmp_path / "task.py"
+    script.write_text(
+        TASK_SCRIPT.format(
+            repo=str(REPO),
+            input_uri=f"s3://{BUCKET}/server-kill/input.jsonl",
+            output_uri=f"s3://{BUCKET}/server-kill/results.jsonl",
+            model=str(tiny_model),
+            conn_id=CONN_ID,
+            max_in_flight=MAX_IN_FLIGHT,
+            interval=INTERVAL_S,
+        )
+    )
+    base = warm.hook.base_url
+    before = _success_total(base)
+
+    window: dict[str, float] = {}
+
+    def run_task(kill_at: int | None) -> str:
+        log = tmp_path / f"task-{kill_at}.log"
+        with open(log, "wb") as out:
+            task = subprocess.Popen([sys.executable, str(script)], stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
+            try:
+                while kill_at is not None and task.poll() is None:
+                    answered = _success_total(base) - before
+                    if answered and "first" not in window:
+                        window["first"] = time.monotonic()
+                    if answered >= kill_at:
+                        task.send_signal(signal.SIGKILL)  # the OOM killer, a reclaimed spot node
+                        window["kill"] = time.monotonic()
+                        break
+                    time.sleep(0.1)
+                task.wait(timeout=600)
+            finally:
+                if task.poll() is None:
+                    task.kill()
+        return log.read_text(errors="replace")
+
+    first = run_task(kill_at=N_KILL // 2)
+    assert "DAGRUN STATE" not in first, first[-3000:]
+    answered_first = _success_total(base) - before
+    parts = [o["Key"] for o in client.list_objects_v2(Bucket=BUCKET, Prefix="server-kill/").get("Contents", []) if "/parts/" in o["Key"]]
+    assert parts, "the killed try left no checkpoint"
+    part_lines = [len(_s3_lines(embedded, f"s3://{BUCKET}/{key}")) for key in sorted(parts)]
+    time.sleep(1)  # requests the killed try left in the server finish or are aborted
+    second = run_task(kill_at=None)
+    assert "DAGRUN STATE success" in second, second[-3000:]
+    resumed = re.search(r"Resuming from \d+ checkpoint part\(s\) at \S+: (\d+) of 2000 requests are answered already", second)
+    assert resumed, second[-3000:]
+    results = _s3_lines(embedded, f"s3://{BUCKET}/server-kill/results.jsonl")
+    ids = [r["custom_id"] for r in results]
+    assert len(ids) == N_KILL and set(ids) == {f"k{i}" for i in range(N_KILL)}
+    for line in results[:50]:
+        ChatCompletion.model_validate(line["response"]["body"])
+    total = _success_total(base) - before
+    rate = answered_first / max(window["kill"] - window["first"], 0.1)
+    checkpointed = int(resumed.group(1))
+    # What one checkpoint interval holds, measured: the largest part (a part is sealed one interval
+    # after its first answer). A kill can find one part open and the previous one still uploading.
+    interval_worth = max(part_lines)
+    print(
+        f"killed after {answered_first:.0f} answers (mean {rate:.0f}/s); parts {part_lines} = {checkpointed} "
+        f"checkpointed; the server answered {total:.0f} in all, {total - N_KILL:.0f} twice "
+        f"(interval {INTERVAL_S:g}s, {MAX_IN_FLIGHT} in flight)"
+    )
+    assert checkpointed == sum(part_lines)
+    assert total - N_KILL <= MAX_IN_FLIGHT + 2 * interval_worth

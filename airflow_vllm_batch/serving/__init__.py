@@ -7,14 +7,19 @@ the operator use the same code. The server's lifecycle and the ``vllm`` connecti
 
 from __future__ import annotations
 
-from airflow_vllm_batch.serving.errors import (
+from airflow_vllm_batch.exceptions import (
     BadRequestLineError,
     ModelNotServedError,
     ServerAuthError,
     ServerUnavailableError,
 )
 from airflow_vllm_batch.serving.journal import Journal, SealedPart, part_name
-from airflow_vllm_batch.serving.stream import DEFAULT_MAX_IN_FLIGHT, StreamStats, result_line, run_stream
+from airflow_vllm_batch.serving.stream import (
+    DEFAULT_MAX_IN_FLIGHT,
+    StreamStats,
+    result_line,
+    run_stream,
+)
 
 __all__ = [
     "DEFAULT_MAX_IN_FLIGHT",

@@ -25,11 +25,11 @@ What is retried (with exponential backoff and jitter, ``retries`` times): connec
 refused or reset, a dropped keep-alive connection, timeouts, and HTTP 502, 503 and 504.
 When the retries run out on a connection error or a 502/503, the server is taken to be
 gone: the stream stops, the journal is flushed (sealed and reported) and
-:class:`~airflow_vllm_batch.serving.errors.ServerUnavailableError` is raised, so that the
+:class:`~airflow_vllm_batch.exceptions.ServerUnavailableError` is raised, so that the
 task's retry resumes from the checkpoints. A request that still times out (or gets 504)
 after its retries becomes that line's error instead: it is more likely the request (a
 very long generation) than the server. HTTP 401/403 raise
-:class:`~airflow_vllm_batch.serving.errors.ServerAuthError` at once. Any other status
+:class:`~airflow_vllm_batch.exceptions.ServerAuthError` at once. Any other status
 (4xx, 500) is that line's answer.
 
 This module has no Airflow imports.
@@ -50,7 +50,11 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from airflow_vllm_batch.serving.errors import BadRequestLineError, ServerAuthError, ServerUnavailableError
+from airflow_vllm_batch.exceptions import (
+    BadRequestLineError,
+    ServerAuthError,
+    ServerUnavailableError,
+)
 from airflow_vllm_batch.serving.journal import Journal
 
 #: Default requests in flight: twice vLLM's default ``--max-num-seqs`` on most GPUs (256;

@@ -14,24 +14,19 @@ through the API server's execution API), so no PostgreSQL is needed here.
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import psutil
 import pytest
 
 from airflow_vllm_batch.embedded.demo import BUCKET, embedded_env
 from airflow_vllm_batch.embedded.seaweedfs import _free_ports
+from tests.integration.deployment import Deployment, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.engine, pytest.mark.celery]
 
@@ -41,100 +36,6 @@ N_REQUESTS = 20
 SHARD_SIZE = 10
 RUN_TIMEOUT_S = 420
 LOOPBACK = "127.0.0.1"
-
-
-@dataclass
-class Deployment:
-    """The processes of one Airflow deployment, and how to talk to it."""
-
-    home: Path
-    api_url: str
-    env: dict[str, str]
-    processes: dict[str, subprocess.Popen] = field(default_factory=dict)
-    token: str | None = None
-    stopped: bool = False
-
-    def start(self, name: str, argv: list[str]) -> subprocess.Popen:
-        log = open(self.home / f"{name}.log", "ab")  # noqa: SIM115 - closed with the process
-        # Its own session: stop() signals the whole group (Celery's pool, task supervisors).
-        proc = subprocess.Popen(argv, env=self.env, cwd=self.home, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-        log.close()
-        self.processes[name] = proc
-        return proc
-
-    def log(self, name: str) -> str:
-        return (self.home / f"{name}.log").read_text(errors="replace")
-
-    def request(self, method: str, path: str, body: dict | None = None, timeout: float = 30) -> dict:
-        headers = {"Content-Type": "application/json"}
-        if self.token:
-            headers["Authorization"] = f"Bearer {self.token}"
-        data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(self.api_url + path, data=data, method=method, headers=headers)
-        with urllib.request.urlopen(req, timeout=timeout) as response:  # noqa: S310 - loopback only
-            return json.loads(response.read() or b"null")
-
-    def check_alive(self) -> None:
-        for name, proc in self.processes.items():
-            if proc.poll() is not None:
-                raise AssertionError(f"{name} exited with code {proc.returncode}:\n{self.log(name)[-3000:]}")
-
-    def stop(self, grace_s: float = 20) -> list[int]:
-        """Stop every process started here, with all their descendants; return the PIDs still alive (none, normally)."""
-        if self.stopped:
-            return []
-        self.stopped = True
-        tracked: list[psutil.Process] = []
-        for proc in self.processes.values():
-            try:
-                leader = psutil.Process(proc.pid)
-                # Engines run in sessions of their own (the operator's doing): collect them too.
-                tracked += [leader, *leader.children(recursive=True)]
-            except psutil.Error:
-                pass
-        for proc in self.processes.values():
-            if proc.poll() is None:
-                _signal_group(proc.pid, signal.SIGTERM)
-        _, alive = psutil.wait_procs(tracked, timeout=grace_s)
-        for process in alive:
-            # psutil.Process.kill() refuses a PID that was reused by someone else's process.
-            try:
-                process.kill()
-            except psutil.Error:
-                pass
-        psutil.wait_procs(alive, timeout=10)
-        for proc in self.processes.values():
-            proc.wait(timeout=10)
-        return [p.pid for p in tracked if _alive(p)]
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _alive(process: psutil.Process) -> bool:
-    try:
-        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def _wait(what: str, check, timeout: float, deployment: Deployment, interval: float = 1.0):
-    deadline = time.monotonic() + timeout
-    last: Exception | None = None
-    while time.monotonic() < deadline:
-        deployment.check_alive()
-        try:
-            result = check()
-            if result:
-                return result
-        except (urllib.error.URLError, ConnectionError, OSError, KeyError, ValueError) as err:
-            last = err
-        time.sleep(interval)
-    raise AssertionError(f"Timed out after {timeout:.0f}s waiting for {what} (last error: {last})")
 
 
 def _celery_env(seaweed, tiny_model: Path, home: Path, redis_port: int, api_port: int) -> dict[str, str]:
@@ -189,7 +90,7 @@ def deployment(seaweed, tiny_model, tmp_path_factory) -> Iterator[Deployment]:
         # --skip-serve-logs: two workers on one host would both bind the log server's port.
         dep.start("worker-gpu", [airflow, "celery", "worker", "-q", "gpu", "-c", "1", "-H", "gpu@%h", "--skip-serve-logs"])
         dep.start("worker-default", [airflow, "celery", "worker", "-q", "default", "-c", "1", "-H", "default@%h", "--skip-serve-logs"])
-        _wait("the API server", lambda: dep.request("GET", "/api/v2/monitor/health"), 180, dep)
+        wait_until("the API server", lambda: dep.request("GET", "/api/v2/monitor/health"), 180, dep)
         password = json.loads((home / "passwords.json").read_text())["admin"]
         dep.token = dep.request("POST", "/auth/token", {"username": "admin", "password": password})["access_token"]
         yield dep
@@ -201,7 +102,7 @@ def deployment(seaweed, tiny_model, tmp_path_factory) -> Iterator[Deployment]:
 def celery_run(deployment: Deployment) -> dict:
     """Trigger the sharded DAG through the REST API and wait for the run to end."""
     dep = deployment
-    _wait(f"the DAG processor to parse {DAG_ID}", lambda: dep.request("GET", f"/api/v2/dags/{DAG_ID}"), 180, dep, interval=2)
+    wait_until(f"the DAG processor to parse {DAG_ID}", lambda: dep.request("GET", f"/api/v2/dags/{DAG_ID}"), 180, dep, interval=2)
     dep.request("PATCH", f"/api/v2/dags/{DAG_ID}", {"is_paused": False})
     conf = {"n_requests": N_REQUESTS, "shard_size": SHARD_SIZE, "max_tokens": 4}
     run = dep.request("POST", f"/api/v2/dags/{DAG_ID}/dagRuns", {"logical_date": None, "conf": conf})
@@ -212,7 +113,7 @@ def celery_run(deployment: Deployment) -> dict:
         state = dep.request("GET", run_path)["state"]
         return state if state in ("success", "failed") else None
 
-    state = _wait("the DAG run to finish", finished, RUN_TIMEOUT_S, dep, interval=3)
+    state = wait_until("the DAG run to finish", finished, RUN_TIMEOUT_S, dep, interval=3)
     tis = dep.request("GET", f"{run_path}/taskInstances")["task_instances"]
     merged = None
     if state == "success":

@@ -35,11 +35,16 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from airflow.providers.amazon.aws.exceptions import S3HookUriParseFailure
 from airflow.providers.amazon.aws.hooks.s3 import S3Hook
 from botocore.exceptions import ClientError
 
 from airflow_vllm_batch.batchfile import open_lines
-from airflow_vllm_batch.exceptions import InputChangedError, InputNotFoundError, LocationError
+from airflow_vllm_batch.exceptions import (
+    InputChangedError,
+    InputNotFoundError,
+    LocationError,
+)
 from airflow_vllm_batch.identity import RunIdentity
 from airflow_vllm_batch.lease import LeaseHolder, OutputLease
 from airflow_vllm_batch.manifest import Manifest
@@ -64,7 +69,10 @@ def split_s3_uri(uri: str, parameter: str) -> tuple[str, str]:
     """Return ``(bucket, key)`` of an ``s3://bucket/key`` URI, or raise naming ``parameter``."""
     if not isinstance(uri, str) or not uri.startswith("s3://"):
         raise LocationError(f"{parameter} must be an s3://bucket/key URI, got {uri!r}.")
-    bucket, _, key = uri[len("s3://") :].partition("/")
+    try:
+        bucket, key = S3Hook.parse_s3_url(uri)
+    except S3HookUriParseFailure:
+        bucket, key = "", ""
     if not bucket or not key or key.endswith("/"):
         raise LocationError(f"{parameter} must name an object (s3://bucket/key, not a folder), got {uri!r}.")
     return bucket, key

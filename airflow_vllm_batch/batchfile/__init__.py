@@ -78,6 +78,7 @@ from airflow_vllm_batch.batchfile.sources import (
     iter_lines,
     open_lines,
     redact_url,
+    redact_urls,
     source_size,
 )
 
@@ -107,5 +108,6 @@ __all__ = [
     "open_lines",
     "preflight",
     "redact_url",
+    "redact_urls",
     "source_size",
 ]

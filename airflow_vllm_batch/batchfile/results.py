@@ -142,11 +142,6 @@ class ResultsReport:
         """True when every result line could be read and the answers are complete."""
         return self.unparseable_count == 0 and self.answers_ok
 
-    @property
-    def failed_ratio(self) -> float:
-        """Failed results over all results (0.0 for an empty file)."""
-        return self.failed / self.total if self.total else 0.0
-
     def to_dict(self) -> dict[str, Any]:
         """Return the report as a JSON-ready dict."""
         return {

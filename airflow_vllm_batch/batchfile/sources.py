@@ -139,6 +139,23 @@ class Lines:
         return next(self._lines)
 
 
+_URL_QUERY = re.compile(r"(https?://[^\s?'\"]*)\?[^\s'\"]*")
+_SIGNATURE = re.compile(r"((?:X-Amz-Signature|X-Amz-Credential|X-Amz-Security-Token|Signature)=)[^\s&'\"]*")
+
+
+def redact_urls(line: str) -> str:
+    """Remove the query string of every http(s) URL in ``line``, and any bare signature.
+
+    A presigned S3 URL carries its credential in the query string; the path alone
+    (bucket and key) is safe and useful to show.
+
+    :param line: a line of text, e.g. of the engine's log.
+    :return: the line with ``?<query>`` replaced by ``?<redacted>``.
+    """
+    line = _URL_QUERY.sub(r"\1?<redacted>", line)
+    return _SIGNATURE.sub(r"\1<redacted>", line)
+
+
 def iter_lines(
     stream: SupportsRead,
     *,

@@ -36,8 +36,13 @@ from pathlib import Path
 
 from airflow.sdk import BaseHook
 
+from airflow_vllm_batch.batchfile import redact_urls
 from airflow_vllm_batch.exceptions import EngineConfigurationError
-from airflow_vllm_batch.hooks.process import DEFAULT_GRACE_S, signal_group, start_bound_process
+from airflow_vllm_batch.hooks.process import (
+    DEFAULT_GRACE_S,
+    signal_group,
+    start_bound_process,
+)
 
 #: The batch runner module since vLLM 0.32 (``vllm.entrypoints.openai.run_batch`` is a
 #: deprecated shim there). ``python -m`` because the ``vllm`` console script is broken in
@@ -51,24 +56,9 @@ FALLBACK_SUPPORTED_URLS = frozenset(
     {"/v1/chat/completions", "/v1/embeddings", "/v1/score", "/v1/rerank", "/score", "/rerank"}
 )
 
-_URL_QUERY = re.compile(r"(https?://[^\s?'\"]*)\?[^\s'\"]*")
-_SIGNATURE = re.compile(r"((?:X-Amz-Signature|X-Amz-Credential|X-Amz-Security-Token|Signature)=)[^\s&'\"]*")
 _VERSION_LINE = re.compile(r"vLLM batch processing API version (\S+)")
 
 _PROBE_SCRIPT = Path(__file__).with_name("engine_probe.py")
-
-
-def redact_urls(line: str) -> str:
-    """Remove the query string of every http(s) URL in ``line``, and any bare signature.
-
-    A presigned S3 URL carries its credential in the query string; the path alone
-    (bucket and key) is safe and useful to show.
-
-    :param line: one line of engine output.
-    :return: the line with ``?<query>`` replaced by ``?<redacted>``.
-    """
-    line = _URL_QUERY.sub(r"\1?<redacted>", line)
-    return _SIGNATURE.sub(r"\1<redacted>", line)
 
 
 def build_engine_argv(

@@ -38,6 +38,7 @@ from typing import Any
 from airflow.sdk import BaseHook
 from airflow.sdk.log import mask_secret
 
+from airflow_vllm_batch.batchfile import redact_urls
 from airflow_vllm_batch.exceptions import (
     EngineError,
     ModelNotServedError,
@@ -49,7 +50,6 @@ from airflow_vllm_batch.hooks.process import (
     signal_group,
     start_bound_process,
 )
-from airflow_vllm_batch.hooks.vllm_engine import redact_urls
 from airflow_vllm_batch.serving import (
     DEFAULT_MAX_IN_FLIGHT,
     Journal,

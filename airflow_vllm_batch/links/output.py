@@ -43,18 +43,6 @@ def output_link_template() -> str:
     return conf.get(CONFIG_SECTION, CONFIG_OPTION, fallback=None) or DEFAULT_OUTPUT_LINK_TEMPLATE
 
 
-def parse_output_uri(output_uri: str) -> tuple[str, str]:
-    """Split ``s3://bucket/key`` into ``(bucket, key)``.
-
-    :param output_uri: the operator's ``output_uri``.
-    :raises ValueError: if it is not an ``s3://`` URI with a bucket and a key.
-    """
-    bucket, _, key = output_uri.removeprefix("s3://").partition("/")
-    if not output_uri.startswith("s3://") or not bucket or not key:
-        raise ValueError(f"Expected s3://bucket/key, got {output_uri!r}.")
-    return bucket, key
-
-
 def format_output_link(bucket: str, key: str, template: str | None = None) -> str:
     """Return the URL of an output object.
 
@@ -119,7 +107,10 @@ class VLLMBatchOutputLink(BaseOperatorLink):
         :param endpoint_url: the S3 endpoint of the connection, when it is not AWS's.
         """
         try:
-            bucket, key = parse_output_uri(output_uri)
+            # Imported here: the links module is loaded by the API server, which needs no S3 code.
+            from airflow_vllm_batch.storage import split_s3_uri
+
+            bucket, key = split_s3_uri(output_uri, "output_uri")
             value = {"bucket": bucket, "key": key}
             if endpoint_url:
                 value["endpoint_url"] = endpoint_url

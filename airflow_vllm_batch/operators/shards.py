@@ -30,7 +30,6 @@ from airflow.sdk import BaseOperator
 
 from airflow_vllm_batch.batchfile import open_lines, redact_url
 from airflow_vllm_batch.manifest import Manifest, RequestCounts, Usage
-from airflow_vllm_batch.storage import OutputStore, s3_body, split_s3_uri
 from airflow_vllm_batch.sharding import (
     DEFAULT_MAX_BYTES,
     DEFAULT_MAX_REQUESTS,
@@ -42,6 +41,7 @@ from airflow_vllm_batch.sharding import (
     split_lines,
     sum_manifests,
 )
+from airflow_vllm_batch.storage import OutputStore, s3_body, split_s3_uri
 
 if TYPE_CHECKING:
     from airflow.sdk import Context

@@ -17,11 +17,11 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
+import msgspec
 from airflow.providers.amazon.aws.hooks.s3 import S3Hook
 from airflow.sdk import Asset, BaseOperator
 from airflow.sdk.exceptions import AirflowFailException
 from airflow.sdk.log import mask_secret
-import msgspec
 from botocore.exceptions import BotoCoreError, ClientError
 
 from airflow_vllm_batch.batchfile import (
@@ -33,6 +33,7 @@ from airflow_vllm_batch.batchfile import (
     check_results,
     open_lines,
     preflight,
+    redact_urls,
 )
 from airflow_vllm_batch.exceptions import (
     ConfigurationError,
@@ -48,7 +49,6 @@ from airflow_vllm_batch.exceptions import (
 )
 from airflow_vllm_batch.hooks.engine_checks import check_engine_args, inspect_model
 from airflow_vllm_batch.hooks.process import DEFAULT_GRACE_S
-from airflow_vllm_batch.hooks.vllm_server import VLLMServerEngine
 from airflow_vllm_batch.hooks.vllm_engine import (
     FALLBACK_SUPPORTED_URLS,
     EngineInfo,
@@ -57,8 +57,8 @@ from airflow_vllm_batch.hooks.vllm_engine import (
     build_engine_argv,
     conceal_arguments,
     probe_engine,
-    redact_urls,
 )
+from airflow_vllm_batch.hooks.vllm_server import VLLMServerEngine
 from airflow_vllm_batch.identity import PinnedInput, RunIdentity, local_file_tag
 from airflow_vllm_batch.lease import LeaseHolder, OutputLease
 from airflow_vllm_batch.lineage import lineage_for
@@ -66,7 +66,13 @@ from airflow_vllm_batch.links.output import VLLMBatchOutputLink
 from airflow_vllm_batch.manifest import Manifest, RequestCounts, Usage
 from airflow_vllm_batch.serving import Journal, StreamStats
 from airflow_vllm_batch.serving.journal import DEFAULT_MAX_PART_BYTES
-from airflow_vllm_batch.storage import OutputStore, RunStaging, head_input, s3_lines, split_s3_uri
+from airflow_vllm_batch.storage import (
+    OutputStore,
+    RunStaging,
+    head_input,
+    s3_lines,
+    split_s3_uri,
+)
 
 if TYPE_CHECKING:
     from airflow.sdk import Context

@@ -241,7 +241,10 @@ class OutputStore:
         :raises LocationError: naming the parameter, the bucket and what S3 said.
         """
         client = self.hook.get_conn()
-        for parameter, bucket, key in (("output_uri", self.bucket, self.key), ("error_uri", self.error_bucket, self.error_key)):
+        locations = [("output_uri", self.bucket, self.key)]
+        if self.error_bucket != self.bucket:  # the usual error file sits beside the output: one probe
+            locations.append(("error_uri", self.error_bucket, self.error_key))
+        for parameter, bucket, key in locations:
             probe = f"{key}.probe-{uuid.uuid4().hex[:8]}"
             try:
                 # HEAD first: some stores (SeaweedFS) create a missing bucket on PUT.

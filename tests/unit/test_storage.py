@@ -5,7 +5,11 @@ from __future__ import annotations
 import pytest
 from airflow.providers.amazon.aws.hooks.s3 import S3Hook
 
-from airflow_vllm_batch.exceptions import InputChangedError, InputNotFoundError, LocationError
+from airflow_vllm_batch.exceptions import (
+    InputChangedError,
+    InputNotFoundError,
+    LocationError,
+)
 from airflow_vllm_batch.identity import RunIdentity
 from airflow_vllm_batch.manifest import Manifest, RequestCounts, Usage
 from airflow_vllm_batch.storage import OutputStore, head_input, s3_lines, split_s3_uri
@@ -69,3 +73,13 @@ def test_removing_a_runs_staging_leaves_other_runs_staging(s3, bucket, hook):
         s3.client().put_object(Bucket=bucket, Key=staging.results_key, Body=b"x\n")
     mine.remove()
     assert not mine.has_results() and theirs.has_results()
+
+
+def test_the_writable_check_probes_a_bucket_once_when_the_error_file_sits_beside_the_output(s3, bucket, hook, monkeypatch):
+    store = OutputStore(hook, f"s3://{bucket}/r.jsonl")
+    client = hook.get_conn()
+    puts = []
+    real_put = client.put_object
+    monkeypatch.setattr(client, "put_object", lambda **kw: puts.append(kw["Bucket"]) or real_put(**kw))
+    store.check_writable()
+    assert puts == [bucket]

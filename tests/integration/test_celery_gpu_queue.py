@@ -14,7 +14,6 @@ through the API server's execution API), so no PostgreSQL is needed here.
 from __future__ import annotations
 
 import json
-import secrets
 import shutil
 import subprocess
 import sys
@@ -24,9 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from airflow_vllm_batch.embedded.demo import BUCKET, embedded_env
+from airflow_vllm_batch.embedded.demo import BUCKET
 from airflow_vllm_batch.embedded.seaweedfs import _free_ports
-from tests.integration.deployment import Deployment, wait_until
+from tests.integration.deployment import Deployment, deployment_env, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.engine, pytest.mark.celery]
 
@@ -43,28 +42,12 @@ def _celery_env(seaweed, tiny_model: Path, home: Path, redis_port: int, api_port
     dags.mkdir()
     # Only the DAG under test: the others (a @daily one among them) would start runs of their own.
     (dags / f"{DAG_ID}.py").symlink_to(REPO / "dags" / f"{DAG_ID}.py")
-    (home / "passwords.json").write_text(json.dumps({"admin": secrets.token_urlsafe(16)}))
-    env = embedded_env(seaweed, tiny_model, home)
+    env = deployment_env(seaweed, tiny_model, home, dags, api_port, "CeleryExecutor")
     env.update(
         {
-            "AIRFLOW__CORE__DAGS_FOLDER": str(dags),
-            "AIRFLOW__CORE__EXECUTOR": "CeleryExecutor",
-            "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://{LOOPBACK}:{api_port}/execution/",
-            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin",
-            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(home / "passwords.json"),
-            "AIRFLOW__API__HOST": LOOPBACK,
-            "AIRFLOW__API__PORT": str(api_port),
-            "AIRFLOW__API__BASE_URL": f"http://{LOOPBACK}:{api_port}",
-            "AIRFLOW__API_AUTH__JWT_SECRET": secrets.token_urlsafe(32),
             "AIRFLOW__CELERY__BROKER_URL": f"redis://{LOOPBACK}:{redis_port}/0",
             "AIRFLOW__CELERY__RESULT_BACKEND": f"redis://{LOOPBACK}:{redis_port}/1",
             "AIRFLOW__CELERY__WORKER_CONCURRENCY": "1",
-            "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
-            "AIRFLOW__SCHEDULER__SCHEDULER_HEARTBEAT_SEC": "2",
-            "AIRFLOW__LOGGING__LOGGING_LEVEL": "INFO",
-            # The test's own Airflow home must not leak in from pytest's process.
-            "AIRFLOW__CORE__UNIT_TEST_MODE": "False",
-            "PYTHONUNBUFFERED": "1",
         }
     )
     return env

@@ -788,6 +788,12 @@ def diagnose_line(
     if not isinstance(url, str):
         return shown, f'"url" is a {_json_type(url)}, not a string — set "url" to one of: {supported}'
     if url not in opts.supported_urls:
+        if url.startswith("/v1/audio/"):
+            # Only vLLM's batch runner fetches an audio line's file_url and uploads it.
+            return shown, (
+                f'"url" {url!r} is not served by this engine — audio lines run on the batch runner '
+                f'(engine="runner"); put them in a file of their own, or use one of: {supported}'
+            )
         return shown, f'"url" {url!r} is not served by this engine — use one of: {supported}'
     body = obj.get("body")
     named = body.get("model") if isinstance(body, dict) else None

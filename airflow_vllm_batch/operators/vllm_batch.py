@@ -64,7 +64,7 @@ from airflow_vllm_batch.lease import LeaseHolder, OutputLease
 from airflow_vllm_batch.lineage import lineage_for
 from airflow_vllm_batch.links.output import VLLMBatchOutputLink
 from airflow_vllm_batch.manifest import Manifest, RequestCounts, Usage
-from airflow_vllm_batch.serving import Journal, StreamStats
+from airflow_vllm_batch.serving import SERVED_URLS, Journal, StreamStats
 from airflow_vllm_batch.serving.journal import DEFAULT_MAX_PART_BYTES
 from airflow_vllm_batch.storage import (
     OutputStore,
@@ -413,6 +413,12 @@ class VLLMBatchOperator(BaseOperator):
                 "engine='server' streams from this task to the server: output_mode='presigned' and engine_command "
                 "apply to the runner only (set engine_python for a server in another environment)."
             )
+        if self.engine == "server" and self.supported_urls and (unsendable := sorted(set(self.supported_urls) - SERVED_URLS)):
+            raise ConfigurationError(
+                f"supported_urls: the server engine cannot send {', '.join(unsendable)} (an audio line's file_url "
+                'must be fetched and uploaded, which only the batch runner does): use engine="runner" for these '
+                f"lines, or list only some of {', '.join(sorted(SERVED_URLS))}."
+            )
 
     def check_rendered_values(self) -> None:
         """Check and coerce the rendered templated values, in one place, before any I/O.
@@ -497,6 +503,9 @@ class VLLMBatchOperator(BaseOperator):
             )
         if self.supported_urls:
             info = dataclasses.replace(info, supported_urls=frozenset(self.supported_urls))
+        if self.engine == "server":
+            # The runner's own list includes audio, which the stream cannot send.
+            info = dataclasses.replace(info, supported_urls=info.supported_urls & SERVED_URLS)
         return info
 
     def check_engine_arguments(self, info: EngineInfo) -> None:

@@ -16,6 +16,7 @@ from airflow_vllm_batch.exceptions import (
 from airflow_vllm_batch.serving.journal import Journal, SealedPart, part_name
 from airflow_vllm_batch.serving.stream import (
     DEFAULT_MAX_IN_FLIGHT,
+    SERVED_URLS,
     StreamStats,
     result_line,
     run_stream,
@@ -26,6 +27,7 @@ __all__ = [
     "BadRequestLineError",
     "Journal",
     "ModelNotServedError",
+    "SERVED_URLS",
     "SealedPart",
     "ServerAuthError",
     "ServerUnavailableError",

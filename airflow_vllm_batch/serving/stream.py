@@ -76,6 +76,13 @@ MAX_BACKOFF_S = 30.0
 #: Default seconds one request may take. A long generation on a busy server queues
 #: behind ``--max-num-seqs`` others; a too-short timeout would resend it again and again.
 DEFAULT_REQUEST_TIMEOUT_S = 1800.0
+#: The batch URLs the stream can send: each body goes to the server as JSON, as is. Audio
+#: lines are not among them: their ``file_url`` must be fetched and sent as a multipart
+#: upload, which only vLLM's batch runner does. ``/score`` and ``/rerank`` are the server's
+#: own routes for the URLs vLLM's runner matches by suffix.
+SERVED_URLS: frozenset[str] = frozenset(
+    {"/v1/chat/completions", "/v1/embeddings", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank"}
+)
 #: Lines read from the input per trip to the reader thread.
 _READ_CHUNK = 64
 

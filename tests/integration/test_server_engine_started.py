@@ -62,3 +62,59 @@ def test_a_task_started_server_answers_the_batch_and_is_stopped_with_the_task(em
     while processes_with(f"BATCH_TEST_MARKER={marker}") and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not processes_with(f"BATCH_TEST_MARKER={marker}")
+
+
+def test_a_task_started_pooling_server_answers_embeddings_score_and_rerank_lines(embedded, airflow_db):
+    """Every pooling URL preflight accepts for the server engine, through a real vLLM server.
+
+    The embeddings validate with the OpenAI SDK's own type, score and rerank with vLLM's
+    own response models; and the server's scores agree with the dot products of its own
+    (unit) embeddings of the same texts, so the answers are the model's, not just well-formed.
+    """
+    from airflow.sdk import DAG
+    from openai.types import CreateEmbeddingResponse
+    from vllm.entrypoints.pooling.scoring.protocol import RerankResponse, ScoreResponse
+
+    from airflow_vllm_batch.embedded.tiny_model import embedding_model_path
+    from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
+
+    model = str(embedding_model_path())
+    query, docs = "Where is Paris?", ["Paris is in France.", "A week has seven days."]
+    bodies = {
+        "embed": ("/v1/embeddings", {"input": [query, *docs]}),
+        "score": ("/score", {"text_1": query, "text_2": docs}),
+        "score-v1": ("/v1/score", {"text_1": query, "text_2": docs[0]}),
+        "rerank": ("/rerank", {"query": query, "documents": docs}),
+        "rerank-v1": ("/v1/rerank", {"query": query, "documents": docs, "top_n": 1}),
+    }
+    lines = b"".join(
+        json.dumps({"custom_id": cid, "method": "POST", "url": url, "body": {"model": model, **body}}).encode() + b"\n"
+        for cid, (url, body) in bodies.items()
+    )
+    embedded.client().put_object(Bucket=BUCKET, Key="started-pooling/input.jsonl", Body=lines)
+    with DAG("server_engine_started_pooling", schedule=None, start_date=datetime(2026, 1, 1, tzinfo=timezone.utc)) as dag:
+        VLLMBatchOperator(
+            task_id="vllm_batch",
+            input_uri=f"s3://{BUCKET}/started-pooling/input.jsonl",
+            output_uri=f"s3://{BUCKET}/started-pooling/results.jsonl",
+            model=model,
+            engine="server",
+            engine_args=[*CPU_ENGINE_ARGS.split(), "--runner", "pooling"],
+        )
+    register_dag(dag)
+    run = run_dag(dag)
+    assert run.state == "success", run.output[-4000:]
+    assert run.xcom("vllm_batch")["request_counts"] == {"total": 5, "completed": 5, "failed": 0}
+    body = embedded.client().get_object(Bucket=BUCKET, Key="started-pooling/results.jsonl")["Body"].read()
+    answers = {r["custom_id"]: r["response"]["body"] for r in map(json.loads, body.splitlines())}
+
+    vectors = [item.embedding for item in CreateEmbeddingResponse.model_validate(answers["embed"]).data]
+    assert [len(v) for v in vectors] == [384, 384, 384]
+    dot = [sum(a * b for a, b in zip(vectors[0], v)) for v in vectors[1:]]
+    scores = [item.score for item in ScoreResponse.model_validate(answers["score"]).data]
+    assert scores == pytest.approx(dot, abs=1e-3)
+    assert scores[0] > scores[1]  # the French sentence answers the question about Paris
+    assert ScoreResponse.model_validate(answers["score-v1"]).data[0].score == pytest.approx(dot[0], abs=1e-3)
+    ranked = RerankResponse.model_validate(answers["rerank"]).results
+    assert [r.index for r in ranked] == [0, 1] and [r.relevance_score for r in ranked] == pytest.approx(dot, abs=1e-3)
+    assert [r.index for r in RerankResponse.model_validate(answers["rerank-v1"]).results] == [0]

@@ -261,3 +261,16 @@ def test_settings_that_do_not_fit_the_server_engine_fail_at_dag_parse_time(batch
 def test_a_connection_implies_the_server_engine(batch):
     assert batch.operator().engine == "server"
     assert batch.operator(vllm_conn_id=None).engine == "runner"
+
+
+def test_supported_urls_the_server_engine_cannot_send_fail_at_dag_parse_time_naming_the_runner(batch):
+    with pytest.raises(ConfigurationError, match=r'/v1/audio/transcriptions.*engine="runner"'):
+        batch.operator(supported_urls=["/v1/chat/completions", "/v1/audio/transcriptions"])
+
+
+def test_an_audio_line_fails_preflight_for_the_server_engine_and_names_the_runner(batch, server):
+    audio = {"custom_id": "a0", "method": "POST", "url": "/v1/audio/transcriptions", "body": {"model": "m", "file_url": "https://example.com/a.wav"}}
+    batch.client.put_object(Bucket=batch.bucket, Key="in/input.jsonl", Body=requests_lines(2) + json.dumps(audio).encode() + b"\n")
+    with pytest.raises(AirflowFailException, match=r'line 3.*audio lines run on the batch runner \(engine="runner"\)'):
+        batch.run()
+    assert server.requests == 0

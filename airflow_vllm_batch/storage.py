@@ -176,8 +176,15 @@ class RunStaging:
         return f"{self.parts_prefix}{name}"
 
     def put_part(self, path: Path) -> None:
-        """Upload one sealed part under its own file name; idempotent (a part re-sent replaces itself)."""
-        self.hook.load_file(str(path), key=self.part_key(path.name), bucket_name=self.bucket, replace=True)
+        """Upload one sealed part under its own file name; idempotent (a part re-sent replaces itself).
+
+        One streamed PUT rather than ``S3Hook.load_file``: a part is at most
+        ``max_part_bytes`` (64 MiB by default, far below S3's 5 GB for one PUT), and
+        ``load_file``'s multipart transfer buffers up to ten 8 MiB chunks at once, which
+        made the task's memory grow with the part size.
+        """
+        with open(path, "rb") as body:
+            self.hook.get_conn().put_object(Bucket=self.bucket, Key=self.part_key(path.name), Body=body)
 
     def list_parts(self) -> dict[int, str]:
         """Return ``{part number: key}`` of the parts earlier tries uploaded, in part order."""

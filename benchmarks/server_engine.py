@@ -6,7 +6,7 @@ one warm vLLM server (started once, before the first, its start counted in the t
 and prints each total wall time, their ratio and each task's share of wall time spent
 answering requests (the manifest's ``engine_duration_s`` over the task's ``duration_s``).
 
-``rss``: the operator's peak RSS (``ru_maxrss`` of a child process that runs one task)
+``rss``: the operator's peak RSS (``VmHWM`` of a child process that runs one task)
 for each size, through a stand-in server in *this* process (so the server's own memory is
 not counted, and the figure is the operator's: preflight, stream, journal, checks).
 
@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import json
 import os
-import resource
 import socket
 import subprocess
 import sys
@@ -154,20 +153,30 @@ def rss(args: argparse.Namespace, s3: SeaweedFS, work: Path) -> None:
     for n in (int(x) for x in args.sizes.split(",")):
         s3.client().put_object(Bucket=BUCKET, Key=f"in/{n}.jsonl", Body=examples.chat_requests(n, "m", 16, 0.0))
         started = time.monotonic()
-        before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-        subprocess.run(  # noqa: S603
-            [sys.executable, __file__, "_one", f"s3://{BUCKET}/in/{n}.jsonl", str(work / "results")], env=env, check=True
+        child = subprocess.run(  # noqa: S603
+            [sys.executable, __file__, "_one", f"s3://{BUCKET}/in/{n}.jsonl", str(work / "results")],
+            env=env, check=True, stdout=subprocess.PIPE, text=True,
         )
-        peak_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-        figures[n] = {"peak_rss_mb": round(peak_kb / 1024, 1), "wall_s": round(time.monotonic() - started, 1), "max_before_kb": before}
+        figures[n] = {**json.loads(child.stdout.splitlines()[-1]), "wall_s": round(time.monotonic() - started, 1)}
         print(n, figures[n], flush=True)
     print(json.dumps({"operator_peak_rss": figures, "load": os.getloadavg()}))
 
 
+def _vm_kb(field: str) -> int:
+    """A ``/proc/self/status`` figure in kB. ``VmHWM`` is this process's own peak: unlike
+    ``ru_maxrss``, it does not inherit the parent's RSS at the fork before ``exec``."""
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith(f"{field}:"))
+
+
 def _one(input_uri: str, results_dir: str) -> None:
-    """The measured child: one server-engine task through connection ``vllm_bench``."""
+    """The measured child: one server-engine task through connection ``vllm_bench``; prints its peaks as JSON."""
+    from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator  # noqa: F401 - the floor: imports
+
+    imports_kb = _vm_kb("VmHWM")
     manifest = run_task(0, input_uri=input_uri, model="m", vllm_conn_id="vllm_bench", results_dir=results_dir, resume=False)
-    print(manifest["request_counts"], f"{manifest['duration_s']:.1f}s", flush=True)
+    print(manifest["request_counts"], f"{manifest['duration_s']:.1f}s", file=sys.stderr, flush=True)
+    print(json.dumps({"peak_after_imports_mb": round(imports_kb / 1024, 1), "peak_rss_mb": round(_vm_kb("VmHWM") / 1024, 1)}), flush=True)
 
 
 def main() -> None:

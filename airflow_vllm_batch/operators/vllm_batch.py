@@ -47,7 +47,9 @@ from airflow_vllm_batch.exceptions import (
     TooManyFailedRequestsError,
     VLLMBatchError,
 )
+from airflow_vllm_batch.batchfile.per_model import count_per_model
 from airflow_vllm_batch.hooks.engine_checks import check_engine_args, inspect_model
+from airflow_vllm_batch.hooks.model_names import ServedModels, check_adapters, served_models
 from airflow_vllm_batch.hooks.process import DEFAULT_GRACE_S
 from airflow_vllm_batch.hooks.vllm_engine import (
     FALLBACK_SUPPORTED_URLS,
@@ -136,7 +138,9 @@ class VLLMBatchOperator(BaseOperator):
         or an http(s) URL (never resumed: it cannot be pinned). (templated)
     :param output_uri: where the results go: ``s3://bucket/key``. (templated)
     :param model: the model name or directory, passed to ``--model``; every line's
-        ``body.model`` must name it (or see ``rewrite_model``). (templated)
+        ``body.model`` must name it (or see ``rewrite_model``), or, with
+        ``--served-model-name`` or ``--lora-modules`` in ``engine_args``, one of the names
+        those give (see "Served names and LoRA adapters" in the README). (templated)
     :param error_uri: where failed lines go. Default: the output key with
         ``.jsonl`` replaced by ``.errors.jsonl``. (templated)
     :param engine_args: more batch-runner arguments, e.g.
@@ -286,6 +290,16 @@ class VLLMBatchOperator(BaseOperator):
         )
 
     @cached_property
+    def served(self) -> ServedModels:
+        """The names the engine answers to: ``--served-model-name`` values and LoRA adapters.
+
+        A warm server's arguments are not the task's to know: it is asked for ``model`` only.
+        """
+        if self.vllm_conn_id:
+            return ServedModels(base_names=(self.model,))
+        return served_models(self.model, list(self.engine_args or ()))
+
+    @cached_property
     def store(self) -> OutputStore:
         """The output's objects in S3: staging, publishing, manifest and lease."""
         return OutputStore(self.s3_hook, self.output_uri, self.error_uri)
@@ -345,6 +359,7 @@ class VLLMBatchOperator(BaseOperator):
             try:
                 results = self.check_output(pinned, report, work, staging, results_path)
                 manifest = self.build_manifest(pinned, identity, report, results, run, started)
+                manifest.per_model = self.per_model(report, results, work)
                 # With no failed line the runner's successes are its staged file byte for byte: copy it
                 # server side. The server engine's results are parts: the check's successes file is the output.
                 copy_staged = not results.request_counts["failed"] and self.engine == "runner"
@@ -486,6 +501,7 @@ class VLLMBatchOperator(BaseOperator):
             python = self.engine_python or sys.executable
             info = probe_engine(python)
             model = inspect_model(self.model, list(self.engine_args or ()), env=self._engine_environment())
+            check_adapters(self.served, env=self._engine_environment())
             info = dataclasses.replace(info, model_kind=model.kind)
             self.log.info(
                 "Engine: vLLM %s, %s; batch URLs: %s; model kind: %s (%s)",
@@ -588,9 +604,11 @@ class VLLMBatchOperator(BaseOperator):
 
     def preflight(self, engine: EngineInfo, work: Path, pinned: PinnedInput) -> PreflightReport:
         """Check the whole input before any engine starts; write a cleaned copy when needed."""
+        served = self.served
         options = PreflightOptions(
             supported_urls=engine.supported_urls,
-            model=self.model,
+            model=served.default_name,
+            model_names=frozenset(served.names) if served.names != (self.model,) else frozenset(),
             rewrite_model=self.rewrite_model,
             default_body=dict(self.default_body or {}),
             invalid_lines=self.invalid_lines,
@@ -918,6 +936,22 @@ class VLLMBatchOperator(BaseOperator):
             identity=dict(identity.components),
             manifest_uri=self.store.manifest_uri,
         )
+
+    def per_model(self, report: PreflightReport, results: ResultsReport, work: Path) -> dict[str, dict[str, int]]:
+        """Requests and tokens per model name (one pass over the results when the engine serves several names)."""
+        served = self.served
+        if len(served.names) == 1 and len(report.requests_per_model) <= 1:
+            # One name: the totals are its counts, no second pass.
+            counts = results.request_counts
+            entry = {"requests": counts["total"], "completed": counts["completed"], "failed": counts["failed"]}
+            return {served.default_name: {**entry, **results.usage}}
+        with open_lines(str(work / "results.jsonl")) as successes:
+            return count_per_model(
+                successes,
+                report.requests_per_model,
+                default_name=served.default_name,
+                aliases={name: served.default_name for name in served.base_names},
+            )
 
     def fail_on_too_many_failures(self, manifest: Manifest, context: Context) -> None:
         """Fail the task when the failed share exceeds ``max_failed_ratio`` (files stay published)."""

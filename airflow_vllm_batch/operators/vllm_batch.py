@@ -48,6 +48,7 @@ from airflow_vllm_batch.exceptions import (
     VLLMBatchError,
 )
 from airflow_vllm_batch.batchfile.per_model import count_per_model
+from airflow_vllm_batch.batchfile.requests import INDEX, batch_file_name, build_batch_file, check_requests_options
 from airflow_vllm_batch.hooks.engine_checks import check_engine_args, inspect_model
 from airflow_vllm_batch.hooks.model_names import ServedModels, check_adapters, served_models
 from airflow_vllm_batch.hooks.process import DEFAULT_GRACE_S
@@ -72,6 +73,7 @@ from airflow_vllm_batch.storage import (
     OutputStore,
     RunStaging,
     head_input,
+    requests_uri,
     s3_lines,
     split_s3_uri,
 )
@@ -135,7 +137,19 @@ class VLLMBatchOperator(BaseOperator):
     moving a connection to another replica of the same deployment keeps resuming.
 
     :param input_uri: the batch file: ``s3://bucket/key``, a local path on the worker,
-        or an http(s) URL (never resumed: it cannot be pinned). (templated)
+        or an http(s) URL (never resumed: it cannot be pinned). Give it or ``requests``.
+        (templated)
+    :param requests: the requests themselves instead of a file, typically an upstream
+        task's XCom (``XComArg``): a list of prompts (strings), of chat message lists, or
+        of request bodies (see :mod:`airflow_vllm_batch.batchfile.requests`). The task
+        writes them as a batch file to ``<output stem>.requests/<content hash>.jsonl`` and
+        runs it as if ``input_uri`` named it (the same requests on a retry resume the same
+        run). At most 10,000 requests and 8 MiB; larger batches belong in a file.
+        (templated)
+    :param requests_url: the endpoint of every line made from ``requests``. Default
+        ``"/v1/chat/completions"``; ``"/v1/embeddings"`` takes strings too.
+    :param requests_custom_id: ``"index"`` (default): the lines are ``request-0``,
+        ``request-1``...; else the key of each (object) item that holds its custom_id.
     :param output_uri: where the results go: ``s3://bucket/key``. (templated)
     :param model: the model name or directory, passed to ``--model``; every line's
         ``body.model`` must name it (or see ``rewrite_model``), or, with
@@ -195,6 +209,7 @@ class VLLMBatchOperator(BaseOperator):
 
     template_fields: Sequence[str] = (
         "input_uri",
+        "requests",
         "output_uri",
         "error_uri",
         "model",
@@ -205,16 +220,19 @@ class VLLMBatchOperator(BaseOperator):
         "default_body",
         "max_failed_ratio",
     )
-    template_fields_renderers = {"engine_args": "json", "engine_env": "json", "default_body": "json"}
+    template_fields_renderers = {"engine_args": "json", "engine_env": "json", "default_body": "json", "requests": "json"}
     operator_extra_links = (VLLMBatchOutputLink(),)
     ui_color = "#e8f0fe"
 
     def __init__(
         self,
         *,
-        input_uri: str,
+        input_uri: str | None = None,
         output_uri: str,
         model: str,
+        requests: Sequence[Any] | None = None,
+        requests_url: str = "/v1/chat/completions",
+        requests_custom_id: str = INDEX,
         error_uri: str | None = None,
         engine_args: Sequence[str] = (),
         engine_python: str | None = None,
@@ -241,6 +259,9 @@ class VLLMBatchOperator(BaseOperator):
     ) -> None:
         super().__init__(**kwargs)
         self.input_uri = input_uri
+        self.requests = requests
+        self.requests_url = requests_url
+        self.requests_custom_id = requests_custom_id
         self.output_uri = output_uri
         self.error_uri = error_uri
         self.model = model
@@ -330,6 +351,8 @@ class VLLMBatchOperator(BaseOperator):
         started = time.monotonic()
         self.check_rendered_values()
         try:
+            if self.requests is not None:
+                self.input_uri = self.write_requests()
             pinned = self.pin_input()
             engine = self.inspect_engine()
             identity = self.run_identity(pinned, engine)
@@ -408,6 +431,12 @@ class VLLMBatchOperator(BaseOperator):
 
     def _check_static_arguments(self) -> None:
         """Check the arguments that are not templated, at DAG parse time."""
+        if (self.input_uri is None) == (self.requests is None):
+            raise ConfigurationError(
+                "Give the batch as input_uri (a file) or as requests (a list, e.g. an upstream task's XCom): "
+                f"exactly one of them, got {'both' if self.requests is not None else 'neither'}."
+            )
+        check_requests_options(self.requests_url, self.requests_custom_id, self.default_body)
         for name, allowed in _MODES.items():
             if getattr(self, name) not in allowed:
                 raise ConfigurationError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}.")
@@ -434,7 +463,7 @@ class VLLMBatchOperator(BaseOperator):
 
         Rendered templates are strings: a Param-driven ``max_failed_ratio`` arrives as ``"0.1"``.
         """
-        for name in ("input_uri", "output_uri", "model"):
+        for name in ("output_uri", "model") if self.requests is not None else ("input_uri", "output_uri", "model"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value.strip():
                 raise ConfigurationError(f"{name} must be a non-empty string, got {value!r} after rendering.")
@@ -462,6 +491,28 @@ class VLLMBatchOperator(BaseOperator):
                 raise ConfigurationError(f"{name} must be a mapping, got {type(value).__name__} {value!r}.")
 
     # -- identity --------------------------------------------------------------------
+
+    def write_requests(self) -> str:
+        """Write ``requests`` as a batch file beside the output; return its URI, the run's input.
+
+        The key is the content's hash: a retry with the same requests finds the same object
+        (same ETag, same run identity) and does not write it again.
+        """
+        data = build_batch_file(
+            self.requests,
+            model=self.served.default_name,
+            url=self.requests_url,
+            custom_id=self.requests_custom_id,
+            default_body=self.default_body,
+        )
+        uri = requests_uri(self.output_uri, batch_file_name(data))
+        bucket, key = split_s3_uri(uri, "output_uri")
+        if self.s3_hook.check_for_key(key, bucket):
+            self.log.info("The %d requests are already at %s (an earlier try wrote them).", data.count(b"\n"), uri)
+        else:
+            self.s3_hook.load_bytes(data, key=key, bucket_name=bucket, replace=True)
+            self.log.info("Wrote the %d requests (%d bytes) to %s", data.count(b"\n"), len(data), uri)
+        return uri
 
     def pin_input(self) -> PinnedInput:
         """Return what identifies this exact input: S3 ETag/VersionId, or a local file's size, mtime and hash."""

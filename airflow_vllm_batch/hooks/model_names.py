@@ -23,9 +23,16 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from airflow_vllm_batch.exceptions import AdapterNotFoundError, EngineArgumentsError
-from airflow_vllm_batch.hooks.engine_checks import _COMMIT, _HUB_ID, _downloads_off, _hub_cache, _read_options
+from airflow_vllm_batch.hooks.engine_checks import (
+    _COMMIT,
+    _HUB_ID,
+    _downloads_off,
+    _hub_cache,
+    _read_options,
+)
 
 _ADAPTER_CONFIG = "adapter_config.json"
 
@@ -92,6 +99,24 @@ def served_models(model: str, engine_args: Sequence[str] = ()) -> ServedModels:
             "and --lora-modules); vLLM could not tell which model a request means. Give each adapter its own name."
         )
     return ServedModels(base_names=base, adapters=adapters)
+
+
+def served_models_of_server(cards: Sequence[Mapping[str, Any]], model: str) -> ServedModels:
+    """Return the names a running server answers to, from its model cards (``GET /v1/models``).
+
+    vLLM lists the base model's served names first (cards without ``parent``), then its
+    adapters (cards whose ``parent`` is the base model). A warm server's arguments are not
+    the task's to know; its listing is what it answers to.
+
+    :param cards: the listing's ``data``.
+    :param model: the ``model`` argument: the name the batch is run under, which the server
+        must list (checked before, by the connection's hook).
+    """
+    base = tuple(str(c["id"]) for c in cards if not c.get("parent"))
+    adapters = tuple(LoraAdapter(str(c["id"]), str(c.get("root") or ""), c.get("parent")) for c in cards if c.get("parent"))
+    if model not in base + tuple(a.name for a in adapters):
+        base = (model, *base)
+    return ServedModels(base_names=base or (model,), adapters=adapters)
 
 
 def check_adapters(served: ServedModels, env: Mapping[str, str] | None = None) -> None:

@@ -35,6 +35,13 @@ from airflow_vllm_batch.batchfile import (
     preflight,
     redact_urls,
 )
+from airflow_vllm_batch.batchfile.per_model import count_per_model
+from airflow_vllm_batch.batchfile.requests import (
+    INDEX,
+    batch_file_name,
+    build_batch_file,
+    check_requests_options,
+)
 from airflow_vllm_batch.exceptions import (
     ConfigurationError,
     EngineError,
@@ -47,10 +54,13 @@ from airflow_vllm_batch.exceptions import (
     TooManyFailedRequestsError,
     VLLMBatchError,
 )
-from airflow_vllm_batch.batchfile.per_model import count_per_model
-from airflow_vllm_batch.batchfile.requests import INDEX, batch_file_name, build_batch_file, check_requests_options
 from airflow_vllm_batch.hooks.engine_checks import check_engine_args, inspect_model
-from airflow_vllm_batch.hooks.model_names import ServedModels, check_adapters, served_models
+from airflow_vllm_batch.hooks.model_names import (
+    ServedModels,
+    check_adapters,
+    served_models,
+    served_models_of_server,
+)
 from airflow_vllm_batch.hooks.process import DEFAULT_GRACE_S
 from airflow_vllm_batch.hooks.vllm_engine import (
     FALLBACK_SUPPORTED_URLS,
@@ -314,11 +324,16 @@ class VLLMBatchOperator(BaseOperator):
     def served(self) -> ServedModels:
         """The names the engine answers to: ``--served-model-name`` values and LoRA adapters.
 
-        A warm server's arguments are not the task's to know: it is asked for ``model`` only.
+        A warm server's arguments are not the task's to know: its ``/v1/models`` listing is.
         """
         if self.vllm_conn_id:
-            return ServedModels(base_names=(self.model,))
+            return served_models_of_server(self.server_engine.warm_hook.model_cards(), self.model)
         return served_models(self.model, list(self.engine_args or ()))
+
+    @property
+    def request_model_name(self) -> str:
+        """The name written into requests that name none: ``model`` when the engine answers to it, else its first served name."""
+        return self.model if self.model in self.served.names else self.served.default_name
 
     @cached_property
     def store(self) -> OutputStore:
@@ -500,7 +515,7 @@ class VLLMBatchOperator(BaseOperator):
         """
         data = build_batch_file(
             self.requests,
-            model=self.served.default_name,
+            model=self.request_model_name,
             url=self.requests_url,
             custom_id=self.requests_custom_id,
             default_body=self.default_body,
@@ -658,7 +673,7 @@ class VLLMBatchOperator(BaseOperator):
         served = self.served
         options = PreflightOptions(
             supported_urls=engine.supported_urls,
-            model=served.default_name,
+            model=self.request_model_name,
             model_names=frozenset(served.names) if served.names != (self.model,) else frozenset(),
             rewrite_model=self.rewrite_model,
             default_body=dict(self.default_body or {}),

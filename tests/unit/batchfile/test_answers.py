@@ -4,7 +4,14 @@ import json
 
 import pytest
 
-from airflow_vllm_batch.batchfile import Failed, Scores, Text, Vector, iter_answers, read_answers
+from airflow_vllm_batch.batchfile import (
+    Failed,
+    Scores,
+    Text,
+    Vector,
+    iter_answers,
+    read_answers,
+)
 from airflow_vllm_batch.exceptions import ResultsCheckError
 
 

@@ -6,7 +6,12 @@ import json
 import pytest
 
 from airflow_vllm_batch.batchfile import PreflightOptions, open_lines, preflight
-from airflow_vllm_batch.batchfile.requests import MAX_REQUESTS, MAX_REQUESTS_BYTES, batch_file_name, build_batch_file
+from airflow_vllm_batch.batchfile.requests import (
+    MAX_REQUESTS,
+    MAX_REQUESTS_BYTES,
+    batch_file_name,
+    build_batch_file,
+)
 from airflow_vllm_batch.exceptions import ConfigurationError
 
 
@@ -49,7 +54,7 @@ def test_custom_id_from_a_key_leaves_the_body():
 
 
 def test_the_same_requests_give_the_same_bytes_and_name():
-    make = lambda: build_batch_file([{"messages": [{"role": "user", "content": "é"}], "b": 1, "a": 2}], model="m")  # noqa: E731
+    make = lambda: build_batch_file([{"messages": [{"role": "user", "content": "é"}], "b": 1, "a": 2}], model="m")
     assert make() == make() and batch_file_name(make()) == batch_file_name(make())
     assert batch_file_name(make()) != batch_file_name(build_batch_file(["other"], model="m"))
 

@@ -5,7 +5,13 @@ import json
 import pytest
 
 from airflow_vllm_batch.exceptions import AdapterNotFoundError, EngineArgumentsError
-from airflow_vllm_batch.hooks.model_names import LoraAdapter, ServedModels, check_adapters, served_models
+from airflow_vllm_batch.hooks.model_names import (
+    LoraAdapter,
+    ServedModels,
+    check_adapters,
+    served_models,
+    served_models_of_server,
+)
 
 
 @pytest.fixture
@@ -103,3 +109,18 @@ def test_a_cached_hub_adapter_is_checked_in_its_snapshot(tmp_path, adapter):
         check_adapters(served, env)
     (repo / "snapshots" / commit / "adapter_config.json").write_text("{}")
     check_adapters(served, env)
+
+
+def test_a_warm_servers_listing_gives_its_names_base_first():
+    cards = [
+        {"id": "llama", "root": "/models/llama", "parent": None},
+        {"id": "llama-chat", "root": "/models/llama", "parent": None},
+        {"id": "sql", "root": "/adapters/sql", "parent": "llama"},
+    ]
+    served = served_models_of_server(cards, "llama-chat")
+    assert served.base_names == ("llama", "llama-chat") and served.default_name == "llama"
+    assert served.names == ("llama", "llama-chat", "sql")
+
+
+def test_a_model_the_listing_lacks_stays_a_name():
+    assert served_models_of_server([], "m").names == ("m",)

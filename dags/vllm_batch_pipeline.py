@@ -77,6 +77,8 @@ def vllm_batch_pipeline():
             if isinstance(answer, Failed):
                 counts["failed"] += 1
                 log.warning("%s failed: %s", answer.custom_id, answer.error)
+            else:
+                counts["completed"] += 1
         if counts["total"] != params["n_requests"]:
             raise ValueError(f"Expected {params['n_requests']} answers, found {counts['total']}.")
         log.info("Validated %s: %s, usage %s", manifest["output_uri"], counts, manifest["usage"])

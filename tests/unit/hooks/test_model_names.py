@@ -9,6 +9,7 @@ from airflow_vllm_batch.hooks.model_names import (
     LoraAdapter,
     ServedModels,
     check_adapters,
+    cpu_lora_slots_problem,
     served_models,
     served_models_of_server,
 )
@@ -124,3 +125,22 @@ def test_a_warm_servers_listing_gives_its_names_base_first():
 
 def test_a_model_the_listing_lacks_stays_a_name():
     assert served_models_of_server([], "m").names == ("m",)
+
+
+CPU_LORA = ["--enable-lora", "--lora-modules", "a=/a", "b=/b"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "requests", "problem"),
+    [
+        ([], {"m": 1, "a": 1}, "at least 2"),
+        (["--max-loras", "2"], {"m": 1, "a": 1, "b": 1}, "at least 3"),
+        (["--max-loras", "3"], {"m": 1, "a": 1, "b": 1}, None),
+        (["--max_loras=2"], {"m": 1, "a": 1}, None),
+        ([], {"a": 1, "b": 1}, None),  # no base-model line
+        ([], {"m": 3}, None),  # no adapter line
+    ],
+)
+def test_cpu_lora_slots_need_one_more_than_the_adapters_a_mixed_batch_uses(extra, requests, problem):
+    found = cpu_lora_slots_problem(served_models("m", CPU_LORA + extra), CPU_LORA + extra, requests)
+    assert (found is None) if problem is None else (problem in found and "last adapter slot" in found)

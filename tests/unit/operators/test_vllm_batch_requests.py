@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Iterator
 
 import pytest
+from aiohttp import web
 from airflow.sdk.exceptions import AirflowFailException
 
 from airflow_vllm_batch.batchfile.requests import MAX_REQUESTS
 from airflow_vllm_batch.exceptions import ConfigurationError
 from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
 from tests.unit.operators.test_vllm_batch_runs import Batch, FakeTI, chat_lines
+from tests.unit.operators.test_vllm_batch_server import CONN_ID, ServedStandIn
+from tests.unit.operators.test_vllm_batch_server import Batch as WarmBatch
+from tests.unit.serving.conftest import API_KEY, chat_completion
 
 
 @pytest.fixture
@@ -77,3 +83,52 @@ def test_one_name_counts_the_totals_per_model(batch):
     assert manifest["per_model"] == {
         "m": {"requests": 5, "completed": 5, "failed": 0, "prompt_tokens": 15, "completion_tokens": 5, "total_tokens": 20}
     }
+
+
+# -- a warm server's names: its /v1/models listing ---------------------------------------
+
+
+class AdapterStandIn(ServedStandIn):
+    """A warm server that lists its base model and one LoRA adapter, and names the one that answered."""
+
+    async def _models(self, request: web.Request) -> web.Response:
+        cards = [{"id": "m", "root": "/models/m", "parent": None}, {"id": "sql", "root": "/adapters/sql", "parent": "m"}]
+        return web.json_response({"object": "list", "data": cards})
+
+
+async def _echo_model(custom_id: str, body: dict, attempt: int) -> web.Response:
+    return web.json_response({**chat_completion(custom_id), "model": body["model"]})
+
+
+@pytest.fixture
+def warm_server() -> Iterator[AdapterStandIn]:
+    stand_in = AdapterStandIn().start()
+    stand_in.behaviour = _echo_model
+    os.environ[f"AIRFLOW_CONN_{CONN_ID.upper()}"] = json.dumps({"conn_type": "vllm", "host": "127.0.0.1", "port": stand_in.port, "password": API_KEY})
+    yield stand_in
+    os.environ.pop(f"AIRFLOW_CONN_{CONN_ID.upper()}", None)
+    stand_in.close()
+
+
+def _warm_lines(models: list[str]) -> bytes:
+    # The stand-in keys on the message: it is the custom_id.
+    return b"".join(
+        json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions", "body": {"model": m, "messages": [{"role": "user", "content": f"r{i}"}]}}).encode() + b"\n"
+        for i, m in enumerate(models)
+    )
+
+
+def test_a_warm_servers_adapters_are_names_its_lines_may_use(s3, bucket, tmp_path, warm_server):
+    batch = WarmBatch(s3, bucket, tmp_path)
+    batch.client.put_object(Bucket=bucket, Key="in/input.jsonl", Body=_warm_lines(["m", "sql"] * 3))
+    manifest = batch.run()
+    assert manifest["request_counts"] == {"total": 6, "completed": 6, "failed": 0}
+    assert {name: c["completed"] for name, c in manifest["per_model"].items()} == {"m": 3, "sql": 3}
+
+
+def test_a_name_the_warm_server_does_not_list_fails_naming_the_ones_it_does(s3, bucket, tmp_path, warm_server):
+    batch = WarmBatch(s3, bucket, tmp_path)
+    batch.client.put_object(Bucket=bucket, Key="in/input.jsonl", Body=_warm_lines(["m", "poem"]))
+    with pytest.raises(AirflowFailException, match="'poem', which the engine does not serve — use one of: 'm', 'sql'"):
+        batch.run()
+    assert warm_server.requests == 0

@@ -156,3 +156,7 @@ class ShardingError(VLLMBatchError):
     """A batch file could not be split into shards, or shard results not merged back."""
 
     retryable = False
+
+
+class AdapterNotFoundError(EngineConfigurationError):
+    """A LoRA adapter of ``--lora-modules`` is missing, or its directory has no ``adapter_config.json``."""

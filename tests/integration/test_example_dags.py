@@ -16,6 +16,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.engine]
 
 N_CHAT = 5
 N_EMBED = 4
+N_PROMPTS = 4  # the reviews of dags/vllm_batch_prompts.py
 SECRET_MARKERS = ("X-Amz-Signature", "Signature=", "X-Amz-Credential")
 
 
@@ -35,6 +36,12 @@ def pipeline_run(embedded, airflow_db) -> DagRunResult:
 def embeddings_run(embedded, airflow_db) -> DagRunResult:
     dag = load_dag("vllm_batch_embeddings.py", "embeddings_dag")
     return run_dag(dag, run_conf={"n_requests": N_EMBED})
+
+
+@pytest.fixture(scope="module")
+def prompts_run(embedded, airflow_db) -> DagRunResult:
+    dag = load_dag("vllm_batch_prompts.py", "prompts_dag")
+    return run_dag(dag)
 
 
 def test_pipeline_dag_succeeds(pipeline_run):
@@ -146,3 +153,24 @@ def test_pipeline_emits_the_results_asset_event_with_the_counts(pipeline_run):
         ).one()
     assert event.extra["request_counts"] == {"total": N_CHAT, "completed": N_CHAT, "failed": 0}
     assert event.extra["output_uri"] == pipeline_run.xcom("vllm_batch")["output_uri"]
+
+
+def test_prompts_dag_goes_from_a_list_of_prompts_to_a_task_that_gets_the_answers(prompts_run, seaweed):
+    assert prompts_run.state == "success", prompts_run.output[-5000:]
+    manifest = prompts_run.xcom("classify")
+    assert manifest["request_counts"] == {"total": N_PROMPTS, "completed": N_PROMPTS, "failed": 0}
+    answers = prompts_run.xcom("use_answers")
+    assert sorted(answers) == sorted(f"request-{i}" for i in range(N_PROMPTS))
+    lines = _s3_lines(seaweed, manifest["output_uri"])
+    assert answers == {line["custom_id"]: line["response"]["body"]["choices"][0]["message"]["content"] for line in lines}
+    assert all(isinstance(text, str) and text for text in answers.values())
+
+
+def test_prompts_dag_writes_the_requests_beside_its_output(prompts_run, seaweed):
+    manifest = prompts_run.xcom("classify")
+    stem = manifest["output_uri"].removesuffix(".jsonl")
+    assert manifest["input_uri"].startswith(stem + ".requests/") and manifest["input_uri"].endswith(".jsonl")
+    requests = _s3_lines(seaweed, manifest["input_uri"])
+    assert [r["custom_id"] for r in requests] == [f"request-{i}" for i in range(N_PROMPTS)]
+    assert all(r["body"]["messages"][0]["content"].startswith("Is this review positive") for r in requests)
+    assert {(r["body"]["temperature"], r["body"]["max_completion_tokens"]) for r in requests} == {(0, 16)}

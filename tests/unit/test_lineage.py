@@ -69,3 +69,8 @@ def test_module_imports_without_the_openlineage_provider():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+def test_a_task_that_failed_before_writing_its_requests_has_no_input():
+    lineage = lineage_for(None, "s3://b/out/results.jsonl", None)
+    assert lineage.inputs == [] and [d.name for d in lineage.outputs] == ["out/results.jsonl"]

@@ -436,3 +436,60 @@ def test_report_to_dict_is_json_serialisable():
 def test_bad_options_raise_value_error(kwargs):
     with pytest.raises(ValueError):
         PreflightOptions(**kwargs)
+
+
+# -- model names: served names and LoRA adapters ---------------------------------------
+
+
+def named(custom_id: str, model: str) -> bytes:
+    return line(custom_id, body={"model": model, "messages": [{"role": "user", "content": "hi"}]}) + b"\n"
+
+
+def test_lines_may_alternate_between_the_base_model_and_its_adapters():
+    data = b"".join(named(f"r{i}", ["base", "sql", "chat"][i % 3]) for i in range(9))
+    report = run(data, model="base", model_names={"base", "sql", "chat"})
+    assert report.ok and report.valid_lines == 9
+    assert report.requests_per_model == {"base": 3, "sql": 3, "chat": 3}
+    assert report.url_counts == {CHAT: 9}
+
+
+def test_runs_of_one_adapter_are_counted_per_name():
+    data = b"".join(named(f"r{i}", "sql" if 3 <= i < 8 else "base") for i in range(10)) + b"\n"
+    report = run(data, model="base", model_names={"base", "sql"})
+    assert report.ok and report.requests_per_model == {"base": 5, "sql": 5}
+
+
+def test_a_name_the_engine_does_not_serve_fails_with_the_names_it_does():
+    data = named("a", "base") + named("b", "sql") + named("c", "/models/base")
+    report = run(data, model="base", model_names={"base", "sql"})
+    assert report.invalid_lines == 1 and report.problems[0].line == 3
+    message = report.problems[0].message
+    assert "'/models/base', which the engine does not serve" in message
+    assert "use one of: 'base', 'sql'" in message
+
+
+def test_a_missing_model_names_every_name_it_may_use():
+    data = line("a", body={"messages": [{"role": "user"}]}) + b"\n"
+    report = run(data, model="base", model_names={"base", "sql"})
+    assert "set it to one of: 'base', 'sql'" in report.problems[0].message
+
+
+def test_rewrite_model_keeps_served_names_and_rewrites_the_others():
+    data = named("a", "sql") + named("b", "other") + named("c", "base")
+    out = io.BytesIO()
+    with open_lines(io.BytesIO(data)) as lines:
+        report = preflight(lines, PreflightOptions(model="base", model_names={"base", "sql"}, rewrite_model=True), cleaned_out=out)
+    assert report.ok and report.rewritten_lines == 1
+    assert [json.loads(x)["body"]["model"] for x in out.getvalue().splitlines()] == ["sql", "base", "base"]
+    assert report.requests_per_model == {"sql": 1, "base": 2}
+    assert report.models == {"sql": 1, "base": 1, "other": 1}
+
+
+def test_model_names_need_model_among_them():
+    with pytest.raises(ValueError, match="model_names needs model="):
+        PreflightOptions(model="/models/base", model_names={"base"})
+
+
+def test_without_model_names_the_first_line_still_sets_the_model():
+    report = run(named("a", "x") + named("b", "x"))
+    assert report.ok and report.requests_per_model == {"x": 2}

@@ -64,7 +64,8 @@ def main() -> int:
         return code
     requests = [json.loads(line) for line in read(args.i).splitlines() if line.strip()]
     requests = requests[: len(requests) - int(os.environ.get("FAKE_ENGINE_DROP", "0"))]
-    write(args.o, b"".join(json.dumps(answer(r, args.model)).encode() + b"\n" for r in requests))
+    # vLLM names the adapter that answered (or the base model): the request's own name here.
+    write(args.o, b"".join(json.dumps(answer(r, r["body"].get("model") or args.model)).encode() + b"\n" for r in requests))
     return 0
 
 

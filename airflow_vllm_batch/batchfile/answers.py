@@ -1,0 +1,214 @@
+"""Read a batch's answers back as Python values, for the task that uses them.
+
+The results file holds vLLM's whole response per request; a downstream task usually
+wants one value per ``custom_id``. :func:`read_answers` streams the published results
+(and the error file) of a :class:`VLLMBatchOperator` run from S3 or a local path and
+yields one typed record per request, each unpacking as a pair::
+
+    from airflow_vllm_batch.batchfile import Failed, read_answers
+
+    @task
+    def use(manifest: dict) -> dict:
+        answers = {}
+        for answer in read_answers(manifest):  # the operator's XCom
+            if isinstance(answer, Failed):
+                raise ValueError(f"{answer.custom_id}: {answer.error}")
+            custom_id, text = answer
+            answers[custom_id] = text
+        return answers
+
+- :class:`Text` ``(custom_id, text)``: a chat completion's first choice;
+- :class:`Vector` ``(custom_id, vector)``: an embedding (a list of floats; a list of
+  vectors when the request embedded several inputs; a base64 string when it asked for
+  ``encoding_format="base64"``);
+- :class:`Scores` ``(custom_id, scores)``: ``/v1/score`` scores, or ``/v1/rerank``
+  relevance scores, in the order of the request's documents;
+- :class:`Failed` ``(custom_id, error)``: a failed request and its message (from the
+  error file, where ``custom_id`` is ``None`` for a line preflight could not read).
+
+Given the manifest, the reader keeps the results check's promise: it reads the output and
+error file the manifest names, and at the end checks that they answered every request of
+the manifest exactly once (no custom_id twice, the counts equal), raising
+:class:`~airflow_vllm_batch.exceptions.ResultsCheckError` if the files changed since (a
+later run over the same output). Memory stays flat but for one 8-byte hash per request.
+Plain Python (msgspec); S3 is read through Airflow's ``S3Hook`` only when a URI needs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, NamedTuple
+
+import msgspec
+
+from airflow_vllm_batch.batchfile.models import error_message
+from airflow_vllm_batch.batchfile.sources import open_lines
+from airflow_vllm_batch.exceptions import ResultsCheckError
+
+
+class Text(NamedTuple):
+    """A chat completion: ``(custom_id, text)`` of its first choice (``None`` when the model returned no content)."""
+
+    custom_id: str
+    text: str | None
+
+
+class Vector(NamedTuple):
+    """An embedding: ``(custom_id, vector)``."""
+
+    custom_id: str
+    vector: Any
+
+
+class Scores(NamedTuple):
+    """Scores of ``/v1/score`` or relevance scores of ``/v1/rerank``: ``(custom_id, scores)``, in the documents' order."""
+
+    custom_id: str
+    scores: list[float]
+
+
+class Failed(NamedTuple):
+    """A failed request: ``(custom_id, error)``, the error's message."""
+
+    custom_id: str | None
+    error: str
+
+
+class _Message(msgspec.Struct, gc=False):
+    content: Any = None
+
+
+class _Choice(msgspec.Struct, gc=False):
+    index: int = 0
+    message: _Message | None = None
+
+
+class _Datum(msgspec.Struct, gc=False):
+    index: int = 0
+    embedding: Any = None
+    score: float | None = None
+
+
+class _Ranked(msgspec.Struct, gc=False):
+    index: int = 0
+    relevance_score: float | None = None
+
+
+class _Body(msgspec.Struct, gc=False):
+    object: str | None = None
+    choices: list[_Choice] | None = None
+    data: list[_Datum] | None = None
+    results: list[_Ranked] | None = None
+
+
+class _Response(_Body, gc=False):
+    # The current shape nests the body; the older one is the body itself.
+    status_code: int | None = None
+    body: _Body | None = None
+
+
+class _Line(msgspec.Struct, gc=False):
+    custom_id: str | None = None
+    response: _Response | None = None
+    error: Any = None
+
+
+_decode = msgspec.json.Decoder(_Line).decode
+
+Answer = Text | Vector | Scores | Failed
+
+
+def iter_answers(lines: Iterable[bytes], *, source: str = "results") -> Iterator[Answer]:
+    """
+    Yield one answer per result line (blank lines skipped).
+
+    :param lines: result lines (vLLM's output, the published results or error file).
+    :param source: the file's name, for error messages.
+    :raises ResultsCheckError: a line is not a result line of a known kind.
+    """
+    for number, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            continue
+        try:
+            line = _decode(raw)
+        except msgspec.DecodeError as err:
+            raise ResultsCheckError(f"{source} line {number} is not a result line ({err}).") from None
+        yield _answer(line, number, source)
+
+
+def _answer(line: _Line, number: int, source: str) -> Answer:
+    response = line.response
+    status = response.status_code if response is not None else None
+    if line.error is not None or response is None or status not in (None, 200):
+        message = error_message(line.error) if line.error is not None else None
+        return Failed(line.custom_id, message or f"the engine answered with HTTP status {status}")
+    body = response.body if response.body is not None else response
+    cid = line.custom_id
+    if body.choices:
+        first = min(body.choices, key=lambda c: c.index)
+        content = first.message.content if first.message is not None else None
+        return Text(cid, content if isinstance(content, str) or content is None else str(content))
+    if body.results is not None:
+        return Scores(cid, [r.relevance_score for r in sorted(body.results, key=lambda r: r.index)])
+    if body.data:
+        data = sorted(body.data, key=lambda d: d.index)
+        if data[0].embedding is not None:
+            return Vector(cid, data[0].embedding if len(data) == 1 else [d.embedding for d in data])
+        if data[0].score is not None:
+            return Scores(cid, [d.score for d in data])
+    raise ResultsCheckError(
+        f"{source} line {number} (custom_id {cid!r}) holds no chat choice, embedding or score; read it as JSON instead."
+    )
+
+
+def read_answers(source: Mapping[str, Any] | str, *, aws_conn_id: str | None = "aws_default", errors: bool = True) -> Iterator[Answer]:
+    """
+    Stream the answers of a batch: its results, then (``errors``) its failed requests.
+
+    :param source: the operator's manifest (its XCom: ``output_uri``, ``error_uri``,
+        ``request_counts``), or one results or error file: ``s3://bucket/key`` or a local path.
+    :param aws_conn_id: the Airflow AWS connection for ``s3://`` files. Default ``aws_default``.
+    :param errors: with a manifest, also yield its error file's :class:`Failed` records. Default True.
+    :raises ResultsCheckError: with a manifest, the files do not answer its requests exactly once.
+    """
+    if isinstance(source, str):
+        with _open(source, aws_conn_id) as lines:
+            yield from iter_answers(lines, source=source)
+        return
+    uris = [source["output_uri"]] + ([source["error_uri"]] if errors and source.get("error_uri") else [])
+    seen: set[int] = set()
+    found = {"completed": 0, "failed": 0}
+    for uri in uris:
+        with _open(uri, aws_conn_id) as lines:
+            for answer in iter_answers(lines, source=uri):
+                found["failed" if isinstance(answer, Failed) else "completed"] += 1
+                if answer.custom_id is not None:
+                    key = hash(answer.custom_id)
+                    if key in seen:
+                        raise ResultsCheckError(f"{uri}: custom_id {answer.custom_id!r} is answered twice.")
+                    seen.add(key)
+                yield answer
+    counts = source.get("request_counts") or {}
+    expected = {k: counts.get(k) for k in ("completed", "failed") if k in counts and (errors or k == "completed")}
+    if any(found[k] != v for k, v in expected.items()):
+        raise ResultsCheckError(
+            f"{source['output_uri']} does not match its manifest: {found} answers, the manifest says {expected}. "
+            "The output was written again since this manifest (another run over the same output_uri?)."
+        )
+
+
+@contextlib.contextmanager
+def _open(uri: str, aws_conn_id: str | None) -> Iterator[Iterable[bytes]]:
+    if not uri.startswith("s3://"):
+        with open_lines(uri) as lines:
+            yield lines
+        return
+    # Airflow is needed for S3 only: the package stays importable without it.
+    from airflow.providers.amazon.aws.hooks.s3 import S3Hook
+
+    from airflow_vllm_batch.storage import s3_lines, split_s3_uri
+
+    bucket, key = split_s3_uri(uri, "source")
+    with s3_lines(S3Hook(aws_conn_id=aws_conn_id), bucket, key) as lines:
+        yield lines

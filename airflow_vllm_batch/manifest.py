@@ -47,6 +47,9 @@ class Manifest(msgspec.Struct, omit_defaults=True):
     :param input_etag: the input's pinned ETag (or local fingerprint), when there is one.
     :param engine_duration_s: the engine's own time.
     :param identity: the parts of the run identity, to tell a later run what changed.
+    :param failed_by_reason: failed requests counted by reason (the error file's ``error.code``:
+        ``invalid_request``, ``engine_error``, ``timeout``, ...; see :mod:`airflow_vllm_batch.summary`);
+        omitted when none failed.
     :param shards: (merge only) how many shards were merged; the other shard fields too.
     """
 
@@ -63,6 +66,7 @@ class Manifest(msgspec.Struct, omit_defaults=True):
     input_etag: str | None = None
     engine_duration_s: float = 0.0
     identity: dict[str, Any] | None = None
+    failed_by_reason: dict[str, int] | None = None
     shards: int | None = None
     shard_duration_s: float | None = None
     max_shard_duration_s: float | None = None

@@ -335,7 +335,7 @@ class VLLMBatchOperator(BaseOperator):
                 manifest = self.run_batch(pinned, engine, identity, lease, started)
         self.announce(manifest, context)
         self.log.info(
-            "Summary\n%s",
+            "%s",
             render_summary(manifest, self._failure_examples, task_s=time.monotonic() - started, resumed=resumed),
         )
         self.fail_on_too_many_failures(manifest, context)

@@ -25,6 +25,7 @@ start costs 20-25 s here, and the scheduling under test is the same for either e
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import re
@@ -33,7 +34,7 @@ import sys
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -72,9 +73,17 @@ class Scheduled:
     today: datetime
 
     def airflow(self, *args: str) -> str:
-        """Run the ``airflow`` CLI against the deployment's database, as an operator would on its host."""
+        """Run the ``airflow`` CLI against the deployment's database, as an operator would on its host.
+
+        SQLite takes one writer at a time: a command that meets "database is locked" (the
+        scheduler was writing) is run again, at most 3 times, as a person would.
+        """
         airflow = str(Path(sys.executable).with_name("airflow"))
-        done = subprocess.run([airflow, *args], env=self.dep.env, cwd=self.dep.home, capture_output=True, text=True, timeout=120)
+        for _ in range(3):
+            done = subprocess.run([airflow, *args], env=self.dep.env, cwd=self.dep.home, capture_output=True, text=True, timeout=120)
+            if done.returncode == 0 or "database is locked" not in done.stderr:
+                break
+            time.sleep(2)
         assert done.returncode == 0, f"airflow {' '.join(args)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
         return done.stdout
 
@@ -101,41 +110,49 @@ class Scheduled:
 
 
 @pytest.fixture(scope="module")
-def warm_server(tiny_model: Path) -> Iterator[VLLMServerProcess]:
-    """One vLLM server (CPU, tiny model) for every DAG run of the module."""
-    with VLLMServerProcess(
-        str(tiny_model), engine_args=CPU_ENGINE_ARGS.split(), env={**os.environ, **CPU_ENGINE_ENV}, startup_timeout_s=300
-    ) as server:
-        yield server
-    assert server.process is not None and server.process.poll() is not None
+def scheduled(seaweed: SeaweedFS, tiny_model: Path, tmp_path_factory) -> Iterator[Scheduled]:
+    """The deployment with the pipeline (catchup from 2 days back) and the asset consumer, both unpaused.
 
-
-@pytest.fixture(scope="module")
-def scheduled(seaweed: SeaweedFS, tiny_model: Path, warm_server: VLLMServerProcess, tmp_path_factory) -> Iterator[Scheduled]:
-    """The deployment with the pipeline (catchup from 2 days back) and the asset consumer, both unpaused."""
+    The warm vLLM server starts while the deployment does (each takes 20-40 s here); its
+    connection is added through the REST API once it is ready, before the pipeline is unpaused.
+    """
     seaweed.create_bucket(BUCKET)
     today = datetime.now(timezone.utc).replace(hour=0, minute=0, second=0, microsecond=0)
-    host, port = warm_server.hook.base_url.removeprefix("http://").split(":")
+    server = VLLMServerProcess(
+        str(tiny_model), engine_args=CPU_ENGINE_ARGS.split(), env={**os.environ, **CPU_ENGINE_ENV}, startup_timeout_s=300
+    )
     extra_env = {
         "AIRFLOW_VLLM_BATCH_BUCKET": BUCKET,
         "AIRFLOW_VLLM_BATCH_START_DATE": (today - timedelta(days=2)).isoformat(),
         "AIRFLOW_VLLM_BATCH_CATCHUP": "true",
         "AIRFLOW_VLLM_BATCH_VLLM_CONN_ID": CONN_ID,
-        f"AIRFLOW_CONN_{CONN_ID.upper()}": json.dumps(
-            {"conn_type": "vllm", "host": host, "port": int(port), "password": warm_server.hook.api_key}
-        ),
         # The output link opens the object in SeaweedFS's filer, which a browser can show.
         "AIRFLOW__VLLM_BATCH__OUTPUT_LINK_TEMPLATE": seaweed.filer_url + "/buckets/{bucket}/{key}",
     }
     dag_files = {name: (REPO / "dags" / name).read_text() for name in (f"{PIPELINE}.py", f"{CONSUMER}.py")}
     home = tmp_path_factory.mktemp("scheduled")
-    with local_executor_deployment(seaweed, tiny_model, home, dag_files, extra_env) as dep:
-        # The consumer first: asset events of the first pipeline runs must find it unpaused.
-        dep.wait_for_dag(CONSUMER)
-        dep.wait_for_dag(PIPELINE)
-        yield Scheduled(dep=dep, s3=seaweed, server=warm_server, today=today)
-        survivors = dep.stop()
+    survivors: list[int] = []
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        starting = pool.submit(server.start)
+        try:
+            with local_executor_deployment(seaweed, tiny_model, home, dag_files, extra_env) as dep:
+                # The consumer first: asset events of the first pipeline runs must find it unpaused.
+                dep.wait_for_dag(CONSUMER)
+                hook = starting.result(timeout=360)
+                host, port = hook.base_url.removeprefix("http://").split(":")
+                dep.request(
+                    "POST",
+                    "/api/v2/connections",
+                    {"connection_id": CONN_ID, "conn_type": "vllm", "host": host, "port": int(port), "password": hook.api_key},
+                )
+                dep.wait_for_dag(PIPELINE)
+                yield Scheduled(dep=dep, s3=seaweed, server=server, today=today)
+                survivors = dep.stop()
+        finally:
+            concurrent.futures.wait([starting])
+            server.terminate()
     assert survivors == [], f"processes of the deployment still alive after stop: {survivors}"
+    assert server.process is not None and server.process.poll() is not None, "the vLLM server outlived the module"
 
 
 def _day(date: datetime) -> str:
@@ -147,17 +164,22 @@ def test_catchup_backfill_and_a_backfill_rerun_run_by_themselves(scheduled: Sche
     started = time.monotonic()
     catchup_dates = {_day(today - timedelta(days=d)) for d in (2, 1, 0)}
     backfill_dates = {_day(today - timedelta(days=d)) for d in (5, 4, 3)}
-    # While the scheduler catches up by itself, a backfill of three earlier dates is created from the CLI.
+
+    def runs_done(kinds: tuple[str, ...], count: int) -> Callable[[], list[dict] | None]:
+        def done() -> list[dict] | None:
+            runs = [r for r in scheduled.runs() if r["run_type"] in kinds]
+            return runs if len(runs) >= count and all(r["state"] in RUN_DONE for r in runs) else None
+
+        return done
+
+    # The scheduler catches up by itself; then (SQLite: one writer at a time) a backfill of
+    # three earlier dates is created from the CLI.
+    wait_until("the 3 catchup runs to end", runs_done(("scheduled",), 3), RUNS_TIMEOUT_S, dep, interval=2)
     scheduled.airflow(
         "backfill", "create", "--dag-id", PIPELINE,
         "--from-date", _day(today - timedelta(days=5)), "--to-date", _day(today - timedelta(days=3)),
     )  # fmt: skip
-
-    def six_runs_done() -> list[dict] | None:
-        runs = [r for r in scheduled.runs() if r["run_type"] in ("scheduled", "backfill")]
-        return runs if len(runs) >= 6 and all(r["state"] in RUN_DONE for r in runs) else None
-
-    runs = wait_until("3 catchup runs and 3 backfill runs to end", six_runs_done, RUNS_TIMEOUT_S, dep, interval=2)
+    runs = wait_until("the 3 backfill runs to end", runs_done(("scheduled", "backfill"), 6), RUNS_TIMEOUT_S, dep, interval=2)
     by_type = {kind: {r["logical_date"][:10]: r for r in runs if r["run_type"] == kind} for kind in ("scheduled", "backfill")}
     assert set(by_type["scheduled"]) == catchup_dates, runs
     assert set(by_type["backfill"]) == backfill_dates, runs
@@ -181,6 +203,13 @@ def test_catchup_backfill_and_a_backfill_rerun_run_by_themselves(scheduled: Sche
     before = scheduled.requests_answered()
     tries_before = dep.task_instance(PIPELINE, rerun["dag_run_id"], TASK_ID)["try_number"]
     day = _day(today - timedelta(days=1))
+    # One running backfill per DAG: the scheduler marks the first one complete a loop after its last run.
+    wait_until(
+        "the first backfill to be marked complete",
+        lambda: all(b["completed_at"] for b in dep.request("GET", f"/api/v2/backfills?dag_id={PIPELINE}")["backfills"]),
+        120,
+        dep,
+    )
     scheduled.airflow("backfill", "create", "--dag-id", PIPELINE, "--from-date", day, "--to-date", day, "--reprocess-behavior", "completed")
 
     def rerun_done() -> dict | None:

@@ -30,10 +30,12 @@ test-unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit
 
 # Debian packages the suite needs (redis for the Celery gpu-queue test, docker-compose
-# to check docker-compose.yaml). Installed only when missing.
+# to check docker-compose.yaml, chromium and its driver for the UI test in a real
+# browser). Installed only when missing.
 system-deps:
-	@command -v redis-server >/dev/null && command -v docker-compose >/dev/null || \
-	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server docker-compose >/dev/null; }
+	@command -v redis-server >/dev/null && command -v docker-compose >/dev/null && \
+	  command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server docker-compose chromium chromium-driver >/dev/null; }
 
 clean:
 	rm -rf .cache .pytest_cache

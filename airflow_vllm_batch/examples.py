@@ -12,6 +12,10 @@ worker (a real model, real S3) without edits:
 ``AIRFLOW_VLLM_BATCH_VLLM_CONN_ID``  a ``vllm`` connection to a running vLLM server: the
                                      inference tasks stream through it (the server engine)
                                      instead of starting vLLM's batch runner. Default: none.
+``AIRFLOW_VLLM_BATCH_START_DATE``    the pipeline DAG's ``start_date`` (ISO 8601, e.g. ``2026-01-01``;
+                                     UTC when no zone is given). Default: none.
+``AIRFLOW_VLLM_BATCH_CATCHUP``       ``true`` to run the pipeline's past intervals since its start
+                                     date (catchup). Default: false.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import json
 import os
 import re
 import shlex
+from datetime import datetime, timezone
 
 DEFAULT_CHAT_MODEL = "Qwen/Qwen2.5-1.5B-Instruct"
 DEFAULT_EMBED_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
@@ -47,6 +52,20 @@ def aws_conn_id() -> str:
 def vllm_conn_id() -> str | None:
     """The ``vllm`` connection of a running server for the example DAGs, or None to run vLLM's batch runner."""
     return os.environ.get("AIRFLOW_VLLM_BATCH_VLLM_CONN_ID") or None
+
+
+def start_date() -> datetime | None:
+    """The pipeline DAG's ``start_date`` from ``AIRFLOW_VLLM_BATCH_START_DATE``, or None."""
+    value = os.environ.get("AIRFLOW_VLLM_BATCH_START_DATE")
+    if not value:
+        return None
+    date = datetime.fromisoformat(value)
+    return date if date.tzinfo else date.replace(tzinfo=timezone.utc)
+
+
+def catchup() -> bool:
+    """Whether the pipeline DAG runs its past intervals (``AIRFLOW_VLLM_BATCH_CATCHUP``). Default False."""
+    return os.environ.get("AIRFLOW_VLLM_BATCH_CATCHUP", "").strip().lower() in ("1", "true", "yes")
 
 
 def chat_model() -> str:

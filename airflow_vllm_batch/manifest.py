@@ -50,6 +50,9 @@ class Manifest(msgspec.Struct, omit_defaults=True):
     :param per_model: requests, completed, failed and tokens per model name: an adapter's
         name, or the base model's first served name (see
         :mod:`airflow_vllm_batch.batchfile.per_model`).
+    :param failed_by_reason: failed requests counted by reason (the error file's ``error.code``:
+        ``invalid_request``, ``engine_error``, ``timeout``, ...; see :mod:`airflow_vllm_batch.summary`);
+        omitted when none failed.
     :param shards: (merge only) how many shards were merged; the other shard fields too.
     """
 
@@ -67,6 +70,7 @@ class Manifest(msgspec.Struct, omit_defaults=True):
     engine_duration_s: float = 0.0
     identity: dict[str, Any] | None = None
     per_model: dict[str, dict[str, int]] | None = None
+    failed_by_reason: dict[str, int] | None = None
     shards: int | None = None
     shard_duration_s: float | None = None
     max_shard_duration_s: float | None = None

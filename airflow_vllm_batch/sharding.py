@@ -171,7 +171,8 @@ def sum_manifests(manifests: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     they differ), ``request_counts`` and ``usage`` summed, ``shards`` (how many),
     ``engine_duration_s`` and ``shard_duration_s`` (summed: the compute spent),
     ``max_shard_duration_s`` (the longest shard: the floor of the wall time however
-    many workers run them) and ``shard_manifest_uris`` in shard order.
+    many workers run them), ``shard_manifest_uris`` in shard order and ``failed_by_reason``
+    summed (None when no request failed).
 
     :param manifests: the shards' manifests as returned by ``VLLMBatchOperator``, in shard order.
     """
@@ -190,7 +191,17 @@ def sum_manifests(manifests: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "shard_duration_s": round(sum(durations), 3),
         "max_shard_duration_s": round(max(durations), 3),
         "shard_manifest_uris": [m.get("manifest_uri") for m in manifests],
+        "failed_by_reason": _sum_reasons(manifests),
     }
+
+
+def _sum_reasons(manifests: Sequence[Mapping[str, Any]]) -> dict[str, int] | None:
+    """The shards' ``failed_by_reason`` added up (None when no shard failed a request)."""
+    total: dict[str, int] = {}
+    for manifest in manifests:
+        for reason, count in (manifest.get("failed_by_reason") or {}).items():
+            total[reason] = total.get(reason, 0) + int(count)
+    return dict(sorted(total.items(), key=lambda kv: (-kv[1], kv[0]))) or None
 
 
 def shard_name(index: int) -> str:

@@ -31,7 +31,10 @@ PREFIX = "s3://" + examples.bucket() + "/vllm-batch/{{ dag.dag_id }}/{{ run_id |
 @dag(
     dag_id="vllm_batch_pipeline",
     schedule="@daily",
-    catchup=False,
+    # Both unset by default (no start date, no catchup); a test or a deployment that wants
+    # past intervals run sets AIRFLOW_VLLM_BATCH_START_DATE and AIRFLOW_VLLM_BATCH_CATCHUP.
+    start_date=examples.start_date(),
+    catchup=examples.catchup(),
     max_active_runs=4,
     default_args={"retries": 1, "retry_delay": timedelta(minutes=2)},
     user_defined_filters={"key_safe": examples.key_safe},

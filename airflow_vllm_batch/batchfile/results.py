@@ -52,6 +52,7 @@ from airflow_vllm_batch.batchfile.models import (
 )
 from airflow_vllm_batch.batchfile.preflight import custom_ids_at
 from airflow_vllm_batch.batchfile.problems import Problem, format_problem_list
+from airflow_vllm_batch.batchfile.sources import redact_urls
 from airflow_vllm_batch.exceptions import ResultsCheckError
 
 #: What vLLM's ``EngineDeadError`` puts in every error once the engine core is gone.
@@ -411,6 +412,8 @@ def _scan_results(
             if ENGINE_DEAD_MARKER in message:
                 dead += 1
             if len(samples) < max_sample_errors:
+                # Logged by the operator: an engine's message may quote a presigned URL.
+                message = redact_urls(message)
                 samples.append(f"{result.custom_id}: {message}" if result.custom_id else message)
         status_counts[key] = status_counts.get(key, 0) + 1
         if body is not None:

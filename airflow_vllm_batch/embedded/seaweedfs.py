@@ -200,6 +200,13 @@ class SeaweedFS:
         return self._endpoint_url
 
     @property
+    def filer_url(self) -> str:
+        """The filer's HTTP address, e.g. ``http://127.0.0.1:41235``: ``/buckets/<bucket>/<key>`` shows an object."""
+        if "filer.port" not in self._ports:
+            raise SeaweedFSError("SeaweedFS is not started: call start() first.")
+        return f"http://{LOOPBACK}:{self._ports['filer.port']}"
+
+    @property
     def access_key(self) -> str:
         """The S3 access key id."""
         return self._access_key

@@ -38,6 +38,7 @@ from airflow.sdk import BaseHook
 
 from airflow_vllm_batch.batchfile import redact_urls
 from airflow_vllm_batch.exceptions import EngineConfigurationError
+from airflow_vllm_batch.hooks.log_groups import log_group
 from airflow_vllm_batch.hooks.process import (
     DEFAULT_GRACE_S,
     signal_group,
@@ -240,18 +241,20 @@ class VLLMEngineHook(BaseHook):
         tail: collections.deque[str] = collections.deque(maxlen=self.tail_lines)
         version = None
         started = time.monotonic()
-        self.process = start_bound_process(argv, env=env, grace_s=self.kill_grace_s)
-        try:
-            for raw in self._output_lines(self.process):
-                line = redact_urls(raw.decode("utf-8", errors="replace").rstrip())
-                if version is None and (match := _VERSION_LINE.search(line)):
-                    version = match.group(1)
-                tail.append(line)
-                emit(line)
-            returncode = self.process.wait()
-        finally:
-            # Reached with a live process only on an interruption (timeout, SIGTERM).
-            self.terminate()
+        # Folded in the UI: a long run's thousands of engine lines must not bury the outcome.
+        with log_group(self.log, "vLLM engine output"):
+            self.process = start_bound_process(argv, env=env, grace_s=self.kill_grace_s)
+            try:
+                for raw in self._output_lines(self.process):
+                    line = redact_urls(raw.decode("utf-8", errors="replace").rstrip())
+                    if version is None and (match := _VERSION_LINE.search(line)):
+                        version = match.group(1)
+                    tail.append(line)
+                    emit(line)
+                returncode = self.process.wait()
+            finally:
+                # Reached with a live process only on an interruption (timeout, SIGTERM).
+                self.terminate()
         return EngineRun(returncode, time.monotonic() - started, version, list(tail))
 
     def _output_lines(self, process: subprocess.Popen[bytes]) -> Iterator[bytes]:

@@ -45,6 +45,7 @@ from airflow_vllm_batch.exceptions import (
     ServerAuthError,
     ServerUnavailableError,
 )
+from airflow_vllm_batch.hooks.log_groups import GROUP_END, GROUP_START, HeldLines
 from airflow_vllm_batch.hooks.process import (
     DEFAULT_GRACE_S,
     signal_group,
@@ -339,6 +340,10 @@ class VLLMServerProcess:
         self.time_to_ready_s: float | None = None
         self._api_key = ""
         self._pump: threading.Thread | None = None
+        #: Once ready, the server's lines are held and logged as one group when it stops
+        #: (live, they would be folded together with the task's progress lines).
+        self._serving = False
+        self._held = HeldLines()
 
     @property
     def log(self) -> logging.Logger:
@@ -366,6 +371,7 @@ class VLLMServerProcess:
         env = {**(os.environ if self.env is None else self.env), API_KEY_ENV: self._api_key}
         started = time.monotonic()
         self.log.info("Starting the vLLM server for %s on %s:%s", self.model, self.host, port)
+        self.log.info("%svLLM server start-up", GROUP_START)
         self.process = start_bound_process(argv, env=env, grace_s=self.grace_s)
         self._pump = threading.Thread(target=self._stream_log, name="vllm-server-log", daemon=True)
         self._pump.start()
@@ -373,7 +379,10 @@ class VLLMServerProcess:
             self._wait_ready(started)
         except BaseException:
             self.terminate()
+            self.log.info("%s", GROUP_END)
             raise
+        self._serving = True
+        self.log.info("%s", GROUP_END)
         self.time_to_ready_s = time.monotonic() - started
         self.log.info("The vLLM server is ready after %.1fs at %s", self.time_to_ready_s, self.hook.base_url)
         return self.hook
@@ -400,7 +409,10 @@ class VLLMServerProcess:
         for raw in iter(self.process.stdout.readline, b""):
             line = self._redact(raw.decode("utf-8", errors="replace").rstrip())
             self.tail.append(line)
-            self.log.info("%s", line)
+            if self._serving:
+                self._held.add(line)
+            else:
+                self.log.info("%s", line)
 
     def _redact(self, line: str) -> str:
         # vLLM prints the key as '***' itself; this also covers a server_command that echoes it.
@@ -434,6 +446,7 @@ class VLLMServerProcess:
         if proc.poll() is None:
             proc.wait()
         self._pump_done(timeout=5)
+        self._held.flush(self.log, "vLLM server log while serving")
 
     def __enter__(self) -> VLLMServerProcess:
         self.start()

@@ -289,6 +289,7 @@ class VLLMBatchMergeOperator(BaseOperator):
             max_shard_duration_s=summary["max_shard_duration_s"],
             merge_duration_s=round(merge_s, 3),
             shard_manifest_uris=summary["shard_manifest_uris"],
+            failed_by_reason=summary["failed_by_reason"],
         )
 
     @property

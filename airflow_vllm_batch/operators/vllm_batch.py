@@ -89,6 +89,7 @@ from airflow_vllm_batch.storage import (
     s3_lines,
     split_s3_uri,
 )
+from airflow_vllm_batch.summary import FailureTally, render_summary, tally_failures
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
@@ -235,6 +236,8 @@ class VLLMBatchOperator(BaseOperator):
     template_fields_renderers = {"engine_args": "json", "engine_env": "json", "default_body": "json", "requests": "json"}
     operator_extra_links = (VLLMBatchOutputLink(),)
     ui_color = "#e8f0fe"
+    #: One failed request per reason, for the summary table (set when this try published).
+    _failure_examples: dict | None = None
 
     def __init__(
         self,
@@ -379,11 +382,16 @@ class VLLMBatchOperator(BaseOperator):
                 f"Cannot reach S3 with connection {self.aws_conn_id!r} ({err}). Nothing was run; check that S3 is "
                 "reachable from this worker. The task is retried."
             ) from err
+        resumed = manifest is not None
         if manifest is None:
             self.store.check_writable()
             with self.store.lease(self.lease_holder(context, identity)) as lease:
                 manifest = self.run_batch(pinned, engine, identity, lease, started)
         self.announce(manifest, context)
+        self.log.info(
+            "%s",
+            render_summary(manifest, self._failure_examples, task_s=time.monotonic() - started, resumed=resumed),
+        )
         self.fail_on_too_many_failures(manifest, context)
         return manifest.to_dict()
 
@@ -398,7 +406,9 @@ class VLLMBatchOperator(BaseOperator):
             lease.ensure_held()
             try:
                 results = self.check_output(pinned, report, work, staging, results_path)
-                manifest = self.build_manifest(pinned, identity, report, results, run, started)
+                errors_path = self.error_file(report, work, results)
+                failures = self.tally_failures(errors_path)
+                manifest = self.build_manifest(pinned, identity, report, results, run, started, failures)
                 manifest.per_model = self.per_model(report, results, work)
                 # With no failed line the runner's successes are its staged file byte for byte: copy it
                 # server side. The server engine's results are parts: the check's successes file is the output.
@@ -407,7 +417,7 @@ class VLLMBatchOperator(BaseOperator):
                     manifest,
                     staging=staging,
                     results_path=None if copy_staged else work / "results.jsonl",
-                    errors_path=self.error_file(report, work, results),
+                    errors_path=errors_path,
                 )
                 self.kept_results(identity).unlink(missing_ok=True)
             except (BotoCoreError, ClientError) as err:
@@ -987,6 +997,16 @@ class VLLMBatchOperator(BaseOperator):
             return None
         return _concat(work / "all-errors.jsonl", work / "preflight-errors.jsonl", work / "engine-errors.jsonl")
 
+    def tally_failures(self, errors_path: Path | None) -> FailureTally:
+        """Count the failed requests by reason; keep one example of each for the summary table."""
+        if errors_path is None:
+            tally = FailureTally(counts={}, examples={})
+        else:
+            with open_lines(str(errors_path)) as lines:
+                tally = tally_failures(lines)
+        self._failure_examples = tally.examples
+        return tally
+
     def build_manifest(
         self,
         pinned: PinnedInput,
@@ -995,6 +1015,7 @@ class VLLMBatchOperator(BaseOperator):
         results: ResultsReport,
         run: EngineRun,
         started: float,
+        failures: FailureTally | None = None,
     ) -> Manifest:
         """The manifest of this run's publication."""
         counts = results.request_counts
@@ -1014,6 +1035,7 @@ class VLLMBatchOperator(BaseOperator):
             fingerprint=identity.fingerprint,
             identity=dict(identity.components),
             manifest_uri=self.store.manifest_uri,
+            failed_by_reason=(failures.counts or None) if failures else None,
         )
 
     def per_model(self, report: PreflightReport, results: ResultsReport, work: Path) -> dict[str, dict[str, int]]:

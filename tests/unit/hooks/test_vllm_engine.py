@@ -96,6 +96,12 @@ def test_run_streams_lines_redacted_and_returns_the_exit_code():
     assert "abc123" not in "".join(run.tail)
 
 
+def test_the_engines_lines_are_folded_in_one_log_group(capsys):
+    VLLMEngineHook().run([sys.executable, "-c", "print('engine says hello')"])
+    log = capsys.readouterr().out  # Airflow's structlog writes the task log here in tests
+    assert log.index("::group::vLLM engine output") < log.index("engine says hello") < log.index("::endgroup::")
+
+
 def test_terminate_kills_the_whole_process_group_children_included(tmp_path):
     pid_file = tmp_path / "child.pid"
     # A parent that ignores SIGTERM and a grandchild, like vLLM's frontend and EngineCore.

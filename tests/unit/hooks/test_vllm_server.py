@@ -9,6 +9,7 @@ import sys
 import textwrap
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -152,6 +153,8 @@ FAKE_SERVER = textwrap.dedent(
         time.sleep(60)
     class H(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
+            if self.path != "/health":
+                print("served " + self.path, flush=True)
             self.send_response(200); self.send_header("Content-Length", "0"); self.end_headers()
         def log_message(self, *a):
             pass
@@ -189,6 +192,7 @@ def test_a_started_server_is_ready_logged_redacted_and_stopped_with_its_group(fa
     assert not _alive(engine_pid) and not _alive(guard_pid)
     log = capsys.readouterr().out  # Airflow's structlog writes the task log here in tests
     assert "X-Amz-Signature=secret123" not in log and "?<redacted>" in log
+    assert log.index("::group::vLLM server start-up") < log.index("?<redacted>") < log.index("::endgroup::")
     assert key not in log and "key is ***" in log
 
 
@@ -222,3 +226,16 @@ def test_the_engine_gets_the_callers_environment(fake_server, monkeypatch):
     with server:
         environ = Path(f"/proc/{server.process.pid}/environ").read_bytes()
     assert b"EXTRA=1" in environ
+
+
+def test_start_up_lines_are_one_group_and_lines_while_serving_are_logged_as_another_at_stop(fake_server, capsys):
+    with VLLMServerProcess("m", server_command=fake_server) as server:
+        with urllib.request.urlopen(server.hook.base_url + "/ping", timeout=5):
+            pass
+        deadline = time.monotonic() + 5
+        while "served /ping" not in server.tail and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "served /ping" not in capsys.readouterr().out  # held: the task's progress lines stay unfolded
+    log = capsys.readouterr().out
+    serving = log.index("::group::vLLM server log while serving (")
+    assert serving < log.index("served /ping") < log.rindex("::endgroup::")

@@ -6,7 +6,8 @@ and writing local paths or presigned URLs. The environment steers it:
 
 * ``FAKE_ENGINE_CALLS``: a file that gets one line per start (how tests count engine runs);
 * ``FAKE_ENGINE_DROP``: answer that many fewer lines (a results mismatch);
-* ``FAKE_ENGINE_EXIT``: exit with this code after writing nothing.
+* ``FAKE_ENGINE_EXIT``: exit with this code after writing nothing;
+* ``FAKE_ENGINE_FAIL``: answer that many of the first lines with vLLM's HTTP 500 error.
 """
 
 from __future__ import annotations
@@ -51,6 +52,16 @@ def answer(request: dict, model: str) -> dict:
     }
 
 
+def fail(request: dict) -> dict:
+    """vLLM 0.32's line for a request that failed in the engine."""
+    return {
+        "id": "vllm-" + request["custom_id"],
+        "custom_id": request["custom_id"],
+        "response": {"status_code": 500, "request_id": "r-" + request["custom_id"], "body": None},
+        "error": {"message": "Internal error while generating (see https://example.invalid/x?X-Amz-Signature=abc)", "type": "InternalServerError", "code": 500},
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("-i", required=True)
@@ -64,8 +75,10 @@ def main() -> int:
         return code
     requests = [json.loads(line) for line in read(args.i).splitlines() if line.strip()]
     requests = requests[: len(requests) - int(os.environ.get("FAKE_ENGINE_DROP", "0"))]
+    failing = int(os.environ.get("FAKE_ENGINE_FAIL", "0"))
     # vLLM names the adapter that answered (or the base model): the request's own name here.
-    write(args.o, b"".join(json.dumps(answer(r, r["body"].get("model") or args.model)).encode() + b"\n" for r in requests))
+    answers = [fail(r) if i < failing else answer(r, r["body"].get("model") or args.model) for i, r in enumerate(requests)]
+    write(args.o, b"".join(json.dumps(a).encode() + b"\n" for a in answers))
     return 0
 
 

@@ -332,3 +332,34 @@ def test_leftovers_of_killed_tries_are_aged_out_of_the_results_dir(batch):
     batch.run()
     assert not stale.exists()
     assert fresh.exists()
+
+
+def test_failures_are_counted_by_reason_in_the_manifest_and_the_log_ends_with_a_summary_table(batch, capfd):
+    batch.put("in/input.jsonl", chat_lines(5) + b'{"custom_id": "bad", "method": "GET"}\n')
+    manifest = batch.run(invalid_lines="skip", max_failed_ratio=0.5, engine_env={"FAKE_ENGINE_FAIL": "2"})
+    assert manifest["request_counts"] == {"total": 6, "completed": 3, "failed": 3}
+    assert manifest["failed_by_reason"] == {"engine_error": 2, "invalid_request": 1}
+    stored = json.loads(batch.get("out/results.manifest.json"))
+    assert stored["failed_by_reason"] == manifest["failed_by_reason"]
+    log = capfd.readouterr().out
+    table = log[log.index("vLLM batch: 3 of 6 requests completed, 3 failed") :]
+    assert "| failed: engine_error" in table and "2, e.g. r0: Internal error while generating" in table
+    assert "| failed: invalid_request" in table and "1, e.g. bad:" in table
+    assert f"| results  " in table and batch.output_uri in table and "results.errors.jsonl" in table
+    assert "X-Amz-Signature" not in log
+
+
+def test_a_reused_output_says_no_engine_ran_and_keeps_the_counts_by_reason(batch, capfd):
+    batch.put("in/input.jsonl", chat_lines(5) + b'{"custom_id": "bad", "method": "GET"}\n')
+    batch.run(invalid_lines="skip", max_failed_ratio=0.5)
+    capfd.readouterr()
+    again = batch.run(FakeTI(run_id="backfill-rerun"), invalid_lines="skip", max_failed_ratio=0.5)
+    assert again["failed_by_reason"] == {"invalid_request": 1}
+    assert batch.engine_runs == 1
+    log = capfd.readouterr().out
+    assert "Not running the engine again" in log
+    assert "(reused: no engine ran in this try)" in log and "1 (see the error file)" in log
+
+
+def test_a_run_without_failures_has_no_failed_by_reason(batch):
+    assert "failed_by_reason" not in batch.run()

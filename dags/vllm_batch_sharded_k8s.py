@@ -37,7 +37,10 @@ from airflow.sdk import Param, dag, task
 
 from airflow_vllm_batch import examples
 from airflow_vllm_batch.gpu_pods import gpu_pod_override
-from airflow_vllm_batch.operators.shards import VLLMBatchMergeOperator, VLLMBatchSplitOperator
+from airflow_vllm_batch.operators.shards import (
+    VLLMBatchMergeOperator,
+    VLLMBatchSplitOperator,
+)
 from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
 
 IMAGE = os.environ.get("AIRFLOW_VLLM_BATCH_K8S_IMAGE", "ghcr.io/example/airflow-vllm-batch-gpu-worker:0.1.0")

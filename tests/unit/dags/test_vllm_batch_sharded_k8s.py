@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 from airflow.dag_processing.dagbag import DagBag
 from airflow.providers.cncf.kubernetes import kubernetes_executor_templates
-from airflow.providers.cncf.kubernetes.kubernetes_helper_functions import create_unique_id
+from airflow.providers.cncf.kubernetes.kubernetes_helper_functions import (
+    create_unique_id,
+)
 from airflow.providers.cncf.kubernetes.pod_generator import PodGenerator
 from airflow.serialization.serialized_objects import DagSerialization
 from kubernetes.client import ApiClient

@@ -9,6 +9,9 @@ from airflow.sdk.exceptions import AirflowFailException
 
 from airflow_vllm_batch import gpus
 from tests.unit.operators.test_vllm_batch_runs import Batch
+from tests.unit.operators.test_vllm_batch_server import Batch as ServerBatch
+from tests.unit.operators.test_vllm_batch_server import N as SERVER_REQUESTS
+from tests.unit.operators.test_vllm_batch_server import server  # noqa: F401 - the stand-in server fixture
 
 
 @pytest.fixture
@@ -76,3 +79,10 @@ def test_gpus_must_be_a_whole_number_or_none(value):
 
     with pytest.raises(ConfigurationError, match="gpus must be"):
         VLLMBatchOperator(task_id="t", input_uri="s3://b/i.jsonl", output_uri="s3://b/o.jsonl", model="m", gpus=value)
+
+
+@pytest.mark.timeout(120)
+def test_a_task_with_a_vllm_connection_leases_no_gpu_even_when_all_are_taken(s3, bucket, tmp_path, server, worker):  # noqa: F811
+    with gpus.try_lease(["0", "1"], 2, str(worker), {"task_id": "other"}):
+        manifest = ServerBatch(s3, bucket, tmp_path).run()
+    assert manifest["request_counts"]["completed"] == SERVER_REQUESTS

@@ -11,7 +11,7 @@ shard is resumed from an earlier phase), waits for the run and reads its task in
 
 It prints, per phase, the DAG run's wall time (start to end, as the scheduler recorded it)
 and the inference span (first shard's start to last shard's end), which shards each worker
-ran, and the speed-up of each phase over the first one-worker phase. Usage::
+ran, and the speed-up of each phase over the one-worker phase just before it. Usage::
 
     .venv/bin/python benchmarks/celery_workers.py                          # ~10 min on 2 cores
     .venv/bin/python benchmarks/celery_workers.py --requests 400 --shard-size 100 --phases 1,2,1,2
@@ -137,6 +137,23 @@ def run_phase(dep: Deployment, workers: int, conf: dict, timeout: float) -> dict
     }
 
 
+def speedup_table(results: list[dict]) -> str:
+    """A Markdown table; each phase's speed-up is over the one-worker phase run last before it.
+
+    Pairing each phase with the one just before keeps a change of the machine's load (other
+    jobs come and go) out of the ratio as far as one run each allows.
+    """
+    rows = ["| gpu workers | DAG run | inference span | speed-up (run) | speed-up (inference) |", "|---:|---:|---:|---:|---:|"]
+    base = None
+    for r in results:
+        if r["workers"] == 1:
+            base = r
+        run_x = f"{base['wall_s'] / r['wall_s']:.2f}" if base else "-"
+        inf_x = f"{base['inference_s'] / r['inference_s']:.2f}" if base else "-"
+        rows.append(f"| {r['workers']} | {r['wall_s']:.1f} s | {r['inference_s']:.1f} s | {run_x} | {inf_x} |")
+    return "\n".join(rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=400, help="chat requests in the batch (default 400)")
@@ -170,14 +187,8 @@ def main() -> None:
                 shutil.rmtree(work)
             if leftover:
                 print(f"warning: processes left alive: {leftover}", file=sys.stderr)
-    base = next((r for r in results if r["workers"] == 1), None)
     print(f"\n{args.requests} requests, {results[0]['shards']} shards of {args.shard_size}, max_tokens {args.max_tokens}")
-    print("| gpu workers | DAG run | inference span | speed-up (run) | speed-up (inference) |")
-    print("|---:|---:|---:|---:|---:|")
-    for r in results:
-        run_x = base["wall_s"] / r["wall_s"] if base else float("nan")
-        inf_x = base["inference_s"] / r["inference_s"] if base else float("nan")
-        print(f"| {r['workers']} | {r['wall_s']:.1f} s | {r['inference_s']:.1f} s | {run_x:.2f} | {inf_x:.2f} |")
+    print(speedup_table(results))
     print(json.dumps(results))
 
 

@@ -26,7 +26,10 @@ from airflow.sdk import Param, dag, task
 
 from airflow_vllm_batch import examples
 from airflow_vllm_batch.batchfile import check_results, open_lines
-from airflow_vllm_batch.operators.shards import VLLMBatchMergeOperator, VLLMBatchSplitOperator
+from airflow_vllm_batch.operators.shards import (
+    VLLMBatchMergeOperator,
+    VLLMBatchSplitOperator,
+)
 from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
 
 log = logging.getLogger(__name__)

@@ -54,7 +54,14 @@ XCom) and yields ``(custom_id, text)`` (:class:`Text`), ``(custom_id, vector)``
 
 from __future__ import annotations
 
-from airflow_vllm_batch.batchfile.answers import Failed, Scores, Text, Vector, iter_answers, read_answers
+from airflow_vllm_batch.batchfile.answers import (
+    Failed,
+    Scores,
+    Text,
+    Vector,
+    iter_answers,
+    read_answers,
+)
 from airflow_vllm_batch.batchfile.index import CustomIdIndex
 from airflow_vllm_batch.batchfile.models import (
     DEFAULT_SUPPORTED_URLS,

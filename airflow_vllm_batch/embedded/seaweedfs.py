@@ -440,6 +440,10 @@ class SeaweedFS:
             # 0 disables the Iceberg and Lance catalog servers, two ports fewer to share.
             "-s3.port.iceberg=0",
             "-s3.port.lance=0",
+            # Every bucket is a collection with volumes of its own; the default limit (free
+            # disk / 128 MB) ran out after a few hundred test buckets ("No writable volumes and
+            # no free volumes left"). Volumes are sparse files: a high limit costs no disk.
+            "-volume.max=5000",
         ]
         argv += [f"-{flag}={port}" for flag, port in ports.items()]
         # The S3 gateway's Unix socket defaults to /tmp/seaweedfs-s3-<port>.sock and is

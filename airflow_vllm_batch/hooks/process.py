@@ -96,6 +96,7 @@ def start_bound_process(
     env: Mapping[str, str] | None = None,
     grace_s: float = DEFAULT_GRACE_S,
     stdout: int | None = subprocess.PIPE,
+    pass_fds: Sequence[int] = (),
 ) -> subprocess.Popen[bytes]:
     """Start ``argv`` under a guard that stops it, and its children, when this process dies.
 
@@ -107,6 +108,9 @@ def start_bound_process(
     :param env: the engine's full environment. Default: this process's.
     :param grace_s: seconds between SIGTERM and SIGKILL when the guard stops the group.
     :param stdout: where the engine's output goes. Default: a pipe, to read line by line.
+    :param pass_fds: descriptors the guard and the engine inherit, e.g. the locked files of a
+        GPU lease (:mod:`airflow_vllm_batch.gpus`): the lease then lasts until the engine is
+        gone, even when this process dies first.
     """
     guard_env = dict(os.environ if env is None else env)
     guard_env.update(
@@ -119,6 +123,7 @@ def start_bound_process(
         stdin=subprocess.DEVNULL,
         env=guard_env,
         start_new_session=True,
+        pass_fds=tuple(pass_fds),
     )
 
 

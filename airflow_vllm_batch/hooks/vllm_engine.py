@@ -227,6 +227,7 @@ class VLLMEngineHook(BaseHook):
         *,
         env: Mapping[str, str] | None = None,
         on_line: Callable[[str], None] | None = None,
+        pass_fds: Sequence[int] = (),
     ) -> EngineRun:
         """Start the engine, stream its output and wait for it to exit.
 
@@ -236,6 +237,7 @@ class VLLMEngineHook(BaseHook):
         :param argv: the command, e.g. from :func:`build_engine_argv`.
         :param env: the engine's full environment. Default: this process's.
         :param on_line: called with every output line, already redacted.
+        :param pass_fds: descriptors the engine inherits (a GPU lease's locks).
         """
         emit = on_line or self.log.info
         tail: collections.deque[str] = collections.deque(maxlen=self.tail_lines)
@@ -243,7 +245,7 @@ class VLLMEngineHook(BaseHook):
         started = time.monotonic()
         # Folded in the UI: a long run's thousands of engine lines must not bury the outcome.
         with log_group(self.log, "vLLM engine output"):
-            self.process = start_bound_process(argv, env=env, grace_s=self.kill_grace_s)
+            self.process = start_bound_process(argv, env=env, grace_s=self.kill_grace_s, pass_fds=pass_fds)
             try:
                 for raw in self._output_lines(self.process):
                     line = redact_urls(raw.decode("utf-8", errors="replace").rstrip())

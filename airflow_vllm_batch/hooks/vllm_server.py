@@ -308,6 +308,7 @@ class VLLMServerProcess:
     :param startup_timeout_s: seconds to wait for ``/health``. Default 900.
     :param grace_s: seconds between SIGTERM and SIGKILL when stopping. Default 4.
     :param tail_lines: how many of the last log lines to keep for error messages. Default 40.
+    :param pass_fds: descriptors the server inherits (a GPU lease's locks).
     """
 
     def __init__(
@@ -323,8 +324,10 @@ class VLLMServerProcess:
         startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
         grace_s: float = DEFAULT_GRACE_S,
         tail_lines: int = 40,
+        pass_fds: Sequence[int] = (),
     ) -> None:
         self.model = model
+        self.pass_fds = tuple(pass_fds)
         self.engine_args = list(engine_args)
         self.env = env
         self.python = python
@@ -372,7 +375,7 @@ class VLLMServerProcess:
         started = time.monotonic()
         self.log.info("Starting the vLLM server for %s on %s:%s", self.model, self.host, port)
         self.log.info("%svLLM server start-up", GROUP_START)
-        self.process = start_bound_process(argv, env=env, grace_s=self.grace_s)
+        self.process = start_bound_process(argv, env=env, grace_s=self.grace_s, pass_fds=self.pass_fds)
         self._pump = threading.Thread(target=self._stream_log, name="vllm-server-log", daemon=True)
         self._pump.start()
         try:
@@ -470,6 +473,8 @@ class VLLMServerEngine:
     :param env: a started server's environment.
     :param python: a started server's Python.
     :param grace_s: seconds between SIGTERM and SIGKILL when stopping a started server.
+    :param pass_fds: descriptors a started server inherits (a GPU lease's locks); settable
+        until :meth:`run`.
     """
 
     def __init__(
@@ -481,8 +486,10 @@ class VLLMServerEngine:
         env: Mapping[str, str] | None = None,
         python: str | None = None,
         grace_s: float = DEFAULT_GRACE_S,
+        pass_fds: Sequence[int] = (),
     ) -> None:
         self.model = model
+        self.pass_fds = tuple(pass_fds)
         self.vllm_conn_id = vllm_conn_id
         self.engine_args = list(engine_args)
         self.env = env
@@ -527,7 +534,12 @@ class VLLMServerEngine:
         if self.vllm_conn_id is not None:
             return self.warm_hook.stream_batch(requests, **stream)
         self.process = VLLMServerProcess(
-            self.model, engine_args=self.engine_args, env=self.env, python=self.python, grace_s=self.grace_s
+            self.model,
+            engine_args=self.engine_args,
+            env=self.env,
+            python=self.python,
+            grace_s=self.grace_s,
+            pass_fds=self.pass_fds,
         )
         with self.process as server:
             assert server.hook is not None

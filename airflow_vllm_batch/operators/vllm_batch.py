@@ -55,6 +55,7 @@ from airflow_vllm_batch.exceptions import (
     TooManyFailedRequestsError,
     VLLMBatchError,
 )
+from airflow_vllm_batch.gpus import GPUPlan, engine_gpus, plan_gpus
 from airflow_vllm_batch.hooks.engine_checks import check_engine_args, inspect_model
 from airflow_vllm_batch.hooks.model_names import (
     ServedModels,
@@ -218,6 +219,12 @@ class VLLMBatchOperator(BaseOperator):
         Default: the connection's ``max_in_flight`` extra, else 512.
     :param checkpoint_interval_s: seconds between the server engine's checkpoints to S3.
         Default 60.
+    :param gpus: how many GPUs the engine this task starts leases on the worker (see
+        :mod:`airflow_vllm_batch.gpus`): before the engine starts the task waits for that many
+        devices no other task holds, and the engine gets them as ``CUDA_VISIBLE_DEVICES``.
+        Default None: what the parallel sizes in ``engine_args`` need (tensor x pipeline x
+        data parallel; 1 without them) on a worker with GPUs, none on a CPU worker. 0: no
+        lease. Not used with ``vllm_conn_id``.
     """
 
     template_fields: Sequence[str] = (
@@ -270,6 +277,7 @@ class VLLMBatchOperator(BaseOperator):
         vllm_conn_id: str | None = None,
         max_in_flight: int | None = None,
         checkpoint_interval_s: float = 60.0,
+        gpus: int | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -301,6 +309,7 @@ class VLLMBatchOperator(BaseOperator):
         self.vllm_conn_id = vllm_conn_id
         self.max_in_flight = max_in_flight
         self.checkpoint_interval_s = checkpoint_interval_s
+        self.gpus = gpus
         self._check_static_arguments()
 
     @cached_property
@@ -370,6 +379,7 @@ class VLLMBatchOperator(BaseOperator):
         """Identify the run; return its published output, or run, check and publish it."""
         started = time.monotonic()
         self.check_rendered_values()
+        self.gpu_plan = self.plan_gpus(context)
         try:
             if self.requests is not None:
                 self.input_uri = self.write_requests()
@@ -473,6 +483,8 @@ class VLLMBatchOperator(BaseOperator):
                 raise ConfigurationError(f"{name} must be a positive whole number or None, got {value!r}.")
         if not isinstance(self.kill_grace_s, (int, float)) or self.kill_grace_s < 0:
             raise ConfigurationError(f"kill_grace_s must be a number of seconds >= 0, got {self.kill_grace_s!r}.")
+        if self.gpus is not None and (not isinstance(self.gpus, int) or isinstance(self.gpus, bool) or self.gpus < 0):
+            raise ConfigurationError(f"gpus must be a whole number >= 0 or None, got {self.gpus!r}.")
         if self.max_in_flight is not None and (not isinstance(self.max_in_flight, int) or self.max_in_flight < 1):
             raise ConfigurationError(f"max_in_flight must be a positive whole number or None, got {self.max_in_flight!r}.")
         if not isinstance(self.checkpoint_interval_s, (int, float)) or self.checkpoint_interval_s <= 0:
@@ -671,6 +683,18 @@ class VLLMBatchOperator(BaseOperator):
             fingerprint=identity.fingerprint,
         )
 
+    def plan_gpus(self, context: Context) -> GPUPlan:
+        """How many GPUs this task's engine leases (none for a warm server); fails fast when the settings cannot fit."""
+        self._gpu_holder = {k: getattr(context["ti"], k, None) for k in ("dag_id", "run_id", "task_id", "map_index", "try_number")}
+        if self.vllm_conn_id:
+            return GPUPlan(0)
+        return plan_gpus(self.gpus, list(self.engine_args or ()), self.engine_env)
+
+    def leased_gpus(self, env: dict[str, str]) -> contextlib.AbstractContextManager[tuple[int, ...]]:
+        """Wait for this task's GPUs, point ``env`` at them; yields the lock descriptors the engine inherits."""
+        plan = getattr(self, "gpu_plan", None) or GPUPlan(0)
+        return engine_gpus(plan, env, holder=getattr(self, "_gpu_holder", {}), log=self.log.info)
+
     # -- steps -----------------------------------------------------------------------
 
     @contextlib.contextmanager
@@ -809,7 +833,8 @@ class VLLMBatchOperator(BaseOperator):
         skip = (lambda custom_id: answered.line_of(custom_id) is not None) if answered else None
         started = time.monotonic()
         try:
-            with self.engine_input_lines(pinned, report, work) as requests:
+            with self.engine_input_lines(pinned, report, work) as requests, self.leased_gpus(self.server_engine.env) as fds:
+                self.server_engine.pass_fds = fds
                 stats = self.server_engine.run(
                     requests,
                     journal=journal,
@@ -933,7 +958,8 @@ class VLLMBatchOperator(BaseOperator):
         if not self.engine_command:
             argv, hidden = conceal_arguments(argv)
             env.update(hidden)
-        run = self.engine_hook.run(argv, env=env)
+        with self.leased_gpus(env) as pass_fds:
+            run = self.engine_hook.run(argv, env=env, pass_fds=pass_fds)
         run.vllm_version = run.vllm_version or engine.vllm_version
         self.log.info("vLLM engine exited with code %s after %.1fs", run.returncode, run.duration_s)
         if run.returncode != 0:

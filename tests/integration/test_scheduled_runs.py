@@ -45,7 +45,12 @@ from airflow_vllm_batch.embedded.demo import CPU_ENGINE_ARGS, CPU_ENGINE_ENV
 from airflow_vllm_batch.embedded.seaweedfs import SeaweedFS
 from airflow_vllm_batch.hooks.vllm_server import VLLMServerProcess
 from tests.integration.dagrun import REPO
-from tests.integration.deployment import RUN_DONE, Deployment, local_executor_deployment, wait_until
+from tests.integration.deployment import (
+    RUN_DONE,
+    Deployment,
+    local_executor_deployment,
+    wait_until,
+)
 from tests.integration.ui_browser import Browser, missing_browser
 
 pytestmark = [pytest.mark.integration, pytest.mark.engine]

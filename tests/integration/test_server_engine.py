@@ -17,7 +17,6 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
-from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest

@@ -234,7 +234,10 @@ def embeddings_sharded_and_whole(embedded, airflow_db) -> DagRunResult:
 
     from airflow_vllm_batch import examples
     from airflow_vllm_batch.embedded.tiny_model import embedding_model_path
-    from airflow_vllm_batch.operators.shards import VLLMBatchMergeOperator, VLLMBatchSplitOperator
+    from airflow_vllm_batch.operators.shards import (
+        VLLMBatchMergeOperator,
+        VLLMBatchSplitOperator,
+    )
     from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
 
     model = str(embedding_model_path())

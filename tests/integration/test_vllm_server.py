@@ -17,7 +17,12 @@ from openai.types.chat import ChatCompletion
 
 from airflow_vllm_batch.embedded.demo import CPU_ENGINE_ARGS, CPU_ENGINE_ENV
 from airflow_vllm_batch.hooks.vllm_server import VLLMServerHook, VLLMServerProcess
-from airflow_vllm_batch.serving import Journal, ModelNotServedError, ServerAuthError, run_stream
+from airflow_vllm_batch.serving import (
+    Journal,
+    ModelNotServedError,
+    ServerAuthError,
+    run_stream,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.engine]
 

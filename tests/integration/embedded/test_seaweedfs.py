@@ -17,7 +17,11 @@ import requests
 from botocore.config import Config
 from botocore.exceptions import ClientError
 
-from airflow_vllm_batch.embedded.seaweedfs import SeaweedFS, SeaweedFSError, find_weed_binary
+from airflow_vllm_batch.embedded.seaweedfs import (
+    SeaweedFS,
+    SeaweedFSError,
+    find_weed_binary,
+)
 
 pytestmark = pytest.mark.integration
 

@@ -13,7 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from airflow_vllm_batch.embedded.tiny_model import build_tiny_chat_model, embedding_model_path
+from airflow_vllm_batch.embedded.tiny_model import (
+    build_tiny_chat_model,
+    embedding_model_path,
+)
 from airflow_vllm_batch.hooks.engine_checks import (
     EngineArgsCheckError,
     EngineArgumentsError,

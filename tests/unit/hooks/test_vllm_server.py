@@ -23,7 +23,11 @@ from airflow_vllm_batch.hooks.vllm_server import (
     VLLMServerProcess,
     build_server_argv,
 )
-from airflow_vllm_batch.serving import ModelNotServedError, ServerAuthError, ServerUnavailableError
+from airflow_vllm_batch.serving import (
+    ModelNotServedError,
+    ServerAuthError,
+    ServerUnavailableError,
+)
 
 KEY = "unit-test-api-key"
 MODEL = "/models/tiny-llama-chat"

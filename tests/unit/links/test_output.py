@@ -11,7 +11,10 @@ from airflow.sdk.execution_time.xcom import XCom
 from airflow.sdk.types import TaskInstanceKey
 
 from airflow_vllm_batch.links import VLLMBatchOutputLink
-from airflow_vllm_batch.links.output import DEFAULT_OUTPUT_LINK_TEMPLATE, format_output_link
+from airflow_vllm_batch.links.output import (
+    DEFAULT_OUTPUT_LINK_TEMPLATE,
+    format_output_link,
+)
 
 ENV = "AIRFLOW__VLLM_BATCH__OUTPUT_LINK_TEMPLATE"
 TI_KEY = TaskInstanceKey(dag_id="d", task_id="vllm_batch", run_id="manual__1", try_number=1, map_index=-1)

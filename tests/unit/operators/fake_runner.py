@@ -8,6 +8,8 @@ and writing local paths or presigned URLs. The environment steers it:
 * ``FAKE_ENGINE_DROP``: answer that many fewer lines (a results mismatch);
 * ``FAKE_ENGINE_EXIT``: exit with this code after writing nothing;
 * ``FAKE_ENGINE_FAIL``: answer that many of the first lines with vLLM's HTTP 500 error.
+* ``FAKE_ENGINE_GPU_PROBE``: a file that gets the engine's ``CUDA_VISIBLE_DEVICES`` and,
+  for each device, whether its GPU lease lock is held while the engine runs.
 """
 
 from __future__ import annotations
@@ -62,6 +64,26 @@ def fail(request: dict) -> dict:
     }
 
 
+def write_gpu_probe(path: str) -> None:
+    import fcntl
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    locked = {}
+    lock_dir = os.environ.get("AIRFLOW_VLLM_BATCH_GPU_LOCK_DIR", "")
+    for device in os.environ.get("AIRFLOW_VLLM_BATCH_GPUS", "").split(","):
+        if not device:
+            continue
+        # A new open file: it conflicts with the lease's lock even in the process that inherited it.
+        with open(os.path.join(lock_dir, f"gpu-{device}.lock"), "a") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                locked[device] = False
+            except OSError:
+                locked[device] = True
+    with open(path, "w") as f:
+        json.dump({"CUDA_VISIBLE_DEVICES": visible, "CUDA_DEVICE_ORDER": os.environ.get("CUDA_DEVICE_ORDER"), "locked": locked}, f)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("-i", required=True)
@@ -71,6 +93,8 @@ def main() -> int:
     if calls := os.environ.get("FAKE_ENGINE_CALLS"):
         with open(calls, "a") as f:
             f.write(" ".join(sys.argv[1:3]).split("?")[0] + "\n")
+    if probe := os.environ.get("FAKE_ENGINE_GPU_PROBE"):
+        write_gpu_probe(probe)
     if code := int(os.environ.get("FAKE_ENGINE_EXIT", "0")):
         return code
     requests = [json.loads(line) for line in read(args.i).splitlines() if line.strip()]

@@ -16,7 +16,11 @@ import pytest
 from airflow.sdk.exceptions import AirflowFailException
 from botocore.exceptions import ClientError
 
-from airflow_vllm_batch.exceptions import OutputBusyError, PublishError, ResultsCheckError
+from airflow_vllm_batch.exceptions import (
+    OutputBusyError,
+    PublishError,
+    ResultsCheckError,
+)
 from airflow_vllm_batch.lease import LeaseHolder
 from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
 from airflow_vllm_batch.storage import RunStaging
@@ -345,7 +349,7 @@ def test_failures_are_counted_by_reason_in_the_manifest_and_the_log_ends_with_a_
     table = log[log.index("vLLM batch: 3 of 6 requests completed, 3 failed") :]
     assert "| failed: engine_error" in table and "2, e.g. r0: Internal error while generating" in table
     assert "| failed: invalid_request" in table and "1, e.g. bad:" in table
-    assert f"| results  " in table and batch.output_uri in table and "results.errors.jsonl" in table
+    assert "| results  " in table and batch.output_uri in table and "results.errors.jsonl" in table
     assert "X-Amz-Signature" not in log
 
 

@@ -1,0 +1,196 @@
+"""The sharded DAG on 1 and on 2 Celery ``gpu`` workers: the measured speed-up of adding a worker.
+
+One real Airflow deployment on loopback (the pieces of ``tests/integration/deployment.py``):
+Redis as the broker, ``api-server``, ``scheduler``, ``dag-processor``, a Celery worker on
+queue ``default`` (upload, split, merge, validate) and Celery workers on queue ``gpu``,
+``--concurrency 1`` each, as on a fleet of one-GPU nodes. SeaweedFS for S3, vLLM on the CPU
+with the tiny local model. For each phase (default ``1,2``: one gpu worker, then two) the
+script makes sure that many ``gpu`` workers are up and ready, triggers ``vllm_batch_sharded``
+through the REST API with the same conf (same requests, same shards; a new run id, so no
+shard is resumed from an earlier phase), waits for the run and reads its task instances.
+
+It prints, per phase, the DAG run's wall time (start to end, as the scheduler recorded it)
+and the inference span (first shard's start to last shard's end), which shards each worker
+ran, and the speed-up of each phase over the one-worker phase just before it. Usage::
+
+    .venv/bin/python benchmarks/celery_workers.py                          # ~10 min on 2 cores
+    .venv/bin/python benchmarks/celery_workers.py --requests 400 --shard-size 100 --phases 1,2,1,2
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from airflow_vllm_batch.embedded.demo import BUCKET
+from airflow_vllm_batch.embedded.seaweedfs import SeaweedFS, _free_ports
+from airflow_vllm_batch.embedded.tiny_model import build_tiny_chat_model
+from tests.integration.deployment import (
+    LOOPBACK,
+    Deployment,
+    deployment_env,
+    signal_group,
+    wait_until,
+)
+
+DAG_ID = "vllm_batch_sharded"
+
+
+def _when(value: str) -> float:
+    return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+
+
+def start_deployment(work: Path, s3: SeaweedFS, model: Path) -> Deployment:
+    """Redis, api-server, scheduler, dag-processor and the ``default`` worker (no ``gpu`` worker yet)."""
+    redis = shutil.which("redis-server")
+    if redis is None:
+        raise SystemExit("redis-server is not installed (make system-deps)")
+    home = work / "airflow"
+    dags = home / "dags"
+    dags.mkdir(parents=True)
+    (dags / f"{DAG_ID}.py").symlink_to(REPO / "dags" / f"{DAG_ID}.py")
+    redis_port, api_port = _free_ports(2)
+    env = deployment_env(s3, model, home, dags, api_port, "CeleryExecutor")
+    env.update(
+        {
+            "AIRFLOW__CELERY__BROKER_URL": f"redis://{LOOPBACK}:{redis_port}/0",
+            "AIRFLOW__CELERY__RESULT_BACKEND": f"redis://{LOOPBACK}:{redis_port}/1",
+            "AIRFLOW__CELERY__WORKER_CONCURRENCY": "1",
+            # Every shard may run at once: the workers, not Airflow's limits, are what is measured.
+            "AIRFLOW__CORE__MAX_ACTIVE_TASKS_PER_DAG": "64",
+        }
+    )
+    airflow = str(Path(sys.executable).with_name("airflow"))
+    dep = Deployment(home=home, api_url=f"http://{LOOPBACK}:{api_port}", env=env)
+    subprocess.run([airflow, "db", "migrate"], env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    dep.start("redis", [redis, "--bind", LOOPBACK, "--port", str(redis_port), "--save", "", "--appendonly", "no", "--dir", str(home)])
+    dep.start("api-server", [airflow, "api-server", "--host", LOOPBACK, "--port", str(api_port), "--workers", "1"])
+    dep.start("scheduler", [airflow, "scheduler"])
+    dep.start("dag-processor", [airflow, "dag-processor"])
+    start_worker(dep, "default", "default")
+    wait_until("the API server", lambda: dep.request("GET", "/api/v2/monitor/health"), 180, dep)
+    dep.log_in()
+    dep.wait_for_dag(DAG_ID, timeout=180)
+    return dep
+
+
+def start_worker(dep: Deployment, name: str, queue: str) -> None:
+    """Start one Celery worker (concurrency 1) on ``queue`` and wait until it consumes."""
+    airflow = str(Path(sys.executable).with_name("airflow"))
+    # --skip-serve-logs: several workers on one host would all bind the log server's port.
+    dep.start(f"worker-{name}", [airflow, "celery", "worker", "-q", queue, "-c", "1", "-H", f"{name}@%h", "--skip-serve-logs"])
+    wait_until(f"Celery worker {name}", lambda: " ready." in dep.log(f"worker-{name}"), 180, dep)
+
+
+def stop_worker(dep: Deployment, name: str) -> None:
+    """Stop one worker (warm shutdown: it has no task between phases)."""
+    proc = dep.processes.pop(f"worker-{name}")
+    signal_group(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        signal_group(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def set_gpu_workers(dep: Deployment, count: int) -> None:
+    """Make exactly ``count`` ``gpu`` workers run (gpu1, gpu2, ...)."""
+    running = sorted(n.removeprefix("worker-") for n in dep.processes if n.startswith("worker-gpu"))
+    for name in running[count:]:
+        stop_worker(dep, name)
+    for i in range(len(running) + 1, count + 1):
+        start_worker(dep, f"gpu{i}", "gpu")
+
+
+def run_phase(dep: Deployment, workers: int, conf: dict, timeout: float) -> dict:
+    """Trigger the sharded DAG with ``workers`` gpu workers up; return its timings."""
+    set_gpu_workers(dep, workers)
+    logs_before = {n: len(dep.log(n)) for n in dep.processes if n.startswith("worker-gpu")}
+    run_id = dep.trigger(DAG_ID, conf)
+    state = dep.wait_for_run(DAG_ID, run_id, timeout)
+    run = dep.dag_run(DAG_ID, run_id)
+    tis = dep.request("GET", f"{dep.run_path(DAG_ID, run_id)}/taskInstances?limit=1000")["task_instances"]
+    if state != "success":
+        raise SystemExit(f"run {run_id} ended {state}:\n{dep.diagnose(DAG_ID, run_id, 'vllm_batch')}")
+    shards = [ti for ti in tis if ti["task_id"] == "vllm_batch"]
+    per_worker = {n.removeprefix("worker-"): dep.log(n)[size:].count("task_id='vllm_batch'") for n, size in logs_before.items()}
+    return {
+        "workers": workers,
+        "run_id": run_id,
+        "wall_s": _when(run["end_date"]) - _when(run["start_date"]),
+        "inference_s": max(_when(t["end_date"]) for t in shards) - min(_when(t["start_date"]) for t in shards),
+        "shard_s": [round(_when(t["end_date"]) - _when(t["start_date"]), 1) for t in sorted(shards, key=lambda t: t["map_index"])],
+        "shards": len(shards),
+        "per_worker": per_worker,
+    }
+
+
+def speedup_table(results: list[dict]) -> str:
+    """A Markdown table; each phase's speed-up is over the one-worker phase run last before it.
+
+    Pairing each phase with the one just before keeps a change of the machine's load (other
+    jobs come and go) out of the ratio as far as one run each allows.
+    """
+    rows = ["| gpu workers | DAG run | inference span | speed-up (run) | speed-up (inference) |", "|---:|---:|---:|---:|---:|"]
+    base = None
+    for r in results:
+        if r["workers"] == 1:
+            base = r
+        run_x = f"{base['wall_s'] / r['wall_s']:.2f}" if base else "-"
+        inf_x = f"{base['inference_s'] / r['inference_s']:.2f}" if base else "-"
+        rows.append(f"| {r['workers']} | {r['wall_s']:.1f} s | {r['inference_s']:.1f} s | {run_x} | {inf_x} |")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=400, help="chat requests in the batch (default 400)")
+    parser.add_argument("--shard-size", type=int, default=100, help="requests per shard (default 100: 4 shards)")
+    parser.add_argument("--max-tokens", type=int, default=16, help="max_completion_tokens (default 16)")
+    parser.add_argument("--phases", default="1,2", help="gpu workers in each phase, in order (default 1,2)")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds a phase's run may take")
+    args = parser.parse_args()
+    phases = [int(p) for p in args.phases.split(",")]
+    conf = {"n_requests": args.requests, "shard_size": args.shard_size, "max_tokens": args.max_tokens}
+    model = build_tiny_chat_model(REPO / ".cache" / "models" / "tiny-llama-chat")
+    work = Path(tempfile.mkdtemp(prefix="vllm-batch-celery-bench-"))
+    results = []
+    with SeaweedFS(work / "s3") as s3:
+        s3.create_bucket(BUCKET)
+        dep = start_deployment(work, s3, model)
+        try:
+            for workers in phases:
+                started = time.monotonic()
+                result = run_phase(dep, workers, conf, args.timeout)
+                results.append(result)
+                print(
+                    f"{workers} gpu worker(s): run {result['wall_s']:.1f}s, inference {result['inference_s']:.1f}s, "
+                    f"shards {result['shard_s']} s, per worker {result['per_worker']} "
+                    f"(phase {time.monotonic() - started:.0f}s)",
+                    flush=True,
+                )
+        finally:
+            leftover = dep.stop()
+            with contextlib.suppress(OSError):
+                shutil.rmtree(work)
+            if leftover:
+                print(f"warning: processes left alive: {leftover}", file=sys.stderr)
+    print(f"\n{args.requests} requests, {results[0]['shards']} shards of {args.shard_size}, max_tokens {args.max_tokens}")
+    print(speedup_table(results))
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -55,6 +56,8 @@ MAX_TOKENS = 64
 #: From a task start to a live engine: scheduling, the engine probe, the engine-args check.
 ENGINE_START_TIMEOUT_S = 240
 RUN_TIMEOUT_S = 300
+#: The server-engine case: enough requests that the server is still answering when it is killed.
+N_SERVER = 1500
 #: How long an engine may outlive its task runner.
 ENGINE_GONE_S = 10
 
@@ -98,6 +101,12 @@ retry_mismatch = batch_dag(
 )
 # Try 2 must find S3 back: the test restarts it once try 1 has failed, which takes seconds.
 retry_s3 = batch_dag("supervised_retry_s3", "in/small.jsonl", retries=1, retry_delay_s=15)
+# The server engine, started by the task; checkpoints every second, so that a server killed
+# mid-run leaves parts for the retry.
+retry_server = batch_dag(
+    "supervised_server_retry", "in/server.jsonl", retries=1, retry_delay_s=1,
+    engine="server", checkpoint_interval_s=1, max_in_flight=32,
+)
 """
 
 #: The real runner, whose output loses its last line the first time only: a results mismatch on try 1.
@@ -286,6 +295,7 @@ def supervised(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         client = s3.client()
         client.put_object(Bucket=BUCKET, Key="in/big.jsonl", Body=_chat_lines(str(tiny_model), N_BIG))
         client.put_object(Bucket=BUCKET, Key="in/small.jsonl", Body=_chat_lines(str(tiny_model), N_SMALL))
+        client.put_object(Bucket=BUCKET, Key="in/server.jsonl", Body=_chat_lines(str(tiny_model), N_SERVER))
         wrapper = root / "truncate_once.py"
         wrapper.write_text(TRUNCATING_WRAPPER)
         wrapper_state = root / "wrapper-state"
@@ -305,7 +315,7 @@ def supervised(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         home = root / "airflow"
         home.mkdir()
         with local_executor_deployment(s3, tiny_model, home, {"supervised_dags.py": source}) as dep:
-            for dag_id in ("supervised_no_retry", "supervised_retry", "supervised_retry_mismatch", "supervised_retry_s3"):
+            for dag_id in ("supervised_no_retry", "supervised_retry", "supervised_retry_mismatch", "supervised_retry_s3", "supervised_server_retry"):
                 dep.wait_for_dag(dag_id)
             yield Supervised(dep=dep, s3=s3, wrapper_state=wrapper_state)
     finally:
@@ -513,6 +523,45 @@ def test_retry_after_s3_went_down_while_the_engine_ran_publishes_its_results_wit
 
 
 # -- 3. nothing is left behind ---------------------------------------------------------
+
+
+def test_retry_after_the_task_started_server_was_killed_resumes_from_its_checkpoints(supervised):
+    """The server engine's failure path under Airflow's own retry.
+
+    Try 1's server is SIGKILLed once a checkpoint part is in S3: the try fails as
+    retryable (the server is gone), Airflow retries, try 2 starts a new server, sends only
+    what no checkpoint answers, and publishes every request exactly once.
+    """
+    dep = supervised.dep
+    dag_id, case = "supervised_server_retry", "server-killed"
+    run_id, marker = supervised.trigger(dag_id, case)
+    tree = supervised.wait_for_engine(marker)
+    wait_until(
+        "a checkpoint part in S3",
+        lambda: [k for k in supervised.keys(f"out/{case}/") if "/parts/part-" in k],
+        RUN_TIMEOUT_S,
+        dep,
+        interval=0.2,
+    )
+    server = psutil.Process(tree.engine)
+    for process in [*server.children(recursive=True), server]:  # vLLM's EngineCore too
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+
+    state = dep.wait_for_run(dag_id, run_id, RUN_TIMEOUT_S)
+    ti = dep.task_instance(dag_id, run_id, TASK_ID)
+    assert (state, ti["state"], ti["try_number"]) == ("success", "success", 2), supervised.diagnose(dag_id, run_id)
+    first, second = supervised.log(dag_id, run_id, 1), supervised.log(dag_id, run_id, 2)
+    assert "ServerUnavailableError" in first and "checkpointed" in first, first[-3000:]
+    resumed = re.search(r"(\d+) answered by earlier tries' checkpoints", second)
+    sent = re.search(r"Server engine done: (\d+) requests sent", second)
+    assert resumed and sent, second[-3000:]
+    assert int(resumed.group(1)) > 0 and int(sent.group(1)) + int(resumed.group(1)) == N_SERVER
+    print(f"server killed: try 2 resumed {resumed.group(1)} answers from try 1's checkpoints and sent {sent.group(1)}")
+    custom_ids, manifest = supervised.output(case)
+    assert sorted(custom_ids) == sorted(f"r{i}" for i in range(N_SERVER))
+    assert manifest["request_counts"] == {"total": N_SERVER, "completed": N_SERVER, "failed": 0}
+    assert not [k for k in supervised.keys(f"out/{case}/") if "/parts/" in k]  # removed once published
 
 
 def test_every_process_started_for_the_deployment_is_gone_after_teardown(supervised):

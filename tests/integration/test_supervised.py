@@ -25,6 +25,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -58,6 +60,8 @@ ENGINE_START_TIMEOUT_S = 240
 RUN_TIMEOUT_S = 300
 #: The server-engine case: enough requests that the server is still answering when it is killed.
 N_SERVER = 1500
+#: Its checkpoint interval: a kill leaves parts behind within seconds.
+SERVER_CHECKPOINT_S = 1
 #: How long an engine may outlive its task runner.
 ENGINE_GONE_S = 10
 
@@ -105,7 +109,7 @@ retry_s3 = batch_dag("supervised_retry_s3", "in/small.jsonl", retries=1, retry_d
 # mid-run leaves parts for the retry.
 retry_server = batch_dag(
     "supervised_server_retry", "in/server.jsonl", retries=1, retry_delay_s=1,
-    engine="server", checkpoint_interval_s=1, max_in_flight=32,
+    engine="server", checkpoint_interval_s=SETTINGS["checkpoint_s"], max_in_flight=32,
 )
 """
 
@@ -310,6 +314,7 @@ def supervised(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
             "wrapper_state": str(wrapper_state),
             # Not the worker's shared /tmp/airflow-vllm-batch: other test sessions use that.
             "results_dir": str(root / "results"),
+            "checkpoint_s": SERVER_CHECKPOINT_S,
         }
         source = f"SETTINGS = {settings!r}\n{DAG_FILE}"
         home = root / "airflow"
@@ -562,6 +567,56 @@ def test_retry_after_the_task_started_server_was_killed_resumes_from_its_checkpo
     assert sorted(custom_ids) == sorted(f"r{i}" for i in range(N_SERVER))
     assert manifest["request_counts"] == {"total": N_SERVER, "completed": N_SERVER, "failed": 0}
     assert not [k for k in supervised.keys(f"out/{case}/") if "/parts/" in k]  # removed once published
+
+
+def _server_answered(tree: EngineTree) -> float:
+    """Requests the task-started server has answered (its ``/metrics``, open without the API key); 0 while it starts."""
+    argv = _cmdline(tree.engine)
+    port = argv[argv.index("--port") + 1]
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:  # noqa: S310
+            metrics = response.read().decode()
+    except urllib.error.URLError:
+        return 0.0  # still starting: not listening yet
+    return sum(float(v) for v in re.findall(r"^vllm:request_success_total\{[^}]*\} (\S+)$", metrics, re.MULTILINE))
+
+
+def test_sigkill_of_a_server_task_at_half_then_airflows_retry_sends_only_the_unanswered(supervised):
+    """SIGKILL of the task runner at about half: try 2 (Airflow's retry) finishes the batch.
+
+    Requests answered twice (by try 1's server, then again in try 2) are those answered
+    but not yet durable in a checkpoint at the kill: at most what was in flight plus the
+    answers of the open checkpoint interval and of a part still uploading, i.e.
+    ``max_in_flight`` + 2 intervals at the rate the server answered.
+    """
+    dep = supervised.dep
+    dag_id, case = "supervised_server_retry", "server-task-killed"
+    run_id, marker = supervised.trigger(dag_id, case)
+    tree = supervised.wait_for_engine(marker)
+    deadline, first_answer = time.monotonic() + RUN_TIMEOUT_S, None
+    while (answered := _server_answered(tree)) < N_SERVER // 2:
+        if first_answer is None and answered:
+            first_answer = time.monotonic()
+        if time.monotonic() > deadline:
+            pytest.fail(f"the server answered only {answered} in {RUN_TIMEOUT_S}s\n{supervised.diagnose(dag_id, run_id)}")
+        time.sleep(0.05)
+    os.kill(tree.task_runner, signal.SIGKILL)
+    rate = answered / max(time.monotonic() - (first_answer or time.monotonic()), 1.0)
+
+    state = dep.wait_for_run(dag_id, run_id, RUN_TIMEOUT_S)
+    ti = dep.task_instance(dag_id, run_id, TASK_ID)
+    assert (state, ti["state"], ti["try_number"]) == ("success", "success", 2), supervised.diagnose(dag_id, run_id)
+    second = supervised.log(dag_id, run_id, 2)
+    resumed = re.search(r"(\d+) answered by earlier tries' checkpoints", second)
+    sent = re.search(r"Server engine done: (\d+) requests sent", second)
+    assert resumed and sent, second[-3000:]
+    assert int(sent.group(1)) + int(resumed.group(1)) == N_SERVER
+    custom_ids, _ = supervised.output(case)
+    assert sorted(custom_ids) == sorted(f"r{i}" for i in range(N_SERVER))
+    twice = answered - int(resumed.group(1))
+    bound = 32 + 2 * SERVER_CHECKPOINT_S * rate
+    print(f"task killed at {answered:.0f} answered ({rate:.0f}/s): try 2 resumed {resumed.group(1)} and sent {sent.group(1)}; answered twice {twice:.0f}, bound {bound:.0f}")
+    assert 0 <= twice <= bound
 
 
 def test_every_process_started_for_the_deployment_is_gone_after_teardown(supervised):

@@ -4,21 +4,31 @@ Overlapping backfill runs must write distinct outputs and all succeed: staging k
 local results directories and output keys are per run, so nothing is shared. Each
 run is a real ``airflow dags test`` process with its own SQLite metadata database
 (SQLite allows one writer; a production deployment shares one Postgres), all against
-the same SeaweedFS and the same machine's engines.
+the same SeaweedFS and one warm vLLM server (a ``vllm`` connection, as a fleet of
+workers would share a deployment; five runner engines starting at once on two cores
+took ~3 minutes and tested nothing more about the outputs).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
 
-from airflow_vllm_batch.embedded.demo import BUCKET, embedded_env
+from airflow_vllm_batch.embedded.demo import (
+    BUCKET,
+    CPU_ENGINE_ARGS,
+    CPU_ENGINE_ENV,
+    embedded_env,
+)
+from airflow_vllm_batch.hooks.vllm_server import VLLMServerProcess
 from tests.processes import processes_with
 
 pytestmark = [pytest.mark.integration, pytest.mark.engine]
@@ -34,20 +44,33 @@ def test_five_runs_with_different_logical_dates_at_once_write_distinct_complete_
     env = embedded_env(embedded, tiny_model, template)
     subprocess.run([airflow, "db", "migrate"], env=env, check=True, capture_output=True)
 
-    procs = []
-    for date in DATES:
-        home = tmp_path / f"home-{date}"
-        shutil.copytree(template, home)
-        # Spelled out: the airflow.cfg copied from the template names the template's database.
-        run_env = {**env, "AIRFLOW_HOME": str(home), "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home}/airflow.db"}
-        log = open(tmp_path / f"{date}.log", "wb")
-        conf = json.dumps({"n_requests": 3, "max_tokens": 2})
-        argv = [airflow, "dags", "test", "vllm_batch_pipeline", date, "--conf", conf]
-        procs.append((date, subprocess.Popen(argv, env=run_env, stdout=log, stderr=subprocess.STDOUT), log))
-    for date, proc, log in procs:
-        proc.wait(timeout=900)
-        log.close()
-        assert proc.returncode == 0, (tmp_path / f"{date}.log").read_text(errors="replace")[-3000:]
+    with VLLMServerProcess(
+        str(tiny_model), engine_args=CPU_ENGINE_ARGS.split(), env={**os.environ, **CPU_ENGINE_ENV}, startup_timeout_s=300
+    ) as server:
+        assert server.hook is not None
+        host, port = server.hook.base_url.removeprefix("http://").split(":")
+        warm = {
+            "AIRFLOW_CONN_VLLM_WARM": json.dumps({"conn_type": "vllm", "host": host, "port": int(port), "password": server.hook.api_key}),
+            "AIRFLOW_VLLM_BATCH_VLLM_CONN_ID": "vllm_warm",
+        }
+        procs = []
+        for date in DATES:
+            home = tmp_path / f"home-{date}"
+            shutil.copytree(template, home)
+            # Spelled out: the airflow.cfg copied from the template names the template's database.
+            run_env = {**env, **warm, "AIRFLOW_HOME": str(home), "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home}/airflow.db"}
+            log = open(tmp_path / f"{date}.log", "wb")
+            conf = json.dumps({"n_requests": 3, "max_tokens": 2})
+            argv = [airflow, "dags", "test", "vllm_batch_pipeline", date, "--conf", conf]
+            procs.append((date, subprocess.Popen(argv, env=run_env, stdout=log, stderr=subprocess.STDOUT), log))
+        for date, proc, log in procs:
+            proc.wait(timeout=900)
+            log.close()
+            assert proc.returncode == 0, (tmp_path / f"{date}.log").read_text(errors="replace")[-3000:]
+        with urllib.request.urlopen(f"{server.hook.base_url}/metrics", timeout=10) as response:  # noqa: S310
+            metrics = response.read().decode()
+    answered = sum(float(v) for v in re.findall(r"^vllm:request_success_total\{[^}]*\} (\S+)$", metrics, re.MULTILINE))
+    assert answered == 3 * len(DATES)  # every run went through the one server, each request once
 
     client = embedded.client()
     manifests = {}

@@ -17,7 +17,6 @@ import re
 import shutil
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -29,6 +28,7 @@ from airflow_vllm_batch.embedded.demo import (
     embedded_env,
 )
 from airflow_vllm_batch.hooks.vllm_server import VLLMServerProcess
+from tests.integration.vllm_metrics import requests_answered
 from tests.processes import processes_with
 
 pytestmark = [pytest.mark.integration, pytest.mark.engine]
@@ -67,9 +67,7 @@ def test_five_runs_with_different_logical_dates_at_once_write_distinct_complete_
             proc.wait(timeout=900)
             log.close()
             assert proc.returncode == 0, (tmp_path / f"{date}.log").read_text(errors="replace")[-3000:]
-        with urllib.request.urlopen(f"{server.hook.base_url}/metrics", timeout=10) as response:  # noqa: S310
-            metrics = response.read().decode()
-    answered = sum(float(v) for v in re.findall(r"^vllm:request_success_total\{[^}]*\} (\S+)$", metrics, re.MULTILINE))
+        answered = requests_answered(server.hook.base_url)
     assert answered == 3 * len(DATES)  # every run went through the one server, each request once
 
     client = embedded.client()

@@ -28,7 +28,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -52,6 +51,7 @@ from tests.integration.deployment import (
     wait_until,
 )
 from tests.integration.ui_browser import Browser, missing_browser
+from tests.integration.vllm_metrics import requests_answered
 
 pytestmark = [pytest.mark.integration, pytest.mark.engine]
 
@@ -97,9 +97,7 @@ class Scheduled:
 
     def requests_answered(self) -> float:
         """What the warm server's ``/metrics`` counts as answered requests so far."""
-        with urllib.request.urlopen(f"{self.server.hook.base_url}/metrics", timeout=10) as response:  # loopback only
-            metrics = response.read().decode()
-        return sum(float(v) for v in re.findall(r"^vllm:request_success_total\{[^}]*\} (\S+)$", metrics, re.MULTILINE))
+        return requests_answered(self.server.hook.base_url)
 
     def manifests(self) -> dict[str, dict]:
         """Every manifest the pipeline published in this module's bucket, by its key."""

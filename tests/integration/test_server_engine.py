@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from openai.types.chat import ChatCompletion
 from airflow_vllm_batch.embedded.demo import BUCKET, CPU_ENGINE_ARGS, CPU_ENGINE_ENV
 from airflow_vllm_batch.hooks.vllm_server import VLLMServerProcess
 from tests.integration.dagrun import REPO, load_dag, run_dag
+from tests.integration.vllm_metrics import requests_answered
 
 pytestmark = [pytest.mark.integration, pytest.mark.engine]
 
@@ -53,12 +53,6 @@ def warm(embedded, airflow_db, tiny_model: Path) -> Iterator[VLLMServerProcess]:
             os.environ.pop(f"AIRFLOW_CONN_{CONN_ID.upper()}", None)
 
 
-def _success_total(base_url: str) -> float:
-    with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as response:  # noqa: S310
-        metrics = response.read().decode()
-    return sum(float(v) for v in re.findall(r"^vllm:request_success_total\{[^}]*\} (\S+)$", metrics, re.MULTILINE))
-
-
 def _s3_lines(seaweed, uri: str) -> list[dict]:
     bucket, _, key = uri.removeprefix("s3://").partition("/")
     body = seaweed.client().get_object(Bucket=bucket, Key=key)["Body"].read().decode()
@@ -66,7 +60,7 @@ def _s3_lines(seaweed, uri: str) -> list[dict]:
 
 
 def test_the_pipeline_dag_runs_through_the_warm_server(warm, embedded):
-    before = _success_total(warm.hook.base_url)
+    before = requests_answered(warm.hook.base_url)
     run = run_dag(load_dag("vllm_batch_pipeline.py", "pipeline_dag"), run_conf={"n_requests": 12, "max_tokens": 8})
     assert run.state == "success", run.output[-4000:]
     manifest = run.xcom("vllm_batch")
@@ -75,12 +69,12 @@ def test_the_pipeline_dag_runs_through_the_warm_server(warm, embedded):
     assert "Starting the vLLM" not in run.output  # no engine start: the warm server answered
     for line in _s3_lines(embedded, manifest["output_uri"]):
         ChatCompletion.model_validate(line["response"]["body"])
-    assert _success_total(warm.hook.base_url) - before == 12
+    assert requests_answered(warm.hook.base_url) - before == 12
     assert warm.hook.api_key not in run.output
 
 
 def test_the_sharded_dag_runs_every_shard_through_one_warm_server(warm, embedded):
-    before = _success_total(warm.hook.base_url)
+    before = requests_answered(warm.hook.base_url)
     run = run_dag(load_dag("vllm_batch_sharded.py", "sharded_dag"), run_conf={"n_requests": 90, "shard_size": 30, "max_tokens": 4})
     assert run.state == "success", run.output[-4000:]
     assert run.output.count("Server engine done: 30 requests") == 3
@@ -88,7 +82,7 @@ def test_the_sharded_dag_runs_every_shard_through_one_warm_server(warm, embedded
     merged = run.xcom("merge")
     for line in _s3_lines(embedded, merged["output_uri"]):
         ChatCompletion.model_validate(line["response"]["body"])
-    assert _success_total(warm.hook.base_url) - before == 90
+    assert requests_answered(warm.hook.base_url) - before == 90
 
 
 TASK_SCRIPT = """
@@ -147,7 +141,7 @@ def test_sigkill_at_half_then_the_same_task_instance_again_answers_each_request_
         )
     )
     base = warm.hook.base_url
-    before = _success_total(base)
+    before = requests_answered(base)
 
     window: dict[str, float] = {}
 
@@ -157,7 +151,7 @@ def test_sigkill_at_half_then_the_same_task_instance_again_answers_each_request_
             task = subprocess.Popen([sys.executable, str(script)], stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
             try:
                 while kill_at is not None and task.poll() is None:
-                    answered = _success_total(base) - before
+                    answered = requests_answered(base) - before
                     if answered and "first" not in window:
                         window["first"] = time.monotonic()
                     if answered >= kill_at:
@@ -173,7 +167,7 @@ def test_sigkill_at_half_then_the_same_task_instance_again_answers_each_request_
 
     first = run_task(kill_at=N_KILL // 2)
     assert "DAGRUN STATE" not in first, first[-3000:]
-    answered_first = _success_total(base) - before
+    answered_first = requests_answered(base) - before
     parts = [o["Key"] for o in client.list_objects_v2(Bucket=BUCKET, Prefix="server-kill/").get("Contents", []) if "/parts/" in o["Key"]]
     assert parts, "the killed try left no checkpoint"
     part_lines = [len(_s3_lines(embedded, f"s3://{BUCKET}/{key}")) for key in sorted(parts)]
@@ -187,7 +181,7 @@ def test_sigkill_at_half_then_the_same_task_instance_again_answers_each_request_
     assert len(ids) == N_KILL and set(ids) == {f"k{i}" for i in range(N_KILL)}
     for line in results[:50]:
         ChatCompletion.model_validate(line["response"]["body"])
-    total = _success_total(base) - before
+    total = requests_answered(base) - before
     rate = answered_first / max(window["kill"] - window["first"], 0.1)
     checkpointed = int(resumed.group(1))
     # What one checkpoint interval holds, measured: the largest part (a part is sealed one interval

@@ -25,8 +25,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -44,6 +42,7 @@ from tests.integration.deployment import (
     local_executor_deployment,
     wait_until,
 )
+from tests.integration.vllm_metrics import requests_answered
 
 pytestmark = [pytest.mark.integration, pytest.mark.engine]
 
@@ -570,15 +569,9 @@ def test_retry_after_the_task_started_server_was_killed_resumes_from_its_checkpo
 
 
 def _server_answered(tree: EngineTree) -> float:
-    """Requests the task-started server has answered (its ``/metrics``, open without the API key); 0 while it starts."""
+    """Requests the task-started server has answered; 0 while it starts."""
     argv = _cmdline(tree.engine)
-    port = argv[argv.index("--port") + 1]
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:  # noqa: S310
-            metrics = response.read().decode()
-    except urllib.error.URLError:
-        return 0.0  # still starting: not listening yet
-    return sum(float(v) for v in re.findall(r"^vllm:request_success_total\{[^}]*\} (\S+)$", metrics, re.MULTILINE))
+    return requests_answered(f"http://127.0.0.1:{argv[argv.index('--port') + 1]}", starting=True)
 
 
 def test_sigkill_of_a_server_task_at_half_then_airflows_retry_sends_only_the_unanswered(supervised):

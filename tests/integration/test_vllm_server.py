@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from airflow_vllm_batch.serving import (
     ServerAuthError,
     run_stream,
 )
+from tests.integration.vllm_metrics import requests_answered
 
 pytestmark = [pytest.mark.integration, pytest.mark.engine]
 
@@ -43,18 +43,12 @@ def _lines(model: str, n: int, prefix: str = "chat") -> Iterator[tuple[int, byte
         yield i + 1, json.dumps(line).encode()
 
 
-def _success_total(base_url: str) -> float:
-    with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as response:  # noqa: S310
-        metrics = response.read().decode()
-    return sum(float(v) for v in re.findall(r"^vllm:request_success_total\{[^}]*\} (\S+)$", metrics, re.MULTILINE))
-
-
 def _results(journal: Journal) -> list[dict]:
     return [json.loads(line) for part in journal.parts for line in part.path.read_bytes().splitlines()]
 
 
 def test_200_chat_requests_are_answered_once_each_with_openai_chat_completions(server, tiny_model, tmp_path):
-    before = _success_total(server.hook.base_url)
+    before = requests_answered(server.hook.base_url)
     journal = Journal(tmp_path / "journal", max_part_bytes=64 * 1024)
     stats = run_stream(
         _lines(str(tiny_model), 200), base_url=server.hook.base_url, api_key=server.hook.api_key, journal=journal, max_in_flight=64
@@ -67,7 +61,7 @@ def test_200_chat_requests_are_answered_once_each_with_openai_chat_completions(s
     assert (stats.done, stats.failed, stats.durable) == (200, 0, 200)
     assert stats.completion_tokens == sum(r["response"]["body"]["usage"]["completion_tokens"] for r in results)
     assert len(journal.parts) > 1
-    assert _success_total(server.hook.base_url) - before == 200
+    assert requests_answered(server.hook.base_url) - before == 200
 
 
 def test_a_request_for_another_model_gets_vllms_error_line(server, tmp_path):

@@ -31,6 +31,15 @@ CPU_ENGINE_ENV = {
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
 }
+#: Airflow's connect arguments on the embedded SQLite database. A writer waits up to 60 s for
+#: the database lock instead of Python's default 5 s: the scheduler, dag-processor, api-server,
+#: tasks and CLI commands all write to the one file, and on two busy cores 5 s runs out
+#: ("database is locked"), sometimes half-way through a command that commits in steps.
+SQLITE_CONNECT_ARGS: dict[str, object] = {"timeout": 60}
+#: The same for Airflow's async engine (aiosqlite passes it to :func:`sqlite3.connect`).
+#: A dict of its own: Airflow adds keys to the sync one.
+SQLITE_CONNECT_ARGS_ASYNC: dict[str, object] = {"timeout": 60}
+
 # No --max-model-len: it must fit each model (all-MiniLM allows 256), and both defaults fit in 1 GiB of KV cache.
 CPU_ENGINE_ARGS = "--enforce-eager"
 
@@ -51,6 +60,8 @@ def embedded_env(s3: SeaweedFS, chat_model: Path, airflow_home: Path, base: Mapp
             "AIRFLOW__CORE__DAGS_FOLDER": str(REPO / "dags"),
             "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
             "AIRFLOW__CORE__UNIT_TEST_MODE": "False",
+            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS": "airflow_vllm_batch.embedded.demo.SQLITE_CONNECT_ARGS",
+            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS_ASYNC": "airflow_vllm_batch.embedded.demo.SQLITE_CONNECT_ARGS_ASYNC",
             "AIRFLOW_CONN_AWS_DEFAULT": s3.airflow_connection_json(),
             "AIRFLOW_VLLM_BATCH_BUCKET": BUCKET,
             "AIRFLOW_VLLM_BATCH_CHAT_MODEL": str(chat_model),

@@ -310,6 +310,9 @@ class VLLMBatchOperator(BaseOperator):
         self.max_in_flight = max_in_flight
         self.checkpoint_interval_s = checkpoint_interval_s
         self.gpus = gpus
+        #: This try's GPU plan and the task instance that holds its leases; set by :meth:`run`.
+        self.gpu_plan = GPUPlan(0)
+        self._gpu_holder: dict[str, Any] = {}
         self._check_static_arguments()
 
     @cached_property
@@ -379,7 +382,8 @@ class VLLMBatchOperator(BaseOperator):
         """Identify the run; return its published output, or run, check and publish it."""
         started = time.monotonic()
         self.check_rendered_values()
-        self.gpu_plan = self.plan_gpus(context)
+        self._gpu_holder = {k: getattr(context["ti"], k, None) for k in ("dag_id", "run_id", "task_id", "map_index", "try_number")}
+        self.gpu_plan = self.plan_gpus()
         try:
             if self.requests is not None:
                 self.input_uri = self.write_requests()
@@ -683,17 +687,15 @@ class VLLMBatchOperator(BaseOperator):
             fingerprint=identity.fingerprint,
         )
 
-    def plan_gpus(self, context: Context) -> GPUPlan:
+    def plan_gpus(self) -> GPUPlan:
         """How many GPUs this task's engine leases (none for a warm server); fails fast when the settings cannot fit."""
-        self._gpu_holder = {k: getattr(context["ti"], k, None) for k in ("dag_id", "run_id", "task_id", "map_index", "try_number")}
         if self.vllm_conn_id:
             return GPUPlan(0)
         return plan_gpus(self.gpus, list(self.engine_args or ()), self.engine_env)
 
     def leased_gpus(self, env: dict[str, str]) -> contextlib.AbstractContextManager[tuple[int, ...]]:
         """Wait for this task's GPUs, point ``env`` at them; yields the lock descriptors the engine inherits."""
-        plan = getattr(self, "gpu_plan", None) or GPUPlan(0)
-        return engine_gpus(plan, env, holder=getattr(self, "_gpu_holder", {}), log=self.log.info)
+        return engine_gpus(self.gpu_plan, env, holder=self._gpu_holder, log=self.log.info)
 
     # -- steps -----------------------------------------------------------------------
 

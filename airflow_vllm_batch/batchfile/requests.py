@@ -140,14 +140,22 @@ def _request_of(item: Any, index: int, *, url: str, custom_id: str, parameter: s
             body = {"input": item}
         else:
             raise ConfigurationError(f"{where} is a string, but {url} needs a request body: give an object with its fields.")
-    elif isinstance(item, Sequence) and item and all(isinstance(m, Mapping) for m in item):
+    elif isinstance(item, Sequence) and item and all(isinstance(m, Mapping) for m in item) and any("role" in m for m in item):
+        # Messages have a role; a list of objects none of which has one is a list of bodies (a mapped upstream's).
         if url not in ("/v1/chat/completions", "/v1/embeddings"):
             raise ConfigurationError(f"{where} is a list of messages, but {url} needs a request body: give an object.")
         body = {"messages": [dict(m) for m in item]}
     else:
+        # A list of prompts or bodies as one item is what a mapped upstream task gives: one list per map index.
+        mapped = (
+            " If requests comes from a mapped task (a list per map index), flatten it in a task first: "
+            "[r for part in parts for r in part]."
+            if isinstance(item, Sequence) and not isinstance(item, (str, bytes)) and item
+            else ""
+        )
         raise ConfigurationError(
             f"{where} is {type(item).__name__} {_short(item)}: each item must be a prompt (string), a list of chat "
-            "messages ({'role': ..., 'content': ...}) or a request body (object)."
+            "messages ({'role': ..., 'content': ...}) or a request body (object)." + mapped
         )
     if custom_id == INDEX:
         return f"request-{index}", body

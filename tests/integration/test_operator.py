@@ -149,14 +149,16 @@ def test_engine_that_exits_0_without_output_fails_the_task(embedded, airflow_db,
     assert _keys(embedded, "silent/") == ["input.jsonl"]
 
 
-def _try_number(result: DagRunResult, dag_id: str) -> int:
+def _try_number(result: DagRunResult, dag_id: str, task_id: str = "vllm_batch") -> int:
     from airflow.models.taskinstance import TaskInstance
     from airflow.utils.session import create_session
     from sqlalchemy import select
 
     with create_session() as session:
         return session.scalar(
-            select(TaskInstance.try_number).where(TaskInstance.dag_id == dag_id, TaskInstance.run_id == result.run_id)
+            select(TaskInstance.try_number).where(
+                TaskInstance.dag_id == dag_id, TaskInstance.run_id == result.run_id, TaskInstance.task_id == task_id
+            )
         )
 
 
@@ -204,6 +206,38 @@ def test_a_mistake_fails_once_naming_the_fix_and_starts_no_engine(embedded, airf
     assert fragment in result.output, result.output[-3000:]
     assert "Starting the vLLM engine" not in result.output
     assert _try_number(result, f"op_mistake_{name}") == 1
+
+
+def test_requests_from_a_mapped_task_fail_once_saying_to_flatten_them(embedded, airflow_db, tiny_model):
+    """Airflow hands a mapped task's outputs over as one list per map index: not taken as requests by guess."""
+    from datetime import timedelta
+
+    from airflow.sdk import DAG, task
+
+    from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
+
+    with DAG("op_mapped_requests", schedule=None, start_date=datetime(2026, 1, 1, tzinfo=timezone.utc)) as dag:
+
+        @task
+        def prompts(n: int) -> list[str]:
+            return [f"prompt {n}.{i}" for i in range(2)]
+
+        VLLMBatchOperator(
+            task_id="vllm_batch",
+            requests=prompts.expand(n=[1, 2]),
+            output_uri=f"s3://{BUCKET}/mapped-requests/results.jsonl",
+            model=str(tiny_model),
+            retries=1,
+            retry_delay=timedelta(0),
+        )
+    register_dag(dag)
+    result = run_dag(dag)
+    assert result.state == "failed"
+    assert "requests[0] is list ['prompt 1.0', 'prompt 1.1']" in result.output, result.output[-3000:]
+    assert "flatten it in a task first" in result.output
+    assert "Starting the vLLM engine" not in result.output
+    assert _try_number(result, "op_mapped_requests") == 1
+    assert _keys(embedded, "mapped-requests/") == []
 
 
 @pytest.mark.engine

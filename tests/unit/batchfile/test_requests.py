@@ -77,6 +77,16 @@ def test_unusable_requests_fail_naming_the_item(requests, options, message):
         build_batch_file(requests, model="m", **options)
 
 
+@pytest.mark.parametrize(
+    "mapped_output",
+    [[["a", "b"], ["c"]], [[{"messages": [{"role": "user", "content": "u"}]}], [{"input": "x"}]]],
+    ids=["prompts", "bodies"],
+)
+def test_the_lists_of_a_mapped_upstream_fail_saying_to_flatten_them(mapped_output):
+    with pytest.raises(ConfigurationError, match=r"requests\[0\] is list .*from a mapped task.*flatten"):
+        build_batch_file(mapped_output, model="m")
+
+
 def test_more_requests_than_xcom_takes_fail_pointing_to_input_uri():
     with pytest.raises(ConfigurationError, match=r"10,000 requests.*input_uri"):
         build_batch_file(["x"] * (MAX_REQUESTS + 1), model="m")

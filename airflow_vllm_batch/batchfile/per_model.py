@@ -13,23 +13,20 @@ from collections.abc import Iterable, Mapping
 
 import msgspec
 
-
-class _Usage(msgspec.Struct, gc=False):
-    prompt_tokens: int | None = 0
-    completion_tokens: int | None = 0
-    total_tokens: int | None = 0
+from airflow_vllm_batch.batchfile.models import Usage
 
 
+# Only `model` and `usage` are read here; the results check decodes the rest (models.ResultLine).
 class _Body(msgspec.Struct, gc=False):
     model: str | None = None
-    usage: _Usage | None = None
+    usage: Usage | None = None
 
 
 class _Response(msgspec.Struct, gc=False):
     body: _Body | None = None
     # The older result shape: the completion itself.
     model: str | None = None
-    usage: _Usage | None = None
+    usage: Usage | None = None
 
 
 class _Result(msgspec.Struct, gc=False):

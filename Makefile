@@ -31,11 +31,13 @@ test-unit: $(STAMP)
 
 # Debian packages the suite needs (redis for the Celery gpu-queue test, docker-compose
 # to check docker-compose.yaml, chromium and its driver for the UI test in a real
-# browser). Installed only when missing.
+# browser, postgresql for the scheduled-runs deployment's database). Installed only when
+# missing.
 system-deps:
 	@command -v redis-server >/dev/null && command -v docker-compose >/dev/null && \
-	  command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
-	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server docker-compose chromium chromium-driver >/dev/null; }
+	  command -v chromium >/dev/null && command -v chromedriver >/dev/null && \
+	  ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server docker-compose chromium chromium-driver postgresql >/dev/null; }
 
 clean:
 	rm -rf .cache .pytest_cache

@@ -35,6 +35,9 @@ CPU_ENGINE_ENV = {
 #: the database lock instead of Python's default 5 s: the scheduler, dag-processor, api-server,
 #: tasks and CLI commands all write to the one file, and on two busy cores 5 s runs out
 #: ("database is locked"), sometimes half-way through a command that commits in steps.
+#: No wait helps a transaction that reads before it writes once another process committed in
+#: between: SQLite fails it at once. Airflow's backfill creation is one such, which is why
+#: Airflow supports it only on PostgreSQL or MySQL under a running scheduler.
 SQLITE_CONNECT_ARGS: dict[str, object] = {"timeout": 60}
 #: The same for Airflow's async engine (aiosqlite passes it to :func:`sqlite3.connect`).
 #: A dict of its own: Airflow adds keys to the sync one.

@@ -1,7 +1,8 @@
 """A real Airflow deployment on loopback for integration tests, and how to drive it.
 
 ``airflow api-server``, ``airflow scheduler`` and ``airflow dag-processor`` run as
-separate processes on 127.0.0.1, with a throw-away ``AIRFLOW_HOME`` and SQLite, each in a
+separate processes on 127.0.0.1, with a throw-away ``AIRFLOW_HOME`` and SQLite (or a
+throw-away PostgreSQL, ``postgres.py``, where a test needs concurrent writers), each in a
 session of its own so that :meth:`Deployment.stop` can stop it with every descendant
 (LocalExecutor workers, task supervisors, task runners, engines) and report any PID that
 survived. Tests talk to it only as a user would: the REST API (``/api/v2``, a JWT from
@@ -231,13 +232,23 @@ def wait_until(what: str, check: Callable[[], Any], timeout: float, deployment: 
     raise DeploymentError(f"Timed out after {timeout:.0f}s waiting for {what} (last error: {last})")
 
 
-def deployment_env(s3: SeaweedFS, tiny_model: Path, home: Path, dags: Path, api_port: int, executor: str) -> dict[str, str]:
+def deployment_env(
+    s3: SeaweedFS, tiny_model: Path, home: Path, dags: Path, api_port: int, executor: str, database_url: str | None = None
+) -> dict[str, str]:
     """The environment of every process of a deployment: Airflow on loopback, S3 and vLLM embedded.
 
     Writes ``<home>/passwords.json`` (user ``admin``, a random password).
+
+    :param database_url: Airflow's metadata database (see ``postgres.py``). Default: SQLite
+        in ``home``, with the embedded default's connect arguments.
     """
     (home / "passwords.json").write_text(json.dumps({"admin": secrets.token_urlsafe(16)}))
     env = embedded_env(s3, tiny_model, home)
+    if database_url is not None:
+        env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"] = database_url
+        # The embedded default's connect arguments are SQLite's (a lock timeout); psycopg2 has none such.
+        env.pop("AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS", None)
+        env.pop("AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS_ASYNC", None)
     env.update(
         {
             "AIRFLOW__CORE__DAGS_FOLDER": str(dags),
@@ -267,6 +278,7 @@ def local_executor_deployment(
     home: Path,
     dag_files: Mapping[str, str],
     extra_env: Mapping[str, str] | None = None,
+    database_url: str | None = None,
 ) -> Iterator[Deployment]:
     """Run api-server, scheduler (LocalExecutor) and dag-processor on loopback; stop them all at the end.
 
@@ -277,13 +289,14 @@ def local_executor_deployment(
         (only these: the repo's example DAGs, a ``@daily`` one among them, would start
         runs of their own).
     :param extra_env: more environment variables for every process.
+    :param database_url: Airflow's metadata database; default SQLite in ``home``.
     """
     dags = home / "dags"
     dags.mkdir()
     for name, source in dag_files.items():
         (dags / name).write_text(source)
     (api_port,) = _free_ports(1)
-    env = deployment_env(s3, tiny_model, home, dags, api_port, "LocalExecutor")
+    env = deployment_env(s3, tiny_model, home, dags, api_port, "LocalExecutor", database_url)
     env.update(extra_env or {})
     airflow = str(Path(sys.executable).with_name("airflow"))
     dep = Deployment(home=home, api_url=f"http://{LOOPBACK}:{api_port}", env=env)

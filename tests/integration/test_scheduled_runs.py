@@ -2,7 +2,9 @@
 
 One LocalExecutor deployment for the module (``deployment.py``: api-server, scheduler,
 dag-processor on 127.0.0.1, a throw-away home; every process stopped and checked gone at
-the end) runs the repo's own ``dags/vllm_batch_pipeline.py`` and
+the end) on a throw-away PostgreSQL (``postgres.py``: Airflow does not support creating a
+backfill on SQLite while the scheduler writes, and fails it now and then with "database is
+locked") runs the repo's own ``dags/vllm_batch_pipeline.py`` and
 ``dags/vllm_batch_asset_consumer.py``, unedited, with a start date three days back and
 catchup on (``AIRFLOW_VLLM_BATCH_START_DATE``, ``AIRFLOW_VLLM_BATCH_CATCHUP``).
 
@@ -50,6 +52,7 @@ from tests.integration.deployment import (
     local_executor_deployment,
     wait_until,
 )
+from tests.integration.postgres import Postgres
 from tests.integration.ui_browser import Browser, missing_browser
 from tests.integration.vllm_metrics import requests_answered
 
@@ -82,9 +85,7 @@ class Scheduled:
 
         Not run again on failure: a command can fail after committing part of its work
         (``backfill create`` commits the backfill before its runs), and a second try then fails
-        for another reason ("Another backfill is running"). SQLite's one-writer lock is what
-        failed such commands here; the deployment's processes and this CLI wait up to 60 s for
-        it (``SQLITE_CONNECT_ARGS`` of the embedded default) instead of Python's 5 s.
+        for another reason ("Another backfill is running").
         """
         airflow = str(Path(sys.executable).with_name("airflow"))
         done = subprocess.run([airflow, *args], env=self.dep.env, cwd=self.dep.home, capture_output=True, text=True, timeout=180)
@@ -137,7 +138,7 @@ def scheduled(seaweed: SeaweedFS, tiny_model: Path, tmp_path_factory) -> Iterato
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         starting = pool.submit(server.start)
         try:
-            with local_executor_deployment(seaweed, tiny_model, home, dag_files, extra_env) as dep:
+            with Postgres() as database, local_executor_deployment(seaweed, tiny_model, home, dag_files, extra_env, database.url) as dep:
                 # The consumer first: asset events of the first pipeline runs must find it unpaused.
                 dep.wait_for_dag(CONSUMER)
                 hook = starting.result(timeout=360)
@@ -148,6 +149,7 @@ def scheduled(seaweed: SeaweedFS, tiny_model: Path, tmp_path_factory) -> Iterato
                     {"connection_id": CONN_ID, "conn_type": "vllm", "host": host, "port": int(port), "password": hook.api_key},
                 )
                 dep.wait_for_dag(PIPELINE)
+                assert not (home / "airflow.db").exists(), "the deployment fell back to SQLite"
                 yield Scheduled(dep=dep, s3=seaweed, server=server, today=today)
                 survivors = dep.stop()
         finally:
@@ -174,8 +176,8 @@ def test_catchup_backfill_and_a_backfill_rerun_run_by_themselves(scheduled: Sche
 
         return done
 
-    # The scheduler catches up by itself; then (SQLite: one writer at a time) a backfill of
-    # three earlier dates is created from the CLI.
+    # The scheduler catches up by itself; then a backfill of three earlier dates is created
+    # from the CLI.
     wait_until("the 3 catchup runs to end", runs_done(("scheduled",), 3), RUNS_TIMEOUT_S, dep, interval=2)
     scheduled.airflow(
         "backfill", "create", "--dag-id", PIPELINE,

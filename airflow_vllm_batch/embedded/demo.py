@@ -42,18 +42,31 @@ SQLITE_CONNECT_ARGS: dict[str, object] = {"timeout": 60}
 #: The same for Airflow's async engine (aiosqlite passes it to :func:`sqlite3.connect`).
 #: A dict of its own: Airflow adds keys to the sync one.
 SQLITE_CONNECT_ARGS_ASYNC: dict[str, object] = {"timeout": 60}
+#: How Airflow is told to use them: import paths of the two dicts.
+SQLITE_CONNECT_ARGS_ENV = {
+    "AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS": f"{__name__}.SQLITE_CONNECT_ARGS",
+    "AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS_ASYNC": f"{__name__}.SQLITE_CONNECT_ARGS_ASYNC",
+}
 
 # No --max-model-len: it must fit each model (all-MiniLM allows 256), and both defaults fit in 1 GiB of KV cache.
 CPU_ENGINE_ARGS = "--enforce-eager"
 
 
-def embedded_env(s3: SeaweedFS, chat_model: Path, airflow_home: Path, base: Mapping[str, str] | None = None) -> dict[str, str]:
+def embedded_env(
+    s3: SeaweedFS,
+    chat_model: Path,
+    airflow_home: Path,
+    base: Mapping[str, str] | None = None,
+    database_url: str | None = None,
+) -> dict[str, str]:
     """Return the environment that points Airflow, the example DAGs and vLLM at the embedded default.
 
     :param s3: a running SeaweedFS.
     :param chat_model: directory of the tiny chat model.
-    :param airflow_home: a directory for Airflow's SQLite database and logs.
+    :param airflow_home: a directory for Airflow's logs and, by default, its SQLite database.
     :param base: the environment to extend. Default: this process's.
+    :param database_url: Airflow's metadata database instead of SQLite in ``airflow_home``
+        (a PostgreSQL URL, say). SQLite's connect arguments are set only for SQLite.
     """
     env = dict(os.environ if base is None else base)
     env.update(CPU_ENGINE_ENV)
@@ -63,14 +76,19 @@ def embedded_env(s3: SeaweedFS, chat_model: Path, airflow_home: Path, base: Mapp
             "AIRFLOW__CORE__DAGS_FOLDER": str(REPO / "dags"),
             "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
             "AIRFLOW__CORE__UNIT_TEST_MODE": "False",
-            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS": "airflow_vllm_batch.embedded.demo.SQLITE_CONNECT_ARGS",
-            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS_ASYNC": "airflow_vllm_batch.embedded.demo.SQLITE_CONNECT_ARGS_ASYNC",
             "AIRFLOW_CONN_AWS_DEFAULT": s3.airflow_connection_json(),
             "AIRFLOW_VLLM_BATCH_BUCKET": BUCKET,
             "AIRFLOW_VLLM_BATCH_CHAT_MODEL": str(chat_model),
             "AIRFLOW_VLLM_BATCH_ENGINE_ARGS": CPU_ENGINE_ARGS,
         }
     )
+    if database_url is None:
+        env.update(SQLITE_CONNECT_ARGS_ENV)
+    else:
+        env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"] = database_url
+        # Also when inherited from ``base`` (an environment made by this function before).
+        for name in SQLITE_CONNECT_ARGS_ENV:
+            env.pop(name, None)
     return env
 
 

@@ -75,6 +75,13 @@ class Deployment:
         self.processes[name] = proc
         return proc
 
+    def migrate_db(self) -> None:
+        """Create the metadata database (``airflow db migrate``); a failure is raised with its output."""
+        airflow = str(Path(sys.executable).with_name("airflow"))
+        done = subprocess.run([airflow, "db", "migrate"], env=self.env, cwd=self.home, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise DeploymentError(f"airflow db migrate exited with code {done.returncode}:\n{done.stderr[-3000:]}")
+
     def log(self, name: str) -> str:
         """The output of process ``name`` so far."""
         return (self.home / f"{name}.log").read_text(errors="replace")
@@ -240,15 +247,10 @@ def deployment_env(
     Writes ``<home>/passwords.json`` (user ``admin``, a random password).
 
     :param database_url: Airflow's metadata database (see ``postgres.py``). Default: SQLite
-        in ``home``, with the embedded default's connect arguments.
+        in ``home``.
     """
     (home / "passwords.json").write_text(json.dumps({"admin": secrets.token_urlsafe(16)}))
-    env = embedded_env(s3, tiny_model, home)
-    if database_url is not None:
-        env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"] = database_url
-        # The embedded default's connect arguments are SQLite's (a lock timeout); psycopg2 has none such.
-        env.pop("AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS", None)
-        env.pop("AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS_ASYNC", None)
+    env = embedded_env(s3, tiny_model, home, database_url=database_url)
     env.update(
         {
             "AIRFLOW__CORE__DAGS_FOLDER": str(dags),
@@ -300,7 +302,7 @@ def local_executor_deployment(
     env.update(extra_env or {})
     airflow = str(Path(sys.executable).with_name("airflow"))
     dep = Deployment(home=home, api_url=f"http://{LOOPBACK}:{api_port}", env=env)
-    subprocess.run([airflow, "db", "migrate"], env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    dep.migrate_db()
     try:
         dep.start("api-server", [airflow, "api-server", "--host", LOOPBACK, "--port", str(api_port), "--workers", "1"])
         dep.start("scheduler", [airflow, "scheduler"])

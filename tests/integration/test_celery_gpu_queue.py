@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -64,7 +63,7 @@ def deployment(seaweed, tiny_model, tmp_path_factory) -> Iterator[Deployment]:
     env = _celery_env(seaweed, tiny_model, home, redis_port, api_port)
     airflow = str(Path(sys.executable).with_name("airflow"))
     dep = Deployment(home=home, api_url=f"http://{LOOPBACK}:{api_port}", env=env)
-    subprocess.run([airflow, "db", "migrate"], env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    dep.migrate_db()
     try:
         dep.start("redis", [redis, "--bind", LOOPBACK, "--port", str(redis_port), "--save", "", "--appendonly", "no", "--dir", str(home)])
         dep.start("api-server", [airflow, "api-server", "--host", LOOPBACK, "--port", str(api_port), "--workers", "1"])

@@ -143,8 +143,19 @@ class OutputLease:
         self._thread = threading.Thread(target=self._heartbeat, name="vllm-batch-lease", daemon=True)
         self._thread.start()
 
-    def ensure_held(self) -> None:
-        """Raise :class:`OutputBusyError` when another run took the lease over meanwhile."""
+    def ensure_held(self, verify: bool = False) -> None:
+        """Raise :class:`OutputBusyError` when another run took the lease over meanwhile.
+
+        :param verify: read the lease from S3 now instead of trusting the last heartbeat:
+            before every write beside the output (a checkpoint part, staged results, the
+            manifest), so that a try that lost the lease between two heartbeats (a zombie
+            whose successor took over) writes nothing more.
+        """
+        if verify and not self._lost.is_set():
+            current = self._read()
+            # Another ETag with our own holder is our heartbeat racing this read.
+            if current is None or (current[1] != self._etag and current[0] != self.holder):
+                self._lost.set()
         if self._lost.is_set():
             other = self._read()
             who = other[0].describe() if other and other[0] else "another run"

@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import re
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,8 @@ from airflow_vllm_batch.exceptions import (
     InputChangedError,
     InputNotFoundError,
     LocationError,
+    StorageUnavailableError,
+    VLLMBatchError,
 )
 from airflow_vllm_batch.identity import RunIdentity
 from airflow_vllm_batch.lease import LeaseHolder, OutputLease
@@ -125,8 +127,10 @@ def s3_lines(hook: S3Hook, bucket: str, key: str, **pin: str | None) -> Iterator
         yield lines
 
 
-#: ``part-000123.jsonl``: the journal's part names (:func:`airflow_vllm_batch.serving.part_name`).
-_PART_NAME = re.compile(r"part-(\d{6,})\.jsonl$")
+#: ``part-000123-<try token>.jsonl``: the journal's part number (:func:`airflow_vllm_batch.serving.part_name`)
+#: and the token of the try that wrote it, so that two tries never write the same key (a zombie try
+#: that lost its lease cannot overwrite its successor's parts). Parts without a token are read too.
+_PART_NAME = re.compile(r"part-(\d{6,})(?:-([0-9a-z]+))?\.jsonl$")
 
 
 class RunStaging:
@@ -169,7 +173,7 @@ class RunStaging:
 
     def drop_results(self) -> None:
         """Forget staged results and checkpoint parts that failed the check, so that the next try runs the engine."""
-        self.hook.delete_objects(bucket=self.bucket, keys=[self.results_key, *self.list_parts().values()])
+        self.hook.delete_objects(bucket=self.bucket, keys=[self.results_key, *self.list_parts()])
 
     # -- the server engine's checkpoints ---------------------------------------------
 
@@ -182,8 +186,8 @@ class RunStaging:
         """The key of the part file ``name`` (``part-000000.jsonl``)."""
         return f"{self.parts_prefix}{name}"
 
-    def put_part(self, path: Path) -> None:
-        """Upload one sealed part under its own file name; idempotent (a part re-sent replaces itself).
+    def put_part(self, path: Path, token: str = "") -> None:
+        """Upload one sealed part under its file name and the try's ``token``; idempotent (a part re-sent replaces itself).
 
         One streamed PUT rather than ``S3Hook.load_file``: a part is at most
         ``max_part_bytes`` (64 MiB by default, far below S3's 5 GB for one PUT), and
@@ -191,21 +195,22 @@ class RunStaging:
         made the task's memory grow with the part size.
         """
         with open(path, "rb") as body:
-            self.hook.get_conn().put_object(Bucket=self.bucket, Key=self.part_key(path.name), Body=body)
+            name = path.name if not token else path.name.replace(".jsonl", f"-{token}.jsonl")
+            self.hook.get_conn().put_object(Bucket=self.bucket, Key=self.part_key(name), Body=body)
 
-    def list_parts(self) -> dict[int, str]:
-        """Return ``{part number: key}`` of the parts earlier tries uploaded, in part order."""
+    def list_parts(self) -> list[str]:
+        """Return the keys of the parts earlier tries uploaded, in part order (then by try)."""
         keys = self.hook.list_keys(bucket_name=self.bucket, prefix=self.parts_prefix) or []
-        found = {int(m.group(1)): key for key in keys if (m := _PART_NAME.search(key))}
-        return dict(sorted(found.items()))
+        found = [(int(m.group(1)), m.group(2) or "", key) for key in keys if (m := _PART_NAME.search(key))]
+        return [key for _, _, key in sorted(found)]
 
     @contextlib.contextmanager
-    def open_parts(self, parts: dict[int, str] | None = None) -> Iterator[Iterator[bytes]]:
+    def open_parts(self, parts: Sequence[str] | None = None) -> Iterator[Iterator[bytes]]:
         """Stream the lines of every part, in part order, one part's body open at a time.
 
-        :param parts: the parts to read, as :meth:`list_parts` returns them. Default: all.
+        :param parts: the parts' keys, as :meth:`list_parts` returns them. Default: all.
         """
-        keys = list((self.list_parts() if parts is None else parts).values())
+        keys = list(self.list_parts() if parts is None else parts)
 
         def lines() -> Iterator[bytes]:
             for key in keys:
@@ -318,6 +323,7 @@ class OutputStore:
         staging: RunStaging | None = None,
         results_path: Path | None = None,
         errors_path: Path | None = None,
+        before_manifest: Callable[[], None] | None = None,
     ) -> None:
         """Publish results, error file and manifest, in the order the module docstring gives.
 
@@ -326,6 +332,8 @@ class OutputStore:
             when ``results_path`` is None, and the whole prefix is removed at the end.
         :param results_path: a local results file to upload instead.
         :param errors_path: the failed lines; None deletes an earlier error file.
+        :param before_manifest: called right before the manifest is written (the lease check:
+            a try that lost the output must not declare it complete).
         """
         self.invalidate_manifest()
         if results_path is not None:
@@ -340,6 +348,8 @@ class OutputStore:
         elif self.hook.head_object(self.error_key, bucket_name=self.error_bucket) is not None:
             # A re-run with no failures must not leave an earlier run's error file behind.
             self.hook.delete_objects(bucket=self.error_bucket, keys=[self.error_key])
+        if before_manifest is not None:
+            before_manifest()
         self.write_manifest(manifest)
         if staging is not None:
             staging.remove()
@@ -351,6 +361,18 @@ class OutputStore:
     def write_manifest(self, manifest: Manifest) -> None:
         """Write the manifest, last."""
         self.hook.load_bytes(manifest.to_json(), key=self.manifest_key, bucket_name=self.manifest_bucket, replace=True)
+
+
+#: S3 error codes that say the location itself is wrong: the same call fails the same way on a retry.
+_LOCATION_CODES = frozenset({"NoSuchBucket", "404", "AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch"})
+
+
+def location_error(parameter: str, bucket: str, err: ClientError, conn_id: str | None) -> VLLMBatchError:
+    """The error of a refused S3 call: a :class:`LocationError` (not retried) when the bucket is missing or
+    denied, else :class:`StorageUnavailableError` (retried: S3 slowing down or failing for a moment)."""
+    if error_code(err) in _LOCATION_CODES:
+        return LocationError(_location_message(parameter, bucket, err, conn_id))
+    return StorageUnavailableError(f"{parameter}: S3 failed on bucket {bucket!r} ({err}). The task is retried.")
 
 
 def _location_message(parameter: str, bucket: str, err: ClientError, conn_id: str | None) -> str:

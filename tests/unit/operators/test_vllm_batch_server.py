@@ -19,7 +19,7 @@ from airflow.sdk.exceptions import AirflowFailException
 from botocore.exceptions import ClientError
 
 from airflow_vllm_batch.exceptions import ConfigurationError, StorageUnavailableError
-from airflow_vllm_batch.operators import vllm_batch
+from airflow_vllm_batch.engines import server as server_engines
 from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
 from airflow_vllm_batch.serving import ServerUnavailableError, stream
 from airflow_vllm_batch.storage import RunStaging
@@ -209,10 +209,10 @@ def test_a_retry_numbers_its_parts_after_the_earlier_tries(batch, server, monkey
     server.behaviour = _dies_after(server, 10)
     with pytest.raises(ServerUnavailableError):
         batch.run(max_in_flight=1)
-    last = max(int(k.rsplit("part-", 1)[1].split(".")[0]) for k in batch.parts())
+    last = max(int(k.rsplit("part-", 1)[1][:6]) for k in batch.parts())
     uploaded: list[str] = []
     real_put = RunStaging.put_part
-    monkeypatch.setattr(RunStaging, "put_part", lambda self, path: (uploaded.append(path.name), real_put(self, path)))
+    monkeypatch.setattr(RunStaging, "put_part", lambda self, path, token="": (uploaded.append(path.name), real_put(self, path, token)))
     server.restart()
     server.behaviour = _dies_after(server, N)
     batch.run(FakeTI(try_number=2), max_in_flight=1)
@@ -222,7 +222,7 @@ def test_a_retry_numbers_its_parts_after_the_earlier_tries(batch, server, monkey
 def test_a_failed_part_upload_fails_the_try_as_retryable_and_the_retry_finishes(batch, server, monkeypatch):
     real_put = RunStaging.put_part
 
-    def s3_fails(self, path):
+    def s3_fails(self, path, token=""):
         raise ClientError({"Error": {"Code": "ServiceUnavailable", "Message": "down"}}, "PutObject")
 
     monkeypatch.setattr(RunStaging, "put_part", s3_fails)
@@ -235,7 +235,7 @@ def test_a_failed_part_upload_fails_the_try_as_retryable_and_the_retry_finishes(
 
 
 def test_progress_lines_show_done_rate_tokens_failures_and_eta(batch, server, monkeypatch, capfd):
-    monkeypatch.setattr(vllm_batch, "PROGRESS_EVERY_S", 0.05)
+    monkeypatch.setattr(server_engines, "PROGRESS_EVERY_S", 0.05)
 
     async def slow(custom_id: str, body: dict, attempt: int) -> web.Response:
         await asyncio.sleep(0.05)

@@ -1,0 +1,147 @@
+"""The interface every engine implements, and what the run layer hands it.
+
+The run layer (:mod:`airflow_vllm_batch.run`) owns the protocol of one batch: input,
+identity, preflight, results check, publishing. An engine owns what differs between
+ways of answering the requests:
+
+* what it is and serves (:meth:`Engine.inspect`, :attr:`Engine.served`), and which of its
+  settings belong in the run identity (:meth:`Engine.identity`);
+* its own argument check and GPUs (:meth:`Engine.check_settings`, :meth:`Engine.gpu_plan`,
+  :meth:`Engine.check_requests`);
+* how the answers are made durable in the run's staging (:meth:`Engine.produce`), with
+  its readiness, in-flight sizing and what is retried inside the try;
+* what its results say about the engine itself (:meth:`Engine.classify`): a dead engine
+  is a transient failure of the try, not a batch of failed requests;
+* stopping it from ``on_kill`` (:meth:`Engine.terminate`).
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from airflow_vllm_batch.gpus import GPUPlan
+
+if TYPE_CHECKING:
+    import logging
+
+    from airflow_vllm_batch.batchfile import PreflightReport, ResultsReport
+    from airflow_vllm_batch.hooks.model_names import ServedModels
+    from airflow_vllm_batch.hooks.vllm_engine import EngineInfo, EngineRun
+    from airflow_vllm_batch.identity import RunIdentity
+    from airflow_vllm_batch.lease import OutputLease
+    from airflow_vllm_batch.run.inputs import BatchInput
+    from airflow_vllm_batch.run.settings import BatchSettings
+    from airflow_vllm_batch.storage import RunStaging
+
+#: Opens the engine's results as lines, again and again (the check reads them twice on a mismatch).
+OpenResults = Callable[[], contextlib.AbstractContextManager[Iterator[bytes]]]
+
+
+@dataclass
+class EngineJob:
+    """One try's work for an engine, from the run layer.
+
+    :param input: the pinned input; opens, presigns and re-checks it.
+    :param report: preflight's report (valid lines, custom_ids, whether a cleaned copy was written).
+    :param work: this try's scratch directory on the worker (``input.jsonl`` is the cleaned copy).
+    :param staging: the run's staging prefix in S3, shared by its tries.
+    :param identity: the run identity.
+    :param lease: the output's lease; check it before every write to staging.
+    :param holder: who this try is (dag, run, task, map index, try), for the GPU lease files.
+    :param kept_results: where this worker keeps the run's finished results while S3 cannot take them.
+    """
+
+    input: BatchInput
+    report: PreflightReport
+    work: Path
+    staging: RunStaging
+    identity: RunIdentity
+    lease: OutputLease
+    holder: Mapping[str, Any]
+    kept_results: Path
+
+    @contextlib.contextmanager
+    def request_lines(self) -> Iterator[Iterator[bytes]]:
+        """The lines the engine runs: preflight's cleaned copy, or the pinned input."""
+        from airflow_vllm_batch.batchfile import open_lines
+
+        opened = open_lines(str(self.work / "input.jsonl")) if self.report.needs_rewrite else self.input.open()
+        with opened as lines:
+            yield lines
+
+
+@dataclass
+class EngineResults:
+    """What an engine made: its results, durable in staging.
+
+    :param run: the engine's run (exit code, duration, version, last log lines).
+    :param open_results: opens the results as lines.
+    :param duplicates: how the check treats a custom_id answered twice: ``"fail"``, or ``"first"``
+        (keep the first answer) for results assembled from checkpoints of several tries.
+    :param staged_results: whether the staged results are one file that may be published by a
+        server-side copy when no request failed.
+    :param staged_uri: where the results are staged, for messages.
+    """
+
+    run: EngineRun
+    open_results: OpenResults
+    duplicates: str = "fail"
+    staged_results: bool = False
+    staged_uri: str = ""
+
+
+class Engine(abc.ABC):
+    """One way of answering a batch's requests with vLLM.
+
+    :param settings: the run's settings.
+    :param log: the task's logger.
+    """
+
+    #: The name users pass as ``engine=``.
+    name: str = ""
+
+    def __init__(self, settings: BatchSettings, log: logging.Logger) -> None:
+        self.settings = settings
+        self.log = log
+
+    @classmethod
+    def check_settings(cls, values: Mapping[str, Any]) -> None:
+        """Refuse, at DAG parse time, operator arguments this engine cannot use."""
+
+    @abc.abstractmethod
+    def inspect(self) -> EngineInfo:
+        """What the engine offers (version, batch URLs, model kind); checks the model against it."""
+
+    @property
+    @abc.abstractmethod
+    def served(self) -> ServedModels:
+        """The names the engine answers to (the model, ``--served-model-name``, LoRA adapters)."""
+
+    def identity(self) -> dict[str, Any]:
+        """This engine's part of the run identity."""
+        return {
+            "engine_command": list(self.settings.engine_command or ()),
+            "engine_args": list(self.settings.engine_args),
+        }
+
+    def gpu_plan(self) -> GPUPlan:
+        """How many GPUs the engine leases on this worker; fails fast when the settings cannot fit."""
+        return GPUPlan(0)
+
+    def check_requests(self, info: EngineInfo, report: PreflightReport) -> None:
+        """Refuse, before the engine starts, a batch this engine cannot run as configured."""
+
+    @abc.abstractmethod
+    def produce(self, info: EngineInfo, job: EngineJob) -> EngineResults:
+        """Make sure the run's answers are durable in staging (running the engine only for what is missing)."""
+
+    def classify(self, results: ResultsReport, job: EngineJob) -> None:
+        """Raise a retryable error when the results show that the engine itself failed."""
+
+    def terminate(self) -> None:
+        """Stop whatever this engine started; safe from ``on_kill`` at any time."""

@@ -1,0 +1,267 @@
+"""The server engines: vLLM's OpenAI-compatible server, started by the task or warm behind a ``vllm`` connection.
+
+Both stream the requests no checkpoint answers yet, with bounded in-flight, and journal
+each final answer as it arrives: every ``checkpoint_interval_s`` seconds (or 64 MiB) the
+new answers go to the run's staging as a *part*, named for the try that wrote it. A
+retry on any worker sends only what no part answers. The lease is checked before every
+part goes up, so a try that lost its output to another stops at its next checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+import uuid
+from collections.abc import Mapping
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from botocore.exceptions import BotoCoreError, ClientError
+
+from airflow_vllm_batch.batchfile import CustomIdIndex
+from airflow_vllm_batch.engines.base import Engine, EngineJob, EngineResults
+from airflow_vllm_batch.engines.local import LocalEngine
+from airflow_vllm_batch.exceptions import ConfigurationError, StorageUnavailableError
+from airflow_vllm_batch.hooks.model_names import ServedModels, served_models_of_server
+from airflow_vllm_batch.hooks.vllm_engine import FALLBACK_SUPPORTED_URLS, EngineInfo, EngineRun
+from airflow_vllm_batch.hooks.vllm_server import VLLMServerEngine
+from airflow_vllm_batch.serving import SERVED_URLS, Journal, StreamStats
+from airflow_vllm_batch.serving.journal import DEFAULT_MAX_PART_BYTES
+
+if TYPE_CHECKING:
+    from airflow_vllm_batch.storage import RunStaging
+
+#: Seconds between progress lines of the server engine in the task log.
+PROGRESS_EVERY_S = 15.0
+
+
+class _CustomId(msgspec.Struct, gc=False):
+    custom_id: str
+
+
+_decode_custom_id = msgspec.json.Decoder(_CustomId).decode
+
+
+class _Streaming(Engine):
+    """What both server engines do: stream what no checkpoint answers, journal answers into parts."""
+
+    @classmethod
+    def check_settings(cls, values: Mapping[str, Any]) -> None:
+        if values.get("output_mode", "local") != "local" or values.get("engine_command"):
+            raise ConfigurationError(
+                "engine='server' streams from this task to the server: output_mode='presigned' and engine_command "
+                "apply to the runner only (set engine_python for a server in another environment)."
+            )
+        urls = values.get("supported_urls")
+        if urls and (unsendable := sorted(set(urls) - SERVED_URLS)):
+            raise ConfigurationError(
+                f"supported_urls: the server engine cannot send {', '.join(unsendable)} (an audio line's file_url "
+                'must be fetched and uploaded, which only the batch runner does): use engine="runner" for these '
+                f"lines, or list only some of {', '.join(sorted(SERVED_URLS))}."
+            )
+
+    @cached_property
+    def server(self) -> VLLMServerEngine:
+        """The server (a warm one, or one this task starts); kept so that :meth:`terminate` can stop it."""
+        return VLLMServerEngine(
+            self.settings.model,
+            vllm_conn_id=self.settings.vllm_conn_id,
+            engine_args=list(self.settings.engine_args),
+            env=self.settings.engine_environment,
+            python=self.settings.engine_python,
+            grace_s=self.settings.kill_grace_s,
+        )
+
+    def restrict(self, info: EngineInfo) -> EngineInfo:
+        """The runner's URL list includes audio, which the stream cannot send."""
+        return dataclasses.replace(info, supported_urls=info.supported_urls & SERVED_URLS)
+
+    def produce(self, info: EngineInfo, job: EngineJob) -> EngineResults:
+        """Stream the requests no checkpoint answers yet through the server; checkpoint the answers as parts."""
+        staging = job.staging
+        results = EngineResults(
+            run=EngineRun(returncode=0, duration_s=0.0, vllm_version=info.vllm_version),
+            open_results=staging.open_parts,
+            duplicates="first",
+            staged_uri=staging.uri(staging.parts_prefix),
+        )
+        if not self.settings.resume:
+            staging.drop_results()
+        parts = staging.list_parts()
+        answered = answered_ids(staging, parts)
+        total = job.report.valid_lines
+        if parts:
+            self.log.info(
+                "Resuming from %d checkpoint part(s) at %s: %d of %d requests are answered already.",
+                len(parts),
+                results.staged_uri,
+                len(answered),
+                total,
+            )
+        if len(answered) >= total:
+            return results
+        self.before_stream(info)
+        token = uuid.uuid4().hex[:8]
+
+        def upload(path: Path, index: int) -> None:
+            job.lease.ensure_held(verify=True)
+            staging.put_part(path, token)
+
+        journal = Journal(
+            job.work / "journal",
+            on_part=upload,
+            checkpoint_interval_s=self.settings.checkpoint_interval_s,
+            max_part_bytes=DEFAULT_MAX_PART_BYTES,
+            first_index=len(parts),
+        )
+        progress = _Progress(self.log, total=total, resumed=len(answered))
+        skip = (lambda custom_id: answered.line_of(custom_id) is not None) if answered else None
+        started = time.monotonic()
+        try:
+            with job.request_lines() as lines, self.gpus_for(job) as fds:
+                self.server.pass_fds = fds
+                stats = self.server.run(
+                    enumerate(lines, start=1),
+                    journal=journal,
+                    max_in_flight=self.settings.max_in_flight,
+                    skip=skip,
+                    on_progress=progress,
+                    progress_every_s=PROGRESS_EVERY_S,
+                )
+        except (BotoCoreError, ClientError) as err:
+            raise StorageUnavailableError(
+                f"S3 failed while checkpointing the server's answers to {results.staged_uri} ({err}). "
+                f"The {journal.lines_durable + len(answered)} answers in parts uploaded before stay there; the task's "
+                "retry resumes from them."
+            ) from err
+        progress.summary(stats)
+        results.run = EngineRun(returncode=0, duration_s=time.monotonic() - started, vllm_version=info.vllm_version)
+        return results
+
+    def before_stream(self, info: EngineInfo) -> None:
+        """Checks worth their cost only when requests are about to be sent."""
+
+    def gpus_for(self, job: EngineJob) -> Any:
+        """The GPUs this try's server holds (none: a warm server's are not this worker's)."""
+        return contextlib.nullcontext(())
+
+    def terminate(self) -> None:
+        if "server" in self.__dict__:
+            self.server.terminate()
+
+
+class ServerEngine(_Streaming, LocalEngine):
+    """A vLLM server this task starts on its worker for the batch, and stops when the task ends or is killed."""
+
+    name = "server"
+    entrypoint = "api_server"
+
+    def inspect(self) -> EngineInfo:
+        return self.restrict(LocalEngine.inspect(self))
+
+    def identity(self) -> dict[str, Any]:
+        return {**LocalEngine.identity(self), "engine": "server"}
+
+    def before_stream(self, info: EngineInfo) -> None:
+        self.check_arguments(info)
+
+    def gpus_for(self, job: EngineJob) -> Any:
+        return self.leased_gpus(self.server.env, job.holder)
+
+
+class ConnectionEngine(_Streaming):
+    """A warm vLLM server (or a load-balanced deployment) behind a ``vllm`` connection: nothing is started.
+
+    Its arguments are not the task's to know: the run identity holds the model and the
+    vLLM version its ``/version`` reports, not ``engine_args``; nor its URL, so moving the
+    connection to another replica of the same deployment keeps resuming.
+    """
+
+    name = "server"
+
+    @cached_property
+    def served(self) -> ServedModels:
+        """The warm server's own ``/v1/models`` listing: the names it answers to."""
+        return served_models_of_server(self.server.warm_hook.model_cards(), self.settings.model)
+
+    def inspect(self) -> EngineInfo:
+        # The warm server's environment is not this worker's: ask the server itself.
+        version = self.server.check()
+        self.log.info(
+            "Engine: the vLLM server of connection %r (vLLM %s) serves %s",
+            self.settings.vllm_conn_id,
+            version or "of unknown version",
+            self.settings.model,
+        )
+        return self.restrict(EngineInfo(vllm_version=version, supported_urls=FALLBACK_SUPPORTED_URLS))
+
+    def identity(self) -> dict[str, Any]:
+        return {"engine_command": None, "engine_args": None, "engine": "vllm_connection"}
+
+
+def answered_ids(staging: RunStaging, parts: list[str]) -> CustomIdIndex:
+    """The custom_ids the checkpoint parts answer, as preflight's compact index (12 bytes each, 24 once looked up)."""
+    index = CustomIdIndex()
+    if not parts:
+        return index
+    with staging.open_parts(parts) as lines:
+        for number, raw in enumerate(lines, start=1):
+            if raw.strip():
+                index.add(_decode_custom_id(raw).custom_id, number)
+    return index
+
+
+class _Progress:
+    """The server engine's progress lines in the task log, and its final summary.
+
+    :param log: the task's logger.
+    :param total: the requests of the batch (preflight's valid lines).
+    :param resumed: those answered by earlier tries' checkpoints.
+    """
+
+    def __init__(self, log: Any, total: int, resumed: int) -> None:
+        self.log = log
+        self.total = total
+        self.resumed = resumed
+
+    def __call__(self, stats: StreamStats) -> None:
+        done = self.resumed + stats.done
+        rate = stats.requests_per_s
+        eta = (self.total - done) / rate if rate > 0 else None
+        self.log.info(
+            "Progress: %d/%d requests (%.1f%%), %.1f requests/s, %.0f output tokens/s, %d failed, %d in flight, "
+            "%d checkpointed, ETA %s",
+            done,
+            self.total,
+            100.0 * done / self.total if self.total else 100.0,
+            rate,
+            stats.output_tokens_per_s,
+            stats.failed,
+            stats.in_flight,
+            self.resumed + stats.durable,
+            _duration(eta) if eta is not None else "unknown",
+        )
+
+    def summary(self, stats: StreamStats) -> None:
+        self.log.info(
+            "Server engine done: %d requests sent and answered in %s (%.1f requests/s, %.0f output tokens/s), "
+            "%d failed, %d retried, %d answered by earlier tries' checkpoints; %d prompt and %d output tokens.",
+            stats.done,
+            _duration(stats.elapsed_s),
+            stats.requests_per_s,
+            stats.output_tokens_per_s,
+            stats.failed,
+            stats.retried,
+            self.resumed,
+            stats.prompt_tokens,
+            stats.completion_tokens,
+        )
+
+
+def _duration(seconds: float) -> str:
+    seconds = round(seconds)
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}h{rest // 60:02d}m{rest % 60:02d}s" if hours else f"{rest // 60}m{rest % 60:02d}s"

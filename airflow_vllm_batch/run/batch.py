@@ -1,0 +1,324 @@
+"""One batch run from settings to manifest: input, identity, preflight, engine, check, publish.
+
+:class:`BatchRun` is the run protocol; the operator only feeds it settings and a task
+instance and turns its outcome into XCom, a link and asset events. The steps:
+
+1. the input: ``requests=`` written to S3 (by content hash), then pinned (ETag/VersionId);
+2. the engine is asked what it serves; the run identity is the fingerprint of what shapes
+   the results; a complete output under the same identity is returned as it is;
+3. the output's lease is taken (one writer per output) and checked again before every write;
+4. preflight checks every line before any engine starts;
+5. the engine makes the answers durable in the run's staging (running only for what no
+   earlier try left there);
+6. the results check: every request answered exactly once; what the results say about
+   the engine itself (a dead engine is the try's failure, retried, never published);
+7. publish: results, error file, then the manifest, last; the staging is removed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from botocore.exceptions import BotoCoreError, ClientError
+
+from airflow_vllm_batch.batchfile import PreflightOptions, PreflightReport, ResultsReport, check_results, open_lines, preflight
+from airflow_vllm_batch.batchfile.per_model import count_per_model
+from airflow_vllm_batch.engines import EngineJob, EngineResults
+from airflow_vllm_batch.exceptions import PreflightError, PublishError, StorageUnavailableError
+from airflow_vllm_batch.identity import RunIdentity
+from airflow_vllm_batch.lease import LeaseHolder
+from airflow_vllm_batch.manifest import Manifest, RequestCounts, Usage
+from airflow_vllm_batch.run.inputs import BatchInput, write_requests
+from airflow_vllm_batch.run.scratch import concat, kept_results, maybe_open, scratch
+from airflow_vllm_batch.storage import OutputStore
+from airflow_vllm_batch.summary import FailureTally, tally_failures
+
+if TYPE_CHECKING:
+    import logging
+
+    from airflow.providers.amazon.aws.hooks.s3 import S3Hook
+
+    from airflow_vllm_batch.engines import Engine
+    from airflow_vllm_batch.hooks.vllm_engine import EngineInfo
+    from airflow_vllm_batch.lease import OutputLease
+    from airflow_vllm_batch.run.settings import BatchSettings
+
+
+@dataclass
+class BatchOutcome:
+    """What a run returns: the manifest, whether it was already published, one failed request per reason."""
+
+    manifest: Manifest
+    resumed: bool
+    failure_examples: dict[str, Any] | None = None
+
+
+class BatchRun:
+    """One batch run of one task try.
+
+    :param settings: the checked settings.
+    :param s3_hook: the S3 hook of ``aws_conn_id``.
+    :param engine: the engine that answers the requests.
+    :param task: who this try is: ``dag_id``, ``run_id``, ``task_id``, ``map_index``, ``try_number``.
+    :param log: the task's logger.
+    """
+
+    def __init__(
+        self, settings: BatchSettings, *, s3_hook: S3Hook, engine: Engine, task: dict[str, Any], log: logging.Logger
+    ) -> None:
+        self.settings = settings
+        self.s3_hook = s3_hook
+        self.engine = engine
+        self.task = task
+        self.log = log
+        #: The run's input once pinned (the manifest's and the lineage's input).
+        self.input: BatchInput | None = None
+
+    @cached_property
+    def store(self) -> OutputStore:
+        """The output's objects in S3: staging, publishing, manifest and lease."""
+        return OutputStore(self.s3_hook, self.settings.output_uri, self.settings.error_uri)
+
+    @property
+    def request_model_name(self) -> str:
+        """The name written into requests that name none: ``model`` when the engine answers to it, else its first served name."""
+        served = self.engine.served
+        return self.settings.model if self.settings.model in served.names else served.default_name
+
+    def execute(self) -> BatchOutcome:
+        """Identify the run; return its published output, or run, check and publish it."""
+        started = time.monotonic()
+        self.engine.gpu_plan()  # settings that cannot fit the worker fail before any I/O
+        try:
+            uri = self.settings.input_uri
+            if self.settings.requests is not None:
+                uri = write_requests(self.s3_hook, self.settings, self.request_model_name)
+            self.input = BatchInput.pin(self.s3_hook, self.settings, uri)
+            info = self.engine.inspect()
+            if self.settings.supported_urls:
+                info = dataclasses.replace(info, supported_urls=self.settings.supported_urls)
+            identity = self.identity(info)
+            manifest = self.published(identity)
+        except BotoCoreError as err:
+            raise StorageUnavailableError(
+                f"Cannot reach S3 with connection {self.settings.aws_conn_id!r} ({err}). Nothing was run; check that "
+                "S3 is reachable from this worker. The task is retried."
+            ) from err
+        if manifest is not None:
+            return BatchOutcome(manifest, resumed=True)
+        self.store.check_writable()
+        with self.store.lease(self.lease_holder(identity)) as lease:
+            return self.run_batch(info, identity, lease, started)
+
+    def identity(self, info: EngineInfo) -> RunIdentity:
+        """Everything that shapes the results (see :mod:`airflow_vllm_batch.identity`)."""
+        assert self.input is not None
+        s = self.settings
+        return RunIdentity(
+            {
+                "input": self.input.pinned.components(),
+                "model": s.model,
+                "vllm_version": info.vllm_version,
+                "default_body": dict(s.default_body),
+                "rewrite_model": bool(s.rewrite_model),
+                "invalid_lines": s.invalid_lines,
+                "max_lines": s.max_lines,
+                "max_line_bytes": s.max_line_bytes,
+                "supported_urls": sorted(s.supported_urls) if s.supported_urls else None,
+                "error_uri": self.store.error_uri,
+                **self.engine.identity(),
+            }
+        )
+
+    def published(self, identity: RunIdentity) -> Manifest | None:
+        """The manifest of a complete output made under this identity, if there is one."""
+        if not self.settings.resume:
+            return None
+        manifest, why = self.store.completed(identity)
+        if manifest is None:
+            self.log.info("Running: %s (run %s).", why, identity.short)
+            return None
+        self.log.info(
+            "Not running the engine again: %s (run %s, %s). Set resume=False to force a new run.",
+            why,
+            identity.short,
+            self.store.manifest_uri,
+        )
+        return manifest
+
+    def lease_holder(self, identity: RunIdentity) -> LeaseHolder:
+        """Who this try is, for the output's lease."""
+        return LeaseHolder(**{k: self.task[k] for k in ("dag_id", "run_id", "task_id", "map_index", "try_number")}, fingerprint=identity.fingerprint)
+
+    def run_batch(self, info: EngineInfo, identity: RunIdentity, lease: OutputLease, started: float) -> BatchOutcome:
+        """Preflight, have the engine make its answers durable, check and publish."""
+        staging = self.store.staging(identity)
+        kept = kept_results(self.settings.results_dir, identity.short)
+        with scratch(self.settings.results_dir, identity.short) as work:
+            report = self.preflight(info, work)
+            job = EngineJob(self.input, report, work, staging, identity, lease, self.task, kept)
+            engine_results = self.engine.produce(info, job)
+            lease.ensure_held(verify=True)
+            try:
+                results = self.check(job, engine_results)
+                errors_path = self.error_file(report, work, results)
+                failures = self.tally_failures(errors_path)
+                manifest = self.build_manifest(identity, report, results, engine_results, started, failures)
+                manifest.per_model = self.per_model(report, results, work)
+                # With no failed line a staged results file is the output byte for byte: copy it server side.
+                copy_staged = not results.request_counts["failed"] and engine_results.staged_results
+                self.store.publish(
+                    manifest,
+                    staging=staging,
+                    results_path=None if copy_staged else work / "results.jsonl",
+                    errors_path=errors_path,
+                    before_manifest=lambda: lease.ensure_held(verify=True),
+                )
+                kept.unlink(missing_ok=True)
+            except (BotoCoreError, ClientError) as err:
+                raise PublishError(
+                    f"S3 failed while publishing ({err}). The engine's results are staged at {engine_results.staged_uri}: "
+                    "a retry publishes them without running the engine again."
+                ) from err
+        self.log.info(
+            "Published %s (%d completed, %d failed)",
+            self.settings.output_uri,
+            manifest.request_counts.completed,
+            manifest.request_counts.failed,
+        )
+        return BatchOutcome(manifest, resumed=False, failure_examples=failures.examples)
+
+    def preflight(self, info: EngineInfo, work: Path) -> PreflightReport:
+        """Check the whole input before any engine starts; write a cleaned copy when needed."""
+        assert self.input is not None
+        s, served, batch_input = self.settings, self.engine.served, self.input
+        options = PreflightOptions(
+            supported_urls=info.supported_urls,
+            model=self.request_model_name,
+            model_names=frozenset(served.names) if served.names != (s.model,) else frozenset(),
+            rewrite_model=s.rewrite_model,
+            default_body=dict(s.default_body),
+            invalid_lines=s.invalid_lines,
+            max_lines=s.max_lines,
+            max_line_bytes=s.max_line_bytes,
+            model_kind=info.model_kind,
+        )
+        with batch_input.open() as lines:
+            # The engine cannot read gzip: a compressed input gets an uncompressed cleaned copy.
+            rewriting = (
+                s.skips_invalid_lines
+                or s.rewrite_model
+                or bool(s.default_body)
+                or getattr(lines, "compression", None) is not None
+            )
+            with (
+                maybe_open(work / "input.jsonl", rewriting) as cleaned,
+                maybe_open(work / "preflight-errors.jsonl", rewriting) as errors,
+            ):
+                report = preflight(lines, options, cleaned_out=cleaned, errors_out=errors, reread=batch_input.open)
+        report.source = batch_input.display_uri
+        self.log.info("%s", report.format())
+        if not s.skips_invalid_lines or not report.runnable:
+            report.raise_for_problems(batch_input.display_uri)
+        if not report.valid_lines:
+            raise PreflightError(f"{batch_input.display_uri} has no request line: nothing to run.", report)
+        self.engine.check_requests(info, report)
+        return report
+
+    def check(self, job: EngineJob, engine_results: EngineResults) -> ResultsReport:
+        """Check that the results answer every request exactly once; drop them from staging if not.
+
+        The requests' custom_ids come from preflight's index, so the input is not read again
+        (only to name missing requests, on a mismatch). Successful lines go to
+        ``results.jsonl``, failed ones to ``engine-errors.jsonl`` in the scratch directory.
+        """
+        with (
+            engine_results.open_results() as result_lines,
+            open(job.work / "results.jsonl", "wb") as successes,
+            open(job.work / "engine-errors.jsonl", "wb") as errors,
+        ):
+            results = check_results(
+                result_lines,
+                input_index=job.report.custom_ids,
+                results_out=successes,
+                errors_out=errors,
+                reread_input=job.request_lines,
+                reread_results=engine_results.open_results,
+                source="the engine's results",
+            )
+        self.log.info("%s", results.format())
+        self.engine.classify(results, job)
+        if not results.ok:
+            # Results that do not answer the input must not be published by the next try either.
+            job.staging.drop_results()
+        results.raise_for_mismatch()
+        return results
+
+    def error_file(self, report: PreflightReport, work: Path, results: ResultsReport) -> Path | None:
+        """The failed lines (preflight's, then the engine's) as one file, or None when none failed."""
+        if not (results.request_counts["failed"] or self.skipped(report)):
+            return None
+        return concat(work / "all-errors.jsonl", work / "preflight-errors.jsonl", work / "engine-errors.jsonl")
+
+    def tally_failures(self, errors_path: Path | None) -> FailureTally:
+        """Count the failed requests by reason; keep one example of each for the summary table."""
+        if errors_path is None:
+            return FailureTally(counts={}, examples={})
+        with open_lines(str(errors_path)) as lines:
+            return tally_failures(lines)
+
+    def build_manifest(
+        self,
+        identity: RunIdentity,
+        report: PreflightReport,
+        results: ResultsReport,
+        engine_results: EngineResults,
+        started: float,
+        failures: FailureTally,
+    ) -> Manifest:
+        """The manifest of this run's publication."""
+        assert self.input is not None
+        counts = results.request_counts
+        skipped = self.skipped(report)
+        failed = counts["failed"] + skipped
+        run = engine_results.run
+        return Manifest(
+            output_uri=self.settings.output_uri,
+            error_uri=self.store.error_uri if failed else None,
+            input_uri=self.input.display_uri,
+            input_etag=self.input.pinned.etag,
+            model=self.settings.model,
+            request_counts=RequestCounts(total=counts["total"] + skipped, completed=counts["completed"], failed=failed),
+            usage=Usage(**results.usage),
+            duration_s=round(time.monotonic() - started, 3),
+            engine_duration_s=round(run.duration_s, 3),
+            vllm_version=run.vllm_version,
+            fingerprint=identity.fingerprint,
+            identity=dict(identity.components),
+            manifest_uri=self.store.manifest_uri,
+            failed_by_reason=failures.counts or None,
+        )
+
+    def per_model(self, report: PreflightReport, results: ResultsReport, work: Path) -> dict[str, dict[str, int]]:
+        """Requests and tokens per model name (one pass over the results when the engine serves several names)."""
+        served = self.engine.served
+        if len(served.names) == 1 and len(report.requests_per_model) <= 1:
+            # One name: the totals are its counts, no second pass.
+            counts = results.request_counts
+            entry = {"requests": counts["total"], "completed": counts["completed"], "failed": counts["failed"]}
+            return {served.default_name: {**entry, **results.usage}}
+        with open_lines(str(work / "results.jsonl")) as successes:
+            return count_per_model(
+                successes,
+                report.requests_per_model,
+                default_name=served.default_name,
+                aliases={name: served.default_name for name in served.base_names},
+            )
+
+    def skipped(self, report: PreflightReport) -> int:
+        return report.invalid_lines if self.settings.skips_invalid_lines else 0

@@ -1,0 +1,175 @@
+"""The settings of one batch run, checked once: a frozen dataclass the run layer and the engines read.
+
+:func:`check_static_settings` runs at DAG parse time on what is not templated (a wrong
+mode fails the DAG's import, not a task at 2 am); :meth:`BatchSettings.from_rendered`
+runs when the task starts, on the rendered values, and coerces them (a Param-driven
+``max_failed_ratio`` arrives as the string ``"0.1"``). Every mistake is a
+:class:`~airflow_vllm_batch.exceptions.ConfigurationError` naming the parameter and the
+fix; it is never retried.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from datetime import timedelta
+from typing import Any
+
+from airflow_vllm_batch.batchfile import DEFAULT_MAX_LINE_BYTES
+from airflow_vllm_batch.batchfile.requests import INDEX, check_requests_options
+from airflow_vllm_batch.exceptions import ConfigurationError, PresignError
+from airflow_vllm_batch.hooks.process import DEFAULT_GRACE_S
+from airflow_vllm_batch.storage import split_s3_uri
+
+#: SigV4 presigned URLs are valid for at most seven days.
+MAX_PRESIGN_SECONDS = 7 * 24 * 3600
+#: Used when the task has no execution_timeout and no presign_expires_in was given.
+DEFAULT_PRESIGN_SECONDS = 24 * 3600
+#: Added to execution_timeout: the engine's final PUT happens at the very end.
+PRESIGN_MARGIN_SECONDS = 15 * 60
+#: Where the engine's local output and results kept after an S3 failure live.
+DEFAULT_RESULTS_DIR = os.path.join(tempfile.gettempdir(), "airflow-vllm-batch")
+
+_MODES = {"output_mode": ("local", "presigned"), "invalid_lines": ("fail", "skip")}
+
+
+@dataclass(frozen=True)
+class BatchSettings:
+    """Everything one batch run is told, after rendering and checking (see the operator for each meaning)."""
+
+    output_uri: str
+    model: str
+    input_uri: str | None = None
+    requests: Sequence[Any] | None = None
+    requests_url: str = "/v1/chat/completions"
+    requests_custom_id: str = INDEX
+    error_uri: str | None = None
+    engine_args: tuple[str, ...] = ()
+    engine_python: str | None = None
+    engine_command: tuple[str, ...] | None = None
+    engine_env: Mapping[str, str] = field(default_factory=dict)
+    aws_conn_id: str | None = "aws_default"
+    presign_expires_in: int | None = None
+    max_failed_ratio: float = 0.0
+    invalid_lines: str = "fail"
+    rewrite_model: bool = False
+    default_body: Mapping[str, Any] = field(default_factory=dict)
+    max_lines: int | None = None
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
+    supported_urls: frozenset[str] | None = None
+    kill_grace_s: float = DEFAULT_GRACE_S
+    resume: bool = True
+    output_mode: str = "local"
+    results_dir: str = DEFAULT_RESULTS_DIR
+    engine: str = "runner"
+    vllm_conn_id: str | None = None
+    max_in_flight: int | None = None
+    checkpoint_interval_s: float = 60.0
+    gpus: int | None = None
+    execution_timeout: timedelta | None = None
+
+    @classmethod
+    def from_rendered(cls, **values: Any) -> BatchSettings:
+        """Check the rendered values (and the static ones again) and return the settings."""
+        check_static_settings(values)
+        names = ("output_uri", "model") if values.get("requests") is not None else ("input_uri", "output_uri", "model")
+        for name in names:
+            value = values.get(name)
+            if not isinstance(value, str) or not value.strip():
+                raise ConfigurationError(f"{name} must be a non-empty string, got {value!r} after rendering.")
+        split_s3_uri(values["output_uri"], "output_uri")
+        if values.get("error_uri") is not None:
+            split_s3_uri(values["error_uri"], "error_uri")
+        for name in ("engine_args", "engine_command"):
+            value = values.get(name)
+            if value is not None and (isinstance(value, str) or not all(isinstance(a, str) for a in value)):
+                raise ConfigurationError(f"{name} must be a list of strings, e.g. ['--max-model-len', '4096'], got {value!r}.")
+        for name in ("engine_env", "default_body"):
+            value = values.get(name)
+            if value is not None and not isinstance(value, Mapping):
+                raise ConfigurationError(f"{name} must be a mapping, got {type(value).__name__} {value!r}.")
+        known = {f.name for f in fields(cls)}
+        coerced = {k: v for k, v in values.items() if k in known}
+        coerced.update(
+            results_dir=values.get("results_dir") or DEFAULT_RESULTS_DIR,
+            max_failed_ratio=_ratio(values.get("max_failed_ratio", 0.0)),
+            engine_args=tuple(values.get("engine_args") or ()),
+            engine_command=tuple(values["engine_command"]) if values.get("engine_command") else None,
+            engine_env={k: str(v) for k, v in (values.get("engine_env") or {}).items()},
+            default_body=dict(values.get("default_body") or {}),
+            supported_urls=frozenset(values["supported_urls"]) if values.get("supported_urls") else None,
+            engine="server" if values.get("vllm_conn_id") else values.get("engine", "runner"),
+        )
+        return cls(**coerced)
+
+    @property
+    def engine_environment(self) -> dict[str, str]:
+        """The environment of an engine this task starts: the worker's, plus ``engine_env``."""
+        return {**os.environ, **self.engine_env}
+
+    @property
+    def skips_invalid_lines(self) -> bool:
+        return self.invalid_lines == "skip"
+
+    def presign_seconds(self) -> int:
+        """Seconds the presigned URLs must stay valid: the task's whole time budget."""
+        if self.presign_expires_in is not None:
+            seconds = int(self.presign_expires_in)
+        elif isinstance(self.execution_timeout, timedelta):
+            seconds = int(self.execution_timeout.total_seconds()) + PRESIGN_MARGIN_SECONDS
+        else:
+            seconds = DEFAULT_PRESIGN_SECONDS
+        if not 0 < seconds <= MAX_PRESIGN_SECONDS:
+            raise PresignError(
+                f"Presigned URLs would need to be valid for {seconds}s, but SigV4 allows 1 to "
+                f"{MAX_PRESIGN_SECONDS}s (7 days). Shorten execution_timeout, set presign_expires_in, "
+                "or split the batch into shards."
+            )
+        return seconds
+
+
+def check_static_settings(values: Mapping[str, Any]) -> None:
+    """Check the arguments that are not templated (at DAG parse time, and again at run time)."""
+    from airflow_vllm_batch.engines import engine_class
+
+    if (values.get("input_uri") is None) == (values.get("requests") is None):
+        raise ConfigurationError(
+            "Give the batch as input_uri (a file) or as requests (a list, e.g. an upstream task's XCom): "
+            f"exactly one of them, got {'both' if values.get('requests') is not None else 'neither'}."
+        )
+    check_requests_options(
+        values.get("requests_url", "/v1/chat/completions"), values.get("requests_custom_id", INDEX), values.get("default_body")
+    )
+    for name, allowed in _MODES.items():
+        if name in values and values[name] not in allowed:
+            raise ConfigurationError(f"{name} must be one of {allowed}, got {values[name]!r}.")
+    for name in ("max_lines", "max_line_bytes", "presign_expires_in"):
+        value = values.get(name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ConfigurationError(f"{name} must be a positive whole number or None, got {value!r}.")
+    grace = values.get("kill_grace_s", DEFAULT_GRACE_S)
+    if not isinstance(grace, (int, float)) or grace < 0:
+        raise ConfigurationError(f"kill_grace_s must be a number of seconds >= 0, got {grace!r}.")
+    gpus = values.get("gpus")
+    if gpus is not None and (not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 0):
+        raise ConfigurationError(f"gpus must be a whole number >= 0 or None, got {gpus!r}.")
+    in_flight = values.get("max_in_flight")
+    if in_flight is not None and (not isinstance(in_flight, int) or isinstance(in_flight, bool) or in_flight < 1):
+        raise ConfigurationError(f"max_in_flight must be a positive whole number or None, got {in_flight!r}.")
+    interval = values.get("checkpoint_interval_s", 60.0)
+    if not isinstance(interval, (int, float)) or interval <= 0:
+        raise ConfigurationError(f"checkpoint_interval_s must be a number of seconds > 0, got {interval!r}.")
+    engine = "server" if values.get("vllm_conn_id") else values.get("engine", "runner")
+    engine_class(engine, vllm_conn_id=values.get("vllm_conn_id")).check_settings(values)
+
+
+def _ratio(value: Any) -> float:
+    try:
+        ratio = float(value)
+    except (TypeError, ValueError):
+        ratio = -1.0
+    if not 0 <= ratio <= 1:
+        raise ConfigurationError(f"max_failed_ratio must be a number from 0 to 1, got {value!r} after rendering.")
+    return ratio

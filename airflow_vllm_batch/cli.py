@@ -374,7 +374,9 @@ def print_results(report: ResultsReport) -> None:
     usage.add_row(*(f"{value:,}" for value in report.usage.values()))
     console.print(usage)
     if report.engine_failure:
-        console.print("[red bold]Engine failure:[/red bold] nothing completed and vLLM reports its engine core died.")
+        console.print(
+            f"[red bold]Engine failure:[/red bold] vLLM reports its engine core died ({report.engine_dead_lines} lines)."
+        )
     for message in report.sample_errors:
         console.print(f"[yellow]error[/yellow] {escape(message)}", soft_wrap=True)
     for line in report.mismatch_lines():

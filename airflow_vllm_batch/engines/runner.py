@@ -168,7 +168,7 @@ class RunnerEngine(LocalEngine):
         ``TooManyFailedRequestsError``, which a clear would then return as it is). The
         staged results are dropped and the try fails as transient: its retry runs again.
         """
-        if not results.engine_dead_lines:
+        if not results.engine_failure:
             return
         job.staging.drop_results()
         job.kept_results.unlink(missing_ok=True)

@@ -8,6 +8,8 @@ and writing local paths or presigned URLs. The environment steers it:
 * ``FAKE_ENGINE_DROP``: answer that many fewer lines (a results mismatch);
 * ``FAKE_ENGINE_EXIT``: exit with this code after writing nothing;
 * ``FAKE_ENGINE_FAIL``: answer that many of the first lines with vLLM's HTTP 500 error.
+* ``FAKE_ENGINE_DIES_AFTER``: answer that many lines, then every other one with the 500 that
+  vLLM 0.32 writes once its engine core died (``EngineDeadError``), and exit 0 as it does.
 * ``FAKE_ENGINE_GPU_PROBE``: a file that gets the engine's ``CUDA_VISIBLE_DEVICES`` and,
   for each device, whether its GPU lease lock is held while the engine runs.
 """
@@ -64,6 +66,17 @@ def fail(request: dict) -> dict:
     }
 
 
+def engine_dead(request: dict) -> dict:
+    """vLLM 0.32's line for a request left when its engine core died (the process still exits 0)."""
+    message = "EngineCore encountered an issue. See stack trace (above) for the root cause."
+    return {
+        "id": "vllm-" + request["custom_id"],
+        "custom_id": request["custom_id"],
+        "response": {"status_code": 500, "request_id": "r-" + request["custom_id"], "body": None},
+        "error": {"message": message, "type": "InternalServerError", "code": 500},
+    }
+
+
 def write_gpu_probe(path: str) -> None:
     import fcntl
 
@@ -102,6 +115,8 @@ def main() -> int:
     failing = int(os.environ.get("FAKE_ENGINE_FAIL", "0"))
     # vLLM names the adapter that answered (or the base model): the request's own name here.
     answers = [fail(r) if i < failing else answer(r, r["body"].get("model") or args.model) for i, r in enumerate(requests)]
+    if (dies_after := os.environ.get("FAKE_ENGINE_DIES_AFTER")) is not None:
+        answers[int(dies_after) :] = [engine_dead(r) for r in requests[int(dies_after) :]]
     write(args.o, b"".join(json.dumps(a).encode() + b"\n" for a in answers))
     return 0
 

@@ -17,6 +17,7 @@ from airflow.sdk.exceptions import AirflowFailException
 from botocore.exceptions import ClientError
 
 from airflow_vllm_batch.exceptions import (
+    EngineError,
     OutputBusyError,
     PublishError,
     ResultsCheckError,
@@ -367,3 +368,63 @@ def test_a_reused_output_says_no_engine_ran_and_keeps_the_counts_by_reason(batch
 
 def test_a_run_without_failures_has_no_failed_by_reason(batch):
     assert "failed_by_reason" not in batch.run()
+
+
+def test_an_engine_that_dies_midway_and_exits_0_fails_the_try_as_retryable_and_publishes_nothing(batch):
+    # vLLM 0.32: 3 answers, then its engine core dies; the last 2 lines are its engine-dead 500s, exit 0.
+    with pytest.raises(EngineError, match=r"engine died during the run although it exited 0: 2 of 5 .* 3 were answered") as err:
+        batch.run(engine_env={"FAKE_ENGINE_DIES_AFTER": "3"})
+    assert err.value.retryable
+    assert not [k for k in batch.keys() if not k.startswith("in/")]  # no output, manifest, error file or staging
+    assert list(batch.results_dir.iterdir()) == []  # nor results kept on the worker for the retry to publish
+    manifest = batch.run(FakeTI(try_number=2))
+    assert manifest["request_counts"] == {"total": 5, "completed": 5, "failed": 0}
+    assert batch.engine_runs == 2
+
+
+def _successor_takes_over(batch: Batch) -> None:
+    """The task's next try (its scheduler thought this one dead) takes the output's lease."""
+    _hold(batch, LeaseHolder("d", "run-1", "vllm_batch", -1, 2, "f" * 64, "gpu-2"))
+
+
+def test_a_try_that_lost_its_lease_while_the_engine_ran_stages_and_publishes_nothing(batch, monkeypatch):
+    from airflow_vllm_batch.hooks.vllm_engine import VLLMEngineHook
+
+    real_run = VLLMEngineHook.run
+
+    def run_then_lose_the_lease(self, *args, **kwargs):
+        run = real_run(self, *args, **kwargs)
+        _successor_takes_over(batch)  # between two heartbeats: only a read of S3 can tell
+        return run
+
+    monkeypatch.setattr(VLLMEngineHook, "run", run_then_lose_the_lease)
+    with pytest.raises(OutputBusyError, match=r"d\.vllm_batch of run 'run-1' \(try 2, on gpu-2\) took over the lease"):
+        batch.run()
+    assert sorted(k for k in batch.keys() if not k.startswith("in/")) == ["out/results.lease.json"]  # the successor's
+
+
+def test_a_try_that_lost_its_lease_before_publishing_writes_no_manifest(batch, monkeypatch):
+    from airflow_vllm_batch.storage import OutputStore
+
+    real_publish = OutputStore.publish
+
+    def lose_the_lease_then_publish(self, *args, **kwargs):
+        _successor_takes_over(batch)
+        return real_publish(self, *args, **kwargs)
+
+    monkeypatch.setattr(OutputStore, "publish", lose_the_lease_then_publish)
+    with pytest.raises(OutputBusyError, match="took over the lease"):
+        batch.run()
+    assert "out/results.manifest.json" not in batch.keys()
+
+
+def test_access_denied_while_writing_requests_fails_without_retry_naming_the_location(batch, monkeypatch):
+    from airflow.providers.amazon.aws.hooks.s3 import S3Hook
+
+    def denied(self, *args, **kwargs):
+        raise ClientError({"Error": {"Code": "AccessDenied", "Message": "Access Denied"}}, "PutObject")
+
+    monkeypatch.setattr(S3Hook, "load_bytes", denied)
+    with pytest.raises(AirflowFailException, match=f"output_uri: .*{batch.bucket}"):
+        batch.run(input_uri=None, requests=["hello"])
+    assert batch.engine_runs == 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from aiohttp import web
 from airflow.sdk.exceptions import AirflowFailException
 from botocore.exceptions import ClientError
 
-from airflow_vllm_batch.exceptions import ConfigurationError, StorageUnavailableError
+from airflow_vllm_batch.exceptions import ConfigurationError, OutputBusyError, StorageUnavailableError
 from airflow_vllm_batch.engines import server as server_engines
 from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
 from airflow_vllm_batch.serving import ServerUnavailableError, stream
@@ -274,3 +275,42 @@ def test_an_audio_line_fails_preflight_for_the_server_engine_and_names_the_runne
     with pytest.raises(AirflowFailException, match=r'line 3.*audio lines run on the batch runner \(engine="runner"\)'):
         batch.run()
     assert server.requests == 0
+
+
+def test_a_try_that_lost_its_lease_writes_no_further_part_nor_the_manifest(batch, server):
+    from airflow_vllm_batch.lease import LeaseHolder
+
+    async def successor_takes_over_after_r5(custom_id: str, body: dict, attempt: int) -> web.Response:
+        if custom_id == "r5":
+            # The task's next try took over (the scheduler thought this one dead); its heartbeat is not due yet.
+            successor = LeaseHolder("d", "run-1", "vllm_batch", -1, 2, "f" * 64, "gpu-2")
+            await asyncio.to_thread(
+                batch.client.put_object, Bucket=batch.bucket, Key="out/results.lease.json", Body=json.dumps(successor.__dict__).encode()
+            )
+        await asyncio.sleep(0.01)
+        return web.json_response(
+            {"id": custom_id, "object": "chat.completion", "created": 1, "model": "m", "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}}
+        )
+
+    server.behaviour = successor_takes_over_after_r5
+    with pytest.raises(OutputBusyError, match=r"\(try 2, on gpu-2\) took over the lease"):
+        batch.run(max_in_flight=1)
+    answered = [int(r["custom_id"][1:]) for k in batch.parts() for r in batch.lines(k)]
+    assert max(answered, default=-1) <= 5  # nothing answered after the takeover went up
+    assert "out/results.manifest.json" not in batch.keys() and "out/results.jsonl" not in batch.keys()
+
+
+def test_each_try_names_its_parts_with_its_own_token(batch, server):
+    # Two tries that start from the same parts (a zombie and its successor) number theirs alike:
+    # the token keeps one from overwriting the other's part-N.
+    server.behaviour = _dies_after(server, 5)
+    with pytest.raises(ServerUnavailableError):
+        batch.run(max_in_flight=1)
+    first = set(batch.parts())
+    server.restart()
+    server.behaviour = _dies_after(server, 12)
+    with pytest.raises(ServerUnavailableError):
+        batch.run(FakeTI(try_number=2), max_in_flight=1)
+    second = set(batch.parts()) - first
+    tokens = [{re.fullmatch(r".*/part-\d{6}-([0-9a-f]{8})\.jsonl", k).group(1) for k in keys} for keys in (first, second)]
+    assert all(len(t) == 1 for t in tokens) and tokens[0] != tokens[1]

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from airflow_vllm_batch.embedded.seaweedfs import SeaweedFS
+from airflow_vllm_batch.embedded.sqlite_db import SQLITE_CONNECT_ARGS_ENV
 from airflow_vllm_batch.embedded.tiny_model import build_tiny_chat_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,23 +32,6 @@ CPU_ENGINE_ENV = {
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
 }
-#: Airflow's connect arguments on the embedded SQLite database. A writer waits up to 60 s for
-#: the database lock instead of Python's default 5 s: the scheduler, dag-processor, api-server,
-#: tasks and CLI commands all write to the one file, and on two busy cores 5 s runs out
-#: ("database is locked"), sometimes half-way through a command that commits in steps.
-#: No wait helps a transaction that reads before it writes once another process committed in
-#: between: SQLite fails it at once. Airflow's backfill creation is one such, which is why
-#: Airflow supports it only on PostgreSQL or MySQL under a running scheduler.
-SQLITE_CONNECT_ARGS: dict[str, object] = {"timeout": 60}
-#: The same for Airflow's async engine (aiosqlite passes it to :func:`sqlite3.connect`).
-#: A dict of its own: Airflow adds keys to the sync one.
-SQLITE_CONNECT_ARGS_ASYNC: dict[str, object] = {"timeout": 60}
-#: How Airflow is told to use them: import paths of the two dicts.
-SQLITE_CONNECT_ARGS_ENV = {
-    "AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS": f"{__name__}.SQLITE_CONNECT_ARGS",
-    "AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS_ASYNC": f"{__name__}.SQLITE_CONNECT_ARGS_ASYNC",
-}
-
 # No --max-model-len: it must fit each model (all-MiniLM allows 256), and both defaults fit in 1 GiB of KV cache.
 CPU_ENGINE_ARGS = "--enforce-eager"
 

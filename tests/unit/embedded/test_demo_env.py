@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from airflow_vllm_batch.embedded.demo import SQLITE_CONNECT_ARGS_ENV, embedded_env
+from airflow_vllm_batch.embedded.demo import embedded_env
+from airflow_vllm_batch.embedded.sqlite_db import SQLITE_CONNECT_ARGS_ENV
 
 # What Airflow itself makes of the environment: its engine's dialect and, on SQLite, the lock wait.
 PROBE = """

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -125,6 +126,35 @@ def start_bound_process(
         start_new_session=True,
         pass_fds=tuple(pass_fds),
     )
+
+
+def reap(proc: subprocess.Popen[bytes], timeout: float) -> bool:
+    """Wait at most ``timeout`` seconds for ``proc`` to exit; return whether it did.
+
+    Never through a blocking ``proc.wait()``: ``on_kill`` runs in Airflow's SIGTERM
+    handler on the main thread, which may have been interrupted inside ``proc.wait()``
+    holding ``Popen``'s wait lock (not re-entrant): a blocking wait there deadlocks the
+    task, and even ``wait(timeout=...)`` only spins until its timeout, as it cannot take the
+    lock. A pidfd (Linux 5.3+) becomes readable when the process exits, lock or no lock;
+    the exit status is then collected here if the lock is free, else by the interrupted
+    wait once the handler returns.
+    """
+    if proc.poll() is not None:
+        return True
+    try:
+        pidfd = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):  # not Linux, or reaped between poll() and here
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return proc.poll() is not None
+        return True
+    try:
+        exited = bool(select.select([pidfd], [], [], timeout)[0])
+    finally:
+        os.close(pidfd)
+    proc.poll()
+    return exited
 
 
 def signal_group(pgid: int, sig: int) -> None:

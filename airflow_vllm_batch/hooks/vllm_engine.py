@@ -41,6 +41,7 @@ from airflow_vllm_batch.exceptions import EngineConfigurationError
 from airflow_vllm_batch.hooks.log_groups import log_group
 from airflow_vllm_batch.hooks.process import (
     DEFAULT_GRACE_S,
+    reap,
     signal_group,
     start_bound_process,
 )
@@ -307,12 +308,9 @@ class VLLMEngineHook(BaseHook):
         if proc.poll() is None:
             self.log.info("Stopping the vLLM engine (process group %s)", pgid)
             signal_group(pgid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=self.kill_grace_s)
-            except subprocess.TimeoutExpired:
+            if not reap(proc, timeout=self.kill_grace_s):
                 self.log.warning("vLLM engine ignored SIGTERM for %ss; sending SIGKILL", self.kill_grace_s)
         # The leader may be gone while EngineCore children live on: kill the group regardless.
         signal_group(pgid, signal.SIGKILL)
-        if proc.poll() is None:
-            proc.wait()
+        reap(proc, timeout=self.kill_grace_s)
 

@@ -48,6 +48,7 @@ from airflow_vllm_batch.exceptions import (
 from airflow_vllm_batch.hooks.log_groups import GROUP_END, GROUP_START, HeldLines
 from airflow_vllm_batch.hooks.process import (
     DEFAULT_GRACE_S,
+    reap,
     signal_group,
     start_bound_process,
 )
@@ -68,6 +69,14 @@ API_KEY_ENV = "VLLM_API_KEY"
 #: Seconds to wait for a started server's ``/health``: the tiny CPU model is ready in
 #: 20-40 s, a large model on a GPU (download, load, compile, CUDA graphs) in minutes.
 DEFAULT_STARTUP_TIMEOUT_S = 900.0
+#: Starts on a fresh port after the chosen one was taken before the server bound it.
+PORT_ATTEMPTS = 3
+#: What vLLM prints (``OSError: [Errno 98]``) when its port is taken: it binds before it loads the model.
+_PORT_TAKEN = "Address already in use"
+
+
+class _PortTaken(Exception):
+    """The server exited at start-up because another process had bound its port first."""
 
 
 class VLLMServerHook(BaseHook):
@@ -354,15 +363,33 @@ class VLLMServerProcess:
         return self.hook.log if self.hook is not None else logging.getLogger(__name__)
 
     def start(self) -> VLLMServerHook:
-        """Start the server and wait until it is healthy; return a hook for it.
+        """Start the server and wait until it is ready; return a hook for it.
 
-        :raises EngineError: the server exited during start-up, or was not healthy in time
+        The port is chosen free (unless ``port`` was given), but another process may bind it
+        before vLLM does; vLLM then exits at once, and the server is started again on
+        another port, up to :data:`PORT_ATTEMPTS` times.
+
+        :raises EngineError: the server exited during start-up, or was not ready in time
             (it is stopped then); the message holds its last log lines.
         """
-        port = self.port or free_port(self.host)
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            port = self.port or free_port(self.host)
+            try:
+                return self._start_on(port)
+            except _PortTaken:
+                if self.port or attempt == PORT_ATTEMPTS:
+                    raise EngineError(
+                        f"The vLLM server could not listen on {self.host}:{port}: another process holds the port "
+                        f"({attempt} attempt(s)). Its last lines:\n{self._tail_text()}"
+                    ) from None
+                self.log.warning("Port %s was taken before the vLLM server bound it; starting it on another port", port)
+        raise AssertionError("unreachable")
+
+    def _start_on(self, port: int) -> VLLMServerHook:
         self._api_key = secrets.token_urlsafe(32)
         mask_secret(self._api_key)
         self.hook = VLLMServerHook(base_url=f"http://{self.host}:{port}", api_key=self._api_key)
+        self.tail.clear()
         argv = build_server_argv(
             self.model,
             host=self.host,
@@ -392,9 +419,11 @@ class VLLMServerProcess:
 
     def _wait_ready(self, started: float) -> None:
         assert self.process is not None and self.hook is not None
-        while not self.hook.health():
+        while not self._ready():
             if self.process.poll() is not None:
                 self._pump_done(timeout=5)
+                if any(_PORT_TAKEN in line for line in self.tail):
+                    raise _PortTaken()
                 raise EngineError(
                     f"The vLLM server exited during start-up (exit {self.process.returncode}). "
                     f"Its last lines:\n{self._tail_text()}"
@@ -405,6 +434,21 @@ class VLLMServerProcess:
                     f"Raise startup_timeout_s for a large model. Its last lines:\n{self._tail_text()}"
                 )
             time.sleep(0.5)
+
+    def _ready(self) -> bool:
+        """Whether *this task's* server answers: ``/health``, then ``/v1/models`` with this start's key.
+
+        ``/health`` needs no key, so on its own it would also pass for a foreign server that
+        took the port first; only the server this task started knows the random key.
+        """
+        assert self.hook is not None
+        if not self.hook.health():
+            return False
+        try:
+            self.hook.model_cards()
+        except (ServerAuthError, ServerUnavailableError):
+            return False
+        return True
 
     def _stream_log(self) -> None:
         """Log the server's output line by line, redacted (daemon thread)."""
@@ -441,15 +485,13 @@ class VLLMServerProcess:
             self.log.info("Stopping the vLLM server (process group %s)", proc.pid)
             # The guard turns SIGTERM into SIGTERM for the group, then SIGKILL after grace_s.
             signal_group(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=self.grace_s + 5)
-            except subprocess.TimeoutExpired:
+            if not reap(proc, timeout=self.grace_s + 5):
                 self.log.warning("The vLLM server's guard did not stop it; sending SIGKILL to its group")
         signal_group(proc.pid, signal.SIGKILL)
-        if proc.poll() is None:
-            proc.wait()
+        reap(proc, timeout=self.grace_s)
         self._pump_done(timeout=5)
         self._held.flush(self.log, "vLLM server log while serving")
+        self._serving = False
 
     def __enter__(self) -> VLLMServerProcess:
         self.start()

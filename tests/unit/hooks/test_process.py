@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from airflow_vllm_batch.hooks.process import start_bound_process
+from airflow_vllm_batch.hooks.process import reap, start_bound_process
 from tests.processes import processes_with
 
 #: Stands in for vLLM: a leader that starts a child (as EngineCore is), both sleeping.
@@ -74,3 +74,24 @@ def test_the_engines_argv_is_not_on_the_guards_command_line():
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def test_reap_sees_the_exit_while_another_frame_holds_popens_wait_lock():
+    # on_kill runs in the SIGTERM handler on the main thread, perhaps inside Popen.wait()
+    # with its lock held: reap must notice the exit without that lock, and quickly.
+    proc = start_bound_process([sys.executable, "-c", "import time; time.sleep(600)"], stdout=subprocess.DEVNULL)
+    with proc._waitpid_lock:
+        os.killpg(proc.pid, signal.SIGKILL)
+        started = time.monotonic()
+        assert reap(proc, timeout=10)
+        assert time.monotonic() - started < 5
+    assert reap(proc, timeout=5) and proc.returncode == -signal.SIGKILL
+
+
+def test_reap_says_so_when_the_process_outlives_the_timeout():
+    proc = start_bound_process([sys.executable, "-c", "import time; time.sleep(600)"], stdout=subprocess.DEVNULL)
+    try:
+        assert not reap(proc, timeout=0.3)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)

@@ -142,28 +142,37 @@ def test_the_server_argv_runs_the_api_server_module_without_its_access_log():
 
 
 # A stand-in for vLLM's server: prints what vLLM would (a URL with a query string, and
-# here also its key, which vLLM itself masks), then serves /health on --port.
+# here also its key, which vLLM itself masks), binds --port before anything slow (as vLLM's
+# setup_server does: a taken port fails with "[Errno 98] Address already in use"), then
+# serves /health to anyone and /v1/... only with the key (vLLM's auth middleware).
 FAKE_SERVER = textwrap.dedent(
     """
-    import http.server, os, sys, time
+    import http.server, json, os, sys, time
     args = sys.argv[1:]
     port = int(args[args.index("--port") + 1])
+    key = os.environ["VLLM_API_KEY"]
     print("loading from http://s3.example/b/k?X-Amz-Signature=secret123", flush=True)
-    print("key is " + os.environ["VLLM_API_KEY"], flush=True)
+    print("key is " + key, flush=True)
     if "--fail" in args:
         print("CUDA out of memory", flush=True)
         sys.exit(3)
-    if "--slow" in args:
-        time.sleep(60)
     class H(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
             if self.path != "/health":
                 print("served " + self.path, flush=True)
-            self.send_response(200); self.send_header("Content-Length", "0"); self.end_headers()
+            if self.path.startswith("/v1") and self.headers.get("Authorization") != "Bearer " + key:
+                self.send_response(401); self.send_header("Content-Length", "0"); self.end_headers()
+                return
+            body = json.dumps({"data": [{"id": "m"}]}).encode() if self.path == "/v1/models" else b""
+            self.send_response(200); self.send_header("Content-Length", str(len(body))); self.end_headers()
+            self.wfile.write(body)
         def log_message(self, *a):
             pass
+    httpd = http.server.HTTPServer(("127.0.0.1", port), H)
+    if "--slow" in args:
+        time.sleep(60)
     print(os.getpid(), flush=True)
-    http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+    httpd.serve_forever()
     """
 )
 
@@ -189,9 +198,9 @@ def test_a_started_server_is_ready_logged_redacted_and_stopped_with_its_group(fa
         assert server.hook.base_url.startswith("http://127.0.0.1:")
         key = server.hook.api_key
         deadline = time.monotonic() + 5
-        while len(server.tail) < 3 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        engine_pid = int(server.tail[-1])
+        while not any(line.isdigit() for line in server.tail) and time.monotonic() < deadline:
+            time.sleep(0.05)  # the log pump may lag behind readiness
+        engine_pid = int(next(line for line in server.tail if line.isdigit()))
         guard_pid = server.process.pid
     assert not _alive(engine_pid) and not _alive(guard_pid)
     log = capsys.readouterr().out  # Airflow's structlog writes the task log here in tests
@@ -243,3 +252,51 @@ def test_start_up_lines_are_one_group_and_lines_while_serving_are_logged_as_anot
     log = capsys.readouterr().out
     serving = log.index("::group::vLLM server log while serving (")
     assert serving < log.index("served /ping") < log.rindex("::endgroup::")
+
+
+@pytest.fixture
+def foreign_server() -> Iterator[int]:
+    """Someone else's server on a loopback port: ``/health`` for anyone, ``/v1/models`` refused without *its* key."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Models)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server.server_address[1]
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_foreign_server_that_took_the_port_is_not_taken_for_ours_and_ours_starts_on_another_port(
+    fake_server, foreign_server, monkeypatch, capsys
+):
+    import airflow_vllm_batch.hooks.vllm_server as vllm_server
+
+    ports = iter([foreign_server])
+    real_free_port = vllm_server.free_port
+    monkeypatch.setattr(vllm_server, "free_port", lambda host: next(ports, None) or real_free_port(host))
+    with VLLMServerProcess("m", server_command=fake_server) as server:
+        assert not server.hook.base_url.endswith(f":{foreign_server}")
+        assert server.hook.served_models() == ["m"]  # our key works: it is our server
+    assert f"Port {foreign_server} was taken before the vLLM server bound it" in capsys.readouterr().out
+
+
+def test_a_given_port_that_is_taken_fails_fast_naming_it(fake_server, foreign_server):
+    started = time.monotonic()
+    with pytest.raises(EngineError, match=rf"could not listen on 127.0.0.1:{foreign_server}: another process holds"):
+        VLLMServerProcess("m", server_command=fake_server, port=foreign_server).start()
+    assert time.monotonic() - started < 15
+
+
+def test_terminate_from_on_kill_returns_while_the_interrupted_main_thread_holds_popens_wait_lock(fake_server):
+    # Airflow runs on_kill in its SIGTERM handler, on the main thread, which may have been
+    # inside Popen.wait() holding its (non-re-entrant) lock: a blocking wait there deadlocks.
+    server = VLLMServerProcess("m", server_command=fake_server, grace_s=1)
+    server.start()
+    guard = server.process
+    with guard._waitpid_lock:
+        stopper = threading.Thread(target=server.terminate, daemon=True)
+        started = time.monotonic()
+        stopper.start()
+        stopper.join(timeout=20)
+        assert not stopper.is_alive(), "terminate() blocked on Popen's wait lock"
+    assert time.monotonic() - started < 10
+    guard.wait(timeout=5)
+    assert guard.returncode is not None

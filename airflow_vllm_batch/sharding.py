@@ -33,6 +33,7 @@ without newlines) stops the split, because the reader cuts such lines.
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -57,6 +58,9 @@ DEFAULT_MAX_REQUESTS = 20_000
 DEFAULT_MAX_BYTES = 256 << 20
 #: Lines longer than this are cut by the reader, so they cannot be copied exactly.
 MAX_LINE_BYTES = 64 << 20
+
+#: A shard's input file at the end of a key or URI (not its ``.results.jsonl``).
+_SHARD_FILE = re.compile(r"(?:^|/)shard-(\d{5,})\.jsonl$")
 
 #: Opens the file that shard ``index`` is written to (``open(path, "wb")`` or a BytesIO).
 OpenShard = Callable[[int], AbstractContextManager[IO[bytes]]]
@@ -133,12 +137,14 @@ def split_lines(
             writer.abandon()
 
 
-def merge_results(sources: Iterable[Any], out: IO[bytes], *, max_line_bytes: int = MAX_LINE_BYTES) -> int:
-    """Concatenate result files into ``out`` in the order given; return the lines written.
+def merge_results(sources: Iterable[Any], out: IO[bytes], *, max_line_bytes: int = MAX_LINE_BYTES) -> list[int]:
+    """Concatenate result files into ``out`` in the order given; return the lines written from each.
 
     Each line's bytes are copied exactly and newline-terminated (vLLM's uploaded
     output has no final newline, which would otherwise glue the last result of one
-    shard to the first of the next). Blank lines are dropped.
+    shard to the first of the next). Blank lines are dropped. The counts are per
+    source so that :func:`check_merged_counts` can name the shard whose file
+    disagrees with its manifest.
 
     :param sources: the shards' result files, in shard order: anything
         :func:`~airflow_vllm_batch.batchfile.open_lines` opens (a local path, a
@@ -147,8 +153,9 @@ def merge_results(sources: Iterable[Any], out: IO[bytes], *, max_line_bytes: int
     :param max_line_bytes: a longer line stops the merge with :class:`ShardingError`
         (the reader would cut it).
     """
-    written = 0
+    written = []
     for position, source in enumerate(sources):
+        count = 0
         with open_lines(source, max_line_bytes=max_line_bytes) as lines:
             for number, line in enumerate(lines, start=1):
                 if not line.strip():
@@ -160,8 +167,71 @@ def merge_results(sources: Iterable[Any], out: IO[bytes], *, max_line_bytes: int
                     )
                 out.write(line)
                 out.write(b"\n")
-                written += 1
+                count += 1
+        written.append(count)
     return written
+
+
+def check_merged_counts(
+    manifests: Sequence[Mapping[str, Any]], result_lines: Sequence[int], error_lines: Sequence[int]
+) -> None:
+    """Fail unless every shard's files hold the lines its manifest counts.
+
+    ``VLLMBatchOperator`` writes one line per completed request to its results and one
+    per failed request (invalid lines it skipped included) to its error file, and counts
+    both in ``request_counts``. A shard whose files say otherwise was overwritten after
+    its manifest (another run over the same output) or lost its error file; merging it
+    would publish a batch that is not the sum of its shards.
+
+    :param manifests: the shards' manifests, in shard order.
+    :param result_lines: the result lines merged from each shard, in shard order.
+    :param error_lines: the error lines merged from each shard (0 for a shard without an
+        error file), in shard order.
+    :raises ShardingError: naming each shard that disagrees, and the totals.
+    """
+    if not len(manifests) == len(result_lines) == len(error_lines):
+        raise ValueError("one count of result lines and of error lines per manifest")
+    expected = _sum_fields(manifests, "request_counts", ("completed", "failed"))
+    disagreeing = []
+    for index, (manifest, results, errors) in enumerate(zip(manifests, result_lines, error_lines)):
+        counts = manifest.get("request_counts") or {}
+        completed, failed = int(counts.get("completed") or 0), int(counts.get("failed") or 0)
+        if (results, errors) != (completed, failed):
+            disagreeing.append(
+                f"shard {index} ({manifest.get('output_uri')}): {results} result line(s) for {completed} "
+                f"completed, {errors} error line(s) for {failed} failed"
+            )
+    if disagreeing:
+        raise ShardingError(
+            f"The shards' files hold {sum(result_lines)} result and {sum(error_lines)} error line(s), their "
+            f"manifests count {expected['completed']} completed and {expected['failed']} failed requests: "
+            + "; ".join(disagreeing)
+            + ". Nothing was published. Those shards' files changed after their manifests were written "
+            "(another run over the same output_uri?); clear those shards' inference tasks to publish them again."
+        )
+
+
+def missing_shards(input_uris: Sequence[str | None], split_inputs: Iterable[str]) -> list[int]:
+    """The numbers of the split's shards that no manifest answers.
+
+    A mapped shard that did not publish (failed, skipped, or upstream failed, with a
+    ``trigger_rule`` that runs the merge anyway) pushes no XCom, so its manifest is not
+    in the mapped task's ``.output`` at all: the others close ranks. The split's shard
+    files are what say how many there should be (the split removes those of an earlier
+    split into more shards). Shard ``i`` is map index ``i`` of the mapped task.
+
+    :param input_uris: the manifests' ``input_uri``, in the order given.
+    :param split_inputs: the names (or keys, or URIs) of the shard files the split left,
+        ``shard-00000.jsonl`` ...; other names are ignored.
+    :return: the missing shard numbers, ascending; empty when every shard is answered, or
+        when a manifest's input is not a shard file (shards mapped by other means).
+    """
+    if not input_uris or any(shard_index(uri) is None for uri in input_uris):
+        return []
+    present = {index for uri in input_uris if (index := shard_index(uri)) is not None}
+    made = {index for name in split_inputs if (index := shard_index(name)) is not None}
+    # A gap below the highest answered shard is missing too, even when its file is gone.
+    return sorted((made | set(range(max(present) + 1))) - present)
 
 
 def sum_manifests(manifests: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -207,6 +277,12 @@ def _sum_reasons(manifests: Sequence[Mapping[str, Any]]) -> dict[str, int] | Non
 def shard_name(index: int) -> str:
     """The file name of shard ``index``: ``shard-00000.jsonl``; sorts in shard order up to 100,000 shards."""
     return f"shard-{index:05d}.jsonl"
+
+
+def shard_index(uri: str | None) -> int | None:
+    """The number of the shard file ``uri`` names (``s3://b/p/shard-00003.jsonl`` -> 3), or None for any other name."""
+    match = _SHARD_FILE.search(uri or "")
+    return int(match.group(1)) if match else None
 
 
 # -- helpers -------------------------------------------------------------------------

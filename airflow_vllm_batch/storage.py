@@ -30,9 +30,10 @@ this module; the object names are made here only.
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,7 @@ from airflow.providers.amazon.aws.exceptions import S3HookUriParseFailure
 from airflow.providers.amazon.aws.hooks.s3 import S3Hook
 from botocore.exceptions import ClientError
 
-from airflow_vllm_batch.batchfile import open_lines
+from airflow_vllm_batch.batchfile import answers, open_lines
 from airflow_vllm_batch.exceptions import (
     InputChangedError,
     InputNotFoundError,
@@ -125,6 +126,33 @@ def s3_lines(hook: S3Hook, bucket: str, key: str, **pin: str | None) -> Iterator
     """Stream an object's lines (bytes, no newline) without holding it in memory."""
     with s3_body(hook, bucket, key, **pin) as body, open_lines(body) as lines:
         yield lines
+
+
+@contextlib.contextmanager
+def open_uri_lines(hook: S3Hook, uri: str) -> Iterator[Iterator[bytes]]:
+    """Stream the lines of ``s3://bucket/key`` through ``hook``, or of anything else :func:`~airflow_vllm_batch.batchfile.open_lines` reads."""
+    if not uri.startswith("s3://"):
+        with open_lines(uri) as lines:
+            yield lines
+        return
+    bucket, key = split_s3_uri(uri, "source")
+    with s3_lines(hook, bucket, key) as lines:
+        yield lines
+
+
+def read_answers(
+    source: Mapping[str, Any] | str, *, aws_conn_id: str | None = "aws_default", errors: bool = True
+) -> Iterator[answers.Answer]:
+    """Stream the answers of a batch from S3 (or a local path): :func:`airflow_vllm_batch.batchfile.read_answers` with S3 opened here.
+
+    :param source: the operator's manifest (its XCom), or one results or error file:
+        ``s3://bucket/key`` or a local path.
+    :param aws_conn_id: the Airflow AWS connection for ``s3://`` files. Default ``aws_default``.
+    :param errors: with a manifest, also yield its error file's ``Failed`` records. Default True.
+    :raises ResultsCheckError: with a manifest, the files do not answer its requests exactly once.
+    """
+    hook = S3Hook(aws_conn_id=aws_conn_id)
+    yield from answers.read_answers(source, open_uri=functools.partial(open_uri_lines, hook), errors=errors)
 
 
 #: ``part-000123-<try token>.jsonl``: the journal's part number (:func:`airflow_vllm_batch.serving.part_name`)

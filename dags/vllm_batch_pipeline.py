@@ -19,8 +19,9 @@ from datetime import timedelta
 from airflow.sdk import Param, dag, task
 
 from airflow_vllm_batch import examples
-from airflow_vllm_batch.batchfile import Failed, read_answers
+from airflow_vllm_batch.batchfile import Failed
 from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
+from airflow_vllm_batch.storage import read_answers
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@
 The commonest small job, the way vLLM's quickstart writes it (``llm.generate(prompts,
 sampling_params)``): an upstream task returns a Python list of prompts, the operator
 writes them as a batch file beside its output and runs it, and the downstream task reads
-``(custom_id, text)`` pairs with :func:`~airflow_vllm_batch.batchfile.read_answers`.
+``(custom_id, text)`` pairs with :func:`~airflow_vllm_batch.storage.read_answers`.
 Each prompt's custom_id is ``request-<its index>``. XCom is for small batches (at most
 10,000 requests, 8 MiB); bigger ones are written to S3 upstream and passed as
 ``input_uri`` (see ``vllm_batch_pipeline``).
@@ -19,8 +19,9 @@ from datetime import timedelta
 from airflow.sdk import Param, dag, task
 
 from airflow_vllm_batch import examples
-from airflow_vllm_batch.batchfile import Failed, read_answers
+from airflow_vllm_batch.batchfile import Failed
 from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
+from airflow_vllm_batch.storage import read_answers
 
 log = logging.getLogger(__name__)
 

@@ -49,7 +49,10 @@ Answers for the next task
 :func:`read_answers` streams both files of a run (given its manifest, the operator's
 XCom) and yields ``(custom_id, text)`` (:class:`Text`), ``(custom_id, vector)``
 (:class:`Vector`), ``(custom_id, scores)`` (:class:`Scores`) or ``(custom_id, error)``
-(:class:`Failed`) per request; see :mod:`~airflow_vllm_batch.batchfile.answers`.
+(:class:`Failed`) per request; see :mod:`~airflow_vllm_batch.batchfile.answers`. It reads
+local paths and http(s) URLs; :func:`airflow_vllm_batch.storage.read_answers` reads
+``s3://`` too (through an Airflow connection) and passes the lines down, because this
+package imports neither Airflow nor an S3 client, not even lazily.
 """
 
 from __future__ import annotations

@@ -2,10 +2,12 @@
 
 The results file holds vLLM's whole response per request; a downstream task usually
 wants one value per ``custom_id``. :func:`read_answers` streams the published results
-(and the error file) of a :class:`VLLMBatchOperator` run from S3 or a local path and
-yields one typed record per request, each unpacking as a pair::
+(and the error file) of a :class:`VLLMBatchOperator` run and yields one typed record per
+request, each unpacking as a pair. In a task, read them from S3 with the storage layer's
+wrapper, which opens ``s3://`` through Airflow's ``S3Hook`` and calls this reader::
 
-    from airflow_vllm_batch.batchfile import Failed, read_answers
+    from airflow_vllm_batch.batchfile import Failed
+    from airflow_vllm_batch.storage import read_answers
 
     @task
     def use(manifest: dict) -> dict:
@@ -31,20 +33,24 @@ error file the manifest names, and at the end checks that they answered every re
 the manifest exactly once (no custom_id twice, the counts equal), raising
 :class:`~airflow_vllm_batch.exceptions.ResultsCheckError` if the files changed since (a
 later run over the same output). Memory stays flat but for one 8-byte hash per request.
-Plain Python (msgspec); S3 is read through Airflow's ``S3Hook`` only when a URI needs it.
+Plain Python (msgspec): this module reads local paths and http(s) URLs itself and any
+other URI through the ``open_uri`` it is given, so it never imports an S3 client or Airflow.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator, Mapping
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, ContextManager, NamedTuple
 
 import msgspec
 
 from airflow_vllm_batch.batchfile.models import error_message
 from airflow_vllm_batch.batchfile.sources import open_lines
-from airflow_vllm_batch.exceptions import ResultsCheckError
+from airflow_vllm_batch.exceptions import ConfigurationError, ResultsCheckError
+
+#: Opens a results or error file by URI and yields its lines (bytes, no newline).
+OpenURI = Callable[[str], ContextManager[Iterable[bytes]]]
 
 
 class Text(NamedTuple):
@@ -162,25 +168,29 @@ def _answer(line: _Line, number: int, source: str) -> Answer:
     )
 
 
-def read_answers(source: Mapping[str, Any] | str, *, aws_conn_id: str | None = "aws_default", errors: bool = True) -> Iterator[Answer]:
+def read_answers(source: Mapping[str, Any] | str, *, open_uri: OpenURI | None = None, errors: bool = True) -> Iterator[Answer]:
     """
     Stream the answers of a batch: its results, then (``errors``) its failed requests.
 
     :param source: the operator's manifest (its XCom: ``output_uri``, ``error_uri``,
-        ``request_counts``), or one results or error file: ``s3://bucket/key`` or a local path.
-    :param aws_conn_id: the Airflow AWS connection for ``s3://`` files. Default ``aws_default``.
+        ``request_counts``), or one results or error file's URI or local path.
+    :param open_uri: opens a URI and yields its lines; default: local paths and http(s)
+        URLs only. :func:`airflow_vllm_batch.storage.read_answers` passes one that reads
+        ``s3://`` through an Airflow connection.
     :param errors: with a manifest, also yield its error file's :class:`Failed` records. Default True.
     :raises ResultsCheckError: with a manifest, the files do not answer its requests exactly once.
+    :raises ConfigurationError: an ``s3://`` URI without an ``open_uri`` that reads it.
     """
+    opener = open_uri or _open_local
     if isinstance(source, str):
-        with _open(source, aws_conn_id) as lines:
+        with opener(source) as lines:
             yield from iter_answers(lines, source=source)
         return
     uris = [source["output_uri"]] + ([source["error_uri"]] if errors and source.get("error_uri") else [])
     seen: set[int] = set()
     found = {"completed": 0, "failed": 0}
     for uri in uris:
-        with _open(uri, aws_conn_id) as lines:
+        with opener(uri) as lines:
             for answer in iter_answers(lines, source=uri):
                 found["failed" if isinstance(answer, Failed) else "completed"] += 1
                 if answer.custom_id is not None:
@@ -199,16 +209,12 @@ def read_answers(source: Mapping[str, Any] | str, *, aws_conn_id: str | None = "
 
 
 @contextlib.contextmanager
-def _open(uri: str, aws_conn_id: str | None) -> Iterator[Iterable[bytes]]:
-    if not uri.startswith("s3://"):
-        with open_lines(uri) as lines:
-            yield lines
-        return
-    # Airflow is needed for S3 only: the package stays importable without it.
-    from airflow.providers.amazon.aws.hooks.s3 import S3Hook
-
-    from airflow_vllm_batch.storage import s3_lines, split_s3_uri
-
-    bucket, key = split_s3_uri(uri, "source")
-    with s3_lines(S3Hook(aws_conn_id=aws_conn_id), bucket, key) as lines:
+def _open_local(uri: str) -> Iterator[Iterable[bytes]]:
+    if uri.startswith("s3://"):
+        # The batch-file core holds no S3 client: the storage layer opens S3 and passes the lines down.
+        raise ConfigurationError(
+            f"{uri}: this reader opens local paths and http(s) URLs only. Read S3 with "
+            "airflow_vllm_batch.storage.read_answers(manifest, aws_conn_id=...), or pass open_uri."
+        )
+    with open_lines(uri) as lines:
         yield lines

@@ -27,8 +27,11 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.providers.amazon.aws.hooks.s3 import S3Hook
 from airflow.sdk import BaseOperator
+from airflow.sdk.exceptions import AirflowFailException
 
 from airflow_vllm_batch.batchfile import open_lines, redact_url
+from airflow_vllm_batch.exceptions import VLLMBatchError
+from airflow_vllm_batch.lease import LeaseHolder
 from airflow_vllm_batch.manifest import Manifest, RequestCounts, Usage
 from airflow_vllm_batch.sharding import (
     DEFAULT_MAX_BYTES,
@@ -36,7 +39,10 @@ from airflow_vllm_batch.sharding import (
     MAX_LINE_BYTES,
     Shard,
     ShardingError,
+    check_merged_counts,
     merge_results,
+    missing_shards,
+    shard_index,
     shard_name,
     split_lines,
     sum_manifests,
@@ -109,12 +115,13 @@ class VLLMBatchSplitOperator(BaseOperator):
         return S3Hook(aws_conn_id=self.aws_conn_id)
 
     def execute(self, context: Context) -> list[dict[str, str]]:
-        bucket, prefix = _parse_prefix(self.shard_prefix)
-        with tempfile.TemporaryDirectory(prefix="vllm-batch-split-") as tmp:
-            shards = self.split_and_upload(Path(tmp) / "shard.jsonl", bucket, prefix)
-        if not shards:
-            raise ShardingError(f"{self.input_uri} has no request line: nothing to split.")
-        self.remove_stale_shards(bucket, prefix, len(shards))
+        with _fail_without_retry_on_mistakes():
+            bucket, prefix = _parse_prefix(self.shard_prefix)
+            with tempfile.TemporaryDirectory(prefix="vllm-batch-split-") as tmp:
+                shards = self.split_and_upload(Path(tmp) / "shard.jsonl", bucket, prefix)
+            if not shards:
+                raise ShardingError(f"{self.input_uri} has no request line: nothing to split.")
+            self.remove_stale_shards(bucket, prefix, len(shards))
         requests = sum(s.requests for s in shards)
         self.log.info("Split %s into %d shard(s), %d requests, under s3://%s/%s", self.input_uri, len(shards), requests, bucket, prefix)
         return [self.shard_kwargs(bucket, prefix, shard) for shard in shards]
@@ -195,6 +202,13 @@ class VLLMBatchMergeOperator(BaseOperator):
     the wall time, which depends on how many workers ran the shards at once.
     ``fingerprint`` is a hash of the shards' fingerprints, in shard order.
 
+    Nothing is published unless the merge is the whole batch: a shard without a manifest
+    (its mapped task failed or was skipped and the merge ran anyway, through a
+    ``trigger_rule``) and a shard whose files hold other line counts than its manifest's
+    ``request_counts`` fail the task, naming the shards, without retries (every try would
+    fail the same way). The output's lease is held while publishing, as
+    ``VLLMBatchOperator`` holds it, and checked again before the manifest is written.
+
     :param shard_manifests: the shards' manifests in shard order, normally the mapped
         ``VLLMBatchOperator``'s ``.output``. (templated)
     :param output_uri: ``s3://bucket/key`` of the merged results. (templated)
@@ -236,35 +250,105 @@ class VLLMBatchMergeOperator(BaseOperator):
         return OutputStore(self.s3_hook, self.output_uri, self.error_uri)
 
     def execute(self, context: Context) -> dict[str, Any]:
-        started = time.monotonic()
-        manifests = self.collect_manifests()
-        summary = sum_manifests(manifests)
-        with tempfile.TemporaryDirectory(prefix="vllm-batch-merge-") as tmp:
-            results = self.concatenate([m["output_uri"] for m in manifests], Path(tmp) / "results.jsonl")
-            error_uris = [m["error_uri"] for m in manifests if m.get("error_uri")]
-            errors = self.concatenate(error_uris, Path(tmp) / "errors.jsonl") if error_uris else None
-            manifest = self.build_manifest(manifests, summary, bool(errors), time.monotonic() - started)
-            self.store.publish(manifest, results_path=results, errors_path=errors)
-        self.log.info("Merged %d shard(s) into %s (%d error file(s))", len(manifests), self.output_uri, len(error_uris))
+        with _fail_without_retry_on_mistakes():
+            started = time.monotonic()
+            manifests = self.collect_manifests()
+            self.check_no_shard_missing(manifests)
+            summary = sum_manifests(manifests)
+            with tempfile.TemporaryDirectory(prefix="vllm-batch-merge-") as tmp:
+                results, errors = self.merge_files(manifests, Path(tmp))
+                manifest = self.build_manifest(manifests, summary, errors is not None, time.monotonic() - started)
+                self.publish(manifest, results, errors, context)
+        self.log.info("Merged %d shard(s) into %s", len(manifests), self.output_uri)
         context["ti"].xcom_push(key="output_uri", value=self.output_uri)
         return manifest.to_dict()
 
     def collect_manifests(self) -> list[dict[str, Any]]:
-        """The shards' manifests as a list, in shard (map index) order."""
-        manifests = [m for m in (self.shard_manifests or []) if m is not None]
-        if not manifests:
+        """The shards' manifests as a list, in shard (map index) order; every one must be a published manifest."""
+        given = list(self.shard_manifests or [])
+        if not given:
             raise ShardingError("No shard manifests to merge: did the mapped inference task run?")
-        incomplete = [i for i, m in enumerate(manifests) if not isinstance(m, dict) or not m.get("output_uri")]
+        absent = [i for i, m in enumerate(given) if m is None]
+        if absent:
+            raise ShardingError(
+                f"The shard(s) at map index {absent} have no manifest: their inference task did not publish "
+                "(failed, skipped or upstream failed). Nothing was merged; clear those tasks, then the merge."
+            )
+        incomplete = [i for i, m in enumerate(given) if not isinstance(m, dict) or not m.get("output_uri")]
         if incomplete:
-            raise ShardingError(f"Shard manifest(s) {incomplete} have no output_uri: the inference task of those shards did not publish.")
-        return manifests
+            raise ShardingError(
+                f"The shard manifest(s) at map index {incomplete} have no output_uri: the inference task of "
+                "those shards did not publish. Nothing was merged."
+            )
+        uncounted = [i for i, m in enumerate(given) if not isinstance(m.get("request_counts"), dict)]
+        if uncounted:
+            raise ShardingError(
+                f"The shard manifest(s) at map index {uncounted} have no request_counts: they are not "
+                "VLLMBatchOperator manifests, and the merged files could not be checked against them."
+            )
+        return given
 
-    def concatenate(self, uris: Sequence[str], scratch: Path) -> Path:
-        """Merge the objects ``uris`` (in order) into the local file ``scratch``."""
+    def check_no_shard_missing(self, manifests: Sequence[dict[str, Any]]) -> None:
+        """Fail when a shard the split made has no manifest (its mapped task pushed none, so it is not even None)."""
+        inputs = [str(m.get("input_uri")) for m in manifests]
+        folders = {uri.rsplit("/", 1)[0] + "/" for uri in inputs}
+        if len(folders) != 1 or any(shard_index(uri) is None or not uri.startswith("s3://") for uri in inputs):
+            return  # not one split's shards: only the manifests given can be checked
+        prefix = folders.pop()
+        bucket, key_prefix = _parse_prefix(prefix)
+        split_files = self.s3_hook.list_keys(bucket_name=bucket, prefix=key_prefix, delimiter="/") or []
+        missing = missing_shards(inputs, split_files)
+        if missing:
+            raise ShardingError(
+                f"The shard(s) at map index {missing} (of the split under {prefix}) have no manifest: their "
+                "inference task did not publish (failed, skipped or upstream failed). Nothing was merged; clear "
+                "those tasks, then the merge."
+            )
+
+    def merge_files(self, manifests: Sequence[dict[str, Any]], tmp: Path) -> tuple[Path, Path | None]:
+        """Concatenate the shards' results and error files into ``tmp``; check their lines against the manifests.
+
+        :return: the merged results, and the merged error lines (None when no shard has an error file).
+        :raises ShardingError: a shard's files hold other counts than its manifest: nothing is published.
+        """
+        results, result_lines = self.concatenate([m["output_uri"] for m in manifests], tmp / "results.jsonl")
+        with_errors = [i for i, m in enumerate(manifests) if m.get("error_uri")]
+        errors, merged = self.concatenate([manifests[i]["error_uri"] for i in with_errors], tmp / "errors.jsonl")
+        error_lines = [0] * len(manifests)
+        for shard, lines in zip(with_errors, merged):
+            error_lines[shard] = lines
+        check_merged_counts(manifests, result_lines, error_lines)
+        return results, errors if with_errors else None
+
+    def publish(self, manifest: Manifest, results: Path, errors: Path | None, context: Context) -> None:
+        """Publish the merged files and the manifest while holding the output's lease (one writer per output)."""
+        with self.store.lease(self.lease_holder(context, manifest.fingerprint)) as lease:
+            self.store.publish(
+                manifest,
+                results_path=results,
+                errors_path=errors,
+                # A merge whose lease another run took over meanwhile must not declare the output complete.
+                before_manifest=lambda: lease.ensure_held(verify=True),
+            )
+
+    def concatenate(self, uris: Sequence[str], scratch: Path) -> tuple[Path, list[int]]:
+        """Merge the objects ``uris`` (in order) into the local file ``scratch``; return it and each object's line count."""
         with open(scratch, "wb") as out:
             lines = merge_results(self._bodies(uris), out)
-        self.log.info("Merged %d file(s) into %d lines", len(uris), lines)
-        return scratch
+        self.log.info("Merged %d file(s) into %d lines", len(uris), sum(lines))
+        return scratch, lines
+
+    def lease_holder(self, context: Context, fingerprint: str) -> LeaseHolder:
+        """Who this try is, for the output's lease."""
+        ti = context["ti"]
+        return LeaseHolder(
+            dag_id=ti.dag_id,
+            run_id=ti.run_id,
+            task_id=ti.task_id,
+            map_index=getattr(ti, "map_index", -1),
+            try_number=getattr(ti, "try_number", 0),
+            fingerprint=fingerprint,
+        )
 
     def build_manifest(
         self, manifests: Sequence[dict[str, Any]], summary: dict[str, Any], has_errors: bool, merge_s: float
@@ -316,6 +400,18 @@ class VLLMBatchMergeOperator(BaseOperator):
         head = self.s3_hook.head_object(key, bucket_name=bucket)
         # Unquoted, as VLLMBatchOperator records it.
         return head["ETag"].strip('"') if head else None
+
+
+@contextlib.contextmanager
+def _fail_without_retry_on_mistakes() -> Iterator[None]:
+    """Turn a non-retryable :class:`VLLMBatchError` into ``AirflowFailException``, as ``VLLMBatchOperator`` does."""
+    try:
+        yield
+    except VLLMBatchError as err:
+        if not err.retryable:
+            # Bad input, a missing shard, counts that disagree: every try fails the same way.
+            raise AirflowFailException(str(err)) from err
+        raise
 
 
 def _parse_prefix(uri: str) -> tuple[str, str]:

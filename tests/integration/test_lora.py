@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from airflow_vllm_batch.batchfile import Text, read_answers
+from airflow_vllm_batch.batchfile import Text
 from airflow_vllm_batch.embedded.demo import BUCKET
 from airflow_vllm_batch.embedded.tiny_lora import build_tiny_lora_adapter
+from airflow_vllm_batch.storage import read_answers
 from tests.integration.test_operator import _keys, _run_operator
 
 pytestmark = pytest.mark.integration

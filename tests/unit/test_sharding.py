@@ -14,7 +14,10 @@ from airflow_vllm_batch.exceptions import VLLMBatchError
 from airflow_vllm_batch.sharding import (
     DEFAULT_MAX_REQUESTS,
     ShardingError,
+    check_merged_counts,
     merge_results,
+    missing_shards,
+    shard_index,
     shard_name,
     split_lines,
     sum_manifests,
@@ -173,7 +176,7 @@ def test_merge_keeps_shard_order_and_terminates_vllm_outputs_without_final_newli
     out = io.BytesIO()
     written = merge_results([io.BytesIO(shard0), io.BytesIO(shard1)], out)
     assert out.getvalue() == result("a") + b"\n" + result("b") + b"\n" + result("c") + b"\n"
-    assert written == 3
+    assert written == [2, 1]
 
 
 def test_merge_copies_each_line_byte_for_byte():
@@ -190,6 +193,11 @@ def test_merge_reads_local_paths_and_skips_empty_shards(tmp_path):
     out = io.BytesIO()
     merge_results([tmp_path / "0.jsonl", tmp_path / "1.jsonl", tmp_path / "2.jsonl"], out)
     assert out.getvalue() == result("a") + b"\n" + result("b") + b"\n"
+
+
+def test_merge_counts_the_lines_of_each_source_without_blank_ones(tmp_path):
+    sources = [io.BytesIO(result("a") + b"\n\n" + result("b")), io.BytesIO(b""), io.BytesIO(b"\n" + result("c") + b"\n")]
+    assert merge_results(sources, io.BytesIO()) == [2, 0, 1]
 
 
 def test_split_then_merge_round_trips_the_request_lines():
@@ -236,3 +244,62 @@ def test_sum_manifests_reports_no_version_when_shards_ran_on_different_vllms():
 def test_sum_manifests_of_nothing_is_an_error():
     with pytest.raises(ShardingError, match="No shard manifests"):
         sum_manifests([])
+
+
+def counted(completed: int, failed: int, i: int = 0) -> dict:
+    return {"output_uri": f"s3://b/shard-{i}.results.jsonl", "request_counts": {"total": completed + failed, "completed": completed, "failed": failed}}
+
+
+def test_merged_counts_that_match_every_manifest_pass():
+    check_merged_counts([counted(3, 0, 0), counted(2, 2, 1)], [3, 2], [0, 2])
+
+
+@pytest.mark.parametrize(
+    ("results", "errors"),
+    [([3, 3], [0, 2]), ([3, 1], [0, 2]), ([3, 2], [0, 1]), ([3, 2], [0, 0]), ([3, 2], [1, 1])],
+    ids=["extra-result", "lost-result", "lost-error", "no-error-file", "error-in-the-wrong-shard"],
+)
+def test_merged_counts_that_disagree_with_a_manifest_fail_naming_the_shard(results, errors):
+    with pytest.raises(ShardingError, match=r"manifests count 5 completed and 2 failed requests: shard \d \(s3://b/shard-"):
+        check_merged_counts([counted(3, 0, 0), counted(2, 2, 1)], results, errors)
+
+
+def test_merged_counts_that_add_up_but_disagree_per_shard_still_fail():
+    # One result moved from shard 0 to shard 1: the totals hide it, the shards do not.
+    with pytest.raises(ShardingError, match=r"shard 0 .*; shard 1 "):
+        check_merged_counts([counted(3, 0, 0), counted(2, 0, 1)], [2, 3], [0, 0])
+
+
+@pytest.mark.parametrize(
+    ("uri", "index"),
+    [
+        ("s3://b/p/shard-00003.jsonl", 3),
+        ("shard-123456.jsonl", 123456),
+        ("s3://b/p/shard-00003.results.jsonl", None),
+        ("s3://b/p/myshard-00003.jsonl", None),
+        ("s3://b/p/shard-3.jsonl", None),
+        (None, None),
+    ],
+)
+def test_shard_index_reads_only_the_splits_file_names(uri, index):
+    assert shard_index(uri) == index
+
+
+SPLIT = ["p/shard-00000.jsonl", "p/shard-00000.results.jsonl", "p/shard-00001.jsonl", "p/shard-00002.jsonl"]
+
+
+@pytest.mark.parametrize(
+    ("answered", "missing"),
+    [([0, 1, 2], []), ([0, 2], [1]), ([0, 1], [2]), ([1, 2], [0]), ([2], [0, 1])],
+    ids=str,
+)
+def test_missing_shards_are_the_splits_shards_no_manifest_answers(answered, missing):
+    assert missing_shards([f"s3://b/p/{shard_name(i)}" for i in answered], SPLIT) == missing
+
+
+def test_a_gap_below_an_answered_shard_is_missing_even_when_its_file_is_gone():
+    assert missing_shards(["s3://b/p/shard-00000.jsonl", "s3://b/p/shard-00003.jsonl"], []) == [1, 2]
+
+
+def test_manifests_of_files_not_made_by_the_split_have_no_missing_shards():
+    assert missing_shards(["s3://b/mine/a.jsonl", "s3://b/p/shard-00000.jsonl"], SPLIT) == []

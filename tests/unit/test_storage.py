@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from airflow.providers.amazon.aws.hooks.s3 import S3Hook
 
+from airflow_vllm_batch.batchfile import Failed, Text
 from airflow_vllm_batch.exceptions import (
     InputChangedError,
     InputNotFoundError,
     LocationError,
+    ResultsCheckError,
 )
 from airflow_vllm_batch.identity import RunIdentity
 from airflow_vllm_batch.manifest import Manifest, RequestCounts, Usage
-from airflow_vllm_batch.storage import OutputStore, head_input, s3_lines, split_s3_uri
+from airflow_vllm_batch.storage import OutputStore, head_input, read_answers, s3_lines, split_s3_uri
 
 
 @pytest.fixture
@@ -83,3 +87,28 @@ def test_the_writable_check_probes_a_bucket_once_when_the_error_file_sits_beside
     monkeypatch.setattr(client, "put_object", lambda **kw: puts.append(kw["Bucket"]) or real_put(**kw))
     store.check_writable()
     assert puts == [bucket]
+
+
+def _chat(custom_id: str, text: str) -> bytes:
+    body = {"choices": [{"index": 0, "message": {"role": "assistant", "content": text}}]}
+    return json.dumps({"id": "v", "custom_id": custom_id, "response": {"status_code": 200, "body": body}, "error": None}).encode()
+
+
+def _published(s3, bucket: str, completed: int) -> dict:
+    failed = json.dumps({"id": "v", "custom_id": "b", "response": None, "error": {"message": "too long"}}).encode()
+    s3.client().put_object(Bucket=bucket, Key="out/r.jsonl", Body=_chat("a", "yes"))  # no final newline, as vLLM writes it
+    s3.client().put_object(Bucket=bucket, Key="out/r.errors.jsonl", Body=failed + b"\n")
+    return {
+        "output_uri": f"s3://{bucket}/out/r.jsonl",
+        "error_uri": f"s3://{bucket}/out/r.errors.jsonl",
+        "request_counts": {"total": completed + 1, "completed": completed, "failed": 1},
+    }
+
+
+def test_read_answers_streams_a_published_manifest_from_s3(s3, bucket):
+    assert list(read_answers(_published(s3, bucket, completed=1))) == [Text("a", "yes"), Failed("b", "too long")]
+
+
+def test_read_answers_from_s3_still_checks_the_counts_of_the_manifest(s3, bucket):
+    with pytest.raises(ResultsCheckError, match="does not match its manifest"):
+        list(read_answers(_published(s3, bucket, completed=2)))

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -12,7 +13,7 @@ from airflow_vllm_batch.batchfile import (
     iter_answers,
     read_answers,
 )
-from airflow_vllm_batch.exceptions import ResultsCheckError
+from airflow_vllm_batch.exceptions import ConfigurationError, ResultsCheckError
 
 
 def ok(custom_id: str, body: dict) -> bytes:
@@ -80,3 +81,22 @@ def test_one_file_is_read_as_it_is(tmp_path):
     path = tmp_path / "r.jsonl"
     path.write_bytes(CHAT + b"\n")
     assert list(read_answers(str(path))) == [Text("c", "hello")]
+
+
+def test_an_s3_uri_without_an_opener_is_refused_naming_the_storage_reader():
+    with pytest.raises(ConfigurationError, match=r"s3://b/r.jsonl: .*airflow_vllm_batch\.storage\.read_answers"):
+        list(read_answers({"output_uri": "s3://b/r.jsonl", "request_counts": {}}))
+
+
+def test_every_file_a_manifest_names_is_opened_with_open_uri():
+    files = {"mem://results": [CHAT], "mem://errors": [ENGINE_ERROR]}
+    opened = []
+
+    @contextlib.contextmanager
+    def open_uri(uri):
+        opened.append(uri)
+        yield iter(files[uri])
+
+    source = {"output_uri": "mem://results", "error_uri": "mem://errors", "request_counts": {"completed": 1, "failed": 1}}
+    assert list(read_answers(source, open_uri=open_uri)) == [Text("c", "hello"), Failed("x", "too long")]
+    assert opened == ["mem://results", "mem://errors"]

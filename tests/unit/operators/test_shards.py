@@ -1,0 +1,228 @@
+"""The split and merge operators on a real S3 (SeaweedFS): what the merge refuses to publish, and which failures are retried.
+
+The shards' files and manifests are written here as ``VLLMBatchOperator`` leaves them
+(results without a final newline, one error line per failed request, skipped invalid
+lines included); the integration tests run the same operators after a real engine.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from airflow.sdk.exceptions import AirflowFailException
+from botocore.exceptions import ClientError
+
+from airflow_vllm_batch.exceptions import OutputBusyError
+from airflow_vllm_batch.lease import LeaseHolder
+from airflow_vllm_batch.operators.shards import VLLMBatchMergeOperator, VLLMBatchSplitOperator
+from airflow_vllm_batch.storage import OutputStore
+
+
+class FakeTI:
+    """What the operators use of a task instance."""
+
+    def __init__(self, try_number: int = 1) -> None:
+        self.dag_id, self.task_id, self.run_id = "d", "merge", "run-1"
+        self.try_number, self.map_index = try_number, -1
+        self.xcoms: dict = {}
+
+    def xcom_push(self, key: str, value) -> None:
+        self.xcoms[key] = value
+
+
+def result_line(custom_id: str) -> bytes:
+    return json.dumps({"id": "x", "custom_id": custom_id, "response": {"status_code": 200, "body": {}}, "error": None}).encode()
+
+
+def error_line(custom_id: str | None) -> bytes:
+    return json.dumps({"id": "x", "custom_id": custom_id, "response": None, "error": {"message": "failed"}}).encode()
+
+
+class Shards:
+    """Three shards of one split in a fresh bucket, each with its files and manifest as the inference task left them."""
+
+    COMPLETED = (3, 2, 3)
+    FAILED = (0, 2, 0)  # shard 1: one engine error and one invalid line skipped by preflight
+
+    def __init__(self, s3, bucket: str) -> None:
+        self.client = s3.client()
+        self.bucket = bucket
+        self.output_uri = f"s3://{bucket}/out/results.jsonl"
+        self.manifests = [self.write_shard(i) for i in range(3)]
+
+    def key(self, index: int, suffix: str = ".jsonl") -> str:
+        return f"p/shards/shard-{index:05d}{suffix}"
+
+    def write_shard(self, index: int) -> dict:
+        completed, failed = self.COMPLETED[index], self.FAILED[index]
+        self.put(self.key(index), b"request\n" * (completed + failed))
+        # vLLM uploads its output without a final newline.
+        self.put(self.key(index, ".results.jsonl"), b"\n".join(result_line(f"r{index}-{n}") for n in range(completed)))
+        error_uri = None
+        if failed:
+            lines = [error_line(f"r{index}-e{n}") for n in range(failed - 1)] + [error_line(None)]
+            self.put(self.key(index, ".results.errors.jsonl"), b"\n".join(lines) + b"\n")
+            error_uri = f"s3://{self.bucket}/{self.key(index, '.results.errors.jsonl')}"
+        return {
+            "output_uri": f"s3://{self.bucket}/{self.key(index, '.results.jsonl')}",
+            "error_uri": error_uri,
+            "input_uri": f"s3://{self.bucket}/{self.key(index)}",
+            "model": "m",
+            "request_counts": {"total": completed + failed, "completed": completed, "failed": failed},
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+            "duration_s": 1.0,
+            "engine_duration_s": 0.5,
+            "vllm_version": "0.32.0",
+            "fingerprint": f"{index:064d}",
+            "manifest_uri": f"s3://{self.bucket}/{self.key(index, '.results.manifest.json')}",
+        }
+
+    def put(self, key: str, data: bytes) -> None:
+        self.client.put_object(Bucket=self.bucket, Key=key, Body=data)
+
+    def get(self, key: str) -> bytes:
+        return self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
+
+    def published(self) -> list[str]:
+        return sorted(o["Key"] for o in self.client.list_objects_v2(Bucket=self.bucket, Prefix="out/").get("Contents", []))
+
+    def merge(self, manifests=None, ti: FakeTI | None = None) -> dict:
+        operator = VLLMBatchMergeOperator(
+            task_id="merge", shard_manifests=self.manifests if manifests is None else manifests, output_uri=self.output_uri
+        )
+        return operator.execute({"ti": ti or FakeTI()})
+
+
+@pytest.fixture
+def shards(s3, bucket) -> Shards:
+    return Shards(s3, bucket)
+
+
+def test_a_merge_of_complete_shards_publishes_every_line_and_leaves_no_lease(shards):
+    manifest = shards.merge()
+    assert manifest["request_counts"] == {"total": 10, "completed": 8, "failed": 2}
+    assert len(shards.get("out/results.jsonl").splitlines()) == 8
+    assert len(shards.get("out/results.errors.jsonl").splitlines()) == 2
+    assert shards.published() == ["out/results.errors.jsonl", "out/results.jsonl", "out/results.manifest.json"]
+
+
+@pytest.mark.parametrize("absent", [[0], [1], [2], [0, 2]], ids=str)
+def test_a_none_shard_manifest_fails_the_merge_without_retry_naming_its_map_index(shards, absent):
+    manifests = [None if i in absent else m for i, m in enumerate(shards.manifests)]
+    with pytest.raises(AirflowFailException, match=rf"map index \[{', '.join(map(str, absent))}\] have no manifest"):
+        shards.merge(manifests)
+    assert shards.published() == []
+
+
+@pytest.mark.parametrize("missing", [[1], [2], [0], [1, 2]], ids=str)
+def test_a_shard_left_out_of_the_mapped_output_fails_the_merge_naming_its_map_index(shards, missing):
+    # A mapped task that did not publish pushes no XCom: its manifest is not even None.
+    manifests = [m for i, m in enumerate(shards.manifests) if i not in missing]
+    with pytest.raises(AirflowFailException, match=rf"map index \[{', '.join(map(str, missing))}\] \(of the split under"):
+        shards.merge(manifests)
+    assert shards.published() == []
+
+
+def test_shards_mapped_without_the_split_are_merged_as_given(shards):
+    renamed = [{**m, "input_uri": f"s3://{shards.bucket}/mine/part-{i}.jsonl"} for i, m in enumerate(shards.manifests)]
+    assert shards.merge(renamed[:2])["request_counts"]["total"] == 7
+
+
+def _extra_result(shards: Shards) -> None:
+    shards.put(shards.key(1, ".results.jsonl"), shards.get(shards.key(1, ".results.jsonl")) + b"\n" + result_line("late"))
+
+
+def _lost_result(shards: Shards) -> None:
+    shards.put(shards.key(1, ".results.jsonl"), result_line("r1-0"))
+
+
+def _lost_error_line(shards: Shards) -> None:
+    shards.put(shards.key(1, ".results.errors.jsonl"), error_line(None) + b"\n")
+
+
+def _no_error_file_named(shards: Shards) -> None:
+    shards.manifests[1]["error_uri"] = None
+
+
+def _more_completed_counted(shards: Shards) -> None:
+    shards.manifests[1]["request_counts"] = {"total": 5, "completed": 3, "failed": 2}
+
+
+@pytest.mark.parametrize(
+    "disagree", [_extra_result, _lost_result, _lost_error_line, _no_error_file_named, _more_completed_counted], ids=lambda f: f.__name__
+)
+def test_a_shard_whose_files_disagree_with_its_manifest_fails_before_anything_is_published(shards, disagree):
+    shards.put("out/results.manifest.json", b'{"an": "earlier merge"}')
+    disagree(shards)
+    with pytest.raises(AirflowFailException, match=r"manifests count \d+ completed and 2 failed requests: shard 1 \(s3://.*shard-00001"):
+        shards.merge()
+    # Not even the old manifest is invalidated: the check comes before the publish protocol.
+    assert shards.published() == ["out/results.manifest.json"]
+
+
+def test_the_count_mismatch_names_only_the_shards_that_disagree(shards):
+    _lost_result(shards)
+    with pytest.raises(AirflowFailException) as failure:
+        shards.merge()
+    assert "shard 1 (" in str(failure.value)
+    assert "shard 0 (" not in str(failure.value) and "shard 2 (" not in str(failure.value)
+
+
+def test_a_merge_does_not_publish_while_another_run_holds_the_output(shards):
+    other = LeaseHolder("other_dag", "scheduled__2026-11-01", "merge", -1, 1, "f" * 64, "worker-7")
+    shards.put("out/results.lease.json", json.dumps(other.__dict__).encode())
+    # Another writer is transient: the task's retry may find the output free.
+    with pytest.raises(OutputBusyError, match=r"other_dag\.merge of run 'scheduled__2026-11-01'"):
+        shards.merge()
+    assert shards.published() == ["out/results.lease.json"]
+
+
+def test_a_merge_that_loses_the_lease_while_publishing_writes_no_manifest(shards, monkeypatch):
+    real_publish = OutputStore.publish
+
+    def lose_the_lease_then_publish(self, *args, **kwargs):
+        # The next try (its scheduler thought this one dead) takes over between two heartbeats.
+        successor = LeaseHolder("d", "run-1", "merge", -1, 2, "f" * 64, "worker-2")
+        shards.put("out/results.lease.json", json.dumps(successor.__dict__).encode())
+        return real_publish(self, *args, **kwargs)
+
+    monkeypatch.setattr(OutputStore, "publish", lose_the_lease_then_publish)
+    with pytest.raises(OutputBusyError, match="took over the lease"):
+        shards.merge()
+    assert "out/results.manifest.json" not in shards.published()
+
+
+def test_an_s3_failure_while_merging_is_left_to_airflows_retries(shards, monkeypatch):
+    from airflow.providers.amazon.aws.hooks.s3 import S3Hook
+
+    real_conn = S3Hook.get_conn
+
+    def slowing_down(self):
+        client = real_conn(self)
+
+        def get_object(**kwargs):
+            raise ClientError({"Error": {"Code": "SlowDown", "Message": "Please reduce your request rate."}}, "GetObject")
+
+        client.get_object = get_object
+        return client
+
+    monkeypatch.setattr(S3Hook, "get_conn", slowing_down)
+    with pytest.raises(ClientError, match="SlowDown"):
+        shards.merge()
+
+
+@pytest.mark.parametrize(
+    ("shard_prefix", "content", "named"),
+    [
+        ("/local/shards/", b"request\n", "shard_prefix must be an s3:// URI"),
+        ("s3://{bucket}/p/shards/", b"\n  \n", "has no request line"),
+    ],
+    ids=["prefix-not-s3", "no-request-line"],
+)
+def test_a_split_of_bad_input_fails_without_retry(s3, bucket, tmp_path, shard_prefix, content, named):
+    source = tmp_path / "input.jsonl"
+    source.write_bytes(content)
+    split = VLLMBatchSplitOperator(task_id="split", input_uri=str(source), shard_prefix=shard_prefix.format(bucket=bucket))
+    with pytest.raises(AirflowFailException, match=named):
+        split.execute({"ti": FakeTI()})

@@ -134,6 +134,14 @@ class ServerUnavailableError(VLLMBatchError):
     """The vLLM server could not be reached after the retries; the task's retry resumes from the checkpoints."""
 
 
+class RequestsUnansweredError(VLLMBatchError):
+    """Some requests got no final answer in this try (a 429 or a 500 through every retry).
+
+    The final answers are checkpointed and nothing is published; the task's retry sends
+    only the requests left. The task's last try publishes them as failed lines instead.
+    """
+
+
 class ServerAuthError(VLLMBatchError):
     """The vLLM server refused the API key (HTTP 401 or 403); retrying will not help."""
 

@@ -6,7 +6,10 @@ preflight's (``input_index=report.custom_ids``, so the input is not read again),
 or one built here from ``input_lines``. It reports:
 
 * answers: every input custom_id answered exactly once, nothing extra (missing,
-  extra and repeated custom_ids are named, the first 50 of each, and counted);
+  extra and repeated custom_ids are named, the first 50 of each, and counted). With
+  ``duplicates="first"`` a repeated answer is not a mismatch: the first answer of a
+  custom_id is kept and the later ones are left out of the counts and both files
+  (results assembled from the checkpoints of several tries may answer a request twice);
 * outcomes: ``request_counts`` (total / completed / failed), per HTTP status, per
   kind of response (chat.completion, embedding, score, rerank);
 * ``usage``: prompt, completion and total tokens summed over the results;
@@ -104,6 +107,7 @@ class ResultsReport:
     unparseable_count: int = 0
     engine_dead_lines: int = 0
     sample_errors: list[str] = field(default_factory=list)
+    dropped_duplicates: int = 0
 
     @property
     def request_counts(self) -> dict[str, int]:
@@ -170,6 +174,7 @@ class ResultsReport:
             "extra": [p.to_dict() for p in self.extra],
             "duplicate_count": self.duplicate_count,
             "duplicates": [p.to_dict() for p in self.duplicates],
+            "dropped_duplicates": self.dropped_duplicates,
             "unparseable_count": self.unparseable_count,
             "unparseable": [p.to_dict() for p in self.unparseable],
             "blank_lines": self.blank_lines,
@@ -206,6 +211,8 @@ class ResultsReport:
             out.append("  per status: " + ", ".join(f"{k}={v}" for k, v in sorted(self.status_counts.items())))
         if self.object_counts:
             out.append("  per endpoint: " + ", ".join(f"{k}={v}" for k, v in sorted(self.endpoint_counts.items())))
+        if self.dropped_duplicates:
+            out.append(f"  later answers of a custom_id answered already, left out: {self.dropped_duplicates}")
         if self.engine_failure:
             out.append(f"  ENGINE FAILURE: vLLM reports its engine core died ({self.engine_dead_lines} lines)")
         for message in self.sample_errors:
@@ -244,6 +251,7 @@ def check_results(
     max_sample_errors: int = DEFAULT_SAMPLE_ERRORS,
     source: str | None = None,
     input_source: str | None = None,
+    duplicates: str = "fail",
 ) -> ResultsReport:
     """
     Count the outcomes of a results file and, given the input, check it answers every request once.
@@ -267,9 +275,16 @@ def check_results(
     :param max_sample_errors: how many error messages to keep. Default 5.
     :param source: printable name of the results file.
     :param input_source: printable name of the input file.
+    :param duplicates: ``"fail"`` (default): a custom_id answered twice is a mismatch. ``"first"``:
+        keep its first answer and leave the later ones out of the counts and both files
+        (:attr:`ResultsReport.dropped_duplicates` counts them). That takes a second pass
+        over the results, only when there are repeats; it needs ``reread_results``, and
+        ``results_out`` and ``errors_out`` seekable (they are written again).
     """
     if input_lines is not None and input_index is not None:
         raise ValueError("pass input_lines or input_index, not both")
+    if duplicates not in ("fail", "first"):
+        raise ValueError(f"duplicates must be 'fail' or 'first', got {duplicates!r}")
     report = ResultsReport(source=source, input_source=input_source)
     if input_lines is not None:
         input_index = _index_input(input_lines, report)
@@ -278,9 +293,32 @@ def check_results(
     outputs = _Outputs(results_out, errors_out, input_index)
     results_index = _scan_results(result_lines, input_index is not None, report, outputs, max_listed, max_sample_errors)
     outputs.finish(getattr(result_lines, "ended_with_newline", None))
-    if input_index is not None and results_index is not None:
+    if input_index is None or results_index is None:
+        return report
+    _match(input_index, results_index, report, reread_input, reread_results, max_listed)
+    if duplicates == "first" and report.duplicate_count:
+        if reread_results is None:
+            raise ValueError("duplicates='first' needs reread_results")
+        # The repeats of any custom_id (one not in the input too: its first answer stays an extra).
+        later = frozenset(line for line, _ in results_index.repeats())
+        input_figures = (report.input_checked, report.input_total, report.input_duplicate_count, report.input_unreadable_count)
+        report = ResultsReport(source=source, input_source=input_source)
+        report.input_checked, report.input_total, report.input_duplicate_count, report.input_unreadable_count = input_figures
+        outputs = _Outputs(_rewound(results_out), _rewound(errors_out), input_index)
+        with reread_results() as again:
+            results_index = _scan_results(again, True, report, outputs, max_listed, max_sample_errors, leave_out=later)
+            outputs.finish(getattr(again, "ended_with_newline", None))
+        report.dropped_duplicates = len(later)
         _match(input_index, results_index, report, reread_input, reread_results, max_listed)
     return report
+
+
+def _rewound(out: IO[bytes] | None) -> IO[bytes] | None:
+    """``out`` emptied, to be written again."""
+    if out is not None:
+        out.seek(0)
+        out.truncate()
+    return out
 
 
 def _index_input(input_lines: Iterable[bytes], report: ResultsReport) -> CustomIdIndex:
@@ -357,8 +395,9 @@ def _scan_results(
     outputs: _Outputs,
     max_listed: int,
     max_sample_errors: int,
+    leave_out: frozenset[int] = frozenset(),
 ) -> CustomIdIndex | None:
-    """Count outcomes and usage of every result line; index their custom_ids when asked."""
+    """Count outcomes and usage of every result line but those numbered in ``leave_out``; index their custom_ids when asked."""
     decode = msgspec.json.Decoder(ResultLine).decode
     index = CustomIdIndex() if build_index else None
     if index is not None:
@@ -367,12 +406,15 @@ def _scan_results(
     failed_out = outputs.failure if outputs.errors_write is not None else None
     status_counts: dict[str, int] = {}
     object_counts: dict[str, int] = {}
-    lineno = completed = failed = blank = 0
+    lineno = completed = failed = blank = left_out = 0
     prompt = completion = tokens = dead = 0
     samples = report.sample_errors
 
     for raw in result_lines:
         lineno += 1
+        if leave_out and lineno in leave_out:
+            left_out += 1
+            continue
         try:
             result = decode(raw)
         except (msgspec.DecodeError, UnicodeDecodeError) as exc:
@@ -443,7 +485,7 @@ def _scan_results(
             hashes[h & mask].append(h)
             index_lines[h & mask].append(lineno)
 
-    report.total = lineno - blank - report.unparseable_count
+    report.total = lineno - blank - left_out - report.unparseable_count
     report.completed = completed
     report.failed = failed
     report.blank_lines = blank

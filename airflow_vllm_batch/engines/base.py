@@ -54,6 +54,8 @@ class EngineJob:
     :param lease: the output's lease; check it before every write to staging.
     :param holder: who this try is (dag, run, task, map index, try), for the GPU lease files.
     :param kept_results: where this worker keeps the run's finished results while S3 cannot take them.
+    :param last_try: whether Airflow retries the task if this try fails. On the last try an engine
+        publishes what it could not answer as failed lines rather than leave it to a retry. Default True.
     """
 
     input: BatchInput
@@ -64,6 +66,7 @@ class EngineJob:
     lease: OutputLease
     holder: Mapping[str, Any]
     kept_results: Path
+    last_try: bool = True
 
     @contextlib.contextmanager
     def request_lines(self) -> Iterator[Iterator[bytes]]:

@@ -5,6 +5,12 @@ each final answer as it arrives: every ``checkpoint_interval_s`` seconds (or 64 
 new answers go to the run's staging as a *part*, named for the try that wrote it. A
 retry on any worker sends only what no part answers. The lease is checked before every
 part goes up, so a try that lost its output to another stops at its next checkpoint.
+
+A final answer is a 200 or a 4xx other than 408 and 429 (see :mod:`airflow_vllm_batch.serving.stream`).
+A request still without one when the stream ends (a 429 or a 500 through every retry)
+fails the try with the retryable :class:`~airflow_vllm_batch.exceptions.RequestsUnansweredError`,
+nothing published, so that Airflow's retry sends it again; on the task's last try it is
+journaled with its last answer as a failed line, and the batch is published.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 from airflow_vllm_batch.batchfile import CustomIdIndex
 from airflow_vllm_batch.engines.base import Engine, EngineJob, EngineResults
 from airflow_vllm_batch.engines.local import LocalEngine
-from airflow_vllm_batch.exceptions import ConfigurationError, StorageUnavailableError
+from airflow_vllm_batch.exceptions import ConfigurationError, RequestsUnansweredError, StorageUnavailableError
 from airflow_vllm_batch.hooks.model_names import ServedModels, served_models_of_server
 from airflow_vllm_batch.hooks.vllm_engine import FALLBACK_SUPPORTED_URLS, EngineInfo, EngineRun
 from airflow_vllm_batch.hooks.vllm_server import VLLMServerEngine
@@ -131,15 +137,34 @@ class _Streaming(Engine):
                     on_progress=progress,
                     progress_every_s=PROGRESS_EVERY_S,
                 )
+            progress.summary(stats)
+            if stats.unanswered:
+                self.settle_unanswered(stats, journal, job, results.staged_uri)
         except (BotoCoreError, ClientError) as err:
             raise StorageUnavailableError(
                 f"S3 failed while checkpointing the server's answers to {results.staged_uri} ({err}). "
                 f"The {journal.lines_durable + len(answered)} answers in parts uploaded before stay there; the task's "
                 "retry resumes from them."
             ) from err
-        progress.summary(stats)
         results.run = EngineRun(returncode=0, duration_s=time.monotonic() - started, vllm_version=info.vllm_version)
         return results
+
+    def settle_unanswered(self, stats: StreamStats, journal: Journal, job: EngineJob, staged_uri: str) -> None:
+        """Fail the try for a retry that sends the requests left without a final answer; on the last try, journal them as failed.
+
+        :raises RequestsUnansweredError: this is not the task's last try (nothing is published).
+        """
+        reasons = ", ".join(f"{reason}: {count}" for reason, count in sorted(stats.unanswered_reasons.items()))
+        left = f"{stats.unanswered} request(s) got no final answer through every retry ({reasons}; e.g. custom_id {stats.unanswered_example!r})"
+        if not job.last_try:
+            raise RequestsUnansweredError(
+                f"{left}. The final answers are checkpointed at {staged_uri}; nothing was published. Airflow's retry of "
+                "this task sends only the requests left; on the task's last try, those still without a final answer are "
+                "published as failed lines in the error file, and max_failed_ratio decides."
+            )
+        self.log.warning("%s. This is the task's last try: they are published as failed lines in the error file.", left)
+        journal.write_set_aside()
+        journal.close()
 
     def before_stream(self, info: EngineInfo) -> None:
         """Checks worth their cost only when requests are about to be sent."""
@@ -248,13 +273,15 @@ class _Progress:
     def summary(self, stats: StreamStats) -> None:
         self.log.info(
             "Server engine done: %d requests sent and answered in %s (%.1f requests/s, %.0f output tokens/s), "
-            "%d failed, %d retried, %d answered by earlier tries' checkpoints; %d prompt and %d output tokens.",
+            "%d failed, %d retried, %d left without a final answer, %d answered by earlier tries' checkpoints; "
+            "%d prompt and %d output tokens.",
             stats.done,
             _duration(stats.elapsed_s),
             stats.requests_per_s,
             stats.output_tokens_per_s,
             stats.failed,
             stats.retried,
+            stats.unanswered,
             self.resumed,
             stats.prompt_tokens,
             stats.completion_tokens,

@@ -47,7 +47,9 @@ class VLLMBatchOperator(BaseOperator):
     runner on this worker, bound to the task. ``engine="server"`` streams the batch through
     vLLM's OpenAI-compatible server, started on this worker, or with ``vllm_conn_id`` a warm
     one, with request-level checkpoints every ``checkpoint_interval_s`` (a run killed before
-    its first checkpoint resumes nothing).
+    its first checkpoint resumes nothing). A request the server answers only with 429s or
+    5xx through every retry fails the try, to be sent again by Airflow's retry; on the task's
+    last try (``retries=0``: the only one) it is published as a failed line instead.
 
     :param input_uri: the batch file: ``s3://bucket/key``, a local path on the worker, or an
         http(s) URL (never resumed: it cannot be pinned). Give it or ``requests``. (templated)
@@ -184,7 +186,7 @@ class VLLMBatchOperator(BaseOperator):
         try:
             settings = self.settings()
             self._engine = make_engine(settings, self.log)
-            run = BatchRun(settings, s3_hook=self.s3_hook, engine=self._engine, task=_task_of(context), log=self.log)
+            run = BatchRun(settings, s3_hook=self.s3_hook, engine=self._engine, task=_task_of(context, self.retries), log=self.log)
             outcome = run.execute()
             self.input_uri = run.input.uri if run.input is not None else self.input_uri
             manifest = outcome.manifest
@@ -240,13 +242,19 @@ class VLLMBatchOperator(BaseOperator):
         return {name: getattr(self, name) for name in BatchSettings.__dataclass_fields__ if name != "execution_timeout"}
 
 
-def _task_of(context: Context) -> dict[str, Any]:
-    """Who this try is: the lease holder's and the GPU lease files' fields."""
+def _task_of(context: Context, retries: int | None) -> dict[str, Any]:
+    """Who this try is (the lease holder's and the GPU lease files' fields), and whether it is the task's last."""
     ti = context["ti"]
+    try_number = getattr(ti, "try_number", 0)
+    # Airflow retries a failed try while try_number <= max_tries (retries, grown by retries
+    # again each time the task is cleared); the task's retries stand in where the task
+    # instance does not say (max_tries is 0 until the API server's context fills it in).
+    max_tries = max(getattr(ti, "max_tries", 0) or 0, retries or 0)
     return {
         "dag_id": ti.dag_id,
         "run_id": ti.run_id,
         "task_id": ti.task_id,
         "map_index": getattr(ti, "map_index", -1),
-        "try_number": getattr(ti, "try_number", 0),
+        "try_number": try_number,
+        "last_try": try_number > max_tries,
     }

@@ -64,7 +64,8 @@ class BatchRun:
     :param settings: the checked settings.
     :param s3_hook: the S3 hook of ``aws_conn_id``.
     :param engine: the engine that answers the requests.
-    :param task: who this try is: ``dag_id``, ``run_id``, ``task_id``, ``map_index``, ``try_number``.
+    :param task: who this try is: ``dag_id``, ``run_id``, ``task_id``, ``map_index``, ``try_number``,
+        and ``last_try`` (whether Airflow retries it on failure; default True).
     :param log: the task's logger.
     """
 
@@ -161,7 +162,7 @@ class BatchRun:
         kept = kept_results(self.settings.results_dir, identity.short)
         with scratch(self.settings.results_dir, identity.short) as work:
             report = self.preflight(info, work)
-            job = EngineJob(self.input, report, work, staging, identity, lease, self.task, kept)
+            job = EngineJob(self.input, report, work, staging, identity, lease, self.task, kept, self.task.get("last_try", True))
             engine_results = self.engine.produce(info, job)
             lease.ensure_held(verify=True)
             try:
@@ -236,11 +237,15 @@ class BatchRun:
         The requests' custom_ids come from preflight's index, so the input is not read again
         (only to name missing requests, on a mismatch). Successful lines go to
         ``results.jsonl``, failed ones to ``engine-errors.jsonl`` in the scratch directory.
+        Results assembled from checkpoint parts (``duplicates="first"``) keep the first answer
+        of a custom_id answered twice (two tries that both answered it); only a mismatch parts
+        cannot explain that way (a request missing, an answer to a custom_id not in the input,
+        an unreadable line) drops them.
         """
         with (
             engine_results.open_results() as result_lines,
-            open(job.work / "results.jsonl", "wb") as successes,
-            open(job.work / "engine-errors.jsonl", "wb") as errors,
+            open(job.work / "results.jsonl", "w+b") as successes,
+            open(job.work / "engine-errors.jsonl", "w+b") as errors,
         ):
             results = check_results(
                 result_lines,
@@ -250,8 +255,15 @@ class BatchRun:
                 reread_input=job.request_lines,
                 reread_results=engine_results.open_results,
                 source="the engine's results",
+                duplicates=engine_results.duplicates,
             )
         self.log.info("%s", results.format())
+        if results.dropped_duplicates:
+            self.log.warning(
+                "%d later answer(s) of requests answered already (in the checkpoints of two tries) were left out; "
+                "the first answer of each is published.",
+                results.dropped_duplicates,
+            )
         self.engine.classify(results, job)
         if not results.ok:
             # Results that do not answer the input must not be published by the next try either.

@@ -10,6 +10,12 @@ a resumed run may rely on.
 
 Parts are named ``part-000000.jsonl``, ``part-000001.jsonl``, ... in ``directory``;
 ``first_index`` lets a resumed run number its parts after those of earlier tries.
+
+Lines that are not final answers (a request whose retries ran out on a 429 or a 500) are
+*set aside* in ``unanswered.jsonl`` in the same directory: never in a part, so that a
+checkpoint holds only final answers and a retry sends those requests again. A caller that
+decides they are final after all (the task's last try) journals them with
+:meth:`Journal.write_set_aside`.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ DEFAULT_CHECKPOINT_INTERVAL_S = 60.0
 DEFAULT_MAX_PART_BYTES = 64 * 1024 * 1024
 #: How often the sealing task looks at the clock when no part is open.
 _IDLE_TICK_S = 1.0
+#: The file of the lines set aside, in the journal's directory; never a part.
+SET_ASIDE_NAME = "unanswered.jsonl"
 
 
 def part_name(index: int) -> str:
@@ -95,6 +103,9 @@ class Journal:
         self.lines_durable = 0
         #: Parts reported to ``on_part``, in order.
         self.parts: list[SealedPart] = []
+        #: Lines set aside (not final answers), in :attr:`set_aside_path`.
+        self.lines_set_aside = 0
+        self._set_aside_file: IO[bytes] | None = None
         self._file: IO[bytes] | None = None
         self._path: Path | None = None
         self._opened_at = 0.0
@@ -125,6 +136,39 @@ class Journal:
         self.lines_written += 1
         if self._part_bytes >= self.max_part_bytes or self._part_age() >= self.checkpoint_interval_s:
             self.seal()
+
+    @property
+    def set_aside_path(self) -> Path:
+        """The file of the lines set aside by this journal."""
+        return self.directory / SET_ASIDE_NAME
+
+    def set_aside(self, line: bytes) -> None:
+        """Keep one line that is not a final answer out of every part (see the module docs)."""
+        if self._set_aside_file is None:
+            # "wb": what an earlier try of the run set aside in this directory is not this try's.
+            self._set_aside_file = open(self.set_aside_path, "wb")  # noqa: SIM115 - closed by close_set_aside()
+        self._set_aside_file.write(line if line.endswith(b"\n") else line + b"\n")
+        self.lines_set_aside += 1
+
+    def write_set_aside(self) -> int:
+        """Journal the lines set aside as answers after all; return how many.
+
+        Call it once the async context is over; then :meth:`close` seals and reports them.
+        """
+        if self._task is not None:
+            raise RuntimeError("Journal.write_set_aside() while its async context runs")
+        self._close_set_aside()
+        if not self.lines_set_aside:
+            return 0
+        with open(self.set_aside_path, "rb") as lines:
+            for line in lines:
+                self.write(line)
+        return self.lines_set_aside
+
+    def _close_set_aside(self) -> None:
+        if self._set_aside_file is not None:
+            self._set_aside_file.close()
+            self._set_aside_file = None
 
     def seal(self) -> SealedPart | None:
         """Close the open part, if any, and queue it to be reported; return it.
@@ -216,6 +260,7 @@ class Journal:
         on: what was answered is checkpointed even by a run that is stopping.
         """
         self.seal()
+        self._close_set_aside()
         self._closing = True
         if self._task is None:
             return
@@ -233,6 +278,7 @@ class Journal:
         if self._task is not None:
             raise RuntimeError("Journal.close() while its async context runs; use aclose()")
         self.seal()
+        self._close_set_aside()
         self._report_the_rest()
 
     def _report_the_rest(self) -> None:

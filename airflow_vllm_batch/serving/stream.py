@@ -21,16 +21,23 @@ proxy's 404 page, say) becomes a string ``error``, as the runner's own request e
 answers to requests by ``custom_id``, and writing as answers arrive is what keeps
 memory flat and lets every answer reach a checkpoint at once.
 
-What is retried (with exponential backoff and jitter, ``retries`` times): connection
-refused or reset, a dropped keep-alive connection, timeouts, and HTTP 502, 503 and 504.
+**Only final answers are journaled**: HTTP 200, and any 4xx but 408 and 429 (the request
+itself is wrong: retrying it cannot help). Everything else is transient and retried inside
+the try, ``retries`` times, with exponential backoff and jitter, or as long as the answer's
+``Retry-After`` asks (seconds or an HTTP date, at most :data:`MAX_RETRY_AFTER_S`): 408,
+429, any 5xx (a dying engine answers 500), connection errors and timeouts. HTTP 401/403
+raise :class:`~airflow_vllm_batch.exceptions.ServerAuthError` at once.
+
 When the retries run out on a connection error or a 502/503, the server is taken to be
 gone: the stream stops, the journal is flushed (sealed and reported) and
 :class:`~airflow_vllm_batch.exceptions.ServerUnavailableError` is raised, so that the
-task's retry resumes from the checkpoints. A request that still times out (or gets 504)
-after its retries becomes that line's error instead: it is more likely the request (a
-very long generation) than the server. HTTP 401/403 raise
-:class:`~airflow_vllm_batch.exceptions.ServerAuthError` at once. Any other status
-(4xx, 500) is that line's answer.
+task's retry resumes from the checkpoints. When they run out on any other non-final answer
+(a 429 that does not end, a 500, a request that keeps timing out), the request is *set
+aside*: the line it would have had goes to :meth:`Journal.set_aside
+<airflow_vllm_batch.serving.journal.Journal.set_aside>`, never to a part, and the stream
+goes on with the others. :attr:`StreamStats.unanswered` counts those requests; the caller
+decides what they become (the server engine fails a try that may be retried, so that the
+retry sends them again, and publishes them as failed lines on the task's last try).
 
 This module has no Airflow imports.
 """
@@ -39,12 +46,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import email.utils
 import itertools
+import math
 import random
 import time
 import uuid
 from collections.abc import Callable, Coroutine, Iterable, Iterator
 from dataclasses import dataclass
+from datetime import timezone
 from typing import Any
 
 import aiohttp
@@ -73,6 +83,9 @@ DEFAULT_MAX_IN_FLIGHT = 512
 DEFAULT_RETRIES = 6
 DEFAULT_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 30.0
+#: The longest ``Retry-After`` honoured: a gateway asking for more is better served by the
+#: task's retry (Airflow's ``retry_delay``) than by a worker holding its slot idle.
+MAX_RETRY_AFTER_S = 60.0
 #: Default seconds one request may take. A long generation on a busy server queues
 #: behind ``--max-num-seqs`` others; a too-short timeout would resend it again and again.
 DEFAULT_REQUEST_TIMEOUT_S = 1800.0
@@ -86,9 +99,11 @@ SERVED_URLS: frozenset[str] = frozenset(
 #: Lines read from the input per trip to the reader thread.
 _READ_CHUNK = 64
 
-_UNAVAILABLE_STATUSES = frozenset({502, 503})
-_TIMEOUT_STATUSES = frozenset({504})
+#: Statuses that, once the retries ran out, say the server (or all behind its balancer) is gone.
+_GONE_STATUSES = frozenset({502, 503})
 _AUTH_STATUSES = frozenset({401, 403})
+#: 4xx answers that are the server's state, not the request's fault: retried, never final.
+_TRANSIENT_4XX = frozenset({408, 429})
 
 
 class _RequestLine(msgspec.Struct, gc=False):
@@ -134,9 +149,12 @@ class StreamStats:
 
     :param read: request lines read from the input (the total so far).
     :param skipped: lines not sent because ``skip`` said they were answered already.
-    :param done: requests answered in this run (a line written), failed ones included.
-    :param failed: answers that are errors (``error`` is not null).
+    :param done: requests given a final answer in this run (a line journaled), failed ones included.
+    :param failed: final answers that are errors (``error`` is not null): a 4xx.
     :param retried: attempts that failed transiently and were tried again.
+    :param unanswered: requests whose retries ran out on a non-final answer: set aside, not journaled.
+    :param unanswered_reasons: those requests by their last answer (``"HTTP 429"``, ``"timeout"``, ...).
+    :param unanswered_example: the custom_id of one of them, for messages.
     :param in_flight: requests sent and not yet answered.
     :param prompt_tokens: prompt tokens of the answers, from their ``usage``.
     :param completion_tokens: output tokens of the answers, from their ``usage``.
@@ -149,6 +167,9 @@ class StreamStats:
     done: int = 0
     failed: int = 0
     retried: int = 0
+    unanswered: int = 0
+    unanswered_reasons: dict[str, int] = dataclasses.field(default_factory=dict)
+    unanswered_example: str | None = None
     in_flight: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -182,8 +203,10 @@ def run_stream(
 ) -> StreamStats:
     """Send every request line to the server and journal one vLLM batch output line per answer.
 
-    Output order is completion order (match answers to requests by ``custom_id``). The
-    journal is sealed and its last part reported before this returns or raises.
+    Output order is completion order (match answers to requests by ``custom_id``). Only
+    final answers are journaled; requests left without one are set aside in the journal and
+    counted in :attr:`StreamStats.unanswered`. The journal is sealed and its last part
+    reported before this returns or raises.
 
     :param requests: ``(input line number, raw request line)`` pairs, read lazily, in a
         worker thread (so a network-backed reader does not block the event loop); blank
@@ -201,6 +224,7 @@ def run_stream(
     :param progress_every_s: seconds between progress calls. Default 15.
     :param request_timeout_s: seconds one attempt may take. Default 1800.
     :param backoff_s: the first retry's delay; doubled per retry, at most 30 s. Default 0.5.
+        An answer's ``Retry-After`` replaces it.
     :raises ServerUnavailableError: the server stayed unreachable through the retries.
     :raises ServerAuthError: the server refused the API key.
     :raises BadRequestLineError: a line is not a request line.
@@ -265,13 +289,54 @@ def _backoff(attempt: int, first_s: float) -> float:
     return min(MAX_BACKOFF_S, first_s * 2**attempt) * random.uniform(0.5, 1.0)  # noqa: S311 - not crypto
 
 
-class _Transient(Exception):
-    """One attempt failed in a way worth retrying; ``kind`` says how it ends when retries run out."""
+def retry_after_s(value: str | None, now: float | None = None) -> float | None:
+    """Return the seconds a ``Retry-After`` header asks to wait, at most :data:`MAX_RETRY_AFTER_S`.
 
-    def __init__(self, kind: str, detail: str) -> None:
+    :param value: the header: delay-seconds (a decimal is accepted too) or an HTTP date.
+    :param now: the current time as a Unix timestamp, for an HTTP date. Default: the clock.
+    :return: the delay, 0 for a date in the past, or None when the header is absent or unreadable.
+    """
+    if not value or not value.strip():
+        return None
+    try:
+        seconds = float(value.strip())
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value.strip())
+        except (TypeError, ValueError):
+            return None
+        # An HTTP date is GMT; a date without a zone is read as such rather than as local time.
+        timestamp = when.timestamp() if when.tzinfo is not None else when.replace(tzinfo=timezone.utc).timestamp()
+        seconds = timestamp - (time.time() if now is None else now)
+    if not math.isfinite(seconds):
+        return None
+    return min(MAX_RETRY_AFTER_S, max(0.0, seconds))
+
+
+def _is_final(status: int) -> bool:
+    """Whether an answer with this status is the request's own (checkpointed), not the server's state (retried)."""
+    return status == 200 or (400 <= status < 500 and status not in _TRANSIENT_4XX)
+
+
+class _Transient(Exception):
+    """One attempt failed in a way worth retrying; ``gone`` says whether running out of retries stops the run.
+
+    :param gone: the server looks gone (connection errors, 502, 503): stop the run when the retries run out.
+    :param detail: what happened, for messages.
+    :param reason: the kind of answer, for the counts of requests set aside (``"HTTP 429"``, ``"timeout"``).
+    :param line: the line the request gets if this is its last answer, when known now.
+    :param retry_after: seconds the server asked to wait (``Retry-After``), or None.
+    """
+
+    def __init__(
+        self, *, gone: bool, detail: str, reason: str = "", line: bytes | None = None, retry_after: float | None = None
+    ) -> None:
         super().__init__(detail)
-        self.kind = kind  # "unavailable" (raise) or "timeout" (error line)
+        self.gone = gone
         self.detail = detail
+        self.reason = reason
+        self.line = line
+        self.retry_after = retry_after
 
 
 class _Stream:
@@ -363,12 +428,17 @@ class _Stream:
         while (request := await queue.get()) is not None:
             self.stats.in_flight += 1
             try:
-                line, failed, usage = await self._answer(session, request)
+                line, failed, usage, unanswered = await self._answer(session, request)
             finally:
                 self.stats.in_flight -= 1
             # No await between the answer and the journal: an answer is written whole, in order.
-            self.journal.write(line)
-            self._count(failed, usage)
+            if unanswered is None:
+                self.journal.write(line)
+                self._count(failed, usage)
+            else:
+                # Not a final answer: a checkpoint must not hold it, or no retry would send it again.
+                self.journal.set_aside(line)
+                self._count_unanswered(unanswered, request.custom_id)
 
     def _count(self, failed: bool, usage: _Usage | None) -> None:
         self.stats.done += 1
@@ -377,53 +447,77 @@ class _Stream:
             self.stats.prompt_tokens += usage.prompt_tokens
             self.stats.completion_tokens += usage.completion_tokens or 0
 
-    async def _answer(self, session: aiohttp.ClientSession, request: _RequestLine) -> tuple[bytes, bool, _Usage | None]:
-        """Send one request, retrying transient failures; return its output line, whether it failed, its usage."""
+    def _count_unanswered(self, reason: str, custom_id: str) -> None:
+        self.stats.unanswered += 1
+        self.stats.unanswered_reasons[reason] = self.stats.unanswered_reasons.get(reason, 0) + 1
+        if self.stats.unanswered_example is None:
+            self.stats.unanswered_example = custom_id
+
+    async def _answer(
+        self, session: aiohttp.ClientSession, request: _RequestLine
+    ) -> tuple[bytes, bool, _Usage | None, str | None]:
+        """Send one request, retrying transient failures.
+
+        :return: its output line, whether it failed, its usage, and None for a final answer
+            or, for a request whose retries ran out on a non-final one, why.
+        """
         for attempt in range(self.retries + 1):
             try:
                 status, payload = await self._post(session, request)
             except _Transient as transient:
                 if attempt == self.retries:
-                    return self._gave_up(request, transient), True, None
+                    return self._gave_up(request, transient), True, None, transient.reason
                 self.stats.retried += 1
-                await asyncio.sleep(_backoff(attempt, self.backoff_s))
+                if transient.retry_after is not None:
+                    # Never sooner than asked; the spread keeps the requests the gateway refused together apart.
+                    await asyncio.sleep(transient.retry_after * random.uniform(1.0, 1.2))  # noqa: S311 - not crypto
+                else:
+                    await asyncio.sleep(_backoff(attempt, self.backoff_s))
                 continue
-            return self._to_line(request, status, payload)
+            return (*self._to_line(request, status, payload), None)
         raise AssertionError("unreachable")
 
     async def _post(self, session: aiohttp.ClientSession, request: _RequestLine) -> tuple[int, bytes]:
-        """One attempt: return the status and body, or raise :class:`_Transient`."""
+        """One attempt: return the status and body of a final answer, or raise :class:`_Transient`."""
         url = self.base_url + request.url
         try:
             async with session.post(url, data=bytes(request.body), headers=self.headers) as response:
                 payload = await response.read()
                 status = response.status
+                retry_after = response.headers.get("Retry-After")
         except asyncio.TimeoutError as err:
             if isinstance(err, aiohttp.ConnectionTimeoutError):
-                raise _Transient("unavailable", f"could not connect to {self.base_url} (timeout)") from None
-            raise _Transient("timeout", f"no answer within {self.request_timeout_s:g}s") from None
+                raise _Transient(gone=True, detail=f"could not connect to {self.base_url} (timeout)") from None
+            raise _Transient(gone=False, detail=f"no answer within {self.request_timeout_s:g}s", reason="timeout") from None
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as err:
-            raise _Transient("unavailable", f"{type(err).__name__}: {err}") from None
-        if status in _UNAVAILABLE_STATUSES:
-            raise _Transient("unavailable", f"HTTP {status} from {url}")
-        if status in _TIMEOUT_STATUSES:
-            raise _Transient("timeout", f"HTTP {status} from {url}")
+            raise _Transient(gone=True, detail=f"{type(err).__name__}: {err}") from None
         if status in _AUTH_STATUSES:
             raise ServerAuthError(
                 f"The vLLM server at {self.base_url} refused the API key (HTTP {status} for {request.url}). "
                 "Check the API key (the password of the vllm connection, or the server's --api-key)."
             )
+        if not _is_final(status):
+            raise _Transient(
+                gone=status in _GONE_STATUSES,
+                detail=f"HTTP {status} from {url}",
+                reason=f"HTTP {status}",
+                line=self._to_line(request, status, payload)[0],
+                retry_after=retry_after_s(retry_after),
+            )
+        if status == 200:
+            try:
+                _decode_answer(payload)
+            except msgspec.DecodeError:
+                # A body cut short or replaced on the way (a proxy's page): the answer is yet to come.
+                error = _encode(f"HTTP 200 from {request.url} with a body that is not JSON: {payload[:200]!r}")
+                line = result_line(request.custom_id, 500, None, error)
+                raise _Transient(gone=False, detail=f"HTTP 200 from {url}, not JSON", reason="HTTP 200 not JSON", line=line) from None
         return status, payload
 
     def _to_line(self, request: _RequestLine, status: int, payload: bytes) -> tuple[bytes, bool, _Usage | None]:
         """Turn the server's answer into the output line vLLM's runner would have written."""
         if status == 200:
-            try:
-                answer = _decode_answer(payload)
-            except msgspec.DecodeError:
-                error = _encode(f"HTTP 200 from {request.url} with a body that is not JSON: {payload[:200]!r}")
-                return result_line(request.custom_id, 500, None, error), True, None
-            return result_line(request.custom_id, 200, _one_line(payload), None), False, answer.usage
+            return result_line(request.custom_id, 200, _one_line(payload), None), False, _decode_answer(payload).usage
         try:
             code = _decode_error(payload).error.code
         except msgspec.DecodeError:
@@ -432,14 +526,15 @@ class _Stream:
         return result_line(request.custom_id, code, None, _one_line(payload)), True, None
 
     def _gave_up(self, request: _RequestLine, transient: _Transient) -> bytes:
-        """The retries ran out: a gone server stops the run; a request that keeps timing out gets an error line."""
-        if transient.kind == "unavailable":
+        """The retries ran out: a gone server stops the run; any other request gets the line of its last answer."""
+        if transient.gone:
             raise ServerUnavailableError(
                 f"The vLLM server at {self.base_url} did not answer after {self.retries} retries "
                 f"({transient.detail}). The answers so far are checkpointed; retrying the task resumes from them."
             )
-        message = f"{transient.detail}, {self.retries + 1} attempts"
-        return result_line(request.custom_id, 504, None, _encode(message))
+        if transient.line is not None:
+            return transient.line
+        return result_line(request.custom_id, 504, None, _encode(f"{transient.detail}, {self.retries + 1} attempts"))
 
     async def _report_progress(self, on_progress: Callable[[StreamStats], None], every_s: float) -> None:
         """Call ``on_progress`` every ``every_s`` seconds until cancelled."""
@@ -450,7 +545,7 @@ class _Stream:
     def _snapshot(self) -> StreamStats:
         self.stats.elapsed_s = time.monotonic() - self._started
         self.stats.durable = self.journal.lines_durable
-        return dataclasses.replace(self.stats)
+        return dataclasses.replace(self.stats, unanswered_reasons=dict(self.stats.unanswered_reasons))
 
 
 async def _all_or_first_error(coroutines: list[Coroutine[Any, Any, None]]) -> None:

@@ -120,6 +120,28 @@ def test_repeated_answer_is_named_with_both_result_lines():
     assert report.duplicates[0].line == 3 and "result line 1" in report.duplicates[0].message
 
 
+def test_with_duplicates_first_a_repeated_answer_keeps_the_first_in_both_files_and_is_not_a_mismatch():
+    successes, errors = io.BytesIO(), io.BytesIO()
+    first_b = failed_result("b", 400, "bad temperature")
+    results = [ok_result("a", prompt=1), first_b, ok_result("a", prompt=100), ok_result("b"), ok_result("c")]
+    report = check(results, [request("a"), request("b"), request("c")], results_out=successes, errors_out=errors, duplicates="first")
+    assert report.ok and report.dropped_duplicates == 2
+    assert report.request_counts == {"total": 3, "completed": 2, "failed": 1}
+    assert report.prompt_tokens == 1 + 3  # the later answer of "a" is not counted
+    assert successes.getvalue() == ok_result("a", prompt=1) + b"\n" + ok_result("c")
+    assert [json.loads(line)["custom_id"] for line in errors.getvalue().splitlines()] == ["b"]
+
+
+def test_with_duplicates_first_an_answer_to_a_custom_id_not_in_the_input_is_still_a_mismatch():
+    report = check([ok_result("a"), ok_result("zz"), ok_result("zz")], [request("a")], duplicates="first", results_out=io.BytesIO())
+    assert not report.ok and report.extra_count == 2
+
+
+def test_with_duplicates_first_a_missing_answer_is_still_a_mismatch():
+    report = check([ok_result("a"), ok_result("a")], [request("a"), request("b")], duplicates="first", results_out=io.BytesIO())
+    assert not report.ok and report.missing_count == 1 and report.dropped_duplicates == 1
+
+
 def test_failed_lines_are_counted_and_written_with_an_error_object():
     errors = io.BytesIO()
     report = check([ok_result("a"), failed_result("b")], [request("a"), request("b")], errors_out=errors)

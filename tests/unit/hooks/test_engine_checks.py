@@ -47,6 +47,8 @@ REFUSED_RUNNER_ARGS = {
     "stray-value": (["--enforce-eager", "true"], ["unrecognized arguments: true"]),
     "bad-choice": (["--runner", "embed"], ["argument --runner", "invalid choice: 'embed'"]),
     "task-removed": (["--task", "embed"], ["unrecognized arguments: --task embed", "use --runner pooling"]),
+    # The server's own flag: accepted by the api_server parser (tests/unit/engines/test_local.py), not the runner's.
+    "server-only-flag": (["--enforce-eager", "--uvicorn-log-level", "warning"], ["unrecognized arguments: --uvicorn-log-level warning"]),
 }
 ACCEPTED_RUNNER_ARGS = {
     "none": [],

@@ -19,7 +19,13 @@ from aiohttp import web
 from airflow.sdk.exceptions import AirflowFailException
 from botocore.exceptions import ClientError
 
-from airflow_vllm_batch.exceptions import ConfigurationError, OutputBusyError, StorageUnavailableError
+from airflow_vllm_batch.exceptions import (
+    ConfigurationError,
+    OutputBusyError,
+    RequestsUnansweredError,
+    ResultsCheckError,
+    StorageUnavailableError,
+)
 from airflow_vllm_batch.engines import server as server_engines
 from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
 from airflow_vllm_batch.serving import ServerUnavailableError, stream
@@ -314,3 +320,146 @@ def test_each_try_names_its_parts_with_its_own_token(batch, server):
     second = set(batch.parts()) - first
     tokens = [{re.fullmatch(r".*/part-\d{6}-([0-9a-f]{8})\.jsonl", k).group(1) for k in keys} for keys in (first, second)]
     assert all(len(t) == 1 for t in tokens) and tokens[0] != tokens[1]
+
+
+def _completion(custom_id: str) -> web.Response:
+    return web.json_response(
+        {"id": custom_id, "object": "chat.completion", "created": 1, "model": "m", "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}}
+    )
+
+
+def _error(status: int, message: str = "engine busy", headers: dict | None = None) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": "Busy", "param": None, "code": status}}, status=status, headers=headers)
+
+
+def _rate_limited_flaky_and_one_broken(broken: str | None = "r7"):
+    """r2, r3: a 429 with Retry-After first; r4, r5: a 500 first; r1: a 400 (final); ``broken``: a 500 every time."""
+
+    async def behaviour(custom_id: str, body: dict, attempt: int) -> web.Response:
+        if custom_id == broken:
+            return _error(500, "EngineCore hiccup")
+        if custom_id in ("r2", "r3") and attempt == 1:
+            return _error(429, "rate limited", headers={"Retry-After": "0.2"})
+        if custom_id in ("r4", "r5") and attempt == 1:
+            return _error(500)
+        if custom_id == "r1":
+            return _error(400, "bad temperature")
+        return _completion(custom_id)
+
+    return behaviour
+
+
+def test_a_request_left_without_a_final_answer_fails_the_try_retryable_and_the_retry_resends_only_it(batch, server):
+    server.behaviour = _rate_limited_flaky_and_one_broken()
+    with pytest.raises(RequestsUnansweredError, match=r"1 request\(s\) got no final answer .*HTTP 500: 1; e\.g\. custom_id 'r7'") as raised:
+        batch.run(FakeTI(try_number=1), retries=2, max_in_flight=2)
+    assert raised.value.retryable
+    assert "out/results.jsonl" not in batch.keys() and "out/results.manifest.json" not in batch.keys()
+    checkpointed = {r["custom_id"]: r["response"]["status_code"] for k in batch.parts() for r in batch.lines(k)}
+    assert "r7" not in checkpointed and len(checkpointed) == N - 1
+    assert {cid: checkpointed[cid] for cid in ("r1", "r2", "r3", "r4", "r5")} == {"r1": 400, "r2": 200, "r3": 200, "r4": 200, "r5": 200}
+    sent_first = dict(server.attempts)
+    assert sent_first["r7"] == 1 + stream.DEFAULT_RETRIES
+
+    server.behaviour = _rate_limited_flaky_and_one_broken(broken=None)  # the server is well again
+    manifest = batch.run(FakeTI(try_number=2), retries=2, max_in_flight=2, max_failed_ratio=0.1)
+    resent = {cid for cid, n in server.attempts.items() if n > sent_first.get(cid, 0)}
+    assert resent == {"r7"}
+    assert manifest["request_counts"] == {"total": N, "completed": N - 1, "failed": 1}  # r1's 400 is its answer
+    published = {r["custom_id"]: r["response"]["status_code"] for r in batch.lines("out/results.jsonl")}
+    assert published["r7"] == 200 and published["r2"] == 200 and published["r4"] == 200
+
+
+def test_on_the_last_try_a_request_left_without_a_final_answer_is_published_in_the_error_file(batch, server):
+    server.behaviour = _rate_limited_flaky_and_one_broken()
+    manifest = batch.run(FakeTI(try_number=1), retries=0, max_in_flight=2, max_failed_ratio=0.2)
+    assert manifest["request_counts"] == {"total": N, "completed": N - 2, "failed": 2}
+    failed = {r["custom_id"]: r for r in batch.lines("out/results.errors.jsonl")}
+    assert sorted(failed) == ["r1", "r7"]
+    assert failed["r7"]["response"]["status_code"] == 500 and "EngineCore hiccup" in failed["r7"]["error"]["message"]
+    assert server.attempts["r7"] == 1 + stream.DEFAULT_RETRIES
+
+
+def test_the_last_try_of_a_task_with_retries_publishes_what_is_left_in_the_error_file(batch, server):
+    server.behaviour = _rate_limited_flaky_and_one_broken()
+    with pytest.raises(RequestsUnansweredError):
+        batch.run(FakeTI(try_number=1), retries=1, max_in_flight=2)
+    manifest = batch.run(FakeTI(try_number=2), retries=1, max_in_flight=2, max_failed_ratio=0.2)
+    assert manifest["request_counts"]["failed"] == 2
+    assert sorted(r["custom_id"] for r in batch.lines("out/results.errors.jsonl")) == ["r1", "r7"]
+
+
+def test_a_checkpoint_never_holds_a_429_or_5xx_answer(batch, server):
+    async def mostly_unwell(custom_id: str, body: dict, attempt: int) -> web.Response:
+        n = int(custom_id[1:])
+        if n % 4 == 0:
+            return _error(429, "rate limited", headers={"Retry-After": "0"})
+        if n % 4 == 1:
+            return _error((500, 504, 507)[n % 3])
+        if n % 4 == 2:
+            return _error(404, "no such model")
+        return _completion(custom_id)
+
+    server.behaviour = mostly_unwell
+    with pytest.raises(RequestsUnansweredError, match=r"10 request\(s\)"):
+        batch.run(retries=3, max_in_flight=4)
+    statuses = [r["response"]["status_code"] for k in batch.parts() for r in batch.lines(k)]
+    assert sorted(set(statuses)) == [200, 404] and len(statuses) == N // 2
+
+
+def test_answers_repeated_across_tries_checkpoints_keep_the_first_and_publish(batch, server, capfd):
+    server.behaviour = _dies_after(server, 10)
+    with pytest.raises(ServerUnavailableError):
+        batch.run(max_in_flight=1)
+    # A zombie try's part lands after its successor listed the parts: r3 and r4 answered twice.
+    zombie = [
+        {"id": "vllm-zombie", "custom_id": cid, "response": {"status_code": 200, "request_id": "z", "body": {"object": "chat.completion", "zombie": True}}, "error": None}
+        for cid in ("r3", "r4")
+    ]
+    first_part = batch.parts()[0]
+    batch.client.put_object(
+        Bucket=batch.bucket, Key=first_part.rsplit("/", 1)[0] + "/part-000099-deadbeef.jsonl", Body=b"".join(json.dumps(z).encode() + b"\n" for z in zombie)
+    )
+    server.restart()
+    server.behaviour = _dies_after(server, N)
+    manifest = batch.run(FakeTI(try_number=2), max_in_flight=1)
+    assert manifest["request_counts"] == {"total": N, "completed": N, "failed": 0}
+    published = [r for r in batch.lines("out/results.jsonl")]
+    assert sorted(r["custom_id"] for r in published) == sorted(f"r{i}" for i in range(N))
+    assert not any(r["id"] == "vllm-zombie" for r in published)
+    assert "2 later answer(s) of requests answered already" in capfd.readouterr().out
+
+
+def test_an_answer_to_a_custom_id_not_in_the_input_still_drops_the_parts(batch, server):
+    server.behaviour = _dies_after(server, 10)
+    with pytest.raises(ServerUnavailableError):
+        batch.run(max_in_flight=1)
+    stray = {"id": "vllm-x", "custom_id": "not-in-input", "response": {"status_code": 200, "request_id": "x", "body": {}}, "error": None}
+    prefix = batch.parts()[0].rsplit("/", 1)[0]
+    batch.client.put_object(Bucket=batch.bucket, Key=prefix + "/part-000099-deadbeef.jsonl", Body=json.dumps(stray).encode() + b"\n")
+    server.restart()
+    server.behaviour = _dies_after(server, N)
+    with pytest.raises(ResultsCheckError, match="custom_id that is not in the input"):
+        batch.run(FakeTI(try_number=2), max_in_flight=1)
+    assert batch.parts() == []
+
+
+@pytest.mark.parametrize(
+    ("try_number", "max_tries", "retries", "last"),
+    [
+        (1, 0, 0, True),  # retries=0: the only try is the last
+        (1, 2, 2, False),
+        (3, 2, 2, True),
+        (4, 5, 2, False),  # cleared after three tries: max_tries grew by the retries
+        (6, 5, 2, True),
+        (1, None, 2, False),  # a task instance that does not say: the task's retries decide
+        (1, 0, 2, False),  # max_tries not filled in by the API server yet
+    ],
+)
+def test_the_last_try_is_the_one_airflow_will_not_retry(try_number, max_tries, retries, last):
+    from airflow_vllm_batch.operators.vllm_batch import _task_of
+
+    ti = FakeTI(try_number=try_number)
+    if max_tries is not None:
+        ti.max_tries = max_tries
+    assert _task_of({"ti": ti}, retries)["last_try"] is last

@@ -114,3 +114,39 @@ def test_a_cancelled_run_still_reports_what_it_wrote(tmp_path):
     journal = Journal(tmp_path, on_part=lambda p, i: reported.append(i))
     asyncio.run(scenario())
     assert reported == [0] and journal.lines_durable == 1
+
+
+def test_lines_set_aside_never_reach_a_part(tmp_path):
+    journal = Journal(tmp_path, max_part_bytes=1)
+    journal.write(LINE)
+    journal.set_aside(b'{"custom_id":"left"}')
+    journal.write(LINE)
+    journal.close()
+    assert [p.lines for p in journal.parts] == [1, 1]
+    assert all(b"left" not in p.path.read_bytes() for p in journal.parts)
+    assert journal.set_aside_path.read_bytes() == b'{"custom_id":"left"}\n' and journal.lines_set_aside == 1
+
+
+def test_write_set_aside_journals_them_as_the_next_part(tmp_path):
+    reported: list[int] = []
+    journal = Journal(tmp_path, on_part=lambda p, i: reported.append(i), first_index=3)
+    journal.write(LINE)
+    journal.set_aside(b'{"custom_id":"left-1"}\n')
+    journal.set_aside(b'{"custom_id":"left-2"}')
+    journal.close()
+    assert journal.write_set_aside() == 2
+    journal.close()
+    assert reported == [3, 4]
+    assert journal.parts[-1].path.read_bytes() == b'{"custom_id":"left-1"}\n{"custom_id":"left-2"}\n'
+
+
+def test_a_new_journal_does_not_inherit_lines_an_earlier_try_set_aside(tmp_path):
+    earlier = Journal(tmp_path)
+    earlier.set_aside(b'{"custom_id":"old"}')
+    earlier.close()
+    journal = Journal(tmp_path)
+    journal.set_aside(b'{"custom_id":"new"}')
+    journal.close()
+    assert journal.write_set_aside() == 1
+    journal.close()
+    assert journal.parts[-1].path.read_bytes() == b'{"custom_id":"new"}\n'

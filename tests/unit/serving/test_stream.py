@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import email.utils
 import json
 import re
 import threading
@@ -19,6 +20,7 @@ from airflow_vllm_batch.serving import (
     StreamStats,
     run_stream,
 )
+from airflow_vllm_batch.serving import stream
 from airflow_vllm_batch.serving.stream import result_line
 from tests.unit.serving.conftest import API_KEY, StandIn, chat_completion, request_lines
 
@@ -134,18 +136,116 @@ def test_an_answer_that_is_not_an_error_response_becomes_a_string_error(stand_in
     assert line["error"] == 'HTTP 404 from /v1/chat/completions: {"detail": "Not Found"}'
 
 
-def test_a_request_that_keeps_timing_out_becomes_an_error_line(stand_in, tmp_path):
+def test_a_request_that_keeps_timing_out_is_set_aside_with_a_504_line_not_journaled(stand_in, tmp_path):
     async def stuck_r0(custom_id, body, attempt):
         if custom_id == "r0":
             await asyncio.sleep(2)
         return web.json_response(chat_completion(custom_id))
 
     stand_in.behaviour = stuck_r0
-    stats, results, _ = _stream(stand_in, tmp_path, request_lines(2), retries=1, request_timeout_s=0.2)
-    (line,) = [r for r in results if r["custom_id"] == "r0"]
-    assert line["response"]["status_code"] == 504
-    assert "no answer within 0.2s" in line["error"]
-    assert stats.failed == 1 and stand_in.attempts["r0"] == 2
+    stats, results, journal = _stream(stand_in, tmp_path, request_lines(2), retries=1, request_timeout_s=0.2)
+    assert [r["custom_id"] for r in results] == ["r1"]
+    (line,) = _set_aside_lines(journal)
+    assert line["custom_id"] == "r0" and line["response"]["status_code"] == 504
+    assert "no answer within 0.2s, 2 attempts" in line["error"]
+    assert (stats.done, stats.failed, stats.unanswered, stats.unanswered_reasons) == (1, 0, 1, {"timeout": 1})
+    assert stand_in.attempts["r0"] == 2
+
+
+def _set_aside_lines(journal: Journal) -> list[dict]:
+    path = journal.set_aside_path
+    return [json.loads(line) for line in path.read_bytes().splitlines()] if path.exists() else []
+
+
+def _answer_after(failures: int, status: int, headers: dict | None = None):
+    """A behaviour answering ``status`` to the first ``failures`` attempts of every request, then a completion."""
+
+    async def behaviour(custom_id, body, attempt):
+        if attempt <= failures:
+            return web.json_response({"error": {"message": "try later", "type": "Busy", "param": None, "code": status}}, status=status, headers=headers)
+        return web.json_response(chat_completion(custom_id))
+
+    return behaviour
+
+
+@pytest.mark.parametrize("status", [408, 429, 500, 504])
+def test_a_transient_status_is_retried_inside_the_try_until_the_answer_is_200(stand_in, tmp_path, status):
+    stand_in.behaviour = _answer_after(2, status)
+    stats, results, _ = _stream(stand_in, tmp_path, request_lines(3), retries=3)
+    assert [r["response"]["status_code"] for r in results] == [200] * 3
+    assert set(stand_in.attempts.values()) == {3}
+    assert (stats.retried, stats.failed) == (6, 0)
+
+
+def test_a_429_waits_as_long_as_its_retry_after_says(stand_in, tmp_path):
+    seen: list[float] = []
+
+    async def rate_limited(custom_id, body, attempt):
+        seen.append(asyncio.get_running_loop().time())
+        if attempt == 1:
+            return web.json_response({"error": "slow down"}, status=429, headers={"Retry-After": "1"})
+        return web.json_response(chat_completion(custom_id))
+
+    stand_in.behaviour = rate_limited
+    # backoff_s=0.01: without Retry-After the retry would come within about 10 ms.
+    _, results, _ = _stream(stand_in, tmp_path, request_lines(1), retries=2, backoff_s=0.01)
+    assert [r["response"]["status_code"] for r in results] == [200]
+    assert len(seen) == 2 and 1.0 <= seen[1] - seen[0] < 1.2 + 0.5
+
+
+@pytest.mark.parametrize("status", [408, 429, 500, 504, 507])
+def test_a_request_whose_retries_run_out_on_a_non_final_answer_is_set_aside_and_the_others_go_on(stand_in, tmp_path, status):
+    async def r1_never_answers(custom_id, body, attempt):
+        if custom_id == "r1":
+            return web.json_response({"error": {"message": "engine busy", "type": "Busy", "param": None, "code": status}}, status=status)
+        return web.json_response(chat_completion(custom_id))
+
+    stand_in.behaviour = r1_never_answers
+    stats, results, journal = _stream(stand_in, tmp_path, request_lines(4), retries=2)
+    assert sorted(r["custom_id"] for r in results) == ["r0", "r2", "r3"]  # nothing but final answers in the parts
+    assert stand_in.attempts["r1"] == 3
+    (line,) = _set_aside_lines(journal)
+    assert line["custom_id"] == "r1" and line["response"]["status_code"] == status
+    assert line["error"]["error"]["message"] == "engine busy"
+    assert (stats.unanswered, stats.unanswered_reasons, stats.unanswered_example) == (1, {f"HTTP {status}": 1}, "r1")
+
+
+def test_a_200_whose_body_is_not_json_is_retried_not_journaled(stand_in, tmp_path):
+    async def cut_short_once(custom_id, body, attempt):
+        if attempt == 1:
+            return web.Response(body=b"<html>gateway</html>", status=200, content_type="text/html")
+        return web.json_response(chat_completion(custom_id))
+
+    stand_in.behaviour = cut_short_once
+    stats, results, _ = _stream(stand_in, tmp_path, request_lines(2), retries=1)
+    assert [r["response"]["status_code"] for r in results] == [200, 200]
+    assert stats.retried == 2
+
+
+def _http_date(seconds_from_now: float, now: float) -> str:
+    return email.utils.formatdate(now + seconds_from_now, usegmt=True)
+
+
+@pytest.mark.parametrize(
+    ("header", "expected"),
+    [
+        ("3", 3.0),
+        (" 0.25 ", 0.25),
+        ("date+5", 5.0),
+        ("date-30", 0.0),
+        ("3600", stream.MAX_RETRY_AFTER_S),
+        ("date+3600", stream.MAX_RETRY_AFTER_S),
+        ("soon", None),
+        ("nan", None),
+        ("", None),
+        (None, None),
+    ],
+)
+def test_retry_after_is_read_as_seconds_or_an_http_date_and_capped(header, expected):
+    now = 1_800_000_000.0
+    if header and header.startswith("date"):
+        header = _http_date(float(header[4:]), now)
+    assert stream.retry_after_s(header, now=now) == expected
 
 
 def test_skipped_requests_are_not_sent(stand_in, tmp_path):

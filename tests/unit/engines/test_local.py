@@ -1,0 +1,46 @@
+"""An engine this task starts checks ``engine_args`` with its own entrypoint's parser (issue 18, bug 1).
+
+The server's check runs vLLM's real parser in a child process (about 10 s); the runner's
+refusal of the same flags is among the cases of ``tests/unit/hooks/test_engine_checks.py``,
+which share one run of that parser.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+from airflow_vllm_batch.engines.local import arguments_marker_digest
+from airflow_vllm_batch.engines.server import ServerEngine
+from airflow_vllm_batch.hooks.vllm_engine import EngineInfo
+from airflow_vllm_batch.run.settings import BatchSettings
+
+#: Flags only vLLM's OpenAI server has: the batch runner's parser refuses ``--uvicorn-log-level``.
+SERVER_FLAGS = ["--enforce-eager", "--uvicorn-log-level", "warning"]
+INFO = EngineInfo(vllm_version="0.32.0", supported_urls=frozenset({"/v1/chat/completions"}))
+
+
+def _server_engine(results_dir: Path) -> ServerEngine:
+    settings = BatchSettings.from_rendered(
+        input_uri="s3://b/in.jsonl",
+        output_uri="s3://b/out/results.jsonl",
+        model="m",
+        engine="server",
+        engine_args=SERVER_FLAGS,
+        results_dir=str(results_dir),
+    )
+    return ServerEngine(settings, logging.getLogger(__name__))
+
+
+def test_a_task_started_server_accepts_its_own_flags_in_the_argument_check(tmp_path):
+    engine = _server_engine(tmp_path)
+    engine.check_arguments(INFO)  # the installed vLLM's api_server parser: raises if it refuses them
+    assert [p.name for p in tmp_path.glob("engine-args-ok-*")] == [
+        f"engine-args-ok-{arguments_marker_digest(sys.executable, '0.32.0', 'm', SERVER_FLAGS, 'api_server')}"
+    ]
+
+
+def test_arguments_that_passed_one_entrypoint_are_not_remembered_for_the_other():
+    digests = {ep: arguments_marker_digest(sys.executable, "0.32.0", "m", SERVER_FLAGS, ep) for ep in ("api_server", "run_batch")}
+    assert digests["api_server"] != digests["run_batch"]

@@ -24,6 +24,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 from airflow_vllm_batch.batchfile import CustomIdIndex
 from airflow_vllm_batch.engines.base import Engine, EngineJob, EngineResults
 from airflow_vllm_batch.engines.local import LocalEngine
+from airflow_vllm_batch.engines.sizing import connection_in_flight, started_server_in_flight
 from airflow_vllm_batch.exceptions import ConfigurationError, StorageUnavailableError
 from airflow_vllm_batch.hooks.model_names import ServedModels, served_models_of_server
 from airflow_vllm_batch.hooks.vllm_engine import FALLBACK_SUPPORTED_URLS, EngineInfo, EngineRun
@@ -166,7 +167,11 @@ class ServerEngine(_Streaming, LocalEngine):
         return {**LocalEngine.identity(self), "engine": "server"}
 
     def before_stream(self, info: EngineInfo) -> None:
-        self.check_arguments(info)
+        self.server.engine_args = self.engine_arguments(info)
+        sizes = self.scheduler_sizes
+        assert sizes is not None
+        self.server.max_in_flight, why = started_server_in_flight(self.settings.max_in_flight, sizes, self.server.engine_args)
+        self.log.info("In flight: at most %d requests (%s)", self.server.max_in_flight, why)
 
     def gpus_for(self, job: EngineJob) -> Any:
         return self.leased_gpus(self.server.env, job.holder)
@@ -200,6 +205,10 @@ class ConnectionEngine(_Streaming):
 
     def identity(self) -> dict[str, Any]:
         return {"engine_command": None, "engine_args": None, "engine": "vllm_connection"}
+
+    def before_stream(self, info: EngineInfo) -> None:
+        self.server.max_in_flight, why = connection_in_flight(self.settings.max_in_flight, self.server.warm_hook.max_in_flight)
+        self.log.info("In flight: at most %d requests (%s)", self.server.max_in_flight, why)
 
 
 def answered_ids(staging: RunStaging, parts: list[str]) -> CustomIdIndex:

@@ -52,6 +52,18 @@ def world_size(engine_args: Sequence[str]) -> int:
     return sizes.get("tensor_parallel_size", 1) * sizes.get("pipeline_parallel_size", 1)
 
 
+def api_server_count(engine_args: Sequence[str]) -> int | None:
+    """The ``--api-server-count`` (``-asc``) in ``engine_args``, when set."""
+    options = _read_options(engine_args)
+    if "--api-server-count" in options:
+        return _int_option(options, "--api-server-count")
+    args = list(engine_args)
+    for i, arg in enumerate(args[:-1]):
+        if arg == "-asc" and args[i + 1].isdigit():
+            return int(args[i + 1])
+    return None
+
+
 def _int_option(options: dict[str, list[str]], name: str) -> int | None:
     values = options.get(name)
     try:

@@ -233,3 +233,13 @@ def test_started_server_gets_in_flight_sized_to_its_scheduler(monkeypatch, tmp_p
     assert engine.server.max_in_flight == 2 * 1024 * 2
     assert engine.server.engine_args[-4:] == ["--max-num-seqs", "1024", "--max-num-batched-tokens", "16384"]
     assert "In flight: at most 4096 requests (twice the server's max_num_seqs 1024" in caplog.text
+
+
+@pytest.mark.parametrize("flag", [["--api-server-count", "2"], ["--api-server-count=2"], ["-asc", "2"]], ids=["space", "equals", "short"])
+def test_started_server_warns_that_its_module_ignores_api_server_count(monkeypatch, tmp_path, caplog, flag):
+    monkeypatch.setattr(local_engines, "check_engine_args", _Reader())
+    engine = _engine(ServerEngine, tmp_path, engine="server", engine_args=flag)
+    with caplog.at_level(logging.WARNING):
+        engine.before_stream(INFO)
+    assert "--api-server-count has no effect here" in caplog.text
+    assert engine.server.engine_args[: len(flag)] == flag  # passed through all the same

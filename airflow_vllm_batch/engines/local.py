@@ -11,10 +11,17 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from airflow_vllm_batch.engines import sizing
 from airflow_vllm_batch.engines.base import Engine
 from airflow_vllm_batch.exceptions import EngineArgumentsError
 from airflow_vllm_batch.gpus import GPUPlan, engine_gpus, plan_gpus
-from airflow_vllm_batch.hooks.engine_checks import check_engine_args, inspect_model
+from airflow_vllm_batch.hooks.engine_checks import (
+    OfflineDefaults,
+    OfflineDefaultsUnavailable,
+    _read_options,
+    check_engine_args,
+    inspect_model,
+)
 from airflow_vllm_batch.hooks.model_names import ServedModels, check_adapters, cpu_lora_slots_problem, served_models
 from airflow_vllm_batch.hooks.vllm_engine import FALLBACK_SUPPORTED_URLS, EngineInfo, probe_engine
 
@@ -44,6 +51,7 @@ class LocalEngine(Engine):
     def __init__(self, settings: BatchSettings, log: logging.Logger) -> None:
         super().__init__(settings, log)
         self._gpu_plan: GPUPlan | None = None
+        self._sizes: sizing.SchedulerSizes | None = None
 
     @property
     def python(self) -> str:
@@ -92,20 +100,69 @@ class LocalEngine(Engine):
         ):
             raise EngineArgumentsError(problem)
 
-    def check_arguments(self, info: EngineInfo) -> None:
-        """Parse ``engine_args`` with this entrypoint's own parser, once per worker and setting.
+    def engine_arguments(self, info: EngineInfo) -> list[str]:
+        """The arguments the engine starts with: ``engine_args``, checked, plus offline scheduler sizes.
 
-        Importing vLLM's parser takes several seconds (torch), so this runs after preflight
-        (a bad line, the commoner mistake, fails first) and a marker in ``results_dir``
-        remembers arguments that passed, for the same engine environment, version and entrypoint.
+        ``engine_args`` are parsed with this entrypoint's own parser, and vLLM's offline
+        scheduler defaults for the engine's device are read, in one run of the engine's
+        Python (:func:`~airflow_vllm_batch.hooks.engine_checks.check_engine_args`): importing
+        vLLM takes several seconds (torch), so this runs after preflight (a bad line, the
+        commoner mistake, fails first), and markers in ``results_dir`` remember arguments
+        that passed and the defaults read, for the same engine environment and version.
+        The sizes fill only what ``engine_args`` leave unset (:mod:`~airflow_vllm_batch.engines.sizing`);
+        none for a custom ``engine_command``, whose vLLM this worker cannot ask.
         """
+        if self._sizes is not None:
+            return [*self.settings.engine_args, *self._sizes.flags]
         args = list(self.settings.engine_args)
-        if not args or self.settings.engine_command:
-            return
+        if self.settings.engine_command:
+            return args
+        wanted = not (sizing.MAX_NUM_SEQS in _option_names(args) and sizing.MAX_NUM_BATCHED_TOKENS in _option_names(args))
+        size = sizing.world_size(args)
         digest = arguments_marker_digest(self.python, info.vllm_version, self.settings.model, args, self.entrypoint)
-        marker = Path(self.settings.results_dir) / f"engine-args-ok-{digest}"
-        if marker.exists():
-            return
-        check_engine_args(self.python, self.settings.model, args, entrypoint=self.entrypoint)
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.touch()
+        checked = Path(self.settings.results_dir) / f"engine-args-ok-{digest}"
+        remembered = Path(self.settings.results_dir) / f"engine-offline-defaults-{_defaults_digest(self.python, info.vllm_version, size)}.json"
+        defaults = _read_defaults(remembered) if wanted else None
+        needs_check = bool(args) and not checked.exists()
+        if needs_check or (wanted and defaults is None):
+            try:
+                read = check_engine_args(
+                    self.python,
+                    self.settings.model,
+                    args,
+                    entrypoint=self.entrypoint,
+                    offline_defaults_for=size if wanted and defaults is None else None,
+                    env=self.settings.engine_environment,
+                )
+            except OfflineDefaultsUnavailable as err:
+                self.log.warning("%s", err)
+                read = None
+            checked.parent.mkdir(parents=True, exist_ok=True)
+            checked.touch()
+            if read is not None:
+                remembered.write_text(read.to_json(), encoding="utf-8")
+                defaults = read
+        self._sizes = sizing.scheduler_sizes(args, defaults, model_kind=info.model_kind)
+        self.log.info("%s", self._sizes.note)
+        return [*args, *self._sizes.flags]
+
+    @property
+    def scheduler_sizes(self) -> sizing.SchedulerSizes | None:
+        """The scheduler sizes :meth:`engine_arguments` chose, once it ran."""
+        return self._sizes
+
+
+def _option_names(args: list[str]) -> set[str]:
+    return set(_read_options(args))
+
+
+def _defaults_digest(python: str, vllm_version: str | None, world_size: int) -> str:
+    return hashlib.sha256(json.dumps([python, vllm_version, world_size]).encode()).hexdigest()[:16]
+
+
+def _read_defaults(path: Path) -> OfflineDefaults | None:
+    """The offline defaults an earlier try on this worker read, or None."""
+    try:
+        return OfflineDefaults(**json.loads(path.read_text(encoding="utf-8")))
+    except (OSError, ValueError, TypeError):
+        return None

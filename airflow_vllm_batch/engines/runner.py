@@ -59,7 +59,7 @@ class RunnerEngine(LocalEngine):
             self.stage(job, kept)
             staged.open_results = lambda: open_lines(str(kept))
             return staged
-        self.check_arguments(info)
+        self.engine_arguments(info)
         engine_input = self.engine_input(job)
         if self.settings.output_mode == "presigned":
             output = job.input.presign("put_object", staging.bucket, staging.results_key)
@@ -98,7 +98,7 @@ class RunnerEngine(LocalEngine):
 
     def run_engine(self, info: EngineInfo, input_location: str, output_location: str, job: EngineJob) -> EngineRun:
         """Run the batch runner to completion; raise when it failed."""
-        engine_args = list(self.settings.engine_args)
+        engine_args = self.engine_arguments(info)
         if not self.settings.engine_command and "output_tmp_dir" in info.runner_options and output_location.startswith("http"):
             # Without it vLLM holds a URL output in memory until its final PUT.
             engine_args += ["--output-tmp-dir", str(job.work)]

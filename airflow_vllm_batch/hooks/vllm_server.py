@@ -517,6 +517,8 @@ class VLLMServerEngine:
     :param grace_s: seconds between SIGTERM and SIGKILL when stopping a started server.
     :param pass_fds: descriptors a started server inherits (a GPU lease's locks); settable
         until :meth:`run`.
+    :param max_in_flight: most requests in flight when :meth:`run` is given none; settable
+        until :meth:`run`. Default: the connection's ``max_in_flight`` extra, else 512.
     """
 
     def __init__(
@@ -529,9 +531,11 @@ class VLLMServerEngine:
         python: str | None = None,
         grace_s: float = DEFAULT_GRACE_S,
         pass_fds: Sequence[int] = (),
+        max_in_flight: int | None = None,
     ) -> None:
         self.model = model
         self.pass_fds = tuple(pass_fds)
+        self.max_in_flight = max_in_flight
         self.vllm_conn_id = vllm_conn_id
         self.engine_args = list(engine_args)
         self.env = env
@@ -568,7 +572,7 @@ class VLLMServerEngine:
         """Stream the batch through the server (starting and stopping one when there is no connection)."""
         stream: dict[str, Any] = {
             "journal": journal,
-            "max_in_flight": max_in_flight,
+            "max_in_flight": max_in_flight or self.max_in_flight,
             "skip": skip,
             "on_progress": on_progress,
             "progress_every_s": progress_every_s,

@@ -312,3 +312,10 @@ def test_cached_hub_model_is_read_from_its_snapshot(tiny_model, tmp_path):
     env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub")}
     info = inspect_model("org/tiny", ["--served-model-name", "tiny"], env=env)
     assert (info.kind, info.local_path, info.served_names) == ("generate", repo / "snapshots" / commit, ["tiny"])
+
+
+def test_check_engine_args_reads_vllms_offline_defaults_for_the_engines_device_and_world_size():
+    """On this CPU vLLM's offline row is 256 sequences and 4096 tokens per rank of tensor x pipeline parallel."""
+    defaults = check_engine_args(sys.executable, "m", ["--enforce-eager"], offline_defaults_for=2)
+    assert defaults is not None
+    assert (defaults.max_num_seqs, defaults.max_num_batched_tokens, defaults.device) == (512, 8192, "cpu")

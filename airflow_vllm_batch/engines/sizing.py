@@ -1,0 +1,165 @@
+"""How much the engines this task starts schedule at once, and how many requests the server stream keeps in flight.
+
+vLLM sizes its scheduler by entry point: its offline ``LLM`` class gets the large rows of
+``EngineArgs.get_batch_defaults`` (1024 sequences and 16384 tokens on an H100), its
+OpenAI server smaller ones, and its batch runner none at all (it falls back to 128 and
+2048 on every device). A batch is offline work, so the engines this task starts get the
+offline row of the installed vLLM, read on the engine's own device
+(:class:`~airflow_vllm_batch.hooks.engine_checks.OfflineDefaults`), passed as flags for
+what ``engine_args`` leave unset: the user's flags always win.
+
+Not in the run identity: the sizes change how requests are grouped into steps, not what
+an answer means, and the vLLM version that decides them is in it already. A retry on
+another kind of GPU resumes the same run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from airflow_vllm_batch.gpus import parallel_sizes
+from airflow_vllm_batch.hooks.engine_checks import OfflineDefaults, _read_options
+from airflow_vllm_batch.serving import DEFAULT_MAX_IN_FLIGHT
+
+MAX_NUM_SEQS = "--max-num-seqs"
+MAX_NUM_BATCHED_TOKENS = "--max-num-batched-tokens"
+#: Requests in flight per sequence the server schedules at once: the second half waits in its
+#: queue, so a finished sequence is replaced in the same step rather than after a round trip.
+IN_FLIGHT_PER_SEQUENCE = 2
+
+
+@dataclass(frozen=True)
+class SchedulerSizes:
+    """The scheduler sizes an engine starts with.
+
+    :param flags: the flags added to ``engine_args`` (empty when the user set both, or
+        nothing could be read).
+    :param max_num_seqs: the sequences it schedules at once, when known (the user's or ours).
+    :param max_num_batched_tokens: the tokens per step, when known (None: vLLM derives it).
+    :param note: one line for the task log saying what was chosen and why.
+    """
+
+    flags: list[str]
+    max_num_seqs: int | None
+    max_num_batched_tokens: int | None
+    note: str
+
+
+def world_size(engine_args: Sequence[str]) -> int:
+    """Tensor times pipeline parallel size in ``engine_args`` (what vLLM's CPU rows scale with)."""
+    sizes = parallel_sizes(engine_args)
+    return sizes.get("tensor_parallel_size", 1) * sizes.get("pipeline_parallel_size", 1)
+
+
+def api_server_count(engine_args: Sequence[str]) -> int | None:
+    """The ``--api-server-count`` (``-asc``) in ``engine_args``, when set."""
+    options = _read_options(engine_args)
+    if "--api-server-count" in options:
+        return _int_option(options, "--api-server-count")
+    args = list(engine_args)
+    for i, arg in enumerate(args[:-1]):
+        if arg == "-asc" and args[i + 1].isdigit():
+            return int(args[i + 1])
+    return None
+
+
+def _int_option(options: dict[str, list[str]], name: str) -> int | None:
+    values = options.get(name)
+    try:
+        return int(values[-1]) if values else None
+    except ValueError:
+        return None  # "auto", "4k": the parser check decides; vLLM resolves it
+
+
+def scheduler_sizes(engine_args: Sequence[str], defaults: OfflineDefaults | None, *, model_kind: str | None) -> SchedulerSizes:
+    """The offline scheduler sizes to add to ``engine_args``, for the flags the user did not set.
+
+    Three of vLLM's own rules are kept, because an explicit flag skips them: throughput
+    mode (``--performance-mode throughput``) doubles the defaults; no fewer tokens than
+    sequences per step; and without chunked prefill (pooling models, or
+    ``--no-enable-chunked-prefill``) a step must hold a whole prompt, so the token budget
+    is left to vLLM (which knows the model's length) unless ``--max-model-len`` says it.
+
+    :param engine_args: the user's engine arguments.
+    :param defaults: the offline sizes of the engine's vLLM on its device; None when unknown.
+    :param model_kind: ``"generate"`` or ``"pooling"``, when known.
+    """
+    options = _read_options(engine_args)
+    user_seqs = _int_option(options, MAX_NUM_SEQS)
+    user_tokens = _int_option(options, MAX_NUM_BATCHED_TOKENS)
+    seqs_set, tokens_set = MAX_NUM_SEQS in options, MAX_NUM_BATCHED_TOKENS in options
+    if seqs_set and tokens_set:
+        return SchedulerSizes([], user_seqs, user_tokens, f"Scheduler: {MAX_NUM_SEQS} and {MAX_NUM_BATCHED_TOKENS} as engine_args set them")
+    if defaults is None:
+        return SchedulerSizes([], user_seqs, user_tokens, "Scheduler: vLLM's own defaults for this entry point (its offline defaults could not be read)")
+    factor = 2 if (options.get("--performance-mode") or [""])[-1] == "throughput" else 1
+    flags: list[str] = []
+    why = [f"vLLM's offline defaults on {defaults.device}" + (f", world size {defaults.world_size}" if defaults.world_size > 1 else "")]
+    if factor > 1:
+        why.append("doubled for --performance-mode throughput")
+    if seqs_set:
+        seqs = user_seqs
+        why.append(f"{MAX_NUM_SEQS} from engine_args")
+    else:
+        seqs = defaults.max_num_seqs * factor
+        if user_tokens is not None and user_tokens < seqs:
+            seqs = user_tokens
+            why.append(f"{MAX_NUM_SEQS} at most engine_args' {MAX_NUM_BATCHED_TOKENS}")
+        flags += [MAX_NUM_SEQS, str(seqs)]
+    tokens: int | None
+    if tokens_set:
+        tokens = user_tokens
+        why.append(f"{MAX_NUM_BATCHED_TOKENS} from engine_args")
+    else:
+        whole_prompts = model_kind == "pooling" or "--no-enable-chunked-prefill" in options or (
+            (options.get("--enable-chunked-prefill") or ["true"])[-1].lower() in ("false", "0", "no")
+        )
+        max_model_len = _int_option(options, "--max-model-len")
+        if whole_prompts and max_model_len is None:
+            tokens = None
+            why.append(f"{MAX_NUM_BATCHED_TOKENS} left to vLLM (no chunked prefill: a step holds whole prompts of the model's length)")
+        else:
+            tokens = max(defaults.max_num_batched_tokens * factor, seqs or 0, max_model_len if whole_prompts else 0)
+            flags += [MAX_NUM_BATCHED_TOKENS, str(tokens)]
+    shown = " ".join(flags)
+    return SchedulerSizes(flags, seqs, tokens, f"Scheduler: {shown} ({'; '.join(why)}); set them in engine_args to override")
+
+
+def started_server_in_flight(user: int | None, sizes: SchedulerSizes, engine_args: Sequence[str]) -> tuple[int, str]:
+    """Requests in flight to a server this task starts, and why.
+
+    :param user: the operator's ``max_in_flight``; always wins.
+    :param sizes: the server's scheduler sizes.
+    :param engine_args: the server's arguments (``--data-parallel-size``: one scheduler per rank).
+    """
+    if user:
+        return user, "max_in_flight from the operator"
+    data_parallel = parallel_sizes(engine_args).get("data_parallel_size", 1)
+    if sizes.max_num_seqs:
+        return (
+            IN_FLIGHT_PER_SEQUENCE * sizes.max_num_seqs * data_parallel,
+            f"twice the server's max_num_seqs {sizes.max_num_seqs} times its data-parallel size {data_parallel}",
+        )
+    return DEFAULT_MAX_IN_FLIGHT, "the stream's default (the server's max_num_seqs is unknown)"
+
+
+def connection_in_flight(user: int | None, extra: int | None) -> tuple[int, str]:
+    """Requests in flight to a warm server behind a ``vllm`` connection, and why.
+
+    A vLLM 0.32 server does not tell a client how many sequences it schedules: neither
+    ``/metrics`` (only ``vllm:cache_config_info``) nor ``/version`` say it, and
+    ``/server_info`` exists only with ``VLLM_SERVER_DEV_MODE=1``, which vLLM says never
+    to run in production. The connection's ``max_in_flight`` extra is where to say it.
+
+    :param user: the operator's ``max_in_flight``; always wins.
+    :param extra: the connection's ``max_in_flight`` extra.
+    """
+    if user:
+        return user, "max_in_flight from the operator"
+    if extra:
+        return extra, "the connection's max_in_flight extra"
+    return DEFAULT_MAX_IN_FLIGHT, (
+        "the stream's default: the server does not say its max_num_seqs; set the connection's max_in_flight "
+        "extra to twice its --max-num-seqs times its replicas"
+    )

@@ -1,0 +1,245 @@
+"""The scheduler sizes and in-flight bounds the engines start with, every branch without an engine.
+
+One test reads vLLM's own table (``EngineArgs.get_batch_defaults``) with the device
+mocked, to show the offline row is what is read on a GPU; the rest are pure rules. The
+real engines report what they resolved in ``tests/integration/test_engine_sizing.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from airflow_vllm_batch.engines import local as local_engines
+from airflow_vllm_batch.engines.runner import RunnerEngine
+from airflow_vllm_batch.engines.server import ServerEngine
+from airflow_vllm_batch.engines.sizing import (
+    connection_in_flight,
+    scheduler_sizes,
+    started_server_in_flight,
+    world_size,
+)
+from airflow_vllm_batch.hooks.engine_checks import OfflineDefaults, OfflineDefaultsUnavailable
+from airflow_vllm_batch.hooks.vllm_engine import EngineInfo
+from airflow_vllm_batch.run.settings import BatchSettings
+
+H100 = OfflineDefaults(max_num_seqs=1024, max_num_batched_tokens=16384, device="NVIDIA H100 80GB HBM3")
+GiB = 1 << 30
+
+
+def _gpu(name: str, memory_gib: int) -> SimpleNamespace:
+    """A stand-in for vLLM's current platform on a CUDA GPU (only what the table asks)."""
+    return SimpleNamespace(
+        get_device_total_memory=lambda device_id=0: memory_gib * GiB,
+        get_device_name=lambda device_id=0: name,
+        is_tpu=lambda: False,
+        is_cpu=lambda: False,
+        device_type="cuda",
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "memory_gib", "offline", "server"),
+    [
+        ("NVIDIA H100 80GB HBM3", 80, (1024, 16384), (1024, 8192)),
+        ("NVIDIA A100-SXM4-80GB", 80, (256, 8192), (256, 2048)),
+        ("NVIDIA B200", 180, (1024, 16384), (1024, 16384)),
+    ],
+    ids=["h100", "a100", "b200"],
+)
+def test_offline_defaults_are_vllms_llm_class_row_for_the_gpu(monkeypatch, name, memory_gib, offline, server):
+    vllm_platforms = pytest.importorskip("vllm.platforms")
+    from vllm.engine import arg_utils
+    from vllm.usage.usage_lib import UsageContext
+
+    from airflow_vllm_batch.hooks import engine_argcheck
+
+    gpu = _gpu(name, memory_gib)
+    monkeypatch.setattr(arg_utils, "current_platform", gpu)
+    monkeypatch.setattr(vllm_platforms, "_current_platform", gpu)
+    read = engine_argcheck.offline_defaults(1)
+    assert (read["max_num_seqs"], read["max_num_batched_tokens"]) == offline
+    assert read["device"] == name
+    # The row read is the offline one, not the server's (nor the runner's, which has none).
+    tokens, seqs = arg_utils.EngineArgs.get_batch_defaults(1)
+    assert (seqs[UsageContext.OPENAI_API_SERVER], tokens[UsageContext.OPENAI_API_SERVER]) == server
+    assert UsageContext.OPENAI_BATCH_RUNNER not in seqs
+
+
+def test_neither_size_set_adds_both_offline_defaults():
+    sizes = scheduler_sizes(["--enforce-eager"], H100, model_kind="generate")
+    assert sizes.flags == ["--max-num-seqs", "1024", "--max-num-batched-tokens", "16384"]
+    assert "NVIDIA H100" in sizes.note and "override" in sizes.note
+
+
+@pytest.mark.parametrize("spelling", [["--max-num-seqs", "64"], ["--max-num-seqs=64"], ["--max_num_seqs", "64"]], ids=["space", "equals", "underscores"])
+def test_users_max_num_seqs_is_kept_and_only_tokens_are_added(spelling):
+    sizes = scheduler_sizes(spelling, H100, model_kind="generate")
+    assert sizes.flags == ["--max-num-batched-tokens", "16384"]
+    assert sizes.max_num_seqs == 64
+
+
+def test_users_max_num_batched_tokens_is_kept_and_caps_the_added_sequences():
+    sizes = scheduler_sizes(["--max-num-batched-tokens=512"], H100, model_kind="generate")
+    # vLLM refuses fewer tokens per step than sequences.
+    assert sizes.flags == ["--max-num-seqs", "512"]
+    assert sizes.max_num_batched_tokens == 512
+
+
+def test_both_sizes_set_adds_nothing_and_needs_no_defaults():
+    sizes = scheduler_sizes(["--max-num-seqs", "8", "--max-num-batched-tokens", "64"], None, model_kind=None)
+    assert sizes.flags == [] and (sizes.max_num_seqs, sizes.max_num_batched_tokens) == (8, 64)
+
+
+def test_unreadable_defaults_add_nothing():
+    assert scheduler_sizes([], None, model_kind="generate").flags == []
+
+
+def test_throughput_mode_doubles_the_added_defaults_as_vllm_does():
+    sizes = scheduler_sizes(["--performance-mode", "throughput"], H100, model_kind="generate")
+    assert sizes.flags == ["--max-num-seqs", "2048", "--max-num-batched-tokens", "32768"]
+
+
+@pytest.mark.parametrize(
+    ("engine_args", "kind"),
+    [([], "pooling"), (["--no-enable-chunked-prefill"], "generate")],
+    ids=["pooling-model", "chunked-prefill-off"],
+)
+def test_without_chunked_prefill_the_token_budget_is_left_to_vllm(engine_args, kind):
+    sizes = scheduler_sizes(engine_args, H100, model_kind=kind)
+    assert sizes.flags == ["--max-num-seqs", "1024"]
+    assert sizes.max_num_batched_tokens is None
+
+
+def test_without_chunked_prefill_a_given_max_model_len_raises_the_token_budget():
+    sizes = scheduler_sizes(["--max-model-len", "32768"], H100, model_kind="pooling")
+    assert sizes.flags == ["--max-num-seqs", "1024", "--max-num-batched-tokens", "32768"]
+
+
+def test_world_size_is_tensor_times_pipeline_parallel():
+    assert world_size(["-tp", "2", "--pipeline-parallel-size=2", "-dp", "4"]) == 4
+
+
+def test_started_server_in_flight_is_twice_max_num_seqs_times_data_parallel():
+    sizes = scheduler_sizes(["-dp", "2"], H100, model_kind="generate")
+    assert started_server_in_flight(None, sizes, ["-dp", "2"])[0] == 4096
+
+
+def test_started_server_in_flight_follows_the_users_max_num_seqs():
+    sizes = scheduler_sizes(["--max-num-seqs", "64"], H100, model_kind="generate")
+    assert started_server_in_flight(None, sizes, ["--max-num-seqs", "64"]) == (128, "twice the server's max_num_seqs 64 times its data-parallel size 1")
+
+
+def test_operators_max_in_flight_wins_for_a_started_server():
+    sizes = scheduler_sizes([], H100, model_kind="generate")
+    assert started_server_in_flight(7, sizes, [])[0] == 7
+
+
+def test_started_server_of_unknown_size_gets_the_streams_default():
+    assert started_server_in_flight(None, scheduler_sizes([], None, model_kind=None), [])[0] == 512
+
+
+@pytest.mark.parametrize(
+    ("user", "extra", "expected", "reason"),
+    [(7, 100, 7, "operator"), (None, 100, 100, "connection's max_in_flight extra"), (None, None, 512, "does not say its max_num_seqs")],
+    ids=["operator-wins", "connection-extra", "default"],
+)
+def test_connection_in_flight(user, extra, expected, reason):
+    chosen, why = connection_in_flight(user, extra)
+    assert chosen == expected and reason in why
+
+
+# -- the engines: what they pass, read once per worker ---------------------------------
+
+
+class _Reader:
+    """Stands in for the engine Python's check script: counts its runs, answers with fixed defaults."""
+
+    def __init__(self, defaults: OfflineDefaults | None = H100, fail: bool = False) -> None:
+        self.calls: list[dict] = []
+        self.defaults = defaults
+        self.fail = fail
+
+    def __call__(self, python, model, args, *, entrypoint, offline_defaults_for=None, env=None):
+        self.calls.append({"args": list(args), "entrypoint": entrypoint, "offline_defaults_for": offline_defaults_for})
+        if offline_defaults_for is None:
+            return None
+        if self.fail:
+            raise OfflineDefaultsUnavailable("no table here")
+        return self.defaults
+
+
+def _engine(cls, tmp_path: Path, **values):
+    values = {"engine_args": (), **values}
+    settings = BatchSettings(
+        output_uri="s3://b/out.jsonl",
+        model="m",
+        results_dir=str(tmp_path),
+        **{**values, "engine_args": tuple(values["engine_args"]), "engine_command": tuple(values.get("engine_command") or ()) or None},
+    )
+    return cls(settings, logging.getLogger("test"))
+
+
+INFO = EngineInfo(vllm_version="0.32.0", supported_urls=frozenset(), model_kind="generate")
+
+
+@pytest.mark.parametrize("cls", [RunnerEngine, ServerEngine], ids=["runner", "server"])
+def test_engine_starts_with_the_offline_sizes_read_from_its_python(monkeypatch, tmp_path, cls):
+    reader = _Reader()
+    monkeypatch.setattr(local_engines, "check_engine_args", reader)
+    args = _engine(cls, tmp_path, engine_args=["--enforce-eager"]).engine_arguments(INFO)
+    assert args == ["--enforce-eager", "--max-num-seqs", "1024", "--max-num-batched-tokens", "16384"]
+    assert reader.calls[0]["entrypoint"] == cls.entrypoint and reader.calls[0]["offline_defaults_for"] == 1
+
+
+def test_a_later_try_on_the_worker_reads_neither_arguments_nor_defaults_again(monkeypatch, tmp_path):
+    reader = _Reader()
+    monkeypatch.setattr(local_engines, "check_engine_args", reader)
+    first = _engine(RunnerEngine, tmp_path, engine_args=["--enforce-eager"]).engine_arguments(INFO)
+    again = _engine(RunnerEngine, tmp_path, engine_args=["--enforce-eager"]).engine_arguments(INFO)
+    assert first == again and len(reader.calls) == 1
+
+
+def test_engine_with_both_sizes_set_does_not_ask_for_defaults(monkeypatch, tmp_path):
+    reader = _Reader()
+    monkeypatch.setattr(local_engines, "check_engine_args", reader)
+    args = ["--max-num-seqs", "8", "--max-num-batched-tokens", "64"]
+    assert _engine(RunnerEngine, tmp_path, engine_args=args).engine_arguments(INFO) == args
+    assert reader.calls[0]["offline_defaults_for"] is None
+
+
+def test_custom_engine_command_is_not_sized(monkeypatch, tmp_path):
+    reader = _Reader()
+    monkeypatch.setattr(local_engines, "check_engine_args", reader)
+    engine = _engine(RunnerEngine, tmp_path, engine_command=["my-engine"], engine_args=["--enforce-eager"])
+    assert engine.engine_arguments(INFO) == ["--enforce-eager"] and reader.calls == []
+
+
+def test_defaults_that_cannot_be_read_start_the_engine_unsized_with_a_warning(monkeypatch, tmp_path, caplog):
+    monkeypatch.setattr(local_engines, "check_engine_args", _Reader(fail=True))
+    with caplog.at_level(logging.WARNING):
+        assert _engine(RunnerEngine, tmp_path, engine_args=["--enforce-eager"]).engine_arguments(INFO) == ["--enforce-eager"]
+    assert "no table here" in caplog.text
+
+
+def test_started_server_gets_in_flight_sized_to_its_scheduler(monkeypatch, tmp_path, caplog):
+    monkeypatch.setattr(local_engines, "check_engine_args", _Reader())
+    engine = _engine(ServerEngine, tmp_path, engine="server", engine_args=["--data-parallel-size", "2"])
+    with caplog.at_level(logging.INFO):
+        engine.before_stream(INFO)
+    assert engine.server.max_in_flight == 2 * 1024 * 2
+    assert engine.server.engine_args[-4:] == ["--max-num-seqs", "1024", "--max-num-batched-tokens", "16384"]
+    assert "In flight: at most 4096 requests (twice the server's max_num_seqs 1024" in caplog.text
+
+
+@pytest.mark.parametrize("flag", [["--api-server-count", "2"], ["--api-server-count=2"], ["-asc", "2"]], ids=["space", "equals", "short"])
+def test_started_server_warns_that_its_module_ignores_api_server_count(monkeypatch, tmp_path, caplog, flag):
+    monkeypatch.setattr(local_engines, "check_engine_args", _Reader())
+    engine = _engine(ServerEngine, tmp_path, engine="server", engine_args=flag)
+    with caplog.at_level(logging.WARNING):
+        engine.before_stream(INFO)
+    assert "--api-server-count has no effect here" in caplog.text
+    assert engine.server.engine_args[: len(flag)] == flag  # passed through all the same

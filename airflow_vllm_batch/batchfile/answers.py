@@ -19,7 +19,8 @@ wrapper, which opens ``s3://`` through Airflow's ``S3Hook`` and calls this reade
             answers[custom_id] = text
         return answers
 
-- :class:`Text` ``(custom_id, text)``: a chat completion's first choice;
+- :class:`Text` ``(custom_id, text)``: a chat completion's first choice (its message's
+  content), or a completion's (``/v1/completions``: its ``text``);
 - :class:`Vector` ``(custom_id, vector)``: an embedding (a list of floats; a list of
   vectors when the request embedded several inputs; a base64 string when it asked for
   ``encoding_format="base64"``);
@@ -54,7 +55,7 @@ OpenURI = Callable[[str], ContextManager[Iterable[bytes]]]
 
 
 class Text(NamedTuple):
-    """A chat completion: ``(custom_id, text)`` of its first choice (``None`` when the model returned no content)."""
+    """A chat completion or a completion: ``(custom_id, text)`` of its first choice (``None`` when the model returned no content)."""
 
     custom_id: str
     text: str | None
@@ -88,6 +89,8 @@ class _Message(msgspec.Struct, gc=False):
 class _Choice(msgspec.Struct, gc=False):
     index: int = 0
     message: _Message | None = None
+    # A /v1/completions choice has its text here, and no message.
+    text: str | None = None
 
 
 class _Datum(msgspec.Struct, gc=False):
@@ -153,7 +156,7 @@ def _answer(line: _Line, number: int, source: str) -> Answer:
     cid = line.custom_id
     if body.choices:
         first = min(body.choices, key=lambda c: c.index)
-        content = first.message.content if first.message is not None else None
+        content = first.message.content if first.message is not None else first.text
         return Text(cid, content if isinstance(content, str) or content is None else str(content))
     if body.results is not None:
         return Scores(cid, [r.relevance_score for r in sorted(body.results, key=lambda r: r.index)])

@@ -100,10 +100,20 @@ SAMPLING_FIELDS: dict[str, tuple[Any, str]] = {
 #: Sampling fields vLLM does not accept as null.
 NOT_NULLABLE = frozenset({"min_tokens"})
 
+#: The sampling fields of a ``/v1/completions`` body (vLLM 0.32's ``CompletionRequest``): the
+#: chat ones but ``max_completion_tokens`` and ``top_logprobs``, which completions do not have,
+#: and with ``logprobs`` a count of alternatives per token (OpenAI allows 0 to 5; vLLM more)
+#: rather than a switch; ``echo`` repeats the prompt in the answer.
+COMPLETION_SAMPLING_FIELDS: dict[str, tuple[Any, str]] = {
+    **{k: v for k, v in SAMPLING_FIELDS.items() if k not in ("max_completion_tokens", "top_logprobs", "logprobs")},
+    "logprobs": (Annotated[int, msgspec.Meta(ge=0)], "an integer >= 0 (log probabilities of that many alternatives per token)"),
+    "echo": (bool, "true or false"),
+}
 
-def _sampling_field_type(name: str) -> Any:
+
+def _sampling_field_type(name: str, fields: dict[str, tuple[Any, str]] = SAMPLING_FIELDS) -> Any:
     """Return the msgspec type of a sampling field as a request may give it (null for all but NOT_NULLABLE)."""
-    kind = SAMPLING_FIELDS[name][0]
+    kind = fields[name][0]
     return kind if name in NOT_NULLABLE else kind | None
 
 
@@ -122,24 +132,51 @@ ChatBody = msgspec.defstruct(
 ChatBody.__doc__ = """Body of ``/v1/chat/completions``: ``messages`` and the sampling fields of :data:`SAMPLING_FIELDS`."""
 
 
-def sampling_problem(body: dict) -> str | None:
+def sampling_problem(body: dict, fields: dict[str, tuple[Any, str]] = SAMPLING_FIELDS) -> str | None:
     """
-    Return what is wrong with the first bad sampling field of a chat body, or ``None``.
+    Return what is wrong with the first bad sampling field of a generation body, or ``None``.
 
-    :param body: the decoded ``body`` object of a chat request.
+    :param body: the decoded ``body`` object of a chat or completion request.
+    :param fields: the sampling fields of its URL: :data:`SAMPLING_FIELDS` (chat, the default)
+        or :data:`COMPLETION_SAMPLING_FIELDS`.
     """
-    for name in SAMPLING_FIELDS:
+    for name in fields:
         if name not in body:
             continue
         value = body[name]
         try:
-            msgspec.convert(value, _sampling_field_type(name))
+            msgspec.convert(value, _sampling_field_type(name, fields))
         except msgspec.ValidationError:
             found = msgspec.json.encode(value).decode("utf-8", "replace")
             if len(found) > 60:
                 found = found[:60] + "..."
-            return f'"body.{name}" is {found}, but it must be {SAMPLING_FIELDS[name][1]} — fix the value or remove the field'
+            return f'"body.{name}" is {found}, but it must be {fields[name][1]} — fix the value or remove the field'
     return None
+
+
+#: A completion prompt as vLLM 0.32 takes it: a text, or a non-empty list of texts, of token
+#: ids, or of lists of token ids (several prompts in one request). msgspec allows one list type
+#: in a union, so the list's items are a union and :func:`completion_body_complete` checks
+#: that they are all of one kind.
+_TokenId = Annotated[int, msgspec.Meta(ge=0)]
+CompletionPrompt = (
+    Annotated[str, msgspec.Meta(min_length=1)]
+    | Annotated[list[str | _TokenId | Annotated[list[_TokenId], msgspec.Meta(min_length=1)]], msgspec.Meta(min_length=1)]
+)
+
+CompletionBody = msgspec.defstruct(
+    "CompletionBody",
+    [("prompt", CompletionPrompt)]
+    + [
+        (name, _sampling_field_type(name, COMPLETION_SAMPLING_FIELDS) | msgspec.UnsetType, msgspec.UNSET)
+        for name in COMPLETION_SAMPLING_FIELDS
+    ],
+    bases=(RequestBody,),
+    kw_only=True,
+    gc=False,
+    module=__name__,
+)
+CompletionBody.__doc__ = """Body of ``/v1/completions``: ``prompt`` and the sampling fields of :data:`COMPLETION_SAMPLING_FIELDS`."""
 
 
 class EmbeddingsBody(RequestBody):
@@ -182,6 +219,15 @@ def chat_body_complete(body: ChatBody) -> bool:
     return True
 
 
+def completion_body_complete(body: CompletionBody) -> bool:  # type: ignore[valid-type]
+    """Return whether a list ``prompt`` holds one kind of item: texts, token ids, or lists of token ids."""
+    prompt = body.prompt
+    if prompt.__class__ is str:
+        return True
+    kind = prompt[0].__class__
+    return all(item.__class__ is kind for item in prompt)
+
+
 def embeddings_body_complete(body: EmbeddingsBody) -> bool:
     """Return whether the body has ``input`` or ``messages``."""
     return body.input is not msgspec.UNSET or body.messages is not msgspec.UNSET
@@ -207,6 +253,12 @@ BODY_SPECS: dict[str, tuple[type[RequestBody], Any, str]] = {
         ChatBody,
         None,
         '"messages": a non-empty list of objects, each with a "role"',
+    ),
+    "/v1/completions": (
+        CompletionBody,
+        completion_body_complete,
+        '"prompt": a non-empty string, or a non-empty list of strings, of token ids (integers >= 0) '
+        "or of lists of token ids (one kind per list)",
     ),
     "/v1/embeddings": (
         EmbeddingsBody,
@@ -410,6 +462,7 @@ def line_kind(raw: bytes) -> Literal["blank", "text", "json", "object", "request
 #: Response object type -> the endpoint that produces it, for per-endpoint counts.
 OBJECT_TO_URL: dict[str, str] = {
     "chat.completion": "/v1/chat/completions",
+    "text_completion": "/v1/completions",
     "embedding": "/v1/embeddings",
     "score": "/v1/score",
     "rerank": "/v1/rerank",

@@ -13,22 +13,28 @@ What a line must be (checks in order; the first failure is the line's problem):
    fix, saving without BOM, is one click);
 2. one JSON object (``\\r\\n`` endings are fine: the ``\\r`` is JSON whitespace);
 3. ``custom_id``: a non-empty string, unique in the file;
-4. ``method``: ``"POST"``; ``url``: one of ``supported_urls``;
+4. ``method``: ``"POST"``; ``url``: one of ``supported_urls`` (a ``/v1/completions``
+   line for an engine without it, vLLM 0.32's batch runner, is told to use
+   ``engine="server"`` and fails the file in both modes: :data:`SERVER_ONLY_URLS`);
 5. ``body``: an object that fits its URL (chat: ``messages``, a non-empty list
-   of objects with a ``role``; embeddings: ``input`` or ``messages``; score:
+   of objects with a ``role``; completions: ``prompt``, a non-empty string or a
+   non-empty list of strings, of token ids or of lists of token ids, one kind per
+   list; embeddings: ``input`` or ``messages``; score:
    ``text_1``/``text_2`` or vLLM's ``queries``/``documents``, ``queries``/``items``,
    ``data_1``/``data_2``; rerank: ``query`` and ``documents``);
 6. ``body.stream`` not true; for chat, the OpenAI sampling fields
    (``temperature``, ``top_p``, ``max_tokens``, ``max_completion_tokens``, ``n``,
    ``presence_penalty``, ``frequency_penalty``, ``seed``, ``stop``, ``logprobs``,
    ``top_logprobs``, ``top_k``, ``min_tokens``) of the right type and range
-   (:data:`~airflow_vllm_batch.batchfile.models.SAMPLING_FIELDS`);
+   (:data:`~airflow_vllm_batch.batchfile.models.SAMPLING_FIELDS`); for completions the
+   same but ``max_completion_tokens`` and ``top_logprobs``, with ``logprobs`` an integer
+   and ``echo`` a boolean (:data:`~airflow_vllm_batch.batchfile.models.COMPLETION_SAMPLING_FIELDS`);
 7. ``body.model``: a string, the same on every line (and equal to ``model``
    when given, unless ``rewrite_model``); with ``model_names`` (the names the engine
    serves: ``--served-model-name`` values, LoRA adapters), any of those names, so one
    file may mix the base model and its adapters;
 8. the URL fits the kind of model (``model_kind``): a generation model serves
-   chat, a pooling model (``--runner pooling``) embeddings, score and rerank.
+   chat and completions, a pooling model (``--runner pooling``) embeddings, score and rerank.
    Without ``model_kind``, a file that mixes the two kinds fails as a whole:
    vLLM serves one kind per engine.
 
@@ -78,8 +84,10 @@ import msgspec
 from airflow_vllm_batch.batchfile.index import CustomIdIndex, FirstN, repeated_hashes
 from airflow_vllm_batch.batchfile.models import (
     DEFAULT_SUPPORTED_URLS,
+    COMPLETION_SAMPLING_FIELDS,
     SAMPLING_FIELDS,
     ChatBody,
+    CompletionBody,
     CustomIdOnly,
     LineKey,
     RequestLine,
@@ -95,6 +103,13 @@ from airflow_vllm_batch.batchfile.problems import (
 )
 from airflow_vllm_batch.batchfile.sources import compression_of_head
 from airflow_vllm_batch.exceptions import PreflightError
+
+#: URLs vLLM's OpenAI-compatible server serves but its 0.32 batch runner does not. A line naming
+#: one for an engine without it is a choice of engine, not a bad line: its message names
+#: engine="server", and it fails the file even with invalid_lines="skip" (skipping every such
+#: line would publish a batch with a whole kind of request left out). A runner that serves one
+#: (the probe reads the installed runner's routes) accepts it like any other URL.
+SERVER_ONLY_URLS: frozenset[str] = frozenset({"/v1/completions"})
 
 #: A request line longer than this is refused by default: real chat requests are
 #: a few KiB, and a single huge line is more likely a file without newlines.
@@ -369,6 +384,8 @@ class _Checker:
         self.model_counts: dict[str, int] = {}
         self.seg_start = 1
         self.seg_skip = 0
+        # Lines for a URL only engine="server" serves (SERVER_ONLY_URLS), when this engine does not.
+        self.other_engine_lines = 0
 
     def _line_decoder(self, url: str, model: str | None) -> tuple[Any, Any, list[tuple[str, str]]]:
         """Build a whole-line decoder for ``url`` (strict when ``model`` is given); default_body keys become extra optional body fields."""
@@ -466,12 +483,15 @@ class _Checker:
         if len(raw) > self.opts.max_line_bytes:
             self.invalid(lineno, None, self.too_long_message(len(raw)))
             return
+        url = None
         try:
             raw.decode("utf-8")
             url = self.decode_envelope(raw).url
             decode, complete, default_attrs = self.lenient[url]
             req = decode(raw)
         except _DECODE_ERRORS:
+            if url in SERVER_ONLY_URLS and url not in self.opts.supported_urls:
+                self.other_engine_lines += 1
             self.invalid(lineno, *self.diagnose(raw, lineno))
             return
         body = req.body
@@ -546,6 +566,11 @@ class _Checker:
                     "(run `airflow-vllm-batch validate` on the file to list them)"
                 )
         self.check_one_kind()
+        if self.other_engine_lines and opts.invalid_lines == "skip":
+            self.file_problem(
+                f"{self.other_engine_lines} line(s) use {', '.join(sorted(SERVER_ONLY_URLS))}, which this engine does not "
+                'serve (vLLM\'s batch runner has none); they are not skipped — run the file with engine="server"'
+            )
         if report.needs_rewrite:
             self.renumber_for_cleaned_copy()
         if report.total_lines == 0 and not report.stopped_early:
@@ -815,6 +840,11 @@ def diagnose_line(
                 f'"url" {url!r} is not served by this engine — audio lines run on the batch runner '
                 f'(engine="runner"); put them in a file of their own, or use one of: {supported}'
             )
+        if url in SERVER_ONLY_URLS:
+            return shown, (
+                f'"url" {url!r} is not served by this engine (vLLM\'s batch runner has no {url}) — run this file with '
+                f'engine="server" (a server the task starts, or a vllm connection), which serves it; or use one of: {supported}'
+            )
         return shown, f'"url" {url!r} is not served by this engine — use one of: {supported}'
     body = obj.get("body")
     named = body.get("model") if isinstance(body, dict) else None
@@ -829,8 +859,8 @@ def diagnose_line(
         return shown, f'"body" is a {_json_type(body)}, not an object — put the {url} request parameters in an object'
 
     struct, complete, needs = body_spec_for(url)
-    if struct is ChatBody:
-        bad_field = sampling_problem(body)
+    if struct is ChatBody or struct is CompletionBody:
+        bad_field = sampling_problem(body, SAMPLING_FIELDS if struct is ChatBody else COMPLETION_SAMPLING_FIELDS)
         if bad_field:
             return shown, bad_field
     try:

@@ -41,6 +41,11 @@ from airflow_vllm_batch.serving.journal import DEFAULT_MAX_PART_BYTES
 if TYPE_CHECKING:
     from airflow_vllm_batch.storage import RunStaging
 
+#: The server's batch routes when they cannot be read from its vLLM (a warm server behind a
+#: connection; a vLLM without ``api_router.py`` modules): the runner's, and ``/v1/completions``,
+#: which vLLM's OpenAI-compatible server has served since its first release.
+FALLBACK_SERVER_URLS: frozenset[str] = FALLBACK_SUPPORTED_URLS | {"/v1/completions"}
+
 #: Seconds between progress lines of the server engine in the task log.
 PROGRESS_EVERY_S = 15.0
 
@@ -83,8 +88,8 @@ class _Streaming(Engine):
         )
 
     def restrict(self, info: EngineInfo) -> EngineInfo:
-        """The runner's URL list includes audio, which the stream cannot send."""
-        return dataclasses.replace(info, supported_urls=info.supported_urls & SERVED_URLS)
+        """The batch URLs of this engine: the server's routes (as the probe read them) that the stream can send."""
+        return dataclasses.replace(info, supported_urls=(info.server_urls or FALLBACK_SERVER_URLS) & SERVED_URLS)
 
     def produce(self, info: EngineInfo, job: EngineJob) -> EngineResults:
         """Stream the requests no checkpoint answers yet through the server; checkpoint the answers as parts."""

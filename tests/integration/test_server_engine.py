@@ -194,3 +194,80 @@ def test_sigkill_at_half_then_the_same_task_instance_again_answers_each_request_
     )
     assert checkpointed == sum(part_lines)
     assert total - N_KILL <= MAX_IN_FLIGHT + 2 * interval_worth
+
+
+def _mixed_chat_and_completion_lines(model: str) -> bytes:
+    """Chat lines, and completion lines with a prompt string and a token-id list (issue 21)."""
+    lines = [
+        {"custom_id": "chat-0", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "Hello"}], "max_completion_tokens": 5}},
+        {"custom_id": "text-0", "url": "/v1/completions", "body": {"prompt": "Once upon a time", "max_tokens": 6, "temperature": 0}},
+        {"custom_id": "ids-0", "url": "/v1/completions", "body": {"prompt": [5, 6, 7, 8, 9], "max_tokens": 4}},
+        {"custom_id": "chat-1", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "Count"}], "max_completion_tokens": 3}},
+        {"custom_id": "text-1", "url": "/v1/completions", "body": {"prompt": "Count to three:", "max_tokens": 5, "echo": False}},
+    ]
+    return b"".join(
+        json.dumps({"custom_id": line["custom_id"], "method": "POST", "url": line["url"], "body": {"model": model, **line["body"]}}).encode() + b"\n"
+        for line in lines
+    )
+
+
+def _completions_dag(dag_id: str, model: str, **engine):
+    from datetime import datetime, timezone
+
+    from airflow.sdk import DAG
+
+    from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
+    from tests.integration.dagrun import register_dag
+
+    with DAG(dag_id, schedule=None, start_date=datetime(2026, 1, 1, tzinfo=timezone.utc)) as dag:
+        VLLMBatchOperator(
+            task_id="vllm_batch",
+            input_uri=f"s3://{BUCKET}/completions/input.jsonl",
+            output_uri=f"s3://{BUCKET}/completions/{dag_id}/results.jsonl",
+            model=model,
+            **engine,
+        )
+    register_dag(dag)
+    return dag
+
+
+def test_chat_and_completion_lines_in_one_file_are_all_answered_through_the_server_engine(warm, embedded, tiny_model):
+    from openai.types import Completion
+
+    from airflow_vllm_batch.batchfile import Text
+    from airflow_vllm_batch.storage import read_answers
+
+    model = str(tiny_model)
+    embedded.client().put_object(Bucket=BUCKET, Key="completions/input.jsonl", Body=_mixed_chat_and_completion_lines(model))
+    before = requests_answered(warm.hook.base_url)
+    run = run_dag(_completions_dag("completions_server", model, engine="server", vllm_conn_id=CONN_ID))
+    assert run.state == "success", run.output[-4000:]
+    manifest = run.xcom("vllm_batch")
+    assert manifest["request_counts"] == {"total": 5, "completed": 5, "failed": 0}
+    assert requests_answered(warm.hook.base_url) - before == 5
+    results = {line["custom_id"]: line for line in _s3_lines(embedded, manifest["output_uri"])}
+    for custom_id in ("text-0", "ids-0", "text-1"):
+        assert results[custom_id]["response"]["status_code"] == 200 and results[custom_id]["error"] is None
+        body = Completion.model_validate(results[custom_id]["response"]["body"])
+        assert body.object == "text_completion" and body.usage.completion_tokens > 0
+    assert Completion.model_validate(results["ids-0"]["response"]["body"]).usage.prompt_tokens == 5
+    for custom_id in ("chat-0", "chat-1"):
+        ChatCompletion.model_validate(results[custom_id]["response"]["body"])
+    usage = [results[c]["response"]["body"]["usage"] for c in results]
+    assert manifest["usage"]["prompt_tokens"] == sum(u["prompt_tokens"] for u in usage)
+    assert manifest["usage"]["completion_tokens"] == sum(u["completion_tokens"] for u in usage)
+    answers = {answer.custom_id: answer for answer in read_answers(manifest)}
+    assert answers["text-0"] == Text("text-0", results["text-0"]["response"]["body"]["choices"][0]["text"])
+    assert isinstance(answers["ids-0"].text, str) and answers["ids-0"].text
+
+
+def test_the_same_file_for_the_runner_fails_preflight_naming_the_server_engine_and_starts_no_engine(embedded, airflow_db, tiny_model):
+    model = str(tiny_model)
+    embedded.client().put_object(Bucket=BUCKET, Key="completions/input.jsonl", Body=_mixed_chat_and_completion_lines(model))
+    # Retries allowed: a failed task (not up_for_retry) says preflight's error is not retried.
+    run = run_dag(_completions_dag("completions_runner", model, engine="runner", vllm_conn_id=None, engine_args=CPU_ENGINE_ARGS.split(), retries=2))
+    assert run.state == "failed" and run.task_states["vllm_batch"] == "failed", run.output[-4000:]
+    assert "PreflightError" in run.output, run.output[-4000:]
+    for lineno, custom_id in ((2, "text-0"), (3, "ids-0"), (5, "text-1")):
+        assert re.search(rf"line {lineno} \(custom_id '{custom_id}'\): \"url\" '/v1/completions' is not served by this engine .*engine=\"server\"", run.output), run.output[-4000:]
+    assert "Starting the vLLM" not in run.output

@@ -27,13 +27,15 @@ SCORE = ok("s", {"object": "list", "data": [{"index": 1, "object": "score", "sco
 RERANK = ok("r", {"id": "x", "results": [{"index": 1, "relevance_score": 0.1}, {"index": 0, "relevance_score": 0.9}]})
 ENGINE_ERROR = json.dumps({"id": "v", "custom_id": "x", "response": {"status_code": 400, "request_id": "r", "body": None}, "error": {"error": {"message": "too long"}}}).encode()
 OUR_ERROR = json.dumps({"id": None, "custom_id": None, "response": {"status_code": 400, "request_id": None, "body": None}, "error": {"code": "invalid_request", "message": "not valid JSON", "line": 3}}).encode()
+COMPLETION = ok("t", {"object": "text_completion", "choices": [{"index": 1, "text": " second"}, {"index": 0, "text": " upon a time", "logprobs": None}]})
 OLD_SHAPE = json.dumps({"id": "v", "custom_id": "o", "response": {"object": "chat.completion", "choices": [{"message": {"content": "old"}}]}, "error": None}).encode()
 
 
 def test_each_kind_of_result_is_one_typed_pair():
-    answers = list(iter_answers([CHAT, b"", EMBEDDING, TWO_EMBEDDINGS, SCORE, RERANK, ENGINE_ERROR, OUR_ERROR, OLD_SHAPE]))
+    answers = list(iter_answers([CHAT, b"", COMPLETION, EMBEDDING, TWO_EMBEDDINGS, SCORE, RERANK, ENGINE_ERROR, OUR_ERROR, OLD_SHAPE]))
     assert answers == [
         Text("c", "hello"),
+        Text("t", " upon a time"),
         Vector("e", [0.5, -1.0]),
         Vector("e2", [[1.0], [2.0]]),
         Scores("s", [0.75, 0.25]),

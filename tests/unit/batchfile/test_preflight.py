@@ -493,3 +493,76 @@ def test_model_names_need_model_among_them():
 def test_without_model_names_the_first_line_still_sets_the_model():
     report = run(named("a", "x") + named("b", "x"))
     assert report.ok and report.requests_per_model == {"x": 2}
+
+
+# -- /v1/completions ---------------------------------------------------------------
+
+COMPLETIONS = "/v1/completions"
+WITH_COMPLETIONS = frozenset({CHAT, COMPLETIONS})
+
+
+def completion(custom_id="cmp-1", **body) -> bytes:
+    """One /v1/completions line whose body is ``{"model": "m", **body}``, newline-terminated."""
+    return line(custom_id, url=COMPLETIONS, body={"model": "m", **body}) + b"\n"
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    ["Once upon a time", ["a", "b"], [1, 2, 3], [[1, 2], [3]], [0]],
+    ids=["string", "strings", "token_ids", "lists_of_token_ids", "token_zero"],
+)
+def test_every_prompt_form_vllm_takes_passes_for_an_engine_that_serves_completions(prompt):
+    report = run(good(1) + completion(prompt=prompt, max_tokens=4, logprobs=2, echo=True), supported_urls=WITH_COMPLETIONS)
+    assert report.ok, report.format()
+    assert report.url_counts == {CHAT: 1, COMPLETIONS: 1}
+
+
+# (name, body fields besides model, message fragment)
+BAD_COMPLETIONS = [
+    ("no_prompt", {}, "missing required field `prompt`"),
+    ("empty_string", {"prompt": ""}, "body.prompt"),
+    ("empty_list", {"prompt": []}, "body.prompt"),
+    ("number", {"prompt": 5}, "body.prompt"),
+    ("object", {"prompt": {"text": "a"}}, "body.prompt"),
+    ("negative_token_id", {"prompt": [1, -2]}, "body.prompt"),
+    ("float_token_id", {"prompt": [1, 2.5]}, "body.prompt"),
+    ("strings_and_ids_mixed", {"prompt": ["a", 1]}, "(one kind per list)"),
+    ("ids_and_lists_mixed", {"prompt": [1, [2]]}, "(one kind per list)"),
+    ("empty_inner_list", {"prompt": [[1], []]}, "body.prompt"),
+    ("max_tokens_zero", {"prompt": "a", "max_tokens": 0}, '"body.max_tokens" is 0, but it must be an integer >= 1'),
+    ("temperature_string", {"prompt": "a", "temperature": "hot"}, '"body.temperature" is "hot"'),
+    ("logprobs_boolean", {"prompt": "a", "logprobs": True}, '"body.logprobs" is true, but it must be an integer >= 0'),
+    ("echo_string", {"prompt": "a", "echo": "yes"}, '"body.echo" is "yes", but it must be true or false'),
+    ("stream_true", {"prompt": "a", "stream": True}, '"body.stream" is true'),
+]
+
+
+@pytest.mark.parametrize(("name", "fields", "reason"), BAD_COMPLETIONS, ids=[c[0] for c in BAD_COMPLETIONS])
+def test_a_bad_completion_body_is_named_with_its_line(name, fields, reason):
+    report = run(good(1) + completion("bad", **fields), supported_urls=WITH_COMPLETIONS)
+    assert not report.ok
+    first = report.problems[0]
+    assert (first.line, first.custom_id) == (2, "bad"), str(first)
+    assert reason in first.message, str(first)
+
+
+def test_completion_lines_for_an_engine_without_them_name_each_line_and_the_server_engine():
+    report = run(good(1) + completion("c1", prompt="a") + completion("c2", prompt=[1, 2]))
+    assert [(p.line, p.custom_id) for p in report.problems] == [(2, "c1"), (3, "c2")]
+    assert all('run this file with engine="server"' in p.message for p in report.problems)
+
+
+def test_completion_lines_for_an_engine_without_them_fail_the_file_even_in_skip_mode():
+    report = run(good(2) + completion(prompt="a"), invalid_lines="skip")
+    assert not report.runnable
+    assert 'engine="server"' in report.file_problems[0].message
+
+
+def test_completions_for_a_pooling_model_are_the_wrong_kind():
+    report = run(completion(prompt="a"), supported_urls=WITH_COMPLETIONS, model_kind="pooling")
+    assert "/v1/completions needs a generation model" in report.problems[0].message
+
+
+def test_completions_and_chat_may_share_a_file_but_not_with_embeddings():
+    report = run(good(1) + completion(prompt="a") + EMBED + b"\n", supported_urls=WITH_COMPLETIONS | {"/v1/embeddings"})
+    assert "/v1/chat/completions (1), /v1/completions (1)" in report.file_problems[0].message

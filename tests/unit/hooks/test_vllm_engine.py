@@ -74,6 +74,13 @@ def test_probe_reads_the_installed_vllm_without_importing_it():
     assert "/v1/completions" not in info.supported_urls  # the 0.32 runner does not serve it
 
 
+def test_probe_reads_the_installed_servers_post_routes():
+    pytest.importorskip("vllm", reason="needs the engine environment")
+    info = probe_engine(sys.executable)
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v2/rerank"} <= info.server_urls
+    assert "/v1/models" not in info.server_urls  # a GET route: no batch line can use it
+
+
 def test_probe_of_an_environment_without_vllm_says_what_to_set(tmp_path):
     from airflow_vllm_batch.exceptions import EngineConfigurationError
 

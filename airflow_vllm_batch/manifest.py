@@ -31,6 +31,32 @@ class Usage(msgspec.Struct):
     total_tokens: int = 0
 
 
+class Cost(msgspec.Struct, omit_defaults=True):
+    """What the run's engine time was, and what it cost (see :mod:`airflow_vllm_batch.run.cost`).
+
+    :param device: ``"gpu"`` (an engine this task started on leased GPUs), ``"cpu"`` (no GPU),
+        or ``"vllm_connection"`` (a warm server, possibly shared with other tasks).
+    :param engine_s: seconds counted: the engine's time in this try; a connection's, the task's wall time.
+    :param gpus: GPUs leased for the engine (``None`` for a connection: not the task's to know).
+    :param gpu_s: engine GPU-seconds, ``gpus × engine_s`` (``"gpu"`` only).
+    :param tokens_per_gpu_s: total tokens per GPU-second (``"gpu"`` only).
+    :param tokens_per_engine_s: total tokens per engine-second (``"cpu"``, ``"vllm_connection"``).
+    :param gpu_hour_cost: the operator's ``gpu_hour_cost``, when given.
+    :param cost: the run's cost at that price, when given.
+    :param note: how to read the figures when they are not GPU-seconds.
+    """
+
+    device: str
+    engine_s: float = 0.0
+    gpus: int | None = None
+    gpu_s: float | None = None
+    tokens_per_gpu_s: float | None = None
+    tokens_per_engine_s: float | None = None
+    gpu_hour_cost: float | None = None
+    cost: float | None = None
+    note: str | None = None
+
+
 class Manifest(msgspec.Struct, omit_defaults=True):
     """One published batch output.
 
@@ -53,6 +79,9 @@ class Manifest(msgspec.Struct, omit_defaults=True):
     :param failed_by_reason: failed requests counted by reason (the error file's ``error.code``:
         ``invalid_request``, ``engine_error``, ``timeout``, ...; see :mod:`airflow_vllm_batch.summary`);
         omitted when none failed.
+    :param cost: engine GPU-seconds (or engine-seconds), tokens per GPU-second and, with
+        ``gpu_hour_cost``, the run's cost; ``per_model`` then holds each model's ``cost`` too.
+        Absent in manifests written before it existed.
     :param shards: (merge only) how many shards were merged; the other shard fields too.
     """
 
@@ -69,13 +98,15 @@ class Manifest(msgspec.Struct, omit_defaults=True):
     input_etag: str | None = None
     engine_duration_s: float = 0.0
     identity: dict[str, Any] | None = None
-    per_model: dict[str, dict[str, int]] | None = None
+    # int counts, and a float "cost" when the run was priced.
+    per_model: dict[str, dict[str, int | float]] | None = None
     failed_by_reason: dict[str, int] | None = None
     shards: int | None = None
     shard_duration_s: float | None = None
     max_shard_duration_s: float | None = None
     merge_duration_s: float | None = None
     shard_manifest_uris: list[str | None] | None = None
+    cost: Cost | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The manifest as plain JSON types, what goes to XCom (fields left at their default are omitted)."""

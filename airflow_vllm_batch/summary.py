@@ -31,7 +31,7 @@ from rich.table import Table
 from airflow_vllm_batch.batchfile import redact_urls
 
 if TYPE_CHECKING:
-    from airflow_vllm_batch.manifest import Manifest
+    from airflow_vllm_batch.manifest import Cost, Manifest
 
 #: The longest example message shown in the table.
 MAX_EXAMPLE_CHARS = 120
@@ -131,6 +131,11 @@ def render_summary(
         f"{usage.prompt_tokens} prompt + {usage.completion_tokens} completion = {usage.total_tokens} total",
     )
     table.add_row("time", _time_row(manifest, task_s, resumed))
+    if manifest.cost is not None and not resumed:
+        table.add_row("engine time", _cost_row(manifest.cost))
+        priced = {name: entry["cost"] for name, entry in (manifest.per_model or {}).items() if "cost" in entry}
+        if len(priced) > 1:
+            table.add_row("cost per model", ", ".join(f"{name} {value:.4g}" for name, value in priced.items()))
     table.add_row("results", manifest.output_uri)
     table.add_row("errors", manifest.error_uri or "none (no request failed)")
     table.add_row("manifest", manifest.manifest_uri)
@@ -152,3 +157,21 @@ def _time_row(manifest: Manifest, task_s: float | None, resumed: bool) -> str:
     engine = manifest.engine_duration_s
     share = f" ({100 * engine / task:.0f} %)" if task > 0 else ""
     return f"engine {engine:.1f} s of task {task:.1f} s{share}; outside the engine {max(task - engine, 0):.1f} s"
+
+
+def _cost_row(cost: Cost) -> str:
+    """Engine GPU-seconds (or engine-seconds), tokens per second of them, and the cost when priced."""
+    if cost.device == "gpu":
+        text = f"{cost.gpus} GPU(s) x {cost.engine_s:.1f} s = {cost.gpu_s:.1f} GPU-s"
+        rate, unit, hour = cost.tokens_per_gpu_s, "GPU-s", "GPU-hour"
+    elif cost.device == "cpu":
+        text = f"cpu: {cost.engine_s:.1f} engine-s (no GPU leased)"
+        rate, unit, hour = cost.tokens_per_engine_s, "engine-s", "engine-hour"
+    else:
+        text = f"vllm connection: {cost.engine_s:.1f} s of the task (the server may be shared with other tasks)"
+        rate, unit, hour = cost.tokens_per_engine_s, "s", "server-hour"
+    if rate is not None:
+        text += f"; {rate:,.1f} tokens/{unit}"
+    if cost.cost is not None:
+        text += f"; cost {cost.cost:.4g} at {cost.gpu_hour_cost:g}/{hour}"
+    return text

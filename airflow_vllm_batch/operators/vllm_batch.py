@@ -91,6 +91,8 @@ class VLLMBatchOperator(BaseOperator):
     :param checkpoint_interval_s: seconds between the server engine's checkpoints. Default 60.
     :param gpus: GPUs the engine this task starts leases on the worker. Default: what the
         parallel sizes in ``engine_args`` need (none on a CPU worker); 0: no lease.
+    :param gpu_hour_cost: the price of one GPU-hour (e.g. ``2.5``), a number >= 0: the manifest's
+        ``cost`` then holds the run's cost, also per model. Default None: GPU-seconds only. (templated)
     """
 
     template_fields: Sequence[str] = (
@@ -105,6 +107,7 @@ class VLLMBatchOperator(BaseOperator):
         "engine_env",
         "default_body",
         "max_failed_ratio",
+        "gpu_hour_cost",
     )
     template_fields_renderers = {"engine_args": "json", "engine_env": "json", "default_body": "json", "requests": "json"}
     operator_extra_links = (VLLMBatchOutputLink(),)
@@ -142,6 +145,7 @@ class VLLMBatchOperator(BaseOperator):
         max_in_flight: int | None = None,
         checkpoint_interval_s: float = 60.0,
         gpus: int | None = None,
+        gpu_hour_cost: float | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -155,7 +159,7 @@ class VLLMBatchOperator(BaseOperator):
         self.output_mode, self.results_dir = output_mode, results_dir
         self.engine = "server" if vllm_conn_id else engine
         self.vllm_conn_id, self.max_in_flight = vllm_conn_id, max_in_flight
-        self.checkpoint_interval_s, self.gpus = checkpoint_interval_s, gpus
+        self.checkpoint_interval_s, self.gpus, self.gpu_hour_cost = checkpoint_interval_s, gpus, gpu_hour_cost
         #: The engine of the running try; kept so that ``on_kill`` can stop it.
         self._engine: Engine | None = None
         self._published_error_uri: str | None = None

@@ -33,6 +33,7 @@ from airflow_vllm_batch.exceptions import PreflightError, PublishError, StorageU
 from airflow_vllm_batch.identity import RunIdentity
 from airflow_vllm_batch.lease import LeaseHolder
 from airflow_vllm_batch.manifest import Manifest, RequestCounts, Usage
+from airflow_vllm_batch.run.cost import run_cost, split_cost
 from airflow_vllm_batch.run.inputs import BatchInput, write_requests
 from airflow_vllm_batch.run.scratch import concat, kept_results, maybe_open, scratch
 from airflow_vllm_batch.storage import OutputStore
@@ -171,6 +172,7 @@ class BatchRun:
                 failures = self.tally_failures(errors_path)
                 manifest = self.build_manifest(identity, report, results, engine_results, started, failures)
                 manifest.per_model = self.per_model(report, results, work)
+                self.price(manifest, engine_results, started)
                 # With no failed line a staged results file is the output byte for byte: copy it server side.
                 copy_staged = not results.request_counts["failed"] and engine_results.staged_results
                 self.store.publish(
@@ -315,6 +317,19 @@ class BatchRun:
             manifest_uri=self.store.manifest_uri,
             failed_by_reason=failures.counts or None,
         )
+
+    def price(self, manifest: Manifest, engine_results: EngineResults, started: float) -> None:
+        """Fill in the manifest's ``cost``, and each model's share of it when the run was priced."""
+        manifest.cost = run_cost(
+            device="vllm_connection" if self.settings.vllm_conn_id else "gpu",
+            gpus=self.engine.gpu_plan().count,
+            engine_s=engine_results.run.duration_s,
+            task_s=time.monotonic() - started,
+            total_tokens=manifest.usage.total_tokens,
+            gpu_hour_cost=self.settings.gpu_hour_cost,
+        )
+        if manifest.cost.cost is not None and manifest.per_model:
+            manifest.per_model = split_cost(manifest.per_model, manifest.cost.cost)
 
     def per_model(self, report: PreflightReport, results: ResultsReport, work: Path) -> dict[str, dict[str, int]]:
         """Requests and tokens per model name (one pass over the results when the engine serves several names)."""

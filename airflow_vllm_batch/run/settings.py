@@ -21,6 +21,7 @@ from airflow_vllm_batch.batchfile import DEFAULT_MAX_LINE_BYTES
 from airflow_vllm_batch.batchfile.requests import INDEX, check_requests_options
 from airflow_vllm_batch.exceptions import ConfigurationError, PresignError
 from airflow_vllm_batch.hooks.process import DEFAULT_GRACE_S
+from airflow_vllm_batch.run.cost import check_gpu_hour_cost
 from airflow_vllm_batch.storage import split_s3_uri
 
 #: SigV4 presigned URLs are valid for at most seven days.
@@ -68,6 +69,7 @@ class BatchSettings:
     max_in_flight: int | None = None
     checkpoint_interval_s: float = 60.0
     gpus: int | None = None
+    gpu_hour_cost: float | None = None
     execution_timeout: timedelta | None = None
 
     @classmethod
@@ -95,6 +97,7 @@ class BatchSettings:
         coerced.update(
             results_dir=values.get("results_dir") or DEFAULT_RESULTS_DIR,
             max_failed_ratio=_ratio(values.get("max_failed_ratio", 0.0)),
+            gpu_hour_cost=check_gpu_hour_cost(values.get("gpu_hour_cost")),
             engine_args=tuple(values.get("engine_args") or ()),
             engine_command=tuple(values["engine_command"]) if values.get("engine_command") else None,
             engine_env={k: str(v) for k, v in (values.get("engine_env") or {}).items()},
@@ -152,6 +155,10 @@ def check_static_settings(values: Mapping[str, Any]) -> None:
     grace = values.get("kill_grace_s", DEFAULT_GRACE_S)
     if not isinstance(grace, (int, float)) or grace < 0:
         raise ConfigurationError(f"kill_grace_s must be a number of seconds >= 0, got {grace!r}.")
+    price = values.get("gpu_hour_cost")
+    if not isinstance(price, str):
+        # A string may be a template, rendered (and checked) when the task runs.
+        check_gpu_hour_cost(price)
     gpus = values.get("gpus")
     if gpus is not None and (not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 0):
         raise ConfigurationError(f"gpus must be a whole number >= 0 or None, got {gpus!r}.")

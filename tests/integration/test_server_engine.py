@@ -240,7 +240,7 @@ def test_chat_and_completion_lines_in_one_file_are_all_answered_through_the_serv
     model = str(tiny_model)
     embedded.client().put_object(Bucket=BUCKET, Key="completions/input.jsonl", Body=_mixed_chat_and_completion_lines(model))
     before = requests_answered(warm.hook.base_url)
-    run = run_dag(_completions_dag("completions_server", model, engine="server", vllm_conn_id=CONN_ID))
+    run = run_dag(_completions_dag("completions_server", model, engine="server", vllm_conn_id=CONN_ID, gpu_hour_cost=2.5))
     assert run.state == "success", run.output[-4000:]
     manifest = run.xcom("vllm_batch")
     assert manifest["request_counts"] == {"total": 5, "completed": 5, "failed": 0}
@@ -259,6 +259,23 @@ def test_chat_and_completion_lines_in_one_file_are_all_answered_through_the_serv
     answers = {answer.custom_id: answer for answer in read_answers(manifest)}
     assert answers["text-0"] == Text("text-0", results["text-0"]["response"]["body"]["choices"][0]["text"])
     assert isinstance(answers["ids-0"].text, str) and answers["ids-0"].text
+    print({custom_id: answer.text for custom_id, answer in answers.items()})
+
+
+def test_a_real_runs_manifest_and_summary_carry_its_engine_time_and_cost(warm, embedded, tiny_model):
+    model = str(tiny_model)
+    embedded.client().put_object(Bucket=BUCKET, Key="completions/input.jsonl", Body=_mixed_chat_and_completion_lines(model))
+    run = run_dag(_completions_dag("cost_connection", model, vllm_conn_id=CONN_ID, gpu_hour_cost="2.5"))
+    assert run.state == "success", run.output[-4000:]
+    manifest = run.xcom("vllm_batch")
+    cost = manifest["cost"]
+    print(cost, manifest["per_model"])
+    assert cost["device"] == "vllm_connection" and cost["gpu_hour_cost"] == 2.5
+    assert 0 < cost["engine_s"] <= manifest["duration_s"] + 1
+    assert cost["tokens_per_engine_s"] == pytest.approx(manifest["usage"]["total_tokens"] / cost["engine_s"], rel=0.01)
+    assert cost["cost"] == pytest.approx(cost["engine_s"] / 3600 * 2.5, abs=1e-5)
+    assert [entry["cost"] for entry in manifest["per_model"].values()] == [pytest.approx(cost["cost"])]
+    assert re.search(r"\| engine time +\| vllm connection: [\d.]+ s of the task .*tokens/s; cost [\d.e-]+ at 2.5/server-hour", run.output)
 
 
 def test_the_same_file_for_the_runner_fails_preflight_naming_the_server_engine_and_starts_no_engine(embedded, airflow_db, tiny_model):

@@ -62,6 +62,10 @@ def test_a_task_started_server_answers_the_batch_and_is_stopped_with_the_task(em
     assert "The vLLM server is ready after" in run.output and "Stopping the vLLM server" in run.output
     assert "Leased GPU(s) 0 of 0 (from AIRFLOW_VLLM_BATCH_GPUS) for the engine" in run.output
     assert "Released GPU(s) 0" in run.output
+    # The leased GPU's seconds are the server's time, from its start to the last answer.
+    cost = manifest["cost"]
+    assert (cost["device"], cost["gpus"]) == ("gpu", 1) and cost["gpu_s"] == pytest.approx(manifest["engine_duration_s"], abs=0.01)
+    assert cost["tokens_per_gpu_s"] > 0 and "cost" not in cost
     body = embedded.client().get_object(Bucket=BUCKET, Key="started-server/results.jsonl")["Body"].read()
     results = [json.loads(line) for line in body.splitlines()]
     assert sorted(r["custom_id"] for r in results) == sorted(f"s{i}" for i in range(30))

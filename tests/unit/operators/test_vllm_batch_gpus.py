@@ -86,3 +86,31 @@ def test_a_task_with_a_vllm_connection_leases_no_gpu_even_when_all_are_taken(s3,
     with gpus.try_lease(["0", "1"], 2, str(worker), {"task_id": "other"}):
         manifest = ServerBatch(s3, bucket, tmp_path).run()
     assert manifest["request_counts"]["completed"] == SERVER_REQUESTS
+
+
+def test_the_manifest_counts_leased_gpus_times_the_engines_time_and_prices_them(batch, worker):
+    manifest = batch.run(engine_args=["--tensor-parallel-size", "2"], gpu_hour_cost=2.5)
+    cost = manifest["cost"]
+    assert (cost["device"], cost["gpus"]) == ("gpu", 2)
+    assert cost["gpu_s"] == pytest.approx(2 * manifest["engine_duration_s"], abs=0.01)
+    assert cost["tokens_per_gpu_s"] == pytest.approx(manifest["usage"]["total_tokens"] / cost["gpu_s"], rel=0.01)
+    assert cost["cost"] == pytest.approx(cost["gpu_s"] / 3600 * 2.5, abs=1e-5)
+    assert sum(entry["cost"] for entry in manifest["per_model"].values()) == pytest.approx(cost["cost"])
+
+
+def test_on_a_cpu_worker_the_manifest_says_cpu_and_gives_engine_seconds(batch, monkeypatch):
+    monkeypatch.setenv(gpus.GPUS_ENV, "")
+    cost = batch.run()["cost"]
+    assert (cost["device"], cost["gpus"]) == ("cpu", 0)
+    assert "gpu_s" not in cost and "cost" not in cost
+    assert cost["engine_s"] > 0 and cost["tokens_per_engine_s"] > 0
+
+
+@pytest.mark.timeout(120)
+def test_a_vllm_connection_is_counted_by_the_tasks_wall_time_as_a_shared_server(s3, bucket, tmp_path, server):  # noqa: F811
+    manifest = ServerBatch(s3, bucket, tmp_path).run(gpu_hour_cost="3.6")
+    cost = manifest["cost"]
+    assert cost["device"] == "vllm_connection" and "gpus" not in cost
+    assert manifest["engine_duration_s"] <= cost["engine_s"] <= manifest["duration_s"] + 1
+    assert "other tasks" in cost["note"]
+    assert cost["cost"] == pytest.approx(cost["engine_s"] / 3600 * 3.6, abs=1e-5)

@@ -26,6 +26,7 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from email.utils import parsedate_to_datetime
 from typing import Any
@@ -62,6 +63,11 @@ class LeaseHolder:
     try_number: int
     fingerprint: str
     hostname: str = socket.gethostname()
+
+    @classmethod
+    def of_try(cls, task: Mapping[str, Any], fingerprint: str) -> LeaseHolder:
+        """The holder for one task try (:func:`airflow_vllm_batch.operators.task_try.task_try`; other keys are ignored)."""
+        return cls(**{k: task[k] for k in ("dag_id", "run_id", "task_id", "map_index", "try_number")}, fingerprint=fingerprint)
 
     def same_task_instance(self, other: LeaseHolder) -> bool:
         """Whether ``other`` is another try of the same task instance."""

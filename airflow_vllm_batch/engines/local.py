@@ -19,7 +19,7 @@ from airflow_vllm_batch.gpus import GPUPlan, engine_gpus, plan_gpus
 from airflow_vllm_batch.hooks.engine_checks import (
     OfflineDefaults,
     OfflineDefaultsUnavailable,
-    _read_options,
+    read_options,
     check_engine_args,
     inspect_model,
 )
@@ -154,7 +154,7 @@ class LocalEngine(Engine):
 
 
 def _option_names(args: list[str]) -> set[str]:
-    return set(_read_options(args))
+    return set(read_options(args))
 
 
 def _defaults_digest(python: str, vllm_version: str | None, world_size: int) -> str:

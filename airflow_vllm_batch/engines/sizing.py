@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from airflow_vllm_batch.gpus import parallel_sizes
-from airflow_vllm_batch.hooks.engine_checks import OfflineDefaults, _read_options
+from airflow_vllm_batch.hooks.engine_checks import OfflineDefaults, read_options
 from airflow_vllm_batch.serving import DEFAULT_MAX_IN_FLIGHT
 
 MAX_NUM_SEQS = "--max-num-seqs"
@@ -54,7 +54,7 @@ def world_size(engine_args: Sequence[str]) -> int:
 
 def api_server_count(engine_args: Sequence[str]) -> int | None:
     """The ``--api-server-count`` (``-asc``) in ``engine_args``, when set."""
-    options = _read_options(engine_args)
+    options = read_options(engine_args)
     if "--api-server-count" in options:
         return _int_option(options, "--api-server-count")
     args = list(engine_args)
@@ -85,7 +85,7 @@ def scheduler_sizes(engine_args: Sequence[str], defaults: OfflineDefaults | None
     :param defaults: the offline sizes of the engine's vLLM on its device; None when unknown.
     :param model_kind: ``"generate"`` or ``"pooling"``, when known.
     """
-    options = _read_options(engine_args)
+    options = read_options(engine_args)
     user_seqs = _int_option(options, MAX_NUM_SEQS)
     user_tokens = _int_option(options, MAX_NUM_BATCHED_TOKENS)
     seqs_set, tokens_set = MAX_NUM_SEQS in options, MAX_NUM_BATCHED_TOKENS in options

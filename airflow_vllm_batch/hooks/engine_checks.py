@@ -351,7 +351,7 @@ def inspect_model(
     :raises IncompleteModelError: the local directory lacks a config, weights or a tokenizer.
     """
     env = os.environ if env is None else env
-    options = _read_options(engine_args)
+    options = read_options(engine_args)
     served = options.get("--served-model-name") or [model]
     flag_kind = _kind_from_flags(options)
 
@@ -386,7 +386,7 @@ def inspect_model(
     )
 
 
-def _read_options(engine_args: Sequence[str]) -> dict[str, list[str]]:
+def read_options(engine_args: Sequence[str]) -> dict[str, list[str]]:
     """Return the values of each ``--option`` in ``engine_args`` (``--a x y``, ``--a=x``), last occurrence wins."""
     options: dict[str, list[str]] = {}
     args = [] if isinstance(engine_args, (str, bytes)) else [str(a) for a in engine_args]

@@ -31,7 +31,7 @@ from airflow_vllm_batch.hooks.engine_checks import (
     _HUB_ID,
     _downloads_off,
     _hub_cache,
-    _read_options,
+    read_options,
 )
 
 _ADAPTER_CONFIG = "adapter_config.json"
@@ -82,7 +82,7 @@ def served_models(model: str, engine_args: Sequence[str] = ()) -> ServedModels:
     :raises EngineArgumentsError: an adapter entry cannot be read, two names clash, or
         adapters are given without ``--enable-lora``.
     """
-    options = _read_options(engine_args)
+    options = read_options(engine_args)
     base = tuple(options.get("--served-model-name") or [model])
     adapters = tuple(_parse_adapter(item) for item in options.get("--lora-modules") or () if item)
     if adapters and not _lora_enabled(engine_args):
@@ -168,7 +168,7 @@ def cpu_lora_slots_problem(served: ServedModels, engine_args: Sequence[str], req
     if not used or not any(name in served.base_names for name in requests_per_model):
         return None
     try:
-        max_loras = int((_read_options(engine_args).get("--max-loras") or ["1"])[-1])
+        max_loras = int((read_options(engine_args).get("--max-loras") or ["1"])[-1])
     except ValueError:
         return None  # vLLM's own argument check names it
     if max_loras > len(used):

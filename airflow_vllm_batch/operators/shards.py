@@ -33,6 +33,7 @@ from airflow_vllm_batch.batchfile import open_lines, redact_url
 from airflow_vllm_batch.exceptions import VLLMBatchError
 from airflow_vllm_batch.lease import LeaseHolder
 from airflow_vllm_batch.manifest import Manifest, RequestCounts, Usage
+from airflow_vllm_batch.operators.task_try import task_try
 from airflow_vllm_batch.sharding import (
     DEFAULT_MAX_BYTES,
     DEFAULT_MAX_REQUESTS,
@@ -322,7 +323,7 @@ class VLLMBatchMergeOperator(BaseOperator):
 
     def publish(self, manifest: Manifest, results: Path, errors: Path | None, context: Context) -> None:
         """Publish the merged files and the manifest while holding the output's lease (one writer per output)."""
-        with self.store.lease(self.lease_holder(context, manifest.fingerprint)) as lease:
+        with self.store.lease(LeaseHolder.of_try(task_try(context, self.retries), manifest.fingerprint)) as lease:
             self.store.publish(
                 manifest,
                 results_path=results,
@@ -337,18 +338,6 @@ class VLLMBatchMergeOperator(BaseOperator):
             lines = merge_results(self._bodies(uris), out)
         self.log.info("Merged %d file(s) into %d lines", len(uris), sum(lines))
         return scratch, lines
-
-    def lease_holder(self, context: Context, fingerprint: str) -> LeaseHolder:
-        """Who this try is, for the output's lease."""
-        ti = context["ti"]
-        return LeaseHolder(
-            dag_id=ti.dag_id,
-            run_id=ti.run_id,
-            task_id=ti.task_id,
-            map_index=getattr(ti, "map_index", -1),
-            try_number=getattr(ti, "try_number", 0),
-            fingerprint=fingerprint,
-        )
 
     def build_manifest(
         self, manifests: Sequence[dict[str, Any]], summary: dict[str, Any], has_errors: bool, merge_s: float

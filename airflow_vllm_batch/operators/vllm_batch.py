@@ -18,6 +18,7 @@ from airflow_vllm_batch.engines import Engine, make_engine
 from airflow_vllm_batch.exceptions import TooManyFailedRequestsError, VLLMBatchError
 from airflow_vllm_batch.hooks.process import DEFAULT_GRACE_S
 from airflow_vllm_batch.lineage import lineage_for
+from airflow_vllm_batch.operators.task_try import task_try
 from airflow_vllm_batch.links.output import VLLMBatchOutputLink
 from airflow_vllm_batch.run import BatchRun, BatchSettings, check_static_settings
 from airflow_vllm_batch.storage import default_error_uri
@@ -190,7 +191,7 @@ class VLLMBatchOperator(BaseOperator):
         try:
             settings = self.settings()
             self._engine = make_engine(settings, self.log)
-            run = BatchRun(settings, s3_hook=self.s3_hook, engine=self._engine, task=_task_of(context, self.retries), log=self.log)
+            run = BatchRun(settings, s3_hook=self.s3_hook, engine=self._engine, task=task_try(context, self.retries), log=self.log)
             outcome = run.execute()
             self.input_uri = run.input.uri if run.input is not None else self.input_uri
             manifest = outcome.manifest
@@ -244,21 +245,3 @@ class VLLMBatchOperator(BaseOperator):
 
     def _setting_values(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in BatchSettings.__dataclass_fields__ if name != "execution_timeout"}
-
-
-def _task_of(context: Context, retries: int | None) -> dict[str, Any]:
-    """Who this try is (the lease holder's and the GPU lease files' fields), and whether it is the task's last."""
-    ti = context["ti"]
-    try_number = getattr(ti, "try_number", 0)
-    # Airflow retries a failed try while try_number <= max_tries (retries, grown by retries
-    # again each time the task is cleared); the task's retries stand in where the task
-    # instance does not say (max_tries is 0 until the API server's context fills it in).
-    max_tries = max(getattr(ti, "max_tries", 0) or 0, retries or 0)
-    return {
-        "dag_id": ti.dag_id,
-        "run_id": ti.run_id,
-        "task_id": ti.task_id,
-        "map_index": getattr(ti, "map_index", -1),
-        "try_number": try_number,
-        "last_try": try_number > max_tries,
-    }

@@ -155,7 +155,7 @@ class BatchRun:
 
     def lease_holder(self, identity: RunIdentity) -> LeaseHolder:
         """Who this try is, for the output's lease."""
-        return LeaseHolder(**{k: self.task[k] for k in ("dag_id", "run_id", "task_id", "map_index", "try_number")}, fingerprint=identity.fingerprint)
+        return LeaseHolder.of_try(self.task, identity.fingerprint)
 
     def run_batch(self, info: EngineInfo, identity: RunIdentity, lease: OutputLease, started: float) -> BatchOutcome:
         """Preflight, have the engine make its answers durable, check and publish."""

@@ -51,7 +51,9 @@ def test_the_engine_and_its_children_die_with_the_task_process(tmp_path, how):
     assert len(processes_with(marker)) == 3  # guard, engine, engine's child
     proc.send_signal(how)
     proc.wait()
-    assert _gone_within(marker, 5), f"still running: {processes_with(marker)}"
+    # The guard stops the group after grace_s (1 s); the wide bound is for a loaded 2-core
+    # machine, where the kernel may run the guard's SIGTERM handling seconds late.
+    assert _gone_within(marker, 15), f"still running: {processes_with(marker)}"
 
 
 def test_the_engines_exit_status_is_passed_on():

@@ -457,9 +457,9 @@ def test_an_answer_to_a_custom_id_not_in_the_input_still_drops_the_parts(batch, 
     ],
 )
 def test_the_last_try_is_the_one_airflow_will_not_retry(try_number, max_tries, retries, last):
-    from airflow_vllm_batch.operators.vllm_batch import _task_of
+    from airflow_vllm_batch.operators.task_try import task_try
 
     ti = FakeTI(try_number=try_number)
     if max_tries is not None:
         ti.max_tries = max_tries
-    assert _task_of({"ti": ti}, retries)["last_try"] is last
+    assert task_try({"ti": ti}, retries)["last_try"] is last

@@ -21,10 +21,10 @@ def test_client_overhead_prints_cpu_per_request_and_rate_of_stream_and_bare_loop
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     lines = done.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("client "))
-    assert lines[header].split() == ["client", "processes", "CPU", "µs/request", "requests/s"]
+    assert lines[header].split() == ["client", "processes", "CPU", "µs/request", "requests/s", "least", "µs/request"]
     rows = [line.split() for line in lines[header + 1 : header + 5]]
     assert [(row[0], row[1]) for row in rows] == [("stream", "1"), ("bare", "1"), ("stream", "2"), ("bare", "2")]
-    assert all(float(row[2]) > 0 and float(row[3]) > 0 for row in rows)
+    assert all(float(row[2]) > 0 and float(row[3]) > 0 and float(row[4]) > 0 for row in rows)
     assert lines[header + 5].startswith("ratio stream ÷ bare, 1 process(es): CPU per request ")
     assert lines[header + 6].startswith("ratio stream ÷ bare, 2 process(es): CPU per request ")
     assert lines[header + 7].startswith("stream requests/s, 2 processes ÷ 1: ")

@@ -64,6 +64,9 @@ def embedded_env(
             "AIRFLOW_VLLM_BATCH_BUCKET": BUCKET,
             "AIRFLOW_VLLM_BATCH_CHAT_MODEL": str(chat_model),
             "AIRFLOW_VLLM_BATCH_ENGINE_ARGS": CPU_ENGINE_ARGS,
+            # The embedded default is no part of the provider's wheel: the processes Airflow
+            # starts import it (SQLite's connect arguments) from the clone, whatever their cwd.
+            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p),
         }
     )
     if database_url is None:

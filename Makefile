@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python -m airflow_vllm_batch.embedded.demo
+	$(BIN)/python -m vllm_batch_embedded.demo
 
 test: $(STAMP) system-deps
 	$(BIN)/python -m pytest -q -ra --durations=15

@@ -19,7 +19,7 @@ import numpy as np
 import psutil
 import pytest
 
-from airflow_vllm_batch.embedded.demo import BUCKET
+from vllm_batch_embedded.demo import BUCKET
 from tests.integration.dagrun import DagRunResult, load_dag, register_dag, run_dag
 
 pytestmark = [pytest.mark.integration, pytest.mark.engine]
@@ -233,7 +233,7 @@ def embeddings_sharded_and_whole(embedded, airflow_db) -> DagRunResult:
     from airflow.sdk import DAG
 
     from airflow_vllm_batch import examples
-    from airflow_vllm_batch.embedded.tiny_model import embedding_model_path
+    from vllm_batch_embedded.tiny_model import embedding_model_path
     from airflow_vllm_batch.operators.shards import (
         VLLMBatchMergeOperator,
         VLLMBatchSplitOperator,

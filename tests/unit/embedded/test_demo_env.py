@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from airflow_vllm_batch.embedded.demo import embedded_env
-from airflow_vllm_batch.embedded.sqlite_db import SQLITE_CONNECT_ARGS_ENV
+from vllm_batch_embedded.demo import embedded_env
+from vllm_batch_embedded.sqlite_db import SQLITE_CONNECT_ARGS_ENV
 
 # What Airflow itself makes of the environment: its engine's dialect and, on SQLite, the lock wait.
 PROBE = """

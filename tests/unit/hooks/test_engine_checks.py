@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from airflow_vllm_batch.embedded.tiny_model import (
+from vllm_batch_embedded.tiny_model import (
     build_tiny_chat_model,
     embedding_model_path,
 )

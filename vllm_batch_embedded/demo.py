@@ -16,11 +16,11 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from airflow_vllm_batch.embedded.seaweedfs import SeaweedFS
-from airflow_vllm_batch.embedded.sqlite_db import SQLITE_CONNECT_ARGS_ENV
-from airflow_vllm_batch.embedded.tiny_model import build_tiny_chat_model
+from vllm_batch_embedded.seaweedfs import SeaweedFS
+from vllm_batch_embedded.sqlite_db import SQLITE_CONNECT_ARGS_ENV
+from vllm_batch_embedded.tiny_model import build_tiny_chat_model
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 BUCKET = "vllm-batch"
 
 #: What vLLM needs to start quickly on a CPU with the tiny model, and offline.

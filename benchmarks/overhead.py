@@ -42,7 +42,7 @@ def main() -> None:
     os.environ["AIRFLOW_HOME"] = str(work / "airflow")
     os.environ["AIRFLOW__CORE__LOAD_EXAMPLES"] = "False"
 
-    from airflow_vllm_batch import examples
+    import vllm_batch_examples as examples
     from vllm_batch_embedded.demo import BUCKET, CPU_ENGINE_ARGS, embedded_env
     from vllm_batch_embedded.seaweedfs import SeaweedFS
     from vllm_batch_embedded.tiny_model import build_tiny_chat_model

@@ -3,7 +3,7 @@
 ``vllm_batch_pipeline`` (its ``vllm_batch`` task) ──Asset event──> ``report_results``
 
 Scheduled on the Asset the pipeline's inference task declares as outlet
-(:func:`airflow_vllm_batch.examples.results_asset`), so it needs no sensor and no
+(:func:`vllm_batch_examples.results_asset`), so it needs no sensor and no
 cross-DAG dependency: the scheduler starts a run after each successful batch. The
 asset event's ``extra`` carries the batch's summary (``output_uri``, ``error_uri``,
 ``manifest_uri``, ``request_counts``, ``usage``, ``model``), so this DAG knows what
@@ -17,7 +17,7 @@ from typing import Any
 
 from airflow.sdk import dag, task
 
-from airflow_vllm_batch import examples
+import vllm_batch_examples as examples
 
 log = logging.getLogger(__name__)
 

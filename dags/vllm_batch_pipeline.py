@@ -7,7 +7,7 @@ A nightly (or UI-triggered, or backfilled) pipeline in three tasks::
 Keys are templated by run id, so runs of different dates (a backfill) or manual
 triggers never share an output. Trigger it from the UI to change the model, the
 number of requests or the sampling settings. Settings come from environment
-variables (see :mod:`airflow_vllm_batch.examples`) so the same file runs on a laptop
+variables (see :mod:`vllm_batch_examples`) so the same file runs on a laptop
 and on a GPU worker.
 """
 
@@ -18,7 +18,7 @@ from datetime import timedelta
 
 from airflow.sdk import Param, dag, task
 
-from airflow_vllm_batch import examples
+import vllm_batch_examples as examples
 from airflow_vllm_batch.batchfile import Failed, read_answers
 from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
 

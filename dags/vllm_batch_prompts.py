@@ -18,7 +18,7 @@ from datetime import timedelta
 
 from airflow.sdk import Param, dag, task
 
-from airflow_vllm_batch import examples
+import vllm_batch_examples as examples
 from airflow_vllm_batch.batchfile import Failed, read_answers
 from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
 

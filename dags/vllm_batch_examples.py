@@ -1,5 +1,9 @@
 """Shared pieces of the example DAGs: their settings and the requests they generate.
 
+A module of the DAGs folder, not of the provider: Airflow puts the folder on ``sys.path``
+when it parses a DAG file, so the example DAGs import it as ``vllm_batch_examples``, and
+``.airflowignore`` keeps it from being parsed as a DAG file itself.
+
 The example DAGs read their defaults from environment variables so that the same
 files run on a laptop (``make demo``: tiny local model, SeaweedFS) and on a GPU
 worker (a real model, real S3) without edits:

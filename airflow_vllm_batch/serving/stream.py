@@ -45,9 +45,8 @@ import time
 import uuid
 from collections.abc import Callable, Coroutine, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import aiohttp
 import msgspec
 
 from airflow_vllm_batch.exceptions import (
@@ -56,6 +55,11 @@ from airflow_vllm_batch.exceptions import (
     ServerUnavailableError,
 )
 from airflow_vllm_batch.serving.journal import Journal
+
+if TYPE_CHECKING:
+    # Imported where a stream runs: only a worker that streams to a vLLM server needs it
+    # (the ``server`` extra), not the scheduler or dag processor parsing a DAG file.
+    import aiohttp
 
 #: Default requests in flight: twice vLLM's default ``--max-num-seqs`` on most GPUs (256;
 #: 128 on a CPU, 1024 on H100/H200/B200). The server runs at most ``--max-num-seqs``
@@ -313,6 +317,8 @@ class _Stream:
         ``max_in_flight`` sender tasks each send one request at a time, which is what
         bounds the requests in flight; a reader task keeps their queue filled.
         """
+        import aiohttp
+
         self._started = time.monotonic()
         # A queue no longer than the in-flight bound: the reader stays just ahead of the senders.
         queue: asyncio.Queue[_RequestLine | None] = asyncio.Queue(maxsize=self.max_in_flight)
@@ -393,6 +399,8 @@ class _Stream:
 
     async def _post(self, session: aiohttp.ClientSession, request: _RequestLine) -> tuple[int, bytes]:
         """One attempt: return the status and body, or raise :class:`_Transient`."""
+        import aiohttp
+
         url = self.base_url + request.url
         try:
             async with session.post(url, data=bytes(request.body), headers=self.headers) as response:

@@ -46,6 +46,7 @@ def vllm_batch_embeddings():
         output_uri=PREFIX + "/embeddings.jsonl",
         model="{{ params.model }}",
         engine_args=examples.engine_args("--runner", "pooling"),
+        engine_python=examples.engine_python(),
         aws_conn_id=examples.aws_conn_id(),
         execution_timeout=timedelta(hours=6),
         queue="gpu",

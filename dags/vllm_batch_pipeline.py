@@ -63,6 +63,7 @@ def vllm_batch_pipeline():
         output_uri=PREFIX + "/results.jsonl",
         model="{{ params.model }}",
         engine_args=examples.engine_args(),
+        engine_python=examples.engine_python(),
         vllm_conn_id=examples.vllm_conn_id(),
         aws_conn_id=examples.aws_conn_id(),
         max_failed_ratio="{{ params.max_failed_ratio }}",

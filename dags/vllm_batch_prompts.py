@@ -57,6 +57,7 @@ def vllm_batch_prompts():
         model="{{ params.model }}",
         default_body={"temperature": 0, "max_completion_tokens": 16},
         engine_args=examples.engine_args(),
+        engine_python=examples.engine_python(),
         vllm_conn_id=examples.vllm_conn_id(),
         aws_conn_id=examples.aws_conn_id(),
         execution_timeout=timedelta(hours=1),

@@ -87,6 +87,7 @@ def vllm_batch_sharded_k8s():
         task_id="vllm_batch",
         model="{{ params.model }}",
         engine_args=examples.engine_args(*(["--tensor-parallel-size", str(GPUS)] if GPUS > 1 else [])),
+        engine_python=examples.engine_python(),
         # The pod holds exactly its GPUs: the engine leases them all.
         gpus=GPUS,
         aws_conn_id=examples.aws_conn_id(),

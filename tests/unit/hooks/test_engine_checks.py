@@ -30,6 +30,9 @@ from airflow_vllm_batch.hooks.engine_checks import (
     inspect_model,
 )
 
+# Runs vLLM's own argument parsers and model loaders in this Python.
+pytestmark = pytest.mark.vllm
+
 REPO = Path(__file__).resolve().parents[3]
 RUNNER_HELP = "'python -m vllm.entrypoints.launchers.run_batch --help'"
 

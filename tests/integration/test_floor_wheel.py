@@ -129,30 +129,33 @@ def test_the_example_dags_parse_with_only_the_wheel_installed(floor, clone_witho
 
 
 IMPORT = """
-import json, sys, time
-started = time.perf_counter()
+import gc, json, sys, time
 import airflow
 from airflow.providers.amazon.aws.hooks.s3 import S3Hook
-airflow_s = time.perf_counter() - started
-started = time.perf_counter()
-if sys.argv[1] == "operators":
-    from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
-    from airflow_vllm_batch.operators.shards import VLLMBatchMergeOperator, VLLMBatchSplitOperator
-ours_s = time.perf_counter() - started
-print(json.dumps({"ours_s": ours_s, "modules": sorted(m for m in sys.modules if m.split(".")[0] in %r)}))
+# Airflow leaves a full collection of its ~150k objects due (~0.2 s): whatever allocates
+# next pays it, any provider's import or the DAG file itself. It is Airflow's cost, so it is
+# settled before the clock starts; what is left is what the operators' import adds.
+gc.collect()
+cpu, wall = time.process_time(), time.perf_counter()
+from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
+from airflow_vllm_batch.operators.shards import VLLMBatchMergeOperator, VLLMBatchSplitOperator
+cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+print(json.dumps({"cpu_s": cpu, "wall_s": wall, "modules": sorted(m for m in sys.modules if m.split(".")[0] in %r)}))
 """ % (ENGINE_MODULES,)
 
 
 def test_importing_the_operators_loads_no_engine_library_and_adds_at_most_0_3_s(floor, tmp_path):
-    def measure(what: str) -> dict:
-        done = _run([str(floor / "python"), "-c", IMPORT, what], env=_env(tmp_path), cwd=tmp_path, timeout=300)
+    def measure() -> dict:
+        done = _run([str(floor / "python"), "-c", IMPORT], env=_env(tmp_path), cwd=tmp_path, timeout=300)
         return json.loads(done.stdout.splitlines()[-1])
 
-    runs = [measure("operators") for _ in range(5)]
+    # CPU time, not wall: on a loaded machine the wall clock counts other processes' turns.
+    runs = [measure() for _ in range(7)]
     assert runs[0]["modules"] == []
-    overhead = statistics.median(run["ours_s"] for run in runs)
-    print(f"importing the operators after Airflow and amazon: median {overhead:.3f} s of 5 runs")
-    assert overhead <= MAX_IMPORT_OVERHEAD_S
+    cpu = statistics.median(run["cpu_s"] for run in runs)
+    wall = statistics.median(run["wall_s"] for run in runs)
+    print(f"importing the operators after Airflow and amazon: median {cpu:.3f} s CPU ({wall:.3f} s wall) of 7 runs")
+    assert cpu <= MAX_IMPORT_OVERHEAD_S
 
 
 def test_the_unit_tests_that_need_no_vllm_pass_on_the_floor(floor, clone_without_provider, tmp_path):

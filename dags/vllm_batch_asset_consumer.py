@@ -40,7 +40,8 @@ def vllm_batch_asset_consumer():
         Several pipeline runs can finish before this DAG runs once; each one's event is
         reported, oldest first.
         """
-        events = (triggering_asset_events or {}).get(RESULTS_ASSET, [])
+        # Not `(events or {}).get(...)`: an empty accessor is falsy, and Airflow 3.0's Asset is no dict key.
+        events = triggering_asset_events.get(RESULTS_ASSET, []) if triggering_asset_events else []
         summaries = []
         for event in sorted(events, key=lambda e: e.timestamp):
             summary = {field: event.extra.get(field) for field in SUMMARY_FIELDS}

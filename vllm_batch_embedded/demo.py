@@ -47,11 +47,14 @@ def embedded_env(
 
     :param s3: a running SeaweedFS.
     :param chat_model: directory of the tiny chat model.
-    :param airflow_home: a directory for Airflow's logs and, by default, its SQLite database.
+    :param airflow_home: a directory for Airflow's logs and, by default, its SQLite database;
+        made if missing.
     :param base: the environment to extend. Default: this process's.
     :param database_url: Airflow's metadata database instead of SQLite in ``airflow_home``
         (a PostgreSQL URL, say). SQLite's connect arguments are set only for SQLite.
     """
+    # Airflow 3.0 opens SQLite in AIRFLOW_HOME without making the directory (3.1 makes it).
+    airflow_home.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ if base is None else base)
     env.update(CPU_ENGINE_ENV)
     env.update(

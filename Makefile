@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: demo test test-unit venv system-deps clean
+.PHONY: demo test test-unit docs venv system-deps clean
 
 venv: $(STAMP)
 
@@ -21,13 +21,19 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python -m airflow_vllm_batch.embedded.demo
+	$(BIN)/python -m vllm_batch_embedded.demo
 
 test: $(STAMP) system-deps
 	$(BIN)/python -m pytest -q -ra --durations=15
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit
+
+# The docs (Sphinx): the how-to pages in docs/ and the operator, hook, connection and API
+# reference from the docstrings, into build/docs/html. Any warning fails the build;
+# tests/test_docs.py runs the same build in `make test`.
+docs: $(STAMP)
+	$(BIN)/python -m sphinx -W --keep-going -q -b html docs build/docs/html
 
 # Debian packages the suite needs (redis for the Celery gpu-queue test, docker-compose
 # to check docker-compose.yaml, chromium and its driver for the UI test in a real
@@ -40,4 +46,4 @@ system-deps:
 	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server docker-compose chromium chromium-driver postgresql >/dev/null; }
 
 clean:
-	rm -rf .cache .pytest_cache
+	rm -rf .cache .pytest_cache build/docs

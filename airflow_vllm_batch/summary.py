@@ -13,20 +13,17 @@ the failed requests by **reason**, which is the error's ``code``:
 
 The counts go into the manifest (``failed_by_reason``); one example per reason (its
 ``custom_id`` and the start of its message, URLs redacted) goes only into the log, so
-the manifest stays small. :func:`render_summary` draws the table with ``rich``.
+the manifest stays small. :func:`render_summary` draws the table as plain ASCII: the task
+log is no terminal, and the provider needs no table library for it.
 """
 
 from __future__ import annotations
 
-import io
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgspec
-from rich import box
-from rich.console import Console
-from rich.table import Table
 
 from airflow_vllm_batch.batchfile import redact_urls
 
@@ -119,34 +116,35 @@ def render_summary(
     title = f"vLLM batch: {counts.completed} of {counts.total} requests completed, {counts.failed} failed"
     if resumed:
         title += " (reused: no engine ran in this try)"
-    table = Table(title=title, box=box.ASCII, show_header=False, title_justify="left")
-    table.add_column("what", no_wrap=True)
-    table.add_column("value", no_wrap=True)
-    table.add_row("requests", f"{counts.total} total, {counts.completed} completed, {counts.failed} failed")
+    rows = [("requests", f"{counts.total} total, {counts.completed} completed, {counts.failed} failed")]
     for reason, count in (manifest.failed_by_reason or {}).items():
         example = (examples or {}).get(reason)
-        table.add_row(f"failed: {reason}", f"{count}, e.g. {example}" if example else f"{count} (see the error file)")
-    table.add_row(
-        "tokens",
-        f"{usage.prompt_tokens} prompt + {usage.completion_tokens} completion = {usage.total_tokens} total",
-    )
-    table.add_row("time", _time_row(manifest, task_s, resumed))
+        rows.append((f"failed: {reason}", f"{count}, e.g. {example}" if example else f"{count} (see the error file)"))
+    rows += [
+        ("tokens", f"{usage.prompt_tokens} prompt + {usage.completion_tokens} completion = {usage.total_tokens} total"),
+        ("time", _time_row(manifest, task_s, resumed)),
+    ]
     if manifest.cost is not None and not resumed:
-        table.add_row("engine time", _cost_row(manifest.cost))
+        rows.append(("engine time", _cost_row(manifest.cost)))
         priced = {name: entry["cost"] for name, entry in (manifest.per_model or {}).items() if "cost" in entry}
         if len(priced) > 1:
-            table.add_row("cost per model", ", ".join(f"{name} {value:.4g}" for name, value in priced.items()))
-    table.add_row("results", manifest.output_uri)
-    table.add_row("errors", manifest.error_uri or "none (no request failed)")
-    table.add_row("manifest", manifest.manifest_uri)
+            rows.append(("cost per model", ", ".join(f"{name} {value:.4g}" for name, value in priced.items())))
+    rows += [
+        ("results", manifest.output_uri),
+        ("errors", manifest.error_uri or "none (no request failed)"),
+        ("manifest", manifest.manifest_uri),
+    ]
     if manifest.model:
-        table.add_row("model", f"{manifest.model} (vLLM {manifest.vllm_version or 'unknown'})")
-    # Plain text: the task log is not a terminal, and colour codes would show as noise.
-    # As wide as its longest value: a URI is never wrapped nor cut (it is copied from the log).
-    width = max(len(str(cell)) for column in table.columns for cell in column.cells) + 40
-    console = Console(file=io.StringIO(), width=width, no_color=True, color_system=None, highlight=False)
-    console.print(table)
-    return "\n".join(line.rstrip() for line in console.file.getvalue().splitlines())
+        rows.append(("model", f"{manifest.model} (vLLM {manifest.vllm_version or 'unknown'})"))
+    return title + "\n" + _ascii_box(rows)
+
+
+def _ascii_box(rows: list[tuple[str, str]]) -> str:
+    """Two columns in an ASCII box, as wide as the longest value: a URI is never wrapped nor cut."""
+    what = max(len(name) for name, _ in rows)
+    value = max(len(text) for _, text in rows)
+    rule = f"+-{'-' * what}-+-{'-' * value}-+"
+    return "\n".join([rule, *(f"| {name:<{what}} | {text:<{value}} |" for name, text in rows), rule])
 
 
 def _time_row(manifest: Manifest, task_s: float | None, resumed: bool) -> str:

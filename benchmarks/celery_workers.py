@@ -34,9 +34,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from airflow_vllm_batch.embedded.demo import BUCKET
-from airflow_vllm_batch.embedded.seaweedfs import SeaweedFS, _free_ports
-from airflow_vllm_batch.embedded.tiny_model import build_tiny_chat_model
+from vllm_batch_embedded.demo import BUCKET
+from vllm_batch_embedded.seaweedfs import SeaweedFS, _free_ports
+from vllm_batch_embedded.tiny_model import build_tiny_chat_model
 from tests.integration.deployment import (
     LOOPBACK,
     Deployment,

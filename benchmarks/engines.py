@@ -31,10 +31,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "dags"))  # the example settings live beside the example DAGs
 
-from airflow_vllm_batch import examples  # noqa: E402
-from airflow_vllm_batch.embedded.demo import CPU_ENGINE_ARGS, CPU_ENGINE_ENV  # noqa: E402
-from airflow_vllm_batch.embedded.tiny_model import build_tiny_chat_model  # noqa: E402
+import vllm_batch_examples as examples  # noqa: E402
+from vllm_batch_embedded.demo import CPU_ENGINE_ARGS, CPU_ENGINE_ENV  # noqa: E402
+from vllm_batch_embedded.tiny_model import build_tiny_chat_model  # noqa: E402
 
 #: What the runner hook runs (``RUN_BATCH_MODULE``): run as ``__main__``, the module in
 #: ``vllm.entrypoints.launchers`` logs through an unconfigured logger, so its progress

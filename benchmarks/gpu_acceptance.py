@@ -35,10 +35,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "dags"))  # the example settings live beside the example DAGs
 os.environ.setdefault("AIRFLOW_HOME", tempfile.mkdtemp(prefix="vllm-batch-acceptance-airflow-"))
 
-from airflow_vllm_batch import examples  # noqa: E402
-from airflow_vllm_batch.embedded.seaweedfs import SeaweedFS  # noqa: E402
+import vllm_batch_examples as examples  # noqa: E402
+from vllm_batch_embedded.seaweedfs import SeaweedFS  # noqa: E402
 
 BUCKET = "acceptance"
 COLUMNS = ("engine", "requests", "requests/s", "output tokens/s", "max_num_seqs", "max_num_batched_tokens", "in flight", "GPU util %")

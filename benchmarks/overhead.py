@@ -42,10 +42,10 @@ def main() -> None:
     os.environ["AIRFLOW_HOME"] = str(work / "airflow")
     os.environ["AIRFLOW__CORE__LOAD_EXAMPLES"] = "False"
 
-    from airflow_vllm_batch import examples
-    from airflow_vllm_batch.embedded.demo import BUCKET, CPU_ENGINE_ARGS, embedded_env
-    from airflow_vllm_batch.embedded.seaweedfs import SeaweedFS
-    from airflow_vllm_batch.embedded.tiny_model import build_tiny_chat_model
+    import vllm_batch_examples as examples
+    from vllm_batch_embedded.demo import BUCKET, CPU_ENGINE_ARGS, embedded_env
+    from vllm_batch_embedded.seaweedfs import SeaweedFS
+    from vllm_batch_embedded.tiny_model import build_tiny_chat_model
 
     model = build_tiny_chat_model(REPO / ".cache" / "models" / "tiny-llama-chat")
     data = examples.chat_requests(args.requests, str(model), args.max_tokens, 0.0)

@@ -3,7 +3,7 @@
 ``vllm_batch_pipeline`` (its ``vllm_batch`` task) ──Asset event──> ``report_results``
 
 Scheduled on the Asset the pipeline's inference task declares as outlet
-(:func:`airflow_vllm_batch.examples.results_asset`), so it needs no sensor and no
+(:func:`vllm_batch_examples.results_asset`), so it needs no sensor and no
 cross-DAG dependency: the scheduler starts a run after each successful batch. The
 asset event's ``extra`` carries the batch's summary (``output_uri``, ``error_uri``,
 ``manifest_uri``, ``request_counts``, ``usage``, ``model``), so this DAG knows what
@@ -17,7 +17,7 @@ from typing import Any
 
 from airflow.sdk import dag, task
 
-from airflow_vllm_batch import examples
+import vllm_batch_examples as examples
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,8 @@ def vllm_batch_asset_consumer():
         Several pipeline runs can finish before this DAG runs once; each one's event is
         reported, oldest first.
         """
-        events = (triggering_asset_events or {}).get(RESULTS_ASSET, [])
+        # Not `(events or {}).get(...)`: an empty accessor is falsy, and Airflow 3.0's Asset is no dict key.
+        events = triggering_asset_events.get(RESULTS_ASSET, []) if triggering_asset_events else []
         summaries = []
         for event in sorted(events, key=lambda e: e.timestamp):
             summary = {field: event.extra.get(field) for field in SUMMARY_FIELDS}

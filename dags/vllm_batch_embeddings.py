@@ -13,7 +13,7 @@ from datetime import timedelta
 
 from airflow.sdk import Param, dag, task
 
-from airflow_vllm_batch import examples
+import vllm_batch_examples as examples
 from airflow_vllm_batch.batchfile import Failed
 from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
 from airflow_vllm_batch.storage import read_answers
@@ -47,6 +47,7 @@ def vllm_batch_embeddings():
         output_uri=PREFIX + "/embeddings.jsonl",
         model="{{ params.model }}",
         engine_args=examples.engine_args("--runner", "pooling"),
+        engine_python=examples.engine_python(),
         aws_conn_id=examples.aws_conn_id(),
         execution_timeout=timedelta(hours=6),
         queue="gpu",

@@ -7,7 +7,7 @@ A nightly (or UI-triggered, or backfilled) pipeline in three tasks::
 Keys are templated by run id, so runs of different dates (a backfill) or manual
 triggers never share an output. Trigger it from the UI to change the model, the
 number of requests or the sampling settings. Settings come from environment
-variables (see :mod:`airflow_vllm_batch.examples`) so the same file runs on a laptop
+variables (see :mod:`vllm_batch_examples`) so the same file runs on a laptop
 and on a GPU worker.
 """
 
@@ -18,7 +18,7 @@ from datetime import timedelta
 
 from airflow.sdk import Param, dag, task
 
-from airflow_vllm_batch import examples
+import vllm_batch_examples as examples
 from airflow_vllm_batch.batchfile import Failed
 from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
 from airflow_vllm_batch.storage import read_answers
@@ -64,6 +64,7 @@ def vllm_batch_pipeline():
         output_uri=PREFIX + "/results.jsonl",
         model="{{ params.model }}",
         engine_args=examples.engine_args(),
+        engine_python=examples.engine_python(),
         vllm_conn_id=examples.vllm_conn_id(),
         aws_conn_id=examples.aws_conn_id(),
         max_failed_ratio="{{ params.max_failed_ratio }}",

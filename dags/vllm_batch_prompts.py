@@ -18,7 +18,7 @@ from datetime import timedelta
 
 from airflow.sdk import Param, dag, task
 
-from airflow_vllm_batch import examples
+import vllm_batch_examples as examples
 from airflow_vllm_batch.batchfile import Failed
 from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
 from airflow_vllm_batch.storage import read_answers
@@ -58,6 +58,7 @@ def vllm_batch_prompts():
         model="{{ params.model }}",
         default_body={"temperature": 0, "max_completion_tokens": 16},
         engine_args=examples.engine_args(),
+        engine_python=examples.engine_python(),
         vllm_conn_id=examples.vllm_conn_id(),
         aws_conn_id=examples.aws_conn_id(),
         execution_timeout=timedelta(hours=1),

@@ -11,7 +11,7 @@ keeps the shards an earlier try uploaded, and each shard whose results are alrea
 published returns their manifest without starting the engine. Keys are templated by
 run id, so different runs never share shards or outputs.
 
-With ``AIRFLOW_VLLM_BATCH_VLLM_CONN_ID`` set (see :mod:`airflow_vllm_batch.examples`),
+With ``AIRFLOW_VLLM_BATCH_VLLM_CONN_ID`` set (see :mod:`vllm_batch_examples`),
 every shard streams through that one running vLLM server: shards cost no engine start.
 """
 
@@ -24,7 +24,7 @@ from datetime import timedelta
 from airflow.providers.amazon.aws.hooks.s3 import S3Hook
 from airflow.sdk import Param, dag, task
 
-from airflow_vllm_batch import examples
+import vllm_batch_examples as examples
 from airflow_vllm_batch.batchfile import check_results, open_lines
 from airflow_vllm_batch.operators.shards import (
     VLLMBatchMergeOperator,
@@ -73,6 +73,7 @@ def vllm_batch_sharded():
         task_id="vllm_batch",
         model="{{ params.model }}",
         engine_args=examples.engine_args(),
+        engine_python=examples.engine_python(),
         vllm_conn_id=examples.vllm_conn_id(),
         aws_conn_id=examples.aws_conn_id(),
         execution_timeout=timedelta(hours=2),

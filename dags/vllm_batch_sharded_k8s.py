@@ -24,18 +24,20 @@ Settings, read when the DAG file is parsed (the scheduler builds the pods from t
 ``AIRFLOW_VLLM_BATCH_K8S_SERVICE_ACCOUNT``  the inference pods' service account (its cloud
                                             identity may use the bucket); default: the template's
 
-plus the settings of :mod:`airflow_vllm_batch.examples` (bucket, model, engine args, AWS connection).
+plus the settings of :mod:`vllm_batch_examples` (bucket, model, engine args, AWS connection).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import logging
 import os
 from datetime import timedelta
 
 from airflow.sdk import Param, dag, task
 
-from airflow_vllm_batch import examples
+import vllm_batch_examples as examples
 from airflow_vllm_batch.gpu_pods import gpu_pod_override
 from airflow_vllm_batch.operators.shards import (
     VLLMBatchMergeOperator,
@@ -85,6 +87,7 @@ def vllm_batch_sharded_k8s():
         task_id="vllm_batch",
         model="{{ params.model }}",
         engine_args=examples.engine_args(*(["--tensor-parallel-size", str(GPUS)] if GPUS > 1 else [])),
+        engine_python=examples.engine_python(),
         # The pod holds exactly its GPUs: the engine leases them all.
         gpus=GPUS,
         aws_conn_id=examples.aws_conn_id(),
@@ -102,4 +105,12 @@ def vllm_batch_sharded_k8s():
     )
 
 
-sharded_k8s_dag = vllm_batch_sharded_k8s()
+# Like Airflow's own example_kubernetes_executor: without the Kubernetes client (the
+# cncf.kubernetes provider, this provider's ``cncf-kubernetes`` extra) there is no pod to
+# describe, and the file defines no DAG instead of failing to parse.
+if importlib.util.find_spec("kubernetes") is not None:
+    sharded_k8s_dag = vllm_batch_sharded_k8s()
+else:
+    logging.getLogger(__name__).warning(
+        "vllm_batch_sharded_k8s needs the Kubernetes client: pip install 'airflow-vllm-batch[cncf-kubernetes]'"
+    )

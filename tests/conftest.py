@@ -7,6 +7,7 @@ throw-away home (SQLite database, logs) here, at collection, not in a fixture.
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -15,6 +16,9 @@ REPO = Path(__file__).resolve().parents[1]
 _home = tempfile.mkdtemp(prefix="vllm-batch-tests-airflow-")
 os.environ["AIRFLOW_HOME"] = _home
 os.environ["AIRFLOW__CORE__DAGS_FOLDER"] = str(REPO / "dags")
+# As Airflow's dag processor and task runner put the DAG bundle's root on sys.path: the
+# example DAGs and the tests import their shared settings (vllm_batch_examples) from there.
+sys.path.append(str(REPO / "dags"))
 os.environ["AIRFLOW__CORE__LOAD_EXAMPLES"] = "False"
 os.environ["AIRFLOW__CORE__UNIT_TEST_MODE"] = "False"
 os.environ.setdefault("AIRFLOW__LOGGING__LOGGING_LEVEL", "INFO")

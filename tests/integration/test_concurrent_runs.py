@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from airflow_vllm_batch.embedded.demo import (
+from vllm_batch_embedded.demo import (
     BUCKET,
     CPU_ENGINE_ARGS,
     CPU_ENGINE_ENV,

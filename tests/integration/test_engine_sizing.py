@@ -15,7 +15,7 @@ from datetime import datetime, timezone
 
 import pytest
 
-from airflow_vllm_batch.embedded.demo import BUCKET, CPU_ENGINE_ARGS
+from vllm_batch_embedded.demo import BUCKET, CPU_ENGINE_ARGS
 from tests.integration.dagrun import DagRunResult, register_dag, run_dag
 
 pytestmark = [pytest.mark.integration, pytest.mark.engine]

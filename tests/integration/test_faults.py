@@ -19,7 +19,7 @@ from datetime import datetime, timezone
 
 import pytest
 
-from airflow_vllm_batch.embedded.seaweedfs import SeaweedFS
+from vllm_batch_embedded.seaweedfs import SeaweedFS
 from tests.integration.dagrun import REPO, DagRunResult, register_dag, run_dag
 from tests.processes import processes_with
 
@@ -150,7 +150,7 @@ def test_s3_down_at_start_then_after_inference_loses_nothing_and_retries_publish
 
 
 def test_sigkill_of_the_real_engine_fails_the_task_and_leaves_no_engine_process(embedded, airflow_db, tiny_model):
-    from airflow_vllm_batch.embedded.demo import BUCKET as DEMO_BUCKET
+    from vllm_batch_embedded.demo import BUCKET as DEMO_BUCKET
 
     model = str(tiny_model)
     embedded.client().put_object(Bucket=DEMO_BUCKET, Key="sigkill/input.jsonl", Body=_chat_lines(model, 2).encode())
@@ -209,7 +209,7 @@ print("DAGRUN STATE", dr.state, flush=True)
 
 
 def test_sigterm_of_the_task_stops_every_engine_process(embedded, airflow_db, tiny_model, tmp_path):
-    from airflow_vllm_batch.embedded.demo import BUCKET as DEMO_BUCKET
+    from vllm_batch_embedded.demo import BUCKET as DEMO_BUCKET
 
     model = str(tiny_model)
     embedded.client().put_object(Bucket=DEMO_BUCKET, Key="sigterm/input.jsonl", Body=_chat_lines(model, 2).encode())

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from airflow_vllm_batch.embedded.demo import CPU_ENGINE_ARGS, CPU_ENGINE_ENV
+from vllm_batch_embedded.demo import CPU_ENGINE_ARGS, CPU_ENGINE_ENV
 
 pytestmark = [pytest.mark.integration, pytest.mark.engine]
 

@@ -1,7 +1,7 @@
 """Served names and LoRA adapters through the real batch runner: one engine, the base model and two adapters in one batch.
 
 The adapters are built here (rank 8, PEFT layout, random A and B weights: see
-:mod:`airflow_vllm_batch.embedded.tiny_lora`); nothing is downloaded.
+:mod:`vllm_batch_embedded.tiny_lora`); nothing is downloaded.
 
 vLLM 0.32 on CPU (its torch LoRA ops) reads a base-model row's adapter index -1 as "the
 last adapter slot": with ``--max-loras`` equal to the number of adapters, base-model lines
@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 from airflow_vllm_batch.batchfile import Text
-from airflow_vllm_batch.embedded.demo import BUCKET
-from airflow_vllm_batch.embedded.tiny_lora import build_tiny_lora_adapter
 from airflow_vllm_batch.storage import read_answers
+from vllm_batch_embedded.demo import BUCKET
+from vllm_batch_embedded.tiny_lora import build_tiny_lora_adapter
 from tests.integration.test_operator import _keys, _run_operator
 
 pytestmark = pytest.mark.integration

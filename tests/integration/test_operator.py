@@ -9,7 +9,7 @@ from datetime import datetime, timezone
 
 import pytest
 
-from airflow_vllm_batch.embedded.demo import BUCKET
+from vllm_batch_embedded.demo import BUCKET
 from tests.integration.dagrun import DagRunResult, register_dag, run_dag
 
 pytestmark = pytest.mark.integration

@@ -42,8 +42,8 @@ from pathlib import Path
 
 import pytest
 
-from airflow_vllm_batch.embedded.demo import CPU_ENGINE_ARGS, CPU_ENGINE_ENV
-from airflow_vllm_batch.embedded.seaweedfs import SeaweedFS
+from vllm_batch_embedded.demo import CPU_ENGINE_ARGS, CPU_ENGINE_ENV
+from vllm_batch_embedded.seaweedfs import SeaweedFS
 from airflow_vllm_batch.hooks.vllm_server import VLLMServerProcess
 from tests.integration.dagrun import REPO
 from tests.integration.deployment import (

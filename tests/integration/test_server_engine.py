@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from openai.types.chat import ChatCompletion
 
-from airflow_vllm_batch.embedded.demo import BUCKET, CPU_ENGINE_ARGS, CPU_ENGINE_ENV
+from vllm_batch_embedded.demo import BUCKET, CPU_ENGINE_ARGS, CPU_ENGINE_ENV
 from airflow_vllm_batch.hooks.vllm_server import VLLMServerProcess
 from tests.integration.dagrun import REPO, load_dag, run_dag
 from tests.integration.vllm_metrics import requests_answered

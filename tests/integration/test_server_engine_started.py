@@ -19,7 +19,7 @@ import pytest
 from openai.types.chat import ChatCompletion
 
 from airflow_vllm_batch import gpus
-from airflow_vllm_batch.embedded.demo import BUCKET, CPU_ENGINE_ARGS
+from vllm_batch_embedded.demo import BUCKET, CPU_ENGINE_ARGS
 from tests.integration.dagrun import register_dag, run_dag
 from tests.processes import processes_with
 
@@ -91,7 +91,7 @@ def test_a_task_started_pooling_server_answers_embeddings_score_and_rerank_lines
     from openai.types import CreateEmbeddingResponse
     from vllm.entrypoints.pooling.scoring.protocol import RerankResponse, ScoreResponse
 
-    from airflow_vllm_batch.embedded.tiny_model import embedding_model_path
+    from vllm_batch_embedded.tiny_model import embedding_model_path
     from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
 
     model = str(embedding_model_path())

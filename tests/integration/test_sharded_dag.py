@@ -19,7 +19,7 @@ import numpy as np
 import psutil
 import pytest
 
-from airflow_vllm_batch.embedded.demo import BUCKET
+from vllm_batch_embedded.demo import BUCKET
 from tests.integration.dagrun import DagRunResult, load_dag, register_dag, run_dag
 
 pytestmark = [pytest.mark.integration, pytest.mark.engine]
@@ -136,7 +136,7 @@ def _exists(seaweed, uri: str) -> bool:
 
 
 def _shard_uri(run_id: str, index: int, suffix: str) -> str:
-    from airflow_vllm_batch.examples import key_safe
+    from vllm_batch_examples import key_safe
 
     return f"s3://{BUCKET}/vllm-batch/vllm_batch_sharded/{key_safe(run_id)}/shards/shard-{index:05d}{suffix}"
 
@@ -232,8 +232,8 @@ def embeddings_sharded_and_whole(embedded, airflow_db) -> DagRunResult:
     """One DAG: the same texts embedded in 2 shards (split, map, merge) and in one run."""
     from airflow.sdk import DAG
 
-    from airflow_vllm_batch import examples
-    from airflow_vllm_batch.embedded.tiny_model import embedding_model_path
+    import vllm_batch_examples as examples
+    from vllm_batch_embedded.tiny_model import embedding_model_path
     from airflow_vllm_batch.operators.shards import (
         VLLMBatchMergeOperator,
         VLLMBatchSplitOperator,

@@ -34,7 +34,7 @@ from typing import Self
 import psutil
 import pytest
 
-from airflow_vllm_batch.embedded.seaweedfs import SeaweedFS
+from vllm_batch_embedded.seaweedfs import SeaweedFS
 from airflow_vllm_batch.hooks.process import GUARD_SCRIPT
 from tests.integration.deployment import (
     Deployment,

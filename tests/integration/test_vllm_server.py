@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from openai.types.chat import ChatCompletion
 
-from airflow_vllm_batch.embedded.demo import CPU_ENGINE_ARGS, CPU_ENGINE_ENV
+from vllm_batch_embedded.demo import CPU_ENGINE_ARGS, CPU_ENGINE_ENV
 from airflow_vllm_batch.hooks.vllm_server import VLLMServerHook, VLLMServerProcess
 from airflow_vllm_batch.serving import (
     Journal,

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from airflow_vllm_batch.embedded.seaweedfs import SeaweedFS
+from vllm_batch_embedded.seaweedfs import SeaweedFS
 
 
 @pytest.fixture(scope="session")

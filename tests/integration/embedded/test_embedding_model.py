@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from airflow_vllm_batch.embedded.tiny_model import embedding_model_path
+from vllm_batch_embedded.tiny_model import embedding_model_path
 from tests.integration.embedded.engine import BatchRun, run_batch
 
 DIMENSIONS = 384

@@ -17,7 +17,7 @@ import requests
 from botocore.config import Config
 from botocore.exceptions import ClientError
 
-from airflow_vllm_batch.embedded.seaweedfs import (
+from vllm_batch_embedded.seaweedfs import (
     SeaweedFS,
     SeaweedFSError,
     find_weed_binary,
@@ -164,7 +164,7 @@ def test_stop_leaves_no_process_and_no_listener(tmp_path):
 
 def test_cli_starts_in_background_and_stops_by_pid(tmp_path):
     state = tmp_path / "s3.json"
-    cli = [sys.executable, "-m", "airflow_vllm_batch.embedded.seaweedfs"]
+    cli = [sys.executable, "-m", "vllm_batch_embedded.seaweedfs"]
     started = subprocess.run(
         [*cli, "start", "--dir", str(tmp_path / "data"), "--state", str(state), "--bucket", "demo"],
         capture_output=True,

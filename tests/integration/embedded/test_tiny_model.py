@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from airflow_vllm_batch.embedded import tiny_model
-from airflow_vllm_batch.embedded.tiny_model import STAMP_FILE, build_tiny_chat_model
+from vllm_batch_embedded import tiny_model
+from vllm_batch_embedded.tiny_model import STAMP_FILE, build_tiny_chat_model
 from tests.integration.embedded.engine import BatchRun, run_batch
 
 MESSAGES = [
@@ -128,7 +128,7 @@ def test_role_markers_are_single_special_tokens(built):
 def test_cli_builds_and_prints_the_path(tmp_path):
     target = tmp_path / "cli-model"
     completed = subprocess.run(
-        [sys.executable, "-m", "airflow_vllm_batch.embedded.tiny_model", str(target)],
+        [sys.executable, "-m", "vllm_batch_embedded.tiny_model", str(target)],
         capture_output=True,
         text=True,
         check=True,

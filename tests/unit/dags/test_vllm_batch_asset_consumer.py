@@ -6,12 +6,12 @@ import logging
 from datetime import datetime, timedelta, timezone
 
 import pytest
-from airflow.dag_processing.dagbag import DagBag
 from airflow.sdk.api.datamodels._generated import AssetReferenceAssetEventDagRun
 from airflow.sdk.execution_time.comms import AssetEventDagRunReferenceResult
 from airflow.sdk.execution_time.context import TriggeringAssetEventsAccessor
 
-from airflow_vllm_batch import examples
+import vllm_batch_examples as examples
+from tests.airflow_compat import DagBag
 from tests.conftest import REPO
 
 DAG_FILE = REPO / "dags" / "vllm_batch_asset_consumer.py"

@@ -5,8 +5,8 @@ from __future__ import annotations
 from datetime import datetime, timezone
 
 import pytest
-from airflow.dag_processing.dagbag import DagBag
 
+from tests.airflow_compat import DagBag
 from tests.conftest import REPO
 
 DAG_FILE = REPO / "dags" / "vllm_batch_pipeline.py"

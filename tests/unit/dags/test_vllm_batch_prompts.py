@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from airflow.dag_processing.dagbag import DagBag
 from airflow.sdk.definitions.xcom_arg import XComArg
 
+from tests.airflow_compat import DagBag
 from tests.conftest import REPO
 
 DAG_FILE = REPO / "dags" / "vllm_batch_prompts.py"

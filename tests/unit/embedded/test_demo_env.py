@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import pytest
 
-from airflow_vllm_batch.embedded.demo import embedded_env
-from airflow_vllm_batch.embedded.sqlite_db import SQLITE_CONNECT_ARGS_ENV
+from vllm_batch_embedded.demo import embedded_env
+from vllm_batch_embedded.sqlite_db import SQLITE_CONNECT_ARGS_ENV
 
 # What Airflow itself makes of the environment: its engine's dialect and, on SQLite, the lock wait.
 PROBE = """
@@ -21,8 +22,8 @@ if settings.engine.dialect.name == "sqlite":
 """
 
 
-def _airflow_sees(env: dict[str, str]) -> list[str]:
-    done = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=120, check=False)
+def _airflow_sees(env: dict[str, str], cwd: str | None = None) -> list[str]:
+    done = subprocess.run([sys.executable, "-c", PROBE], env=env, cwd=cwd, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout.split()
 
@@ -30,6 +31,13 @@ def _airflow_sees(env: dict[str, str]) -> list[str]:
 def test_sqlite_by_default_waits_60_s_for_the_lock(s3, tmp_path):
     env = embedded_env(s3, tmp_path / "model", tmp_path / "home")
     assert _airflow_sees(env) == ["sqlite", "60000"]  # Python's sqlite3 alone waits 5000 ms
+
+
+def test_airflow_finds_the_connect_arguments_from_any_directory_without_an_inherited_pythonpath(s3, tmp_path):
+    # A user's shell sets no PYTHONPATH, and Airflow's processes do not start in the clone.
+    base = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env = embedded_env(s3, tmp_path / "model", tmp_path / "home", base=base)
+    assert _airflow_sees(env, cwd=str(tmp_path)) == ["sqlite", "60000"]
 
 
 @pytest.mark.parametrize("inherited", [False, True], ids=["fresh", "from-an-embedded-environment"])

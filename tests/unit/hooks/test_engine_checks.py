@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from airflow_vllm_batch.embedded.tiny_model import (
+from vllm_batch_embedded.tiny_model import (
     build_tiny_chat_model,
     embedding_model_path,
 )
@@ -29,6 +29,9 @@ from airflow_vllm_batch.hooks.engine_checks import (
     check_engine_args,
     inspect_model,
 )
+
+# Runs vLLM's own argument parsers and model loaders in this Python.
+pytestmark = pytest.mark.vllm
 
 REPO = Path(__file__).resolve().parents[3]
 RUNNER_HELP = "'python -m vllm.entrypoints.launchers.run_batch --help'"

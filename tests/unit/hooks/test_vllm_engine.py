@@ -201,6 +201,7 @@ def test_run_returns_when_the_leader_dies_while_a_child_holds_the_log_pipe(tmp_p
         time.sleep(0.05)
 
 
+@pytest.mark.vllm
 def test_the_probe_names_the_runner_module_the_engine_environment_has():
     info = probe_engine(sys.executable)
     # vLLM 0.32 keeps vllm.entrypoints.openai.run_batch only as a deprecated shim.

@@ -90,7 +90,7 @@ def test_the_scheme_defaults_to_http_and_a_host_may_carry_its_own(monkeypatch):
 
 
 def test_the_api_key_is_registered_with_the_secrets_masker(vllm_connection):
-    from airflow.sdk.log import redact
+    from tests.airflow_compat import redact
 
     assert redact(f"key={VLLMServerHook().api_key}") == "key=***"
 

@@ -8,13 +8,13 @@ from unittest import mock
 import pytest
 from airflow.sdk import DAG, BaseOperator
 from airflow.sdk.execution_time.xcom import XCom
-from airflow.sdk.types import TaskInstanceKey
 
 from airflow_vllm_batch.links import VLLMBatchOutputLink
 from airflow_vllm_batch.links.output import (
     DEFAULT_OUTPUT_LINK_TEMPLATE,
     format_output_link,
 )
+from tests.airflow_compat import TaskInstanceKey
 
 ENV = "AIRFLOW__VLLM_BATCH__OUTPUT_LINK_TEMPLATE"
 TI_KEY = TaskInstanceKey(dag_id="d", task_id="vllm_batch", run_id="manual__1", try_number=1, map_index=-1)
@@ -118,7 +118,7 @@ def test_persist_does_not_fail_the_task_when_the_xcom_push_fails():
 
 
 def test_serialized_dag_keeps_the_link_name_and_xcom_key(monkeypatch):
-    from airflow.serialization.serialized_objects import DagSerialization
+    from tests.airflow_compat import DagSerialization
 
     # Process-wide switch that Airflow's DAG processor turns off when it deserializes
     # (load_op_links=False); an earlier test in the same process may have left it off.

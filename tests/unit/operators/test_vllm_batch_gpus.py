@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from airflow.sdk.exceptions import AirflowFailException
 
 from airflow_vllm_batch import gpus
+from airflow_vllm_batch.version_compat import AirflowFailException
 from tests.unit.operators.test_vllm_batch_runs import Batch
 from tests.unit.operators.test_vllm_batch_server import Batch as ServerBatch
 from tests.unit.operators.test_vllm_batch_server import N as SERVER_REQUESTS

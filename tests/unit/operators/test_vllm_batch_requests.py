@@ -8,11 +8,11 @@ from collections.abc import Iterator
 
 import pytest
 from aiohttp import web
-from airflow.sdk.exceptions import AirflowFailException
 
 from airflow_vllm_batch.batchfile.requests import MAX_REQUESTS
 from airflow_vllm_batch.exceptions import ConfigurationError
 from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
+from airflow_vllm_batch.version_compat import AirflowFailException
 from tests.unit.operators.test_vllm_batch_runs import Batch, FakeTI, chat_lines
 from tests.unit.operators.test_vllm_batch_server import CONN_ID, ServedStandIn
 from tests.unit.operators.test_vllm_batch_server import Batch as WarmBatch

@@ -13,7 +13,6 @@ import threading
 from pathlib import Path
 
 import pytest
-from airflow.sdk.exceptions import AirflowFailException
 from botocore.exceptions import ClientError
 
 from airflow_vllm_batch.exceptions import (
@@ -25,6 +24,7 @@ from airflow_vllm_batch.exceptions import (
 from airflow_vllm_batch.lease import LeaseHolder
 from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
 from airflow_vllm_batch.storage import RunStaging
+from airflow_vllm_batch.version_compat import AirflowFailException
 
 FAKE_RUNNER = Path(__file__).with_name("fake_runner.py")
 

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 from aiohttp import web
-from airflow.sdk.exceptions import AirflowFailException
 from botocore.exceptions import ClientError
 
 from airflow_vllm_batch.exceptions import (
@@ -30,6 +29,7 @@ from airflow_vllm_batch.engines import server as server_engines
 from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
 from airflow_vllm_batch.serving import ServerUnavailableError, stream
 from airflow_vllm_batch.storage import RunStaging
+from airflow_vllm_batch.version_compat import AirflowFailException
 from tests.unit.operators.test_vllm_batch_runs import FakeTI
 from tests.unit.serving.conftest import API_KEY, StandIn
 

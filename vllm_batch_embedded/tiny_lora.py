@@ -10,7 +10,7 @@ with different seeds differ from each other. Nothing is downloaded.
 
 Build from the command line with::
 
-    python -m airflow_vllm_batch.embedded.tiny_lora .cache/models/tiny-lora-a 1
+    python -m vllm_batch_embedded.tiny_lora .cache/models/tiny-lora-a 1
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from airflow_vllm_batch.embedded.tiny_model import HIDDEN_SIZE, NUM_LAYERS
+from vllm_batch_embedded.tiny_model import HIDDEN_SIZE, NUM_LAYERS
 
 __all__ = ["LORA_RANK", "LORA_TARGET_MODULES", "build_tiny_lora_adapter"]
 
@@ -104,7 +104,7 @@ def build_tiny_lora_adapter(target_dir: str | os.PathLike[str], *, seed: int, ba
 def _main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2:
-        print("usage: python -m airflow_vllm_batch.embedded.tiny_lora TARGET_DIR SEED", file=sys.stderr)
+        print("usage: python -m vllm_batch_embedded.tiny_lora TARGET_DIR SEED", file=sys.stderr)
         return 2
     print(build_tiny_lora_adapter(args[0], seed=int(args[1])))
     return 0

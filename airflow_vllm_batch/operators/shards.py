@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.providers.amazon.aws.hooks.s3 import S3Hook
 from airflow.sdk import BaseOperator
-from airflow.sdk.exceptions import AirflowFailException
 
 from airflow_vllm_batch.batchfile import open_lines, redact_url
 from airflow_vllm_batch.exceptions import VLLMBatchError
@@ -49,6 +48,7 @@ from airflow_vllm_batch.sharding import (
     sum_manifests,
 )
 from airflow_vllm_batch.storage import OutputStore, s3_body, split_s3_uri
+from airflow_vllm_batch.version_compat import AirflowFailException
 
 if TYPE_CHECKING:
     from airflow.sdk import Context

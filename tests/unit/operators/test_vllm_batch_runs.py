@@ -20,6 +20,7 @@ from airflow_vllm_batch.exceptions import (
     OutputBusyError,
     PublishError,
     ResultsCheckError,
+    StorageUnavailableError,
 )
 from airflow_vllm_batch.lease import LeaseHolder
 from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
@@ -177,6 +178,25 @@ def test_staged_results_are_published_by_a_retry_without_the_engine(batch, monke
     assert manifest["request_counts"]["completed"] == 5
     assert batch.engine_runs == 1
     assert not [k for k in batch.keys() if ".staging/" in k]
+
+
+def test_s3_gone_right_after_staging_says_a_retry_publishes_the_staged_results(batch, monkeypatch):
+    # The first S3 call after staging is the check that the input was not overwritten while
+    # the engine read it: its failure must still tell the user what is kept and what to do.
+    from airflow_vllm_batch.run.inputs import BatchInput
+
+    real_confirm = BatchInput.confirm_unchanged
+
+    def s3_gone(self):
+        raise StorageUnavailableError(f"S3 failed while checking that {self.uri} is unchanged (connection refused).")
+
+    monkeypatch.setattr(BatchInput, "confirm_unchanged", s3_gone)
+    with pytest.raises(PublishError, match="S3 failed while publishing: .* a retry publishes them without running the engine"):
+        batch.run()
+    monkeypatch.setattr(BatchInput, "confirm_unchanged", real_confirm)
+    manifest = batch.run(FakeTI(try_number=2))
+    assert manifest["request_counts"]["completed"] == 5
+    assert batch.engine_runs == 1
 
 
 def test_results_kept_on_the_worker_when_staging_failed_are_published_by_the_retry(batch, monkeypatch):

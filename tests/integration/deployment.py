@@ -37,6 +37,10 @@ import psutil
 from vllm_batch_embedded.demo import embedded_env
 from vllm_batch_embedded.seaweedfs import SeaweedFS, _free_ports
 
+REPO_DAGS = Path(__file__).resolve().parents[2] / "dags"
+#: What the example DAGs import from their own folder (their settings), and what keeps it unparsed.
+DAG_FOLDER_SUPPORT = ("vllm_batch_examples.py", ".airflowignore")
+
 LOOPBACK = "127.0.0.1"
 #: The states in which a DAG run or a task instance has ended.
 RUN_DONE = ("success", "failed")
@@ -273,6 +277,22 @@ def deployment_env(
     return env
 
 
+def dags_folder(home: Path, dag_files: Mapping[str, str]) -> Path:
+    """A deployment's DAGs folder: only ``dag_files`` (name -> source), with the example DAGs' settings beside them.
+
+    The example DAGs import their settings from their own folder, as Airflow puts it on
+    ``sys.path``; a folder holding a DAG without them fails to parse ("No module named
+    'vllm_batch_examples'").
+    """
+    dags = home / "dags"
+    dags.mkdir()
+    for name, source in dag_files.items():
+        (dags / name).write_text(source)
+    for name in DAG_FOLDER_SUPPORT:
+        (dags / name).write_bytes((REPO_DAGS / name).read_bytes())
+    return dags
+
+
 @contextlib.contextmanager
 def local_executor_deployment(
     s3: SeaweedFS,
@@ -293,10 +313,7 @@ def local_executor_deployment(
     :param extra_env: more environment variables for every process.
     :param database_url: Airflow's metadata database; default SQLite in ``home``.
     """
-    dags = home / "dags"
-    dags.mkdir()
-    for name, source in dag_files.items():
-        (dags / name).write_text(source)
+    dags = dags_folder(home, dag_files)
     (api_port,) = _free_ports(1)
     env = deployment_env(s3, tiny_model, home, dags, api_port, "LocalExecutor", database_url)
     env.update(extra_env or {})

@@ -24,7 +24,7 @@ import pytest
 
 from vllm_batch_embedded.demo import BUCKET
 from vllm_batch_embedded.seaweedfs import _free_ports
-from tests.integration.deployment import Deployment, deployment_env, wait_until
+from tests.integration.deployment import Deployment, dags_folder, deployment_env, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.engine, pytest.mark.celery]
 
@@ -37,10 +37,8 @@ LOOPBACK = "127.0.0.1"
 
 
 def _celery_env(seaweed, tiny_model: Path, home: Path, redis_port: int, api_port: int) -> dict[str, str]:
-    dags = home / "dags"
-    dags.mkdir()
     # Only the DAG under test: the others (a @daily one among them) would start runs of their own.
-    (dags / f"{DAG_ID}.py").symlink_to(REPO / "dags" / f"{DAG_ID}.py")
+    dags = dags_folder(home, {f"{DAG_ID}.py": (REPO / "dags" / f"{DAG_ID}.py").read_text()})
     env = deployment_env(seaweed, tiny_model, home, dags, api_port, "CeleryExecutor")
     env.update(
         {

@@ -11,7 +11,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from airflow_vllm_batch.engines import sizing
+from airflow_vllm_batch.engines.sizing import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, SchedulerSizes, world_size
+from airflow_vllm_batch.engines.sizing import scheduler_sizes as choose_scheduler_sizes
 from airflow_vllm_batch.engines.base import Engine
 from airflow_vllm_batch.exceptions import EngineArgumentsError
 from airflow_vllm_batch.gpus import GPUPlan, engine_gpus, plan_gpus
@@ -51,7 +52,7 @@ class LocalEngine(Engine):
     def __init__(self, settings: BatchSettings, log: logging.Logger) -> None:
         super().__init__(settings, log)
         self._gpu_plan: GPUPlan | None = None
-        self._sizes: sizing.SchedulerSizes | None = None
+        self._sizes: SchedulerSizes | None = None
 
     @property
     def python(self) -> str:
@@ -117,8 +118,8 @@ class LocalEngine(Engine):
         args = list(self.settings.engine_args)
         if self.settings.engine_command:
             return args
-        wanted = not (sizing.MAX_NUM_SEQS in _option_names(args) and sizing.MAX_NUM_BATCHED_TOKENS in _option_names(args))
-        size = sizing.world_size(args)
+        wanted = not (MAX_NUM_SEQS in _option_names(args) and MAX_NUM_BATCHED_TOKENS in _option_names(args))
+        size = world_size(args)
         digest = arguments_marker_digest(self.python, info.vllm_version, self.settings.model, args, self.entrypoint)
         checked = Path(self.settings.results_dir) / f"engine-args-ok-{digest}"
         remembered = Path(self.settings.results_dir) / f"engine-offline-defaults-{_defaults_digest(self.python, info.vllm_version, size)}.json"
@@ -142,12 +143,12 @@ class LocalEngine(Engine):
             if read is not None:
                 remembered.write_text(read.to_json(), encoding="utf-8")
                 defaults = read
-        self._sizes = sizing.scheduler_sizes(args, defaults, model_kind=info.model_kind)
+        self._sizes = choose_scheduler_sizes(args, defaults, model_kind=info.model_kind)
         self.log.info("%s", self._sizes.note)
         return [*args, *self._sizes.flags]
 
     @property
-    def scheduler_sizes(self) -> sizing.SchedulerSizes | None:
+    def scheduler_sizes(self) -> SchedulerSizes | None:
         """The scheduler sizes :meth:`engine_arguments` chose, once it ran."""
         return self._sizes
 

@@ -28,10 +28,9 @@ import msgspec
 from botocore.exceptions import BotoCoreError, ClientError
 
 from airflow_vllm_batch.batchfile import CustomIdIndex
-from airflow_vllm_batch.engines import sizing
 from airflow_vllm_batch.engines.base import Engine, EngineJob, EngineResults
 from airflow_vllm_batch.engines.local import LocalEngine
-from airflow_vllm_batch.engines.sizing import connection_in_flight, started_server_in_flight
+from airflow_vllm_batch.engines.sizing import api_server_count, connection_in_flight, started_server_in_flight
 from airflow_vllm_batch.exceptions import ConfigurationError, RequestsUnansweredError, StorageUnavailableError
 from airflow_vllm_batch.hooks.model_names import ServedModels, served_models_of_server
 from airflow_vllm_batch.hooks.vllm_engine import FALLBACK_SUPPORTED_URLS, EngineInfo, EngineRun
@@ -198,7 +197,7 @@ class ServerEngine(_Streaming, LocalEngine):
         assert sizes is not None
         self.server.max_in_flight, why = started_server_in_flight(self.settings.max_in_flight, sizes, self.server.engine_args)
         self.log.info("In flight: at most %d requests (%s)", self.server.max_in_flight, why)
-        if (sizing.api_server_count(self.server.engine_args) or 1) > 1:
+        if (api_server_count(self.server.engine_args) or 1) > 1:
             self.log.warning(
                 "--api-server-count has no effect here: vLLM 0.32's python -m %s runs one API process (only "
                 "'vllm serve' starts several). Use a warm server behind a vllm connection for that.",

@@ -19,6 +19,13 @@ processes, each sending a disjoint slice of the lines (line number modulo N) wit
 session and its own journal, as a multi-process client would; requests/s is then the
 whole batch over the wall time of the slowest worker.
 
+``--clients engine --processes 1,2`` times the server engine's own multi-process path
+instead: :func:`airflow_vllm_batch.serving.run_stream` for 1 and
+:func:`airflow_vllm_batch.serving.processes.run_stream_processes` for N (spawned workers fed
+by the client process, each sealed part adopted by its journal, as with
+``client_processes=N``; only the S3 upload of the parts is left out). Its requests/s
+include starting the workers.
+
 ``--baseline DIR`` adds a third client, ``stream@base``: the stream as imported from
 another checkout (e.g. ``git worktree add /tmp/base <commit>``), for before/after figures
 measured side by side; nothing of it is kept.
@@ -26,7 +33,7 @@ measured side by side; nothing of it is kept.
 Usage::
 
     .venv/bin/python benchmarks/client_overhead.py [--requests 20000] [--in-flight 256] [--runs 3]
-        [--processes 1,2] [--baseline /tmp/base]
+        [--processes 1,2] [--baseline /tmp/base] [--clients stream,bare]
 """
 
 from __future__ import annotations
@@ -66,6 +73,21 @@ ANSWER = json.dumps(
 # -- the instant server (its own process) ----------------------------------------------
 
 
+#: ``--answer embedding``: what a small embedding model answers (384 floats, as MiniLM/bge-small), the
+#: case that needs more than one client core: the client copies and scans a ~8 KB body per request.
+EMBEDDING = json.dumps(
+    {
+        "id": "embd-0123456789abcdef",
+        "object": "list",
+        "created": 1764000000,
+        "model": "m",
+        "data": [{"index": 0, "object": "embedding", "embedding": [round(0.001 * ((i * 7919) % 2000) - 1, 6) for i in range(384)]}],
+        "usage": {"prompt_tokens": 9, "total_tokens": 9, "completion_tokens": 0},
+    },
+    separators=(",", ":"),
+).encode()
+
+
 class _Instant(asyncio.Protocol):
     """HTTP/1.1 keep-alive on a bare asyncio protocol: read a request, answer ``ANSWER`` at once.
 
@@ -99,8 +121,12 @@ class _Instant(asyncio.Protocol):
             self.transport.write(self.response * answers)  # type: ignore[attr-defined]
 
 
-def serve(port: int) -> None:
-    """Run the instant server on 127.0.0.1:``port`` until killed."""
+def serve(port: int, answer: str = "chat") -> None:
+    """Run the instant server on 127.0.0.1:``port`` until killed, answering ``answer`` (chat or embedding)."""
+    if answer == "embedding":
+        _Instant.response = (
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(EMBEDDING) + EMBEDDING
+        )
 
     async def main() -> None:
         server = await asyncio.get_running_loop().create_server(_Instant, "127.0.0.1", port, backlog=4096)
@@ -159,6 +185,18 @@ def _bare_worker(base_url: str, lines: list[tuple[int, bytes]], in_flight: int, 
     return asyncio.run(main())
 
 
+def _engine_client(base_url: str, lines: list[tuple[int, bytes]], in_flight: int, work: str, processes: int) -> int:
+    """The server engine's stream as ``client_processes=processes`` runs it (checkpoint parts kept locally)."""
+    from airflow_vllm_batch.serving import Journal, run_stream
+    from airflow_vllm_batch.serving.processes import run_stream_processes
+
+    journal = Journal(Path(work) / "journal")
+    stream = {"base_url": base_url, "api_key": "bench-key", "journal": journal, "max_in_flight": in_flight}
+    if processes == 1:
+        return run_stream(lines, **stream).done
+    return run_stream_processes(lines, processes=processes, **stream).done
+
+
 _WORKERS = {"stream": _stream_worker, "stream@base": _stream_worker, "bare": _bare_worker}
 
 
@@ -178,7 +216,9 @@ def client_run(client: str, port: int, requests: int, in_flight: int, processes:
     with tempfile.TemporaryDirectory(prefix="client-overhead-") as work:
         before = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
         started = time.perf_counter()
-        if processes == 1:
+        if client == "engine":
+            done = _engine_client(base_url, lines, in_flight, work, processes)
+        elif processes == 1:
             done = _WORKERS[client](base_url, lines, in_flight, work)
         else:
             # One connection pool and one journal per worker, each on its own slice, as the engine would.
@@ -231,13 +271,15 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--processes", default="1", help="client process counts to compare, e.g. 1,2")
     parser.add_argument("--baseline", help="another checkout whose stream to time too (stream@base)")
+    parser.add_argument("--clients", default="stream,bare", help="clients to time: stream, bare, engine (the engine's multi-process path)")
     parser.add_argument("--client", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--answer", default="chat", choices=("chat", "embedding"), help="what the instant server answers")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.serve:
-        serve(args.port)
+        serve(args.port, args.answer)
         return
     if args.client:
         # A client run: import the stream from the tree the driver chose (PYTHONPATH), not from the venv.
@@ -246,10 +288,10 @@ def main() -> None:
         return
 
     counts = [int(n) for n in args.processes.split(",")]
-    clients = ["stream", "bare"] + (["stream@base"] if args.baseline else [])
+    clients = args.clients.split(",") + (["stream@base"] if args.baseline else [])
     port = _free_port()
     server = subprocess.Popen(  # noqa: S603
-        [sys.executable, __file__, "--serve", "--port", str(port)], stdout=subprocess.PIPE, text=True
+        [sys.executable, __file__, "--serve", "--port", str(port), "--answer", args.answer], stdout=subprocess.PIPE, text=True
     )
     try:
         assert server.stdout is not None and server.stdout.readline().strip() == "ready"
@@ -265,7 +307,7 @@ def main() -> None:
     def median(client: str, n: int, key: str) -> float:
         return statistics.median(run[key] for run in runs[client, n])
 
-    print(f"{args.requests} short chat requests, {args.in_flight} in flight, instant local server; median of {args.runs} alternating run(s)")
+    print(f"{args.requests} short requests, {args.answer} answers, {args.in_flight} in flight, instant local server; median of {args.runs} alternating run(s)")
     # The least CPU of the runs too: on a shared machine, other processes only ever add to a run's CPU time.
     print(f"{'client':<12}{'processes':>10}{'CPU µs/request':>16}{'requests/s':>12}{'least µs/request':>18}")
     for n in counts:
@@ -275,7 +317,7 @@ def main() -> None:
                 f"{client:<12}{n:>10}{median(client, n, 'cpu_us_per_request'):>16.0f}"
                 f"{median(client, n, 'requests_per_s'):>12.0f}{least:>18.0f}"
             )
-    for n in counts:
+    for n in counts if {"stream", "bare"} <= set(clients) else ():
         ratio = median("stream", n, "cpu_us_per_request") / median("bare", n, "cpu_us_per_request")
         line = f"ratio stream ÷ bare, {n} process(es): CPU per request {ratio:.2f}"
         if args.baseline:
@@ -284,8 +326,9 @@ def main() -> None:
         print(line)
     if len(counts) > 1:
         one, most = counts[0], counts[-1]
-        gain = median("stream", most, "requests_per_s") / median("stream", one, "requests_per_s")
-        print(f"stream requests/s, {most} processes ÷ {one}: {gain:.2f}")
+        for client in clients:
+            gain = median(client, most, "requests_per_s") / median(client, one, "requests_per_s")
+            print(f"{client} requests/s, {most} processes ÷ {one}: {gain:.2f}")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,9 @@ each final answer as it arrives: every ``checkpoint_interval_s`` seconds (or 64 
 new answers go to the run's staging as a *part*, named for the try that wrote it. A
 retry on any worker sends only what no part answers. The lease is checked before every
 part goes up, so a try that lost its output to another stops at its next checkpoint.
+With ``client_processes`` N > 1 the requests are spread over N spawned client processes
+(:mod:`airflow_vllm_batch.serving.processes`); their parts are still uploaded by the task's
+process, one after another, each after the lease check.
 
 A final answer is a 200 or a 4xx other than 408 and 429 (see :mod:`airflow_vllm_batch.serving.stream`).
 A request still without one when the stream ends (a 429 or a 500 through every retry)
@@ -37,6 +40,7 @@ from airflow_vllm_batch.hooks.vllm_engine import FALLBACK_SUPPORTED_URLS, Engine
 from airflow_vllm_batch.hooks.vllm_server import SERVER_MODULE, VLLMServerEngine
 from airflow_vllm_batch.serving import SERVED_URLS, Journal, StreamStats
 from airflow_vllm_batch.serving.journal import DEFAULT_MAX_PART_BYTES
+from airflow_vllm_batch.serving.processes import terminate_workers
 
 if TYPE_CHECKING:
     from airflow_vllm_batch.storage import RunStaging
@@ -142,6 +146,7 @@ class _Streaming(Engine):
                     skip=skip,
                     on_progress=progress,
                     progress_every_s=PROGRESS_EVERY_S,
+                    processes=self.settings.client_processes,
                 )
             progress.summary(stats)
             if stats.unanswered:
@@ -180,6 +185,8 @@ class _Streaming(Engine):
         return contextlib.nullcontext(())
 
     def terminate(self) -> None:
+        # The client processes first: a server stopped under them would fail them one by one.
+        terminate_workers()
         if "server" in self.__dict__:
             self.server.terminate()
 

@@ -57,6 +57,7 @@ from airflow_vllm_batch.serving import (
     StreamStats,
     run_stream,
 )
+from airflow_vllm_batch.serving.processes import run_stream_processes
 from airflow_vllm_batch.version_compat import BaseHook
 
 #: The server module. ``python -m`` because the ``vllm`` console script is broken in the
@@ -228,13 +229,18 @@ class VLLMServerHook(BaseHook):
         skip: Callable[[str], bool] | None = None,
         on_progress: Callable[[StreamStats], None] | None = None,
         progress_every_s: float = 15.0,
+        processes: int = 1,
     ) -> StreamStats:
         """Stream request lines through this server into ``journal``; see :func:`~airflow_vllm_batch.serving.run_stream`.
 
-        :param max_in_flight: most requests in flight. Default: the connection's
-            ``max_in_flight`` extra, else serving's default (512).
+        :param max_in_flight: most requests in flight (all client processes together).
+            Default: the connection's ``max_in_flight`` extra, else serving's default (512).
+        :param processes: client processes; more than 1 runs
+            :func:`~airflow_vllm_batch.serving.processes.run_stream_processes`. Default 1.
         """
-        return run_stream(
+        stream = run_stream_processes if processes > 1 else run_stream
+        extra: dict[str, Any] = {"processes": processes} if processes > 1 else {}
+        return stream(
             requests,
             base_url=self.base_url,
             api_key=self.api_key,
@@ -243,6 +249,7 @@ class VLLMServerHook(BaseHook):
             skip=skip,
             on_progress=on_progress,
             progress_every_s=progress_every_s,
+            **extra,
         )
 
     def test_connection(self) -> tuple[bool, str]:
@@ -568,9 +575,14 @@ class VLLMServerEngine:
         skip: Callable[[str], bool] | None = None,
         on_progress: Callable[[StreamStats], None] | None = None,
         progress_every_s: float = 15.0,
+        processes: int = 1,
     ) -> StreamStats:
-        """Stream the batch through the server (starting and stopping one when there is no connection)."""
+        """Stream the batch through the server (starting and stopping one when there is no connection).
+
+        :param processes: client processes (see :meth:`VLLMServerHook.stream_batch`). Default 1.
+        """
         stream: dict[str, Any] = {
+            "processes": processes,
             "journal": journal,
             "max_in_flight": max_in_flight or self.max_in_flight,
             "skip": skip,

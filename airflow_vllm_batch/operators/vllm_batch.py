@@ -90,6 +90,7 @@ class VLLMBatchOperator(BaseOperator):
     :param max_in_flight: requests sent to the server and not yet answered. Default: the
         connection's ``max_in_flight`` extra, else 512.
     :param checkpoint_interval_s: seconds between the server engine's checkpoints. Default 60.
+    :param client_processes: processes the server engine's client spreads the requests over (one core sends ~3,400/s). Default 1.
     :param gpus: GPUs the engine this task starts leases on the worker. Default: what the
         parallel sizes in ``engine_args`` need (none on a CPU worker); 0: no lease.
     :param gpu_hour_cost: the price of one GPU-hour (e.g. ``2.5``), a number >= 0: the manifest's
@@ -145,6 +146,7 @@ class VLLMBatchOperator(BaseOperator):
         vllm_conn_id: str | None = None,
         max_in_flight: int | None = None,
         checkpoint_interval_s: float = 60.0,
+        client_processes: int = 1,
         gpus: int | None = None,
         gpu_hour_cost: float | None = None,
         **kwargs: Any,
@@ -161,6 +163,7 @@ class VLLMBatchOperator(BaseOperator):
         self.engine = "server" if vllm_conn_id else engine
         self.vllm_conn_id, self.max_in_flight = vllm_conn_id, max_in_flight
         self.checkpoint_interval_s, self.gpus, self.gpu_hour_cost = checkpoint_interval_s, gpus, gpu_hour_cost
+        self.client_processes = client_processes
         #: The engine of the running try; kept so that ``on_kill`` can stop it.
         self._engine: Engine | None = None
         self._published_error_uri: str | None = None

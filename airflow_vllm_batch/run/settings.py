@@ -68,6 +68,7 @@ class BatchSettings:
     vllm_conn_id: str | None = None
     max_in_flight: int | None = None
     checkpoint_interval_s: float = 60.0
+    client_processes: int = 1
     gpus: int | None = None
     gpu_hour_cost: float | None = None
     execution_timeout: timedelta | None = None
@@ -165,6 +166,12 @@ def check_static_settings(values: Mapping[str, Any]) -> None:
     in_flight = values.get("max_in_flight")
     if in_flight is not None and (not isinstance(in_flight, int) or isinstance(in_flight, bool) or in_flight < 1):
         raise ConfigurationError(f"max_in_flight must be a positive whole number or None, got {in_flight!r}.")
+    processes = values.get("client_processes", 1)
+    if not isinstance(processes, int) or isinstance(processes, bool) or processes < 1:
+        raise ConfigurationError(
+            f"client_processes must be a positive whole number (1 unless the server answers more than one client "
+            f"core sends, ~3,400 requests/s), got {processes!r}."
+        )
     interval = values.get("checkpoint_interval_s", 60.0)
     if not isinstance(interval, (int, float)) or interval <= 0:
         raise ConfigurationError(f"checkpoint_interval_s must be a number of seconds > 0, got {interval!r}.")

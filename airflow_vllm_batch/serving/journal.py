@@ -241,6 +241,31 @@ class Journal:
             if self.due():
                 self.seal()
 
+    def adopt(self, path: Path) -> SealedPart:
+        """Report a part another process's journal sealed (and fsynced) as this journal's next part.
+
+        The file is moved into :attr:`directory` under this journal's next part name, so that
+        the parts of several client processes make one sequence of part numbers (one
+        checkpoint protocol); then it is handed to ``on_part``, in this thread. Call it only
+        outside the async context.
+
+        :param path: the sealed part file, on the same file system as :attr:`directory`.
+        :return: the part, now counted in :attr:`lines_durable`.
+        """
+        if self._task is not None:
+            raise RuntimeError("Journal.adopt() while its async context runs")
+        data_lines = path.read_bytes().count(b"\n")
+        target = self.directory / part_name(self.next_index)
+        os.replace(path, target)
+        part = SealedPart(target, self.next_index, data_lines, target.stat().st_size)
+        self.next_index += 1
+        if self.on_part is not None:
+            self.on_part(part.path, part.index)
+        self.parts.append(part)
+        self.lines_written += part.lines
+        self.lines_durable += part.lines
+        return part
+
     def check(self) -> None:
         """Raise the error of the reporting task, if it failed (e.g. ``on_part`` could not upload)."""
         if self._task is not None and self._task.done():

@@ -28,3 +28,17 @@ def test_client_overhead_prints_cpu_per_request_and_rate_of_stream_and_bare_loop
     assert lines[header + 5].startswith("ratio stream ÷ bare, 1 process(es): CPU per request ")
     assert lines[header + 6].startswith("ratio stream ÷ bare, 2 process(es): CPU per request ")
     assert lines[header + 7].startswith("stream requests/s, 2 processes ÷ 1: ")
+
+
+def test_client_overhead_times_the_engines_multi_process_stream_for_1_and_2_processes():
+    argv = [sys.executable, str(REPO / "benchmarks" / "client_overhead.py"), "--requests", "2000", "--runs", "1"]
+    argv += ["--in-flight", "64", "--processes", "1,2", "--clients", "engine", "--answer", "embedding"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, check=False)  # noqa: S603
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("client "))
+    rows = [line.split() for line in lines[header + 1 : header + 3]]
+    assert [(row[0], row[1]) for row in rows] == [("engine", "1"), ("engine", "2")]
+    assert all(float(row[3]) > 0 for row in rows)
+    assert lines[header + 3].startswith("engine requests/s, 2 processes ÷ 1: ")

@@ -1,5 +1,9 @@
 """What the real engines (vLLM on this CPU) report they resolved for the scheduler sizes the task passes.
 
+That both engines resolve vLLM's offline defaults when ``engine_args`` set none is read
+from their own logs by ``benchmarks/gpu_acceptance.py``, which the suite runs
+(``test_gpu_acceptance.py``): no engine is started twice for it. Here, a user's flag wins.
+
 vLLM 0.32's offline row on a CPU is 256 sequences and 4096 tokens per step; its batch
 runner alone would take 128 and 2048, its server 128 and 2048. Each engine is asked what
 it resolved from its own log: the runner's ``args: Namespace(...)`` and the server's
@@ -58,24 +62,10 @@ def _scheduler_resolved(output: str) -> int:
     return int(tokens)
 
 
-def test_runner_resolves_vllms_offline_cpu_sizes(embedded, airflow_db, tiny_model):
-    run = _run(embedded, tiny_model, "runner", engine_args=CPU_ENGINE_ARGS.split())
-    assert "Scheduler: --max-num-seqs 256 --max-num-batched-tokens 4096 (vLLM's offline defaults on cpu)" in run.output
-    (namespace,) = re.findall(r"args: Namespace\(.*\)", run.output)
-    assert "max_num_seqs=256," in namespace and "max_num_batched_tokens=4096," in namespace
-    assert _scheduler_resolved(run.output) == 4096
-
-
-def test_started_server_resolves_vllms_offline_cpu_sizes_and_in_flight_twice_that(embedded, airflow_db, tiny_model):
-    run = _run(embedded, tiny_model, "server", engine="server", engine_args=CPU_ENGINE_ARGS.split())
-    (non_default,) = re.findall(r"non-default args: (\{.*\})", run.output)
-    assert "'max_num_seqs': 256" in non_default and "'max_num_batched_tokens': 4096" in non_default
-    assert _scheduler_resolved(run.output) == 4096
-    assert "In flight: at most 512 requests (twice the server's max_num_seqs 256 times its data-parallel size 1)" in run.output
-
-
 def test_a_users_max_num_seqs_is_what_the_server_resolves(embedded, airflow_db, tiny_model):
     run = _run(embedded, tiny_model, "server_user", engine="server", engine_args=[*CPU_ENGINE_ARGS.split(), "--max-num-seqs=64"])
+    assert "Scheduler: --max-num-batched-tokens 4096 (vLLM's offline defaults on cpu; --max-num-seqs from engine_args)" in run.output
     (non_default,) = re.findall(r"non-default args: (\{.*\})", run.output)
     assert "'max_num_seqs': 64" in non_default and "'max_num_batched_tokens': 4096" in non_default
-    assert "In flight: at most 128 requests" in run.output
+    assert _scheduler_resolved(run.output) == 4096
+    assert "In flight: at most 128 requests (twice the server's max_num_seqs 64 times its data-parallel size 1)" in run.output

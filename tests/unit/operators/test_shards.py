@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from airflow.sdk.exceptions import AirflowFailException
+from airflow_vllm_batch.version_compat import AirflowFailException
 from botocore.exceptions import ClientError
 
 from airflow_vllm_batch.exceptions import OutputBusyError

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 from aiohttp import web
-from airflow.sdk.exceptions import AirflowFailException
+from airflow_vllm_batch.version_compat import AirflowFailException
 
 from airflow_vllm_batch.exceptions import ConfigurationError, RequestsUnansweredError
 from airflow_vllm_batch.serving import stream

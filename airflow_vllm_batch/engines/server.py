@@ -136,6 +136,12 @@ class _Streaming(Engine):
         progress = _Progress(self.log, total=total, resumed=len(answered))
         skip = (lambda custom_id: answered.line_of(custom_id) is not None) if answered else None
         started = time.monotonic()
+        if self.settings.client_processes > 1:
+            self.log.info(
+                "The client spreads the requests over %d processes, each with its own connection pool and share of "
+                "the in-flight bound; this task uploads their checkpoints.",
+                self.settings.client_processes,
+            )
         try:
             with job.request_lines() as lines, self.gpus_for(job) as fds:
                 self.server.pass_fds = fds

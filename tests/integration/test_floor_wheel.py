@@ -83,7 +83,7 @@ def clone_without_provider(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A copy of what a clone holds besides the provider: tests, DAGs, the embedded default."""
     root = tmp_path_factory.mktemp("clone")
     ignore = shutil.ignore_patterns("__pycache__")
-    for name in ("tests", "dags", "vllm_batch_embedded", "docs"):
+    for name in ("tests", "dags", "vllm_batch_embedded", "docs", "benchmarks"):
         shutil.copytree(REPO / name, root / name, ignore=ignore)
     for name in ("README.md", "pyproject.toml", "Makefile"):
         shutil.copy2(REPO / name, root / name)

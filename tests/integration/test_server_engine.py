@@ -278,6 +278,26 @@ def test_a_real_runs_manifest_and_summary_carry_its_engine_time_and_cost(warm, e
     assert re.search(r"\| engine time +\| vllm connection: [\d.]+ s of the task .*tokens/s; cost [\d.e-]+ at 2.5/server-hour", run.output)
 
 
+def test_two_client_processes_answer_each_request_once_through_the_real_server_and_leave_no_worker(warm, embedded, tiny_model):
+    import psutil
+
+    n = 60
+    model = str(tiny_model)
+    embedded.client().put_object(Bucket=BUCKET, Key="completions/input.jsonl", Body=_chat_lines(model, n, max_tokens=3))
+    before = requests_answered(warm.hook.base_url)
+    run = run_dag(_completions_dag("two_clients", model, vllm_conn_id=CONN_ID, client_processes=2, checkpoint_interval_s=1.0))
+    assert run.state == "success", run.output[-4000:]
+    assert "The client spreads the requests over 2 processes" in run.output
+    manifest = run.xcom("vllm_batch")
+    assert manifest["request_counts"] == {"total": n, "completed": n, "failed": 0}
+    ids = [line["custom_id"] for line in _s3_lines(embedded, manifest["output_uri"])]
+    assert sorted(ids) == sorted(f"k{i}" for i in range(n))
+    assert requests_answered(warm.hook.base_url) - before == n  # nothing sent twice by the two workers
+    # The workers run multiprocessing's spawn_main (its resource tracker lives on with this process, by design).
+    workers = [p for p in psutil.Process().children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]
+    assert workers == []
+
+
 def test_the_same_file_for_the_runner_fails_preflight_naming_the_server_engine_and_starts_no_engine(embedded, airflow_db, tiny_model):
     model = str(tiny_model)
     embedded.client().put_object(Bucket=BUCKET, Key="completions/input.jsonl", Body=_mixed_chat_and_completion_lines(model))

@@ -11,6 +11,8 @@ import logging
 import sys
 from pathlib import Path
 
+import pytest
+
 from airflow_vllm_batch.engines.local import arguments_marker_digest
 from airflow_vllm_batch.engines.server import ServerEngine
 from airflow_vllm_batch.hooks.vllm_engine import EngineInfo
@@ -33,6 +35,7 @@ def _server_engine(results_dir: Path) -> ServerEngine:
     return ServerEngine(settings, logging.getLogger(__name__))
 
 
+@pytest.mark.vllm  # the installed vLLM's own api_server parser
 def test_a_task_started_server_accepts_its_own_flags_in_the_argument_check(tmp_path):
     engine = _server_engine(tmp_path)
     engine.engine_arguments(INFO)  # the installed vLLM's api_server parser: raises if it refuses them

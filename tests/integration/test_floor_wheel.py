@@ -187,10 +187,16 @@ def test_an_example_dag_runs_end_to_end_on_the_floor_with_the_engine_from_the_ma
         }
     )
     airflow = str(floor / "airflow")
+    client = seaweed.client()
+
+    def manifests() -> set[str]:
+        listed = client.list_objects_v2(Bucket=BUCKET, Prefix="vllm-batch/vllm_batch_prompts/").get("Contents", [])
+        return {o["Key"] for o in listed if o["Key"].endswith(".manifest.json")}
+
+    # The session's S3 is shared: test_example_dags may have run this DAG on it already.
+    before = manifests()
     _run([airflow, "db", "migrate"], env=env, cwd=tmp_path, timeout=600)
     _run([airflow, "dags", "test", "vllm_batch_prompts"], env=env, cwd=tmp_path, timeout=900)
-    client = seaweed.client()
-    listed = client.list_objects_v2(Bucket=BUCKET, Prefix="vllm-batch/vllm_batch_prompts/").get("Contents", [])
-    (manifest_key,) = [o["Key"] for o in listed if o["Key"].endswith(".manifest.json")]
+    (manifest_key,) = manifests() - before
     manifest = json.loads(client.get_object(Bucket=BUCKET, Key=manifest_key)["Body"].read())
     assert manifest["request_counts"] == {"total": 4, "completed": 4, "failed": 0}

@@ -7,7 +7,11 @@ them, whoever their parent is now.
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 #: Only the operator's guard has this in its environment (it removes it before starting the engine).
 GUARD_ENV = b"AIRFLOW_VLLM_BATCH_GUARDED_ARGV"
@@ -28,3 +32,19 @@ def processes_with(marker: str, *, guards: bool = True) -> list[int]:
         except OSError:
             continue
     return found
+
+
+def seconds_to_terminate_under_the_wait_lock(proc: Any, terminate: Callable[[], None]) -> float:
+    """Call ``terminate`` while another frame holds ``proc``'s ``Popen`` wait lock; return how long it took.
+
+    Airflow runs ``on_kill`` in its SIGTERM handler on the main thread, which may have been
+    inside ``proc.wait()`` holding that (non-re-entrant) lock: a blocking wait there deadlocks.
+    Fails the test when ``terminate`` is still blocked after 20 s.
+    """
+    with proc._waitpid_lock:
+        stopper = threading.Thread(target=terminate, daemon=True)
+        started = time.monotonic()
+        stopper.start()
+        stopper.join(timeout=20)
+        assert not stopper.is_alive(), "terminate() blocked on Popen's wait lock"
+        return time.monotonic() - started

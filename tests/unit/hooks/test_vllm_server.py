@@ -286,17 +286,11 @@ def test_a_given_port_that_is_taken_fails_fast_naming_it(fake_server, foreign_se
 
 
 def test_terminate_from_on_kill_returns_while_the_interrupted_main_thread_holds_popens_wait_lock(fake_server):
-    # Airflow runs on_kill in its SIGTERM handler, on the main thread, which may have been
-    # inside Popen.wait() holding its (non-re-entrant) lock: a blocking wait there deadlocks.
+    from tests.processes import seconds_to_terminate_under_the_wait_lock
+
     server = VLLMServerProcess("m", server_command=fake_server, grace_s=1)
     server.start()
     guard = server.process
-    with guard._waitpid_lock:
-        stopper = threading.Thread(target=server.terminate, daemon=True)
-        started = time.monotonic()
-        stopper.start()
-        stopper.join(timeout=20)
-        assert not stopper.is_alive(), "terminate() blocked on Popen's wait lock"
-    assert time.monotonic() - started < 10
+    assert seconds_to_terminate_under_the_wait_lock(guard, server.terminate) < 10
     guard.wait(timeout=5)
     assert guard.returncode is not None

@@ -33,6 +33,7 @@ from airflow_vllm_batch.exceptions import VLLMBatchError
 from airflow_vllm_batch.lease import LeaseHolder
 from airflow_vllm_batch.manifest import Manifest, RequestCounts, Usage
 from airflow_vllm_batch.operators.task_try import task_try
+from airflow_vllm_batch.run.cost import sum_costs
 from airflow_vllm_batch.sharding import (
     DEFAULT_MAX_BYTES,
     DEFAULT_MAX_REQUESTS,
@@ -197,11 +198,12 @@ class VLLMBatchMergeOperator(BaseOperator):
         {"output_uri", "error_uri", "input_uri", "input_etag", "model",
          "request_counts", "usage", "duration_s", "engine_duration_s", "vllm_version",
          "fingerprint", "manifest_uri", "shards", "shard_duration_s",
-         "max_shard_duration_s", "merge_duration_s", "shard_manifest_uris"}
+         "max_shard_duration_s", "merge_duration_s", "shard_manifest_uris", "cost"}
 
     ``duration_s`` is the compute spent (the shards' durations plus the merge), not
     the wall time, which depends on how many workers ran the shards at once.
-    ``fingerprint`` is a hash of the shards' fingerprints, in shard order.
+    ``fingerprint`` is a hash of the shards' fingerprints, in shard order. ``cost`` adds up
+    the shards' costs (:func:`~airflow_vllm_batch.run.cost.sum_costs`; absent when a shard has none).
 
     Nothing is published unless the merge is the whole batch: a shard without a manifest
     (its mapped task failed or was skipped and the merge ran anyway, through a
@@ -363,6 +365,7 @@ class VLLMBatchMergeOperator(BaseOperator):
             merge_duration_s=round(merge_s, 3),
             shard_manifest_uris=summary["shard_manifest_uris"],
             failed_by_reason=summary["failed_by_reason"],
+            cost=sum_costs([m.get("cost") for m in manifests], summary["usage"]["total_tokens"]),
         )
 
     @property

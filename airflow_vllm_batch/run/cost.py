@@ -24,6 +24,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import msgspec
+
 from airflow_vllm_batch.exceptions import ConfigurationError
 from airflow_vllm_batch.manifest import Cost
 
@@ -116,3 +118,40 @@ def split_cost(per_model: dict[str, dict[str, Any]], cost: float) -> dict[str, d
         name: {**entry, "cost": round(cost * entry.get(key, 0) / whole, _COST_DIGITS) if whole else 0.0}
         for name, entry in per_model.items()
     }
+
+
+def sum_costs(costs: list[dict[str, Any] | None], total_tokens: int) -> Cost | None:
+    """
+    Return the cost of a sharded batch: its shards' costs added up, or ``None`` when a shard has none.
+
+    Seconds, GPU-seconds and money add up; the token rate is the batch's tokens over the
+    summed seconds. A shard without ``cost`` (published by a version that did not count it)
+    leaves the batch uncounted rather than undercounted. Shards that ran on different kinds
+    of engine (a GPU worker and a warm server, say) are ``"mixed"``: their seconds are not the
+    same unit, so only the money is added up, with a note saying so.
+
+    :param costs: each shard manifest's ``cost``, in shard order.
+    :param total_tokens: the batch's prompt and completion tokens (the merged ``usage``).
+    """
+    if not costs or any(not isinstance(cost, dict) for cost in costs):
+        return None
+    shards = [msgspec.convert(cost, Cost) for cost in costs]
+    devices = {shard.device for shard in shards}
+    prices = {shard.gpu_hour_cost for shard in shards}
+    priced = all(shard.cost is not None for shard in shards)
+    money = round(sum(shard.cost or 0.0 for shard in shards), _COST_DIGITS) if priced else None
+    price = prices.pop() if len(prices) == 1 else None
+    if len(devices) > 1:
+        note = "the shards ran on different kinds of engine (" + ", ".join(sorted(devices)) + "): only the cost adds up"
+        return Cost(device="mixed", engine_s=0.0, cost=money, gpu_hour_cost=price, note=note)
+    device = devices.pop()
+    engine_s = round(sum(shard.engine_s for shard in shards), _SECONDS_DIGITS)
+    gpus = {shard.gpus for shard in shards}
+    cost = Cost(device=device, engine_s=engine_s, gpus=gpus.pop() if len(gpus) == 1 else None, cost=money, gpu_hour_cost=price)
+    if device == "gpu":
+        cost.gpu_s = round(sum(shard.gpu_s or 0.0 for shard in shards), _SECONDS_DIGITS)
+        cost.tokens_per_gpu_s = round(total_tokens / cost.gpu_s, _SECONDS_DIGITS) if cost.gpu_s else None
+    else:
+        cost.tokens_per_engine_s = round(total_tokens / engine_s, _SECONDS_DIGITS) if engine_s else None
+        cost.note = shards[0].note
+    return cost

@@ -226,3 +226,13 @@ def test_a_split_of_bad_input_fails_without_retry(s3, bucket, tmp_path, shard_pr
     split = VLLMBatchSplitOperator(task_id="split", input_uri=str(source), shard_prefix=shard_prefix.format(bucket=bucket))
     with pytest.raises(AirflowFailException, match=named):
         split.execute({"ti": FakeTI()})
+
+
+def test_the_merged_manifest_carries_the_shards_cost_added_up(shards):
+    cost = {"device": "gpu", "engine_s": 10.0, "gpus": 1, "gpu_s": 10.0, "tokens_per_gpu_s": 0.2, "gpu_hour_cost": 3.6, "cost": 0.01}
+    manifests = [{**m, "cost": cost} for m in shards.manifests]
+    merged = shards.merge(manifests)
+    n = len(manifests)
+    assert merged["cost"]["gpu_s"] == 10.0 * n and merged["cost"]["cost"] == round(0.01 * n, 6)
+    assert merged["cost"]["tokens_per_gpu_s"] == round(merged["usage"]["total_tokens"] / (10.0 * n), 3)
+    assert "cost" not in shards.merge()  # shards published without a cost: the batch is not counted

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import pytest
 
 from airflow_vllm_batch.exceptions import ConfigurationError
 from airflow_vllm_batch.manifest import Cost, Manifest, RequestCounts, Usage
-from airflow_vllm_batch.run.cost import check_gpu_hour_cost, run_cost, split_cost
+from airflow_vllm_batch.run.cost import check_gpu_hour_cost, run_cost, split_cost, sum_costs
 from airflow_vllm_batch.summary import render_summary
 
 
@@ -125,3 +126,36 @@ def test_a_rendered_gpu_hour_cost_is_checked_when_the_task_starts():
     assert BatchSettings.from_rendered(**values, gpu_hour_cost="2.5").gpu_hour_cost == 2.5
     with pytest.raises(ConfigurationError, match="gpu_hour_cost must be a number >= 0"):
         BatchSettings.from_rendered(**values, gpu_hour_cost="two dollars")
+
+
+def _as_dict(cost: Cost | None) -> dict | None:
+    return None if cost is None else {k: v for k, v in msgspec.structs.asdict(cost).items() if v is not None}
+
+
+def test_a_sharded_batch_costs_what_its_shards_cost_added_up():
+    shards = [msgspec.structs.asdict(run_cost(device="gpu", gpus=2, engine_s=s, task_s=s + 5, total_tokens=1000, gpu_hour_cost=4.0)) for s in (900.0, 1800.0)]
+    merged = sum_costs(shards, total_tokens=2000)
+    assert _as_dict(merged) == {
+        "device": "gpu", "engine_s": 2700.0, "gpus": 2, "gpu_s": 5400.0, "tokens_per_gpu_s": round(2000 / 5400, 3),
+        "gpu_hour_cost": 4.0, "cost": 6.0,
+    }  # 1,800 + 3,600 GPU-seconds at 4 per GPU-hour: 2 + 4
+
+
+def test_a_shard_without_cost_leaves_the_batch_uncounted_rather_than_undercounted():
+    priced = msgspec.structs.asdict(run_cost(device="gpu", gpus=1, engine_s=10.0, task_s=12.0, total_tokens=10))
+    assert sum_costs([priced, None], total_tokens=20) is None
+    assert sum_costs([], total_tokens=0) is None
+
+
+def test_shards_on_different_kinds_of_engine_add_up_only_their_money():
+    gpu = msgspec.structs.asdict(run_cost(device="gpu", gpus=1, engine_s=3600.0, task_s=3700.0, total_tokens=10, gpu_hour_cost=2.0))
+    warm = msgspec.structs.asdict(run_cost(device="vllm_connection", gpus=0, engine_s=0.0, task_s=1800.0, total_tokens=10, gpu_hour_cost=2.0))
+    merged = sum_costs([gpu, warm], total_tokens=20)
+    assert merged is not None and (merged.device, merged.cost, merged.gpu_s) == ("mixed", 3.0, None)
+    assert "gpu, vllm_connection" in (merged.note or "")
+
+
+def test_unpriced_shards_add_up_their_seconds_without_a_cost():
+    shards = [msgspec.structs.asdict(run_cost(device="cpu", gpus=0, engine_s=s, task_s=s, total_tokens=100)) for s in (1.5, 2.5)]
+    merged = sum_costs(shards, total_tokens=200)
+    assert merged is not None and (merged.device, merged.engine_s, merged.tokens_per_engine_s, merged.cost) == ("cpu", 4.0, 50.0, None)

@@ -363,6 +363,7 @@ class VLLMBatchMergeOperator(BaseOperator):
             merge_duration_s=round(merge_s, 3),
             shard_manifest_uris=summary["shard_manifest_uris"],
             failed_by_reason=summary["failed_by_reason"],
+            invalid_output=summary["invalid_output"],
         )
 
     @property

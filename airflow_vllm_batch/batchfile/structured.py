@@ -55,6 +55,13 @@ def resolve_output_type(value: Any) -> type | None:
             f"output_type must be a pydantic BaseModel subclass (or its import path, 'my_pkg.models.Review'), "
             f"got {value!r}. Define the answer's shape as `class Review(BaseModel): ...` and pass the class."
         )
+    try:
+        value.model_json_schema()
+    except Exception as err:  # noqa: BLE001 - pydantic raises several kinds; each is the model's mistake
+        raise ConfigurationError(
+            f"output_type {value.__name__} has no JSON schema ({err}). Make every field's type importable where the "
+            "model is defined and JSON-serialisable."
+        ) from err
     return value
 
 

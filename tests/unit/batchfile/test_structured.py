@@ -200,3 +200,13 @@ def test_the_schema_digest_changes_with_a_field():
 
     assert SCHEMA.digest != OutputSchema(Other).digest
     assert SCHEMA.identity() == {"name": "tests.unit.batchfile.test_structured.Review", "schema_sha256": SCHEMA.digest}
+
+
+def test_a_model_without_a_json_schema_is_a_configuration_error_naming_output_type():
+    from pydantic import BaseModel as Base
+
+    class Broken(Base):
+        when: "Undefined"  # noqa: F821 - a forward reference that never resolves
+
+    with pytest.raises(ConfigurationError, match="output_type Broken has no JSON schema"):
+        resolve_output_type(Broken)

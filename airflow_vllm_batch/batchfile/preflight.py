@@ -36,7 +36,11 @@ What a line must be (checks in order; the first failure is the line's problem):
 8. the URL fits the kind of model (``model_kind``): a generation model serves
    chat and completions, a pooling model (``--runner pooling``) embeddings, score and rerank.
    Without ``model_kind``, a file that mixes the two kinds fails as a whole:
-   vLLM serves one kind per engine.
+   vLLM serves one kind per engine;
+9. with ``response_format`` (the operator's ``output_type``), the URL answers with text
+   (:data:`~airflow_vllm_batch.batchfile.structured.STRUCTURED_URLS`); in both modes
+   another URL fails the file. Chat and completions bodies without a ``response_format``
+   get this one in the cleaned copy.
 
 Blank (whitespace-only) lines are skipped and not counted; line numbers are
 physical line numbers, as an editor shows them. A gzip file is read decompressed
@@ -591,7 +595,8 @@ class _Checker:
                     "(run `airflow-vllm-batch validate` on the file to list them)"
                 )
         self.check_one_kind()
-        if self.unstructured_lines:
+        if self.unstructured_lines and opts.invalid_lines == "skip":
+            # Each line is listed already; in skip mode they must still fail the file, not be left out.
             self.file_problem(
                 f"{self.unstructured_lines} line(s) use a URL whose answers output_type cannot validate (only "
                 f"{', '.join(sorted(STRUCTURED_URLS))} answer with text); they are not skipped — run them in a task "

@@ -10,6 +10,8 @@ same identity. The identity holds:
 * what preflight does to the lines: ``default_body``, ``rewrite_model``,
   ``invalid_lines``, ``max_lines``, ``max_line_bytes``, explicit ``supported_urls``;
 * the error URI (a different error location is a different publication).
+* ``output_type``, only when set (so runs without it keep their identities): the
+  model's import name and a SHA-256 of its JSON schema.
 
 Not in it, on purpose: where the engine's Python lives (paths differ from worker to
 worker, and a retry may land on another), ``engine_env`` (``CUDA_VISIBLE_DEVICES`` and

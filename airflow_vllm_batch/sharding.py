@@ -241,8 +241,9 @@ def sum_manifests(manifests: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     they differ), ``request_counts`` and ``usage`` summed, ``shards`` (how many),
     ``engine_duration_s`` and ``shard_duration_s`` (summed: the compute spent),
     ``max_shard_duration_s`` (the longest shard: the floor of the wall time however
-    many workers run them), ``shard_manifest_uris`` in shard order and ``failed_by_reason``
-    summed (None when no request failed).
+    many workers run them), ``shard_manifest_uris`` in shard order, ``failed_by_reason``
+    summed (None when no request failed) and ``invalid_output`` summed (None when no answer
+    missed ``output_type``).
 
     :param manifests: the shards' manifests as returned by ``VLLMBatchOperator``, in shard order.
     """
@@ -262,6 +263,7 @@ def sum_manifests(manifests: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "max_shard_duration_s": round(max(durations), 3),
         "shard_manifest_uris": [m.get("manifest_uri") for m in manifests],
         "failed_by_reason": _sum_reasons(manifests),
+        "invalid_output": sum(int(m.get("invalid_output") or 0) for m in manifests) or None,
     }
 
 

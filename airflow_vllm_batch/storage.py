@@ -141,7 +141,11 @@ def open_uri_lines(hook: S3Hook, uri: str) -> Iterator[Iterator[bytes]]:
 
 
 def read_answers(
-    source: Mapping[str, Any] | str, *, aws_conn_id: str | None = "aws_default", errors: bool = True
+    source: Mapping[str, Any] | str,
+    *,
+    aws_conn_id: str | None = "aws_default",
+    errors: bool = True,
+    output_type: type | str | None = None,
 ) -> Iterator[answers.Answer]:
     """Stream the answers of a batch from S3 (or a local path): :func:`airflow_vllm_batch.batchfile.read_answers` with S3 opened here.
 
@@ -149,10 +153,14 @@ def read_answers(
         ``s3://bucket/key`` or a local path.
     :param aws_conn_id: the Airflow AWS connection for ``s3://`` files. Default ``aws_default``.
     :param errors: with a manifest, also yield its error file's ``Failed`` records. Default True.
+    :param output_type: a Pydantic model (or its import path): text answers come as ``Parsed``
+        ``(custom_id, value)``, ``value`` an instance of it.
     :raises ResultsCheckError: with a manifest, the files do not answer its requests exactly once.
     """
     hook = S3Hook(aws_conn_id=aws_conn_id)
-    yield from answers.read_answers(source, open_uri=functools.partial(open_uri_lines, hook), errors=errors)
+    yield from answers.read_answers(
+        source, open_uri=functools.partial(open_uri_lines, hook), errors=errors, output_type=output_type
+    )
 
 
 #: ``part-000123-<try token>.jsonl``: the journal's part number (:func:`airflow_vllm_batch.serving.part_name`)

@@ -8,6 +8,7 @@ the failed requests by **reason**, which is the error's ``code``:
 * ``invalid_request`` — a line preflight skipped (``invalid_lines="skip"``), or a request
   the engine refused with HTTP 400/422;
 * ``engine_error`` — the engine failed the request (HTTP 5xx, or an error without a status);
+* ``invalid_output`` — the engine answered, but the text did not fit ``output_type``;
 * the other 4xx of :data:`~airflow_vllm_batch.batchfile.models.STATUS_ERROR_CODES`
   (``not_found``, ``timeout``, ``request_too_large``, ``rate_limited``, ...), else ``http_<status>``.
 
@@ -120,6 +121,10 @@ def render_summary(
     for reason, count in (manifest.failed_by_reason or {}).items():
         example = (examples or {}).get(reason)
         rows.append((f"failed: {reason}", f"{count}, e.g. {example}" if example else f"{count} (see the error file)"))
+    if manifest.invalid_output:
+        rows.append(
+            ("invalid output", f"{manifest.invalid_output} answer(s) did not fit output_type (raw text in the error file)")
+        )
     rows += [
         ("tokens", f"{usage.prompt_tokens} prompt + {usage.completion_tokens} completion = {usage.total_tokens} total"),
         ("time", _time_row(manifest, task_s, resumed)),

@@ -35,7 +35,9 @@ A request either succeeded or failed, and it is in exactly one of two files:
   ``error.code`` is ``"invalid_request"`` for preflight's lines and, for the
   engine's, follows the HTTP status (``invalid_request`` for 400/422,
   ``rate_limited`` for 429, ``engine_error`` for 5xx or when only ``error`` says
-  it failed, ``http_<status>`` otherwise). ``error.message`` is the text vLLM or
+  it failed, ``http_<status>`` otherwise), and ``invalid_output`` for an answer that
+  does not fit the operator's ``output_type`` (its text is kept in ``error.raw``;
+  see :mod:`~airflow_vllm_batch.batchfile.structured`). ``error.message`` is the text vLLM or
   preflight wrote. ``error.line`` is the request's line number: in the input file
   for preflight's lines, in the file the engine read for the engine's (the same
   file unless preflight rewrote it), ``null`` when unknown.
@@ -49,7 +51,8 @@ Answers for the next task
 :func:`read_answers` streams both files of a run (given its manifest, the operator's
 XCom) and yields ``(custom_id, text)`` (:class:`Text`), ``(custom_id, vector)``
 (:class:`Vector`), ``(custom_id, scores)`` (:class:`Scores`) or ``(custom_id, error)``
-(:class:`Failed`) per request; see :mod:`~airflow_vllm_batch.batchfile.answers`. It reads
+(:class:`Failed`) per request (with ``output_type=``, ``(custom_id, model instance)``:
+:class:`Parsed`); see :mod:`~airflow_vllm_batch.batchfile.answers`. It reads
 local paths and http(s) URLs; :func:`airflow_vllm_batch.storage.read_answers` reads
 ``s3://`` too (through an Airflow connection) and passes the lines down, because this
 package imports neither Airflow nor an S3 client, not even lazily.
@@ -59,6 +62,7 @@ from __future__ import annotations
 
 from airflow_vllm_batch.batchfile.answers import (
     Failed,
+    Parsed,
     Scores,
     Text,
     Vector,
@@ -90,6 +94,7 @@ from airflow_vllm_batch.batchfile.results import (
     ResultsReport,
     check_results,
 )
+from airflow_vllm_batch.batchfile.structured import OutputSchema
 from airflow_vllm_batch.batchfile.sources import (
     Lines,
     describe_source,
@@ -109,6 +114,8 @@ __all__ = [
     "CustomIdIndex",
     "Failed",
     "Lines",
+    "OutputSchema",
+    "Parsed",
     "PreflightOptions",
     "PreflightReport",
     "Problem",

@@ -27,7 +27,12 @@ wrapper, which opens ``s3://`` through Airflow's ``S3Hook`` and calls this reade
 - :class:`Scores` ``(custom_id, scores)``: ``/v1/score`` scores, or ``/v1/rerank``
   relevance scores, in the order of the request's documents;
 - :class:`Failed` ``(custom_id, error)``: a failed request and its message (from the
-  error file, where ``custom_id`` is ``None`` for a line preflight could not read).
+  error file, where ``custom_id`` is ``None`` for a line preflight could not read);
+- :class:`Parsed` ``(custom_id, value)``: with ``output_type=`` (a Pydantic model, as given
+  to the operator), a chat completion's or completion's text parsed into an instance of it.
+  A text that does not fit comes as :class:`Failed` with an ``invalid_output: ...`` message
+  (an output published without ``output_type``); the operator's own ``invalid_output``
+  answers are in the error file already, and come as :class:`Failed` too.
 
 Given the manifest, the reader keeps the results check's promise: it reads the output and
 error file the manifest names, and at the end checks that they answered every request of
@@ -48,6 +53,7 @@ import msgspec
 
 from airflow_vllm_batch.batchfile.models import error_message
 from airflow_vllm_batch.batchfile.sources import open_lines
+from airflow_vllm_batch.batchfile.structured import INVALID_OUTPUT, OutputSchema, resolve_output_type
 from airflow_vllm_batch.exceptions import ConfigurationError, ResultsCheckError
 
 #: Opens a results or error file by URI and yields its lines (bytes, no newline).
@@ -73,6 +79,13 @@ class Scores(NamedTuple):
 
     custom_id: str
     scores: list[float]
+
+
+class Parsed(NamedTuple):
+    """A chat completion or a completion whose text fits ``output_type``: ``(custom_id, value)``, a model instance."""
+
+    custom_id: str
+    value: Any
 
 
 class Failed(NamedTuple):
@@ -125,17 +138,19 @@ class _Line(msgspec.Struct, gc=False):
 
 _decode = msgspec.json.Decoder(_Line).decode
 
-Answer = Text | Vector | Scores | Failed
+Answer = Text | Parsed | Vector | Scores | Failed
 
 
-def iter_answers(lines: Iterable[bytes], *, source: str = "results") -> Iterator[Answer]:
+def iter_answers(lines: Iterable[bytes], *, source: str = "results", output_type: type | None = None) -> Iterator[Answer]:
     """
     Yield one answer per result line (blank lines skipped).
 
     :param lines: result lines (vLLM's output, the published results or error file).
     :param source: the file's name, for error messages.
+    :param output_type: a Pydantic model: text answers come as :class:`Parsed` instances of it.
     :raises ResultsCheckError: a line is not a result line of a known kind.
     """
+    schema = OutputSchema(output_type) if output_type is not None else None
     for number, raw in enumerate(lines, start=1):
         if not raw.strip():
             continue
@@ -143,7 +158,15 @@ def iter_answers(lines: Iterable[bytes], *, source: str = "results") -> Iterator
             line = _decode(raw)
         except msgspec.DecodeError as err:
             raise ResultsCheckError(f"{source} line {number} is not a result line ({err}).") from None
-        yield _answer(line, number, source)
+        answer = _answer(line, number, source)
+        yield _parsed(answer, schema) if schema is not None and isinstance(answer, Text) else answer
+
+
+def _parsed(answer: Text, schema: OutputSchema) -> Parsed | Failed:
+    value, problem = schema.parse(answer.text)
+    if problem is not None:
+        return Failed(answer.custom_id, f"{INVALID_OUTPUT}: {problem}")
+    return Parsed(answer.custom_id, value)
 
 
 def _answer(line: _Line, number: int, source: str) -> Answer:
@@ -171,7 +194,13 @@ def _answer(line: _Line, number: int, source: str) -> Answer:
     )
 
 
-def read_answers(source: Mapping[str, Any] | str, *, open_uri: OpenURI | None = None, errors: bool = True) -> Iterator[Answer]:
+def read_answers(
+    source: Mapping[str, Any] | str,
+    *,
+    open_uri: OpenURI | None = None,
+    errors: bool = True,
+    output_type: type | str | None = None,
+) -> Iterator[Answer]:
     """
     Stream the answers of a batch: its results, then (``errors``) its failed requests.
 
@@ -181,21 +210,25 @@ def read_answers(source: Mapping[str, Any] | str, *, open_uri: OpenURI | None = 
         URLs only. :func:`airflow_vllm_batch.storage.read_answers` passes one that reads
         ``s3://`` through an Airflow connection.
     :param errors: with a manifest, also yield its error file's :class:`Failed` records. Default True.
+    :param output_type: a Pydantic ``BaseModel`` subclass (or its import path): text answers
+        come as :class:`Parsed` ``(custom_id, value)`` with ``value`` an instance of it.
     :raises ResultsCheckError: with a manifest, the files do not answer its requests exactly once.
     :raises ConfigurationError: an ``s3://`` URI without an ``open_uri`` that reads it.
     """
     opener = open_uri or _open_local
+    model = resolve_output_type(output_type)
     if isinstance(source, str):
         with opener(source) as lines:
-            yield from iter_answers(lines, source=source)
+            yield from iter_answers(lines, source=source, output_type=model)
         return
     uris = [source["output_uri"]] + ([source["error_uri"]] if errors and source.get("error_uri") else [])
     seen: set[int] = set()
     found = {"completed": 0, "failed": 0}
-    for uri in uris:
+    for number, uri in enumerate(uris):
         with opener(uri) as lines:
-            for answer in iter_answers(lines, source=uri):
-                found["failed" if isinstance(answer, Failed) else "completed"] += 1
+            for answer in iter_answers(lines, source=uri, output_type=model):
+                # Counted by file: a results-file answer that does not fit output_type is still a completed request.
+                found["failed" if number else "completed"] += 1
                 if answer.custom_id is not None:
                     key = hash(answer.custom_id)
                     if key in seen:

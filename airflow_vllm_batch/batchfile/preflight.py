@@ -36,7 +36,11 @@ What a line must be (checks in order; the first failure is the line's problem):
 8. the URL fits the kind of model (``model_kind``): a generation model serves
    chat and completions, a pooling model (``--runner pooling``) embeddings, score and rerank.
    Without ``model_kind``, a file that mixes the two kinds fails as a whole:
-   vLLM serves one kind per engine.
+   vLLM serves one kind per engine;
+9. with ``response_format`` (the operator's ``output_type``), the URL answers with text
+   (:data:`~airflow_vllm_batch.batchfile.structured.STRUCTURED_URLS`); in both modes
+   another URL fails the file. Chat and completions bodies without a ``response_format``
+   get this one in the cleaned copy.
 
 Blank (whitespace-only) lines are skipped and not counted; line numbers are
 physical line numbers, as an editor shows them. A gzip file is read decompressed
@@ -102,6 +106,7 @@ from airflow_vllm_batch.batchfile.problems import (
     short_custom_id,
 )
 from airflow_vllm_batch.batchfile.sources import compression_of_head
+from airflow_vllm_batch.batchfile.structured import STRUCTURED_URLS
 from airflow_vllm_batch.exceptions import PreflightError
 
 #: URLs vLLM's OpenAI-compatible server serves but its 0.32 batch runner does not. A line naming
@@ -154,6 +159,10 @@ class PreflightOptions:
         adapters); each line may use any of them, and a line naming another fails with
         the list. Needs ``model`` (one of them: the name ``rewrite_model`` writes).
         Default empty: every line must name ``model``.
+    :param response_format: the operator's ``output_type`` as an OpenAI ``response_format``
+        (:meth:`~airflow_vllm_batch.batchfile.structured.OutputSchema.response_format`): added,
+        in the cleaned copy, to every chat and completions body without one; a line of any
+        other URL is refused (it fails the file in both modes). Default None.
     """
 
     supported_urls: frozenset[str] = DEFAULT_SUPPORTED_URLS
@@ -166,6 +175,7 @@ class PreflightOptions:
     max_problems_listed: int = DEFAULT_MAX_PROBLEMS_LISTED
     model_kind: Literal["generate", "pooling"] | None = None
     model_names: frozenset[str] = frozenset()
+    response_format: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "supported_urls", frozenset(self.supported_urls))
@@ -193,6 +203,8 @@ class PreflightOptions:
                 raise ValueError(f"default_body: {problem}")
         if not self.supported_urls:
             raise ValueError("supported_urls is empty: no request could ever be valid")
+        if self.response_format is not None and "response_format" in self.default_body:
+            raise ValueError("default_body sets response_format and output_type gives one: drop one of them")
 
 
 @dataclass
@@ -355,11 +367,17 @@ class _Checker:
         # Names a line may use besides expected_model (served names, LoRA adapters).
         self.accepted = opts.model_names
         self.default_items = list(opts.default_body.items())
+        # What a body lacking a field gets: default_body's, and for structured URLs output_type's format.
+        self.fill_values = dict(opts.default_body)
+        if opts.response_format is not None:
+            self.fill_values["response_format"] = opts.response_format
         self.decode_envelope = msgspec.json.Decoder(RequestLine).decode
         # Lenient decoders (any model, any stream) for the slow path; strict ones
         # (only this URL, this model, no stream) once the model is known.
         # URLs the model cannot serve get no decoder: their lines go to diagnose_line.
-        self.urls = [url for url in opts.supported_urls if kind_problem(url, opts, None) is None]
+        self.urls = [
+            url for url in opts.supported_urls if kind_problem(url, opts, None) is None and structured_problem(url, opts) is None
+        ]
         self.lenient = {url: self._line_decoder(url, None) for url in self.urls}
         # Built on first use, one per (URL, model name) a valid line uses.
         self.strict: dict[tuple[str, str], tuple[Any, Any, list[tuple[str, str]]]] = {}
@@ -386,14 +404,23 @@ class _Checker:
         self.seg_skip = 0
         # Lines for a URL only engine="server" serves (SERVER_ONLY_URLS), when this engine does not.
         self.other_engine_lines = 0
+        # Lines of a URL whose answer output_type cannot validate (an embedding, a score).
+        self.unstructured_lines = 0
+
+    def defaults_for(self, url: str) -> list[tuple[str, Any]]:
+        """The fields filled into ``url``'s bodies that lack them."""
+        if self.opts.response_format is not None and url in STRUCTURED_URLS:
+            return [*self.default_items, ("response_format", self.opts.response_format)]
+        return self.default_items
 
     def _line_decoder(self, url: str, model: str | None) -> tuple[Any, Any, list[tuple[str, str]]]:
         """Build a whole-line decoder for ``url`` (strict when ``model`` is given); default_body keys become extra optional body fields."""
         struct, complete, _ = body_spec_for(url)
         default_attrs: list[tuple[str, str]] = []
-        if self.default_items:
+        items = self.defaults_for(url)
+        if items:
             extra, rename = [], {}
-            for i, (key, _value) in enumerate(self.default_items):
+            for i, (key, _value) in enumerate(items):
                 if key in struct.__struct_fields__:
                     default_attrs.append((key, key))
                     continue
@@ -421,7 +448,7 @@ class _Checker:
     def run(self, lines: Iterable[bytes], cleaned_out: IO[bytes] | None) -> None:
         """Check every line; fill the report (custom_id repeats are found afterwards, by :meth:`finish`)."""
         max_bytes = self.opts.max_line_bytes
-        has_defaults = bool(self.default_items)
+        has_defaults = bool(self.fill_values)
         write = self.write = cleaned_out.write if cleaned_out is not None else None
         slow_line = self.slow_line
         hashes, id_lines, mask = self.index.hashes, self.index.lines, self.index.mask
@@ -492,6 +519,8 @@ class _Checker:
         except _DECODE_ERRORS:
             if url in SERVER_ONLY_URLS and url not in self.opts.supported_urls:
                 self.other_engine_lines += 1
+            elif url in self.opts.supported_urls and structured_problem(url, self.opts) is not None:
+                self.unstructured_lines += 1
             self.invalid(lineno, *self.diagnose(raw, lineno))
             return
         body = req.body
@@ -566,6 +595,13 @@ class _Checker:
                     "(run `airflow-vllm-batch validate` on the file to list them)"
                 )
         self.check_one_kind()
+        if self.unstructured_lines and opts.invalid_lines == "skip":
+            # Each line is listed already; in skip mode they must still fail the file, not be left out.
+            self.file_problem(
+                f"{self.unstructured_lines} line(s) use a URL whose answers output_type cannot validate (only "
+                f"{', '.join(sorted(STRUCTURED_URLS))} answer with text); they are not skipped — run them in a task "
+                "without output_type"
+            )
         if self.other_engine_lines and opts.invalid_lines == "skip":
             self.file_problem(
                 f"{self.other_engine_lines} line(s) use {', '.join(sorted(SERVER_ONLY_URLS))}, which this engine does not "
@@ -706,7 +742,7 @@ class _Checker:
         if model is not None:
             body["model"] = model
         for key in missing:
-            body[key] = self.opts.default_body[key]
+            body[key] = self.fill_values[key]
         return msgspec.json.encode(obj)
 
     def diagnose(self, raw: bytes, lineno: int) -> tuple[str | None, str]:
@@ -846,6 +882,9 @@ def diagnose_line(
                 f'engine="server" (a server the task starts, or a vllm connection), which serves it; or use one of: {supported}'
             )
         return shown, f'"url" {url!r} is not served by this engine — use one of: {supported}'
+    unstructured = structured_problem(url, opts)
+    if unstructured:
+        return shown, unstructured
     body = obj.get("body")
     named = body.get("model") if isinstance(body, dict) else None
     wrong_kind = kind_problem(url, opts, expected_model or (named if isinstance(named, str) else None))
@@ -908,6 +947,16 @@ def _names(names: frozenset[str], first: str | None) -> str:
     """The names a line may use, quoted, ``first`` (the default) first."""
     ordered = ([first] if first in names else []) + sorted(names - {first})
     return ", ".join(map(repr, ordered))
+
+
+def structured_problem(url: str, opts: PreflightOptions) -> str | None:
+    """Return why a ``url`` line cannot run with ``output_type`` (only text answers fit a schema), or None."""
+    if opts.response_format is None or url in STRUCTURED_URLS:
+        return None
+    return (
+        f'"url" {url!r} answers without text, which output_type cannot validate — run these lines in a task '
+        f"without output_type, or use {' or '.join(sorted(STRUCTURED_URLS))}"
+    )
 
 
 def kind_problem(url: str, opts: PreflightOptions, model: str | None) -> str | None:

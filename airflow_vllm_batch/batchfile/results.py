@@ -56,6 +56,7 @@ from airflow_vllm_batch.batchfile.models import (
 from airflow_vllm_batch.batchfile.preflight import custom_ids_at
 from airflow_vllm_batch.batchfile.problems import Problem, format_problem_list
 from airflow_vllm_batch.batchfile.sources import redact_urls
+from airflow_vllm_batch.batchfile.structured import INVALID_OUTPUT, OutputSchema, answer_text, invalid_output_error
 from airflow_vllm_batch.exceptions import ResultsCheckError
 
 #: What vLLM's ``EngineDeadError`` puts in every error once the engine core is gone.
@@ -108,6 +109,8 @@ class ResultsReport:
     engine_dead_lines: int = 0
     sample_errors: list[str] = field(default_factory=list)
     dropped_duplicates: int = 0
+    #: Answers the engine gave (HTTP 200) that do not fit ``output_schema``: counted in ``failed``.
+    invalid_output: int = 0
 
     @property
     def request_counts(self) -> dict[str, int]:
@@ -175,6 +178,7 @@ class ResultsReport:
             "duplicate_count": self.duplicate_count,
             "duplicates": [p.to_dict() for p in self.duplicates],
             "dropped_duplicates": self.dropped_duplicates,
+            "invalid_output": self.invalid_output,
             "unparseable_count": self.unparseable_count,
             "unparseable": [p.to_dict() for p in self.unparseable],
             "blank_lines": self.blank_lines,
@@ -211,6 +215,8 @@ class ResultsReport:
             out.append("  per status: " + ", ".join(f"{k}={v}" for k, v in sorted(self.status_counts.items())))
         if self.object_counts:
             out.append("  per endpoint: " + ", ".join(f"{k}={v}" for k, v in sorted(self.endpoint_counts.items())))
+        if self.invalid_output:
+            out.append(f"  answers that do not fit output_type (failed, code invalid_output): {self.invalid_output}")
         if self.dropped_duplicates:
             out.append(f"  later answers of a custom_id answered already, left out: {self.dropped_duplicates}")
         if self.engine_failure:
@@ -252,6 +258,7 @@ def check_results(
     source: str | None = None,
     input_source: str | None = None,
     duplicates: str = "fail",
+    output_schema: OutputSchema | None = None,
 ) -> ResultsReport:
     """
     Count the outcomes of a results file and, given the input, check it answers every request once.
@@ -280,6 +287,10 @@ def check_results(
         (:attr:`ResultsReport.dropped_duplicates` counts them). That takes a second pass
         over the results, only when there are repeats; it needs ``reread_results``, and
         ``results_out`` and ``errors_out`` seekable (they are written again).
+    :param output_schema: the answers' shape (the operator's ``output_type``): a successful
+        chat or completion answer whose text does not fit it is a failed line with
+        ``error.code`` ``"invalid_output"`` and the ``raw`` text (see
+        :mod:`~airflow_vllm_batch.batchfile.structured`); :attr:`ResultsReport.invalid_output` counts them.
     """
     if input_lines is not None and input_index is not None:
         raise ValueError("pass input_lines or input_index, not both")
@@ -290,7 +301,7 @@ def check_results(
         input_index = _index_input(input_lines, report)
     elif input_index is not None:
         _count_index(input_index, report)
-    outputs = _Outputs(results_out, errors_out, input_index)
+    outputs = _Outputs(results_out, errors_out, input_index, output_schema)
     results_index = _scan_results(result_lines, input_index is not None, report, outputs, max_listed, max_sample_errors)
     outputs.finish(getattr(result_lines, "ended_with_newline", None))
     if input_index is None or results_index is None:
@@ -304,7 +315,7 @@ def check_results(
         input_figures = (report.input_checked, report.input_total, report.input_duplicate_count, report.input_unreadable_count)
         report = ResultsReport(source=source, input_source=input_source)
         report.input_checked, report.input_total, report.input_duplicate_count, report.input_unreadable_count = input_figures
-        outputs = _Outputs(_rewound(results_out), _rewound(errors_out), input_index)
+        outputs = _Outputs(_rewound(results_out), _rewound(errors_out), input_index, output_schema)
         with reread_results() as again:
             results_index = _scan_results(again, True, report, outputs, max_listed, max_sample_errors, leave_out=later)
             outputs.finish(getattr(again, "ended_with_newline", None))
@@ -361,12 +372,34 @@ class _Outputs:
     """Where the successful and the failed result lines go (see the module docs)."""
 
     def __init__(
-        self, results_out: IO[bytes] | None, errors_out: IO[bytes] | None, input_index: CustomIdIndex | None
+        self,
+        results_out: IO[bytes] | None,
+        errors_out: IO[bytes] | None,
+        input_index: CustomIdIndex | None,
+        output_schema: OutputSchema | None = None,
     ) -> None:
         self.results_write = results_out.write if results_out is not None else None
         self.errors_write = errors_out.write if errors_out is not None else None
         self.input_index = input_index
+        self.output_schema = output_schema
         self.written = 0
+
+    def misfit(self, raw: bytes) -> tuple[str, str | None] | None:
+        """``(message, text)`` when a successful line's answer does not fit the output schema, else None."""
+        has_choices, text = answer_text(raw)
+        if not has_choices:
+            return None
+        problem = self.output_schema.problem(text)
+        return None if problem is None else (problem, text)
+
+    def invalid_output(self, raw: bytes, custom_id: str | None, message: str, text: str | None) -> None:
+        """Write an answer that does not fit as a failed line: the engine's response kept, its text in ``error.raw``."""
+        if self.errors_write is None:
+            return
+        line = self.input_index.line_of(custom_id) if self.input_index is not None and custom_id is not None else None
+        obj = msgspec.json.decode(raw)
+        obj["error"] = invalid_output_error(message, text, line)
+        self.errors_write(msgspec.json.encode(obj) + b"\n")
 
     def success(self, raw: bytes) -> None:
         """Write a successful line as it was; the newline goes *before* all but the first, so the file can end as the input did."""
@@ -403,6 +436,8 @@ def _scan_results(
     if index is not None:
         hashes, index_lines, mask = index.hashes, index.lines, index.mask
     succeeded = outputs.success if outputs.results_write is not None else None
+    misfit = outputs.misfit if outputs.output_schema is not None else None
+    invalid = 0
     failed_out = outputs.failure if outputs.errors_write is not None else None
     status_counts: dict[str, int] = {}
     object_counts: dict[str, int] = {}
@@ -445,7 +480,16 @@ def _scan_results(
                 body = response  # older shape: the response is the completion itself
             else:
                 body = response.body
-        if error is None and (status is None or status == 200):
+        wrong = misfit(raw) if misfit is not None and error is None and (status is None or status == 200) else None
+        if wrong is not None:
+            # The engine answered, but not in the shape asked for: a failed request, counted apart.
+            failed += 1
+            invalid += 1
+            key = "200"
+            outputs.invalid_output(raw, result.custom_id, *wrong)
+            if len(samples) < max_sample_errors:
+                samples.append(f"{result.custom_id}: {INVALID_OUTPUT}: {wrong[0]}")
+        elif error is None and (status is None or status == 200):
             completed += 1
             key = "200"
             if succeeded is not None:
@@ -495,6 +539,7 @@ def _scan_results(
     report.status_counts = status_counts
     report.object_counts = object_counts
     report.engine_dead_lines = dead
+    report.invalid_output = invalid
     return index
 
 

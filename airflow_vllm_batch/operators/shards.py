@@ -366,6 +366,7 @@ class VLLMBatchMergeOperator(BaseOperator):
             shard_manifest_uris=summary["shard_manifest_uris"],
             failed_by_reason=summary["failed_by_reason"],
             cost=sum_costs([m.get("cost") for m in manifests], summary["usage"]["total_tokens"]),
+            invalid_output=summary["invalid_output"],
         )
 
     @property

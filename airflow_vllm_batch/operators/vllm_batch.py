@@ -95,6 +95,8 @@ class VLLMBatchOperator(BaseOperator):
         parallel sizes in ``engine_args`` need (none on a CPU worker); 0: no lease.
     :param gpu_hour_cost: the price of one GPU-hour (e.g. ``2.5``), a number >= 0: the manifest's
         ``cost`` then holds the run's cost, also per model. Default None: GPU-seconds only. (templated)
+    :param output_type: a pydantic ``BaseModel`` subclass, or its import path (imported on the worker): chat and
+        completions bodies without ``response_format`` get its JSON schema; an answer that does not fit fails (``invalid_output``).
     """
 
     template_fields: Sequence[str] = (
@@ -149,6 +151,7 @@ class VLLMBatchOperator(BaseOperator):
         client_processes: int = 1,
         gpus: int | None = None,
         gpu_hour_cost: float | None = None,
+        output_type: type | str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -163,7 +166,7 @@ class VLLMBatchOperator(BaseOperator):
         self.engine = "server" if vllm_conn_id else engine
         self.vllm_conn_id, self.max_in_flight = vllm_conn_id, max_in_flight
         self.checkpoint_interval_s, self.gpus, self.gpu_hour_cost = checkpoint_interval_s, gpus, gpu_hour_cost
-        self.client_processes = client_processes
+        self.client_processes, self.output_type = client_processes, output_type
         #: The engine of the running try; kept so that ``on_kill`` can stop it.
         self._engine: Engine | None = None
         self._published_error_uri: str | None = None

@@ -134,6 +134,8 @@ class BatchRun:
                 "supported_urls": sorted(s.supported_urls) if s.supported_urls else None,
                 "error_uri": self.store.error_uri,
                 **self.engine.identity(),
+                # Only when set: the identities of runs without a schema stay as they were.
+                **({"output_type": s.output_schema.identity()} if s.output_schema is not None else {}),
             }
         )
 
@@ -210,6 +212,7 @@ class BatchRun:
             max_lines=s.max_lines,
             max_line_bytes=s.max_line_bytes,
             model_kind=info.model_kind,
+            response_format=s.output_schema.response_format() if s.output_schema is not None else None,
         )
         with batch_input.open() as lines:
             # The engine cannot read gzip: a compressed input gets an uncompressed cleaned copy.
@@ -217,6 +220,7 @@ class BatchRun:
                 s.skips_invalid_lines
                 or s.rewrite_model
                 or bool(s.default_body)
+                or s.output_type is not None
                 or getattr(lines, "compression", None) is not None
             )
             with (
@@ -258,6 +262,7 @@ class BatchRun:
                 reread_results=engine_results.open_results,
                 source="the engine's results",
                 duplicates=engine_results.duplicates,
+                output_schema=self.settings.output_schema,
             )
         self.log.info("%s", results.format())
         if results.dropped_duplicates:
@@ -316,6 +321,7 @@ class BatchRun:
             identity=dict(identity.components),
             manifest_uri=self.store.manifest_uri,
             failed_by_reason=failures.counts or None,
+            invalid_output=results.invalid_output or None,
         )
 
     def price(self, manifest: Manifest, engine_results: EngineResults, started: float) -> None:

@@ -14,11 +14,13 @@ import os
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
+from functools import cached_property
 from datetime import timedelta
 from typing import Any
 
 from airflow_vllm_batch.batchfile import DEFAULT_MAX_LINE_BYTES
 from airflow_vllm_batch.batchfile.requests import INDEX, check_requests_options
+from airflow_vllm_batch.batchfile.structured import OutputSchema, check_output_type_path, resolve_output_type
 from airflow_vllm_batch.exceptions import ConfigurationError, PresignError
 from airflow_vllm_batch.hooks.process import DEFAULT_GRACE_S
 from airflow_vllm_batch.run.cost import check_gpu_hour_cost
@@ -71,6 +73,7 @@ class BatchSettings:
     client_processes: int = 1
     gpus: int | None = None
     gpu_hour_cost: float | None = None
+    output_type: type | None = None
     execution_timeout: timedelta | None = None
 
     @classmethod
@@ -105,8 +108,14 @@ class BatchSettings:
             default_body=dict(values.get("default_body") or {}),
             supported_urls=frozenset(values["supported_urls"]) if values.get("supported_urls") else None,
             engine="server" if values.get("vllm_conn_id") else values.get("engine", "runner"),
+            output_type=resolve_output_type(values.get("output_type")),
         )
         return cls(**coerced)
+
+    @cached_property
+    def output_schema(self) -> OutputSchema | None:
+        """``output_type``'s schema, when answers must fit one."""
+        return OutputSchema(self.output_type) if self.output_type is not None else None
 
     @property
     def engine_environment(self) -> dict[str, str]:
@@ -175,8 +184,24 @@ def check_static_settings(values: Mapping[str, Any]) -> None:
     interval = values.get("checkpoint_interval_s", 60.0)
     if not isinstance(interval, (int, float)) or interval <= 0:
         raise ConfigurationError(f"checkpoint_interval_s must be a number of seconds > 0, got {interval!r}.")
+    _check_output_type(values.get("output_type"), values.get("default_body"))
     engine = "server" if values.get("vllm_conn_id") else values.get("engine", "runner")
     engine_class(engine, vllm_conn_id=values.get("vllm_conn_id")).check_settings(values)
+
+
+def _check_output_type(output_type: Any, default_body: Any) -> None:
+    """A class is checked now; an import path only for its form (the scheduler may lack the worker's packages)."""
+    if output_type is None:
+        return
+    if isinstance(output_type, str):
+        check_output_type_path(output_type)
+    else:
+        resolve_output_type(output_type)
+    if isinstance(default_body, Mapping) and "response_format" in default_body:
+        raise ConfigurationError(
+            "default_body sets response_format and output_type gives one (its JSON schema): drop response_format "
+            "from default_body, or output_type."
+        )
 
 
 def _ratio(value: Any) -> float:

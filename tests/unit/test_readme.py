@@ -36,3 +36,38 @@ def test_the_readme_snippet_renders_for_every_kind_of_run(kind):
     task.render_template_fields(context)
     assert task.input_uri == f"s3://my-bucket/batches/{context['run_id']}/input.jsonl"
     assert task.output_uri == f"s3://my-bucket/batches/{context['run_id']}/results.jsonl"
+
+
+def _section_snippet(title: str) -> str:
+    text = README.read_text()
+    section = text[text.index(title) :]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def test_the_structured_outputs_snippet_builds_its_dag_and_its_error_message_is_the_real_one():
+    import json
+
+    from airflow.sdk import DAG, task
+
+    from airflow_vllm_batch.batchfile import OutputSchema, check_results
+    from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
+
+    @task
+    def prompts() -> list[str]:
+        return ["Review: great"]
+
+    namespace = {"task": task, "prompts": prompts, "VLLMBatchOperator": VLLMBatchOperator}
+    with DAG("readme_structured", schedule=None, start_date=datetime(2026, 1, 1, tzinfo=timezone.utc)) as dag:
+        # Compiled apart from this module's `from __future__ import annotations`, as a DAG file would be.
+        code = compile(_section_snippet("## Structured outputs: answers with a schema"), "README.md", "exec", dont_inherit=True)
+        exec(code, {**namespace, "__name__": "readme_dag"})  # noqa: S102 - our own README
+    (op,) = [t for t in dag.tasks if isinstance(t, VLLMBatchOperator)]
+    assert op.output_type.__name__ == "Review" and "stars" in op.output_type.model_fields
+    answer = {"custom_id": "a", "response": {"status_code": 200, "request_id": "r", "body": {
+        "choices": [{"index": 0, "message": {"content": '{"sentiment": "positive", "stars": "many"}'}}]}}, "error": None}
+    errors = []
+    check_results([json.dumps(answer).encode()], errors_out=type("W", (), {"write": staticmethod(errors.append)})(),
+                  output_schema=OutputSchema(op.output_type))
+    message = json.loads(errors[0])["error"]["message"]
+    assert message.startswith("does not fit Review: stars: Input should be a valid integer")
+    assert "does not fit Review: stars: Input should be a valid integer" in README.read_text()

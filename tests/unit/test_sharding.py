@@ -303,3 +303,10 @@ def test_a_gap_below_an_answered_shard_is_missing_even_when_its_file_is_gone():
 
 def test_manifests_of_files_not_made_by_the_split_have_no_missing_shards():
     assert missing_shards(["s3://b/mine/a.jsonl", "s3://b/p/shard-00000.jsonl"], SPLIT) == []
+
+
+def test_sum_manifests_adds_the_shards_invalid_outputs_and_leaves_it_out_when_none():
+    with_invalid = {**manifest(1, 5, 2, 40, 20, 20.5), "invalid_output": 2, "failed_by_reason": {"invalid_output": 2}}
+    summed = sum_manifests([manifest(0, 10, 0, 100, 50, 30.0), with_invalid])
+    assert summed["invalid_output"] == 2 and summed["failed_by_reason"] == {"invalid_output": 2}
+    assert sum_manifests([manifest(0, 10, 0, 100, 50, 30.0)])["invalid_output"] is None

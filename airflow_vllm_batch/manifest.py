@@ -82,6 +82,8 @@ class Manifest(msgspec.Struct, omit_defaults=True):
     :param cost: engine GPU-seconds (or engine-seconds), tokens per GPU-second and, with
         ``gpu_hour_cost``, the run's cost; ``per_model`` then holds each model's ``cost`` too.
         Absent in manifests written before it existed.
+    :param from_cache: requests answered from the answer cache (counted as completed in
+        ``request_counts``); absent when the run used no cache.
     :param shards: (merge only) how many shards were merged; the other shard fields too.
     """
 
@@ -107,6 +109,7 @@ class Manifest(msgspec.Struct, omit_defaults=True):
     merge_duration_s: float | None = None
     shard_manifest_uris: list[str | None] | None = None
     cost: Cost | None = None
+    from_cache: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The manifest as plain JSON types, what goes to XCom (fields left at their default are omitted)."""

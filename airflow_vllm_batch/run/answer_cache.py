@@ -45,7 +45,6 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from airflow_vllm_batch.batchfile import CustomIdIndex, open_lines
 from airflow_vllm_batch.batchfile.cache_keys import KEY_HEX, line_key
-from airflow_vllm_batch.engines.base import EngineJob
 from airflow_vllm_batch.exceptions import ConfigurationError, StorageUnavailableError
 from airflow_vllm_batch.storage import error_code, location_error, s3_lines
 
@@ -55,6 +54,7 @@ if TYPE_CHECKING:
     from airflow.providers.amazon.aws.hooks.s3 import S3Hook
 
     from airflow_vllm_batch.batchfile import ResultsReport
+    from airflow_vllm_batch.engines.base import EngineJob
 
 _HEX = frozenset(b"0123456789abcdef")
 

@@ -36,3 +36,17 @@ def test_the_readme_snippet_renders_for_every_kind_of_run(kind):
     task.render_template_fields(context)
     assert task.input_uri == f"s3://my-bucket/batches/{context['run_id']}/input.jsonl"
     assert task.output_uri == f"s3://my-bucket/batches/{context['run_id']}/results.jsonl"
+
+
+def test_the_readme_answer_cache_snippet_builds_an_operator_with_the_cache():
+    from airflow.sdk import DAG
+
+    text = README.read_text()
+    section = text[text.index("## Answer cache") :]
+    snippet = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    with DAG("readme_cache", schedule=None, start_date=datetime(2026, 1, 1, tzinfo=timezone.utc)) as dag:
+        exec(snippet, {})  # noqa: S102 - our own README
+    (task,) = dag.tasks
+    task.render_template_fields({"ds": "2026-11-21", "run_id": "scheduled__2026-11-21T00:00:00+00:00"})
+    settings = task.settings()
+    assert settings.answer_cache_uri == "s3://my-bucket/answer-cache/" and settings.answer_cache_sampled is False

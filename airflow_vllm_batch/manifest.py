@@ -84,6 +84,8 @@ class Manifest(msgspec.Struct, omit_defaults=True):
         Absent in manifests written before it existed.
     :param invalid_output: answers that did not fit ``output_type`` (in the error file with
         ``error.code`` ``"invalid_output"``, counted in ``request_counts.failed``); omitted when none.
+    :param from_cache: requests answered from the answer cache (counted as completed in
+        ``request_counts``); absent when the run used no cache.
     :param shards: (merge only) how many shards were merged; the other shard fields too.
     """
 
@@ -110,6 +112,7 @@ class Manifest(msgspec.Struct, omit_defaults=True):
     shard_manifest_uris: list[str | None] | None = None
     cost: Cost | None = None
     invalid_output: int | None = None
+    from_cache: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The manifest as plain JSON types, what goes to XCom (fields left at their default are omitted)."""

@@ -118,6 +118,8 @@ def render_summary(
     if resumed:
         title += " (reused: no engine ran in this try)"
     rows = [("requests", f"{counts.total} total, {counts.completed} completed, {counts.failed} failed")]
+    if manifest.from_cache is not None:
+        rows.append(("from cache", f"{manifest.from_cache} of {counts.total} requests answered from the answer cache"))
     for reason, count in (manifest.failed_by_reason or {}).items():
         example = (examples or {}).get(reason)
         rows.append((f"failed: {reason}", f"{count}, e.g. {example}" if example else f"{count} (see the error file)"))

@@ -235,6 +235,8 @@ class PreflightReport:
     compression: str | None = None
     #: Every valid line's custom_id and its line in the file the engine reads (see the module docs).
     custom_ids: CustomIdIndex | None = field(default=None, repr=False, compare=False)
+    #: Requests the answer cache answered, left out of the copy the engine reads (the engine's report only).
+    answered_from_cache: int = 0
 
     @property
     def ok(self) -> bool:
@@ -243,8 +245,8 @@ class PreflightReport:
 
     @property
     def needs_rewrite(self) -> bool:
-        """True when the engine must read the cleaned copy: lines skipped or rewritten, or a compressed input."""
-        return self.invalid_lines > 0 or self.rewritten_lines > 0 or self.compression is not None
+        """True when the engine must read the cleaned copy: lines skipped, rewritten or answered from the cache, or a compressed input."""
+        return self.invalid_lines > 0 or self.rewritten_lines > 0 or self.compression is not None or self.answered_from_cache > 0
 
     @property
     def runnable(self) -> bool:

@@ -97,6 +97,9 @@ class VLLMBatchOperator(BaseOperator):
         ``cost`` then holds the run's cost, also per model. Default None: GPU-seconds only. (templated)
     :param output_type: a pydantic ``BaseModel`` subclass, or its import path (imported on the worker): chat and
         completions bodies without ``response_format`` get its JSON schema; an answer that does not fit fails (``invalid_output``).
+    :param answer_cache_uri: ``s3://bucket/prefix/`` of an answer cache: deterministic requests answered
+        before are answered from it, only the others reach the engine. Default None: off. (templated)
+    :param answer_cache_sampled: also cache requests that sample (no ``temperature`` 0, no ``seed``). Default False.
     """
 
     template_fields: Sequence[str] = (
@@ -112,6 +115,7 @@ class VLLMBatchOperator(BaseOperator):
         "default_body",
         "max_failed_ratio",
         "gpu_hour_cost",
+        "answer_cache_uri",
     )
     template_fields_renderers = {"engine_args": "json", "engine_env": "json", "default_body": "json", "requests": "json"}
     operator_extra_links = (VLLMBatchOutputLink(),)
@@ -152,6 +156,8 @@ class VLLMBatchOperator(BaseOperator):
         gpus: int | None = None,
         gpu_hour_cost: float | None = None,
         output_type: type | str | None = None,
+        answer_cache_uri: str | None = None,
+        answer_cache_sampled: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -167,6 +173,7 @@ class VLLMBatchOperator(BaseOperator):
         self.vllm_conn_id, self.max_in_flight = vllm_conn_id, max_in_flight
         self.checkpoint_interval_s, self.gpus, self.gpu_hour_cost = checkpoint_interval_s, gpus, gpu_hour_cost
         self.client_processes, self.output_type = client_processes, output_type
+        self.answer_cache_uri, self.answer_cache_sampled = answer_cache_uri, answer_cache_sampled
         #: The engine of the running try; kept so that ``on_kill`` can stop it.
         self._engine: Engine | None = None
         self._published_error_uri: str | None = None

@@ -7,16 +7,20 @@ instance and turns its outcome into XCom, a link and asset events. The steps:
 2. the engine is asked what it serves; the run identity is the fingerprint of what shapes
    the results; a complete output under the same identity is returned as it is;
 3. the output's lease is taken (one writer per output) and checked again before every write;
-4. preflight checks every line before any engine starts;
+4. preflight checks every line before any engine starts; with ``answer_cache_uri``, the
+   requests the answer cache holds are answered from it (:mod:`.answer_cache`), and only
+   the others go on (no engine starts when none is left);
 5. the engine makes the answers durable in the run's staging (running only for what no
    earlier try left there);
 6. the results check: every request answered exactly once; what the results say about
    the engine itself (a dead engine is the try's failure, retried, never published);
-7. publish: results, error file, then the manifest, last; the staging is removed.
+7. publish: results, error file, then the manifest, last; the staging is removed;
+8. the engine's new answers go into the answer cache (a failure there is only a warning).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass
@@ -27,12 +31,15 @@ from typing import TYPE_CHECKING, Any
 from botocore.exceptions import BotoCoreError, ClientError
 
 from airflow_vllm_batch.batchfile import PreflightOptions, PreflightReport, ResultsReport, check_results, open_lines, preflight
+from airflow_vllm_batch.batchfile.cache_keys import model_identity
 from airflow_vllm_batch.batchfile.per_model import count_per_model
 from airflow_vllm_batch.engines import EngineJob, EngineResults
 from airflow_vllm_batch.exceptions import PreflightError, PublishError, StorageUnavailableError
+from airflow_vllm_batch.hooks.vllm_engine import EngineRun
 from airflow_vllm_batch.identity import RunIdentity
 from airflow_vllm_batch.lease import LeaseHolder
 from airflow_vllm_batch.manifest import Manifest, RequestCounts, Usage
+from airflow_vllm_batch.run.answer_cache import AnswerCache
 from airflow_vllm_batch.run.cost import run_cost, split_cost
 from airflow_vllm_batch.run.inputs import BatchInput, write_requests
 from airflow_vllm_batch.run.scratch import concat, kept_results, maybe_open, scratch
@@ -136,6 +143,8 @@ class BatchRun:
                 **self.engine.identity(),
                 # Only when set: the identities of runs without a schema stay as they were.
                 **({"output_type": s.output_schema.identity()} if s.output_schema is not None else {}),
+                # Only when set: the identities of runs without the cache stay as they were.
+                **({"answer_cache": {"uri": s.answer_cache_uri, "sampled": s.answer_cache_sampled}} if s.answer_cache_uri else {}),
             }
         )
 
@@ -166,17 +175,27 @@ class BatchRun:
         with scratch(self.settings.results_dir, identity.short) as work:
             report = self.preflight(info, work)
             job = EngineJob(self.input, report, work, staging, identity, lease, self.task, kept, self.task.get("last_try", True))
-            engine_results = self.engine.produce(info, job)
+            cache = self.answer_cache(info)
+            split = cache.split(job) if cache is not None else None
+            if split is not None:
+                job = split.job  # the misses only, when some hit
+            engine_results = self.produce(info, job)
             lease.ensure_held(verify=True)
             try:
                 results = self.check(job, engine_results)
+                engine_tokens = results.total_tokens
+                if cache is not None and split is not None:
+                    cache.collect(work / "results.jsonl")
+                    split.add_to(results, work / "results.jsonl")
                 errors_path = self.error_file(report, work, results)
                 failures = self.tally_failures(errors_path)
                 manifest = self.build_manifest(identity, report, results, engine_results, started, failures)
+                manifest.from_cache = split.hits if split is not None else None
                 manifest.per_model = self.per_model(report, results, work)
-                self.price(manifest, engine_results, started)
-                # With no failed line a staged results file is the output byte for byte: copy it server side.
-                copy_staged = not results.request_counts["failed"] and engine_results.staged_results
+                self.price(manifest, engine_results, started, engine_tokens)
+                # With no failed line (and no cached answer added) a staged results file is the output byte for
+                # byte: copy it server side.
+                copy_staged = not results.request_counts["failed"] and engine_results.staged_results and not manifest.from_cache
                 self.store.publish(
                     manifest,
                     staging=staging,
@@ -190,6 +209,8 @@ class BatchRun:
                     f"S3 failed while publishing ({err}). The engine's results are staged at {engine_results.staged_uri}: "
                     "a retry publishes them without running the engine again."
                 ) from err
+            if cache is not None:
+                cache.store()
         self.log.info(
             "Published %s (%d completed, %d failed)",
             self.settings.output_uri,
@@ -197,6 +218,32 @@ class BatchRun:
             manifest.request_counts.failed,
         )
         return BatchOutcome(manifest, resumed=False, failure_examples=failures.examples)
+
+    def answer_cache(self, info: EngineInfo) -> AnswerCache | None:
+        """The answer cache of ``answer_cache_uri``, keyed to this engine's model identity; None when off."""
+        s = self.settings
+        if not s.answer_cache_uri:
+            return None
+        digest = model_identity(
+            model=s.model,
+            vllm_version=info.vllm_version,
+            engine_args=self.engine.identity().get("engine_args"),  # None for a warm server: not the task's to know
+            engine_command=s.engine_command,
+            served_names=self.engine.served.names,
+        )
+        return AnswerCache(
+            self.s3_hook, s.answer_cache_uri, model_digest=digest, sampled=s.answer_cache_sampled, resume=s.resume, log=self.log
+        )
+
+    def produce(self, info: EngineInfo, job: EngineJob) -> EngineResults:
+        """The engine's answers to the job's requests; no engine at all when the answer cache answered every one."""
+        if job.report.valid_lines == 0 and job.report.answered_from_cache:
+            self.log.info("Every request was answered from the answer cache: no engine runs.")
+            return EngineResults(
+                run=EngineRun(returncode=0, duration_s=0.0, vllm_version=info.vllm_version),
+                open_results=lambda: contextlib.nullcontext(iter(())),
+            )
+        return self.engine.produce(info, job)
 
     def preflight(self, info: EngineInfo, work: Path) -> PreflightReport:
         """Check the whole input before any engine starts; write a cleaned copy when needed."""
@@ -324,14 +371,17 @@ class BatchRun:
             invalid_output=results.invalid_output or None,
         )
 
-    def price(self, manifest: Manifest, engine_results: EngineResults, started: float) -> None:
-        """Fill in the manifest's ``cost``, and each model's share of it when the run was priced."""
+    def price(self, manifest: Manifest, engine_results: EngineResults, started: float, engine_tokens: int) -> None:
+        """Fill in the manifest's ``cost``, and each model's share of it when the run was priced.
+
+        :param engine_tokens: the tokens the engine itself answered in this run (not the cached answers').
+        """
         manifest.cost = run_cost(
             device="vllm_connection" if self.settings.vllm_conn_id else "gpu",
             gpus=self.engine.gpu_plan().count,
             engine_s=engine_results.run.duration_s,
             task_s=time.monotonic() - started,
-            total_tokens=manifest.usage.total_tokens,
+            total_tokens=engine_tokens,
             gpu_hour_cost=self.settings.gpu_hour_cost,
         )
         if manifest.cost.cost is not None and manifest.per_model:

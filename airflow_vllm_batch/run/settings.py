@@ -23,6 +23,7 @@ from airflow_vllm_batch.batchfile.requests import INDEX, check_requests_options
 from airflow_vllm_batch.batchfile.structured import OutputSchema, check_output_type_path, resolve_output_type
 from airflow_vllm_batch.exceptions import ConfigurationError, PresignError
 from airflow_vllm_batch.hooks.process import DEFAULT_GRACE_S
+from airflow_vllm_batch.run.answer_cache import split_cache_uri
 from airflow_vllm_batch.run.cost import check_gpu_hour_cost
 from airflow_vllm_batch.storage import split_s3_uri
 
@@ -74,6 +75,8 @@ class BatchSettings:
     gpus: int | None = None
     gpu_hour_cost: float | None = None
     output_type: type | None = None
+    answer_cache_uri: str | None = None
+    answer_cache_sampled: bool = False
     execution_timeout: timedelta | None = None
 
     @classmethod
@@ -96,6 +99,9 @@ class BatchSettings:
             value = values.get(name)
             if value is not None and not isinstance(value, Mapping):
                 raise ConfigurationError(f"{name} must be a mapping, got {type(value).__name__} {value!r}.")
+        if values.get("answer_cache_uri") is not None:
+            bucket, prefix = split_cache_uri(values["answer_cache_uri"])
+            values = {**values, "answer_cache_uri": f"s3://{bucket}/{prefix}"}
         known = {f.name for f in fields(cls)}
         coerced = {k: v for k, v in values.items() if k in known}
         coerced.update(
@@ -185,6 +191,12 @@ def check_static_settings(values: Mapping[str, Any]) -> None:
     if not isinstance(interval, (int, float)) or interval <= 0:
         raise ConfigurationError(f"checkpoint_interval_s must be a number of seconds > 0, got {interval!r}.")
     _check_output_type(values.get("output_type"), values.get("default_body"))
+    if not isinstance(values.get("answer_cache_sampled", False), bool):
+        raise ConfigurationError(f"answer_cache_sampled must be True or False, got {values['answer_cache_sampled']!r}.")
+    cache_uri = values.get("answer_cache_uri")
+    if cache_uri is not None and not (isinstance(cache_uri, str) and "{{" in cache_uri):
+        # A string with a template is checked once rendered.
+        split_cache_uri(cache_uri)
     engine = "server" if values.get("vllm_conn_id") else values.get("engine", "runner")
     engine_class(engine, vllm_conn_id=values.get("vllm_conn_id")).check_settings(values)
 

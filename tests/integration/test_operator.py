@@ -257,3 +257,50 @@ def test_a_gzip_input_runs_and_the_engine_reads_an_uncompressed_copy(embedded, a
     assert result.state == "success", result.output[-3000:]
     assert "The engine reads the cleaned copy" in result.output
     assert sorted(r["custom_id"] for r in _read(embedded, "gzip/results.jsonl")) == ["g0", "g1", "g2"]
+
+
+@pytest.mark.engine
+def test_the_runner_gets_only_the_requests_the_answer_cache_does_not_hold(embedded, airflow_db, tiny_model):
+    """One runner start: the cache is filled beforehand under the very prefix and keys the run computes."""
+    import logging
+    import uuid
+
+    from airflow.providers.amazon.aws.hooks.s3 import S3Hook
+
+    from airflow_vllm_batch.batchfile.cache_keys import request_key
+    from airflow_vllm_batch.engines import make_engine
+    from airflow_vllm_batch.run import BatchRun, BatchSettings
+
+    model = str(tiny_model)
+    cache_uri = f"s3://{BUCKET}/answer-cache-runner/cache-{uuid.uuid4().hex[:8]}/"
+    # a1..a3 share one body ("Say hi"), whose answer the cache holds; a0 (with a seed) is a miss.
+    text = "".join(_line(f"a{i}", model, temperature=0, max_completion_tokens=2, **({"seed": 5} if i == 0 else {})) + "\n" for i in range(4))
+    kwargs = {
+        "input_uri": _put(embedded, "answer-cache-runner/input.jsonl", text),
+        "output_uri": f"s3://{BUCKET}/answer-cache-runner/results.jsonl",
+        "model": model,
+        "engine_args": ["--enforce-eager"],
+        "answer_cache_uri": cache_uri,
+    }
+    settings = BatchSettings.from_rendered(**kwargs)
+    log = logging.getLogger("test")
+    engine = make_engine(settings, log)
+    cache = BatchRun(settings, s3_hook=S3Hook(), engine=engine, task={}, log=log).answer_cache(engine.inspect())
+    assert cache is not None
+    body = json.loads(_line("a1", model, temperature=0, max_completion_tokens=2))["body"]
+    key = request_key(cache.model_digest, "/v1/chat/completions", json.dumps(body).encode())
+    stored = json.dumps(
+        {"id": "cached-1", "custom_id": "a1", "response": {"status_code": 200, "request_id": "r", "body": {"id": "c", "object": "chat.completion", "choices": [{"index": 0, "message": {"role": "assistant", "content": "from the cache"}, "finish_reason": "length"}], "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}}}, "error": None},
+        separators=(",", ":"),
+    )
+    embedded.client().put_object(Bucket=BUCKET, Key=f"{cache_uri.removeprefix(f's3://{BUCKET}/')}{cache.model_digest}/{key[0]}/seed.tsv", Body=f"{key}\t{stored}\n".encode())
+    result = _run_operator("answer_cache_runner", **kwargs)
+    assert result.state == "success", result.output[-3000:]
+    assert "3 of 4 requests answered from the cache" in result.output and "The engine reads the cleaned copy" in result.output
+    manifest = result.xcom("vllm_batch")
+    assert manifest["from_cache"] == 3 and manifest["request_counts"] == {"total": 4, "completed": 4, "failed": 0}
+    lines = {line["custom_id"]: line for line in _read(embedded, "answer-cache-runner/results.jsonl")}
+    assert [lines[f"a{i}"]["id"] for i in (1, 2, 3)] == ["cached-1"] * 3
+    assert lines["a0"]["id"] != "cached-1"  # the runner answered the miss
+    raw = embedded.client().get_object(Bucket=BUCKET, Key="answer-cache-runner/results.jsonl")["Body"].read()
+    assert stored.encode() in raw.splitlines()  # a1's answer byte for byte

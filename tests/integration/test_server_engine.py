@@ -379,3 +379,67 @@ def test_structured_outputs_through_the_real_engine_every_answer_fits_and_withou
     free = list(read_answers(manifests["without_schema"], output_type=Mood))
     assert len(free) == 10 and all(isinstance(a, Failed) and a.error.startswith("invalid_output") for a in free)
     print({a.custom_id: a.value.model_dump() for a in parsed[:3]}, free[0])
+
+
+def _cache_dag(dag_id: str, model: str, input_key: str, cache_uri: str):
+    from datetime import datetime, timezone
+
+    from airflow.sdk import DAG
+
+    from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
+    from tests.integration.dagrun import register_dag
+
+    with DAG(dag_id, schedule=None, start_date=datetime(2026, 1, 1, tzinfo=timezone.utc)) as dag:
+        VLLMBatchOperator(
+            task_id="vllm_batch",
+            input_uri=f"s3://{BUCKET}/{input_key}",
+            output_uri=f"s3://{BUCKET}/answer-cache-it/{dag_id}/results.jsonl",
+            model=model,
+            vllm_conn_id=CONN_ID,
+            answer_cache_uri=cache_uri,
+        )
+    register_dag(dag)
+    return dag
+
+
+def test_a_second_run_through_the_answer_cache_sends_only_the_changed_requests(warm, embedded, tiny_model):
+    import uuid
+
+    model, n = str(tiny_model), 40
+    cache_uri = f"s3://{BUCKET}/answer-cache-it/cache-{uuid.uuid4().hex[:8]}/"
+
+    def lines(changed: set[int]) -> bytes:
+        return b"".join(
+            json.dumps(
+                {
+                    "custom_id": f"c{i}",
+                    "method": "POST",
+                    "url": "/v1/chat/completions",
+                    "body": {"model": model, "temperature": 0, "max_tokens": 4, "messages": [{"role": "user", "content": f"{'New' if i in changed else 'Old'} {i}"}]},
+                }
+            ).encode()
+            + b"\n"
+            for i in range(n)
+        )
+
+    client = embedded.client()
+    client.put_object(Bucket=BUCKET, Key="answer-cache-it/night1.jsonl", Body=lines(set()))
+    client.put_object(Bucket=BUCKET, Key="answer-cache-it/night2.jsonl", Body=lines({3, 17}))
+    before = requests_answered(warm.hook.base_url)
+    first = run_dag(_cache_dag("answer_cache_night1", model, "answer-cache-it/night1.jsonl", cache_uri))
+    assert first.state == "success", first.output[-4000:]
+    assert requests_answered(warm.hook.base_url) - before == n
+    before = requests_answered(warm.hook.base_url)
+    second = run_dag(_cache_dag("answer_cache_night2", model, "answer-cache-it/night2.jsonl", cache_uri))
+    assert second.state == "success", second.output[-4000:]
+    assert requests_answered(warm.hook.base_url) - before == 2
+    manifest = second.xcom("vllm_batch")
+    assert manifest["from_cache"] == n - 2 and manifest["request_counts"] == {"total": n, "completed": n, "failed": 0}
+
+    def raw(uri: str) -> dict[str, bytes]:
+        body = client.get_object(Bucket=BUCKET, Key=uri.removeprefix(f"s3://{BUCKET}/"))["Body"].read()
+        return {json.loads(line)["custom_id"]: line for line in body.splitlines() if line.strip()}
+
+    night1, night2 = raw(first.xcom("vllm_batch")["output_uri"]), raw(manifest["output_uri"])
+    assert sorted(night2) == sorted(night1)
+    assert {c for c in night1 if night1[c] != night2[c]} == {"c3", "c17"}  # the rest byte for byte

@@ -71,3 +71,17 @@ def test_the_structured_outputs_snippet_builds_its_dag_and_its_error_message_is_
     message = json.loads(errors[0])["error"]["message"]
     assert message.startswith("does not fit Review: stars: Input should be a valid integer")
     assert "does not fit Review: stars: Input should be a valid integer" in README.read_text()
+
+
+def test_the_readme_answer_cache_snippet_builds_an_operator_with_the_cache():
+    from airflow.sdk import DAG
+
+    text = README.read_text()
+    section = text[text.index("## Answer cache") :]
+    snippet = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    with DAG("readme_cache", schedule=None, start_date=datetime(2026, 1, 1, tzinfo=timezone.utc)) as dag:
+        exec(snippet, {})  # noqa: S102 - our own README
+    (task,) = dag.tasks
+    task.render_template_fields({"ds": "2026-11-21", "run_id": "scheduled__2026-11-21T00:00:00+00:00"})
+    settings = task.settings()
+    assert settings.answer_cache_uri == "s3://my-bucket/answer-cache/" and settings.answer_cache_sampled is False

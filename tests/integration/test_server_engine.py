@@ -316,3 +316,23 @@ def test_the_same_file_for_the_runner_fails_preflight_naming_the_server_engine_a
     for lineno, custom_id in ((2, "text-0"), (3, "ids-0"), (5, "text-1")):
         assert re.search(rf"line {lineno} \(custom_id '{custom_id}'\): \"url\" '/v1/completions' is not served by this engine .*engine=\"server\"", run.output), run.output[-4000:]
     assert "Starting the vLLM" not in run.output
+
+
+def test_the_nightly_cache_benchmark_sends_only_the_changed_rows_and_keeps_the_unchanged_answers_byte_equal(warm):
+    """``benchmarks/answer_cache.py nightly`` runs here small against the warm server, so the script cannot rot.
+
+    What is asserted is what does not depend on the machine's speed: night 2 sent exactly the
+    changed rows (the script reads the server's own counter), answered every row once, and
+    its unchanged rows' result lines are night 1's bytes. The wall-time ratio is the
+    benchmark's figure (docs/benchmarks.md), not asserted here.
+    """
+    argv = [sys.executable, str(REPO / "benchmarks" / "answer_cache.py"), "nightly", "--rows", "400", "--changed", "0.05"]
+    argv += ["--max-tokens", "8", "--server-url", warm.hook.base_url]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "BENCH_VLLM_API_KEY": warm.hook.api_key}
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, check=False)  # noqa: S603
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    figures = json.loads(next(line for line in reversed(done.stdout.splitlines()) if line.startswith("{")))
+    assert (figures["rows"], figures["changed"]) == (400, 20)
+    assert figures["night1_sent"] == 400
+    assert figures["night2_sent"] == 20 and figures["night2_from_cache"] == 380
+    assert figures["night2_answers_every_row_once"] and figures["unchanged_rows_byte_equal"]

@@ -105,7 +105,7 @@ def tasks(args: argparse.Namespace, s3: SeaweedFS, work: Path) -> None:
     )
 
 
-def _stand_in() -> tuple[str, threading.Thread]:
+def stand_in_server() -> tuple[str, threading.Thread]:
     """A minimal OpenAI-compatible chat server (aiohttp) on a thread of this process."""
     from aiohttp import web
 
@@ -147,7 +147,7 @@ def _stand_in() -> tuple[str, threading.Thread]:
 
 
 def rss(args: argparse.Namespace, s3: SeaweedFS, work: Path) -> None:
-    base_url, _ = _stand_in()
+    base_url, _ = stand_in_server()
     host, port = base_url.removeprefix("http://").split(":")
     env = {**os.environ, "AIRFLOW_CONN_VLLM_BENCH": json.dumps({"conn_type": "vllm", "host": host, "port": int(port)})}
     figures = {}
@@ -163,7 +163,7 @@ def rss(args: argparse.Namespace, s3: SeaweedFS, work: Path) -> None:
     print(json.dumps({"operator_peak_rss": figures, "load": os.getloadavg()}))
 
 
-def _vm_kb(field: str) -> int:
+def vm_kb(field: str) -> int:
     """A ``/proc/self/status`` figure in kB. ``VmHWM`` is this process's own peak: unlike
     ``ru_maxrss``, it does not inherit the parent's RSS at the fork before ``exec``."""
     with open("/proc/self/status") as status:
@@ -174,10 +174,10 @@ def _one(input_uri: str, results_dir: str) -> None:
     """The measured child: one server-engine task through connection ``vllm_bench``; prints its peaks as JSON."""
     from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator  # noqa: F401 - the floor: imports
 
-    imports_kb = _vm_kb("VmHWM")
+    imports_kb = vm_kb("VmHWM")
     manifest = run_task(0, input_uri=input_uri, model="m", vllm_conn_id="vllm_bench", results_dir=results_dir, resume=False)
     print(manifest["request_counts"], f"{manifest['duration_s']:.1f}s", file=sys.stderr, flush=True)
-    print(json.dumps({"peak_after_imports_mb": round(imports_kb / 1024, 1), "peak_rss_mb": round(_vm_kb("VmHWM") / 1024, 1)}), flush=True)
+    print(json.dumps({"peak_after_imports_mb": round(imports_kb / 1024, 1), "peak_rss_mb": round(vm_kb("VmHWM") / 1024, 1)}), flush=True)
 
 
 def main() -> None:

@@ -443,3 +443,23 @@ def test_a_second_run_through_the_answer_cache_sends_only_the_changed_requests(w
     night1, night2 = raw(first.xcom("vllm_batch")["output_uri"]), raw(manifest["output_uri"])
     assert sorted(night2) == sorted(night1)
     assert {c for c in night1 if night1[c] != night2[c]} == {"c3", "c17"}  # the rest byte for byte
+
+
+def test_the_nightly_cache_benchmark_sends_only_the_changed_rows_and_keeps_the_unchanged_answers_byte_equal(warm):
+    """``benchmarks/answer_cache.py nightly`` runs here small against the warm server, so the script cannot rot.
+
+    What is asserted is what does not depend on the machine's speed: night 2 sent exactly the
+    changed rows (the script reads the server's own counter), answered every row once, and
+    its unchanged rows' result lines are night 1's bytes. The wall-time ratio is the
+    benchmark's figure (docs/benchmarks.md), not asserted here.
+    """
+    argv = [sys.executable, str(REPO / "benchmarks" / "answer_cache.py"), "nightly", "--rows", "400", "--changed", "0.05"]
+    argv += ["--max-tokens", "8", "--server-url", warm.hook.base_url]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "BENCH_VLLM_API_KEY": warm.hook.api_key}
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, check=False)  # noqa: S603
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    figures = json.loads(next(line for line in reversed(done.stdout.splitlines()) if line.startswith("{")))
+    assert (figures["rows"], figures["changed"]) == (400, 20)
+    assert figures["night1_sent"] == 400
+    assert figures["night2_sent"] == 20 and figures["night2_from_cache"] == 380
+    assert figures["night2_answers_every_row_once"] and figures["unchanged_rows_byte_equal"]

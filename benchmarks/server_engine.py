@@ -55,7 +55,8 @@ def run_task(index: int, **kwargs) -> dict:
     from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
 
     _TI.run_id = f"bench-{index}-{time.time_ns()}"
-    op = VLLMBatchOperator(task_id="vllm_batch", output_uri=f"s3://{BUCKET}/out/{_TI.run_id}/results.jsonl", **kwargs)
+    kwargs.setdefault("output_uri", f"s3://{BUCKET}/out/{_TI.run_id}/results.jsonl")
+    op = VLLMBatchOperator(task_id="vllm_batch", **kwargs)
     return op.execute({"ti": _TI(), "outlet_events": {}})
 
 

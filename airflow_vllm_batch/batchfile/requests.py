@@ -7,7 +7,8 @@ results check) reads, one line per item:
 
 - a string: a prompt. For ``/v1/chat/completions`` one user message
   (``{"messages": [{"role": "user", "content": s}]}``); for ``/v1/embeddings`` the input
-  (``{"input": s}``).
+  (``{"input": s}``); for ``/v1/completions`` the prompt (``{"prompt": s}``, the server
+  engine's).
 - a list of message objects: a chat conversation (``{"messages": [...]}``; for
   ``/v1/embeddings`` vLLM's chat-style ``{"messages": [...]}``).
 - an object: the request body itself, as given (any endpoint: score and rerank need one).
@@ -138,6 +139,8 @@ def _request_of(item: Any, index: int, *, url: str, custom_id: str, parameter: s
             body = {"messages": [{"role": "user", "content": item}]}
         elif url == "/v1/embeddings":
             body = {"input": item}
+        elif url == "/v1/completions":
+            body = {"prompt": item}
         else:
             raise ConfigurationError(f"{where} is a string, but {url} needs a request body: give an object with its fields.")
     elif isinstance(item, Sequence) and item and all(isinstance(m, Mapping) for m in item) and any("role" in m for m in item):

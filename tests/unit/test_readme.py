@@ -85,3 +85,23 @@ def test_the_readme_answer_cache_snippet_builds_an_operator_with_the_cache():
     task.render_template_fields({"ds": "2026-11-21", "run_id": "scheduled__2026-11-21T00:00:00+00:00"})
     settings = task.settings()
     assert settings.answer_cache_uri == "s3://my-bucket/answer-cache/" and settings.answer_cache_sampled is False
+
+
+def test_the_completions_snippet_builds_a_server_task_whose_lines_are_prompts():
+    import json
+
+    from airflow.sdk import DAG
+
+    from airflow_vllm_batch.batchfile.requests import build_batch_file
+    from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
+
+    with DAG("readme_completions", schedule=None, start_date=datetime(2026, 1, 1, tzinfo=timezone.utc)) as dag:
+        exec(_section_snippet("## Completions: `/v1/completions` lines"), {})  # noqa: S102 - our own README
+    (op,) = [t for t in dag.tasks if isinstance(t, VLLMBatchOperator)]
+    assert (op.requests_url, op.engine) == ("/v1/completions", "server")
+    settings = op.settings()
+    data = build_batch_file(settings.requests, model=settings.model, url=settings.requests_url, default_body=settings.default_body)
+    lines = [json.loads(line) for line in data.splitlines()]
+    assert {line["url"] for line in lines} == {"/v1/completions"}
+    assert [line["body"]["prompt"] for line in lines] == ["Once upon a time", "The ship left the harbour", "Dear customer,"]
+    assert all(line["body"]["max_tokens"] == 32 for line in lines)

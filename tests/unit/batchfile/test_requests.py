@@ -48,6 +48,12 @@ def test_strings_become_embedding_inputs():
     assert lines(build_batch_file(["x"], model="e", url="/v1/embeddings"))[0]["body"] == {"input": "x", "model": "e"}
 
 
+def test_strings_become_completion_prompts():
+    data = build_batch_file(["Once upon a time"], model="m", url="/v1/completions", default_body={"max_tokens": 8})
+    assert lines(data)[0]["body"] == {"prompt": "Once upon a time", "model": "m", "max_tokens": 8}
+    assert lines(data)[0]["url"] == "/v1/completions"
+
+
 def test_custom_id_from_a_key_leaves_the_body():
     data = build_batch_file([{"id": "row-7", "messages": [{"role": "user", "content": "u"}]}, {"id": 8, "messages": [{"role": "user"}]}], model="m", custom_id="id")
     assert [(x["custom_id"], "id" in x["body"]) for x in lines(data)] == [("row-7", False), ("8", False)]

@@ -242,8 +242,9 @@ def sum_manifests(manifests: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     ``engine_duration_s`` and ``shard_duration_s`` (summed: the compute spent),
     ``max_shard_duration_s`` (the longest shard: the floor of the wall time however
     many workers run them), ``shard_manifest_uris`` in shard order, ``failed_by_reason``
-    summed (None when no request failed) and ``invalid_output`` summed (None when no answer
-    missed ``output_type``).
+    summed (None when no request failed), ``invalid_output`` summed (None when no answer
+    missed ``output_type``) and ``from_cache`` summed over the shards that used the answer
+    cache (None when none did).
 
     :param manifests: the shards' manifests as returned by ``VLLMBatchOperator``, in shard order.
     """
@@ -264,7 +265,15 @@ def sum_manifests(manifests: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "shard_manifest_uris": [m.get("manifest_uri") for m in manifests],
         "failed_by_reason": _sum_reasons(manifests),
         "invalid_output": sum(int(m.get("invalid_output") or 0) for m in manifests) or None,
+        # Summed over the shards that used the cache; None when none did (as each shard's manifest omits it).
+        "from_cache": _sum_present(manifests, "from_cache"),
     }
+
+
+def _sum_present(manifests: Sequence[Mapping[str, Any]], key: str) -> int | None:
+    """``key`` added up over the shards whose manifest has it; None when none has."""
+    present = [int(m[key]) for m in manifests if m.get(key) is not None]
+    return sum(present) if present else None
 
 
 def _sum_reasons(manifests: Sequence[Mapping[str, Any]]) -> dict[str, int] | None:

@@ -367,6 +367,7 @@ class VLLMBatchMergeOperator(BaseOperator):
             failed_by_reason=summary["failed_by_reason"],
             cost=sum_costs([m.get("cost") for m in manifests], summary["usage"]["total_tokens"]),
             invalid_output=summary["invalid_output"],
+            from_cache=summary["from_cache"],
         )
 
     @property

@@ -310,3 +310,10 @@ def test_sum_manifests_adds_the_shards_invalid_outputs_and_leaves_it_out_when_no
     summed = sum_manifests([manifest(0, 10, 0, 100, 50, 30.0), with_invalid])
     assert summed["invalid_output"] == 2 and summed["failed_by_reason"] == {"invalid_output": 2}
     assert sum_manifests([manifest(0, 10, 0, 100, 50, 30.0)])["invalid_output"] is None
+
+
+def test_sum_manifests_adds_the_shards_answers_from_the_cache_and_leaves_it_out_without_a_cache():
+    # A shard whose every request hit has from_cache == its total; a shard without the cache has no from_cache.
+    cached = [{**manifest(0, 10, 0, 100, 50, 3.0), "from_cache": 10}, {**manifest(1, 10, 0, 100, 50, 30.0), "from_cache": 0}]
+    assert sum_manifests(cached)["from_cache"] == 10
+    assert sum_manifests([manifest(0, 10, 0, 100, 50, 30.0)])["from_cache"] is None

@@ -180,8 +180,10 @@ class BatchRun:
             if split is not None:
                 job = split.job  # the misses only, when some hit
             engine_results = self.produce(info, job)
-            lease.ensure_held(verify=True)
             try:
+                # Inside the try: the results are staged by now, so S3 failing here is a publish
+                # failure that a retry recovers without the engine (not a bare connection error).
+                lease.ensure_held(verify=True)
                 results = self.check(job, engine_results)
                 engine_tokens = results.total_tokens
                 if cache is not None and split is not None:

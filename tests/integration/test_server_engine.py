@@ -326,6 +326,28 @@ def test_the_same_file_for_the_runner_fails_preflight_naming_the_server_engine_a
     assert "Starting the vLLM" not in run.output
 
 
+def _warm_dag(dag_id: str, model: str, input_key: str, output_key: str, **options):
+    """A registered DAG of one task that runs ``input_key`` through the warm server into ``output_key``."""
+    from datetime import datetime, timezone
+
+    from airflow.sdk import DAG
+
+    from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
+    from tests.integration.dagrun import register_dag
+
+    with DAG(dag_id, schedule=None, start_date=datetime(2026, 1, 1, tzinfo=timezone.utc)) as dag:
+        VLLMBatchOperator(
+            task_id="vllm_batch",
+            input_uri=f"s3://{BUCKET}/{input_key}",
+            output_uri=f"s3://{BUCKET}/{output_key}",
+            model=model,
+            vllm_conn_id=CONN_ID,
+            **options,
+        )
+    register_dag(dag)
+    return dag
+
+
 class Mood(BaseModel):
     """A short answer: the schema the tiny model must fit (two fields of a few tokens each)."""
 
@@ -344,30 +366,14 @@ def _mood_lines(model: str) -> bytes:
 
 
 def test_structured_outputs_through_the_real_engine_every_answer_fits_and_without_the_schema_none_does(warm, embedded, tiny_model):
-    from datetime import datetime, timezone
-
-    from airflow.sdk import DAG
-
     from airflow_vllm_batch.batchfile import Failed, Parsed
-    from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
     from airflow_vllm_batch.storage import read_answers
-    from tests.integration.dagrun import register_dag
 
     model = str(tiny_model)
     embedded.client().put_object(Bucket=BUCKET, Key="structured/input.jsonl", Body=_mood_lines(model))
     manifests = {}
     for name, output_type in (("with_schema", Mood), ("without_schema", None)):
-        with DAG(f"structured_{name}", schedule=None, start_date=datetime(2026, 1, 1, tzinfo=timezone.utc)) as dag:
-            VLLMBatchOperator(
-                task_id="vllm_batch",
-                input_uri=f"s3://{BUCKET}/structured/input.jsonl",
-                output_uri=f"s3://{BUCKET}/structured/{name}/results.jsonl",
-                model=model,
-                vllm_conn_id=CONN_ID,
-                output_type=output_type,
-            )
-        register_dag(dag)
-        run = run_dag(dag)
+        run = run_dag(_warm_dag(f"structured_{name}", model, "structured/input.jsonl", f"structured/{name}/results.jsonl", output_type=output_type))
         assert run.state == "success", run.output[-4000:]
         manifests[name] = run.xcom("vllm_batch")
     structured = manifests["with_schema"]
@@ -382,24 +388,7 @@ def test_structured_outputs_through_the_real_engine_every_answer_fits_and_withou
 
 
 def _cache_dag(dag_id: str, model: str, input_key: str, cache_uri: str):
-    from datetime import datetime, timezone
-
-    from airflow.sdk import DAG
-
-    from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
-    from tests.integration.dagrun import register_dag
-
-    with DAG(dag_id, schedule=None, start_date=datetime(2026, 1, 1, tzinfo=timezone.utc)) as dag:
-        VLLMBatchOperator(
-            task_id="vllm_batch",
-            input_uri=f"s3://{BUCKET}/{input_key}",
-            output_uri=f"s3://{BUCKET}/answer-cache-it/{dag_id}/results.jsonl",
-            model=model,
-            vllm_conn_id=CONN_ID,
-            answer_cache_uri=cache_uri,
-        )
-    register_dag(dag)
-    return dag
+    return _warm_dag(dag_id, model, input_key, f"answer-cache-it/{dag_id}/results.jsonl", answer_cache_uri=cache_uri)
 
 
 def test_a_second_run_through_the_answer_cache_sends_only_the_changed_requests(warm, embedded, tiny_model):

@@ -227,7 +227,8 @@ def _mixed_chat_and_completion_lines(model: str) -> bytes:
     )
 
 
-def _completions_dag(dag_id: str, model: str, **engine):
+def _warm_dag(dag_id: str, model: str, input_key: str, output_key: str, **options):
+    """A registered DAG of one task that runs ``input_key`` into ``output_key``: through the warm server unless ``options`` say otherwise."""
     from datetime import datetime, timezone
 
     from airflow.sdk import DAG
@@ -238,13 +239,17 @@ def _completions_dag(dag_id: str, model: str, **engine):
     with DAG(dag_id, schedule=None, start_date=datetime(2026, 1, 1, tzinfo=timezone.utc)) as dag:
         VLLMBatchOperator(
             task_id="vllm_batch",
-            input_uri=f"s3://{BUCKET}/completions/input.jsonl",
-            output_uri=f"s3://{BUCKET}/completions/{dag_id}/results.jsonl",
+            input_uri=f"s3://{BUCKET}/{input_key}",
+            output_uri=f"s3://{BUCKET}/{output_key}",
             model=model,
-            **engine,
+            **{"vllm_conn_id": CONN_ID, **options},
         )
     register_dag(dag)
     return dag
+
+
+def _completions_dag(dag_id: str, model: str, **engine):
+    return _warm_dag(dag_id, model, "completions/input.jsonl", f"completions/{dag_id}/results.jsonl", **engine)
 
 
 def test_chat_and_completion_lines_in_one_file_are_all_answered_through_the_server_engine(warm, embedded, tiny_model):
@@ -324,28 +329,6 @@ def test_the_same_file_for_the_runner_fails_preflight_naming_the_server_engine_a
     for lineno, custom_id in ((2, "text-0"), (3, "ids-0"), (5, "text-1")):
         assert re.search(rf"line {lineno} \(custom_id '{custom_id}'\): \"url\" '/v1/completions' is not served by this engine .*engine=\"server\"", run.output), run.output[-4000:]
     assert "Starting the vLLM" not in run.output
-
-
-def _warm_dag(dag_id: str, model: str, input_key: str, output_key: str, **options):
-    """A registered DAG of one task that runs ``input_key`` through the warm server into ``output_key``."""
-    from datetime import datetime, timezone
-
-    from airflow.sdk import DAG
-
-    from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
-    from tests.integration.dagrun import register_dag
-
-    with DAG(dag_id, schedule=None, start_date=datetime(2026, 1, 1, tzinfo=timezone.utc)) as dag:
-        VLLMBatchOperator(
-            task_id="vllm_batch",
-            input_uri=f"s3://{BUCKET}/{input_key}",
-            output_uri=f"s3://{BUCKET}/{output_key}",
-            model=model,
-            vllm_conn_id=CONN_ID,
-            **options,
-        )
-    register_dag(dag)
-    return dag
 
 
 class Mood(BaseModel):

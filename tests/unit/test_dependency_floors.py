@@ -20,9 +20,12 @@ from pathlib import Path
 from packaging.requirements import Requirement
 from packaging.version import Version
 
+import airflow_vllm_batch
+
 REPO = Path(__file__).resolve().parents[2]
 PYPROJECT = REPO / "pyproject.toml"
-PROVIDER = REPO / "airflow_vllm_batch"
+#: The provider imported (the floor stage's is the installed wheel's, not the clone's).
+PROVIDER = Path(airflow_vllm_batch.__file__).parent
 
 
 def _requirements(name: str) -> list[Requirement]:

@@ -17,11 +17,14 @@ from pathlib import Path
 
 import pytest
 
+import airflow_vllm_batch
 from airflow_vllm_batch.hooks.vllm_engine import RUN_BATCH_MODULE
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-PROVIDER_SOURCES = sorted((REPO / "airflow_vllm_batch").rglob("*.py"))
+#: The provider imported (the floor stage's is the installed wheel's, not the clone's).
+PROVIDER = Path(airflow_vllm_batch.__file__).parent
+PROVIDER_SOURCES = sorted(PROVIDER.rglob("*.py"))
 
 _DOTTED = r"(?:\.[A-Za-z_][A-Za-z0-9_]*)+"
 PROVIDER_NAME = re.compile(rf"\bairflow_vllm_batch{_DOTTED}")
@@ -32,13 +35,18 @@ TEMPLATE = re.compile(r"\{\{(.*?)\}\}", re.S)
 FILTER = re.compile(r"(?<!\|)\|\s*([A-Za-z_][A-Za-z0-9_]*)")
 
 
+def _where(path: Path, line: int) -> str:
+    root = REPO if path.is_relative_to(REPO) else PROVIDER.parent
+    return f"{path.relative_to(root)}:{line}"
+
+
 def _named(pattern: re.Pattern[str], paths: list[Path], group: int = 0) -> dict[str, list[str]]:
     """Each name ``pattern`` finds, with where it is (``file:line``)."""
     found: dict[str, list[str]] = {}
     for path in paths:
         for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             for match in pattern.finditer(line):
-                found.setdefault(match.group(group), []).append(f"{path.relative_to(REPO)}:{number}")
+                found.setdefault(match.group(group), []).append(_where(path, number))
     return found
 
 
@@ -67,7 +75,7 @@ def test_every_provider_module_the_docs_name_imports():
 def test_every_provider_file_the_docs_name_exists():
     named = _named(PROVIDER_FILE, DOCS)
     assert named
-    assert {name: where for name, where in named.items() if not (REPO / name).exists()} == {}
+    assert {name: where for name, where in named.items() if not (PROVIDER.parent / name).exists()} == {}
 
 
 def _vllm_module_exists(dotted: str) -> bool:
@@ -99,7 +107,7 @@ def _filters(paths: list[Path]) -> dict[str, list[str]]:
         for template in TEMPLATE.finditer(text):
             line = text.count("\n", 0, template.start()) + 1
             for name in FILTER.findall(template.group(1)):
-                found.setdefault(name, []).append(f"{path.relative_to(REPO)}:{line}")
+                found.setdefault(name, []).append(_where(path, line))
     return found
 
 

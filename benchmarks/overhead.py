@@ -29,6 +29,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "dags"))  # the example settings live beside the example DAGs
+
+import vllm_batch_examples as examples  # noqa: E402
 
 
 def main() -> None:
@@ -42,7 +45,6 @@ def main() -> None:
     os.environ["AIRFLOW_HOME"] = str(work / "airflow")
     os.environ["AIRFLOW__CORE__LOAD_EXAMPLES"] = "False"
 
-    import vllm_batch_examples as examples
     from vllm_batch_embedded.demo import BUCKET, CPU_ENGINE_ARGS, embedded_env
     from vllm_batch_embedded.seaweedfs import SeaweedFS
     from vllm_batch_embedded.tiny_model import build_tiny_chat_model

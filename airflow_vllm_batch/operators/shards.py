@@ -83,8 +83,8 @@ class VLLMBatchSplitOperator(BaseOperator):
     :param input_uri: the batch file: ``s3://bucket/key``, or a local path or http(s)
         URL readable by the worker. (templated)
     :param shard_prefix: ``s3://bucket/prefix/`` for the shards and their results;
-        make it specific to the run, e.g. ``s3://b/batches/{{ run_id | key_safe }}/shards/``.
-        (templated)
+        make it specific to the run, e.g. ``s3://b/batches/{{ run_id }}/shards/`` (the ``:``
+        and ``+`` of a run id are fine in an S3 key). (templated)
     :param max_requests: the most requests in a shard. Default 20,000 (see
         :data:`airflow_vllm_batch.sharding.DEFAULT_MAX_REQUESTS` for why). (templated)
     :param max_bytes: the most input bytes in a shard. Default 256 MiB. (templated)

@@ -6,13 +6,15 @@ import contextlib
 import hashlib
 import io
 import json
+import math
+import random
+import struct
 
 import pytest
 
 from airflow_vllm_batch.batchfile import open_lines
-from airflow_vllm_batch.exceptions import VLLMBatchError
+from airflow_vllm_batch.operators.shards import VLLMBatchSplitOperator
 from airflow_vllm_batch.sharding import (
-    DEFAULT_MAX_REQUESTS,
     ShardingError,
     check_merged_counts,
     merge_results,
@@ -22,6 +24,7 @@ from airflow_vllm_batch.sharding import (
     split_lines,
     sum_manifests,
 )
+from airflow_vllm_batch.version_compat import AirflowFailException
 
 
 def request(i: int, pad: int = 0) -> bytes:
@@ -148,19 +151,45 @@ def test_split_closes_the_open_shard_when_the_input_fails_midway():
     assert closed == [0]
 
 
-def test_default_shard_size_keeps_large_embedding_outputs_far_below_the_5_gb_put_limit():
-    bytes_per_4096_dim_vector_line = 4096 * 21 + 300
-    assert DEFAULT_MAX_REQUESTS * bytes_per_4096_dim_vector_line < 5e9 / 2
+def _embedding_result_line(dimensions: int, seed: int = 0) -> bytes:
+    """An embedding answer as vLLM's runner writes it: a unit float32 vector spelled as JSON floats."""
+    rng = random.Random(seed)
+    vector = [rng.gauss(0, 1) for _ in range(dimensions)]
+    norm = math.sqrt(sum(v * v for v in vector))
+    # float32 values widened to Python floats: what the engine's tensor gives, 17 significant digits in JSON.
+    values = [struct.unpack("f", struct.pack("f", v / norm))[0] for v in vector]
+    body = {
+        "id": "embd-0123456789abcdef0123456789abcdef",
+        "object": "list",
+        "created": 1_800_000_000,
+        "model": "Qwen/Qwen3-Embedding-8B",
+        "data": [{"index": 0, "object": "embedding", "embedding": values}],
+        "usage": {"prompt_tokens": 512, "total_tokens": 512, "completion_tokens": 0, "prompt_tokens_details": None},
+    }
+    response = {"status_code": 200, "request_id": "vllm-batch-0123456789abcdef", "body": body}
+    return json.dumps({"id": "vllm-0123456789abcdef", "custom_id": "request-0000001", "response": response, "error": None}).encode()
 
 
-def test_shard_names_sort_in_shard_order():
-    names = [shard_name(i) for i in (0, 9, 10, 99999)]
+def test_the_default_shard_of_4096_dimension_embeddings_stays_under_half_the_5_gb_put_limit():
+    # vLLM uploads a shard's output in one PUT (at most 5 GB); the line is measured, not estimated.
+    line = _embedding_result_line(4096)
+    default = VLLMBatchSplitOperator(task_id="split", input_uri="s3://b/in.jsonl", shard_prefix="s3://b/shards/").max_requests
+    assert default * (len(line) + 1) < 5e9 / 2, (default, len(line))
+
+
+def test_shard_names_sort_in_shard_order_up_to_100000_shards():
+    names = [shard_name(i) for i in range(100_000)]
     assert names == sorted(names)
-    assert names[0] == "shard-00000.jsonl"
 
 
-def test_sharding_error_is_a_vllm_batch_error():
-    assert issubclass(ShardingError, VLLMBatchError)
+def test_a_shard_name_reads_back_as_its_index():
+    assert [shard_index(f"s3://b/p/{shard_name(i)}") for i in (0, 7, 99_999, 123_456)] == [0, 7, 99_999, 123_456]
+
+
+def test_a_sharding_mistake_fails_the_task_without_retry():
+    split = VLLMBatchSplitOperator(task_id="split", input_uri="s3://b/in.jsonl", shard_prefix="b/shards/")
+    with pytest.raises(AirflowFailException, match="shard_prefix must be an s3:// URI"):
+        split.execute({})
 
 
 # -- merge -----------------------------------------------------------------------

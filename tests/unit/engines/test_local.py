@@ -13,8 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from airflow_vllm_batch.engines import local as local_engines
 from airflow_vllm_batch.engines.local import arguments_marker_digest
+from airflow_vllm_batch.engines.runner import RunnerEngine
 from airflow_vllm_batch.engines.server import ServerEngine
+from airflow_vllm_batch.hooks.engine_checks import OfflineDefaults
 from airflow_vllm_batch.hooks.vllm_engine import EngineInfo
 from airflow_vllm_batch.run.settings import BatchSettings
 
@@ -23,16 +26,19 @@ SERVER_FLAGS = ["--enforce-eager", "--uvicorn-log-level", "warning"]
 INFO = EngineInfo(vllm_version="0.32.0", supported_urls=frozenset({"/v1/chat/completions"}))
 
 
-def _server_engine(results_dir: Path) -> ServerEngine:
-    settings = BatchSettings.from_rendered(
+def _settings(results_dir: Path, engine: str) -> BatchSettings:
+    return BatchSettings.from_rendered(
         input_uri="s3://b/in.jsonl",
         output_uri="s3://b/out/results.jsonl",
         model="m",
-        engine="server",
+        engine=engine,
         engine_args=SERVER_FLAGS,
         results_dir=str(results_dir),
     )
-    return ServerEngine(settings, logging.getLogger(__name__))
+
+
+def _server_engine(results_dir: Path) -> ServerEngine:
+    return ServerEngine(_settings(results_dir, "server"), logging.getLogger(__name__))
 
 
 @pytest.mark.vllm  # the installed vLLM's own api_server parser
@@ -44,6 +50,16 @@ def test_a_task_started_server_accepts_its_own_flags_in_the_argument_check(tmp_p
     ]
 
 
-def test_arguments_that_passed_one_entrypoint_are_not_remembered_for_the_other():
-    digests = {ep: arguments_marker_digest(sys.executable, "0.32.0", "m", SERVER_FLAGS, ep) for ep in ("api_server", "run_batch")}
-    assert digests["api_server"] != digests["run_batch"]
+def test_arguments_that_passed_one_entrypoints_parser_are_checked_again_by_the_others(monkeypatch, tmp_path):
+    checked: list[str] = []
+
+    def parser_accepts(python, model, args, *, entrypoint, offline_defaults_for=None, env=None):
+        checked.append(entrypoint)
+        return OfflineDefaults(max_num_seqs=8, max_num_batched_tokens=64, device="cpu") if offline_defaults_for else None
+
+    monkeypatch.setattr(local_engines, "check_engine_args", parser_accepts)
+    _server_engine(tmp_path).engine_arguments(INFO)
+    # Same worker, same results_dir, same flags: the server's marker must not let the
+    # runner skip its own parser, which refuses --uvicorn-log-level.
+    RunnerEngine(_settings(tmp_path, "runner"), logging.getLogger(__name__)).engine_arguments(INFO)
+    assert checked == ["api_server", "run_batch"]

@@ -192,7 +192,17 @@ def test_engine_starts_with_the_offline_sizes_read_from_its_python(monkeypatch, 
     monkeypatch.setattr(local_engines, "check_engine_args", reader)
     args = _engine(cls, tmp_path, engine_args=["--enforce-eager"]).engine_arguments(INFO)
     assert args == ["--enforce-eager", "--max-num-seqs", "1024", "--max-num-batched-tokens", "16384"]
-    assert reader.calls[0]["entrypoint"] == cls.entrypoint and reader.calls[0]["offline_defaults_for"] == 1
+
+
+# The entrypoints are spelled out, not read from the class: a server checked with the
+# runner's parser would refuse the server's own flags (--uvicorn-log-level) and accept
+# flags the server does not know.
+@pytest.mark.parametrize(("cls", "entrypoint"), [(RunnerEngine, "run_batch"), (ServerEngine, "api_server")], ids=["runner", "server"])
+def test_engine_checks_its_arguments_and_reads_the_defaults_in_one_run_of_its_own_entrypoints_parser(monkeypatch, tmp_path, cls, entrypoint):
+    reader = _Reader()
+    monkeypatch.setattr(local_engines, "check_engine_args", reader)
+    _engine(cls, tmp_path, engine_args=["--enforce-eager"]).engine_arguments(INFO)
+    assert reader.calls == [{"args": ["--enforce-eager"], "entrypoint": entrypoint, "offline_defaults_for": 1}]
 
 
 def test_a_later_try_on_the_worker_reads_neither_arguments_nor_defaults_again(monkeypatch, tmp_path):

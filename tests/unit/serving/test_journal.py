@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -25,18 +27,24 @@ def test_parts_are_sealed_by_size(tmp_path):
     assert (tmp_path / part_name(0)).read_bytes() == (LINE + b"\n") * 3
 
 
+async def _until(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
+    """Wait until ``condition()`` holds; fail naming ``what`` after ``timeout_s`` (generous: the machine may be loaded)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout_s:g} s: {what}"
+        await asyncio.sleep(0.01)
+
+
 def test_a_part_is_sealed_when_its_time_is_up_even_when_no_more_answers_come(tmp_path):
-    async def scenario() -> Journal:
+    async def scenario() -> None:
         journal = Journal(tmp_path, checkpoint_interval_s=0.2)
         async with journal:
             journal.write(LINE)
-            await asyncio.sleep(0.5)
-            assert journal.lines_durable == 1 and len(journal.parts) == 1
-            journal.write(LINE)
-        return journal
+            # Only the journal's own timer can seal it now: nothing else is written.
+            await _until(lambda: journal.lines_durable == 1, "the part sealed and reported on time")
+            assert [p.lines for p in journal.parts] == [1]
 
-    journal = asyncio.run(scenario())
-    assert [p.lines for p in journal.parts] == [1, 1]
+    asyncio.run(scenario())
 
 
 def test_answers_are_durable_only_once_on_part_returned(tmp_path):
@@ -84,16 +92,30 @@ def test_a_failed_upload_is_raised_on_the_next_write(tmp_path):
     def fail(path: Path, index: int) -> None:
         raise OSError("denied")
 
+    def upload_failed(journal: Journal) -> bool:
+        try:
+            journal.check()
+        except OSError:
+            return True
+        return False
+
+    raised_by_write: list[BaseException] = []
+
     async def scenario() -> None:
         journal = Journal(tmp_path, on_part=fail, max_part_bytes=1)
         async with journal:
             journal.write(LINE)
-            await asyncio.sleep(0.2)
-            with pytest.raises(OSError, match="denied"):
+            await _until(lambda: upload_failed(journal), "the upload of the first part failed")
+            # Caught here, not by pytest.raises: leaving the context raises the same error,
+            # which would hide a write that did not raise.
+            try:
                 journal.write(LINE)
+            except OSError as err:
+                raised_by_write.append(err)
 
     with pytest.raises(OSError, match="denied"):
         asyncio.run(scenario())
+    assert [str(err) for err in raised_by_write] == ["denied"]
 
 
 def test_a_cancelled_run_still_reports_what_it_wrote(tmp_path):

@@ -218,7 +218,10 @@ def checked(release, tmp_path_factory) -> dict[str, dict]:
     cwd = tmp_path_factory.mktemp("read-only-cwd")
     (cwd / "output.jsonl").mkdir()  # not writable as a file, even by root
     cwd.chmod(0o555)
-    request = {"checks": [{"entrypoint": ep, "argv": _argv_to_check("m", args, ep)} for ep, args in CASES.values()]}
+    request = {
+        "checks": [{"entrypoint": ep, "argv": _argv_to_check("m", args, ep)} for ep, args in CASES.values()],
+        "offline_defaults": {"world_size": 2},
+    }
     here = os.getcwd()
     os.chdir(cwd)
     try:
@@ -226,7 +229,7 @@ def checked(release, tmp_path_factory) -> dict[str, dict]:
     finally:
         os.chdir(here)
         cwd.chmod(0o755)
-    return dict(zip(CASES, answer["results"]))
+    return {**dict(zip(CASES, answer["results"])), "offline_defaults": answer.get("offline_defaults")}
 
 
 def test_the_servers_argument_check_finds_the_releases_parser(release, checked):
@@ -254,6 +257,12 @@ def test_the_disable_forms_are_the_releases_own(release, checked):
             assert result["ok"], result
         else:
             assert "unrecognized arguments: --disable-chunked-prefill" in result["error"]
+
+
+def test_the_releases_offline_scheduler_defaults_are_read_in_the_same_run(release, checked):
+    """Both releases keep EngineArgs.get_batch_defaults: on this CPU 256 sequences and 4096 tokens per rank."""
+    defaults = OfflineDefaults.from_answer(checked["offline_defaults"], release["python"])
+    assert (defaults.max_num_seqs, defaults.max_num_batched_tokens, defaults.device, defaults.world_size) == (512, 8192, "cpu", 2)
 
 
 def test_the_probe_finds_the_runners_urls_and_options(release):

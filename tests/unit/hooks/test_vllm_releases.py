@@ -34,8 +34,8 @@ from airflow_vllm_batch.hooks.engine_checks import (
     switch_setting,
 )
 from airflow_vllm_batch.hooks.model_names import CPU_LORA_SLOTS_FIXED_IN, served_models
-from airflow_vllm_batch.hooks.vllm_engine import FALLBACK_SUPPORTED_URLS, RUN_BATCH_MODULE, probe_engine
-from airflow_vllm_batch.hooks.vllm_server import SERVER_MODULE
+from airflow_vllm_batch.hooks.vllm_engine import FALLBACK_SUPPORTED_URLS, RUN_BATCH_MODULE, build_engine_argv, probe_engine
+from airflow_vllm_batch.hooks.vllm_server import SERVER_MODULE, build_server_argv
 
 REPO = Path(__file__).resolve().parents[3]
 VLLM033_PYTHON = os.environ.get("AIRFLOW_VLLM_BATCH_VLLM033_PYTHON") or str(REPO / ".venv-vllm033" / "bin" / "python")
@@ -212,6 +212,22 @@ CASES = {
 }
 
 
+#: The whole argv the operator starts each engine with (the server's and the runner's own
+#: flags, the offline sizes, --output-tmp-dir for a URL output), past ``python -m module``.
+STARTED = {
+    "server/started": ("api_server", build_server_argv("m", host="127.0.0.1", port=8000, engine_args=["--max-num-seqs", "256"])[3:]),
+    "runner/started": (
+        "run_batch",
+        build_engine_argv(
+            input_location="http://127.0.0.1:9/in.jsonl",
+            output_location="http://127.0.0.1:9/out.jsonl",
+            model="m",
+            engine_args=["--max-num-seqs", "256", "--max-num-batched-tokens", "4096", "--output-tmp-dir", "/tmp"],
+        )[3:],
+    ),
+}
+
+
 @pytest.fixture(scope="module")
 def checked(release, tmp_path_factory) -> dict[str, dict]:
     """Every case, checked by the release's own parser, from a working directory where ``output.jsonl`` cannot be written."""
@@ -219,7 +235,8 @@ def checked(release, tmp_path_factory) -> dict[str, dict]:
     (cwd / "output.jsonl").mkdir()  # not writable as a file, even by root
     cwd.chmod(0o555)
     request = {
-        "checks": [{"entrypoint": ep, "argv": _argv_to_check("m", args, ep)} for ep, args in CASES.values()],
+        "checks": [{"entrypoint": ep, "argv": _argv_to_check("m", args, ep)} for ep, args in CASES.values()]
+        + [{"entrypoint": ep, "argv": argv} for ep, argv in STARTED.values()],
         "offline_defaults": {"world_size": 2},
     }
     here = os.getcwd()
@@ -229,7 +246,7 @@ def checked(release, tmp_path_factory) -> dict[str, dict]:
     finally:
         os.chdir(here)
         cwd.chmod(0o755)
-    return {**dict(zip(CASES, answer["results"])), "offline_defaults": answer.get("offline_defaults")}
+    return {**dict(zip([*CASES, *STARTED], answer["results"])), "offline_defaults": answer.get("offline_defaults")}
 
 
 def test_the_servers_argument_check_finds_the_releases_parser(release, checked):
@@ -247,6 +264,11 @@ def test_the_runners_argument_check_passes_whatever_the_working_directory(releas
     assert result["parser_module"] == RUN_BATCH_MODULE
     with pytest.raises(EngineArgumentsError, match=rf"^engine_args: argument --max-model-len: .*\(see 'python -m {RUN_BATCH_MODULE} --help'\)\.$"):
         _raise_for_result(checked["runner/bad-length"], release["python"])
+
+
+@pytest.mark.parametrize("case", STARTED)
+def test_the_release_takes_the_argv_the_operator_starts_its_engines_with(release, checked, case):
+    assert checked[case]["ok"], checked[case]
 
 
 def test_the_disable_forms_are_the_releases_own(release, checked):

@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: demo test test-unit docs venv system-deps clean
+.PHONY: demo test test-unit docs venv vllm033 system-deps clean
 
 venv: $(STAMP)
 
@@ -20,10 +20,26 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -c "import vllm, airflow_vllm_batch"
 	touch $(STAMP)
 
+# vLLM 0.33.0, what `pip install "airflow-vllm-batch[vllm]"` resolves to (a CUDA wheel), in a
+# venv of its own: tests/unit/hooks/test_vllm_releases.py runs the argument checks and the
+# probe against it with VLLM_TARGET_DEVICE=cpu (no engine starts; no GPU needed) and reads
+# its wheel's files. About 7 GB and 6 minutes, once: the stamp keeps it. The tests find it
+# here, or at AIRFLOW_VLLM_BATCH_VLLM033_PYTHON, and skip saying so when it is absent.
+VLLM033       := .venv-vllm033
+VLLM033_STAMP := $(VLLM033)/.installed-stamp
+
+vllm033: $(VLLM033_STAMP)
+
+$(VLLM033_STAMP):
+	test -x $(VLLM033)/bin/python || $(PYTHON) -m venv $(VLLM033)
+	$(VLLM033)/bin/pip install -q "vllm==0.33.0"
+	VLLM_TARGET_DEVICE=cpu $(VLLM033)/bin/python -c "import vllm.entrypoints.common.cli_args"
+	touch $(VLLM033_STAMP)
+
 demo: $(STAMP)
 	$(BIN)/python -m vllm_batch_embedded.demo
 
-test: $(STAMP) system-deps
+test: $(STAMP) $(VLLM033_STAMP) system-deps
 	$(BIN)/python -m pytest -q -ra --durations=15
 
 test-unit: $(STAMP)

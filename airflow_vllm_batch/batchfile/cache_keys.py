@@ -37,8 +37,9 @@ KEY_HEX = 32
 #:
 #: * ``--max-num-seqs``, ``--max-num-batched-tokens``, ``--max-num-partial-prefills``,
 #:   ``--long-prefill-token-threshold``, ``--scheduling-policy``: which requests share a
-#:   step. Batch composition can move low-order bits of the logits (vLLM is not
-#:   batch-invariant by default), but so does running the same request twice in another
+#:   step (and vLLM 0.33's runner ``--max-inflight``: how many it queues). Batch
+#:   composition can move low-order bits of the logits (vLLM is not batch-invariant by
+#:   default), but so does running the same request twice in another
 #:   batch: a cached answer is one the same model gave, as a fresh one would be.
 #: * ``--gpu-memory-utilization``, ``--kv-cache-memory``, ``--swap-space``,
 #:   ``--cpu-offload-gb``, ``--max-parallel-loading-workers``, ``--download-dir``: where
@@ -55,6 +56,7 @@ SCHEDULING_OPTIONS = frozenset(
         "--max-num-partial-prefills",
         "--long-prefill-token-threshold",
         "--scheduling-policy",
+        "--max-inflight",
         "--gpu-memory-utilization",
         "--kv-cache-memory",
         "--swap-space",
@@ -83,6 +85,11 @@ SCHEDULING_SWITCHES = frozenset(
         "--disable-uvicorn-access-log",
         "--enable-prefix-caching",
         "--no-enable-prefix-caching",
+        # vLLM 0.33 gives every --enable-x a --disable-x (and a --disable-x an --enable-x).
+        "--disable-prefix-caching",
+        "--no-enable-log-requests",
+        "--enable-uvicorn-access-log",
+        "--no-disable-uvicorn-access-log",
     }
 )
 

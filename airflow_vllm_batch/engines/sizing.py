@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from airflow_vllm_batch.gpus import parallel_sizes
-from airflow_vllm_batch.hooks.engine_checks import OfflineDefaults, read_options
+from airflow_vllm_batch.hooks.engine_checks import OfflineDefaults, read_options, switch_setting
 from airflow_vllm_batch.serving import DEFAULT_MAX_IN_FLIGHT
 
 MAX_NUM_SEQS = "--max-num-seqs"
@@ -78,7 +78,7 @@ def scheduler_sizes(engine_args: Sequence[str], defaults: OfflineDefaults | None
     Three of vLLM's own rules are kept, because an explicit flag skips them: throughput
     mode (``--performance-mode throughput``) doubles the defaults; no fewer tokens than
     sequences per step; and without chunked prefill (pooling models, or
-    ``--no-enable-chunked-prefill``) a step must hold a whole prompt, so the token budget
+    ``--no-enable-chunked-prefill``, 0.33's ``--disable-chunked-prefill``) a step must hold a whole prompt, so the token budget
     is left to vLLM (which knows the model's length) unless ``--max-model-len`` says it.
 
     :param engine_args: the user's engine arguments.
@@ -112,9 +112,7 @@ def scheduler_sizes(engine_args: Sequence[str], defaults: OfflineDefaults | None
         tokens = user_tokens
         why.append(f"{MAX_NUM_BATCHED_TOKENS} from engine_args")
     else:
-        whole_prompts = model_kind == "pooling" or "--no-enable-chunked-prefill" in options or (
-            (options.get("--enable-chunked-prefill") or ["true"])[-1].lower() in ("false", "0", "no")
-        )
+        whole_prompts = model_kind == "pooling" or switch_setting(engine_args, "--enable-chunked-prefill") is False
         max_model_len = _int_option(options, "--max-model-len")
         if whole_prompts and max_model_len is None:
             tokens = None

@@ -2,11 +2,15 @@
 
 This file runs as a script in the *engine's* Python (``python -I engine_argcheck.py``),
 which may be a different environment from Airflow's, so it imports nothing from
-``airflow_vllm_batch``; it imports only the vLLM module that builds the parser of the
-chosen entrypoint (no engine, no model, no GPU). It reads one JSON object on stdin, a
-list of argument lists to check (several share one import, which is the slow part)::
+``airflow_vllm_batch`` (only :mod:`engine_probe` beside it, by path, which is standard
+library); it imports only the vLLM module that builds the parser of the chosen
+entrypoint (no engine, no model, no GPU), found by following the entrypoint's module (what
+``python -m <module>`` runs) to its ``make_arg_parser``. It reads one JSON object on
+stdin, a list of argument lists to check (several share one import, which is the slow
+part); ``module`` is optional (default: :data:`ENTRY_MODULES`)::
 
-    {"checks": [{"entrypoint": "run_batch", "argv": ["-i", "x", "-o", "y", "--model", "m", ...]}]}
+    {"checks": [{"entrypoint": "run_batch", "module": "vllm.entrypoints.launchers.run_batch",
+                 "argv": ["-i", "x", "-o", "y", "--model", "m", ...]}]}
 
 and prints one JSON object as the last line of stdout, a result for each check::
 
@@ -28,23 +32,20 @@ quick checks, run before it loads a model, refused them).
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
+import importlib.util
 import json
 import os
 import re
 import sys
 import time
+from pathlib import Path
 
-#: Where each entrypoint's parser has lived, newest first: (module, help command).
-PARSER_MODULES = {
-    "run_batch": (
-        ("vllm.entrypoints.launchers.run_batch", "python -m vllm.entrypoints.launchers.run_batch --help"),
-        ("vllm.entrypoints.openai.run_batch", "python -m vllm.entrypoints.openai.run_batch --help"),
-    ),
-    "api_server": (
-        ("vllm.entrypoints.launchers.cli_args", "vllm serve --help"),
-        ("vllm.entrypoints.openai.cli_args", "vllm serve --help"),
-    ),
+#: The module each entrypoint is started as (``python -m``), unless the request names another.
+ENTRY_MODULES = {
+    "run_batch": "vllm.entrypoints.launchers.run_batch",
+    "api_server": "vllm.entrypoints.openai.api_server",
 }
 
 #: The quick checks each entrypoint runs on its parsed arguments before loading a model.
@@ -58,24 +59,53 @@ class ArgumentsRejected(Exception):
     """argparse refused the arguments (raised instead of printing usage and exiting)."""
 
 
-def _load_parser_module(entrypoint: str):
-    """Import the first module of ``entrypoint`` that has ``make_arg_parser``; return it and its help command."""
-    errors = []
-    for name, help_cmd in PARSER_MODULES[entrypoint]:
-        try:
-            module = importlib.import_module(name)
-        except ImportError as exc:
-            errors.append(f"{name}: {exc}")
-            continue
-        if hasattr(module, "make_arg_parser"):
-            return module, help_cmd
-        errors.append(f"{name}: no make_arg_parser")
-    raise ImportError("; ".join(errors))
+@functools.lru_cache(maxsize=1)
+def _entry_point_reader():
+    """Load :mod:`engine_probe` (next to this file) for its :func:`follow_entry_point`.
+
+    Both files run as scripts in the engine's Python with ``-I``, which keeps this
+    directory off ``sys.path``, so it is loaded by its path.
+    """
+    spec = importlib.util.spec_from_file_location("_engine_probe", Path(__file__).with_name("engine_probe.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _help_command(entrypoint: str, module: str) -> str:
+    return "vllm serve --help" if entrypoint == "api_server" else f"python -m {module} --help"
+
+
+def _load_parser_module(entrypoint: str, entry_module: str | None = None):
+    """Import the module whose ``make_arg_parser`` the entry point uses; return it, its help command and its validator.
+
+    The parser is found by following the entry point's own code (what its ``__main__``
+    block runs), not from a list of places it has lived: vLLM 0.33 moved the server's
+    parser to ``vllm.entrypoints.common.cli_args`` behind the same entry point.
+    """
+    entry_module = entry_module or ENTRY_MODULES[entrypoint]
+    reader = _entry_point_reader()
+    root = reader.vllm_root()
+    if root is None:
+        raise ImportError("No module named 'vllm'")
+    if reader.module_path(root, entry_module) is None:
+        raise ImportError(f"No module named {entry_module!r} (the {entrypoint} entry point)")
+    parser_module = reader.follow_entry_point(root, entry_module, "make_arg_parser")
+    if parser_module is None:
+        raise ImportError(f"{entry_module}: its entry point leads to no make_arg_parser")
+    module = importlib.import_module(parser_module)
+    if not hasattr(module, "make_arg_parser"):
+        raise ImportError(f"{parser_module}: no make_arg_parser")
+    validator = None
+    validator_module = reader.follow_entry_point(root, entry_module, VALIDATORS[entrypoint])
+    if validator_module is not None:
+        validator = getattr(importlib.import_module(validator_module), VALIDATORS[entrypoint], None)
+    return module, _help_command(entrypoint, entry_module), validator
 
 
 def _raising_parser_class():
     """Return vLLM's ``FlexibleArgumentParser`` changed to raise on a bad argument instead of exiting."""
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser  # where 0.32 and 0.33 keep it
 
     class RaisingArgumentParser(FlexibleArgumentParser):
         def error(self, message):
@@ -100,12 +130,17 @@ def _hint(message: str) -> str:
     return message
 
 
-def check(entrypoint: str, argv: list[str]) -> dict:
-    """Parse ``argv`` as ``entrypoint`` would; return the result object (see the module docstring)."""
+def check(entrypoint: str, argv: list[str], entry_module: str | None = None) -> dict:
+    """Parse ``argv`` as ``entrypoint`` would; return the result object (see the module docstring).
+
+    :param entrypoint: ``"run_batch"`` or ``"api_server"``.
+    :param argv: the arguments.
+    :param entry_module: the module the entrypoint is started as; default :data:`ENTRY_MODULES`'.
+    """
     result: dict = {"ok": False, "stage": "import", "entrypoint": entrypoint}
     started = time.monotonic()
     try:
-        module, help_cmd = _load_parser_module(entrypoint)
+        module, help_cmd, validator = _load_parser_module(entrypoint, entry_module)
         parser_class = _raising_parser_class()
     except Exception as exc:  # noqa: BLE001 - any failure here means no usable vLLM parser
         result["error"] = f"{type(exc).__name__}: {exc}"
@@ -120,7 +155,6 @@ def check(entrypoint: str, argv: list[str]) -> dict:
     try:
         args = module.make_arg_parser(parser_class()).parse_args(argv)
         result["stage"] = "validate"
-        validator = getattr(module, VALIDATORS[entrypoint], None)
         if validator is not None:
             validator(args)
     except ArgumentsRejected as exc:
@@ -176,7 +210,7 @@ def main() -> int:
     answer: dict = {RESULT_KEY: 1}
     # vLLM logs to stdout; keep the result line the only JSON object we print there.
     with contextlib.redirect_stdout(sys.stderr):
-        answer["results"] = [check(c["entrypoint"], [str(a) for a in c["argv"]]) for c in request["checks"]]
+        answer["results"] = [check(c["entrypoint"], [str(a) for a in c["argv"]], c.get("module")) for c in request["checks"]]
         if "offline_defaults" in request:
             try:
                 answer["offline_defaults"] = offline_defaults(int(request["offline_defaults"]["world_size"]))

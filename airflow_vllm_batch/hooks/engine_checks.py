@@ -36,8 +36,10 @@ from airflow_vllm_batch.exceptions import (
 
 _ARGCHECK_SCRIPT = Path(__file__).with_name("engine_argcheck.py")
 
-#: The runner requires ``-i`` and ``-o``; any value parses, nothing is read or written.
-_RUNNER_IO_PLACEHOLDERS = ("-i", "input.jsonl", "-o", "output.jsonl")
+#: The runner requires ``-i`` and ``-o``; nothing is read or written. vLLM 0.33's own check
+#: (``validate_run_batch_args``) wants ``-o`` writable: a relative name would be tested
+#: against the task's working directory (read-only on some workers), the null device never is.
+_RUNNER_IO_PLACEHOLDERS = ("-i", "input.jsonl", "-o", os.devnull)
 
 #: Options the operator sets itself, per entrypoint: a copy in engine_args would silently win.
 _RESERVED_OPTIONS = {
@@ -139,6 +141,7 @@ def check_engine_args(
     timeout: float = 120,
     offline_defaults_for: int | None = None,
     env: Mapping[str, str] | None = None,
+    module: str | None = None,
 ) -> OfflineDefaults | None:
     """Parse the engine arguments with the engine environment's own vLLM parser.
 
@@ -157,6 +160,9 @@ def check_engine_args(
         part), the scheduler sizes vLLM gives offline use on the engine's device, for this
         world size (tensor times pipeline parallel size). Default: don't.
     :param env: the engine's environment (which devices it sees). Default: this process's.
+    :param module: the module the entrypoint is started as (``python -m``), whose code leads
+        to its parser. Default: the entrypoint's usual one (the probe's ``runner_module``,
+        the server's ``vllm.entrypoints.openai.api_server``).
     :return: the offline defaults when asked for, else None.
     :raises EngineArgumentsError: the arguments are refused; the one-line message names
         the argument, what was wrong and where to look.
@@ -164,7 +170,7 @@ def check_engine_args(
         crash, a timeout).
     """
     argv = _argv_to_check(model, engine_args, entrypoint)
-    request: dict = {"checks": [{"entrypoint": entrypoint, "argv": argv}]}
+    request: dict = {"checks": [{"entrypoint": entrypoint, "argv": argv, **({"module": module} if module else {})}]}
     if offline_defaults_for is not None:
         request["offline_defaults"] = {"world_size": offline_defaults_for}
     answer = _run_argcheck_script(python, request, timeout=timeout, env=env)
@@ -407,6 +413,35 @@ def read_options(engine_args: Sequence[str]) -> dict[str, list[str]]:
             i += 1
         options[name] = values
     return options
+
+
+_OFF_VALUES = ("false", "0", "no", "off")
+
+
+def switch_setting(engine_args: Sequence[str], name: str) -> bool | None:
+    """Whether vLLM's on/off option ``name`` (``--enable-x``) is on in ``engine_args``; None when not given.
+
+    Every spelling vLLM takes counts, the last one wins: ``--enable-x``, ``--no-enable-x``,
+    ``--enable-x=false`` (older releases took a value), and ``--disable-x``, which vLLM 0.33
+    adds for every ``--enable-x`` (``EnableDisableAction``).
+
+    :param engine_args: the engine arguments.
+    :param name: the option's ``--enable-`` form, e.g. ``--enable-chunked-prefill``.
+    """
+    feature = name.removeprefix("--enable-")
+    off = {f"--no-enable-{feature}", f"--disable-{feature}"}
+    args = [] if isinstance(engine_args, (str, bytes)) else [str(a) for a in engine_args]
+    setting = None
+    for i, arg in enumerate(args):
+        option = _option_name(arg) if arg.startswith("--") else None
+        if option == name:
+            value = arg.split("=", 1)[1] if "=" in arg else None
+            if value is None and i + 1 < len(args) and args[i + 1].strip().lower() in (*_OFF_VALUES, "true", "1", "yes", "on"):
+                value = args[i + 1]
+            setting = value is None or value.strip().lower() not in _OFF_VALUES
+        elif option in off:
+            setting = False
+    return setting
 
 
 def _last(values: list[str] | None) -> str | None:

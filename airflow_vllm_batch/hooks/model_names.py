@@ -32,6 +32,7 @@ from airflow_vllm_batch.hooks.engine_checks import (
     _downloads_off,
     _hub_cache,
     read_options,
+    switch_setting,
 )
 
 _ADAPTER_CONFIG = "adapter_config.json"
@@ -149,10 +150,31 @@ def check_adapters(served: ServedModels, env: Mapping[str, str] | None = None) -
             )
 
 
-def cpu_lora_slots_problem(served: ServedModels, engine_args: Sequence[str], requests_per_model: Mapping[str, int]) -> str | None:
+#: The first vLLM whose CPU LoRA kernels leave base-model rows alone: its
+#: ``vllm/lora/ops/torch_ops/lora_ops.py`` masks the rows whose index is -1
+#: (``no_lora_mask``) instead of indexing the weights with it.
+CPU_LORA_SLOTS_FIXED_IN = "0.33.0"
+
+
+def _before(version: str | None, release: str) -> bool:
+    """Whether ``version`` is older than ``release``; an unknown or unreadable version counts as older."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return version is None or Version(version) < Version(release)
+    except InvalidVersion:
+        return True
+
+
+def cpu_lora_slots_problem(
+    served: ServedModels,
+    engine_args: Sequence[str],
+    requests_per_model: Mapping[str, int],
+    vllm_version: str | None = None,
+) -> str | None:
     """Return why vLLM on CPU would answer base-model lines through an adapter, or None.
 
-    vLLM 0.32's CPU LoRA kernels (``vllm/lora/ops/torch_ops``) pick each row's adapter
+    vLLM 0.32's CPU LoRA kernels (``vllm/lora/ops/torch_ops``, fixed in 0.33) pick each row's adapter
     weights with ``weights[index]``, and a base-model row's index is -1: Python's last
     element. Adapters take the first free of ``--max-loras`` slots, so when a batch uses as
     many adapters as there are slots, the last slot holds one and base-model lines batched
@@ -162,7 +184,11 @@ def cpu_lora_slots_problem(served: ServedModels, engine_args: Sequence[str], req
     :param served: the engine's names.
     :param engine_args: the engine arguments (``--max-loras``, default 1).
     :param requests_per_model: the batch's requests per name, from preflight.
+    :param vllm_version: the engine's vLLM version: from :data:`CPU_LORA_SLOTS_FIXED_IN` on
+        there is no problem; unknown counts as affected.
     """
+    if not _before(vllm_version, CPU_LORA_SLOTS_FIXED_IN):
+        return None
     adapters = {a.name for a in served.adapters}
     used = sorted(name for name in requests_per_model if name in adapters)
     if not used or not any(name in served.base_names for name in requests_per_model):
@@ -176,7 +202,7 @@ def cpu_lora_slots_problem(served: ServedModels, engine_args: Sequence[str], req
     return (
         f"engine_args: the batch mixes base-model lines with {len(used)} LoRA adapter(s) ({', '.join(used)}) and "
         f"--max-loras is {max_loras}. vLLM on CPU then answers base-model lines through the last adapter slot "
-        f"(a vLLM 0.32 CPU kernel issue: the base model's index -1 picks the last slot). Set --max-loras to at "
+        f"(a CPU kernel issue of vLLM before 0.33: the base model's index -1 picks the last slot). Set --max-loras to at "
         f"least {len(used) + 1}, one more than the adapters the batch uses, or put base-model lines in a batch of their own."
     )
 
@@ -227,13 +253,5 @@ def _parse_adapter(item: str) -> LoraAdapter:
 
 
 def _lora_enabled(engine_args: Sequence[str]) -> bool:
-    """Whether ``--enable-lora`` is on (vLLM's boolean flag: ``--enable-lora``, ``--enable-lora=true``, last wins)."""
-    enabled = False
-    for arg in [] if isinstance(engine_args, (str, bytes)) else [str(a) for a in engine_args]:
-        name, _, value = arg.partition("=")
-        name = name.replace("_", "-")
-        if name == "--enable-lora":
-            enabled = value.strip().lower() not in ("false", "0", "no", "off")
-        elif name == "--no-enable-lora":
-            enabled = False
-    return enabled
+    """Whether ``--enable-lora`` is on (``--enable-lora``; off by ``--no-enable-lora``, 0.33's ``--disable-lora``; last wins)."""
+    return switch_setting(engine_args, "--enable-lora") is True

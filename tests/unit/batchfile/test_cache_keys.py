@@ -68,6 +68,9 @@ def test_what_shapes_the_answers_changes_the_model_identity(change):
         ["--port", "8001", "--host", "0.0.0.0"],
         ["--disable-log-stats"],
         ["--data-parallel-size", "2"],
+        ["--max-inflight", "64"],  # vLLM 0.33's runner: how many requests it queues
+        ["--enable-prefix-caching"],
+        ["--disable-prefix-caching"],  # vLLM 0.33's spelling of --no-enable-prefix-caching
     ],
 )
 def test_scheduling_and_serving_flags_do_not_change_the_model_identity(extra):

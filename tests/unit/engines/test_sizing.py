@@ -105,13 +105,25 @@ def test_throughput_mode_doubles_the_added_defaults_as_vllm_does():
 
 @pytest.mark.parametrize(
     ("engine_args", "kind"),
-    [([], "pooling"), (["--no-enable-chunked-prefill"], "generate")],
-    ids=["pooling-model", "chunked-prefill-off"],
+    [
+        ([], "pooling"),
+        (["--no-enable-chunked-prefill"], "generate"),
+        (["--disable-chunked-prefill"], "generate"),
+        (["--enable-chunked-prefill", "--disable_chunked_prefill"], "generate"),
+        (["--enable-chunked-prefill=false"], "generate"),
+    ],
+    ids=["pooling-model", "chunked-prefill-off", "disable-form-0.33", "disabled-last", "enable-false"],
 )
 def test_without_chunked_prefill_the_token_budget_is_left_to_vllm(engine_args, kind):
     sizes = scheduler_sizes(engine_args, H100, model_kind=kind)
     assert sizes.flags == ["--max-num-seqs", "1024"]
     assert sizes.max_num_batched_tokens is None
+
+
+@pytest.mark.parametrize("engine_args", [["--disable-chunked-prefill", "--enable-chunked-prefill"], ["--enable-chunked-prefill"]])
+def test_chunked_prefill_switched_on_last_keeps_the_offline_token_budget(engine_args):
+    sizes = scheduler_sizes(engine_args, H100, model_kind="generate")
+    assert sizes.max_num_batched_tokens == 16384
 
 
 def test_without_chunked_prefill_a_given_max_model_len_raises_the_token_budget():
@@ -163,8 +175,10 @@ class _Reader:
         self.defaults = defaults
         self.fail = fail
 
-    def __call__(self, python, model, args, *, entrypoint, offline_defaults_for=None, env=None):
-        self.calls.append({"args": list(args), "entrypoint": entrypoint, "offline_defaults_for": offline_defaults_for})
+    def __call__(self, python, model, args, *, entrypoint, offline_defaults_for=None, env=None, module=None):
+        self.calls.append(
+            {"args": list(args), "entrypoint": entrypoint, "offline_defaults_for": offline_defaults_for, "module": module}
+        )
         if offline_defaults_for is None:
             return None
         if self.fail:
@@ -202,7 +216,9 @@ def test_engine_checks_its_arguments_and_reads_the_defaults_in_one_run_of_its_ow
     reader = _Reader()
     monkeypatch.setattr(local_engines, "check_engine_args", reader)
     _engine(cls, tmp_path, engine_args=["--enforce-eager"]).engine_arguments(INFO)
-    assert reader.calls == [{"args": ["--enforce-eager"], "entrypoint": entrypoint, "offline_defaults_for": 1}]
+    # The runner's check follows the module the probe found; the server's, its own default.
+    module = INFO.runner_module if cls is RunnerEngine else None
+    assert reader.calls == [{"args": ["--enforce-eager"], "entrypoint": entrypoint, "offline_defaults_for": 1, "module": module}]
 
 
 def test_a_later_try_on_the_worker_reads_neither_arguments_nor_defaults_again(monkeypatch, tmp_path):

@@ -55,7 +55,7 @@ def test_adapters_without_enable_lora_fail_naming_the_fix(adapter):
         served_models("/m", ["--lora-modules", f"sql={adapter}"])
 
 
-@pytest.mark.parametrize("flag", ["--enable-lora=false", "--no-enable-lora"])
+@pytest.mark.parametrize("flag", ["--enable-lora=false", "--no-enable-lora", "--disable-lora", "--disable_lora"])
 def test_enable_lora_switched_off_again_counts_as_off(adapter, flag):
     with pytest.raises(EngineArgumentsError, match="--enable-lora"):
         served_models("/m", ["--enable-lora", flag, "--lora-modules", f"sql={adapter}"])
@@ -144,3 +144,13 @@ CPU_LORA = ["--enable-lora", "--lora-modules", "a=/a", "b=/b"]
 def test_cpu_lora_slots_need_one_more_than_the_adapters_a_mixed_batch_uses(extra, requests, problem):
     found = cpu_lora_slots_problem(served_models("m", CPU_LORA + extra), CPU_LORA + extra, requests)
     assert (found is None) if problem is None else (problem in found and "last adapter slot" in found)
+
+
+@pytest.mark.parametrize(
+    ("version", "affected"),
+    [("0.32.0", True), ("0.32.1", True), (None, True), ("0.33.0", False), ("0.33.1", False), ("0.34.0rc1", False)],
+)
+def test_the_cpu_lora_slots_workaround_stops_at_the_vllm_release_that_fixes_it(version, affected):
+    """vLLM 0.33's CPU LoRA ops mask the base model's rows (tests/unit/hooks/test_vllm_releases.py reads the fix)."""
+    found = cpu_lora_slots_problem(served_models("m", CPU_LORA), CPU_LORA, {"m": 1, "a": 1}, version)
+    assert (found is not None) is affected

@@ -48,7 +48,15 @@ _RESERVED_OPTIONS = {
         "--output-file": "the operator sets the output itself",
         "--model": "set model= instead",
     },
-    "api_server": {"--model": "set model= instead"},
+    "api_server": {
+        "--model": "set model= instead",
+        # The task started the server, so it must find it: readiness and every request go to the
+        # address and key it chose; a copy here would leave it polling a port nobody listens on.
+        "--port": "the task picks a free port for the server it starts and polls that port",
+        "--host": "the task binds the server it starts to 127.0.0.1 and polls it there",
+        "--api-key": "the task sets a random API key on each start so that only its own server answers",
+        "--uds": "the task reaches the server it starts over TCP, on its own port",
+    },
 }
 
 #: vLLM's default runner for an architecture name, by suffix, first match wins
@@ -292,14 +300,22 @@ def _validated_engine_args(engine_args: Sequence[str], entrypoint: str) -> list[
                 f"engine_args[{position}]: expected a string, found {type(arg).__name__} {arg!r}. "
                 f"Quote every value, e.g. {str(arg)!r}."
             )
-    for arg in args:
-        name = _option_name(arg)
+    check_reserved_options(args, entrypoint)
+    return args
+
+
+def check_reserved_options(engine_args: Sequence[str], entrypoint: str) -> None:
+    """Refuse options the task sets itself for ``entrypoint`` (``"run_batch"`` or ``"api_server"``).
+
+    :raises EngineArgumentsError: naming the option and why the task sets it.
+    """
+    for arg in engine_args:
+        name = _option_name(arg) if isinstance(arg, str) else None
         why = _RESERVED_OPTIONS[entrypoint].get(name) if name else None
         if why:
             raise EngineArgumentsError(
                 f"engine_args: {arg.split('=', 1)[0]} is not allowed there: {why}. Remove it from engine_args."
             )
-    return args
 
 
 def _option_name(arg: str) -> str | None:

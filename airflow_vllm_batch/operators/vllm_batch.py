@@ -18,6 +18,7 @@ from airflow_vllm_batch.exceptions import TooManyFailedRequestsError, VLLMBatchE
 from airflow_vllm_batch.hooks.process import DEFAULT_GRACE_S
 from airflow_vllm_batch.lineage import lineage_for
 from airflow_vllm_batch.operators.task_try import task_try
+from airflow_vllm_batch.redaction import register_engine_secrets
 from airflow_vllm_batch.links.output import VLLMBatchOutputLink
 from airflow_vllm_batch.run import BatchRun, BatchSettings, check_static_settings
 from airflow_vllm_batch.storage import default_error_uri
@@ -191,8 +192,10 @@ class VLLMBatchOperator(BaseOperator):
         return self.error_uri or default_error_uri(self.output_uri)
 
     def render_template_fields(self, context: Context, jinja_env: Any = None) -> None:
-        """Render as usual, then mask an http(s) input's URL before Airflow stores the rendered fields."""
+        """Render as usual, then mask an http(s) input's URL and the engine's secrets before Airflow stores the rendered fields."""
         super().render_template_fields(context, jinja_env)
+        if isinstance(self.engine_args, (list, tuple)) and isinstance(self.engine_env or {}, Mapping):
+            register_engine_secrets([a for a in self.engine_args if isinstance(a, str)], self.engine_env)
         if isinstance(self.input_uri, str) and self.input_uri.startswith(("http://", "https://")) and "?" in self.input_uri:
             mask_secret(self.input_uri)
             mask_secret(self.input_uri.split("?", 1)[1])

@@ -23,6 +23,7 @@ from airflow_vllm_batch.batchfile.requests import INDEX, check_requests_options
 from airflow_vllm_batch.batchfile.structured import OutputSchema, check_output_type_path, resolve_output_type
 from airflow_vllm_batch.exceptions import ConfigurationError, PresignError
 from airflow_vllm_batch.hooks.process import DEFAULT_GRACE_S
+from airflow_vllm_batch.redaction import register_engine_secrets
 from airflow_vllm_batch.run.answer_cache import split_cache_uri
 from airflow_vllm_batch.run.cost import check_gpu_hour_cost
 from airflow_vllm_batch.run.locations import check_locations
@@ -120,7 +121,10 @@ class BatchSettings:
             engine="server" if values.get("vllm_conn_id") else values.get("engine", "runner"),
             output_type=resolve_output_type(values.get("output_type")),
         )
-        return cls(**coerced)
+        settings = cls(**coerced)
+        # Masked where they enter: every later line (ours, or the engine's relayed) is safe.
+        register_engine_secrets(settings.engine_args, settings.engine_env)
+        return settings
 
     @cached_property
     def output_schema(self) -> OutputSchema | None:

@@ -90,6 +90,8 @@ class _Streaming(Engine):
             env=self.settings.engine_environment,
             python=self.settings.engine_python,
             grace_s=self.settings.kill_grace_s,
+            startup_timeout_s=self.settings.server_startup_timeout,
+            request_timeout_s=self.settings.request_timeout,
         )
 
     def restrict(self, info: EngineInfo) -> EngineInfo:

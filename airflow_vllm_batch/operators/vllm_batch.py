@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from datetime import timedelta
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
@@ -102,6 +103,15 @@ class VLLMBatchOperator(BaseOperator):
     :param answer_cache_uri: ``s3://bucket/prefix/`` of an answer cache: deterministic requests answered
         before are answered from it, only the others reach the engine. Default None: off. (templated)
     :param answer_cache_sampled: also cache requests that sample (no ``temperature`` 0, no ``seed``). Default False.
+    :param server_startup_timeout: how long a server this task starts (``engine="server"``) may take to
+        be ready, a ``datetime.timedelta`` or seconds; then the try fails (retryable) and the server is
+        stopped. Default 15 minutes.
+    :param request_timeout: how long one request to a server may take, its retries included, a
+        ``timedelta`` or seconds; a request still unanswered then is set aside (sent again by the task's
+        retry), and a server that answered no request for that long ends the try as unavailable. Default
+        30 minutes. **Bounded**: a try never waits on a silent server longer than
+        ``server_startup_timeout`` + ``request_timeout`` (plus ``kill_grace_s`` to stop it);
+        ``execution_timeout`` remains the ceiling of the whole task.
     """
 
     template_fields: Sequence[str] = (
@@ -160,6 +170,8 @@ class VLLMBatchOperator(BaseOperator):
         output_type: type | str | None = None,
         answer_cache_uri: str | None = None,
         answer_cache_sampled: bool = False,
+        server_startup_timeout: timedelta | float | None = None,
+        request_timeout: timedelta | float | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -176,6 +188,7 @@ class VLLMBatchOperator(BaseOperator):
         self.checkpoint_interval_s, self.gpus, self.gpu_hour_cost = checkpoint_interval_s, gpus, gpu_hour_cost
         self.client_processes, self.output_type = client_processes, output_type
         self.answer_cache_uri, self.answer_cache_sampled = answer_cache_uri, answer_cache_sampled
+        self.server_startup_timeout, self.request_timeout = server_startup_timeout, request_timeout
         #: The engine of the running try; kept so that ``on_kill`` can stop it.
         self._engine: Engine | None = None
         self._published_error_uri: str | None = None

@@ -23,10 +23,12 @@ from airflow_vllm_batch.batchfile.requests import INDEX, check_requests_options
 from airflow_vllm_batch.batchfile.structured import OutputSchema, check_output_type_path, resolve_output_type
 from airflow_vllm_batch.exceptions import ConfigurationError, PresignError
 from airflow_vllm_batch.hooks.process import DEFAULT_GRACE_S
+from airflow_vllm_batch.hooks.vllm_server import DEFAULT_STARTUP_TIMEOUT_S
 from airflow_vllm_batch.redaction import register_engine_secrets
 from airflow_vllm_batch.run.answer_cache import split_cache_uri
 from airflow_vllm_batch.run.cost import check_gpu_hour_cost
 from airflow_vllm_batch.run.locations import check_locations
+from airflow_vllm_batch.serving.stream import DEFAULT_REQUEST_TIMEOUT_S
 from airflow_vllm_batch.storage import split_s3_uri
 
 #: SigV4 presigned URLs are valid for at most seven days.
@@ -80,6 +82,8 @@ class BatchSettings:
     output_type: type | None = None
     answer_cache_uri: str | None = None
     answer_cache_sampled: bool = False
+    server_startup_timeout: float = DEFAULT_STARTUP_TIMEOUT_S
+    request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S
     execution_timeout: timedelta | None = None
 
     @classmethod
@@ -120,6 +124,8 @@ class BatchSettings:
             supported_urls=frozenset(values["supported_urls"]) if values.get("supported_urls") else None,
             engine="server" if values.get("vllm_conn_id") else values.get("engine", "runner"),
             output_type=resolve_output_type(values.get("output_type")),
+            server_startup_timeout=_seconds("server_startup_timeout", values.get("server_startup_timeout"), DEFAULT_STARTUP_TIMEOUT_S),
+            request_timeout=_seconds("request_timeout", values.get("request_timeout"), DEFAULT_REQUEST_TIMEOUT_S),
         )
         settings = cls(**coerced)
         # Masked where they enter: every later line (ours, or the engine's relayed) is safe.
@@ -195,6 +201,8 @@ def check_static_settings(values: Mapping[str, Any]) -> None:
             f"client_processes must be a positive whole number (1 unless the server answers more than one client "
             f"core sends, ~3,400 requests/s), got {processes!r}."
         )
+    _seconds("server_startup_timeout", values.get("server_startup_timeout"), DEFAULT_STARTUP_TIMEOUT_S)
+    _seconds("request_timeout", values.get("request_timeout"), DEFAULT_REQUEST_TIMEOUT_S)
     interval = values.get("checkpoint_interval_s", 60.0)
     if not isinstance(interval, (int, float)) or interval <= 0:
         raise ConfigurationError(f"checkpoint_interval_s must be a number of seconds > 0, got {interval!r}.")
@@ -223,6 +231,23 @@ def _check_output_type(output_type: Any, default_body: Any) -> None:
             "default_body sets response_format and output_type gives one (its JSON schema): drop response_format "
             "from default_body, or output_type."
         )
+
+
+def _seconds(name: str, value: Any, default: float) -> float:
+    """A duration given as a ``timedelta`` or a number of seconds (Airflow's style), > 0; None: ``default``."""
+    if value is None:
+        return default
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ConfigurationError(
+            f"{name} must be a datetime.timedelta or a number of seconds > 0, e.g. timedelta(minutes=30), got {value!r}."
+        )
+    return seconds
 
 
 def _ratio(value: Any) -> float:

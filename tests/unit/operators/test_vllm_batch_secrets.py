@@ -47,3 +47,23 @@ def test_an_engine_failure_message_quoting_the_token_masks_it(batch):
         batch.run(engine_args=["--hf-token", secret], engine_env={"FAKE_ENGINE_ECHO_ARGS": "fail"})
     assert "unrecognized arguments: --hf-token ***" in str(err.value)
     assert secret not in str(err.value)
+
+
+def test_a_rendered_secret_is_registered_with_the_masker_before_the_rendered_fields_are_stored():
+    import jinja2
+
+    from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
+    from tests.airflow_compat import redact
+
+    operator = VLLMBatchOperator(
+        task_id="t",
+        input_uri="s3://b/in.jsonl",
+        output_uri="s3://b/out/results.jsonl",
+        model="m",
+        engine_args=["--hf-token", "{{ params.token }}"],
+        engine_env={"HF_TOKEN": "{{ params.token }}x"},
+    )
+    operator.render_template_fields({"params": {"token": "hf_RenderedTokenAbc1"}}, jinja_env=jinja2.Environment())
+    assert operator.engine_args == ["--hf-token", "hf_RenderedTokenAbc1"]
+    assert redact(list(operator.engine_args)) == ["--hf-token", "***"]
+    assert "hf_RenderedTokenAbc1" not in str(redact(dict(operator.engine_env)))

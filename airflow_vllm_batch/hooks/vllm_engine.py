@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from airflow_vllm_batch.batchfile import redact_urls
+from airflow_vllm_batch.redaction import redact_secrets
 from airflow_vllm_batch.exceptions import EngineConfigurationError
 from airflow_vllm_batch.hooks.log_groups import log_group
 from airflow_vllm_batch.hooks.process import (
@@ -251,7 +252,7 @@ class VLLMEngineHook(BaseHook):
             self.process = start_bound_process(argv, env=env, grace_s=self.kill_grace_s, pass_fds=pass_fds)
             try:
                 for raw in self._output_lines(self.process):
-                    line = redact_urls(raw.decode("utf-8", errors="replace").rstrip())
+                    line = redact_secrets(redact_urls(raw.decode("utf-8", errors="replace").rstrip()))
                     if version is None and (match := _VERSION_LINE.search(line)):
                         version = match.group(1)
                     tail.append(line)

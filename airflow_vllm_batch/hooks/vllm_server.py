@@ -38,6 +38,7 @@ from typing import Any
 from airflow.sdk.log import mask_secret
 
 from airflow_vllm_batch.batchfile import redact_urls
+from airflow_vllm_batch.redaction import redact_secrets
 from airflow_vllm_batch.exceptions import (
     EngineError,
     ModelNotServedError,
@@ -58,6 +59,7 @@ from airflow_vllm_batch.serving import (
     run_stream,
 )
 from airflow_vllm_batch.serving.processes import run_stream_processes
+from airflow_vllm_batch.serving.stream import DEFAULT_REQUEST_TIMEOUT_S
 from airflow_vllm_batch.version_compat import BaseHook
 
 #: The server module. ``python -m`` because the ``vllm`` console script is broken in the
@@ -230,6 +232,7 @@ class VLLMServerHook(BaseHook):
         on_progress: Callable[[StreamStats], None] | None = None,
         progress_every_s: float = 15.0,
         processes: int = 1,
+        request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
     ) -> StreamStats:
         """Stream request lines through this server into ``journal``; see :func:`~airflow_vllm_batch.serving.run_stream`.
 
@@ -237,6 +240,8 @@ class VLLMServerHook(BaseHook):
             Default: the connection's ``max_in_flight`` extra, else serving's default (512).
         :param processes: client processes; more than 1 runs
             :func:`~airflow_vllm_batch.serving.processes.run_stream_processes`. Default 1.
+        :param request_timeout_s: seconds one request may take, its retries included (a server
+            that answers nothing for this long ends the stream). Default 1800.
         """
         stream = run_stream_processes if processes > 1 else run_stream
         extra: dict[str, Any] = {"processes": processes} if processes > 1 else {}
@@ -249,6 +254,7 @@ class VLLMServerHook(BaseHook):
             skip=skip,
             on_progress=on_progress,
             progress_every_s=progress_every_s,
+            request_timeout_s=request_timeout_s,
             **extra,
         )
 
@@ -438,7 +444,7 @@ class VLLMServerProcess:
             if time.monotonic() - started > self.startup_timeout_s:
                 raise EngineError(
                     f"The vLLM server was not healthy after {self.startup_timeout_s:g}s; it was stopped. "
-                    f"Raise startup_timeout_s for a large model. Its last lines:\n{self._tail_text()}"
+                    f"Raise server_startup_timeout for a large model. Its last lines:\n{self._tail_text()}"
                 )
             time.sleep(0.5)
 
@@ -470,7 +476,7 @@ class VLLMServerProcess:
 
     def _redact(self, line: str) -> str:
         # vLLM prints the key as '***' itself; this also covers a server_command that echoes it.
-        line = redact_urls(line)
+        line = redact_secrets(redact_urls(line))  # vLLM's `args: Namespace(... hf_token=...)` line
         return line.replace(self._api_key, "***") if self._api_key else line
 
     def _pump_done(self, timeout: float) -> None:
@@ -526,6 +532,8 @@ class VLLMServerEngine:
         until :meth:`run`.
     :param max_in_flight: most requests in flight when :meth:`run` is given none; settable
         until :meth:`run`. Default: the connection's ``max_in_flight`` extra, else 512.
+    :param startup_timeout_s: seconds a started server may take to be ready. Default 900.
+    :param request_timeout_s: seconds one request may take, its retries included. Default 1800.
     """
 
     def __init__(
@@ -539,7 +547,11 @@ class VLLMServerEngine:
         grace_s: float = DEFAULT_GRACE_S,
         pass_fds: Sequence[int] = (),
         max_in_flight: int | None = None,
+        startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+        request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
     ) -> None:
+        self.startup_timeout_s = startup_timeout_s
+        self.request_timeout_s = request_timeout_s
         self.model = model
         self.pass_fds = tuple(pass_fds)
         self.max_in_flight = max_in_flight
@@ -588,6 +600,7 @@ class VLLMServerEngine:
             "skip": skip,
             "on_progress": on_progress,
             "progress_every_s": progress_every_s,
+            "request_timeout_s": self.request_timeout_s,
         }
         if self.vllm_conn_id is not None:
             return self.warm_hook.stream_batch(requests, **stream)
@@ -598,6 +611,7 @@ class VLLMServerEngine:
             python=self.python,
             grace_s=self.grace_s,
             pass_fds=self.pass_fds,
+            startup_timeout_s=self.startup_timeout_s,
         )
         with self.process as server:
             assert server.hook is not None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from datetime import timedelta
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +19,7 @@ from airflow_vllm_batch.exceptions import TooManyFailedRequestsError, VLLMBatchE
 from airflow_vllm_batch.hooks.process import DEFAULT_GRACE_S
 from airflow_vllm_batch.lineage import lineage_for
 from airflow_vllm_batch.operators.task_try import task_try
+from airflow_vllm_batch.redaction import register_engine_secrets
 from airflow_vllm_batch.links.output import VLLMBatchOutputLink
 from airflow_vllm_batch.run import BatchRun, BatchSettings, check_static_settings
 from airflow_vllm_batch.storage import default_error_uri
@@ -82,8 +84,9 @@ class VLLMBatchOperator(BaseOperator):
     :param resume: reuse a complete output or staged answers of the same run. Default True.
     :param output_mode: ``"local"`` (default) or ``"presigned"`` (the runner PUTs its output
         to a presigned staging URL: for engines without this worker's disk or AWS credentials).
-    :param results_dir: the worker's directory for scratch and kept results. Default: the
-        system temporary directory's ``airflow-vllm-batch``.
+    :param results_dir: a directory on the worker; the runs own only its ``airflow-vllm-batch/``
+        subdirectory (scratch, results kept while S3 is down), and age out only the entries they
+        made there; nothing else in it is touched. Default: the system temporary directory.
     :param engine: ``"runner"`` (default), ``"server"``, or an engine registered with
         :func:`airflow_vllm_batch.engines.register_engine`.
     :param vllm_conn_id: a ``vllm`` connection to a running server; implies ``engine="server"``.
@@ -100,6 +103,15 @@ class VLLMBatchOperator(BaseOperator):
     :param answer_cache_uri: ``s3://bucket/prefix/`` of an answer cache: deterministic requests answered
         before are answered from it, only the others reach the engine. Default None: off. (templated)
     :param answer_cache_sampled: also cache requests that sample (no ``temperature`` 0, no ``seed``). Default False.
+    :param server_startup_timeout: how long a server this task starts (``engine="server"``) may take to
+        be ready, a ``datetime.timedelta`` or seconds; then the try fails (retryable) and the server is
+        stopped. Default 15 minutes.
+    :param request_timeout: how long one request to a server may take, its retries included, a
+        ``timedelta`` or seconds; a request still unanswered then is set aside (sent again by the task's
+        retry), and a server that answered no request for that long ends the try as unavailable. Default
+        30 minutes. **Bounded**: a try never waits on a silent server longer than
+        ``server_startup_timeout`` + ``request_timeout`` (plus ``kill_grace_s`` to stop it);
+        ``execution_timeout`` remains the ceiling of the whole task.
     """
 
     template_fields: Sequence[str] = (
@@ -158,6 +170,8 @@ class VLLMBatchOperator(BaseOperator):
         output_type: type | str | None = None,
         answer_cache_uri: str | None = None,
         answer_cache_sampled: bool = False,
+        server_startup_timeout: timedelta | float | None = None,
+        request_timeout: timedelta | float | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -174,6 +188,7 @@ class VLLMBatchOperator(BaseOperator):
         self.checkpoint_interval_s, self.gpus, self.gpu_hour_cost = checkpoint_interval_s, gpus, gpu_hour_cost
         self.client_processes, self.output_type = client_processes, output_type
         self.answer_cache_uri, self.answer_cache_sampled = answer_cache_uri, answer_cache_sampled
+        self.server_startup_timeout, self.request_timeout = server_startup_timeout, request_timeout
         #: The engine of the running try; kept so that ``on_kill`` can stop it.
         self._engine: Engine | None = None
         self._published_error_uri: str | None = None
@@ -190,8 +205,10 @@ class VLLMBatchOperator(BaseOperator):
         return self.error_uri or default_error_uri(self.output_uri)
 
     def render_template_fields(self, context: Context, jinja_env: Any = None) -> None:
-        """Render as usual, then mask an http(s) input's URL before Airflow stores the rendered fields."""
+        """Render as usual, then mask an http(s) input's URL and the engine's secrets before Airflow stores the rendered fields."""
         super().render_template_fields(context, jinja_env)
+        if isinstance(self.engine_args, (list, tuple)) and isinstance(self.engine_env or {}, Mapping):
+            register_engine_secrets([a for a in self.engine_args if isinstance(a, str)], self.engine_env)
         if isinstance(self.input_uri, str) and self.input_uri.startswith(("http://", "https://")) and "?" in self.input_uri:
             mask_secret(self.input_uri)
             mask_secret(self.input_uri.split("?", 1)[1])

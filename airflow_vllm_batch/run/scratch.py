@@ -1,8 +1,15 @@
-"""The worker's local room for a run: one scratch directory per try, and results kept while S3 is down."""
+"""The worker's local room for a run: one scratch directory per try, and results kept while S3 is down.
+
+Whatever directory the user names as ``results_dir`` (a data disk may hold their models
+and notes), the runs own only one subdirectory of it, :data:`OWNED_DIR_NAME`, and in it
+only the entries whose names they make (:data:`_OWN_ENTRY`): nothing else there is ever
+aged out or removed (invariant: No strangers).
+"""
 
 from __future__ import annotations
 
 import contextlib
+import re
 import shutil
 import tempfile
 import time
@@ -12,16 +19,27 @@ from typing import BinaryIO
 
 #: Local results older than this are removed when the next task starts on the worker.
 LOCAL_RESULTS_MAX_AGE_S = 7 * 24 * 3600
+#: The subdirectory of ``results_dir`` that the runs own.
+OWNED_DIR_NAME = "airflow-vllm-batch"
+#: The names of the entries a run makes in its owned directory: a try's scratch
+#: (``<run>-try-<random>``), a run's kept results (``<run>/``) and the engine-argument
+#: markers (:mod:`airflow_vllm_batch.engines.local`); ``<run>`` is 16 hex digits.
+_OWN_ENTRY = re.compile(r"^(?:[0-9a-f]{16}(?:-try-[A-Za-z0-9_]+)?|engine-args-ok-[0-9a-f]{16}|engine-offline-defaults-[0-9a-f]{16}\.json)$")
+
+
+def owned_dir(results_dir: str) -> Path:
+    """The subdirectory of ``results_dir`` that this provider's runs own (created on first use elsewhere)."""
+    return Path(results_dir) / OWNED_DIR_NAME
 
 
 @contextlib.contextmanager
 def scratch(results_dir: str, run: str) -> Iterator[Path]:
-    """A local directory for this try, removed when the try ends; old leftovers are aged out.
+    """A local directory for this try, removed when the try ends; old leftovers of runs are aged out.
 
-    :param results_dir: the worker's directory for this provider's files.
+    :param results_dir: the worker's directory the user named; the scratch goes in its :func:`owned_dir`.
     :param run: the run identity's short form, the directory's prefix.
     """
-    root = Path(results_dir)
+    root = owned_dir(results_dir)
     root.mkdir(parents=True, exist_ok=True)
     age_out(root, LOCAL_RESULTS_MAX_AGE_S)
     work = Path(tempfile.mkdtemp(prefix=f"{run}-try-", dir=root))
@@ -33,13 +51,15 @@ def scratch(results_dir: str, run: str) -> Iterator[Path]:
 
 def kept_results(results_dir: str, run: str) -> Path:
     """Where this worker keeps a run's results while S3 cannot take them."""
-    return Path(results_dir) / run / "results.jsonl"
+    return owned_dir(results_dir) / run / "results.jsonl"
 
 
 def age_out(root: Path, max_age_s: float) -> None:
-    """Remove entries of ``root`` not touched for ``max_age_s`` (left by killed tries)."""
+    """Remove the runs' own entries of ``root`` not touched for ``max_age_s`` (left by killed tries); nothing else."""
     cutoff = time.time() - max_age_s
     for entry in root.iterdir():
+        if not _OWN_ENTRY.match(entry.name):
+            continue
         try:
             if entry.stat().st_mtime < cutoff:
                 shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink()

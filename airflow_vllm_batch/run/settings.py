@@ -23,8 +23,12 @@ from airflow_vllm_batch.batchfile.requests import INDEX, check_requests_options
 from airflow_vllm_batch.batchfile.structured import OutputSchema, check_output_type_path, resolve_output_type
 from airflow_vllm_batch.exceptions import ConfigurationError, PresignError
 from airflow_vllm_batch.hooks.process import DEFAULT_GRACE_S
+from airflow_vllm_batch.hooks.vllm_server import DEFAULT_STARTUP_TIMEOUT_S
+from airflow_vllm_batch.redaction import register_engine_secrets
 from airflow_vllm_batch.run.answer_cache import split_cache_uri
 from airflow_vllm_batch.run.cost import check_gpu_hour_cost
+from airflow_vllm_batch.run.locations import check_locations
+from airflow_vllm_batch.serving.stream import DEFAULT_REQUEST_TIMEOUT_S
 from airflow_vllm_batch.storage import split_s3_uri
 
 #: SigV4 presigned URLs are valid for at most seven days.
@@ -33,8 +37,9 @@ MAX_PRESIGN_SECONDS = 7 * 24 * 3600
 DEFAULT_PRESIGN_SECONDS = 24 * 3600
 #: Added to execution_timeout: the engine's final PUT happens at the very end.
 PRESIGN_MARGIN_SECONDS = 15 * 60
-#: Where the engine's local output and results kept after an S3 failure live.
-DEFAULT_RESULTS_DIR = os.path.join(tempfile.gettempdir(), "airflow-vllm-batch")
+#: The directory whose ``airflow-vllm-batch/`` subdirectory holds the engine's local output
+#: and results kept after an S3 failure (:func:`airflow_vllm_batch.run.scratch.owned_dir`).
+DEFAULT_RESULTS_DIR = tempfile.gettempdir()
 
 _MODES = {"output_mode": ("local", "presigned"), "invalid_lines": ("fail", "skip")}
 
@@ -77,6 +82,8 @@ class BatchSettings:
     output_type: type | None = None
     answer_cache_uri: str | None = None
     answer_cache_sampled: bool = False
+    server_startup_timeout: float = DEFAULT_STARTUP_TIMEOUT_S
+    request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S
     execution_timeout: timedelta | None = None
 
     @classmethod
@@ -102,6 +109,8 @@ class BatchSettings:
         if values.get("answer_cache_uri") is not None:
             bucket, prefix = split_cache_uri(values["answer_cache_uri"])
             values = {**values, "answer_cache_uri": f"s3://{bucket}/{prefix}"}
+        # Before any engine starts and before any S3 write (requests= are written first).
+        check_locations(values)
         known = {f.name for f in fields(cls)}
         coerced = {k: v for k, v in values.items() if k in known}
         coerced.update(
@@ -115,8 +124,13 @@ class BatchSettings:
             supported_urls=frozenset(values["supported_urls"]) if values.get("supported_urls") else None,
             engine="server" if values.get("vllm_conn_id") else values.get("engine", "runner"),
             output_type=resolve_output_type(values.get("output_type")),
+            server_startup_timeout=_seconds("server_startup_timeout", values.get("server_startup_timeout"), DEFAULT_STARTUP_TIMEOUT_S),
+            request_timeout=_seconds("request_timeout", values.get("request_timeout"), DEFAULT_REQUEST_TIMEOUT_S),
         )
-        return cls(**coerced)
+        settings = cls(**coerced)
+        # Masked where they enter: every later line (ours, or the engine's relayed) is safe.
+        register_engine_secrets(settings.engine_args, settings.engine_env)
+        return settings
 
     @cached_property
     def output_schema(self) -> OutputSchema | None:
@@ -187,6 +201,8 @@ def check_static_settings(values: Mapping[str, Any]) -> None:
             f"client_processes must be a positive whole number (1 unless the server answers more than one client "
             f"core sends, ~3,400 requests/s), got {processes!r}."
         )
+    _seconds("server_startup_timeout", values.get("server_startup_timeout"), DEFAULT_STARTUP_TIMEOUT_S)
+    _seconds("request_timeout", values.get("request_timeout"), DEFAULT_REQUEST_TIMEOUT_S)
     interval = values.get("checkpoint_interval_s", 60.0)
     if not isinstance(interval, (int, float)) or interval <= 0:
         raise ConfigurationError(f"checkpoint_interval_s must be a number of seconds > 0, got {interval!r}.")
@@ -197,6 +213,7 @@ def check_static_settings(values: Mapping[str, Any]) -> None:
     if cache_uri is not None and not (isinstance(cache_uri, str) and "{{" in cache_uri):
         # A string with a template is checked once rendered.
         split_cache_uri(cache_uri)
+    check_locations(values, rendered=False)
     engine = "server" if values.get("vllm_conn_id") else values.get("engine", "runner")
     engine_class(engine, vllm_conn_id=values.get("vllm_conn_id")).check_settings(values)
 
@@ -214,6 +231,23 @@ def _check_output_type(output_type: Any, default_body: Any) -> None:
             "default_body sets response_format and output_type gives one (its JSON schema): drop response_format "
             "from default_body, or output_type."
         )
+
+
+def _seconds(name: str, value: Any, default: float) -> float:
+    """A duration given as a ``timedelta`` or a number of seconds (Airflow's style), > 0; None: ``default``."""
+    if value is None:
+        return default
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ConfigurationError(
+            f"{name} must be a datetime.timedelta or a number of seconds > 0, e.g. timedelta(minutes=30), got {value!r}."
+        )
+    return seconds
 
 
 def _ratio(value: Any) -> float:

@@ -39,6 +39,12 @@ goes on with the others. :attr:`StreamStats.unanswered` counts those requests; t
 decides what they become (the server engine fails a try that may be retried, so that the
 retry sends them again, and publishes them as failed lines on the task's last try).
 
+**Bounded** (invariant): one request, all its attempts and the waits between them, ends
+within ``request_timeout_s``; a request whose time ran out on a timeout while the server
+answered no request at all is taken as a wedged server: the stream stops as for a gone
+one. So a silent server holds the try at most ``request_timeout_s``, never
+``retries + 1`` timeouts in a row.
+
 This module has no Airflow imports.
 """
 
@@ -90,8 +96,9 @@ MAX_BACKOFF_S = 30.0
 #: The longest ``Retry-After`` honoured: a gateway asking for more is better served by the
 #: task's retry (Airflow's ``retry_delay``) than by a worker holding its slot idle.
 MAX_RETRY_AFTER_S = 60.0
-#: Default seconds one request may take. A long generation on a busy server queues
-#: behind ``--max-num-seqs`` others; a too-short timeout would resend it again and again.
+#: Default seconds one request may take, its retries included. A long generation on a busy
+#: server queues behind ``--max-num-seqs`` others; a too-short timeout would resend it
+#: again and again. A server that answers no request for this long ends the try (wedged).
 DEFAULT_REQUEST_TIMEOUT_S = 1800.0
 #: The batch URLs the stream can send: each body goes to the server as JSON, as is. Audio
 #: lines are not among them: their ``file_url`` must be fetched and sent as a multipart
@@ -229,7 +236,9 @@ def run_stream(
     :param on_progress: called with a copy of the counts every ``progress_every_s``
         seconds, on the event loop (keep it quick).
     :param progress_every_s: seconds between progress calls. Default 15.
-    :param request_timeout_s: seconds one attempt may take. Default 1800.
+    :param request_timeout_s: seconds one request may take, all its attempts and the waits
+        between them included; when no request got any answer for this long the server is taken
+        to be wedged (:class:`ServerUnavailableError`). Default 1800.
     :param backoff_s: the first retry's delay; doubled per retry, at most 30 s. Default 0.5.
         An answer's ``Retry-After`` replaces it.
     :raises ServerUnavailableError: the server stayed unreachable through the retries.
@@ -367,6 +376,8 @@ class _Stream:
         self.backoff_s = backoff_s
         self.stats = StreamStats()
         self._started = 0.0
+        #: When the server last answered any request (headers received): a timeout with no answer since is a wedged server.
+        self._last_answer_at = 0.0
 
     async def run(
         self,
@@ -460,12 +471,20 @@ class _Stream:
         """
         url = self.base_url + request.url
         body = bytes(request.body)
+        sent_at = time.monotonic()
+        # Bounded: the request's attempts and the waits between them all end by this deadline.
+        deadline = sent_at + self.request_timeout_s
         for attempt in range(self.retries + 1):
             try:
                 # The POST is here, not in a coroutine of its own: every await of aiohttp's resumes
                 # each coroutine frame above it, and this loop runs once per request.
                 try:
-                    async with session.post(url, data=body, headers=self.headers) as response:
+                    if attempt == 0:  # the session's timeout: request_timeout_s
+                        post = session.post(url, data=body, headers=self.headers)
+                    else:
+                        post = session.post(url, data=body, headers=self.headers, timeout=self._time_left(deadline))
+                    async with post as response:
+                        self._last_answer_at = time.monotonic()
                         payload = await response.read()
                 except asyncio.TimeoutError as err:
                     raise self._timed_out(err) from None
@@ -473,15 +492,30 @@ class _Stream:
                     raise _Transient(gone=True, detail=f"{type(err).__name__}: {err}") from None
                 return self._final(request, url, response, payload)
             except _Transient as transient:
-                if attempt == self.retries:
-                    return self._gave_up(request, transient), True, None, transient.reason
-                self.stats.retried += 1
                 if transient.retry_after is not None:
                     # Never sooner than asked; the spread keeps the requests the gateway refused together apart.
-                    await asyncio.sleep(transient.retry_after * random.uniform(1.0, 1.2))  # noqa: S311 - not crypto
+                    delay = transient.retry_after * random.uniform(1.0, 1.2)  # noqa: S311 - not crypto
                 else:
-                    await asyncio.sleep(_backoff(attempt, self.backoff_s))
+                    delay = _backoff(attempt, self.backoff_s)
+                if attempt == self.retries or time.monotonic() + delay >= deadline:
+                    if transient.reason == "timeout" and self._last_answer_at < sent_at:
+                        self._wedged()
+                    return self._gave_up(request, transient, attempt + 1), True, None, transient.reason
+                self.stats.retried += 1
+                await asyncio.sleep(delay)
         raise AssertionError("unreachable")
+
+    def _time_left(self, deadline: float) -> aiohttp.ClientTimeout:
+        import aiohttp
+
+        return aiohttp.ClientTimeout(total=max(deadline - time.monotonic(), 0.001), sock_connect=30)
+
+    def _wedged(self) -> None:
+        """No request got any answer for a whole ``request_timeout_s``: the server is wedged; end the try."""
+        raise ServerUnavailableError(
+            f"The vLLM server at {self.base_url} answered no request for {self.request_timeout_s:g}s (request_timeout): "
+            "it looks wedged. The answers so far are checkpointed; retrying the task resumes from them."
+        )
 
     def _timed_out(self, err: asyncio.TimeoutError) -> _Transient:
         """A timeout: a connect that timed out says the server is gone; a slow answer does not."""
@@ -530,7 +564,7 @@ class _Stream:
             return result_line(request.custom_id, status, None, _encode(f"HTTP {status} from {request.url}: {text}")), True, None
         return result_line(request.custom_id, code, None, _one_line(payload)), True, None
 
-    def _gave_up(self, request: _RequestLine, transient: _Transient) -> bytes:
+    def _gave_up(self, request: _RequestLine, transient: _Transient, attempts: int) -> bytes:
         """The retries ran out: a gone server stops the run; any other request gets the line of its last answer."""
         if transient.gone:
             raise ServerUnavailableError(
@@ -539,7 +573,8 @@ class _Stream:
             )
         if transient.line is not None:
             return transient.line
-        return result_line(request.custom_id, 504, None, _encode(f"{transient.detail}, {self.retries + 1} attempts"))
+        plural = "s" if attempts > 1 else ""
+        return result_line(request.custom_id, 504, None, _encode(f"{transient.detail}, {attempts} attempt{plural}"))
 
     async def _report_progress(self, on_progress: Callable[[StreamStats], None], every_s: float) -> None:
         """Call ``on_progress`` every ``every_s`` seconds until cancelled."""

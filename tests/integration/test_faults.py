@@ -123,7 +123,7 @@ def test_s3_down_at_start_then_after_inference_loses_nothing_and_retries_publish
     assert first.state == "failed"
     assert "S3 failed while staging the engine's results" in first.output
     assert "a retry on this worker publishes them without running the engine" in first.output
-    (kept,) = results_dir.glob("*/results.jsonl")
+    (kept,) = (results_dir / "airflow-vllm-batch").glob("*/results.jsonl")
     first_kept = kept.read_bytes()
     assert len(first_kept.splitlines()) == 3
 
@@ -141,7 +141,7 @@ def test_s3_down_at_start_then_after_inference_loses_nothing_and_retries_publish
     body = s3.client().get_object(Bucket=BUCKET, Key="job/results.jsonl")["Body"].read()
     assert body == first_kept  # the very results of the first try, byte for byte
     assert sorted(json.loads(line)["custom_id"] for line in body.decode().splitlines()) == ["r0", "r1", "r2"]
-    assert not list(results_dir.glob("*/results.jsonl"))  # published, then removed
+    assert not list((results_dir / "airflow-vllm-batch").glob("*/results.jsonl"))  # published, then removed
 
     third = _run(**retry, **kwargs)
     assert third.state == "success"

@@ -45,7 +45,7 @@ def _server_engine(results_dir: Path) -> ServerEngine:
 def test_a_task_started_server_accepts_its_own_flags_in_the_argument_check(tmp_path):
     engine = _server_engine(tmp_path)
     engine.engine_arguments(INFO)  # the installed vLLM's api_server parser: raises if it refuses them
-    assert [p.name for p in tmp_path.glob("engine-args-ok-*")] == [
+    assert [p.name for p in (tmp_path / "airflow-vllm-batch").glob("engine-args-ok-*")] == [
         f"engine-args-ok-{arguments_marker_digest(sys.executable, '0.32.0', 'm', SERVER_FLAGS, 'api_server')}"
     ]
 

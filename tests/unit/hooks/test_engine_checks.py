@@ -60,7 +60,8 @@ ACCEPTED_RUNNER_ARGS = {
     "underscores-and-dotted": ["--max_model_len=512", "--compilation-config.mode", "0"],
 }
 REFUSED_SERVER_ARGS = {
-    "port-not-a-number": (["--port", "x"], ["argument --port", "'x'"], "'vllm serve --help'"),
+    # (--port, --host, --api-key and --uds are refused before vLLM's parser: the task sets them.)
+    "log-level-not-a-choice": (["--uvicorn-log-level", "loud"], ["argument --uvicorn-log-level", "'loud'"], "'vllm serve --help'"),
     "auto-tool-choice-alone": (
         ["--enable-auto-tool-choice"],
         ["--enable-auto-tool-choice requires --tool-call-parser"],

@@ -204,7 +204,7 @@ def test_the_argument_checks_entry_modules_are_the_ones_the_operator_starts():
 #: (entrypoint, engine_args) checked by each release's own parser, in one run of the check.
 CASES = {
     "server/none": ("api_server", []),
-    "server/bad-port": ("api_server", ["--port", "x"]),
+    "server/bad-choice": ("api_server", ["--uvicorn-log-level", "loud"]),
     "server/disable-forms": ("api_server", ["--disable-chunked-prefill", "--disable-prefix-caching", "--disable-lora"]),
     "runner/none": ("run_batch", []),
     "runner/bad-length": ("run_batch", ["--max-model-len", "abc"]),
@@ -253,8 +253,8 @@ def test_the_servers_argument_check_finds_the_releases_parser(release, checked):
     result = checked["server/none"]
     assert result["ok"], result
     assert result["parser_module"] == release["server_parser"]
-    with pytest.raises(EngineArgumentsError, match=r"^engine_args: argument --port: .*'x'.*\(see 'vllm serve --help'\)\.$"):
-        _raise_for_result(checked["server/bad-port"], release["python"])
+    with pytest.raises(EngineArgumentsError, match=r"^engine_args: argument --uvicorn-log-level: .*'loud'.*\(see 'vllm serve --help'\)\.$"):
+        _raise_for_result(checked["server/bad-choice"], release["python"])
 
 
 def test_the_runners_argument_check_passes_whatever_the_working_directory(release, checked):

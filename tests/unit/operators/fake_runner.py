@@ -10,6 +10,9 @@ and writing local paths or presigned URLs. The environment steers it:
 * ``FAKE_ENGINE_FAIL``: answer that many of the first lines with vLLM's HTTP 500 error.
 * ``FAKE_ENGINE_DIES_AFTER``: answer that many lines, then every other one with the 500 that
   vLLM 0.32 writes once its engine core died (``EngineDeadError``), and exit 0 as it does.
+* ``FAKE_ENGINE_ECHO_ARGS``: print the arguments it was not told about, as vLLM logs its
+  ``args: Namespace(...)`` (secret flags' values included), and fail with them on stderr when
+  set to ``fail``.
 * ``FAKE_ENGINE_GPU_PROBE``: a file that gets the engine's ``CUDA_VISIBLE_DEVICES`` and,
   for each device, whether its GPU lease lock is held while the engine runs.
 """
@@ -102,7 +105,12 @@ def main() -> int:
     parser.add_argument("-i", required=True)
     parser.add_argument("-o", required=True)
     parser.add_argument("--model", required=True)
-    args, _ = parser.parse_known_args()
+    args, unknown = parser.parse_known_args()
+    if echo := os.environ.get("FAKE_ENGINE_ECHO_ARGS"):
+        print(f"INFO [arg_utils.py:1] non-default args: {unknown!r}", flush=True)
+        if echo == "fail":
+            print(f"error: unrecognized arguments: {' '.join(unknown)}", flush=True)
+            return 2
     if calls := os.environ.get("FAKE_ENGINE_CALLS"):
         with open(calls, "a") as f:
             f.write(" ".join(sys.argv[1:3]).split("?")[0] + "\n")

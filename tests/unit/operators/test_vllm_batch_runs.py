@@ -60,6 +60,8 @@ class Batch:
         self.bucket = bucket
         self.calls = tmp_path / "engine-calls.txt"
         self.results_dir = tmp_path / "results"
+        #: The subdirectory of results_dir the runs own (scratch, kept results).
+        self.scratch_dir = self.results_dir / "airflow-vllm-batch"
         self.input_uri = f"s3://{bucket}/in/input.jsonl"
         self.output_uri = f"s3://{bucket}/out/results.jsonl"
         self.put("in/input.jsonl", chat_lines(5))
@@ -106,7 +108,7 @@ def test_first_run_publishes_results_and_manifest_and_leaves_no_staging_lease_or
     assert len(batch.get("out/results.jsonl").splitlines()) == 5
     assert json.loads(batch.get("out/results.manifest.json"))["fingerprint"] == manifest["fingerprint"]
     assert sorted(batch.keys()) == ["in/input.jsonl", "out/results.jsonl", "out/results.manifest.json"]
-    assert list(batch.results_dir.iterdir()) == []
+    assert list(batch.scratch_dir.iterdir()) == []
     assert batch.engine_runs == 1
 
 
@@ -153,7 +155,7 @@ def test_results_that_fail_the_check_are_dropped_so_the_retry_runs_the_engine(ba
     with pytest.raises(ResultsCheckError, match="custom_id 'r4'\\): has no result"):
         batch.run(engine_env={"FAKE_ENGINE_DROP": "1"})
     assert not [k for k in batch.keys() if k.endswith("results.jsonl") and ".staging/" in k]
-    assert list(batch.results_dir.iterdir()) == []  # a failed try leaves no scratch behind
+    assert list(batch.scratch_dir.iterdir()) == []  # a failed try leaves no scratch behind
     manifest = batch.run(FakeTI(try_number=2))
     assert manifest["request_counts"]["completed"] == 5
     assert batch.engine_runs == 2
@@ -173,7 +175,7 @@ def test_staged_results_are_published_by_a_retry_without_the_engine(batch, monke
     assert any(k.endswith(".staging/" + k.split(".staging/")[1]) for k in batch.keys("out/"))
     monkeypatch.setattr(OutputStore, "publish", real_publish)
     # The retry may land on another worker: the local scratch is gone either way.
-    assert list(batch.results_dir.iterdir()) == []
+    assert list(batch.scratch_dir.iterdir()) == []
     manifest = batch.run(FakeTI(try_number=2))
     assert manifest["request_counts"]["completed"] == 5
     assert batch.engine_runs == 1
@@ -208,7 +210,7 @@ def test_results_kept_on_the_worker_when_staging_failed_are_published_by_the_ret
     monkeypatch.setattr(RunStaging, "put_results", s3_fails)
     with pytest.raises(PublishError, match="kept at .* a retry on this worker publishes them") as err:
         batch.run()
-    (kept,) = batch.results_dir.glob("*/results.jsonl")
+    (kept,) = batch.scratch_dir.glob("*/results.jsonl")
     assert str(kept) in str(err.value)
     monkeypatch.setattr(RunStaging, "put_results", real_put)
     manifest = batch.run(FakeTI(try_number=2))
@@ -347,16 +349,39 @@ def test_leftovers_of_killed_tries_are_aged_out_of_the_results_dir(batch):
     import os
     import time
 
-    stale = batch.results_dir / "0123456789abcdef-try-dead"
+    stale = batch.scratch_dir / "0123456789abcdef-try-dead"
     stale.mkdir(parents=True)
     (stale / "engine-results.jsonl").write_bytes(b"x\n")
     week_ago = time.time() - 8 * 24 * 3600
     os.utime(stale, (week_ago, week_ago))
-    fresh = batch.results_dir / "fedcba9876543210"
+    fresh = batch.scratch_dir / "fedcba9876543210"
     fresh.mkdir()
     batch.run()
     assert not stale.exists()
     assert fresh.exists()
+
+
+def test_a_users_old_files_in_results_dir_are_never_aged_out(batch):
+    # results_dir may be a data disk: the runs own only their subdirectory, and in it only what they made.
+    import os
+    import time
+
+    month_ago = time.time() - 30 * 24 * 3600
+    notes = batch.results_dir / "notes.txt"
+    weights = batch.results_dir / "models" / "llama" / "weights.bin"
+    stranger = batch.scratch_dir / "my-own-file.txt"  # not a name a run makes, even in the runs' own directory
+    for path in (notes, weights, stranger):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"mine\n")
+    for path in (notes, weights, weights.parent, weights.parent.parent, stranger):
+        os.utime(path, (month_ago, month_ago))
+    own_stale = batch.scratch_dir / "0123456789abcdef-try-dead"
+    own_stale.mkdir()
+    os.utime(own_stale, (month_ago, month_ago))
+    batch.run()
+    batch.run(resume=False)
+    assert notes.read_bytes() == weights.read_bytes() == stranger.read_bytes() == b"mine\n"
+    assert not own_stale.exists()
 
 
 def test_failures_are_counted_by_reason_in_the_manifest_and_the_log_ends_with_a_summary_table(batch, capfd):
@@ -396,7 +421,7 @@ def test_an_engine_that_dies_midway_and_exits_0_fails_the_try_as_retryable_and_p
         batch.run(engine_env={"FAKE_ENGINE_DIES_AFTER": "3"})
     assert err.value.retryable
     assert not [k for k in batch.keys() if not k.startswith("in/")]  # no output, manifest, error file or staging
-    assert list(batch.results_dir.iterdir()) == []  # nor results kept on the worker for the retry to publish
+    assert list(batch.scratch_dir.iterdir()) == []  # nor results kept on the worker for the retry to publish
     manifest = batch.run(FakeTI(try_number=2))
     assert manifest["request_counts"] == {"total": 5, "completed": 5, "failed": 0}
     assert batch.engine_runs == 2

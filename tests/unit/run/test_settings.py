@@ -63,3 +63,32 @@ def test_settings_are_frozen():
 def test_an_unknown_engine_names_the_known_ones():
     with pytest.raises(ConfigurationError, match="engine must be one of .*'runner'.*'server'"):
         make(engine="gateway")
+
+
+@pytest.mark.parametrize(("given", "seconds"), [(timedelta(minutes=2), 120.0), (90, 90.0), (2.5, 2.5), (None, None)])
+def test_the_server_timeouts_take_a_timedelta_or_seconds(given, seconds):
+    from airflow_vllm_batch.hooks.vllm_server import DEFAULT_STARTUP_TIMEOUT_S
+    from airflow_vllm_batch.serving.stream import DEFAULT_REQUEST_TIMEOUT_S
+
+    settings = make(server_startup_timeout=given, request_timeout=given)
+    assert settings.server_startup_timeout == (seconds or DEFAULT_STARTUP_TIMEOUT_S)
+    assert settings.request_timeout == (seconds or DEFAULT_REQUEST_TIMEOUT_S)
+
+
+@pytest.mark.parametrize("name", ["server_startup_timeout", "request_timeout"])
+@pytest.mark.parametrize("bad", [0, -5, timedelta(0), "10", True])
+def test_a_timeout_that_is_not_a_positive_duration_fails_at_dag_parse_time_naming_it(name, bad):
+    from airflow_vllm_batch.run.settings import check_static_settings
+
+    with pytest.raises(ConfigurationError, match=rf"^{name} must be a datetime.timedelta or a number of seconds > 0"):
+        check_static_settings({"input_uri": "s3://b/in.jsonl", "output_uri": "s3://b/o.jsonl", "model": "m", name: bad})
+
+
+def test_a_started_server_gets_the_operators_timeouts():
+    import logging
+
+    from airflow_vllm_batch.engines.server import ServerEngine
+
+    settings = make(engine="server", server_startup_timeout=timedelta(seconds=42), request_timeout=7)
+    server = ServerEngine(settings, logging.getLogger(__name__)).server
+    assert (server.startup_timeout_s, server.request_timeout_s) == (42.0, 7.0)

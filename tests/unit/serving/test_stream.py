@@ -7,6 +7,7 @@ import email.utils
 import json
 import re
 import threading
+import time
 import types
 from pathlib import Path
 
@@ -148,9 +149,9 @@ def test_a_request_that_keeps_timing_out_is_set_aside_with_a_504_line_not_journa
     assert [r["custom_id"] for r in results] == ["r1"]
     (line,) = _set_aside_lines(journal)
     assert line["custom_id"] == "r0" and line["response"]["status_code"] == 504
-    assert "no answer within 0.2s, 2 attempts" in line["error"]
+    assert "no answer within 0.2s, 1 attempt" in line["error"]
     assert (stats.done, stats.failed, stats.unanswered, stats.unanswered_reasons) == (1, 0, 1, {"timeout": 1})
-    assert stand_in.attempts["r0"] == 2
+    assert stand_in.attempts["r0"] == 1  # request_timeout_s is the request's whole time, its retries included
 
 
 def _set_aside_lines(journal: Journal) -> list[dict]:
@@ -337,3 +338,33 @@ def test_a_failed_checkpoint_upload_stops_the_stream(stand_in, tmp_path):
 def test_result_line_escapes_the_custom_id():
     line = json.loads(result_line('a"b\n', 200, b'{"x":1}', None))
     assert line["custom_id"] == 'a"b\n' and line["response"]["body"] == {"x": 1}
+
+
+def test_a_wedged_server_ends_the_stream_within_the_request_timeout_not_retries_times_it(stand_in, tmp_path):
+    # Bounded: a server that takes requests and never answers once held each one 7 x 30 min.
+    async def wedged(custom_id, body, attempt):
+        await asyncio.sleep(30)  # cancelled when the stand-in closes
+        return web.json_response(chat_completion(custom_id))
+
+    stand_in.behaviour = wedged
+    started = time.monotonic()
+    with pytest.raises(ServerUnavailableError, match=r"answered no request for 0\.5s \(request_timeout\).*wedged"):
+        _stream(stand_in, tmp_path, request_lines(8), max_in_flight=4, retries=6, request_timeout_s=0.5)
+    assert time.monotonic() - started < 0.5 + 2.0  # one request_timeout, plus room for a loaded machine
+    assert max(stand_in.attempts.values()) == 1
+
+
+def test_a_request_retried_after_errors_still_ends_by_its_request_timeout(stand_in, tmp_path):
+    async def fails_then_hangs(custom_id, body, attempt):
+        if custom_id == "r0":
+            if attempt == 1:
+                return web.json_response({"error": {"message": "busy", "code": 500}}, status=500)
+            await asyncio.sleep(30)
+        return web.json_response(chat_completion(custom_id))
+
+    stand_in.behaviour = fails_then_hangs
+    started = time.monotonic()
+    stats, results, journal = _stream(stand_in, tmp_path, request_lines(2), retries=6, request_timeout_s=0.6)
+    assert time.monotonic() - started < 0.6 + 2.0
+    assert [r["custom_id"] for r in results] == ["r1"]
+    assert stats.unanswered_reasons == {"timeout": 1} and stand_in.attempts["r0"] == 2

@@ -211,6 +211,11 @@ class RunStaging:
         """Forget staged results and checkpoint parts that failed the check, so that the next try runs the engine."""
         self.hook.delete_objects(bucket=self.bucket, keys=[self.results_key, *self.list_parts()])
 
+    def drop_parts(self, keys: Sequence[str]) -> None:
+        """Delete the checkpoint parts ``keys`` (those a results check found unusable), and no other."""
+        if keys:
+            self.hook.delete_objects(bucket=self.bucket, keys=list(keys))
+
     # -- the server engine's checkpoints ---------------------------------------------
 
     @property

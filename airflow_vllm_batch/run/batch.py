@@ -204,7 +204,6 @@ class BatchRun:
                     staging=staging,
                     results_path=None if copy_staged else work / "results.jsonl",
                     errors_path=errors_path,
-                    before_manifest=lambda: lease.ensure_held(verify=True),
                 )
                 kept.unlink(missing_ok=True)
             except (BotoCoreError, ClientError) as err:

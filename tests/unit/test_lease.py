@@ -56,10 +56,11 @@ def test_a_lease_silent_for_stale_after_s_is_taken_over_by_another_run(s3, bucke
 
 def test_heartbeats_rewrite_the_lease_and_keep_it_held(s3, bucket):
     with lease(s3, bucket, holder("run-1"), heartbeat_s=0.05) as live:
-        acquired = s3.client().head_object(Bucket=bucket, Key=KEY)["ETag"]
-        assert live.wait_for_beats(2, timeout=60)
+        seen = s3.client().head_object(Bucket=bucket, Key=KEY)["ETag"]
+        # Beat n+1 may have written before that HEAD; beat n+2 starts after it: its write is newer.
+        assert live.wait_for_beats(live._beats + 2, timeout=60)
         renewed = json.loads(s3.client().get_object(Bucket=bucket, Key=KEY)["Body"].read())
-        assert s3.client().head_object(Bucket=bucket, Key=KEY)["ETag"] != acquired
+        assert s3.client().head_object(Bucket=bucket, Key=KEY)["ETag"] != seen
         assert renewed["run_id"] == "run-1" and renewed["nonce"] in live._nonces
         live.ensure_held(verify=True)
         assert not live.lost

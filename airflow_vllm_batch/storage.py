@@ -396,6 +396,12 @@ class RunStaging:
         finally:
             stream.close()
 
+    def put_file(self, path: Path, key: str) -> None:
+        """Upload a local file to ``key`` under this prefix (the answer cache's staged hits, say)."""
+        if not key.startswith(self.prefix):
+            raise ValueError(f"{key} is not under the staging prefix {self.prefix}")
+        upload_file(self._fenced(), path, self.bucket, key)
+
     def put_input(self, path: Path) -> str:
         """Upload the cleaned input for the engine; return its URI."""
         upload_file(self._fenced(), path, self.bucket, self.input_key)

@@ -199,7 +199,7 @@ class AnswerCache:
         usage = _write_hits(db, cached_path)
         job.lease.ensure_held(verify=True)
         # Staged even when empty: a retry must split the same way as the try whose answers it resumes.
-        staging.hook.load_file(str(cached_path), key=hits_key, bucket_name=staging.bucket, replace=True)
+        staging.put_file(cached_path, hits_key)
         hits = db.execute("SELECT count(*) FROM hit").fetchone()[0]
         total = job.report.valid_lines
         self.log.info(

@@ -129,3 +129,26 @@ def test_an_acquisition_whose_response_was_lost_holds_the_lease(s3, bucket, how)
     with OutputLease(client, bucket, KEY, holder(), heartbeat_s=3600) as held:
         held.ensure_held(verify=True)
     assert "Contents" not in s3.client().list_objects_v2(Bucket=bucket)
+
+
+def test_a_renewal_after_a_landed_write_nobody_could_confirm_keeps_the_lease(s3, bucket):
+    client = LostResponses(s3.client(), "timeout")
+    held = OutputLease(client, bucket, KEY, holder(), heartbeat_s=3600)
+    held.acquire()
+    real_get = client.client.get_object
+    failing = {"reads": 1}
+
+    def get_object(**kwargs):
+        if failing["reads"]:
+            failing["reads"] -= 1
+            raise ReadTimeoutError(endpoint_url="http://s3")
+        return real_get(**kwargs)
+
+    client.get_object = get_object
+    client.losing = 1
+    held.beat()  # landed, response lost, and the read-back failed too: this try cannot tell yet
+    held.beat()  # its If-Match is stale (412), but the lease still holds one of this try's nonces
+    assert not held.lost
+    held.ensure_held(verify=True)
+    held.release()
+    assert "Contents" not in s3.client().list_objects_v2(Bucket=bucket)

@@ -165,6 +165,7 @@ _MUTATIONS = {
     "put-part": lambda store, staging, local: staging.put_part(local, "bbbb"),
     "put-results": lambda store, staging, local: staging.put_results(local),
     "put-input": lambda store, staging, local: staging.put_input(local),
+    "put-cached-hits": lambda store, staging, local: staging.put_file(local, f"{staging.prefix}cached-results.jsonl"),
 }
 
 

@@ -17,6 +17,12 @@ Writes are conditional (``If-None-Match: *`` to create, ``If-Match: <etag>`` to 
 take over, and to delete), so two runs racing for a free output cannot both win. On a
 store without conditional writes the lease is read back after writing, which narrows the
 race to the time between the two.
+
+Every write puts a fresh *nonce* into the lease's body. A write whose PUT landed but whose
+response was lost is retried by botocore with the same (now old) ``If-Match`` and gets 412;
+so on any failed write the lease is read back, and when it holds this holder with a nonce
+this lease wrote, the write landed: its ETag is adopted and the lease is still held (Fencing:
+only a body someone else wrote means another run took over).
 """
 
 from __future__ import annotations
@@ -26,10 +32,11 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Mapping
+import uuid
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields
 from email.utils import parsedate_to_datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 from botocore.exceptions import BotoCoreError, ClientError
 
@@ -83,15 +90,32 @@ class LeaseHolder:
         return f"{where} of run {self.run_id!r} (try {self.try_number}, on {self.hostname})"
 
 
+class LeaseState(NamedTuple):
+    """The lease object as read from S3.
+
+    :param holder: who holds it (None when its body cannot be read: free to take over).
+    :param etag: its ETag.
+    :param age: seconds since it was written, on the S3 server's clock.
+    :param nonce: the nonce of the write that made it (None in a lease written without one).
+    """
+
+    holder: LeaseHolder | None
+    etag: str
+    age: float
+    nonce: str | None
+
+
 class OutputLease:
     """The lease of one output; a context manager that acquires, heartbeats and releases it.
 
-    :param client: a boto3 S3 client.
+    :param client: a boto3 S3 client (only ``get_object``, ``put_object`` and ``delete_object`` are used).
     :param bucket: the output's bucket.
     :param key: the lease object's key.
     :param holder: who asks for it.
     :param heartbeat_s: seconds between heartbeats.
     :param stale_after_s: seconds without a heartbeat after which others may take it.
+    :param clock: the wall clock written into the lease as ``written_at`` (for people reading
+        it; staleness is measured on the S3 server's clock). Default ``time.time``.
     """
 
     def __init__(
@@ -103,6 +127,7 @@ class OutputLease:
         *,
         heartbeat_s: float = DEFAULT_HEARTBEAT_S,
         stale_after_s: float = DEFAULT_STALE_AFTER_S,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.client = client
         self.bucket = bucket
@@ -110,7 +135,12 @@ class OutputLease:
         self.holder = holder
         self.heartbeat_s = heartbeat_s
         self.stale_after_s = stale_after_s
+        self.clock = clock
         self._etag: str | None = None
+        #: The nonces of this lease's writes: a lease body holding one was written by this lease.
+        self._nonces: set[str] = set()
+        self._beats = 0
+        self._beat_done = threading.Condition()
         self._lost = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -132,7 +162,7 @@ class OutputLease:
         if current is None:
             self._write(IfNoneMatch="*")
         else:
-            other, etag, age = current
+            other, etag, age, _ = current
             if other is not None and not other.same_task_instance(self.holder) and age < self.stale_after_s:
                 raise OutputBusyError(
                     f"Another run is writing this output: {other.describe()} holds {self.uri} "
@@ -159,16 +189,44 @@ class OutputLease:
         """
         if verify and not self._lost.is_set():
             current = self._read()
-            # Another ETag with our own holder is our heartbeat racing this read.
-            if current is None or (current[1] != self._etag and current[0] != self.holder):
+            # Another ETag with one of our nonces is our heartbeat racing this read.
+            if current is None or (current.etag != self._etag and not self._is_ours(current)):
                 self._lost.set()
         if self._lost.is_set():
             other = self._read()
-            who = other[0].describe() if other and other[0] else "another run"
+            who = other.holder.describe() if other and other.holder else "another run"
             raise OutputBusyError(
                 f"{who} took over the lease {self.uri} while this try ran (this try's heartbeats "
                 "did not reach S3 in time?). Nothing was published by this try."
             )
+
+    @property
+    def lost(self) -> bool:
+        """Whether this lease knows it was taken over (by a heartbeat, or :meth:`ensure_held`)."""
+        return self._lost.is_set()
+
+    def beat(self) -> None:
+        """Renew the lease now, as the heartbeat thread does every ``heartbeat_s`` seconds."""
+        try:
+            self._write(IfMatch=self._etag)
+        except OutputBusyError:
+            log.error("Lost the lease %s to another run; this try will not publish.", self.uri)
+            self._lost.set()
+        except Exception as err:  # S3 down for a moment: try again at the next beat
+            log.warning("Lease heartbeat failed (%s); retrying in %.0fs", err, self.heartbeat_s)
+        finally:
+            with self._beat_done:
+                self._beats += 1
+                self._beat_done.notify_all()
+
+    def wait_for_beats(self, count: int, timeout: float) -> bool:
+        """Wait until ``count`` heartbeats (renewals tried, failed or not) have ended; False on timeout.
+
+        :param count: heartbeats since the lease was made.
+        :param timeout: seconds to wait at most.
+        """
+        with self._beat_done:
+            return self._beat_done.wait_for(lambda: self._beats >= count, timeout)
 
     def release(self) -> None:
         """Stop the heartbeat and delete the lease if it is still this run's."""
@@ -186,8 +244,8 @@ class OutputLease:
 
     # -- S3 ---------------------------------------------------------------------------
 
-    def _read(self) -> tuple[LeaseHolder | None, str, float] | None:
-        """The current holder, the lease's ETag and its age in seconds; None when free."""
+    def _read(self) -> LeaseState | None:
+        """The current holder, the lease's ETag, its age in seconds and nonce; None when free."""
         try:
             response = self.client.get_object(Bucket=self.bucket, Key=self.key)
         except ClientError as err:
@@ -197,23 +255,43 @@ class OutputLease:
         body = response["Body"].read()
         server_now = parsedate_to_datetime(response["ResponseMetadata"]["HTTPHeaders"]["date"])
         age = (server_now - response["LastModified"]).total_seconds()
+        holder: LeaseHolder | None
+        nonce: str | None = None
         try:
             data = json.loads(body)
             holder = LeaseHolder(**{f.name: data[f.name] for f in fields(LeaseHolder)})
-        except (ValueError, TypeError, KeyError):
+            nonce = data.get("nonce") if isinstance(data.get("nonce"), str) else None
+        except (ValueError, TypeError, KeyError, AttributeError):
             holder = None  # unreadable: treat as free to take over
-        return holder, response["ETag"], age
+        return LeaseState(holder, response["ETag"], age, nonce)
 
-    def _write(self, **condition: str) -> None:
-        body = json.dumps({**asdict(self.holder), "written_at": time.time()}).encode()
+    def _is_ours(self, state: LeaseState) -> bool:
+        """Whether the lease as read was written by this lease (our holder, one of our nonces)."""
+        return state.holder == self.holder and state.nonce is not None and state.nonce in self._nonces
+
+    def _write(self, **condition: str | None) -> None:
+        nonce = uuid.uuid4().hex
+        # Remembered before the PUT: a write that lands with its response lost is still ours.
+        self._nonces.add(nonce)
+        body = json.dumps({**asdict(self.holder), "written_at": self.clock(), "nonce": nonce}).encode()
         try:
             response = self.client.put_object(
                 Bucket=self.bucket, Key=self.key, Body=body, ContentType="application/json", **condition
             )
-        except ClientError as err:
-            if _code(err) in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409"):
-                current = self._read()
-                who = current[0].describe() if current and current[0] else "another run"
+        except (ClientError, BotoCoreError) as err:
+            current = self._read_back()
+            if current is not None and current.nonce == nonce and current.holder == self.holder:
+                # The PUT landed and its response was lost (botocore's retry of it got 412, or gave up).
+                log.info("The lease write to %s landed although its response was lost; the lease is held.", self.uri)
+                self._etag = current.etag
+                return
+            if isinstance(err, ClientError) and _code(err) in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409"):
+                if current is not None and self._is_ours(current):
+                    # An earlier write of ours whose response was lost: the lease is still ours; renew it from there.
+                    self._etag = current.etag
+                    self._write(IfMatch=current.etag)
+                    return
+                who = current.holder.describe() if current and current.holder else "another run"
                 raise OutputBusyError(
                     f"{who} took the lease {self.uri} at the same moment. Nothing was run; give each run "
                     "its own output_uri."
@@ -221,22 +299,25 @@ class OutputLease:
             raise
         self._etag = response["ETag"]
 
+    def _read_back(self) -> LeaseState | None:
+        """The lease as it is after a failed write; None when it cannot be read either."""
+        try:
+            return self._read()
+        except (ClientError, BotoCoreError) as err:
+            log.warning("Could not read the lease %s back after a failed write (%s)", self.uri, err)
+            return None
+
     def _verify(self) -> None:
         current = self._read()
-        if current is None or current[1] != self._etag:
-            who = current[0].describe() if current and current[0] else "another run"
+        if current is None or current.etag != self._etag:
+            who = current.holder.describe() if current and current.holder else "another run"
             raise OutputBusyError(f"{who} took the lease {self.uri} at the same moment. Nothing was run.")
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
-            try:
-                self._write(IfMatch=self._etag)
-            except OutputBusyError:
-                log.error("Lost the lease %s to another run; this try will not publish.", self.uri)
-                self._lost.set()
+            self.beat()
+            if self._lost.is_set():
                 return
-            except Exception as err:  # S3 down for a moment: try again at the next beat
-                log.warning("Lease heartbeat failed (%s); retrying in %.0fs", err, self.heartbeat_s)
 
 
 def _code(err: ClientError) -> str:

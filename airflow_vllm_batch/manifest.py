@@ -86,6 +86,9 @@ class Manifest(msgspec.Struct, omit_defaults=True):
         ``error.code`` ``"invalid_output"``, counted in ``request_counts.failed``); omitted when none.
     :param from_cache: requests answered from the answer cache (counted as completed in
         ``request_counts``); absent when the run used no cache.
+    :param output_etag: the ETag the results got when this manifest's run published them: an
+        output whose results have another ETag is not this manifest's (absent in older manifests).
+    :param error_etag: the same for the error file, when there is one.
     :param shards: (merge only) how many shards were merged; the other shard fields too.
     """
 
@@ -113,6 +116,8 @@ class Manifest(msgspec.Struct, omit_defaults=True):
     cost: Cost | None = None
     invalid_output: int | None = None
     from_cache: int | None = None
+    output_etag: str | None = None
+    error_etag: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The manifest as plain JSON types, what goes to XCom (fields left at their default are omitted)."""

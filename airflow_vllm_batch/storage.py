@@ -16,8 +16,21 @@ Publishing follows one protocol, so that no reader is ever misled (:meth:`Output
 1. the old manifest is deleted first: from here until step 4 a reader (or a later
    resume) sees *no* complete output rather than an old manifest beside new data;
 2. the results go to the output key; 3. the error file is written, or an old one deleted;
-4. the manifest is written, last; 5. this run's staging prefix is removed (and nobody
+4. the manifest is written, last, with ``If-None-Match: *`` (so a manifest another writer
+   put there meanwhile is never overwritten), holding the ETags that the results and the
+   error file got in steps 2 and 3; 5. this run's staging prefix is removed (and nobody
    else's: other runs' staging lives under other prefixes).
+
+Fencing (the invariant of ``docs/protocol.md``): once a run holds the output's lease
+(:meth:`OutputStore.lease`), the lease is read back from S3 right before *every* mutation
+under the output: each step above, every checkpoint part, staged results or cleaned input,
+and every delete in the staging. A try whose lease another took over stops at its next
+mutation and changes nothing more. S3 cannot compare-and-swap across two objects, so a
+zombie can still land one write in the round trip between its check and its write; the
+manifest's ETags close that hole for readers: :meth:`OutputStore.completed` takes an output
+as complete only when its results and error file still have the ETags its manifest names
+(anything else is "not complete", and a retry publishes again), and :func:`read_answers`
+reads a manifest's files pinned to them.
 
 The runner engine's finished results reach ``<run>/results.jsonl`` before they are checked
 or published, so a retry on any worker (or pod) finds them there and publishes them without
@@ -47,6 +60,8 @@ from airflow_vllm_batch.exceptions import (
     InputChangedError,
     InputNotFoundError,
     LocationError,
+    OutputBusyError,
+    ResultsCheckError,
     StorageUnavailableError,
     VLLMBatchError,
 )
@@ -86,6 +101,87 @@ def split_s3_uri(uri: str, parameter: str) -> tuple[str, str]:
     if not bucket or not key or key.endswith("/"):
         raise LocationError(f"{parameter} must name an object (s3://bucket/key, not a folder), got {uri!r}.")
     return bucket, key
+
+
+#: Above this size a file goes up in parts (S3 takes at most 5 GiB in one PUT).
+MULTIPART_ABOVE = 512 * 2**20
+#: The part size of such an upload (or server-side copy); one part is in memory at a time.
+UPLOAD_PART_BYTES = 64 * 2**20
+#: S3's limit for one CopyObject.
+COPY_OBJECT_MAX = 5 * 2**30
+#: The codes of a conditional write that found its condition false.
+_PRECONDITION_CODES = frozenset({"PreconditionFailed", "412", "ConditionalRequestConflict", "409"})
+
+
+def upload_file(client: Any, path: Path, bucket: str, key: str) -> str:
+    """Upload a local file (one PUT, or in parts when large); return the ETag S3 gave the object.
+
+    The ETag comes from S3's own response, not a HEAD afterwards, which another writer's
+    PUT could have overtaken.
+    """
+    if path.stat().st_size <= MULTIPART_ABOVE:
+        with open(path, "rb") as body:
+            return bare_etag(client.put_object(Bucket=bucket, Key=key, Body=body)["ETag"])
+    upload_id = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+    try:
+        parts = []
+        with open(path, "rb") as body:
+            while chunk := body.read(UPLOAD_PART_BYTES):
+                number = len(parts) + 1
+                etag = client.upload_part(Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=chunk)["ETag"]
+                parts.append({"ETag": etag, "PartNumber": number})
+        done = client.complete_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts})
+        return bare_etag(done["ETag"])
+    except BaseException:
+        with contextlib.suppress(ClientError, BotoCoreError):
+            client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id)
+        raise
+
+
+def copy_object(client: Any, source_bucket: str, source_key: str, bucket: str, key: str) -> str:
+    """Copy an object server side (no byte through the worker; in parts above 5 GiB); return the copy's ETag."""
+    source = {"Bucket": source_bucket, "Key": source_key}
+    size = client.head_object(**source)["ContentLength"]
+    if size <= COPY_OBJECT_MAX:
+        return bare_etag(client.copy_object(Bucket=bucket, Key=key, CopySource=source)["CopyObjectResult"]["ETag"])
+    upload_id = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+    try:
+        parts = []
+        for number, start in enumerate(range(0, size, 8 * UPLOAD_PART_BYTES), start=1):
+            end = min(start + 8 * UPLOAD_PART_BYTES, size) - 1
+            result = client.upload_part_copy(
+                Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, CopySource=source, CopySourceRange=f"bytes={start}-{end}"
+            )
+            parts.append({"ETag": result["CopyPartResult"]["ETag"], "PartNumber": number})
+        done = client.complete_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts})
+        return bare_etag(done["ETag"])
+    except BaseException:
+        with contextlib.suppress(ClientError, BotoCoreError):
+            client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id)
+        raise
+
+
+def bare_etag(etag: str) -> str:
+    """An ETag without its quotes (S3 quotes it in headers; some stores leave them out of XML bodies)."""
+    return etag.strip('"')
+
+
+def delete_keys(client: Any, bucket: str, keys: Sequence[str]) -> None:
+    """Delete ``keys`` (1,000 to a request, S3's limit)."""
+    keys = list(keys)
+    for start in range(0, len(keys), 1000):
+        chunk = keys[start : start + 1000]
+        client.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": k} for k in chunk], "Quiet": True})
+
+
+def head_etag(client: Any, bucket: str, key: str) -> str | None:
+    """The object's ETag (without quotes), or None when there is no such object."""
+    try:
+        return bare_etag(client.head_object(Bucket=bucket, Key=key)["ETag"])
+    except ClientError as err:
+        if error_code(err) in ("404", "NoSuchKey", "NotFound"):
+            return None
+        raise
 
 
 def error_code(err: ClientError) -> str:
@@ -129,6 +225,25 @@ def s3_lines(hook: S3Hook, bucket: str, key: str, **pin: str | None) -> Iterator
 
 
 @contextlib.contextmanager
+def _published_lines(hook: S3Hook, etags: Mapping[str, str], uri: str) -> Iterator[Iterator[bytes]]:
+    """Stream a published file pinned to the ETag its manifest names: a file overwritten since is refused."""
+    etag = etags.get(uri)
+    if etag is None:
+        with open_uri_lines(hook, uri) as lines:
+            yield lines
+        return
+    bucket, key = split_s3_uri(uri, "source")
+    try:
+        with s3_lines(hook, bucket, key, if_match=etag) as lines:
+            yield lines
+    except InputChangedError:
+        raise ResultsCheckError(
+            f"{uri} is not the file its manifest published (its ETag is no longer {etag}): another run "
+            "overwrote it. Run the batch again to publish a complete output."
+        ) from None
+
+
+@contextlib.contextmanager
 def open_uri_lines(hook: S3Hook, uri: str) -> Iterator[Iterator[bytes]]:
     """Stream the lines of ``s3://bucket/key`` through ``hook``, or of anything else :func:`~airflow_vllm_batch.batchfile.open_lines` reads."""
     if not uri.startswith("s3://"):
@@ -158,9 +273,14 @@ def read_answers(
     :raises ResultsCheckError: with a manifest, the files do not answer its requests exactly once.
     """
     hook = S3Hook(aws_conn_id=aws_conn_id)
-    yield from answers.read_answers(
-        source, open_uri=functools.partial(open_uri_lines, hook), errors=errors, output_type=output_type
-    )
+    etags: dict[str, str] = {}
+    if isinstance(source, Mapping):
+        # A manifest names the ETags of the files it published: read exactly those (Fencing).
+        for uri_field, etag_field in (("output_uri", "output_etag"), ("error_uri", "error_etag")):
+            if source.get(uri_field) and source.get(etag_field):
+                etags[source[uri_field]] = source[etag_field]
+    open_uri = functools.partial(_published_lines, hook, etags) if etags else functools.partial(open_uri_lines, hook)
+    yield from answers.read_answers(source, open_uri=open_uri, errors=errors, output_type=output_type)
 
 
 #: ``part-000123-<try token>.jsonl``: the journal's part number (:func:`airflow_vllm_batch.serving.part_name`)
@@ -172,15 +292,25 @@ _PART_NAME = re.compile(r"part-(\d{6,})(?:-([0-9a-z]+))?\.jsonl$")
 class RunStaging:
     """The staging prefix of one run: shared by its tries, removed when it publishes.
 
-    :param hook: the S3 hook.
+    Every method that writes or deletes calls ``fence`` first (the lease check, see the module docstring).
+
+    :param hook: the S3 hook (only its ``get_conn()`` client writes and deletes).
     :param bucket: the output's bucket.
     :param prefix: ``<output key>.staging/<run>/``.
+    :param fence: called right before every mutation; raises when this try may no longer write.
     """
 
-    def __init__(self, hook: S3Hook, bucket: str, prefix: str) -> None:
+    def __init__(self, hook: S3Hook, bucket: str, prefix: str, fence: Callable[[], None] | None = None) -> None:
         self.hook = hook
         self.bucket = bucket
         self.prefix = prefix
+        self.fence = fence
+
+    def _fenced(self) -> Any:
+        """The S3 client, once the fence let this mutation through."""
+        if self.fence is not None:
+            self.fence()
+        return self.hook.get_conn()
 
     @property
     def results_key(self) -> str:
@@ -201,15 +331,21 @@ class RunStaging:
 
     def put_results(self, path: Path) -> None:
         """Make the engine's finished results durable (multipart upload for large files)."""
-        self.hook.load_file(str(path), key=self.results_key, bucket_name=self.bucket, replace=True)
+        upload_file(self._fenced(), path, self.bucket, self.results_key)
 
     def open_results(self) -> contextlib.AbstractContextManager[Iterator[bytes]]:
         """Stream the staged results."""
         return s3_lines(self.hook, self.bucket, self.results_key)
 
     def drop_results(self) -> None:
-        """Forget staged results and checkpoint parts that failed the check, so that the next try runs the engine."""
-        self.hook.delete_objects(bucket=self.bucket, keys=[self.results_key, *self.list_parts()])
+        """Forget staged results and every checkpoint part, so that the next try runs the engine."""
+        keys = [self.results_key, *self.list_parts()]
+        delete_keys(self._fenced(), self.bucket, keys)
+
+    def drop_parts(self, keys: Sequence[str]) -> None:
+        """Delete the checkpoint parts ``keys`` (those a results check found unusable), and no other."""
+        if keys:
+            delete_keys(self._fenced(), self.bucket, keys)
 
     # -- the server engine's checkpoints ---------------------------------------------
 
@@ -230,9 +366,10 @@ class RunStaging:
         ``load_file``'s multipart transfer buffers up to ten 8 MiB chunks at once, which
         made the task's memory grow with the part size.
         """
+        client = self._fenced()
         with open(path, "rb") as body:
             name = path.name if not token else path.name.replace(".jsonl", f"-{token}.jsonl")
-            self.hook.get_conn().put_object(Bucket=self.bucket, Key=self.part_key(name), Body=body)
+            client.put_object(Bucket=self.bucket, Key=self.part_key(name), Body=body)
 
     def list_parts(self) -> list[str]:
         """Return the keys of the parts earlier tries uploaded, in part order (then by try)."""
@@ -259,16 +396,22 @@ class RunStaging:
         finally:
             stream.close()
 
+    def put_file(self, path: Path, key: str) -> None:
+        """Upload a local file to ``key`` under this prefix (the answer cache's staged hits, say)."""
+        if not key.startswith(self.prefix):
+            raise ValueError(f"{key} is not under the staging prefix {self.prefix}")
+        upload_file(self._fenced(), path, self.bucket, key)
+
     def put_input(self, path: Path) -> str:
         """Upload the cleaned input for the engine; return its URI."""
-        self.hook.load_file(str(path), key=self.input_key, bucket_name=self.bucket, replace=True)
+        upload_file(self._fenced(), path, self.bucket, self.input_key)
         return self.uri(self.input_key)
 
     def remove(self) -> None:
         """Delete everything under this run's prefix (and nothing under anyone else's)."""
         keys = self.hook.list_keys(bucket_name=self.bucket, prefix=self.prefix) or []
         if keys:
-            self.hook.delete_objects(bucket=self.bucket, keys=keys)
+            delete_keys(self._fenced(), self.bucket, keys)
 
 
 class OutputStore:
@@ -277,10 +420,13 @@ class OutputStore:
     :param hook: the S3 hook.
     :param output_uri: ``s3://bucket/key`` of the results.
     :param error_uri: where failed requests go. Default ``<output stem>.errors.jsonl``.
+    :param fence: called right before every mutation under the output; :meth:`lease` sets it
+        to the lease's check, so a try that lost the lease changes nothing more.
     """
 
-    def __init__(self, hook: S3Hook, output_uri: str, error_uri: str | None = None) -> None:
+    def __init__(self, hook: S3Hook, output_uri: str, error_uri: str | None = None, fence: Callable[[], None] | None = None) -> None:
         self.hook = hook
+        self.fence = fence
         self.output_uri = output_uri
         self.error_uri = error_uri or default_error_uri(output_uri)
         self.manifest_uri = manifest_uri(output_uri)
@@ -336,19 +482,39 @@ class OutputStore:
         if manifest.fingerprint != identity.fingerprint:
             changed = ", ".join(identity.changes_from(manifest.identity)) or "the fingerprint"
             return None, f"the output at {self.output_uri} was made by a different run (changed: {changed})"
-        for uri in filter(None, (manifest.output_uri, manifest.error_uri)):
+        for uri, published in ((manifest.output_uri, manifest.output_etag), (manifest.error_uri, manifest.error_etag)):
+            if not uri:
+                continue
             bucket, key = split_s3_uri(uri, "output_uri")
-            if self.hook.head_object(key, bucket_name=bucket) is None:
+            etag = head_etag(self.hook.get_conn(), bucket, key)
+            if etag is None:
                 return None, f"the manifest names {uri}, which is gone"
+            if published is not None and etag != bare_etag(published):
+                # A writer that lost the lease landed a write after its last check (see the module docstring).
+                return None, f"{uri} was overwritten after its manifest was written (ETag {etag}, published {published})"
         return manifest, f"the output at {self.output_uri} is complete for this very run"
 
     def lease(self, holder: LeaseHolder, **kwargs: Any) -> OutputLease:
-        """The lease of this output (a context manager); see :mod:`airflow_vllm_batch.lease`."""
-        return OutputLease(self.hook.get_conn(), self.bucket, f"{output_stem(self.key)}.lease.json", holder, **kwargs)
+        """The lease of this output (a context manager); see :mod:`airflow_vllm_batch.lease`.
+
+        From here on every mutation under the output (and its staging) checks the lease first.
+        """
+        lease = OutputLease(self.hook.get_conn(), self.bucket, f"{output_stem(self.key)}.lease.json", holder, **kwargs)
+        self.fence = functools.partial(lease.ensure_held, verify=True)
+        return lease
 
     def staging(self, identity: RunIdentity) -> RunStaging:
-        """The staging prefix of the run with this identity."""
-        return RunStaging(self.hook, self.bucket, f"{self.key}.staging/{identity.short}/")
+        """The staging prefix of the run with this identity (fenced as the output is)."""
+        return RunStaging(self.hook, self.bucket, f"{self.key}.staging/{identity.short}/", fence=self._fence)
+
+    def _fence(self) -> None:
+        if self.fence is not None:
+            self.fence()
+
+    def _fenced(self) -> Any:
+        """The S3 client, once the fence let this mutation through."""
+        self._fence()
+        return self.hook.get_conn()
 
     # -- publishing --------------------------------------------------------------------
 
@@ -359,44 +525,59 @@ class OutputStore:
         staging: RunStaging | None = None,
         results_path: Path | None = None,
         errors_path: Path | None = None,
-        before_manifest: Callable[[], None] | None = None,
     ) -> None:
-        """Publish results, error file and manifest, in the order the module docstring gives.
+        """Publish results, error file and manifest, in the order the module docstring gives; each step fenced.
 
-        :param manifest: written last.
+        :param manifest: written last; its ``output_etag`` and ``error_etag`` are filled in here.
         :param staging: the run's staging; its results are copied to the output (server side)
             when ``results_path`` is None, and the whole prefix is removed at the end.
         :param results_path: a local results file to upload instead.
         :param errors_path: the failed lines; None deletes an earlier error file.
-        :param before_manifest: called right before the manifest is written (the lease check:
-            a try that lost the output must not declare it complete).
+        :raises OutputBusyError: this try lost the output's lease, or another run's manifest
+            appeared while it published (nothing more is changed).
         """
         self.invalidate_manifest()
         if results_path is not None:
-            self.hook.load_file(str(results_path), key=self.key, bucket_name=self.bucket, replace=True)
+            manifest.output_etag = upload_file(self._fenced(), results_path, self.bucket, self.key)
         elif staging is not None:
-            # Managed copy: server side, multipart above 5 GB; no byte passes through the worker.
-            self.hook.get_conn().copy({"Bucket": staging.bucket, "Key": staging.results_key}, self.bucket, self.key)
+            manifest.output_etag = copy_object(self._fenced(), staging.bucket, staging.results_key, self.bucket, self.key)
         else:
             raise ValueError("publish needs staging or results_path")
+        manifest.error_etag = None
         if errors_path is not None:
-            self.hook.load_file(str(errors_path), key=self.error_key, bucket_name=self.error_bucket, replace=True)
-        elif self.hook.head_object(self.error_key, bucket_name=self.error_bucket) is not None:
+            manifest.error_etag = upload_file(self._fenced(), errors_path, self.error_bucket, self.error_key)
+        elif head_etag(self.hook.get_conn(), self.error_bucket, self.error_key) is not None:
             # A re-run with no failures must not leave an earlier run's error file behind.
-            self.hook.delete_objects(bucket=self.error_bucket, keys=[self.error_key])
-        if before_manifest is not None:
-            before_manifest()
+            self._fenced().delete_object(Bucket=self.error_bucket, Key=self.error_key)
         self.write_manifest(manifest)
         if staging is not None:
             staging.remove()
 
     def invalidate_manifest(self) -> None:
         """Delete the manifest, first thing before anything beside it changes."""
-        self.hook.delete_objects(bucket=self.manifest_bucket, keys=[self.manifest_key])
+        self._fenced().delete_object(Bucket=self.manifest_bucket, Key=self.manifest_key)
 
     def write_manifest(self, manifest: Manifest) -> None:
-        """Write the manifest, last."""
-        self.hook.load_bytes(manifest.to_json(), key=self.manifest_key, bucket_name=self.manifest_bucket, replace=True)
+        """Write the manifest, last, only where there is none (``If-None-Match: *``: publishing deleted it first).
+
+        :raises OutputBusyError: a manifest appeared since the invalidation: another writer published.
+        """
+        client = self._fenced()
+        try:
+            client.put_object(
+                Bucket=self.manifest_bucket,
+                Key=self.manifest_key,
+                Body=manifest.to_json(),
+                ContentType="application/json",
+                IfNoneMatch="*",
+            )
+        except ClientError as err:
+            if error_code(err) not in _PRECONDITION_CODES:
+                raise
+            raise OutputBusyError(
+                f"Another run wrote the manifest {self.manifest_uri} while this try published; this try's manifest was "
+                "not written over it. Give each run its own output_uri."
+            ) from None
 
 
 #: S3 error codes that say the location itself is wrong: the same call fails the same way on a retry.

@@ -84,6 +84,20 @@ class CustomIdIndex:
         i = bisect_left(hashes, h)
         return lines[i] if i < len(hashes) and hashes[i] == h else None
 
+    def found_in(self, other: CustomIdIndex) -> int:
+        """
+        Return how many distinct custom_ids of this index ``other`` holds too.
+
+        A custom_id ``other`` holds twice counts once, and one only ``other`` holds counts
+        nothing: with this index the input's and ``other`` the checkpoints' answers, the
+        requests answered already (not the answers, which two tries may have repeated).
+
+        :param other: an index built with the same number of partitions, in the same process.
+        """
+        if other.mask != self.mask:
+            raise ValueError("indexes must have the same number of partitions")
+        return sum(len(set(hs).intersection(theirs)) for hs, theirs in zip(self.hashes, other.hashes))
+
     def repeats(self) -> Iterator[tuple[int, int]]:
         """Yield ``(line, first_line)`` for every entry whose id was already seen on ``first_line``; not in line order."""
         for p, hs in enumerate(self.hashes):

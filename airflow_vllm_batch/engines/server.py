@@ -112,15 +112,17 @@ class _Streaming(Engine):
         parts = staging.list_parts()
         answered = answered_ids(staging, parts)
         total = job.report.valid_lines
+        # Requests, not answers: two tries' parts may answer one request twice (Exactly once, Durability).
+        done = answered_requests(job.report.custom_ids, answered, total)
         if parts:
             self.log.info(
                 "Resuming from %d checkpoint part(s) at %s: %d of %d requests are answered already.",
                 len(parts),
                 results.staged_uri,
-                len(answered),
+                done,
                 total,
             )
-        if len(answered) >= total:
+        if done >= total:
             return results
         self.before_stream(info)
         token = uuid.uuid4().hex[:8]
@@ -136,7 +138,7 @@ class _Streaming(Engine):
             max_part_bytes=DEFAULT_MAX_PART_BYTES,
             first_index=len(parts),
         )
-        progress = _Progress(self.log, total=total, resumed=len(answered))
+        progress = _Progress(self.log, total=total, resumed=done)
         skip = (lambda custom_id: answered.line_of(custom_id) is not None) if answered else None
         started = time.monotonic()
         if self.settings.client_processes > 1:
@@ -163,7 +165,7 @@ class _Streaming(Engine):
         except (BotoCoreError, ClientError) as err:
             raise StorageUnavailableError(
                 f"S3 failed while checkpointing the server's answers to {results.staged_uri} ({err}). "
-                f"The {journal.lines_durable + len(answered)} answers in parts uploaded before stay there; the task's "
+                f"The {journal.lines_durable + done} answers in parts uploaded before stay there; the task's "
                 "retry resumes from them."
             ) from err
         results.run = EngineRun(returncode=0, duration_s=time.monotonic() - started, vllm_version=info.vllm_version)
@@ -281,6 +283,50 @@ def answered_ids(staging: RunStaging, parts: list[str]) -> CustomIdIndex:
             if raw.strip():
                 index.add(_decode_custom_id(raw).custom_id, number)
     return index
+
+
+def answered_requests(wanted: CustomIdIndex | None, answered: CustomIdIndex, total: int) -> int:
+    """How many of the input's requests the checkpoint parts answer: each once, however often it was answered.
+
+    :param wanted: the input's custom_ids (preflight's index); None when unknown.
+    :param answered: the parts' custom_ids (:func:`answered_ids`).
+    :param total: the input's requests, when ``wanted`` is unknown.
+    """
+    if not len(answered):
+        return 0
+    if wanted is None:
+        # No input index to compare with: never claim more than the parts' distinct ids.
+        return min(total, sum(len(set(hs)) for hs in answered.hashes))
+    return wanted.found_in(answered)
+
+
+def invalid_parts(staging: RunStaging, wanted: CustomIdIndex | None) -> list[str]:
+    """The checkpoint parts that hold a line no results check can accept: unreadable, or no answer to a request of the input.
+
+    Only these may be dropped after a failed results check: every other part holds valid
+    answers that a retry resumes from (Durability).
+
+    :param staging: the run's staging.
+    :param wanted: the input's custom_ids (preflight's index); None: only unreadable lines count.
+    """
+    bad = []
+    for key in staging.list_parts():
+        with staging.open_parts([key]) as lines:
+            if any(raw.strip() and not _valid_answer(raw, wanted) for raw in lines):
+                bad.append(key)
+    return bad
+
+
+def _valid_answer(raw: bytes, wanted: CustomIdIndex | None) -> bool:
+    try:
+        line = msgspec.json.decode(raw)
+    except (msgspec.DecodeError, UnicodeDecodeError):
+        return False
+    if not isinstance(line, dict) or not isinstance(line.get("custom_id"), str):
+        return False
+    if "response" not in line and "error" not in line:
+        return False
+    return wanted is None or wanted.line_of(line["custom_id"]) is not None
 
 
 class _Progress:

@@ -324,14 +324,16 @@ class VLLMBatchMergeOperator(BaseOperator):
         return results, errors if with_errors else None
 
     def publish(self, manifest: Manifest, results: Path, errors: Path | None, context: Context) -> None:
-        """Publish the merged files and the manifest while holding the output's lease (one writer per output)."""
-        with self.store.lease(LeaseHolder.of_try(task_try(context, self.retries), manifest.fingerprint)) as lease:
+        """Publish the merged files and the manifest while holding the output's lease (one writer per output).
+
+        The store checks the lease before each of its writes and deletes (Fencing): a merge whose
+        lease another run took over changes nothing more.
+        """
+        with self.store.lease(LeaseHolder.of_try(task_try(context, self.retries), manifest.fingerprint)):
             self.store.publish(
                 manifest,
                 results_path=results,
                 errors_path=errors,
-                # A merge whose lease another run took over meanwhile must not declare the output complete.
-                before_manifest=lambda: lease.ensure_held(verify=True),
             )
 
     def concatenate(self, uris: Sequence[str], scratch: Path) -> tuple[Path, list[int]]:

@@ -122,10 +122,17 @@ class CacheSplit:
     usage: dict[str, int]
 
     def add_to(self, results: ResultsReport, results_path: Path) -> None:
-        """Append the cached answers to the checked results and count them as completed."""
+        """Append the cached answers to the checked results and count them as completed.
+
+        The checked results end as the engine's file did, which may be without a final
+        newline: one is added first, so that the first cached answer starts a line of its
+        own (two answers on one line would be one unreadable line, and counts off by one).
+        """
         if not self.hits:
             return
         with open(results_path, "ab") as out, open(self.cached_path, "rb") as cached:
+            if _lacks_final_newline(results_path):
+                out.write(b"\n")
             while chunk := cached.read(1 << 20):
                 out.write(chunk)
         results.total += self.hits
@@ -192,7 +199,7 @@ class AnswerCache:
         usage = _write_hits(db, cached_path)
         job.lease.ensure_held(verify=True)
         # Staged even when empty: a retry must split the same way as the try whose answers it resumes.
-        staging.hook.load_file(str(cached_path), key=hits_key, bucket_name=staging.bucket, replace=True)
+        staging.put_file(cached_path, hits_key)
         hits = db.execute("SELECT count(*) FROM hit").fetchone()[0]
         total = job.report.valid_lines
         self.log.info(
@@ -363,6 +370,15 @@ def _with_custom_id(line: bytes, stored: str, custom_id: str) -> bytes:
     decoded = msgspec.json.decode(line)
     decoded["custom_id"] = custom_id
     return msgspec.json.encode(decoded)
+
+
+def _lacks_final_newline(path: Path) -> bool:
+    """Whether the file at ``path`` is not empty and its last byte is not a newline."""
+    with open(path, "rb") as f:
+        if f.seek(0, os.SEEK_END) == 0:
+            return False
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) != b"\n"
 
 
 def _write_hits(db: sqlite3.Connection, path: Path) -> dict[str, int]:

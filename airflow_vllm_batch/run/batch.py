@@ -34,6 +34,7 @@ from airflow_vllm_batch.batchfile import PreflightOptions, PreflightReport, Resu
 from airflow_vllm_batch.batchfile.cache_keys import model_identity
 from airflow_vllm_batch.batchfile.per_model import count_per_model
 from airflow_vllm_batch.engines import EngineJob, EngineResults
+from airflow_vllm_batch.engines.server import invalid_parts
 from airflow_vllm_batch.exceptions import PreflightError, PublishError, StorageUnavailableError
 from airflow_vllm_batch.hooks.vllm_engine import EngineRun
 from airflow_vllm_batch.identity import RunIdentity
@@ -203,7 +204,6 @@ class BatchRun:
                     staging=staging,
                     results_path=None if copy_staged else work / "results.jsonl",
                     errors_path=errors_path,
-                    before_manifest=lambda: lease.ensure_held(verify=True),
                 )
                 kept.unlink(missing_ok=True)
             except (BotoCoreError, ClientError) as err:
@@ -293,9 +293,8 @@ class BatchRun:
         (only to name missing requests, on a mismatch). Successful lines go to
         ``results.jsonl``, failed ones to ``engine-errors.jsonl`` in the scratch directory.
         Results assembled from checkpoint parts (``duplicates="first"``) keep the first answer
-        of a custom_id answered twice (two tries that both answered it); only a mismatch parts
-        cannot explain that way (a request missing, an answer to a custom_id not in the input,
-        an unreadable line) drops them.
+        of a custom_id answered twice (two tries that both answered it). On a mismatch only
+        what is invalid is dropped (:meth:`drop_invalid`).
         """
         with (
             engine_results.open_results() as result_lines,
@@ -322,10 +321,27 @@ class BatchRun:
             )
         self.engine.classify(results, job)
         if not results.ok:
-            # Results that do not answer the input must not be published by the next try either.
-            job.staging.drop_results()
+            self.drop_invalid(job, engine_results, results)
         results.raise_for_mismatch()
         return results
+
+    def drop_invalid(self, job: EngineJob, engine_results: EngineResults, results: ResultsReport) -> None:
+        """Drop from staging what failed the results check, and nothing else (Durability).
+
+        A staged results file is one engine run's whole answer: when it does not answer the
+        input it goes, so that no later try publishes it. Checkpoint parts
+        (``duplicates="first"``) are kept unless they hold an unreadable line or an answer to a
+        custom_id not in the input: a request merely missing leaves every part in place, and
+        the next try resumes from them and sends only what they do not answer.
+        """
+        if engine_results.duplicates != "first":
+            job.staging.drop_results()
+            return
+        if results.unparseable_count or results.extra_count:
+            bad = invalid_parts(job.staging, job.report.custom_ids)
+            if bad:
+                self.log.warning("Dropping %d checkpoint part(s) that hold answers this run cannot publish: %s", len(bad), ", ".join(bad))
+                job.staging.drop_parts(bad)
 
     def error_file(self, report: PreflightReport, work: Path, results: ResultsReport) -> Path | None:
         """The failed lines (preflight's, then the engine's) as one file, or None when none failed."""

@@ -1,10 +1,15 @@
-"""The output lease on a real S3 (SeaweedFS honours conditional writes)."""
+"""The output lease on a real S3 (SeaweedFS honours conditional writes).
+
+No test sleeps for a heartbeat: they call :meth:`OutputLease.beat` or wait for the heartbeat
+thread with :meth:`OutputLease.wait_for_beats`, so a loaded machine only makes them slower.
+"""
 
 from __future__ import annotations
 
-import time
+import json
 
 import pytest
+from botocore.exceptions import ReadTimeoutError
 
 from airflow_vllm_batch.exceptions import OutputBusyError
 from airflow_vllm_batch.lease import LeaseHolder, OutputLease
@@ -40,31 +45,110 @@ def test_the_same_task_instance_takes_its_own_lease_over_at_once(s3, bucket):
     first._stop.set()
 
 
-def test_a_stale_lease_is_taken_over_by_another_run(s3, bucket):
+def test_a_lease_silent_for_stale_after_s_is_taken_over_by_another_run(s3, bucket):
     dead = lease(s3, bucket, holder("run-1"), heartbeat_s=3600)
     dead.acquire()
-    time.sleep(1.1)
-    with lease(s3, bucket, holder("run-2"), stale_after_s=1):
-        pass
+    # Its age (0 s or more, on the server's clock) has reached stale_after_s=0: no sleep needed.
+    with lease(s3, bucket, holder("run-2"), stale_after_s=0):
+        assert json.loads(s3.client().get_object(Bucket=bucket, Key=KEY)["Body"].read())["run_id"] == "run-2"
     dead._stop.set()
 
 
-def test_heartbeats_keep_a_lease_live(s3, bucket):
-    with lease(s3, bucket, holder("run-1"), heartbeat_s=0.5):
-        time.sleep(2.2)
-        with pytest.raises(OutputBusyError):
-            lease(s3, bucket, holder("run-2"), stale_after_s=1.5).acquire()
+def test_heartbeats_rewrite_the_lease_and_keep_it_held(s3, bucket):
+    with lease(s3, bucket, holder("run-1"), heartbeat_s=0.05) as live:
+        seen = s3.client().head_object(Bucket=bucket, Key=KEY)["ETag"]
+        # Beat n+1 may have written before that HEAD; beat n+2 starts after it: its write is newer.
+        assert live.wait_for_beats(live._beats + 2, timeout=60)
+        renewed = json.loads(s3.client().get_object(Bucket=bucket, Key=KEY)["Body"].read())
+        assert s3.client().head_object(Bucket=bucket, Key=KEY)["ETag"] != seen
+        assert renewed["run_id"] == "run-1" and renewed["nonce"] in live._nonces
+        live.ensure_held(verify=True)
+        assert not live.lost
 
 
-def test_a_holder_whose_lease_was_taken_over_knows_it_and_does_not_delete_the_new_one(s3, bucket):
-    slow = lease(s3, bucket, holder("run-1"), heartbeat_s=0.3)
+def test_a_holder_whose_lease_was_taken_over_knows_it_at_its_next_heartbeat_and_does_not_delete_the_new_one(s3, bucket):
+    slow = lease(s3, bucket, holder("run-1"), heartbeat_s=3600)
     slow.acquire()
     # Another run decides the first is dead and takes over (as after a long network partition).
     other = lease(s3, bucket, holder("run-2"), stale_after_s=0)
     other.acquire()
-    time.sleep(1)
+    slow.beat()
+    assert slow.lost
     with pytest.raises(OutputBusyError, match="took over the lease"):
         slow.ensure_held()
     slow.release()
-    assert s3.client().head_object(Bucket=bucket, Key=KEY)  # still run-2's
+    assert json.loads(s3.client().get_object(Bucket=bucket, Key=KEY)["Body"].read())["run_id"] == "run-2"
     other.release()
+
+
+class LostResponses:
+    """A boto3 client whose next ``put_object`` calls land at S3 but whose responses are lost.
+
+    ``"retried-412"``: botocore retries the PUT as it was sent, with the If-Match (or
+    If-None-Match) that no longer holds, and S3 answers that retry 412. ``"timeout"``: the
+    client gives up reading the response.
+    """
+
+    def __init__(self, client, how: str) -> None:
+        self.client = client
+        self.how = how
+        self.losing = 0
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+    def put_object(self, **kwargs):
+        response = self.client.put_object(**kwargs)
+        if not self.losing:
+            return response
+        self.losing -= 1
+        if self.how == "retried-412":
+            return self.client.put_object(**kwargs)  # raises: S3's 412 to the stale condition
+        raise ReadTimeoutError(endpoint_url="http://s3")
+
+
+@pytest.mark.parametrize("how", ["retried-412", "timeout"])
+def test_a_heartbeat_whose_response_was_lost_keeps_the_lease(s3, bucket, how):
+    client = LostResponses(s3.client(), how)
+    held = OutputLease(client, bucket, KEY, holder(), heartbeat_s=3600)
+    held.acquire()
+    client.losing = 1
+    held.beat()
+    assert not held.lost
+    held.ensure_held(verify=True)
+    held.beat()  # the next renewal's If-Match is the ETag the lost write made
+    assert not held.lost
+    held.release()
+    assert "Contents" not in s3.client().list_objects_v2(Bucket=bucket)  # released: the ETag was current
+
+
+@pytest.mark.parametrize("how", ["retried-412", "timeout"])
+def test_an_acquisition_whose_response_was_lost_holds_the_lease(s3, bucket, how):
+    client = LostResponses(s3.client(), how)
+    client.losing = 1
+    with OutputLease(client, bucket, KEY, holder(), heartbeat_s=3600) as held:
+        held.ensure_held(verify=True)
+    assert "Contents" not in s3.client().list_objects_v2(Bucket=bucket)
+
+
+def test_a_renewal_after_a_landed_write_nobody_could_confirm_keeps_the_lease(s3, bucket):
+    client = LostResponses(s3.client(), "timeout")
+    held = OutputLease(client, bucket, KEY, holder(), heartbeat_s=3600)
+    held.acquire()
+    real_get = client.client.get_object
+    failing = {"reads": 1}
+
+    def get_object(**kwargs):
+        if failing["reads"]:
+            failing["reads"] -= 1
+            raise ReadTimeoutError(endpoint_url="http://s3")
+        return real_get(**kwargs)
+
+    client.get_object = get_object
+    client.losing = 1
+    held.beat()  # landed, response lost, and the read-back failed too: this try cannot tell yet
+    held.beat()  # its If-Match is stale (412), but the lease still holds one of this try's nonces
+    assert not held.lost
+    held.ensure_held(verify=True)
+    held.release()
+    assert "Contents" not in s3.client().list_objects_v2(Bucket=bucket)

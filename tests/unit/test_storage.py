@@ -1,4 +1,4 @@
-"""The storage module on a real S3: pinned reads, location checks, what counts as complete."""
+"""The storage module on a real S3: pinned reads, location checks, what counts as complete, fencing."""
 
 from __future__ import annotations
 
@@ -12,9 +12,11 @@ from airflow_vllm_batch.exceptions import (
     InputChangedError,
     InputNotFoundError,
     LocationError,
+    OutputBusyError,
     ResultsCheckError,
 )
 from airflow_vllm_batch.identity import RunIdentity
+from airflow_vllm_batch.lease import OutputLease
 from airflow_vllm_batch.manifest import Manifest, RequestCounts, Usage
 from airflow_vllm_batch.storage import OutputStore, head_input, read_answers, s3_lines, split_s3_uri
 
@@ -112,3 +114,107 @@ def test_read_answers_streams_a_published_manifest_from_s3(s3, bucket):
 def test_read_answers_from_s3_still_checks_the_counts_of_the_manifest(s3, bucket):
     with pytest.raises(ResultsCheckError, match="does not match its manifest"):
         list(read_answers(_published(s3, bucket, completed=2)))
+
+
+# -- Fencing: a try whose lease was taken over changes nothing under the output -----------
+
+
+def _objects(client, bucket: str) -> dict[str, str]:
+    """Every object but the lease, with its ETag: what a fenced-off try must leave as it was."""
+    listed = client.list_objects_v2(Bucket=bucket).get("Contents", [])
+    return {o["Key"]: o["ETag"] for o in listed if not o["Key"].endswith(".lease.json")}
+
+
+@pytest.fixture
+def taken_over(s3, bucket, hook, tmp_path):
+    """A store whose try took the lease, a published output and staging beside it, and a successor that took the lease over."""
+    from airflow_vllm_batch.lease import LeaseHolder
+
+    store = OutputStore(hook, f"s3://{bucket}/out/r.jsonl")
+    identity = RunIdentity({"model": "m"})
+    zombie = store.lease(LeaseHolder("d", "run-1", "t", -1, 1, identity.fingerprint, "gpu-1"), heartbeat_s=3600)
+    zombie.acquire()
+    staging = store.staging(identity)
+    client = s3.client()
+    for key, body in [
+        ("out/r.jsonl", b"published results\n"),
+        ("out/r.errors.jsonl", b"published errors\n"),
+        ("out/r.manifest.json", b'{"published": "manifest"}'),
+        (staging.results_key, b"staged results\n"),
+        (staging.part_key("part-000000-aaaa.jsonl"), b"a part\n"),
+    ]:
+        client.put_object(Bucket=bucket, Key=key, Body=body)
+    # The task's next try (its scheduler thought this one dead) takes the lease over between two heartbeats.
+    successor = OutputLease(client, bucket, "out/r.lease.json", LeaseHolder("d", "run-1", "t", -1, 2, identity.fingerprint, "gpu-2"), heartbeat_s=3600)
+    successor.acquire()
+    local = tmp_path / "new.jsonl"
+    local.write_bytes(b"a zombie's lines\n")
+    yield store, staging, local
+    zombie._stop.set()
+    successor.release()
+
+
+_MUTATIONS = {
+    "invalidate-manifest": lambda store, staging, local: store.invalidate_manifest(),
+    "publish-upload": lambda store, staging, local: store.publish(_manifest(store, "f"), staging=staging, results_path=local, errors_path=local),
+    "publish-copy": lambda store, staging, local: store.publish(_manifest(store, "f"), staging=staging),
+    "write-manifest": lambda store, staging, local: store.write_manifest(_manifest(store, "f")),
+    "remove-staging": lambda store, staging, local: staging.remove(),
+    "drop-results": lambda store, staging, local: staging.drop_results(),
+    "drop-parts": lambda store, staging, local: staging.drop_parts(staging.list_parts()),
+    "put-part": lambda store, staging, local: staging.put_part(local, "bbbb"),
+    "put-results": lambda store, staging, local: staging.put_results(local),
+    "put-input": lambda store, staging, local: staging.put_input(local),
+    "put-cached-hits": lambda store, staging, local: staging.put_file(local, f"{staging.prefix}cached-results.jsonl"),
+}
+
+
+@pytest.mark.parametrize("mutation", list(_MUTATIONS))
+def test_a_try_whose_lease_was_taken_over_changes_nothing_under_the_output(s3, bucket, taken_over, mutation):
+    store, staging, local = taken_over
+    before = _objects(s3.client(), bucket)
+    with pytest.raises(OutputBusyError, match=r"\(try 2, on gpu-2\) took over the lease"):
+        _MUTATIONS[mutation](store, staging, local)
+    assert _objects(s3.client(), bucket) == before
+
+
+def test_deleting_an_old_error_file_is_fenced_too(s3, bucket, taken_over):
+    store, staging, local = taken_over
+    before = _objects(s3.client(), bucket)
+    # A publish with no failed line deletes the earlier error file: not when the lease is gone.
+    with pytest.raises(OutputBusyError):
+        store.publish(_manifest(store, "f"), staging=staging, results_path=local, errors_path=None)
+    assert _objects(s3.client(), bucket) == before
+
+
+def test_the_manifest_is_not_written_over_one_another_writer_put_there(s3, bucket, hook):
+    store = OutputStore(hook, f"s3://{bucket}/r.jsonl")
+    s3.client().put_object(Bucket=bucket, Key="r.manifest.json", Body=b'{"theirs": true}')
+    with pytest.raises(OutputBusyError, match="Another run wrote the manifest"):
+        store.write_manifest(_manifest(store, "f"))
+    assert s3.client().get_object(Bucket=bucket, Key="r.manifest.json")["Body"].read() == b'{"theirs": true}'
+
+
+def test_an_output_overwritten_after_its_manifest_is_not_complete(s3, bucket, hook, tmp_path):
+    store = OutputStore(hook, f"s3://{bucket}/r.jsonl")
+    identity = RunIdentity({"model": "m"})
+    local = tmp_path / "r.jsonl"
+    local.write_bytes(_chat("a", "yes") + b"\n")
+    store.publish(_manifest(store, identity.fingerprint), results_path=local)
+    assert store.completed(identity)[0] is not None
+    # A zombie's PUT that landed after its last lease check, once the manifest was written.
+    s3.client().put_object(Bucket=bucket, Key="r.jsonl", Body=_chat("a", "a zombie's answer") + b"\n")
+    manifest, why = store.completed(identity)
+    assert manifest is None and "was overwritten after its manifest was written" in why
+
+
+def test_read_answers_refuses_results_overwritten_after_the_manifest(s3, bucket, hook, tmp_path):
+    store = OutputStore(hook, f"s3://{bucket}/r.jsonl")
+    local = tmp_path / "r.jsonl"
+    local.write_bytes(_chat("a", "yes") + b"\n")
+    manifest = _manifest(store, "f")
+    store.publish(manifest, results_path=local)
+    assert list(read_answers(manifest.to_dict())) == [Text("a", "yes")]
+    s3.client().put_object(Bucket=bucket, Key="r.jsonl", Body=_chat("a", "a zombie's answer") + b"\n")
+    with pytest.raises(ResultsCheckError, match="is not the file its manifest published"):
+        list(read_answers(manifest.to_dict()))

@@ -44,3 +44,13 @@ def test_line_of_finds_the_first_line_of_an_id_and_none_for_an_unknown_one():
     for line, cid in enumerate(["a", "b", "a"] + [f"x{i}" for i in range(500)], start=1):
         index.add(cid, line)
     assert (index.line_of("a"), index.line_of("b"), index.line_of("x499"), index.line_of("zz")) == (1, 2, 503, None)
+
+
+def test_found_in_counts_each_answered_request_once_and_ignores_strangers():
+    wanted, answered = CustomIdIndex(), CustomIdIndex()
+    for line, cid in enumerate(["a", "b", "c", "d"], start=1):
+        wanted.add(cid, line)
+    # Two tries' checkpoints: "a" and "b" answered twice, "zz" is no request of the input.
+    for line, cid in enumerate(["a", "b", "a", "b", "a", "zz"], start=1):
+        answered.add(cid, line)
+    assert wanted.found_in(answered) == 2

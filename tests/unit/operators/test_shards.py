@@ -178,7 +178,12 @@ def test_a_merge_does_not_publish_while_another_run_holds_the_output(shards):
     assert shards.published() == ["out/results.lease.json"]
 
 
-def test_a_merge_that_loses_the_lease_while_publishing_writes_no_manifest(shards, monkeypatch):
+def test_a_merge_that_loses_the_lease_while_publishing_leaves_the_published_output_untouched(shards, monkeypatch):
+    shards.put("out/results.jsonl", b"earlier results\n")
+    shards.put("out/results.errors.jsonl", b"earlier errors\n")
+    shards.put("out/results.manifest.json", b'{"an": "earlier manifest"}')
+    output = [k for k in shards.published() if not k.endswith(".lease.json")]
+    before = {k: (shards.get(k), shards.client.head_object(Bucket=shards.bucket, Key=k)["ETag"]) for k in output}
     real_publish = OutputStore.publish
 
     def lose_the_lease_then_publish(self, *args, **kwargs):
@@ -190,7 +195,8 @@ def test_a_merge_that_loses_the_lease_while_publishing_writes_no_manifest(shards
     monkeypatch.setattr(OutputStore, "publish", lose_the_lease_then_publish)
     with pytest.raises(OutputBusyError, match="took over the lease"):
         shards.merge()
-    assert "out/results.manifest.json" not in shards.published()
+    after = [k for k in shards.published() if not k.endswith(".lease.json")]
+    assert {k: (shards.get(k), shards.client.head_object(Bucket=shards.bucket, Key=k)["ETag"]) for k in after} == before
 
 
 def test_an_s3_failure_while_merging_is_left_to_airflows_retries(shards, monkeypatch):

@@ -448,9 +448,20 @@ def test_a_try_that_lost_its_lease_while_the_engine_ran_stages_and_publishes_not
     assert sorted(k for k in batch.keys() if not k.startswith("in/")) == ["out/results.lease.json"]  # the successor's
 
 
-def test_a_try_that_lost_its_lease_before_publishing_writes_no_manifest(batch, monkeypatch):
+def _output(batch) -> dict[str, tuple[bytes, str]]:
+    """The published output's files (not the lease, the input or the staging), with their bytes and ETags."""
+    keys = [k for k in batch.keys("out/") if not k.endswith(".lease.json") and ".staging/" not in k]
+    return {k: (batch.get(k), batch.client.head_object(Bucket=batch.bucket, Key=k)["ETag"]) for k in keys}
+
+
+def test_a_try_that_lost_its_lease_before_publishing_leaves_the_published_output_untouched(batch, monkeypatch):
     from airflow_vllm_batch.storage import OutputStore
 
+    # An output published earlier (by a run this one does not resume: its manifest is not this run's).
+    batch.put("out/results.jsonl", b"earlier results\n")
+    batch.put("out/results.errors.jsonl", b"earlier errors\n")
+    batch.put("out/results.manifest.json", b'{"an": "earlier manifest"}')
+    before = _output(batch)
     real_publish = OutputStore.publish
 
     def lose_the_lease_then_publish(self, *args, **kwargs):
@@ -460,7 +471,7 @@ def test_a_try_that_lost_its_lease_before_publishing_writes_no_manifest(batch, m
     monkeypatch.setattr(OutputStore, "publish", lose_the_lease_then_publish)
     with pytest.raises(OutputBusyError, match="took over the lease"):
         batch.run()
-    assert "out/results.manifest.json" not in batch.keys()
+    assert _output(batch) == before
 
 
 def test_access_denied_while_writing_requests_fails_without_retry_naming_the_location(batch, monkeypatch):

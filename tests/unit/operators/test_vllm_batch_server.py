@@ -25,6 +25,7 @@ from airflow_vllm_batch.exceptions import (
     ResultsCheckError,
     StorageUnavailableError,
 )
+from airflow_vllm_batch.batchfile import CustomIdIndex
 from airflow_vllm_batch.engines import server as server_engines
 from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
 from airflow_vllm_batch.serving import ServerUnavailableError, stream
@@ -430,18 +431,63 @@ def test_answers_repeated_across_tries_checkpoints_keep_the_first_and_publish(ba
     assert "2 later answer(s) of requests answered already" in capfd.readouterr().out
 
 
-def test_an_answer_to_a_custom_id_not_in_the_input_still_drops_the_parts(batch, server):
+def test_an_answer_to_a_custom_id_not_in_the_input_drops_only_the_part_that_holds_it(batch, server):
     server.behaviour = _dies_after(server, 10)
     with pytest.raises(ServerUnavailableError):
         batch.run(max_in_flight=1)
+    valid_parts = batch.parts()
     stray = {"id": "vllm-x", "custom_id": "not-in-input", "response": {"status_code": 200, "request_id": "x", "body": {}}, "error": None}
-    prefix = batch.parts()[0].rsplit("/", 1)[0]
+    prefix = valid_parts[0].rsplit("/", 1)[0]
     batch.client.put_object(Bucket=batch.bucket, Key=prefix + "/part-000099-deadbeef.jsonl", Body=json.dumps(stray).encode() + b"\n")
     server.restart()
     server.behaviour = _dies_after(server, N)
     with pytest.raises(ResultsCheckError, match="custom_id that is not in the input"):
         batch.run(FakeTI(try_number=2), max_in_flight=1)
-    assert batch.parts() == []
+    kept = batch.parts()
+    assert prefix + "/part-000099-deadbeef.jsonl" not in kept
+    assert set(valid_parts) <= set(kept)  # the valid answers stay durable (Durability)
+    sent_before = server.requests
+    manifest = batch.run(FakeTI(try_number=3), max_in_flight=1)
+    assert manifest["request_counts"] == {"total": N, "completed": N, "failed": 0}
+    assert server.requests == sent_before  # the third try only publishes: every answer is in the parts
+
+
+def test_a_retry_whose_parts_repeat_more_answers_than_are_left_sends_exactly_the_unanswered(batch, server):
+    server.behaviour = _dies_after(server, 10)
+    with pytest.raises(ServerUnavailableError):
+        batch.run(max_in_flight=1)
+    first_parts = batch.parts()
+    sent_first = dict(server.attempts)
+    # A zombie try's part repeats all ten answers: 20 answers in the parts, 10 requests still unanswered.
+    prefix = first_parts[0].rsplit("/", 1)[0]
+    repeated = b"".join(batch.client.get_object(Bucket=batch.bucket, Key=k)["Body"].read() for k in first_parts)
+    batch.client.put_object(Bucket=batch.bucket, Key=prefix + "/part-000099-deadbeef.jsonl", Body=repeated)
+    server.restart()
+    server.behaviour = _dies_after(server, N)
+    manifest = batch.run(FakeTI(try_number=2), max_in_flight=1)
+    assert manifest["request_counts"] == {"total": N, "completed": N, "failed": 0}
+    sent_second = {cid for cid, n in server.attempts.items() if n - sent_first.get(cid, 0)}
+    assert sent_second == {f"r{i}" for i in range(10, N)}
+
+
+def test_a_results_check_that_finds_requests_missing_keeps_every_checkpoint_part(batch, server, monkeypatch):
+    server.behaviour = _dies_after(server, 10)
+    with pytest.raises(ServerUnavailableError):
+        batch.run(max_in_flight=1)
+    parts = batch.parts()
+    server.restart()
+    server.behaviour = _dies_after(server, N)
+    # A try that wrongly believes every request answered streams nothing: the check finds ten missing.
+    everything = CustomIdIndex()
+    for i in range(N):
+        everything.add(f"r{i}", i + 1)
+    with monkeypatch.context() as patched:
+        patched.setattr(server_engines, "answered_ids", lambda staging, parts: everything)
+        with pytest.raises(ResultsCheckError, match="without a result"):
+            batch.run(FakeTI(try_number=2), max_in_flight=1)
+    assert batch.parts() == parts
+    manifest = batch.run(FakeTI(try_number=3), max_in_flight=1)
+    assert manifest["request_counts"] == {"total": N, "completed": N, "failed": 0}
 
 
 @pytest.mark.parametrize(

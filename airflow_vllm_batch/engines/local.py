@@ -16,7 +16,7 @@ from airflow_vllm_batch.engines.sizing import scheduler_sizes as choose_schedule
 from airflow_vllm_batch.engines.base import Engine
 from airflow_vllm_batch.exceptions import EngineArgumentsError
 from airflow_vllm_batch.gpus import GPUPlan, engine_gpus, plan_gpus
-from airflow_vllm_batch.run.scratch import owned_dir
+from airflow_vllm_batch.scratch import owned_dir
 from airflow_vllm_batch.hooks.engine_checks import (
     OfflineDefaults,
     OfflineDefaultsUnavailable,

@@ -43,7 +43,7 @@ from airflow_vllm_batch.manifest import Manifest, RequestCounts, Usage
 from airflow_vllm_batch.run.answer_cache import AnswerCache
 from airflow_vllm_batch.run.cost import run_cost, split_cost
 from airflow_vllm_batch.run.inputs import BatchInput, write_requests
-from airflow_vllm_batch.run.scratch import concat, kept_results, maybe_open, scratch
+from airflow_vllm_batch.scratch import concat, kept_results, maybe_open, scratch
 from airflow_vllm_batch.storage import OutputStore
 from airflow_vllm_batch.summary import FailureTally, tally_failures
 

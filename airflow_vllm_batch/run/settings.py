@@ -38,7 +38,7 @@ DEFAULT_PRESIGN_SECONDS = 24 * 3600
 #: Added to execution_timeout: the engine's final PUT happens at the very end.
 PRESIGN_MARGIN_SECONDS = 15 * 60
 #: The directory whose ``airflow-vllm-batch/`` subdirectory holds the engine's local output
-#: and results kept after an S3 failure (:func:`airflow_vllm_batch.run.scratch.owned_dir`).
+#: and results kept after an S3 failure (:func:`airflow_vllm_batch.scratch.owned_dir`).
 DEFAULT_RESULTS_DIR = tempfile.gettempdir()
 
 _MODES = {"output_mode": ("local", "presigned"), "invalid_lines": ("fail", "skip")}

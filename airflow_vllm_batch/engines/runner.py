@@ -161,7 +161,7 @@ class RunnerEngine(LocalEngine):
             output = str(job.work / "engine-results.jsonl")
         run = self.start_engine(info, engine_input, output, job)
         staged.run = run
-        died = self.split(job, run, output, answered=CustomIdIndex())
+        died = self.split(job, run, output, whole=True)
         if died is None:
             if self.settings.output_mode == "presigned":
                 self.confirm_input_unchanged(job)
@@ -214,7 +214,7 @@ class RunnerEngine(LocalEngine):
             else str(job.work / "engine-results.jsonl")
         )
         run = self.start_engine(info, engine_input, output, job, extra=extra)
-        died = self.split(job, run, output, answered=answered)
+        died = self.split(job, run, output)
         if died is None:
             if isolate:
                 self.record(job, Death([], isolated=True, died=False, exit=_how(run)), deaths)
@@ -222,8 +222,11 @@ class RunnerEngine(LocalEngine):
         deaths.append(self.settle_death(job, run, answered, isolate, deaths, run_input=subset))
         return run, True
 
-    def split(self, job: EngineJob, run: EngineRun, output: str, answered: CustomIdIndex) -> bool | None:
+    def split(self, job: EngineJob, run: EngineRun, output: str, whole: bool = False) -> bool | None:
         """Read what the engine wrote: None when it answered all it was given and lived; else stage its answers.
+
+        :param whole: the engine ran the whole batch with no death before: when it lived, its
+            output is left for the caller to stage as one file.
 
         A non-zero exit before any output, without vLLM's dead-engine error in its log (a bad
         flag, the model not loading), is the try's failure as before (:class:`EngineError`).
@@ -249,7 +252,7 @@ class RunnerEngine(LocalEngine):
             return staging.open_results() if presigned else open_lines(output)
 
         parts = staging.list_parts()
-        if not died and not parts and not len(answered):
+        if not died and whole:
             # The common case, a whole batch: one read looking for vLLM 0.32's dead-engine lines, no copy.
             with output_lines() as lines:
                 if not any(is_engine_dead_line(raw, died=False) for raw in lines):

@@ -9,6 +9,7 @@ installed here): its wheel's sources must still have the type, messages and beha
 
 from __future__ import annotations
 
+import uuid
 import zipfile
 from pathlib import Path
 
@@ -67,3 +68,55 @@ def test_vllm_0_33s_runner_dies_on_a_dead_engine_writes_in_order_and_takes_max_i
     assert "raise engine_client.dead_error" in source  # exits non-zero rather than writing 500s
     assert "print(finished.pop(next_index), file=output_file)" in source  # input order, as it goes
     assert "max_inflight: int | None = None" in source  # --max-inflight
+
+
+#: Starts vLLM 0.32's real runner and, on its first start only, SIGKILLs its EngineCore child
+#: once the batch is running (as the kernel's OOM killer would): the runner itself lives on.
+KILL_ENGINE_CORE_ONCE = """
+import os, signal, subprocess, sys
+import psutil
+flag = os.environ["KILL_ENGINE_CORE_FLAG"]
+proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.launchers.run_batch", *sys.argv[1:]],
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+for raw in proc.stdout:
+    sys.stdout.buffer.write(raw)
+    sys.stdout.flush()
+    if b"Running batch" in raw and not os.path.exists(flag):
+        open(flag, "w").close()
+        children = psutil.Process(proc.pid).children(recursive=True)
+        cores = [c for c in children if "EngineCore" in c.name() or "EngineCore" in " ".join(c.cmdline())]
+        for child in cores or children:
+            child.send_signal(signal.SIGKILL)
+sys.exit(proc.wait())
+"""
+
+
+@pytest.mark.integration
+@pytest.mark.engine
+def test_a_real_engine_core_killed_mid_run_is_read_as_a_death_and_the_batch_completes(embedded, airflow_db, tiny_model, tmp_path):
+    import sys
+
+    from tests.integration.test_faults import _chat_lines, _run
+    from vllm_batch_embedded.demo import BUCKET as DEMO_BUCKET
+
+    model = str(tiny_model)
+    prefix = f"core-killed-{uuid.uuid4().hex[:8]}"
+    embedded.client().put_object(Bucket=DEMO_BUCKET, Key=f"{prefix}/input.jsonl", Body=_chat_lines(model, 12).encode())
+    wrapper = tmp_path / "kill_engine_core_once.py"
+    wrapper.write_text(KILL_ENGINE_CORE_ONCE)
+    flag = tmp_path / "killed"
+    result = _run(
+        "core_killed",
+        input_uri=f"s3://{DEMO_BUCKET}/{prefix}/input.jsonl",
+        output_uri=f"s3://{DEMO_BUCKET}/{prefix}/results.jsonl",
+        model=model,
+        engine_command=[sys.executable, str(wrapper)],
+        engine_args=["--enforce-eager"],
+        engine_env={"KILL_ENGINE_CORE_FLAG": str(flag)},
+    )
+    assert flag.exists(), "the wrapper never saw the batch running"
+    # vLLM 0.32 exits 0, the requests it had left answered with EngineDeadError's message.
+    assert "The vLLM engine died (exited 0)" in result.output, result.output[-3000:]
+    assert "alone, one at a time (--max-num-seqs 1)" in result.output
+    assert result.state == "success", result.output[-3000:]
+    assert result.xcom("vllm_batch")["request_counts"] == {"total": 12, "completed": 12, "failed": 0}

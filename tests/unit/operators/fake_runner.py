@@ -11,6 +11,8 @@ and writing local paths or presigned URLs. The environment steers it:
   (its message ``FAKE_ENGINE_FAIL_MESSAGE`` when set).
 * ``FAKE_ENGINE_DIES_AFTER``: answer that many lines, then every other one with the 500 that
   vLLM 0.32 writes once its engine core died (``EngineDeadError``), and exit 0 as it does.
+* ``FAKE_ENGINE_DIES_ONCE``: a file; with ``FAKE_ENGINE_DIES_AFTER``, only the start that finds
+  it missing dies (and creates it): a transient death.
 * ``FAKE_ENGINE_KILLER``: the custom_id of a request that kills the engine core whenever it runs.
   The stand-in runs the requests in order, ``--max-num-seqs`` (or ``--max-inflight``) at a
   time (4 by default): the group holding the killer and every later one are left unanswered.
@@ -131,7 +133,11 @@ def main() -> int:
             f.write(",".join(r["custom_id"] for r in requests) + "\n")
     dies_at = None
     if (dies_after := os.environ.get("FAKE_ENGINE_DIES_AFTER")) is not None and int(dies_after) < len(requests):
-        dies_at = int(dies_after)
+        once = os.environ.get("FAKE_ENGINE_DIES_ONCE")
+        if not once or not os.path.exists(once):
+            dies_at = int(dies_after)
+            if once:
+                open(once, "w").close()
     if (killer := os.environ.get("FAKE_ENGINE_KILLER")) in [r["custom_id"] for r in requests]:
         at_once = args.max_inflight or args.max_num_seqs
         position = [r["custom_id"] for r in requests].index(killer)

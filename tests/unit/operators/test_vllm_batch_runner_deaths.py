@@ -65,6 +65,14 @@ def test_a_runner_that_dies_midway_has_its_answers_staged_and_only_the_rest_runs
 
 
 @pytest.mark.parametrize("version", VERSIONS)
+def test_a_transient_death_before_any_answer_has_the_next_starts_answers_staged_and_published(batch, version, tmp_path):
+    # The real engine showed it: killed at once, then the suspects' isolated run lives.
+    manifest = run(batch, version, FAKE_ENGINE_DIES_AFTER="0", FAKE_ENGINE_DIES_ONCE=str(tmp_path / "died"))
+    assert manifest["request_counts"] == {"total": 5, "completed": 5, "failed": 0}
+    assert sent(batch) == [ids(0, 1, 2, 3, 4), ids(0, 1, 2, 3, 4)]
+
+
+@pytest.mark.parametrize("version", VERSIONS)
 def test_a_retry_after_a_death_sends_only_what_no_checkpoint_answers(batch, version, monkeypatch):
     monkeypatch.setattr(runner_module, "MAX_STARTS_PER_TRY", 1)
     with pytest.raises(EngineError, match=r"died in this try and was started 1 time\(s\)") as err:

@@ -9,7 +9,9 @@ One output ``s3://b/k/results.jsonl`` comes with::
                                            the manifest's input_uri names it)
     s3://b/k/results.jsonl.staging/<run>/  one run's staging (<run>: its fingerprint's
                                            first 16 hex digits), shared by its tries
-        .../<run>/parts/part-000000.jsonl  the server engine's checkpoints, in order
+        .../<run>/parts/part-000000.jsonl  the server engine's checkpoints, in order (and the
+                                           answers a dying runner finished)
+        .../<run>/deaths/death-000000.json the runner engine's deaths and their suspects
 
 Publishing follows one protocol, so that no reader is ever misled (:meth:`OutputStore.publish`):
 
@@ -401,6 +403,28 @@ class RunStaging:
         if not key.startswith(self.prefix):
             raise ValueError(f"{key} is not under the staging prefix {self.prefix}")
         upload_file(self._fenced(), path, self.bucket, key)
+
+    # -- the runner engine's deaths (see airflow_vllm_batch.engines.runner_deaths) ---------
+
+    @property
+    def deaths_prefix(self) -> str:
+        """Where the runner engine records its deaths and their suspects: ``<run>/deaths/``."""
+        return f"{self.prefix}deaths/"
+
+    def put_death(self, number: int, token: str, record: bytes) -> None:
+        """Record one engine death (JSON) as ``death-<number>-<token>.json``: two tries never write the same key."""
+        key = f"{self.deaths_prefix}death-{number:06d}-{token}.json"
+        self._fenced().put_object(Bucket=self.bucket, Key=key, Body=record)
+
+    def read_deaths(self) -> list[bytes]:
+        """The recorded deaths, in order."""
+        keys = sorted(self.hook.list_keys(bucket_name=self.bucket, prefix=self.deaths_prefix) or [])
+        client = self.hook.get_conn()
+        return [client.get_object(Bucket=self.bucket, Key=key)["Body"].read() for key in keys]
+
+    def drop_staged_output(self) -> None:
+        """Forget the results file a dying runner uploaded (its answers went into a part)."""
+        delete_keys(self._fenced(), self.bucket, [self.results_key])
 
     def put_input(self, path: Path) -> str:
         """Upload the cleaned input for the engine; return its URI."""

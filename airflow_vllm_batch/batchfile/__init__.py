@@ -90,7 +90,7 @@ from airflow_vllm_batch.batchfile.preflight import (
 )
 from airflow_vllm_batch.batchfile.problems import Problem
 from airflow_vllm_batch.batchfile.results import (
-    ENGINE_DEAD_MARKER,
+    ENGINE_DEAD_MESSAGE,
     ResultsReport,
     check_results,
 )
@@ -109,7 +109,7 @@ from airflow_vllm_batch.batchfile.sources import (
 __all__ = [
     "DEFAULT_MAX_LINE_BYTES",
     "DEFAULT_SUPPORTED_URLS",
-    "ENGINE_DEAD_MARKER",
+    "ENGINE_DEAD_MESSAGE",
     "SAMPLING_FIELDS",
     "CustomIdIndex",
     "Failed",

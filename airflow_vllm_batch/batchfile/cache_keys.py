@@ -18,7 +18,7 @@ Plain Python (msgspec, hashlib): no Airflow, no S3.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -128,6 +128,7 @@ def model_identity(
     engine_args: Sequence[str] | None,
     engine_command: Sequence[str] | None = None,
     served_names: Sequence[str] = (),
+    reported: Mapping[str, Any] | None = None,
 ) -> str:
     """The digest (32 hex) of what shapes every answer of an engine: model, vLLM version, output-affecting arguments.
 
@@ -137,15 +138,37 @@ def model_identity(
         warm server, whose arguments the task does not know.
     :param engine_command: the command that starts the engine, when not the default.
     :param served_names: the names a warm server answers to (its model and adapters).
+    :param reported: what a warm server says about itself that shapes answers (see
+        :func:`reported_models`); None when the engine is the task's own. Part of the digest
+        only when given, so the keys of the other engines stay as they were.
     """
-    parts = {
+    parts: dict[str, Any] = {
         "model": model,
         "vllm_version": vllm_version,
         "engine_args": output_args(engine_args) if engine_args is not None else None,
         "engine_command": list(engine_command or ()),
         "served_names": sorted(served_names),
     }
+    if reported is not None:
+        parts["reported"] = dict(reported)
     return hashlib.blake2b(msgspec.json.encode(parts, order="sorted"), digest_size=KEY_HEX // 2).hexdigest()
+
+
+#: The fields of a ``/v1/models`` card that shape the answers under its name: the weights' path
+#: (``root``: the base model's, or a LoRA adapter's), the adapter's base (``parent``) and the
+#: context length (``max_model_len``: a prompt too long for it is refused, ``max_tokens`` capped).
+REPORTED_CARD_FIELDS = ("id", "root", "parent", "max_model_len")
+
+
+def reported_models(cards: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """What a warm server's ``/v1/models`` cards say that shapes its answers, in a stable order.
+
+    ``created`` (the listing's time) and ``permission`` are left out: they change on every call.
+
+    :param cards: the listing's ``data``.
+    """
+    kept = [{name: card.get(name) for name in REPORTED_CARD_FIELDS} for card in cards]
+    return sorted(kept, key=lambda card: str(card["id"]))
 
 
 class _Sampling(msgspec.Struct, gc=False):

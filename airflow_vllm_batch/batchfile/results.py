@@ -14,8 +14,10 @@ or one built here from ``input_lines``. It reports:
   kind of response (chat.completion, embedding, score, rerank);
 * ``usage``: prompt, completion and total tokens summed over the results;
 * ``engine_failure``: vLLM 0.32 exits 0 even when its engine core died; every
-  request then comes back as a 500 whose error says "EngineCore encountered an
-  issue" (``vllm.v1.engine.exceptions.EngineDeadError``). This flag catches it.
+  request it had left then comes back as a 500 whose error is the message of vLLM's
+  dead-engine error type, ``vllm.v1.engine.exceptions.EngineDeadError``
+  (:data:`ENGINE_DEAD_MESSAGE`, compared whole: a model's answer or another error that
+  merely mentions "EngineCore" is not one). This flag catches it.
 
 A result line has **failed** when its ``error`` is not null or its
 ``response.status_code`` is not 200, and **succeeded** otherwise. The two go to
@@ -59,8 +61,9 @@ from airflow_vllm_batch.batchfile.sources import redact_urls
 from airflow_vllm_batch.batchfile.structured import INVALID_OUTPUT, OutputSchema, answer_text, invalid_output_error
 from airflow_vllm_batch.exceptions import ResultsCheckError
 
-#: What vLLM's ``EngineDeadError`` puts in every error once the engine core is gone.
-ENGINE_DEAD_MARKER = "EngineCore"
+#: ``str(EngineDeadError())`` in vLLM 0.32 (and 0.33, whose runner exits non-zero instead):
+#: the error message of every request a 0.32 runner had left when its engine core died.
+ENGINE_DEAD_MESSAGE = "EngineCore encountered an issue. See stack trace (above) for the root cause."
 DEFAULT_MAX_LISTED = 50
 DEFAULT_SAMPLE_ERRORS = 5
 
@@ -500,7 +503,7 @@ def _scan_results(
             if failed_out is not None:
                 failed_out(raw, result.custom_id, status)
             message = error_message(error) or f"HTTP status {status}"
-            if ENGINE_DEAD_MARKER in message:
+            if message == ENGINE_DEAD_MESSAGE:
                 dead += 1
             if len(samples) < max_sample_errors:
                 # Logged by the operator: an engine's message may quote a presigned URL.

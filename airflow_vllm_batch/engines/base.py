@@ -133,6 +133,14 @@ class Engine(abc.ABC):
             "engine_args": redact_engine_args(self.settings.engine_args, IDENTITY_PLACEHOLDER),
         }
 
+    def reported_identity(self) -> dict[str, Any] | None:
+        """What the engine says about itself that shapes its answers, for the answer cache's key.
+
+        None for an engine the task starts (its arguments and vLLM version are known already);
+        a warm server's ``/version`` and ``/v1/models`` otherwise.
+        """
+        return None
+
     def gpu_plan(self) -> GPUPlan:
         """How many GPUs the engine leases on this worker; fails fast when the settings cannot fit."""
         return GPUPlan(0)

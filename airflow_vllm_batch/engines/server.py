@@ -31,6 +31,7 @@ import msgspec
 from botocore.exceptions import BotoCoreError, ClientError
 
 from airflow_vllm_batch.batchfile import CustomIdIndex
+from airflow_vllm_batch.batchfile.cache_keys import reported_models
 from airflow_vllm_batch.engines.base import Engine, EngineJob, EngineResults
 from airflow_vllm_batch.engines.local import LocalEngine
 from airflow_vllm_batch.engines.sizing import api_server_count, connection_in_flight, started_server_in_flight
@@ -250,9 +251,25 @@ class ConnectionEngine(_Streaming):
     name = "server"
 
     @cached_property
+    def model_cards(self) -> list[dict[str, Any]]:
+        """The warm server's ``/v1/models`` cards, read once per try."""
+        return self.server.warm_hook.model_cards()
+
+    @cached_property
     def served(self) -> ServedModels:
         """The warm server's own ``/v1/models`` listing: the names it answers to."""
-        return served_models_of_server(self.server.warm_hook.model_cards(), self.settings.model)
+        return served_models_of_server(self.model_cards, self.settings.model)
+
+    def reported_identity(self) -> dict[str, Any]:
+        """The warm server's word on what shapes its answers: each model card's weights path, base and length.
+
+        Its vLLM version (``/version``) is in the key already. A server restarted behind the
+        same connection with other weights, another ``--max-model-len`` or other LoRA adapters
+        reports other cards, so the answer cache misses; what it does not report (new weights
+        written at the same path, ``--dtype``, ``--quantization``, ``--generation-config``) it
+        cannot see (see the README's answer-cache section).
+        """
+        return {"models": reported_models(self.model_cards)}
 
     def inspect(self) -> EngineInfo:
         # The warm server's environment is not this worker's: ask the server itself.

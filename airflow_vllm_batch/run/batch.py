@@ -232,6 +232,7 @@ class BatchRun:
             engine_args=self.engine.identity().get("engine_args"),  # None for a warm server: not the task's to know
             engine_command=s.engine_command,
             served_names=self.engine.served.names,
+            reported=self.engine.reported_identity(),  # a warm server's cards: restarted with other weights, a miss
         )
         return AnswerCache(
             self.s3_hook, s.answer_cache_uri, model_digest=digest, sampled=s.answer_cache_sampled, resume=s.resume, log=self.log

@@ -122,3 +122,17 @@ def test_line_key_gives_the_custom_id_and_none_for_a_request_that_samples():
     sampling = {**line, "body": {**BODY, "temperature": 1}}
     assert line_key(identity(), json.dumps(sampling).encode()) == ("a", None)
     assert line_key(identity(), json.dumps(sampling).encode(), sampled=True)[1] is not None
+
+
+def test_a_warm_servers_reported_weights_path_or_length_changes_the_model_identity_but_its_listing_time_does_not():
+    from airflow_vllm_batch.batchfile.cache_keys import reported_models
+
+    card = {"id": "m", "object": "model", "created": 1, "root": "/models/m", "max_model_len": 2048, "permission": []}
+
+    def served(**changes) -> str:
+        return identity(engine_args=None, reported={"models": reported_models([{**card, **changes}])})
+
+    assert served(created=2, permission=[{"id": "p"}]) == served()
+    assert served(root="/models/m-v2") != served()
+    assert served(max_model_len=4096) != served()
+    assert identity(engine_args=None) != served()

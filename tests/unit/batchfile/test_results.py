@@ -168,6 +168,12 @@ def test_plain_server_errors_are_not_an_engine_failure():
     assert not report.engine_failure
 
 
+def test_an_error_that_only_mentions_enginecore_is_not_an_engine_failure():
+    # Only vLLM's EngineDeadError message, whole, says the engine core died.
+    report = check([failed_result("a", 500, {"error": {"message": "EngineCore busy: request rejected", "code": 500}})], None)
+    assert not report.engine_failure
+
+
 def test_an_engine_death_after_some_answers_is_still_an_engine_failure():
     # vLLM 0.32 answers what it finished, then every other request with the engine-dead error.
     report = check([ok_result("a"), failed_result("b", 500, ENGINE_DEAD)], None)

@@ -7,12 +7,23 @@ and writing local paths or presigned URLs. The environment steers it:
 * ``FAKE_ENGINE_CALLS``: a file that gets one line per start (how tests count engine runs);
 * ``FAKE_ENGINE_DROP``: answer that many fewer lines (a results mismatch);
 * ``FAKE_ENGINE_EXIT``: exit with this code after writing nothing;
-* ``FAKE_ENGINE_FAIL``: answer that many of the first lines with vLLM's HTTP 500 error.
+* ``FAKE_ENGINE_FAIL``: answer that many of the first lines with vLLM's HTTP 500 error
+  (its message ``FAKE_ENGINE_FAIL_MESSAGE`` when set).
 * ``FAKE_ENGINE_DIES_AFTER``: answer that many lines, then every other one with the 500 that
   vLLM 0.32 writes once its engine core died (``EngineDeadError``), and exit 0 as it does.
 * ``FAKE_ENGINE_ECHO_ARGS``: print the arguments it was not told about, as vLLM logs its
   ``args: Namespace(...)`` (secret flags' values included), and fail with them on stderr when
   set to ``fail``.
+* ``FAKE_ENGINE_DIES_ONCE``: a file; with ``FAKE_ENGINE_DIES_AFTER``, only the start that finds
+  it missing dies (and creates it): a transient death.
+* ``FAKE_ENGINE_KILLER``: the custom_id of a request that kills the engine core whenever it runs.
+  The stand-in runs the requests in order, ``--max-num-seqs`` (or ``--max-inflight``) at a
+  time (4 by default): the group holding the killer and every later one are left unanswered.
+* ``FAKE_ENGINE_VLLM``: ``0.32`` (default) or ``0.33``, how a death is reported. 0.32 writes
+  every line at the end, the unanswered ones as its engine-dead 500s, and exits 0; 0.33
+  writes its answers as it goes, in input order, stops at the first unanswered one and exits
+  1 with vLLM's ``EngineDeadError`` traceback.
+* ``FAKE_ENGINE_SENT``: a file that gets, per start, the custom_ids the engine was given.
 * ``FAKE_ENGINE_GPU_PROBE``: a file that gets the engine's ``CUDA_VISIBLE_DEVICES`` and,
   for each device, whether its GPU lease lock is held while the engine runs.
 """
@@ -65,7 +76,7 @@ def fail(request: dict) -> dict:
         "id": "vllm-" + request["custom_id"],
         "custom_id": request["custom_id"],
         "response": {"status_code": 500, "request_id": "r-" + request["custom_id"], "body": None},
-        "error": {"message": "Internal error while generating (see https://example.invalid/x?X-Amz-Signature=abc)", "type": "InternalServerError", "code": 500},
+        "error": {"message": os.environ.get("FAKE_ENGINE_FAIL_MESSAGE", "Internal error while generating (see https://example.invalid/x?X-Amz-Signature=abc)"), "type": "InternalServerError", "code": 500},
     }
 
 
@@ -105,6 +116,8 @@ def main() -> int:
     parser.add_argument("-i", required=True)
     parser.add_argument("-o", required=True)
     parser.add_argument("--model", required=True)
+    parser.add_argument("--max-num-seqs", type=int, default=4)
+    parser.add_argument("--max-inflight", type=int, default=None)
     args, unknown = parser.parse_known_args()
     if echo := os.environ.get("FAKE_ENGINE_ECHO_ARGS"):
         print(f"INFO [arg_utils.py:1] non-default args: {unknown!r}", flush=True)
@@ -123,8 +136,29 @@ def main() -> int:
     failing = int(os.environ.get("FAKE_ENGINE_FAIL", "0"))
     # vLLM names the adapter that answered (or the base model): the request's own name here.
     answers = [fail(r) if i < failing else answer(r, r["body"].get("model") or args.model) for i, r in enumerate(requests)]
-    if (dies_after := os.environ.get("FAKE_ENGINE_DIES_AFTER")) is not None:
-        answers[int(dies_after) :] = [engine_dead(r) for r in requests[int(dies_after) :]]
+    if sent := os.environ.get("FAKE_ENGINE_SENT"):
+        with open(sent, "a") as f:
+            f.write(",".join(r["custom_id"] for r in requests) + "\n")
+    dies_at = None
+    if (dies_after := os.environ.get("FAKE_ENGINE_DIES_AFTER")) is not None and int(dies_after) < len(requests):
+        once = os.environ.get("FAKE_ENGINE_DIES_ONCE")
+        if not once or not os.path.exists(once):
+            dies_at = int(dies_after)
+            if once:
+                open(once, "w").close()
+    if (killer := os.environ.get("FAKE_ENGINE_KILLER")) in [r["custom_id"] for r in requests]:
+        at_once = args.max_inflight or args.max_num_seqs
+        position = [r["custom_id"] for r in requests].index(killer)
+        dies_at = position - position % at_once  # the start of the group it runs in
+    if dies_at is None:
+        write(args.o, b"".join(json.dumps(a).encode() + b"\n" for a in answers))
+        return 0
+    if os.environ.get("FAKE_ENGINE_VLLM", "0.32") == "0.33":
+        write(args.o, b"".join(json.dumps(a).encode() + b"\n" for a in answers[:dies_at]))
+        print("Traceback (most recent call last):")
+        print("vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack trace (above) for the root cause.")
+        return 1
+    answers[dies_at:] = [engine_dead(r) for r in requests[dies_at:]]
     write(args.o, b"".join(json.dumps(a).encode() + b"\n" for a in answers))
     return 0
 

@@ -172,3 +172,29 @@ def test_a_retry_takes_the_hits_its_first_try_staged_even_when_the_cache_changed
     assert manifest["from_cache"] == N - 2
     assert manifest["request_counts"] == {"total": N, "completed": N, "failed": 0}
     assert server.attempts["changed 0"] == 2 and server.requests == N + 4  # only the misses, once per try
+
+
+@pytest.mark.parametrize(
+    "restarted",
+    [
+        {"card": {"root": "/models/llama-3-8b-v2"}},
+        {"card": {"max_model_len": 512}},
+        {"vllm_version": "0.33.0"},
+    ],
+    ids=["root", "max_model_len", "vllm_version"],
+)
+def test_a_warm_server_restarted_with_other_weights_length_or_version_misses_the_cache(batch, server, restarted):
+    server.card = {"root": "/models/llama-3-8b", "max_model_len": 2048}
+    uri = put_input(batch, "in/night1.jsonl", [line(f"r{i}") for i in range(N)])
+    assert run(batch, uri, "night1")["from_cache"] == 0
+    for name, value in restarted.items():
+        setattr(server, name, {**server.card, **value} if name == "card" else value)
+    manifest = run(batch, uri, "night2")
+    assert manifest["from_cache"] == 0 and server.requests == 2 * N
+
+
+def test_a_warm_server_that_reports_itself_the_same_keeps_hitting_the_cache(batch, server):
+    server.card = {"root": "/models/llama-3-8b", "max_model_len": 2048}
+    uri = put_input(batch, "in/night1.jsonl", [line(f"r{i}") for i in range(N)])
+    run(batch, uri, "night1")
+    assert run(batch, uri, "night2")["from_cache"] == N and server.requests == N

@@ -415,18 +415,6 @@ def test_a_run_without_failures_has_no_failed_by_reason(batch):
     assert "failed_by_reason" not in batch.run()
 
 
-def test_an_engine_that_dies_midway_and_exits_0_fails_the_try_as_retryable_and_publishes_nothing(batch):
-    # vLLM 0.32: 3 answers, then its engine core dies; the last 2 lines are its engine-dead 500s, exit 0.
-    with pytest.raises(EngineError, match=r"engine died during the run although it exited 0: 2 of 5 .* 3 were answered") as err:
-        batch.run(engine_env={"FAKE_ENGINE_DIES_AFTER": "3"})
-    assert err.value.retryable
-    assert not [k for k in batch.keys() if not k.startswith("in/")]  # no output, manifest, error file or staging
-    assert list(batch.scratch_dir.iterdir()) == []  # nor results kept on the worker for the retry to publish
-    manifest = batch.run(FakeTI(try_number=2))
-    assert manifest["request_counts"] == {"total": 5, "completed": 5, "failed": 0}
-    assert batch.engine_runs == 2
-
-
 def _successor_takes_over(batch: Batch) -> None:
     """The task's next try (its scheduler thought this one dead) takes the output's lease."""
     _hold(batch, LeaseHolder("d", "run-1", "vllm_batch", -1, 2, "f" * 64, "gpu-2"))

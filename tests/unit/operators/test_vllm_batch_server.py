@@ -42,6 +42,9 @@ class ServedStandIn(StandIn):
     """The stand-in with the read-only endpoints a warm server has: ``/v1/models`` and ``/version``."""
 
     served = ("m",)
+    #: What its ``/v1/models`` cards say besides the id (``root``, ``max_model_len``), and its ``/version``.
+    card: dict = {}
+    vllm_version = "0.32.0"
 
     async def _start(self) -> None:
         app = web.Application()
@@ -55,10 +58,10 @@ class ServedStandIn(StandIn):
     async def _models(self, request: web.Request) -> web.Response:
         if request.headers.get("Authorization") != f"Bearer {API_KEY}":
             return web.json_response({"error": {"message": "Unauthorized"}}, status=401)
-        return web.json_response({"object": "list", "data": [{"id": m, "object": "model"} for m in self.served]})
+        return web.json_response({"object": "list", "data": [{"id": m, "object": "model", **self.card} for m in self.served]})
 
     async def _version(self, request: web.Request) -> web.Response:
-        return web.json_response({"version": "0.32.0"})
+        return web.json_response({"version": self.vllm_version})
 
     def restart(self) -> None:
         """Come back on the same port, as a restarted server behind the same address would."""

@@ -93,6 +93,22 @@ def test_the_sharded_dag_runs_every_shard_through_one_warm_server(warm, embedded
     assert requests_answered(warm.hook.base_url) - before == 90
 
 
+
+def test_the_taskflow_dag_runs_its_decorated_task_through_the_warm_server(warm, embedded):
+    before = requests_answered(warm.hook.base_url)
+    run = run_dag(load_dag("vllm_batch_taskflow.py", "taskflow_dag"))
+    assert run.state == "success", run.output[-4000:]
+    manifest = run.xcom("classify")
+    assert manifest["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
+    assert manifest["identity"]["engine"] == "vllm_connection"
+    assert "Starting the vLLM" not in run.output
+    requests = _s3_lines(embedded, manifest["input_uri"])
+    assert [r["body"]["messages"][0]["role"] for r in requests] == ["system"] * 3
+    answers = run.xcom("use_answers")
+    assert answers == {line["custom_id"]: line["response"]["body"]["choices"][0]["message"]["content"] for line in _s3_lines(embedded, manifest["output_uri"])}
+    assert sorted(answers) == ["request-0", "request-1", "request-2"]
+    assert requests_answered(warm.hook.base_url) - before == 3
+
 TASK_SCRIPT = """
 import sys
 sys.path.insert(0, {repo!r})

@@ -61,6 +61,11 @@ def warm(embedded, airflow_db, tiny_model: Path) -> Iterator[VLLMServerProcess]:
             os.environ.pop(f"AIRFLOW_CONN_{CONN_ID.upper()}", None)
 
 
+def _error_lines(output: str) -> list[str]:
+    """The log lines at error level or above (structlog's ``[error    ]``, Airflow's ``ERROR -``)."""
+    return [line for line in output.splitlines() if re.search(r"\[(error|critical)\s*\]|\b(ERROR|CRITICAL) - ", line)]
+
+
 def _s3_lines(seaweed, uri: str) -> list[dict]:
     bucket, _, key = uri.removeprefix("s3://").partition("/")
     body = seaweed.client().get_object(Bucket=bucket, Key=key)["Body"].read().decode()
@@ -79,6 +84,7 @@ def test_the_pipeline_dag_runs_through_the_warm_server(warm, embedded):
         ChatCompletion.model_validate(line["response"]["body"])
     assert requests_answered(warm.hook.base_url) - before == 12
     assert warm.hook.api_key not in run.output
+    assert _error_lines(run.output) == []
 
 
 def test_the_sharded_dag_runs_every_shard_through_one_warm_server(warm, embedded):
@@ -91,6 +97,7 @@ def test_the_sharded_dag_runs_every_shard_through_one_warm_server(warm, embedded
     for line in _s3_lines(embedded, merged["output_uri"]):
         ChatCompletion.model_validate(line["response"]["body"])
     assert requests_answered(warm.hook.base_url) - before == 90
+    assert _error_lines(run.output) == []  # a successful split, shards and merge log no error
 
 
 
@@ -108,6 +115,7 @@ def test_the_taskflow_dag_runs_its_decorated_task_through_the_warm_server(warm, 
     assert answers == {line["custom_id"]: line["response"]["body"]["choices"][0]["message"]["content"] for line in _s3_lines(embedded, manifest["output_uri"])}
     assert sorted(answers) == ["request-0", "request-1", "request-2"]
     assert requests_answered(warm.hook.base_url) - before == 3
+    assert _error_lines(run.output) == []
 
 TASK_SCRIPT = """
 import sys

@@ -394,6 +394,27 @@ def test_structured_outputs_through_the_real_engine_every_answer_fits_and_withou
     print({a.custom_id: a.value.model_dump() for a in parsed[:3]}, free[0])
 
 
+
+def test_structured_answers_cut_off_at_the_token_limit_fail_saying_so_and_naming_the_requests_limit(warm, embedded, tiny_model):
+    model = str(tiny_model)
+    chat = [{"url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": f"Review {i}"}], "max_completion_tokens": 3}} for i in range(3)]
+    text = [{"url": "/v1/completions", "body": {"prompt": "Review: slow", "max_tokens": 3}}]
+    data = b"".join(
+        json.dumps({"custom_id": f"t{i}", "method": "POST", "url": line["url"], "body": {"model": model, "temperature": 0, **line["body"]}}).encode() + b"\n"
+        for i, line in enumerate(chat + text)
+    )
+    embedded.client().put_object(Bucket=BUCKET, Key="structured/short.jsonl", Body=data)
+    run = run_dag(_warm_dag("structured_short", model, "structured/short.jsonl", "structured/short/results.jsonl", output_type=Mood, max_failed_ratio=1))
+    assert run.state == "success", run.output[-4000:]
+    manifest = run.xcom("vllm_batch")
+    assert manifest["request_counts"] == {"total": 4, "completed": 0, "failed": 4}
+    messages = {line["custom_id"]: line["error"]["message"] for line in _s3_lines(embedded, manifest["error_uri"])}
+    print(messages)
+    for custom_id, message in messages.items():
+        assert 'cut off at the token limit (finish_reason "length", 3 tokens)' in message, message
+        limit = "max_tokens," if custom_id == "t3" else "max_completion_tokens (or max_tokens)"
+        assert f"raise the request's {limit}" in message, message
+
 def _cache_dag(dag_id: str, model: str, input_key: str, cache_uri: str):
     return _warm_dag(dag_id, model, input_key, f"answer-cache-it/{dag_id}/results.jsonl", answer_cache_uri=cache_uri)
 

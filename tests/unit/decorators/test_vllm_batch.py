@@ -114,3 +114,10 @@ def test_the_manifest_is_one_xcom_whatever_the_functions_annotation(batch):
         return [{"messages": [{"role": "user", "content": "x"}]}]
 
     assert _decorated(batch, bodies).multiple_outputs is False
+
+
+def test_a_retry_calls_the_function_again_and_the_same_requests_resume_the_same_run(batch):
+    # Each try is a new operator object (a new task process), as in Airflow.
+    first = _decorated(batch, lambda: ["a", "b"]).execute({"ti": FakeTI(), "outlet_events": {}})
+    again = _decorated(batch, lambda: ["a", "b"]).execute({"ti": FakeTI(try_number=2), "outlet_events": {}})
+    assert again["fingerprint"] == first["fingerprint"] and batch.engine_runs == 1

@@ -62,6 +62,15 @@ class _VLLMBatchDecoratedOperator(DecoratedOperator, VLLMBatchOperator):
             python_callable=python_callable, op_args=op_args, op_kwargs=op_kwargs, requests=SET_DURING_EXECUTION, **kwargs
         )
 
+    @property
+    def xcom_push(self) -> bool:
+        """``do_xcom_push``: Airflow 3.0's ``DecoratedOperator.execute`` reads ``self.xcom_push`` (as common-sql's ``@task.sql`` provides it)."""
+        return self.do_xcom_push
+
+    @xcom_push.setter
+    def xcom_push(self, value: bool) -> None:
+        self.do_xcom_push = value
+
     def execute(self, context: Context) -> Any:
         # The function's values are data, not templates: they are not rendered (a prompt may hold "{{").
         kwargs = determine_kwargs(self.python_callable, self.op_args, {**context, **self.op_kwargs})

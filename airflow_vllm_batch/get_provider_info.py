@@ -31,6 +31,9 @@ def get_provider_info() -> dict[str, Any]:
                 ],
             }
         ],
+        "task-decorators": [
+            {"class-name": "airflow_vllm_batch.decorators.vllm_batch.vllm_batch_task", "name": "vllm_batch"},
+        ],
         "extra-links": ["airflow_vllm_batch.links.output.VLLMBatchOutputLink"],
         "config": {
             "vllm_batch": {

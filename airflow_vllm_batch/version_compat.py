@@ -14,6 +14,8 @@ name                      Task SDK path, since           Airflow 3.0 path
                           (3.2)
 ``TaskInstanceKey``       ``airflow.sdk.types`` (3.2)    ``airflow.models.taskinstancekey``
                                                          (type hints only)
+``determine_kwargs``      ``airflow.sdk.bases``          ``airflow.utils.operator_helpers``
+                          ``.decorator``
 ========================  ============================  ==========================================
 """
 
@@ -49,6 +51,11 @@ else:
     from airflow.configuration import conf  # type: ignore[no-redef]
     from airflow.exceptions import AirflowFailException  # type: ignore[no-redef]
 
+try:
+    from airflow.sdk.bases.decorator import determine_kwargs
+except ImportError:  # Airflow 3.0 kept it with the operator helpers
+    from airflow.utils.operator_helpers import determine_kwargs  # type: ignore[no-redef]
+
 if TYPE_CHECKING:
     # For annotations only: 3.0's module imports Airflow's ORM models.
     if AIRFLOW_V_3_2_PLUS:
@@ -62,5 +69,6 @@ __all__ = [
     "AirflowFailException",
     "BaseHook",
     "conf",
+    "determine_kwargs",
     "get_base_airflow_version_tuple",
 ]

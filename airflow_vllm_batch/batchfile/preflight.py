@@ -122,6 +122,11 @@ DEFAULT_MAX_LINE_BYTES = 1_000_000
 DEFAULT_MAX_PROBLEMS_LISTED = 50
 
 _BOM = b"\xef\xbb\xbf"
+_BOM_MESSAGE = "line starts with a UTF-8 byte order mark (BOM), which vLLM cannot read — save the file as UTF-8 without BOM"
+_COMPRESSED_MESSAGE = "the file is "
+#: Problems found on line 1 that are the whole file's (how it was saved), not one request's.
+_FILE_WIDE_ON_LINE_1 = (_BOM_MESSAGE, _COMPRESSED_MESSAGE)
+
 # ValidationError subclasses DecodeError; msgspec raises UnicodeDecodeError for
 # bad UTF-8 inside a string it decodes; KeyError is an unsupported URL.
 _DECODE_ERRORS = (msgspec.DecodeError, UnicodeDecodeError, KeyError)
@@ -316,12 +321,24 @@ class PreflightReport:
         name = source_name or self.source or "batch file"
         lines = [f"{name} failed preflight: {self.summary()}, {self.problem_count} problem(s)."]
         lines.extend(format_problem_list(self.problems, self.problem_count))
+        fix = "the lines above" if self.invalid_lines and not self.file_problems else "the file as said above"
         lines.append(
-            "Fix the lines above and upload the file again"
-            + ("" if self.mode == "skip" else ", or run with invalid_lines='skip' to leave them out")
+            f"Fix {fix} and upload the file again"
+            + (", or run with invalid_lines='skip' to leave them out" if self.skipping_would_run else "")
             + "."
         )
         raise PreflightError("\n".join(lines), report=self)
+
+    @property
+    def skipping_would_run(self) -> bool:
+        """Whether ``invalid_lines='skip'`` would start the engine on what is left: only bad lines, some good ones.
+
+        Not for a problem of the whole file (empty, too many lines, a BOM or compression on
+        line 1: skipping would drop the first request, or everything).
+        """
+        if self.mode == "skip" or self.file_problems or not self.invalid_lines or self.valid_lines <= 0:
+            return False
+        return not any(p.line == 1 and p.message.startswith(_FILE_WIDE_ON_LINE_1) for p in self.problems)
 
 
 def preflight(
@@ -819,14 +836,11 @@ def diagnose_line(
     :param first_model_line: the line that set ``expected_model`` (0 when it came from options).
     """
     if raw.startswith(_BOM):
-        return None, (
-            "line starts with a UTF-8 byte order mark (BOM), which vLLM cannot read — "
-            "save the file as UTF-8 without BOM"
-        )
+        return None, _BOM_MESSAGE
     compression = compression_of_head(raw) if lineno == 1 else None
     if compression is not None:
         return None, (
-            f"the file is {compression}-compressed but was read without decompressing it — "
+            f"{_COMPRESSED_MESSAGE}{compression}-compressed but was read without decompressing it — "
             "read it with open_lines(), which decompresses gzip"
             + (", or decompress it first" if compression == "zstd" else "")
         )

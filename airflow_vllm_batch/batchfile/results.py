@@ -58,7 +58,7 @@ from airflow_vllm_batch.batchfile.models import (
 from airflow_vllm_batch.batchfile.preflight import custom_ids_at
 from airflow_vllm_batch.batchfile.problems import Problem, format_problem_list
 from airflow_vllm_batch.batchfile.sources import redact_urls
-from airflow_vllm_batch.batchfile.structured import INVALID_OUTPUT, OutputSchema, answer_text, invalid_output_error
+from airflow_vllm_batch.batchfile.structured import INVALID_OUTPUT, OutputSchema, answer_misfit, invalid_output_error
 from airflow_vllm_batch.exceptions import ResultsCheckError
 
 #: ``str(EngineDeadError())`` in vLLM 0.32 (and 0.33, whose runner exits non-zero instead):
@@ -389,11 +389,7 @@ class _Outputs:
 
     def misfit(self, raw: bytes) -> tuple[str, str | None] | None:
         """``(message, text)`` when a successful line's answer does not fit the output schema, else None."""
-        has_choices, text = answer_text(raw)
-        if not has_choices:
-            return None
-        problem = self.output_schema.problem(text)
-        return None if problem is None else (problem, text)
+        return answer_misfit(raw, self.output_schema)
 
     def invalid_output(self, raw: bytes, custom_id: str | None, message: str, text: str | None) -> None:
         """Write an answer that does not fit as a failed line: the engine's response kept, its text in ``error.raw``."""

@@ -10,7 +10,9 @@ Three steps share one :class:`OutputSchema`:
 * **after the engine** (the results check): each successful answer's text
   (``choices[0].message.content``, or ``choices[0].text`` for a completion) is validated
   with ``model_validate_json``; one that does not fit goes to the error file with
-  ``error.code`` ``"invalid_output"`` and its ``raw`` text (:func:`invalid_output_error`);
+  ``error.code`` ``"invalid_output"`` and its ``raw`` text (:func:`invalid_output_error`),
+  its message naming the fix when the answer shows it (:func:`answer_misfit`: the token
+  limit, or whitespace padding);
 * **downstream** (:func:`~airflow_vllm_batch.batchfile.answers.read_answers` with
   ``output_type=``): answers come back as model instances.
 
@@ -38,6 +40,10 @@ STRUCTURED_URLS: frozenset[str] = frozenset({"/v1/chat/completions", "/v1/comple
 INVALID_OUTPUT = "invalid_output"
 #: The longest validation message kept per failed answer (the raw text is kept whole).
 MAX_MESSAGE_CHARS = 300
+#: The engine flag that keeps structured decoding from padding JSON with whitespace until the token limit.
+COMPACT_JSON_FLAG = """--structured-outputs-config '{"backend": "xgrammar", "disable_any_whitespace": true}'"""
+#: A trailing run of this much whitespace marks an answer padded by structured decoding.
+_PADDING_RUN = 16
 
 
 def resolve_output_type(value: Any) -> type | None:
@@ -169,10 +175,17 @@ class _Choice(msgspec.Struct, gc=False):
     index: int = 0
     message: _Message | None = None
     text: Any = None
+    finish_reason: Any = None
+
+
+class _Usage(msgspec.Struct, gc=False):
+    completion_tokens: Any = None
 
 
 class _Body(msgspec.Struct, gc=False):
     choices: list[_Choice] | None = None
+    object: Any = None
+    usage: _Usage | None = None
 
 
 class _Response(msgspec.Struct, gc=False):
@@ -187,20 +200,52 @@ class _AnswerLine(msgspec.Struct, gc=False):
 _decode_answer = msgspec.json.Decoder(_AnswerLine).decode
 
 
-def answer_text(raw: bytes) -> tuple[bool, str | None]:
-    """``(has_choices, text)`` of a successful result line: its first choice's content (chat) or text (completion).
+def answer_misfit(raw: bytes, schema: OutputSchema) -> tuple[str, str | None] | None:
+    """``(message, text)`` when a successful result line's answer does not fit ``schema``, else None.
 
-    ``has_choices`` is False for an answer without choices (an embedding, a score): nothing to validate.
+    The message says why, and, when the answer shows it, what to change: an answer cut off at
+    the token limit (``finish_reason`` ``"length"``) names the request's ``max_completion_tokens``
+    / ``max_tokens``; one padded with whitespace names :data:`COMPACT_JSON_FLAG`.
     """
     response = _decode_answer(raw).response
     if response is None:
-        return False, None
-    choices = response.body.choices if response.body is not None else response.choices
+        return None
+    body = response.body
+    choices = body.choices if body is not None else response.choices
     if not choices:
-        return False, None
+        return None
     first = min(choices, key=lambda c: c.index) if len(choices) > 1 else choices[0]
     text = first.message.content if first.message is not None else first.text
-    return True, text if isinstance(text, str) or text is None else str(text)
+    text = text if isinstance(text, str) or text is None else str(text)
+    problem = schema.problem(text)
+    if problem is None:
+        return None
+    tokens = body.usage.completion_tokens if body is not None and body.usage is not None else None
+    return problem + _fix_hint(text, first.finish_reason, tokens, completion=first.message is None), text
+
+
+def _fix_hint(text: str | None, finish_reason: Any, tokens: Any, *, completion: bool) -> str:
+    """What to change for an answer that does not fit, when its shape tells (else "")."""
+    cut = ""
+    if finish_reason == "length":
+        cut = f' (finish_reason "length"{f", {tokens} tokens" if isinstance(tokens, int) else ""})'
+    if text is not None and _padded(text):
+        # More tokens only buy more whitespace: the decoder's grammar allows it between JSON tokens.
+        where = f"cut off at the token limit{cut} while padding" if cut else "padded"
+        return (
+            f". The answer is {where} with whitespace: start the engine with {COMPACT_JSON_FLAG} "
+            "(in engine_args, or on the warm server's command line)"
+        )
+    if cut:
+        limit = "max_tokens" if completion else "max_completion_tokens (or max_tokens)"
+        return f". The answer was cut off at the token limit{cut}: raise the request's {limit}, e.g. in default_body"
+    return ""
+
+
+def _padded(text: str) -> bool:
+    """Whether ``text`` is mostly whitespace, or ends in a long run of it: JSON padded by structured decoding."""
+    spaces = sum(c.isspace() for c in text)
+    return (len(text) >= 8 and spaces * 2 >= len(text)) or len(text) - len(text.rstrip()) >= _PADDING_RUN
 
 
 def invalid_output_error(message: str, raw_text: str | None, line: int | None) -> dict[str, Any]:

@@ -32,6 +32,7 @@ quick checks, run before it loads a model, refused them).
 from __future__ import annotations
 
 import contextlib
+import difflib
 import functools
 import importlib
 import importlib.util
@@ -130,6 +131,21 @@ def _hint(message: str) -> str:
     return message
 
 
+def _did_you_mean(message: str, parser) -> str:
+    """Add the closest known flags to an ``unrecognized arguments`` message (a misspelled flag: ``--max-modle-len``)."""
+    if parser is None or not message.startswith("unrecognized arguments:"):
+        return message
+    known = [o for o in getattr(parser, "_option_string_actions", {}) if o.startswith("--")]
+    guesses = []
+    for token in message.removeprefix("unrecognized arguments:").split():
+        flag = token.split("=", 1)[0].replace("_", "-")
+        if flag.startswith("--") and flag not in known:
+            close = difflib.get_close_matches(flag, known, n=1, cutoff=0.75)
+            if close:
+                guesses.append(f"{close[0]} for {token.split('=', 1)[0]}")
+    return message + (f" (did you mean {', '.join(guesses)}?)" if guesses else "")
+
+
 def check(entrypoint: str, argv: list[str], entry_module: str | None = None) -> dict:
     """Parse ``argv`` as ``entrypoint`` would; return the result object (see the module docstring).
 
@@ -152,13 +168,15 @@ def check(entrypoint: str, argv: list[str], entry_module: str | None = None) -> 
 
     started = time.monotonic()
     result["stage"] = "parse"
+    parser = None
     try:
-        args = module.make_arg_parser(parser_class()).parse_args(argv)
+        parser = module.make_arg_parser(parser_class())
+        args = parser.parse_args(argv)
         result["stage"] = "validate"
         if validator is not None:
             validator(args)
     except ArgumentsRejected as exc:
-        result["error"] = _hint(str(exc))
+        result["error"] = _did_you_mean(_hint(str(exc)), parser)
     except Exception as exc:  # noqa: BLE001 - vLLM raises ValueError, TypeError, KeyError here
         text = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
         result["error"] = text.removeprefix("Error: ") or type(exc).__name__

@@ -268,7 +268,7 @@ class VLLMBatchMergeOperator(BaseOperator):
 
     def collect_manifests(self) -> list[dict[str, Any]]:
         """The shards' manifests as a list, in shard (map index) order; every one must be a published manifest."""
-        given = list(self.shard_manifests or [])
+        given = _by_index(self.shard_manifests or [])
         if not given:
             raise ShardingError("No shard manifests to merge: did the mapped inference task run?")
         absent = [i for i, m in enumerate(given) if m is None]
@@ -316,12 +316,14 @@ class VLLMBatchMergeOperator(BaseOperator):
         """
         results, result_lines = self.concatenate([m["output_uri"] for m in manifests], tmp / "results.jsonl")
         with_errors = [i for i, m in enumerate(manifests) if m.get("error_uri")]
-        errors, merged = self.concatenate([manifests[i]["error_uri"] for i in with_errors], tmp / "errors.jsonl")
         error_lines = [0] * len(manifests)
-        for shard, lines in zip(with_errors, merged):
-            error_lines[shard] = lines
+        errors = None
+        if with_errors:
+            errors, merged = self.concatenate([manifests[i]["error_uri"] for i in with_errors], tmp / "errors.jsonl")
+            for shard, lines in zip(with_errors, merged):
+                error_lines[shard] = lines
         check_merged_counts(manifests, result_lines, error_lines)
-        return results, errors if with_errors else None
+        return results, errors
 
     def publish(self, manifest: Manifest, results: Path, errors: Path | None, context: Context) -> None:
         """Publish the merged files and the manifest while holding the output's lease (one writer per output).
@@ -340,7 +342,7 @@ class VLLMBatchMergeOperator(BaseOperator):
         """Merge the objects ``uris`` (in order) into the local file ``scratch``; return it and each object's line count."""
         with open(scratch, "wb") as out:
             lines = merge_results(self._bodies(uris), out)
-        self.log.info("Merged %d file(s) into %d lines", len(uris), sum(lines))
+        self.log.info("Merged %d file(s) into %d lines (%s)", len(uris), sum(lines), scratch.name)
         return scratch, lines
 
     def build_manifest(
@@ -416,3 +418,13 @@ def _parse_prefix(uri: str) -> tuple[str, str]:
     bucket, key = S3Hook.parse_s3_url(uri)
     # A prefix is a folder: "…/shards" and "…/shards/" mean the same.
     return bucket, (key.rstrip("/") + "/") if key else ""
+
+
+def _by_index(values: Sequence[Any]) -> list[Any]:
+    """The items of ``values`` read by index up to its length.
+
+    A mapped task's output arrives as Airflow's lazy XCom sequence, whose iterator asks for
+    one item past the end to stop, and the Task SDK logs that 404 at error level
+    ("XCom not found ... offset=N") on every successful merge.
+    """
+    return [values[i] for i in range(len(values))]

@@ -61,6 +61,11 @@ def warm(embedded, airflow_db, tiny_model: Path) -> Iterator[VLLMServerProcess]:
             os.environ.pop(f"AIRFLOW_CONN_{CONN_ID.upper()}", None)
 
 
+def _error_lines(output: str) -> list[str]:
+    """The log lines at error level or above (structlog's ``[error    ]``, Airflow's ``ERROR -``)."""
+    return [line for line in output.splitlines() if re.search(r"\[(error|critical)\s*\]|\b(ERROR|CRITICAL) - ", line)]
+
+
 def _s3_lines(seaweed, uri: str) -> list[dict]:
     bucket, _, key = uri.removeprefix("s3://").partition("/")
     body = seaweed.client().get_object(Bucket=bucket, Key=key)["Body"].read().decode()
@@ -79,6 +84,7 @@ def test_the_pipeline_dag_runs_through_the_warm_server(warm, embedded):
         ChatCompletion.model_validate(line["response"]["body"])
     assert requests_answered(warm.hook.base_url) - before == 12
     assert warm.hook.api_key not in run.output
+    assert _error_lines(run.output) == []
 
 
 def test_the_sharded_dag_runs_every_shard_through_one_warm_server(warm, embedded):
@@ -91,7 +97,25 @@ def test_the_sharded_dag_runs_every_shard_through_one_warm_server(warm, embedded
     for line in _s3_lines(embedded, merged["output_uri"]):
         ChatCompletion.model_validate(line["response"]["body"])
     assert requests_answered(warm.hook.base_url) - before == 90
+    assert _error_lines(run.output) == []  # a successful split, shards and merge log no error
 
+
+
+def test_the_taskflow_dag_runs_its_decorated_task_through_the_warm_server(warm, embedded):
+    before = requests_answered(warm.hook.base_url)
+    run = run_dag(load_dag("vllm_batch_taskflow.py", "taskflow_dag"))
+    assert run.state == "success", run.output[-4000:]
+    manifest = run.xcom("classify")
+    assert manifest["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
+    assert manifest["identity"]["engine"] == "vllm_connection"
+    assert "Starting the vLLM" not in run.output
+    requests = _s3_lines(embedded, manifest["input_uri"])
+    assert [r["body"]["messages"][0]["role"] for r in requests] == ["system"] * 3
+    answers = run.xcom("use_answers")
+    assert answers == {line["custom_id"]: line["response"]["body"]["choices"][0]["message"]["content"] for line in _s3_lines(embedded, manifest["output_uri"])}
+    assert sorted(answers) == ["request-0", "request-1", "request-2"]
+    assert requests_answered(warm.hook.base_url) - before == 3
+    assert _error_lines(run.output) == []
 
 TASK_SCRIPT = """
 import sys
@@ -369,6 +393,27 @@ def test_structured_outputs_through_the_real_engine_every_answer_fits_and_withou
     assert len(free) == 10 and all(isinstance(a, Failed) and a.error.startswith("invalid_output") for a in free)
     print({a.custom_id: a.value.model_dump() for a in parsed[:3]}, free[0])
 
+
+
+def test_structured_answers_cut_off_at_the_token_limit_fail_saying_so_and_naming_the_requests_limit(warm, embedded, tiny_model):
+    model = str(tiny_model)
+    chat = [{"url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": f"Review {i}"}], "max_completion_tokens": 3}} for i in range(3)]
+    text = [{"url": "/v1/completions", "body": {"prompt": "Review: slow", "max_tokens": 3}}]
+    data = b"".join(
+        json.dumps({"custom_id": f"t{i}", "method": "POST", "url": line["url"], "body": {"model": model, "temperature": 0, **line["body"]}}).encode() + b"\n"
+        for i, line in enumerate(chat + text)
+    )
+    embedded.client().put_object(Bucket=BUCKET, Key="structured/short.jsonl", Body=data)
+    run = run_dag(_warm_dag("structured_short", model, "structured/short.jsonl", "structured/short/results.jsonl", output_type=Mood, max_failed_ratio=1))
+    assert run.state == "success", run.output[-4000:]
+    manifest = run.xcom("vllm_batch")
+    assert manifest["request_counts"] == {"total": 4, "completed": 0, "failed": 4}
+    messages = {line["custom_id"]: line["error"]["message"] for line in _s3_lines(embedded, manifest["error_uri"])}
+    print(messages)
+    for custom_id, message in messages.items():
+        assert 'cut off at the token limit (finish_reason "length", 3 tokens)' in message, message
+        limit = "max_tokens," if custom_id == "t3" else "max_completion_tokens (or max_tokens)"
+        assert f"raise the request's {limit}" in message, message
 
 def _cache_dag(dag_id: str, model: str, input_key: str, cache_uri: str):
     return _warm_dag(dag_id, model, input_key, f"answer-cache-it/{dag_id}/results.jsonl", answer_cache_uri=cache_uri)

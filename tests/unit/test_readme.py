@@ -105,3 +105,25 @@ def test_the_completions_snippet_builds_a_server_task_whose_lines_are_prompts():
     assert {line["url"] for line in lines} == {"/v1/completions"}
     assert [line["body"]["prompt"] for line in lines] == ["Once upon a time", "The ship left the harbour", "Dear customer,"]
     assert all(line["body"]["max_tokens"] == 32 for line in lines)
+
+
+def test_the_taskflow_snippet_builds_a_decorated_task_whose_function_returns_conversations():
+    import json
+
+    from airflow.sdk import DAG
+
+    from airflow_vllm_batch.batchfile.requests import build_batch_file
+    from airflow_vllm_batch.decorators.vllm_batch import _VLLMBatchDecoratedOperator
+
+    with DAG("readme_taskflow", schedule=None, start_date=datetime(2026, 1, 1, tzinfo=timezone.utc)) as dag:
+        code = compile(_section_snippet("## TaskFlow: `@task.vllm_batch`"), "README.md", "exec", dont_inherit=True)
+        exec(code, {"__name__": "readme_dag"})  # noqa: S102 - our own README
+    op = dag.get_task("classify")
+    assert isinstance(op, _VLLMBatchDecoratedOperator) and op.upstream_task_ids == {"reviews"}
+    settings = op.settings()
+    requests = op.python_callable(["great", "awful"])
+    data = build_batch_file(requests, model=settings.model, url=settings.requests_url, default_body=settings.default_body)
+    lines = [json.loads(line) for line in data.splitlines()]
+    assert [line["body"]["messages"][1]["content"] for line in lines] == ["great", "awful"]
+    assert all(line["body"]["max_completion_tokens"] == 16 and line["body"]["model"] == "Qwen/Qwen2.5-7B-Instruct" for line in lines)
+    assert op.output_uri == "s3://my-bucket/batches/{{ run_id }}/answers.jsonl"

@@ -566,3 +566,30 @@ def test_completions_for_a_pooling_model_are_the_wrong_kind():
 def test_completions_and_chat_may_share_a_file_but_not_with_embeddings():
     report = run(good(1) + completion(prompt="a") + EMBED + b"\n", supported_urls=WITH_COMPLETIONS | {"/v1/embeddings"})
     assert "/v1/chat/completions (1), /v1/completions (1)" in report.file_problems[0].message
+
+
+SKIP_HINT = "invalid_lines='skip'"
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        pytest.param(b"", id="empty"),
+        pytest.param(b"\n\n", id="blank_lines_only"),
+        pytest.param(b"\xef\xbb\xbf" + good(3), id="bom"),
+        pytest.param(gzip.compress(good(2)) + b"\n", id="compressed_read_raw"),
+        pytest.param(b"hello\nworld\n", id="no_valid_line"),
+    ],
+)
+def test_a_problem_of_the_whole_file_is_not_told_to_skip_lines(data):
+    report = preflight(data.splitlines(), PreflightOptions())
+    with pytest.raises(PreflightError) as err:
+        report.raise_for_problems()
+    assert SKIP_HINT not in str(err.value)
+    assert "and upload the file again." in str(err.value)
+
+
+def test_bad_lines_among_good_ones_are_told_they_can_be_skipped():
+    report = run(good(2) + b"hello\n")
+    with pytest.raises(PreflightError, match=r"Fix the lines above and upload the file again, or run with invalid_lines='skip' to leave them out\."):
+        report.raise_for_problems()

@@ -210,3 +210,39 @@ def test_a_model_without_a_json_schema_is_a_configuration_error_naming_output_ty
 
     with pytest.raises(ConfigurationError, match="output_type Broken has no JSON schema"):
         resolve_output_type(Broken)
+
+
+def cut_off(cid: str, content: str, *, completion: bool = False, tokens: int = 16) -> bytes:
+    """An answer the engine stopped at the token limit."""
+    obj = json.loads(answer(cid, content, completion=completion))
+    obj["response"]["body"]["choices"][0]["finish_reason"] = "length"
+    obj["response"]["body"]["usage"]["completion_tokens"] = tokens
+    return json.dumps(obj).encode()
+
+
+def test_an_answer_cut_off_at_the_token_limit_says_so_and_names_max_completion_tokens():
+    _, _, bad = checked([cut_off("c", '{"sentiment":"positive","st')])
+    message = bad[0]["error"]["message"]
+    assert message.startswith("does not fit Review:")
+    assert 'cut off at the token limit (finish_reason "length", 16 tokens)' in message
+    assert "raise the request's max_completion_tokens (or max_tokens)" in message and "disable_any_whitespace" not in message
+
+
+def test_a_completion_cut_off_at_the_token_limit_names_max_tokens():
+    _, _, bad = checked([cut_off("c", '{"sentiment":"posi', completion=True)])
+    assert "raise the request's max_tokens, e.g. in default_body" in bad[0]["error"]["message"]
+
+
+@pytest.mark.parametrize("padded", ["{" + "\n " * 20, '{"sentiment": "positive", ' + " " * 40])
+def test_an_answer_padded_with_whitespace_to_the_limit_names_the_xgrammar_flag_not_more_tokens(padded):
+    _, _, bad = checked([cut_off("c", padded, tokens=40)])
+    message = bad[0]["error"]["message"]
+    assert """--structured-outputs-config '{"backend": "xgrammar", "disable_any_whitespace": true}'""" in message
+    assert "cut off at the token limit" in message and "raise the request's" not in message
+
+
+def test_an_answer_that_ended_by_itself_and_does_not_fit_gets_no_hint():
+    obj = json.loads(answer("c", '{"sentiment":"meh","stars":4}'))
+    obj["response"]["body"]["choices"][0]["finish_reason"] = "stop"
+    _, _, bad = checked([json.dumps(obj).encode()])
+    assert bad[0]["error"]["message"] == "does not fit Review: sentiment: Input should be 'positive' or 'negative'"

@@ -242,3 +242,38 @@ def test_the_merged_manifest_carries_the_shards_cost_added_up(shards):
     assert merged["cost"]["gpu_s"] == 10.0 * n and merged["cost"]["cost"] == round(0.01 * n, 6)
     assert merged["cost"]["tokens_per_gpu_s"] == round(merged["usage"]["total_tokens"] / (10.0 * n), 3)
     assert "cost" not in shards.merge()  # shards published without a cost: the batch is not counted
+
+
+class LazyManifests:
+    """Like Airflow's lazy XCom sequence of a mapped task's outputs: asking past the end is a 404 the Task SDK logs at error level."""
+
+    def __init__(self, manifests: list[dict]) -> None:
+        self.manifests, self.asked_past_the_end = manifests, []
+
+    def __len__(self) -> int:
+        return len(self.manifests)
+
+    def __getitem__(self, index: int) -> dict:
+        if index >= len(self.manifests):
+            self.asked_past_the_end.append(index)
+            raise IndexError(index)
+        return self.manifests[index]
+
+
+def test_a_merge_reads_the_mapped_outputs_by_index_never_asking_past_the_end(shards):
+    lazy = LazyManifests(shards.manifests)
+    assert shards.merge(lazy)["request_counts"]["total"] == 10
+    assert lazy.asked_past_the_end == []
+
+
+def test_a_merge_without_error_files_logs_no_empty_merge_and_no_error(s3, bucket, capfd):
+    clean = Shards.__new__(Shards)
+    clean.client, clean.bucket, clean.output_uri = s3.client(), bucket, f"s3://{bucket}/out/results.jsonl"
+    clean.FAILED = (0, 0, 0)
+    clean.manifests = [clean.write_shard(i) for i in range(3)]
+    capfd.readouterr()
+    manifest = clean.merge()
+    log = capfd.readouterr().out
+    assert manifest["error_uri"] is None
+    assert "Merged 3 file(s) into 8 lines" in log  # the task log is what is read here
+    assert "Merged 0 file(s)" not in log and "[error" not in log

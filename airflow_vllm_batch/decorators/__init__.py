@@ -1,0 +1,1 @@
+"""TaskFlow decorators of the provider: ``@task.vllm_batch`` (registered under ``task-decorators``)."""

@@ -1,0 +1,49 @@
+"""A misspelled engine flag gets "did you mean": the closest flag vLLM's own parser knows."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import pytest
+
+from airflow_vllm_batch.hooks.engine_argcheck import _did_you_mean
+from airflow_vllm_batch.hooks.engine_checks import EngineArgumentsError, _argv_to_check, _raise_for_result, _run_argcheck
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    for flag in ("--max-model-len", "--max-num-seqs", "--tensor-parallel-size", "--enforce-eager"):
+        parser.add_argument(flag)
+    return parser
+
+
+@pytest.mark.parametrize(
+    ("message", "suggested"),
+    [
+        ("unrecognized arguments: --max-modle-len 4096", "(did you mean --max-model-len for --max-modle-len?)"),
+        ("unrecognized arguments: --max_num_seq=8", "(did you mean --max-num-seqs for --max_num_seq?)"),
+        (
+            "unrecognized arguments: --tensor-paralel-size 2 --enforce-eagre",
+            "(did you mean --tensor-parallel-size for --tensor-paralel-size, --enforce-eager for --enforce-eagre?)",
+        ),
+    ],
+)
+def test_a_misspelled_flag_is_told_the_closest_known_one(message, suggested):
+    assert _did_you_mean(message, _parser()) == f"{message} {suggested}"
+
+
+@pytest.mark.parametrize(
+    "message",
+    ["unrecognized arguments: --quantum-mode on", "unrecognized arguments: true", "argument --max-model-len: invalid int value: 'x'"],
+)
+def test_nothing_close_or_no_unknown_flag_gets_no_guess(message):
+    assert _did_you_mean(message, _parser()) == message
+
+
+@pytest.mark.vllm
+def test_vllms_own_parser_suggests_the_flag_for_a_misspelling():
+    checks = [{"entrypoint": "run_batch", "argv": _argv_to_check("m", ["--max-modle-len", "4096"], "run_batch")}]
+    (result,) = _run_argcheck(sys.executable, checks, timeout=300)
+    with pytest.raises(EngineArgumentsError, match=r"unrecognized arguments: --max-modle-len 4096 \(did you mean --max-model-len for --max-modle-len\?\)"):
+        _raise_for_result(result, sys.executable)

@@ -112,6 +112,8 @@ class FakeS3:
         self.lease_key = lease_key
         self.mutations: list[Mutation] = []
         self.calls = 0
+        #: The step of each try's last read under a staging prefix (what it knew was durable).
+        self.staging_reads: dict[str, int] = {}
         self._local_now = 0.0
 
     # -- the clock -----------------------------------------------------------------
@@ -169,6 +171,8 @@ class FakeS3:
                 raise err from None
             if op in MUTATIONS:
                 self.note_mutation(op, bucket, key, conditional)
+            elif ".staging/" in key and scheduler is not None and (actor := scheduler.current_actor()) is not None:
+                self.staging_reads[actor.try_label or "-"] = self.calls
             if fault == "lost_response":
                 last_error = ReadTimeoutError(endpoint_url=f"http://s3.sim/{bucket}/{key}")
                 continue

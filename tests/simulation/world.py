@@ -296,7 +296,8 @@ class World:
         self.scheduler.step("engine.request")
         actor = self.scheduler.current_actor()
         if actor is not None and actor.try_label not in self.first_engine_step:
-            self.first_engine_step[actor.try_label] = self.s3.calls
+            # What the try knew of staging: its last read of it before the engine began.
+            self.first_engine_step[actor.try_label] = self.s3.staging_reads.get(actor.try_label, 0)
         self.scheduler.sleep(0.5 + self.rng.random() * 4)
         fate = "ok"
         for kind, chance in self.plan.engine_faults.items():

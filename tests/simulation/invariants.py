@@ -74,7 +74,7 @@ class Outcome:
                 self.complete, _ = self.store.completed(identity)
             else:
                 self.complete = self.manifest
-        winners = [t for t in world.tries if t.error is None and t.ended and not t.zombie]
+        winners = [t for t in world.tries if t.error is None and t.ended and not t.zombie and t.label.startswith("run-1/")]
         self.winner = winners[-1] if winners else None
 
     @staticmethod
@@ -245,8 +245,17 @@ def no_strangers(o: Outcome) -> list[Violation]:
     ekey = split_s3_uri(world.error_uri or default_error_uri(world.output_uri), "error_uri")[1]
     owned_keys = {okey, ekey, f"{stem}.manifest.json", f"{stem}.lease.json"}
     owned_prefixes = (f"{okey}.staging/", f"{stem}.requests/", f"{okey}.probe-", f"{ekey}.probe-")
+    if world.plan.cache_prior:
+        owned_prefixes = (*owned_prefixes, "cache/")
     foreign = sorted(
-        {m.key for m in world.s3.mutations if m.try_label and (m.key not in owned_keys or m.key == input_key) and not m.key.startswith(owned_prefixes)}
+        {
+            m.key
+            for m in world.s3.mutations
+            if m.try_label
+            and m.try_label.startswith("run-1/")
+            and (m.key not in owned_keys or m.key == input_key)
+            and not m.key.startswith(owned_prefixes)
+        }
     )
     if foreign:
         found.append(Violation("No strangers/foreign-object", f"the run changed objects it does not own: {foreign}"))

@@ -38,6 +38,9 @@ from tests.simulation.scheduler import Scheduler, TryKilled, TryState, virtual_t
 BUCKET = "sim"
 INPUT_KEY = "in/batch.jsonl"
 OUTPUT_KEY = "out/results.jsonl"
+#: The earlier DAG run that fills the answer cache.
+PRIOR_INPUT_KEY = "earlier/batch.jsonl"
+PRIOR_OUTPUT_KEY = "earlier/results.jsonl"
 #: How old the user's files beside a shared ``results_dir`` are (older than the 7-day clean-up).
 USER_FILE_AGE_S = 30 * 24 * 3600
 
@@ -57,6 +60,8 @@ class Plan:
     kill_at: dict[int, int] = field(default_factory=dict)
     zombie_at: dict[int, int] = field(default_factory=dict)
     rewrite_input_at: int | None = None
+    #: With the answer cache: an earlier DAG run answered the first ``cache_prior`` requests (into the cache).
+    cache_prior: int = 0
     engine_faults: dict[str, float] = field(default_factory=dict)
 
     def describe(self) -> str:
@@ -73,6 +78,8 @@ class Plan:
             bits.append(f"zombie(try:step)={self.zombie_at}")
         if self.rewrite_input_at:
             bits.append(f"input rewritten at step {self.rewrite_input_at}")
+        if self.cache_prior:
+            bits.append(f"answer cache (an earlier run answered {self.cache_prior})")
         return ", ".join(bits)
 
 
@@ -99,6 +106,8 @@ def make_plan(seed: int) -> Plan:
             plan.zombie_at[number] = rng.randint(1, 45)
     if rng.random() < 0.05:
         plan.rewrite_input_at = rng.randint(1, 80)
+    if rng.random() < 0.15:
+        plan.cache_prior = rng.randint(1, plan.requests)
     if engine == "sim-runner":
         plan.engine_faults = {"crash": rng.choice((0, 0.02)), "die": rng.choice((0, 0.03)), "fail": rng.choice((0, 0.1)), "stall": 0.02}
     else:
@@ -214,7 +223,10 @@ class World:
         else:
             results_dir = self.workdir / "results"
         engine_args = ["--max-model-len", "512"] + (["--hf-token", plan.secret] if plan.secret else [])
+        if plan.cache_prior:
+            self.s3.put(BUCKET, PRIOR_INPUT_KEY, b"".join(request_lines(plan.requests, 1).splitlines(keepends=True)[: plan.cache_prior]))
         return {
+            "answer_cache_uri": f"s3://{BUCKET}/cache/" if plan.cache_prior else None,
             "input_uri": input_uri,
             "output_uri": output_uri,
             "error_uri": error_uri,
@@ -237,8 +249,13 @@ class World:
     # -- the task instance -----------------------------------------------------------
 
     def run(self) -> None:
-        """Run the task instance to its end: every try, zombie and heartbeat thread."""
-        self.start_try(1)
+        """Run the task instance to its end: every try, zombie and heartbeat thread (after the earlier run, with the cache)."""
+        if self.plan.cache_prior:
+            prior = TryState(1, "prior/try-1")
+            self.tries.append(prior)
+            self.scheduler.spawn(prior.label, lambda: self.run_try(prior), prior, on_exit=lambda *_: self.start_try(1))
+        else:
+            self.start_try(1)
         self.scheduler.run()
 
     def start_try(self, number: int) -> None:
@@ -249,7 +266,10 @@ class World:
 
     def run_try(self, state: TryState) -> None:
         log = logging.getLogger("sim.task")
-        settings = BatchSettings.from_rendered(**self.settings_values)
+        values = self.settings_values
+        if state.label.startswith("prior/"):
+            values = {**values, "input_uri": f"s3://{BUCKET}/{PRIOR_INPUT_KEY}", "output_uri": f"s3://{BUCKET}/{PRIOR_OUTPUT_KEY}", "error_uri": None}
+        settings = BatchSettings.from_rendered(**values)
         engine = engine_class(settings.engine)(settings, log)
         engine.world = self  # type: ignore[attr-defined]
         task = {
@@ -257,6 +277,7 @@ class World:
             "run_id": "run-1",
             "task_id": "batch",
             "map_index": -1,
+            "task_id": "batch" if not state.label.startswith("prior/") else "earlier_batch",
             "try_number": state.number,
             "last_try": state.number >= self.plan.max_tries,
         }
@@ -278,6 +299,8 @@ class World:
         """Kills, zombies and input rewrites happen at steps."""
         self.global_steps += 1
         state: TryState = actor.owner
+        if state.label.startswith("prior/"):
+            return
         if state.kill_at is not None and state.steps >= state.kill_at and not state.dead and not state.ended:
             state.dead = True
             self.kills += 1

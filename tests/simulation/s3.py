@@ -31,7 +31,7 @@ import hashlib
 import io
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from email.utils import format_datetime
 from typing import Any
 
@@ -353,7 +353,6 @@ class FakeS3Client:
                 self.s3.buckets[Bucket].pop(key, None)
             return {"Deleted": [{"Key": k} for k in keys], "ResponseMetadata": self.s3.metadata(200)}
 
-        result = None
         # One request on S3; one mutation per key in the log (the checks look at keys).
         result = self.s3.call("delete_objects", Bucket, keys[0] if len(keys) == 1 else f"{len(keys)} keys", apply)
         if len(keys) > 1 and self.s3.mutations and self.s3.mutations[-1].op == "delete_objects":

@@ -56,6 +56,9 @@ def sequence(client, bucket: str) -> list[Any]:
     seen.append(outcome(lambda: client.list_objects_v2(Bucket=bucket, Prefix="k/results.jsonl.staging/r/parts/")))
     client.copy({"Bucket": bucket, "Key": "k/results.jsonl.staging/r/results.jsonl"}, bucket, out)
     seen.append(outcome(lambda: client.get_object(Bucket=bucket, Key=out)))
+    copied = client.copy_object(Bucket=bucket, Key=out, CopySource={"Bucket": bucket, "Key": "k/results.jsonl.staging/r/parts/part-000000-a.jsonl"})
+    seen.append(("ok", copied["CopyObjectResult"]["ETag"]))
+    seen.append(outcome(lambda: client.get_object(Bucket=bucket, Key=out)))
     client.upload_fileobj(io.BytesIO(b'{"manifest": 1}'), bucket, "k/results.manifest.json")
     seen.append(outcome(lambda: client.get_object(Bucket=bucket, Key="k/results.manifest.json")))
     seen.append(

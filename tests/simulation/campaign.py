@@ -60,6 +60,8 @@ def run_campaign(seeds: Iterable[int], workdir: Path) -> CampaignReport:
         try:
             world = run_schedule(seed, workdir / "schedule")
             found = check_all(world)
+            if world.s3.unsupported:
+                report.crashes[seed] = f"the run code called S3 methods the fake does not model: {sorted(world.s3.unsupported)}"
         except Exception:  # noqa: BLE001 - a simulator failure is reported with its seed, not hidden
             report.crashes[seed] = traceback.format_exc(limit=-3)
             continue

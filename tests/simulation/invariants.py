@@ -212,7 +212,7 @@ def durability(o: Outcome) -> list[Violation]:
             short = m.key[len(staging_root) :].split("/")[0]
             durable.setdefault(short, set()).update(final_answers(m.body))
             last_short = short
-    live = o.winner.outcome.manifest.fingerprint[:16] if o.winner is not None and o.winner.outcome else last_short
+    live = o.winner.outcome.manifest.fingerprint[:16] if o.winner is not None and o.winner.outcome else lease_identity(world) or last_short
     if live in durable:
         prefix = f"{staging_root}{live}/"
         now = set()
@@ -222,13 +222,30 @@ def durability(o: Outcome) -> list[Violation]:
         published = set()
         if o.complete is not None and o.complete.fingerprint[:16] == live:
             published = final_answers(o.body(o.complete.output_uri) or b"") | final_answers(o.body(o.complete.error_uri) or b"")
-        lost = sorted(durable[live] - now - published)
+        lost = sorted(c for c in durable[live] - now - published if answers_current_input(world, c))
         if lost:
             found.append(Violation("Durability/durable-answer-lost", f"final answers once staged under {live} and now nowhere: {lost}"))
     resent = sorted({(t, c) for t, s, c, before in world.sent if before and s == live})
     if resent:
         found.append(Violation("Durability/durable-answer-resent", f"(try, custom_id) sent again although durable: {resent[:5]}"))
     return found
+
+
+def answers_current_input(world: World, custom_id: str) -> bool:
+    """Whether a staged answer to ``custom_id`` still answers the input as it is now (else the identity changed)."""
+    return world.input_version == 1
+
+
+def lease_identity(world: World) -> str | None:
+    """The run identity (short) of the last lease this task instance's tries wrote: the run's identity by then."""
+    lease_key = world.lease_key[1]
+    for m in reversed(world.s3.mutations):
+        if m.key == lease_key and m.body and m.try_label and m.try_label.startswith("run-1/"):
+            try:
+                return str(json.loads(m.body)["fingerprint"])[:16]
+            except (ValueError, KeyError):
+                return None
+    return None
 
 
 # -- No strangers -----------------------------------------------------------------------
@@ -263,7 +280,7 @@ def no_strangers(o: Outcome) -> list[Violation]:
     if gone:
         found.append(Violation("No strangers/user-file-deleted", f"files beside results_dir removed: {gone}"))
     if world.plan.collision:
-        engine_ran = bool(world.engine_events)
+        engine_ran = world.task_engine_steps > 0
         if world.final == "success" or engine_ran:
             found.append(
                 Violation("No strangers/collision-not-refused", f"{world.plan.collision} was accepted (engine ran: {engine_ran}, task {world.final})")

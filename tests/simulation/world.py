@@ -185,6 +185,8 @@ class World:
         self.sent: list[tuple[str, str, str, bool]] = []
         self.engine_events: dict[str, int] = {}
         self.kills = 0
+        #: Engine steps of this task instance's tries (not the earlier run's that filled the cache).
+        self.task_engine_steps = 0
         self.zombies = 0
         self.first_engine_step: dict[str, int] = {}
         self.user_files: dict[Path, bytes] = {}
@@ -328,6 +330,8 @@ class World:
                 fate = kind
                 break
         self.engine_events[fate] = self.engine_events.get(fate, 0) + 1
+        if actor is not None and actor.try_label and actor.try_label.startswith("run-1/"):
+            self.task_engine_steps += 1
         if fate == "stall":
             self.scheduler.sleep(100 + self.rng.random() * 800)
             fate = "ok"

@@ -1,0 +1,90 @@
+"""The fault simulator's in-memory S3 answers like a real one: the same call sequences on the fake and on SeaweedFS.
+
+Each sequence is the run code's own use of S3 (the lease's conditional create, renew and
+delete, a conditional write retried after its response was lost, pinned reads, listing,
+the managed copy, batch deletes); the test compares what both return: the outcome of each
+call (its fields that the code reads, or the error code and HTTP status) and the objects
+left. A difference means the simulator's verdicts cannot be trusted for that call.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import pytest
+from botocore.exceptions import ClientError
+
+from tests.simulation.s3 import FakeS3, FakeS3Client
+
+
+def outcome(call) -> Any:
+    """What the run code can see of one call: selected fields, or the error's code and status."""
+    try:
+        result = call()
+    except ClientError as err:
+        return ("error", err.response["Error"]["Code"], err.response["ResponseMetadata"]["HTTPStatusCode"])
+    if result is None:
+        return ("ok",)
+    if "Body" in result:
+        return ("body", result["Body"].read(), result["ETag"])
+    if "Contents" in result or "KeyCount" in result:
+        return ("keys", [o["Key"] for o in result.get("Contents", [])])
+    if "Deleted" in result:
+        return ("deleted", sorted(d["Key"] for d in result["Deleted"]))
+    return ("ok", result.get("ETag"))
+
+
+def sequence(client, bucket: str) -> list[Any]:
+    """The run code's S3 calls, in the order a lease, a publish and a resume make them."""
+    lease, out = "k/results.lease.json", "k/results.jsonl"
+    seen: list[Any] = []
+    seen.append(outcome(lambda: client.get_object(Bucket=bucket, Key=lease)))  # free: NoSuchKey
+    first = client.put_object(Bucket=bucket, Key=lease, Body=b'{"try": 1}', IfNoneMatch="*")
+    seen.append(("ok", first["ETag"]))
+    seen.append(outcome(lambda: client.put_object(Bucket=bucket, Key=lease, Body=b'{"try": 2}', IfNoneMatch="*")))  # taken: 412
+    renewed = client.put_object(Bucket=bucket, Key=lease, Body=b'{"try": 1, "beat": 1}', IfMatch=first["ETag"])
+    seen.append(("ok", renewed["ETag"]))
+    # A renewal whose response was lost, sent again by botocore with the old ETag: 412.
+    seen.append(outcome(lambda: client.put_object(Bucket=bucket, Key=lease, Body=b'{"try": 1, "beat": 1}', IfMatch=first["ETag"])))
+    seen.append(outcome(lambda: client.get_object(Bucket=bucket, Key=lease, IfMatch=first["ETag"])))  # a pinned read of old content: 412
+    seen.append(outcome(lambda: client.get_object(Bucket=bucket, Key=lease, IfMatch=renewed["ETag"])))
+    seen.append(outcome(lambda: client.head_object(Bucket=bucket, Key="k/missing")))  # S3Hook.head_object reads the 404
+    client.put_object(Bucket=bucket, Key="k/results.jsonl.staging/r/parts/part-000000-a.jsonl", Body=b'{"custom_id": "a"}\n')
+    client.put_object(Bucket=bucket, Key="k/results.jsonl.staging/r/parts/part-000001-a.jsonl", Body=b'{"custom_id": "b"}\n')
+    client.put_object(Bucket=bucket, Key="k/results.jsonl.staging/r/results.jsonl", Body=b"staged\n")
+    seen.append(outcome(lambda: client.list_objects_v2(Bucket=bucket, Prefix="k/results.jsonl.staging/r/parts/")))
+    client.copy({"Bucket": bucket, "Key": "k/results.jsonl.staging/r/results.jsonl"}, bucket, out)
+    seen.append(outcome(lambda: client.get_object(Bucket=bucket, Key=out)))
+    copied = client.copy_object(Bucket=bucket, Key=out, CopySource={"Bucket": bucket, "Key": "k/results.jsonl.staging/r/parts/part-000000-a.jsonl"})
+    seen.append(("ok", copied["CopyObjectResult"]["ETag"]))
+    seen.append(outcome(lambda: client.get_object(Bucket=bucket, Key=out)))
+    client.upload_fileobj(io.BytesIO(b'{"manifest": 1}'), bucket, "k/results.manifest.json")
+    seen.append(outcome(lambda: client.get_object(Bucket=bucket, Key="k/results.manifest.json")))
+    seen.append(
+        outcome(
+            lambda: client.delete_objects(
+                Bucket=bucket, Delete={"Objects": [{"Key": "k/results.jsonl.staging/r/results.jsonl"}, {"Key": "k/never-there"}]}
+            )
+        )
+    )
+    seen.append(outcome(lambda: client.delete_object(Bucket=bucket, Key=lease, IfMatch=renewed["ETag"])))
+    seen.append(outcome(lambda: client.get_object(Bucket=bucket, Key=lease)))
+    seen.append(outcome(lambda: client.head_bucket(Bucket=bucket)))
+    seen.append(outcome(lambda: client.list_objects_v2(Bucket=bucket, Prefix="k/")))
+    return seen
+
+
+def normalised(seen: list[Any]) -> list[Any]:
+    """ETags are MD5s on both; HTTP statuses of missing keys are what the code compares."""
+    return [tuple(x.strip('"') if isinstance(x, str) else x for x in entry) for entry in seen]
+
+
+def test_the_fake_s3_answers_the_run_codes_calls_as_seaweedfs_does(seaweed, request: pytest.FixtureRequest):
+    bucket = "contract" + format(abs(hash(request.node.nodeid)), "x")[:8]
+    seaweed.create_bucket(bucket)
+    real = normalised(sequence(seaweed.client(), bucket))
+    fake_s3 = FakeS3()
+    fake_s3.create_bucket(bucket)
+    fake = normalised(sequence(FakeS3Client(fake_s3), bucket))
+    assert fake == real

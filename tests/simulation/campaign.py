@@ -1,0 +1,78 @@
+"""Many schedules in a row: what ran, what was injected, which invariants failed and for which seeds."""
+
+from __future__ import annotations
+
+import time
+import traceback
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tests.simulation.invariants import INVARIANTS, Violation, check_all
+from tests.simulation.world import run_schedule
+
+#: How a failing schedule is replayed, exactly.
+REPLAY = "VLLM_BATCH_SIM_SEED={seed} python -m pytest -q tests/simulation  (or: python benchmarks/simulate.py --seed {seed})"
+
+
+@dataclass
+class CampaignReport:
+    schedules: int = 0
+    seconds: float = 0.0
+    faults: Counter = field(default_factory=Counter)
+    #: check name -> seeds that violated it, in order.
+    violations: dict[str, list[int]] = field(default_factory=dict)
+    details: dict[int, list[Violation]] = field(default_factory=dict)
+    crashes: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def failing_seeds(self) -> list[int]:
+        return sorted(set(self.details) | set(self.crashes))
+
+    def by_invariant(self) -> dict[str, int]:
+        counts = {name: 0 for name in INVARIANTS}
+        for seed, found in self.details.items():
+            for invariant in {v.invariant for v in found}:
+                counts[invariant] += 1
+        return counts
+
+    def format(self, first: int = 5) -> str:
+        lines = [f"schedules run: {self.schedules} in {self.seconds:.1f}s ({self.schedules / max(self.seconds, 1e-9):.0f}/s)"]
+        lines.append("faults injected by kind: " + (", ".join(f"{k} {n}" for k, n in sorted(self.faults.items())) or "none"))
+        lines.append("schedules violating each invariant: " + ", ".join(f"{k} {n}" for k, n in self.by_invariant().items()))
+        for check, seeds in sorted(self.violations.items()):
+            lines.append(f"  {check}: {len(seeds)} schedule(s), first seeds {seeds[:first]}")
+        for seed in self.failing_seeds[:first]:
+            lines.append(f"seed {seed}: " + "; ".join(f"{v.check}: {v.detail}" for v in self.details.get(seed, [])))
+            if seed in self.crashes:
+                lines.append(f"seed {seed}: the simulator itself failed: {self.crashes[seed]}")
+            lines.append("  replay: " + REPLAY.format(seed=seed))
+        return "\n".join(lines)
+
+
+def run_campaign(seeds: Iterable[int], workdir: Path) -> CampaignReport:
+    """Run the schedule of every seed and check the invariants after each."""
+    report = CampaignReport()
+    started = time.perf_counter()
+    for seed in seeds:
+        report.schedules += 1
+        try:
+            world = run_schedule(seed, workdir / "schedule")
+            found = check_all(world)
+            if world.s3.unsupported:
+                report.crashes[seed] = f"the run code called S3 methods the fake does not model: {sorted(world.s3.unsupported)}"
+        except Exception:  # noqa: BLE001 - a simulator failure is reported with its seed, not hidden
+            report.crashes[seed] = traceback.format_exc(limit=-3)
+            continue
+        report.faults.update({f"s3 {kind}": n for kind, n in world.faults.injected.items()})
+        report.faults.update({f"engine {kind}": n for kind, n in world.engine_events.items() if kind != "ok"})
+        report.faults["try killed"] += world.kills
+        report.faults["zombie try"] += world.zombies
+        report.faults["input rewritten"] += world.input_version - 1
+        if found:
+            report.details[seed] = found
+            for check in dict.fromkeys(v.check for v in found):
+                report.violations.setdefault(check, []).append(seed)
+    report.seconds = time.perf_counter() - started
+    return report

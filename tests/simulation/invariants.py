@@ -1,0 +1,344 @@
+"""The run protocol's seven invariants (docs/protocol.md), as predicates over one finished schedule.
+
+Each check reads only what a user or an operator could look at afterwards: the fake S3's
+objects and its mutation log (who changed what, and who held the lease then), the worker's
+disk, the captured task log, the tries' outcomes (XCom) and exceptions. A check returns
+:class:`Violation` records named ``"<Invariant>/<check>"``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from airflow_vllm_batch.identity import RunIdentity
+from airflow_vllm_batch.manifest import Manifest
+from airflow_vllm_batch.storage import OutputStore, default_error_uri, manifest_uri, split_s3_uri
+from tests.simulation.s3 import FakeS3Client, FakeS3Hook
+
+if TYPE_CHECKING:
+    from tests.simulation.world import World
+
+INVARIANTS = ("Exactly once", "One identity", "Fencing", "Durability", "No strangers", "No secrets", "Bounded")
+
+
+@dataclass(frozen=True)
+class Violation:
+    check: str
+    detail: str
+
+    @property
+    def invariant(self) -> str:
+        return self.check.split("/")[0]
+
+
+def staging_prefix(output_uri: str, short: str) -> str:
+    return f"{split_s3_uri(output_uri, 'output_uri')[1]}.staging/{short}/"
+
+
+def final_answers(body: bytes) -> set[str]:
+    """The custom_ids a results file or part answers finally (a 200, or a 4xx; not an engine-dead 5xx)."""
+    found = set()
+    for raw in body.splitlines():
+        try:
+            line = json.loads(raw)
+            status = (line.get("response") or {}).get("status_code", 500)
+        except (ValueError, AttributeError):
+            continue
+        if status < 500:
+            found.add(line["custom_id"])
+    return found
+
+
+class Outcome:
+    """The final state of one schedule, read once for every check."""
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.objects = world.s3.buckets
+        hook = FakeS3Hook(FakeS3Client(world.s3))
+        self.store = OutputStore(hook, world.output_uri, world.error_uri)
+        self.manifest: Manifest | None = None
+        self.complete: Manifest | None = None
+        raw = self.get(world.s3, *split_s3_uri(manifest_uri(world.output_uri), "output_uri"))
+        if raw is not None:
+            try:
+                self.manifest = Manifest.from_json(raw)
+            except Exception:  # noqa: BLE001 - an unreadable manifest is no complete output
+                self.manifest = None
+        if self.manifest is not None and self.manifest.identity:
+            # What a reader (or a resume) accepts: the production check itself.
+            identity = RunIdentity(dict(self.manifest.identity))
+            if identity.fingerprint == self.manifest.fingerprint:
+                self.complete, _ = self.store.completed(identity)
+            else:
+                self.complete = self.manifest
+        winners = [t for t in world.tries if t.error is None and t.ended and not t.zombie and t.label.startswith("run-1/")]
+        self.winner = winners[-1] if winners else None
+
+    @staticmethod
+    def get(s3, bucket: str, key: str) -> bytes | None:
+        obj = s3.buckets.get(bucket, {}).get(key)
+        return obj.body if obj is not None else None
+
+    def body(self, uri: str | None) -> bytes | None:
+        if not uri:
+            return None
+        return self.get(self.world.s3, *split_s3_uri(uri, "uri"))
+
+
+def check_all(world: World) -> list[Violation]:
+    outcome = Outcome(world)
+    found: list[Violation] = []
+    for check in (exactly_once, one_identity, fencing, durability, no_strangers, no_secrets, bounded):
+        found.extend(check(outcome))
+    return found
+
+
+# -- Exactly once -----------------------------------------------------------------------
+
+
+def exactly_once(o: Outcome) -> list[Violation]:
+    found = []
+    world = o.world
+    if world.final == "success" and o.complete is None and not world.plan.collision:
+        found.append(Violation("Exactly once/success-without-complete-output", "the task succeeded but no complete output is published"))
+    m = o.complete
+    if m is None or world.plan.collision:
+        return found
+    inputs = world.inputs.get(m.input_etag or "")
+    if inputs is None:
+        return [*found, Violation("Exactly once/unknown-input", f"the manifest names input ETag {m.input_etag}")]
+    results = o.body(m.output_uri) or b""
+    errors = o.body(m.error_uri) if m.error_uri else b""
+    seen: dict[str, int] = {}
+    bad_lines = 0
+    for part in (results, errors or b""):
+        for raw in part.splitlines():
+            try:
+                seen[json.loads(raw)["custom_id"]] = seen.get(json.loads(raw)["custom_id"], 0) + 1
+            except (ValueError, KeyError, TypeError):
+                bad_lines += 1
+    if bad_lines:
+        found.append(Violation("Exactly once/unreadable-line", f"{bad_lines} published line(s) are not one JSON answer"))
+    twice = sorted(c for c, n in seen.items() if n > 1)
+    missing = sorted(set(inputs) - set(seen))
+    strangers = sorted(set(seen) - set(inputs))
+    if twice or missing or strangers:
+        found.append(Violation("Exactly once/answers", f"twice={twice} missing={missing} not in input={strangers}"))
+    counts = m.request_counts
+    lines = (len(results.splitlines()), len((errors or b"").splitlines()))
+    if (counts.completed, counts.failed, counts.total) != (lines[0], lines[1], len(inputs)):
+        found.append(Violation("Exactly once/counts", f"manifest {counts} vs results/errors lines {lines}, {len(inputs)} inputs"))
+    return found
+
+
+# -- One identity -----------------------------------------------------------------------
+
+
+def one_identity(o: Outcome) -> list[Violation]:
+    m = o.complete
+    if m is None or o.world.plan.collision:
+        return []
+    inputs = o.world.inputs.get(m.input_etag or "", {})
+    stale = []
+    for raw in (o.body(m.output_uri) or b"").splitlines():
+        try:
+            line = json.loads(raw)
+            content = line["response"]["body"]["choices"][0]["message"]["content"]
+        except (ValueError, KeyError, TypeError, IndexError):
+            continue
+        if content != f"echo:{inputs.get(line['custom_id'])}":
+            stale.append(line["custom_id"])
+    return [Violation("One identity/stale-answer", f"answers to another input than the manifest's: {stale}")] if stale else []
+
+
+# -- Fencing ----------------------------------------------------------------------------
+
+
+def fencing(o: Outcome) -> list[Violation]:
+    world = o.world
+    found = []
+    if world.plan.collision:
+        return found
+    mkey = split_s3_uri(manifest_uri(world.output_uri), "output_uri")[1]
+    okey = split_s3_uri(world.output_uri, "output_uri")[1]
+    ekey = split_s3_uri(world.error_uri or default_error_uri(world.output_uri), "error_uri")[1]
+    manifest_puts = [m for m in world.s3.mutations if m.key == mkey and m.op != "delete_objects" and m.op != "delete_object"]
+    unconditional = [m for m in manifest_puts if not m.conditional]
+    if unconditional:
+        found.append(Violation("Fencing/unconditional-manifest-write", f"{len(unconditional)} manifest write(s) without IfMatch/IfNoneMatch"))
+    if o.complete is not None:
+        last = {}
+        for m in world.s3.mutations:
+            if m.key in (okey, ekey, mkey):
+                last[m.key] = m
+        writer = last[mkey].try_label if mkey in last else None
+        mixed = {k: m.try_label for k, m in last.items() if m.try_label != writer}
+        if mixed:
+            found.append(
+                Violation("Fencing/mixed-writers", f"the complete output's manifest is {writer}'s, but the last change of {mixed} is another try's")
+            )
+    elif world.final == "success" and o.winner is not None:
+        win = o.winner.label
+        wrote = [i for i, m in enumerate(world.s3.mutations) if m.key == mkey and m.try_label == win and m in manifest_puts]
+        if wrote:
+            after = [m for m in world.s3.mutations[wrote[-1] + 1 :] if m.key in (okey, ekey, mkey) and m.try_label != win]
+            if after:
+                found.append(
+                    Violation(
+                        "Fencing/published-output-undone",
+                        f"{after[0].try_label} ({after[0].op} {after[0].key}, lease held by {after[0].lease_holder}) "
+                        f"undid {win}'s published output",
+                    )
+                )
+    return found
+
+
+# -- Durability -------------------------------------------------------------------------
+
+
+def durability(o: Outcome) -> list[Violation]:
+    world = o.world
+    found = []
+    if world.plan.collision:
+        return found
+    staging_root = split_s3_uri(world.output_uri, "output_uri")[1] + ".staging/"
+    durable: dict[str, set[str]] = {}
+    last_short = None
+    for m in world.s3.mutations:
+        if m.key.startswith(staging_root) and m.body is not None:
+            short = m.key[len(staging_root) :].split("/")[0]
+            durable.setdefault(short, set()).update(final_answers(m.body))
+            last_short = short
+    live = o.winner.outcome.manifest.fingerprint[:16] if o.winner is not None and o.winner.outcome else lease_identity(world) or last_short
+    if live in durable:
+        prefix = f"{staging_root}{live}/"
+        now = set()
+        for key, obj in world.s3.buckets["sim"].items():
+            if key.startswith(prefix):
+                now |= final_answers(obj.body)
+        published = set()
+        if o.complete is not None and o.complete.fingerprint[:16] == live:
+            published = final_answers(o.body(o.complete.output_uri) or b"") | final_answers(o.body(o.complete.error_uri) or b"")
+        lost = sorted(c for c in durable[live] - now - published if answers_current_input(world, c))
+        if lost:
+            found.append(Violation("Durability/durable-answer-lost", f"final answers once staged under {live} and now nowhere: {lost}"))
+    resent = sorted({(t, c) for t, s, c, before in world.sent if before and s == live})
+    if resent:
+        found.append(Violation("Durability/durable-answer-resent", f"(try, custom_id) sent again although durable: {resent[:5]}"))
+    return found
+
+
+def answers_current_input(world: World, custom_id: str) -> bool:
+    """Whether a staged answer to ``custom_id`` still answers the input as it is now (else the identity changed)."""
+    return world.input_version == 1
+
+
+def lease_identity(world: World) -> str | None:
+    """The run identity (short) of the last lease this task instance's tries wrote: the run's identity by then."""
+    lease_key = world.lease_key[1]
+    for m in reversed(world.s3.mutations):
+        if m.key == lease_key and m.body and m.try_label and m.try_label.startswith("run-1/"):
+            try:
+                return str(json.loads(m.body)["fingerprint"])[:16]
+            except (ValueError, KeyError):
+                return None
+    return None
+
+
+# -- No strangers -----------------------------------------------------------------------
+
+
+def no_strangers(o: Outcome) -> list[Violation]:
+    world = o.world
+    found = []
+    input_key = split_s3_uri(world.input_uri, "input_uri")[1]
+    if o.get(world.s3, "sim", input_key) != world.input_bytes:
+        found.append(Violation("No strangers/input-changed", "the run overwrote or deleted its own input"))
+    okey = split_s3_uri(world.output_uri, "output_uri")[1]
+    stem = okey.removesuffix(".jsonl")
+    ekey = split_s3_uri(world.error_uri or default_error_uri(world.output_uri), "error_uri")[1]
+    owned_keys = {okey, ekey, f"{stem}.manifest.json", f"{stem}.lease.json"}
+    owned_prefixes = (f"{okey}.staging/", f"{stem}.requests/", f"{okey}.probe-", f"{ekey}.probe-")
+    if world.plan.cache_prior:
+        owned_prefixes = (*owned_prefixes, "cache/")
+    foreign = sorted(
+        {
+            m.key
+            for m in world.s3.mutations
+            if m.try_label
+            and m.try_label.startswith("run-1/")
+            and (m.key not in owned_keys or m.key == input_key)
+            and not m.key.startswith(owned_prefixes)
+        }
+    )
+    if foreign:
+        found.append(Violation("No strangers/foreign-object", f"the run changed objects it does not own: {foreign}"))
+    gone = sorted(str(p.relative_to(world.workdir)) for p, data in world.user_files.items() if not p.exists() or p.read_bytes() != data)
+    if gone:
+        found.append(Violation("No strangers/user-file-deleted", f"files beside results_dir removed: {gone}"))
+    if world.plan.collision:
+        engine_ran = world.task_engine_steps > 0
+        if world.final == "success" or engine_ran:
+            found.append(
+                Violation("No strangers/collision-not-refused", f"{world.plan.collision} was accepted (engine ran: {engine_ran}, task {world.final})")
+            )
+    return found
+
+
+# -- No secrets -------------------------------------------------------------------------
+
+
+def no_secrets(o: Outcome) -> list[Violation]:
+    world = o.world
+    secret = world.plan.secret
+    if not secret:
+        return []
+    from airflow.sdk.log import _secrets_masker  # the masker Airflow's task log goes through
+
+    masker = _secrets_masker()
+    found = []
+    leaked_logs = [line.message for line in world.logs if secret in masker.redact(line.message)]
+    if leaked_logs:
+        found.append(Violation("No secrets/task-log", f"{len(leaked_logs)} log line(s), e.g. {leaked_logs[0][:120]!r}"))
+    input_key = split_s3_uri(world.input_uri, "input_uri")[1]
+    in_s3 = sorted(k for k, obj in world.s3.buckets["sim"].items() if k != input_key and secret.encode() in obj.body)
+    if in_s3:
+        found.append(Violation("No secrets/s3", f"in {in_s3}"))
+    for t in world.tries:
+        if t.outcome is not None and secret in t.outcome.manifest.to_json().decode():
+            found.append(Violation("No secrets/xcom", f"{t.label}'s returned manifest holds the secret"))
+            break
+    for t in world.tries:
+        if t.error is not None and secret in str(t.error):
+            found.append(Violation("No secrets/exception", f"{t.label}: {type(t.error).__name__}"))
+            break
+    return found
+
+
+# -- Bounded ----------------------------------------------------------------------------
+
+
+def bounded(o: Outcome) -> list[Violation]:
+    world = o.world
+    found = []
+    if world.scheduler.out_of_time or world.scheduler.deadlocked:
+        why = "deadlocked" if world.scheduler.deadlocked else f"still running after {world.scheduler.time_limit_s:.0f} virtual s"
+        found.append(Violation("Bounded/try-did-not-end", why))
+    if world.final is None:
+        found.append(Violation("Bounded/task-did-not-end", "no try ended the task instance"))
+    last = next((t for t in reversed(world.tries) if not t.zombie), None)
+    if world.final == "failed" and not world.plan.collision and last is not None and last.error is not None:
+        from tests.simulation.world import retryable
+
+        if not retryable(last.error):
+            found.append(
+                Violation("Bounded/terminal-on-transient-faults", f"{last.label}: {type(last.error).__name__}: {str(last.error)[:160]}")
+            )
+    for line in world.logs:
+        if line.message.startswith("Lost the lease") and line.lease_holder == line.try_label:
+            found.append(Violation("Bounded/lease-lost-to-nobody", f"{line.try_label} declared its lease lost while the lease named it"))
+            break
+    return found

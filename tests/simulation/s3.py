@@ -1,0 +1,428 @@
+"""An in-memory S3 with a virtual clock and seeded faults: the boto3 client calls the run code makes.
+
+:class:`FakeS3` holds the objects (with ETags, ``LastModified`` on the simulator's virtual
+clock) and a log of every mutation (who made it, and the lease object's holder at that
+moment), which the invariants read after a schedule. :class:`FakeS3Client` is what
+``S3Hook.get_conn()`` returns under the simulator (:class:`FakeS3Hook`); it implements
+exactly the calls the provider and ``S3Hook`` make: ``get_object``, ``put_object``,
+``head_object``, ``head_bucket``, ``delete_object``, ``delete_objects``, the
+``list_objects_v2`` paginator, the managed ``copy``, ``upload_file``/``upload_fileobj``
+(one PUT: the simulator's files are small, below s3transfer's multipart threshold) and
+``generate_presigned_url``. Conditional requests (``IfMatch``, ``IfNoneMatch``) answer 412
+``PreconditionFailed`` as S3 and SeaweedFS do; tests/integration/test_s3_fake_contract.py
+runs the same call sequences on this fake and on a real SeaweedFS and compares.
+
+Every call is a step of the schedule (:meth:`Scheduler.step`): the scheduler may run
+another try or thread there, kill the calling try there, or inject a fault. Faults are
+modelled the way botocore meets them, with its retries (legacy mode: 5 attempts):
+
+* ``error``: a 500/503 ``SlowDown`` before the call reaches S3 (nothing happens; retried);
+* ``lost_response``: the call *succeeded* on S3 but its response was lost (a read
+  timeout): botocore sends it again, with the same conditions (so an ``IfMatch`` retry of
+  a write that landed meets its own new ETag and gets 412);
+* ``slow``: the call takes tens of virtual seconds (leases age meanwhile);
+* ``outage``: every attempt fails, so the call raises to the code.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import io
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from email.utils import format_datetime
+from typing import Any
+
+from airflow.providers.amazon.aws.hooks.s3 import S3Hook
+from botocore.exceptions import ClientError, EndpointConnectionError, ReadTimeoutError
+
+#: The virtual clock's zero, as S3's wall clock.
+EPOCH = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+#: Botocore's legacy retry mode: one call, four retries.
+BOTO_ATTEMPTS = 5
+#: The calls that change something (the ones the fencing and ownership checks look at).
+MUTATIONS = frozenset({"put_object", "delete_object", "delete_objects", "copy", "copy_object", "upload_file", "upload_fileobj"})
+
+
+@dataclass
+class StoredObject:
+    body: bytes
+    etag: str
+    last_modified: dt.datetime
+    writer: str
+
+
+@dataclass
+class Mutation:
+    """One change S3 applied: the step, who made it, what, and who held the output's lease then."""
+
+    step: int
+    actor: str
+    try_label: str | None
+    op: str
+    bucket: str
+    key: str
+    conditional: bool
+    lease_holder: str | None
+    body: bytes | None = None
+
+
+def client_error(code: str, status: int, operation: str, message: str = "") -> ClientError:
+    return ClientError(
+        {"Error": {"Code": code, "Message": message or code}, "ResponseMetadata": {"HTTPStatusCode": status}}, operation
+    )
+
+
+class FaultPlan:
+    """Which fault each attempt of each call meets, drawn from the schedule's random generator.
+
+    :param rng: the schedule's ``random.Random``.
+    :param rate: the chance that one attempt meets a fault (split over the kinds).
+    """
+
+    KINDS = ("error", "lost_response", "slow", "outage")
+
+    def __init__(self, rng: Any, rate: float) -> None:
+        self.rng = rng
+        self.rate = rate
+        self.injected: dict[str, int] = {}
+
+    def draw(self) -> str | None:
+        if self.rate <= 0 or self.rng.random() >= self.rate:
+            return None
+        kind = self.rng.choices(self.KINDS, weights=(4, 3, 3, 1))[0]
+        self.injected[kind] = self.injected.get(kind, 0) + 1
+        return kind
+
+
+class FakeS3:
+    """The objects of every bucket, the mutation log, and the fault plan.
+
+    :param scheduler: the schedule's scheduler (its virtual clock and steps); None for a plain fake.
+    :param faults: the fault plan; None for none.
+    :param lease_key: ``(bucket, key)`` of the output's lease, to note its holder at each mutation.
+    """
+
+    def __init__(self, scheduler: Any = None, faults: FaultPlan | None = None, lease_key: tuple[str, str] | None = None) -> None:
+        self.buckets: dict[str, dict[str, StoredObject]] = {}
+        self.scheduler = scheduler
+        self.faults = faults
+        self.lease_key = lease_key
+        self.mutations: list[Mutation] = []
+        self.calls = 0
+        #: The step of each try's last read under a staging prefix (what it knew was durable).
+        self.staging_reads: dict[str, int] = {}
+        #: Client calls the run code made that the fake does not model (the campaign reports them).
+        self.unsupported: set[str] = set()
+        self._local_now = 0.0
+
+    # -- the clock -----------------------------------------------------------------
+
+    @property
+    def now(self) -> dt.datetime:
+        seconds = self.scheduler.now if self.scheduler is not None else self._local_now
+        return EPOCH + dt.timedelta(seconds=seconds)
+
+    def create_bucket(self, name: str) -> None:
+        self.buckets.setdefault(name, {})
+
+    def objects(self, bucket: str) -> dict[str, StoredObject]:
+        return self.buckets[bucket]
+
+    def lease_holder(self) -> str | None:
+        """The lease object's holder (``try <n>``) right now, or None when there is no lease."""
+        if self.lease_key is None:
+            return None
+        obj = self.buckets.get(self.lease_key[0], {}).get(self.lease_key[1])
+        if obj is None:
+            return None
+        import json
+
+        try:
+            data = json.loads(obj.body)
+            return f"{data['run_id']}/try-{data['try_number']}"
+        except (ValueError, KeyError):
+            return "?"
+
+    # -- one call, with botocore's retries ------------------------------------------
+
+    def call(
+        self, op: str, bucket: str, key: str, apply: Callable[[], Any], conditional: bool = False, keys: list[str] | None = None
+    ) -> Any:
+        """Run one client call: the scheduler's step, faults and botocore's retries around ``apply``."""
+        self.calls += 1
+        scheduler = self.scheduler
+        if scheduler is not None:
+            scheduler.step(f"s3.{op}")
+        last_error: Exception | None = None
+        for _attempt in range(BOTO_ATTEMPTS):
+            fault = self.faults.draw() if self.faults is not None else None
+            if scheduler is not None:
+                scheduler.sleep(30.0 + scheduler.rng.random() * 60 if fault == "slow" else 0.05)
+            if fault == "error":
+                last_error = client_error("SlowDown", 503, op, "Please reduce your request rate.")
+                continue
+            if fault == "outage":
+                raise EndpointConnectionError(endpoint_url=f"http://s3.sim/{bucket}")
+            if bucket not in self.buckets and op != "head_bucket":
+                raise client_error("NoSuchBucket", 404, op)
+            try:
+                result = apply()
+            except ClientError as err:
+                # A 4xx is final: botocore does not retry it.
+                raise err from None
+            if op in MUTATIONS:
+                for changed in keys or [key]:
+                    self.note_mutation(op, bucket, changed, conditional)
+            elif ".staging/" in key and scheduler is not None and (actor := scheduler.current_actor()) is not None:
+                self.staging_reads[actor.try_label or "-"] = self.calls
+            if fault == "lost_response":
+                last_error = ReadTimeoutError(endpoint_url=f"http://s3.sim/{bucket}/{key}")
+                continue
+            return result
+        assert last_error is not None
+        raise last_error
+
+    def note_mutation(self, op: str, bucket: str, key: str, conditional: bool) -> None:
+        actor = self.scheduler.current_actor() if self.scheduler is not None else None
+        obj = self.buckets.get(bucket, {}).get(key)
+        self.mutations.append(
+            Mutation(
+                step=self.calls,
+                actor=actor.name if actor is not None else "-",
+                try_label=actor.try_label if actor is not None else None,
+                op=op,
+                bucket=bucket,
+                key=key,
+                conditional=conditional,
+                lease_holder=self.lease_holder(),
+                body=obj.body if obj is not None and op != "delete_object" else None,
+            )
+        )
+
+    # -- the operations, applied -----------------------------------------------------
+
+    def writer(self) -> str:
+        actor = self.scheduler.current_actor() if self.scheduler is not None else None
+        return actor.try_label if actor is not None and actor.try_label else "-"
+
+    def check_conditions(self, op: str, current: StoredObject | None, if_match: str | None, if_none_match: str | None) -> None:
+        if if_none_match is not None and current is not None:
+            raise client_error("PreconditionFailed", 412, op, "At least one of the pre-conditions you specified did not hold")
+        if if_match is not None:
+            if current is None:
+                raise client_error("NoSuchKey", 404, op)
+            if _unquote(if_match) != _unquote(current.etag):
+                raise client_error("PreconditionFailed", 412, op, "At least one of the pre-conditions you specified did not hold")
+
+    def put(self, bucket: str, key: str, body: bytes, if_match: str | None = None, if_none_match: str | None = None) -> dict:
+        self.check_conditions("PutObject", self.buckets[bucket].get(key), if_match, if_none_match)
+        etag = f'"{hashlib.md5(body).hexdigest()}"'
+        self.buckets[bucket][key] = StoredObject(body, etag, self.now.replace(microsecond=0), self.writer())
+        return {"ETag": etag, "ResponseMetadata": self.metadata(200)}
+
+    def metadata(self, status: int) -> dict:
+        return {"HTTPStatusCode": status, "HTTPHeaders": {"date": format_datetime(self.now, usegmt=True)}}
+
+
+def _unquote(etag: str) -> str:
+    return etag.strip('"')
+
+
+def _read_body(body: Any) -> bytes:
+    if body is None:
+        return b""
+    if isinstance(body, (bytes, bytearray)):
+        return bytes(body)
+    if isinstance(body, str):
+        return body.encode()
+    return body.read()
+
+
+class _Body(io.BytesIO):
+    """A ``StreamingBody`` stand-in: ``read``, ``iter_lines``, ``iter_chunks``, ``close``."""
+
+    def iter_chunks(self, chunk_size: int = 1024) -> Iterator[bytes]:
+        while chunk := self.read(chunk_size):
+            yield chunk
+
+
+class _Paginator:
+    def __init__(self, client: FakeS3Client) -> None:
+        self.client = client
+
+    def paginate(self, Bucket: str, Prefix: str = "", Delimiter: str = "", PaginationConfig: Any = None, **_: Any) -> Iterator[dict]:
+        yield self.client.list_objects_v2(Bucket=Bucket, Prefix=Prefix)
+
+
+class FakeS3Client:
+    """The boto3 S3 client calls the provider and ``S3Hook`` make, on a :class:`FakeS3`."""
+
+    def __init__(self, s3: FakeS3) -> None:
+        self.s3 = s3
+
+    def get_object(self, Bucket: str, Key: str, IfMatch: str | None = None, VersionId: str | None = None, **_: Any) -> dict:
+        def apply() -> dict:
+            obj = self.s3.buckets[Bucket].get(Key)
+            if obj is None:
+                raise client_error("NoSuchKey", 404, "GetObject", "The specified key does not exist.")
+            if IfMatch is not None and _unquote(IfMatch) != _unquote(obj.etag):
+                raise client_error("PreconditionFailed", 412, "GetObject")
+            return {
+                "Body": _Body(obj.body),
+                "ETag": obj.etag,
+                "LastModified": obj.last_modified,
+                "ContentLength": len(obj.body),
+                "ResponseMetadata": self.s3.metadata(200),
+            }
+
+        return self.s3.call("get_object", Bucket, Key, apply)
+
+    def head_object(self, Bucket: str, Key: str, **_: Any) -> dict:
+        def apply() -> dict:
+            obj = self.s3.buckets[Bucket].get(Key)
+            if obj is None:
+                raise client_error("404", 404, "HeadObject", "Not Found")
+            return {
+                "ETag": obj.etag,
+                "LastModified": obj.last_modified,
+                "ContentLength": len(obj.body),
+                "ResponseMetadata": self.s3.metadata(200),
+            }
+
+        return self.s3.call("head_object", Bucket, Key, apply)
+
+    def head_bucket(self, Bucket: str, **_: Any) -> dict:
+        def apply() -> dict:
+            if Bucket not in self.s3.buckets:
+                raise client_error("404", 404, "HeadBucket", "Not Found")
+            return {"ResponseMetadata": self.s3.metadata(200)}
+
+        return self.s3.call("head_bucket", Bucket, "", apply)
+
+    def put_object(
+        self, Bucket: str, Key: str, Body: Any = b"", IfMatch: str | None = None, IfNoneMatch: str | None = None, **_: Any
+    ) -> dict:
+        data = _read_body(Body)
+        return self.s3.call(
+            "put_object",
+            Bucket,
+            Key,
+            lambda: self.s3.put(Bucket, Key, data, if_match=IfMatch, if_none_match=IfNoneMatch),
+            conditional=IfMatch is not None or IfNoneMatch is not None,
+        )
+
+    def upload_fileobj(self, Fileobj: Any, Bucket: str, Key: str, ExtraArgs: dict | None = None, **_: Any) -> None:
+        data = _read_body(Fileobj)
+        extra = ExtraArgs or {}
+        self.s3.call(
+            "upload_fileobj",
+            Bucket,
+            Key,
+            lambda: self.s3.put(Bucket, Key, data, if_match=extra.get("IfMatch"), if_none_match=extra.get("IfNoneMatch")),
+            conditional="IfMatch" in extra or "IfNoneMatch" in extra,
+        )
+
+    def upload_file(self, Filename: str, Bucket: str, Key: str, ExtraArgs: dict | None = None, **_: Any) -> None:
+        with open(Filename, "rb") as f:
+            data = f.read()
+        extra = ExtraArgs or {}
+        self.s3.call(
+            "upload_file",
+            Bucket,
+            Key,
+            lambda: self.s3.put(Bucket, Key, data, if_match=extra.get("IfMatch"), if_none_match=extra.get("IfNoneMatch")),
+            conditional="IfMatch" in extra or "IfNoneMatch" in extra,
+        )
+
+    def delete_object(self, Bucket: str, Key: str, IfMatch: str | None = None, **_: Any) -> dict:
+        def apply() -> dict:
+            current = self.s3.buckets[Bucket].get(Key)
+            if IfMatch is not None:
+                if current is None:
+                    raise client_error("NoSuchKey", 404, "DeleteObject")
+                if _unquote(IfMatch) != _unquote(current.etag):
+                    raise client_error("PreconditionFailed", 412, "DeleteObject")
+            self.s3.buckets[Bucket].pop(Key, None)
+            return {"ResponseMetadata": self.s3.metadata(204)}
+
+        return self.s3.call("delete_object", Bucket, Key, apply, conditional=IfMatch is not None)
+
+    def delete_objects(self, Bucket: str, Delete: dict, **_: Any) -> dict:
+        keys = [o["Key"] for o in Delete.get("Objects", [])]
+
+        def apply() -> dict:
+            for key in keys:
+                self.s3.buckets[Bucket].pop(key, None)
+            return {"Deleted": [{"Key": k} for k in keys], "ResponseMetadata": self.s3.metadata(200)}
+
+        # One request on S3; one mutation per key in the log (the checks look at keys).
+        return self.s3.call("delete_objects", Bucket, keys[0] if keys else "", apply, keys=keys)
+
+    def copy(self, CopySource: dict, Bucket: str, Key: str, **_: Any) -> None:
+        def apply() -> None:
+            source = self.s3.buckets[CopySource["Bucket"]].get(CopySource["Key"])
+            if source is None:
+                raise client_error("404", 404, "HeadObject", "Not Found")
+            self.s3.put(Bucket, Key, source.body)
+
+        self.s3.call("copy", Bucket, Key, apply)
+
+    def copy_object(self, Bucket: str, Key: str, CopySource: dict, IfMatch: str | None = None, IfNoneMatch: str | None = None, **_: Any) -> dict:
+        def apply() -> dict:
+            source = self.s3.buckets[CopySource["Bucket"]].get(CopySource["Key"])
+            if source is None:
+                raise client_error("NoSuchKey", 404, "CopyObject", "The specified key does not exist.")
+            put = self.s3.put(Bucket, Key, source.body, if_match=IfMatch, if_none_match=IfNoneMatch)
+            return {"CopyObjectResult": {"ETag": put["ETag"]}, "ResponseMetadata": put["ResponseMetadata"]}
+
+        return self.s3.call("copy_object", Bucket, Key, apply, conditional=IfMatch is not None or IfNoneMatch is not None)
+
+    def __getattr__(self, name: str) -> Any:
+        # A boto3 call the fake does not model: recorded, so the campaign reports it rather than a bug of the run code.
+        if name.startswith("_"):
+            raise AttributeError(name)
+        self.s3.unsupported.add(name)
+        raise NotImplementedError(f"the simulator's S3 does not model {name}()")
+
+    def list_objects_v2(self, Bucket: str, Prefix: str = "", **_: Any) -> dict:
+        def apply() -> dict:
+            contents = [
+                {"Key": k, "Size": len(o.body), "ETag": o.etag, "LastModified": o.last_modified}
+                for k, o in sorted(self.s3.buckets[Bucket].items())
+                if k.startswith(Prefix)
+            ]
+            page: dict[str, Any] = {"KeyCount": len(contents), "ResponseMetadata": self.s3.metadata(200)}
+            if contents:
+                page["Contents"] = contents
+            return page
+
+        return self.s3.call("list_objects_v2", Bucket, Prefix, apply)
+
+    def get_paginator(self, name: str) -> _Paginator:
+        assert name == "list_objects_v2", name
+        return _Paginator(self)
+
+    def generate_presigned_url(self, ClientMethod: str, Params: dict, ExpiresIn: int = 3600, **_: Any) -> str:
+        return f"http://s3.sim/{Params['Bucket']}/{Params['Key']}?X-Amz-Signature=sim{ExpiresIn}"
+
+
+class FakeS3Hook(S3Hook):
+    """``S3Hook`` with its client replaced by the fake: every hook method the run code calls runs as it would."""
+
+    def __init__(self, client: FakeS3Client, aws_conn_id: str = "aws_default") -> None:
+        super().__init__(aws_conn_id=aws_conn_id)
+        self._fake_client = client
+        self._log = logging.getLogger("airflow.task.hooks.sim_s3")
+
+    def get_conn(self) -> FakeS3Client:  # type: ignore[override]
+        return self._fake_client
+
+    @property
+    def conn(self) -> FakeS3Client:  # type: ignore[override]
+        return self._fake_client
+
+    def generate_presigned_url(self, client_method: str, params: dict | None = None, expires_in: int = 3600, http_method: str | None = None) -> str:  # type: ignore[override]
+        return self._fake_client.generate_presigned_url(client_method, params or {}, expires_in)

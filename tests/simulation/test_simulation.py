@@ -1,0 +1,36 @@
+"""The fault simulator in the suite: at least 300 seeded schedules, every invariant checked after each.
+
+One test loops over the seeds and lists every failing one (with its replay command), rather
+than one test item per seed. ``benchmarks/simulate.py`` runs the same campaign at scale.
+"""
+
+from __future__ import annotations
+
+import os
+
+from tests.simulation.campaign import run_campaign
+from tests.simulation.world import make_plan, run_schedule
+
+#: Schedules per suite run (``VLLM_BATCH_SIM_SCHEDULES`` overrides); about 25 ms each.
+SCHEDULES = int(os.environ.get("VLLM_BATCH_SIM_SCHEDULES", "500"))
+
+
+def test_no_schedule_violates_a_run_protocol_invariant(tmp_path, sim_seed):
+    seeds = [sim_seed] if sim_seed is not None else range(SCHEDULES)
+    report = run_campaign(seeds, tmp_path)
+    assert not report.failing_seeds, "\n" + report.format(first=20)
+
+
+def test_a_seed_replays_the_same_schedule(tmp_path):
+    first = run_schedule(7, tmp_path / "a")
+    again = run_schedule(7, tmp_path / "b")
+    assert [(m.actor, m.op, m.key) for m in first.s3.mutations] == [(m.actor, m.op, m.key) for m in again.s3.mutations]
+    assert first.faults.injected == again.faults.injected and first.scheduler.now == again.scheduler.now
+
+
+def test_the_plans_cover_every_configuration_and_fault_the_invariants_need():
+    plans = [make_plan(seed) for seed in range(300)]
+    assert {p.engine for p in plans} == {"sim-runner", "sim-server"}
+    assert {p.collision for p in plans} >= {"output=input", "error=input", "error=output", None}
+    assert any(p.shared_results_dir for p in plans) and any(p.secret for p in plans)
+    assert any(p.kill_at for p in plans) and any(p.zombie_at for p in plans) and any(p.rewrite_input_at for p in plans)

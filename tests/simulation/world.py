@@ -1,0 +1,433 @@
+"""One schedule: a seed's plan (configuration, faults, kills, zombies) and the task instance that runs under it.
+
+:func:`make_plan` draws everything from the seed: the engine (runner or server), a batch
+of 3-12 requests, the configuration (a ``results_dir`` on a disk that holds a user's old
+files, an ``output_uri`` or ``error_uri`` colliding with the input, a secret
+``--hf-token`` in ``engine_args``), the S3 fault rate, the engine's behaviour, and for each
+try the step at which it is killed or becomes a zombie (Airflow starts its successor while
+it runs on). :class:`World` then runs the task instance the way Airflow would: try 1,
+and a new try (``try_number + 1``, same task instance) after every retryable failure or
+kill, up to ``max_tries``, each try the real :class:`~airflow_vllm_batch.run.batch.BatchRun`
+with real settings, preflight, lease, staging, check and publish, on the fake S3.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import random
+import shutil
+import string
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from airflow_vllm_batch.engines import _ENGINES, engine_class, register_engine
+from airflow_vllm_batch.exceptions import VLLMBatchError
+from airflow_vllm_batch.run.batch import BatchRun
+from airflow_vllm_batch.run.settings import BatchSettings
+from tests.simulation.engines import SimRunnerEngine, SimRunnerProcess, SimServerEngine
+from tests.simulation.s3 import FakeS3, FakeS3Client, FakeS3Hook, FaultPlan
+from tests.simulation.scheduler import Scheduler, TryKilled, TryState, virtual_threading
+
+BUCKET = "sim"
+INPUT_KEY = "in/batch.jsonl"
+OUTPUT_KEY = "out/results.jsonl"
+#: The earlier DAG run that fills the answer cache.
+PRIOR_INPUT_KEY = "earlier/batch.jsonl"
+PRIOR_OUTPUT_KEY = "earlier/results.jsonl"
+#: How old the user's files beside a shared ``results_dir`` are (older than the 7-day clean-up).
+USER_FILE_AGE_S = 30 * 24 * 3600
+
+
+@dataclass
+class Plan:
+    """Everything a seed decides before the schedule runs (the interleaving is decided as it runs)."""
+
+    seed: int
+    engine: str
+    requests: int
+    collision: str | None
+    shared_results_dir: bool
+    secret: str | None
+    fault_rate: float
+    max_tries: int
+    kill_at: dict[int, int] = field(default_factory=dict)
+    zombie_at: dict[int, int] = field(default_factory=dict)
+    rewrite_input_at: int | None = None
+    #: With the answer cache: an earlier DAG run answered the first ``cache_prior`` requests (into the cache).
+    cache_prior: int = 0
+    engine_faults: dict[str, float] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        bits = [f"engine={self.engine}", f"requests={self.requests}", f"s3_fault_rate={self.fault_rate}"]
+        if self.collision:
+            bits.append(f"collision={self.collision}")
+        if self.shared_results_dir:
+            bits.append("results_dir=shared disk")
+        if self.secret:
+            bits.append("secret --hf-token")
+        if self.kill_at:
+            bits.append(f"kill(try:step)={self.kill_at}")
+        if self.zombie_at:
+            bits.append(f"zombie(try:step)={self.zombie_at}")
+        if self.rewrite_input_at:
+            bits.append(f"input rewritten at step {self.rewrite_input_at}")
+        if self.cache_prior:
+            bits.append(f"answer cache (an earlier run answered {self.cache_prior})")
+        return ", ".join(bits)
+
+
+def make_plan(seed: int) -> Plan:
+    """Draw one schedule's plan from its seed."""
+    rng = random.Random(f"plan-{seed}")
+    engine = rng.choice(("sim-runner", "sim-server"))
+    max_tries = 4
+    plan = Plan(
+        seed=seed,
+        engine=engine,
+        requests=rng.randint(3, 12),
+        collision=rng.choice(("output=input", "error=input", "error=output")) if rng.random() < 0.08 else None,
+        shared_results_dir=rng.random() < 0.15,
+        secret="hf_" + "".join(rng.choices(string.ascii_letters + string.digits, k=24)) if rng.random() < 0.2 else None,
+        fault_rate=rng.choice((0.0, 0.01, 0.03, 0.06)),
+        max_tries=max_tries,
+    )
+    for number in range(1, max_tries + 1):
+        roll = rng.random()
+        if roll < 0.25:
+            plan.kill_at[number] = rng.randint(1, 45)
+        elif roll < 0.45 and number < max_tries:
+            plan.zombie_at[number] = rng.randint(1, 45)
+    if rng.random() < 0.05:
+        plan.rewrite_input_at = rng.randint(1, 80)
+    if rng.random() < 0.15:
+        plan.cache_prior = rng.randint(1, plan.requests)
+    if engine == "sim-runner":
+        plan.engine_faults = {"crash": rng.choice((0, 0.02)), "die": rng.choice((0, 0.03)), "fail": rng.choice((0, 0.1)), "stall": 0.02}
+    else:
+        plan.engine_faults = {
+            "die": rng.choice((0, 0.03)),
+            "transient": rng.choice((0, 0.08)),
+            "twice": rng.choice((0, 0.15)),
+            "fail": rng.choice((0, 0.1)),
+            "stall": 0.02,
+        }
+    return plan
+
+
+def request_lines(n: int, version: int) -> bytes:
+    """The batch file: ``n`` chat requests; ``version`` changes their content (a user re-uploading the input)."""
+    return b"".join(
+        json.dumps(
+            {
+                "custom_id": f"r{i}",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {"model": "m", "messages": [{"role": "user", "content": f"hi {i} v{version}"}]},
+            }
+        ).encode()
+        + b"\n"
+        for i in range(n)
+    )
+
+
+@dataclass
+class LogLine:
+    try_label: str | None
+    message: str
+    lease_holder: str | None
+
+
+class _Capture(logging.Handler):
+    def __init__(self, world: World) -> None:
+        super().__init__(logging.DEBUG)
+        self.world = world
+
+    def emit(self, record: logging.LogRecord) -> None:
+        actor = self.world.scheduler.current_actor()
+        try:
+            message = record.getMessage()
+        except Exception:  # noqa: BLE001 - a bad format string is not the simulator's failure
+            message = str(record.msg)
+        self.world.logs.append(LogLine(actor.try_label if actor else None, message, self.world.s3.lease_holder()))
+
+
+class World:
+    """The task instance of one plan, run on the fake S3 under the scheduler.
+
+    :param plan: the plan.
+    :param workdir: an empty directory: the worker's disk.
+    """
+
+    def __init__(self, plan: Plan, workdir: Path) -> None:
+        self.plan = plan
+        self.rng = random.Random(plan.seed)
+        self.scheduler = Scheduler(self.rng, on_step=self.on_step)
+        self.faults = FaultPlan(self.rng, plan.fault_rate)
+        self.lease_key = (BUCKET, OUTPUT_KEY.removesuffix(".jsonl") + ".lease.json")
+        self.s3 = FakeS3(self.scheduler, self.faults, lease_key=self.lease_key)
+        self.hook = FakeS3Hook(FakeS3Client(self.s3))
+        self.workdir = workdir
+        self.tries: list[TryState] = []
+        self.logs: list[LogLine] = []
+        self.final: str | None = None
+        self.global_steps = 0
+        self.input_version = 1
+        #: The input's content by ETag (what each manifest's input_etag names).
+        self.inputs: dict[str, dict[str, str]] = {}
+        #: (try, run short, custom_id, whether its final answer was durable before the try's engine began).
+        self.sent: list[tuple[str, str, str, bool]] = []
+        self.engine_events: dict[str, int] = {}
+        self.kills = 0
+        #: Engine steps of this task instance's tries (not the earlier run's that filled the cache).
+        self.task_engine_steps = 0
+        self.zombies = 0
+        self.first_engine_step: dict[str, int] = {}
+        self.user_files: dict[Path, bytes] = {}
+        self.settings_values = self._settings_values()
+
+    # -- set-up -------------------------------------------------------------------
+
+    def _settings_values(self) -> dict[str, Any]:
+        plan = self.plan
+        self.s3.create_bucket(BUCKET)
+        input_uri = f"s3://{BUCKET}/{INPUT_KEY}"
+        output_uri = f"s3://{BUCKET}/{OUTPUT_KEY}"
+        error_uri = None
+        if plan.collision == "output=input":
+            output_uri = input_uri
+            self.lease_key = (BUCKET, INPUT_KEY.removesuffix(".jsonl") + ".lease.json")
+            self.s3.lease_key = self.lease_key
+        elif plan.collision == "error=input":
+            error_uri = input_uri
+        elif plan.collision == "error=output":
+            error_uri = output_uri
+        self.input_uri, self.output_uri, self.error_uri = input_uri, output_uri, error_uri
+        self.write_input()
+        if plan.shared_results_dir:
+            results_dir = self.workdir / "disk"
+            for name, data in (("notes.txt", b"my notes\n"), ("models/llama/weights.bin", b"\x00weights")):
+                path = results_dir / name
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(data)
+                old = time.time() - USER_FILE_AGE_S
+                os.utime(path, (old, old))
+                self.user_files[path] = data
+            old = time.time() - USER_FILE_AGE_S
+            os.utime(results_dir / "models/llama", (old, old))
+            os.utime(results_dir / "models", (old, old))
+        else:
+            results_dir = self.workdir / "results"
+        engine_args = ["--max-model-len", "512"] + (["--hf-token", plan.secret] if plan.secret else [])
+        if plan.cache_prior:
+            self.s3.put(BUCKET, PRIOR_INPUT_KEY, b"".join(request_lines(plan.requests, 1).splitlines(keepends=True)[: plan.cache_prior]))
+        return {
+            "answer_cache_uri": f"s3://{BUCKET}/cache/" if plan.cache_prior else None,
+            "input_uri": input_uri,
+            "output_uri": output_uri,
+            "error_uri": error_uri,
+            "model": "m",
+            "engine": plan.engine,
+            "engine_args": engine_args,
+            "results_dir": str(results_dir),
+            "max_failed_ratio": 1.0,
+        }
+
+    def write_input(self) -> None:
+        """The user writes (or re-writes) the input: outside every try, no step, no fault."""
+        data = request_lines(self.plan.requests, self.input_version)
+        self.s3.put(BUCKET, INPUT_KEY, data)
+        etag = self.s3.buckets[BUCKET][INPUT_KEY].etag.strip('"')
+        self.inputs[etag] = {json.loads(line)["custom_id"]: json.loads(line)["body"]["messages"][-1]["content"] for line in data.splitlines()}
+        self.s3.buckets[BUCKET][INPUT_KEY].writer = "user"
+        self.input_bytes = data
+
+    # -- the task instance -----------------------------------------------------------
+
+    def run(self) -> None:
+        """Run the task instance to its end: every try, zombie and heartbeat thread (after the earlier run, with the cache)."""
+        if self.plan.cache_prior:
+            prior = TryState(1, "prior/try-1")
+            self.tries.append(prior)
+            self.scheduler.spawn(prior.label, lambda: self.run_try(prior), prior, on_exit=lambda *_: self.start_try(1))
+        else:
+            self.start_try(1)
+        self.scheduler.run()
+
+    def start_try(self, number: int) -> None:
+        plan = self.plan
+        state = TryState(number, f"run-1/try-{number}", kill_at=plan.kill_at.get(number), zombie_at=plan.zombie_at.get(number))
+        self.tries.append(state)
+        self.scheduler.spawn(state.label, lambda: self.run_try(state), state, on_exit=self.try_ended)
+
+    def run_try(self, state: TryState) -> None:
+        log = logging.getLogger("sim.task")
+        values = self.settings_values
+        if state.label.startswith("prior/"):
+            values = {**values, "input_uri": f"s3://{BUCKET}/{PRIOR_INPUT_KEY}", "output_uri": f"s3://{BUCKET}/{PRIOR_OUTPUT_KEY}", "error_uri": None}
+        settings = BatchSettings.from_rendered(**values)
+        engine = engine_class(settings.engine)(settings, log)
+        engine.world = self  # type: ignore[attr-defined]
+        task = {
+            "dag_id": "sim",
+            "run_id": "run-1",
+            "task_id": "batch",
+            "map_index": -1,
+            "task_id": "batch" if not state.label.startswith("prior/") else "earlier_batch",
+            "try_number": state.number,
+            "last_try": state.number >= self.plan.max_tries,
+        }
+        state.outcome = BatchRun(settings, s3_hook=self.hook, engine=engine, task=task, log=log).execute()
+
+    def try_ended(self, actor: Any, error: BaseException | None) -> None:
+        state: TryState = actor.owner
+        state.error, state.ended = error, True
+        if state.zombie:
+            return  # Airflow gave up on it and started its successor already; its ending is ignored.
+        if error is None:
+            self.final = "success"
+        elif retryable(error) and state.number < self.plan.max_tries:
+            self.start_try(state.number + 1)
+        else:
+            self.final = "failed"
+
+    def on_step(self, actor: Any) -> None:
+        """Kills, zombies and input rewrites happen at steps."""
+        self.global_steps += 1
+        state: TryState = actor.owner
+        if state.label.startswith("prior/"):
+            return
+        if state.kill_at is not None and state.steps >= state.kill_at and not state.dead and not state.ended:
+            state.dead = True
+            self.kills += 1
+        elif state.zombie_at is not None and state.steps == state.zombie_at and not state.zombie:
+            state.zombie = True
+            self.zombies += 1
+            self.start_try(state.number + 1)
+        if self.plan.rewrite_input_at == self.global_steps and self.plan.collision is None:
+            self.input_version += 1
+            self.write_input()
+
+    # -- what the engine stand-ins ask -------------------------------------------------
+
+    def engine_fate(self, runner: bool) -> str:
+        """One request's step: maybe killed or preempted here; then what the engine does with it."""
+        self.scheduler.step("engine.request")
+        actor = self.scheduler.current_actor()
+        if actor is not None and actor.try_label not in self.first_engine_step:
+            # What the try knew of staging: its last read of it before the engine began.
+            self.first_engine_step[actor.try_label] = self.s3.staging_reads.get(actor.try_label, 0)
+        self.scheduler.sleep(0.5 + self.rng.random() * 4)
+        fate = "ok"
+        for kind, chance in self.plan.engine_faults.items():
+            if chance and self.rng.random() < chance:
+                fate = kind
+                break
+        self.engine_events[fate] = self.engine_events.get(fate, 0) + 1
+        if actor is not None and actor.try_label and actor.try_label.startswith("run-1/"):
+            self.task_engine_steps += 1
+        if fate == "stall":
+            self.scheduler.sleep(100 + self.rng.random() * 800)
+            fate = "ok"
+        return fate
+
+    def note_sent(self, custom_id: str, work: Path) -> None:
+        """The engine gave ``custom_id`` a final answer in this try (for the no-resend check)."""
+        actor = self.scheduler.current_actor()
+        label = actor.try_label if actor is not None else "-"
+        short = work.name.split("-try-")[0]
+        began = self.first_engine_step.get(label, self.s3.calls)
+        self.sent.append((label, short, custom_id, self.durable_before(short, custom_id, began)))
+
+    def durable_before(self, short: str, custom_id: str, step: int) -> bool:
+        """Whether staging held a final answer to ``custom_id`` written before ``step`` and still there."""
+        from tests.simulation.invariants import final_answers, staging_prefix
+
+        prefix = staging_prefix(self.output_uri, short)
+        for key, obj in self.s3.buckets[BUCKET].items():
+            if key.startswith(prefix) and custom_id in final_answers(obj.body):
+                written = max((m.step for m in self.s3.mutations if m.key == key), default=0)
+                if written < step:
+                    return True
+        return False
+
+    def read_engine_input(self, location: str) -> list[dict]:
+        """What the runner reads: a presigned GET of the fake S3, or a local cleaned copy."""
+        if location.startswith("http://s3.sim/"):
+            bucket, key = location.removeprefix("http://s3.sim/").split("?")[0].split("/", 1)
+            data = self.s3.buckets[bucket][key].body
+        else:
+            data = Path(location).read_bytes()
+        return [json.loads(line) for line in data.splitlines() if line.strip()]
+
+
+def engine_argv(argv: list[str], env: dict[str, str] | None) -> list[str]:
+    """The runner's arguments as vLLM sees them (``conceal_arguments`` moves them into the environment)."""
+    hidden = (env or {}).get("AIRFLOW_VLLM_BATCH_ENGINE_ARGV")
+    return [*argv[:1], "-m", argv[-1], *json.loads(hidden)] if hidden else list(argv)
+
+
+def retryable(error: BaseException) -> bool:
+    """Whether Airflow retries a try that ended with ``error`` (the operator fails a non-retryable VLLMBatchError)."""
+    if isinstance(error, TryKilled):
+        return True
+    if isinstance(error, VLLMBatchError):
+        return error.retryable
+    from airflow_vllm_batch.version_compat import AirflowFailException
+
+    return not isinstance(error, AirflowFailException)
+
+
+@contextlib.contextmanager
+def simulation(world: World) -> Iterator[None]:
+    """Install the schedule's stand-ins: the engines, the runner's process, the lease's threads, log capture."""
+    from airflow_vllm_batch.hooks import vllm_engine
+
+    saved_engines = {name: _ENGINES.get(name) for name in ("sim-runner", "sim-server")}
+    register_engine("sim-runner", SimRunnerEngine)
+    register_engine("sim-server", SimServerEngine)
+    saved_start = vllm_engine.start_bound_process
+    vllm_engine.start_bound_process = lambda argv, env=None, **_: SimRunnerProcess(world, engine_argv(argv, env))  # type: ignore[assignment]
+    # Object names the run code draws at random (probes, the parts' try tokens) come from the seed too.
+    saved_uuid4 = uuid.uuid4
+    uuid.uuid4 = lambda: uuid.UUID(int=world.rng.getrandbits(128), version=4)  # type: ignore[assignment]
+    capture = _Capture(world)
+    loggers = [logging.getLogger(name) for name in ("sim.task", "airflow_vllm_batch", "airflow.task.hooks")]
+    saved_levels = [(lg, lg.level, lg.propagate) for lg in loggers]
+    for lg in loggers:
+        lg.addHandler(capture)
+        lg.setLevel(logging.INFO)
+        lg.propagate = False
+    try:
+        with virtual_threading(world.scheduler):
+            yield
+    finally:
+        for lg, level, propagate in saved_levels:
+            lg.removeHandler(capture)
+            lg.setLevel(level)
+            lg.propagate = propagate
+        vllm_engine.start_bound_process = saved_start
+        uuid.uuid4 = saved_uuid4  # type: ignore[assignment]
+        for name, cls in saved_engines.items():
+            if cls is None:
+                _ENGINES.pop(name, None)
+            else:
+                _ENGINES[name] = cls
+
+
+def run_schedule(seed: int, workdir: Path) -> World:
+    """Run the schedule of ``seed`` in ``workdir`` (emptied first); return its world for the invariants."""
+    shutil.rmtree(workdir, ignore_errors=True)
+    workdir.mkdir(parents=True)
+    world = World(make_plan(seed), workdir)
+    with simulation(world):
+        world.run()
+    world.s3.scheduler = None  # the checks read the final state: no steps, no faults
+    world.s3.faults = None
+    return world

@@ -27,12 +27,21 @@ Fencing (the invariant of ``docs/protocol.md``): once a run holds the output's l
 (:meth:`OutputStore.lease`), the lease is read back from S3 right before *every* mutation
 under the output: each step above, every checkpoint part, staged results or cleaned input,
 and every delete in the staging. A try whose lease another took over stops at its next
-mutation and changes nothing more. S3 cannot compare-and-swap across two objects, so a
-zombie can still land one write in the round trip between its check and its write; the
-manifest's ETags close that hole for readers: :meth:`OutputStore.completed` takes an output
-as complete only when its results and error file still have the ETags its manifest names
-(anything else is "not complete", and a retry publishes again), and :func:`read_answers`
-reads a manifest's files pinned to them.
+mutation and changes nothing more. A check and the write after it are two round trips, and
+a try can pause between them (a zombie whose successor took over and published meanwhile),
+so publishing does not trust the check alone: it reads the ETags of the manifest, results
+and error file *before* its first check, and every change in steps 1-4 is conditional on
+them (``If-Match`` on what it saw, ``If-None-Match: *`` where it saw nothing). A successor
+that changed an object in between makes the paused try's change of it fail with 412, and
+the try stops. The one change no condition can refuse is the creation of an error file
+where neither try left one; the manifest names its files and their ETags, so no reader
+takes such a file for part of the output. The manifest's ETags also close the gap for
+readers: :meth:`OutputStore.completed` takes an output as complete only when its results
+and error file still have the ETags its manifest names (anything else is "not complete",
+and a retry publishes again), and :func:`read_answers` reads a manifest's files pinned to
+them. A conditional write whose response was lost is sent again by botocore and then
+fails its own condition; such a 412 is taken as this try's own write when the object now
+holds exactly what was written (its MD5 ETag).
 
 The runner engine's finished results reach ``<run>/results.jsonl`` before they are checked
 or published, so a retry on any worker (or pod) finds them there and publishes them without
@@ -46,6 +55,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
+import logging
 import re
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -55,7 +66,7 @@ from typing import Any
 import msgspec
 from airflow.providers.amazon.aws.exceptions import S3HookUriParseFailure
 from airflow.providers.amazon.aws.hooks.s3 import S3Hook
-from botocore.exceptions import ClientError
+from botocore.exceptions import BotoCoreError, ClientError
 
 from airflow_vllm_batch.batchfile import answers, open_lines
 from airflow_vllm_batch.exceptions import (
@@ -105,6 +116,8 @@ def split_s3_uri(uri: str, parameter: str) -> tuple[str, str]:
     return bucket, key
 
 
+log = logging.getLogger(__name__)
+
 #: Above this size a file goes up in parts (S3 takes at most 5 GiB in one PUT).
 MULTIPART_ABOVE = 512 * 2**20
 #: The part size of such an upload (or server-side copy); one part is in memory at a time.
@@ -115,15 +128,17 @@ COPY_OBJECT_MAX = 5 * 2**30
 _PRECONDITION_CODES = frozenset({"PreconditionFailed", "412", "ConditionalRequestConflict", "409"})
 
 
-def upload_file(client: Any, path: Path, bucket: str, key: str) -> str:
+def upload_file(client: Any, path: Path, bucket: str, key: str, **condition: str) -> str:
     """Upload a local file (one PUT, or in parts when large); return the ETag S3 gave the object.
 
     The ETag comes from S3's own response, not a HEAD afterwards, which another writer's
     PUT could have overtaken.
+
+    :param condition: ``IfMatch`` or ``IfNoneMatch`` (on the PUT, or on completing the parts).
     """
     if path.stat().st_size <= MULTIPART_ABOVE:
         with open(path, "rb") as body:
-            return bare_etag(client.put_object(Bucket=bucket, Key=key, Body=body)["ETag"])
+            return bare_etag(client.put_object(Bucket=bucket, Key=key, Body=body, **condition)["ETag"])
     upload_id = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
     try:
         parts = []
@@ -132,7 +147,9 @@ def upload_file(client: Any, path: Path, bucket: str, key: str) -> str:
                 number = len(parts) + 1
                 etag = client.upload_part(Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=chunk)["ETag"]
                 parts.append({"ETag": etag, "PartNumber": number})
-        done = client.complete_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts})
+        done = client.complete_multipart_upload(
+            Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts}, **condition
+        )
         return bare_etag(done["ETag"])
     except BaseException:
         with contextlib.suppress(ClientError, BotoCoreError):
@@ -140,12 +157,15 @@ def upload_file(client: Any, path: Path, bucket: str, key: str) -> str:
         raise
 
 
-def copy_object(client: Any, source_bucket: str, source_key: str, bucket: str, key: str) -> str:
-    """Copy an object server side (no byte through the worker; in parts above 5 GiB); return the copy's ETag."""
+def copy_object(client: Any, source_bucket: str, source_key: str, bucket: str, key: str, **condition: str) -> str:
+    """Copy an object server side (no byte through the worker; in parts above 5 GiB); return the copy's ETag.
+
+    :param condition: ``IfMatch`` or ``IfNoneMatch`` on the destination.
+    """
     source = {"Bucket": source_bucket, "Key": source_key}
     size = client.head_object(**source)["ContentLength"]
     if size <= COPY_OBJECT_MAX:
-        return bare_etag(client.copy_object(Bucket=bucket, Key=key, CopySource=source)["CopyObjectResult"]["ETag"])
+        return bare_etag(client.copy_object(Bucket=bucket, Key=key, CopySource=source, **condition)["CopyObjectResult"]["ETag"])
     upload_id = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
     try:
         parts = []
@@ -155,7 +175,9 @@ def copy_object(client: Any, source_bucket: str, source_key: str, bucket: str, k
                 Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, CopySource=source, CopySourceRange=f"bytes={start}-{end}"
             )
             parts.append({"ETag": result["CopyPartResult"]["ETag"], "PartNumber": number})
-        done = client.complete_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts})
+        done = client.complete_multipart_upload(
+            Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts}, **condition
+        )
         return bare_etag(done["ETag"])
     except BaseException:
         with contextlib.suppress(ClientError, BotoCoreError):
@@ -560,48 +582,118 @@ class OutputStore:
         :raises OutputBusyError: this try lost the output's lease, or another run's manifest
             appeared while it published (nothing more is changed).
         """
-        self.invalidate_manifest()
+        client = self.hook.get_conn()
+        # Read before the first fence check: each change below is conditional on what was seen here
+        # (see the module docstring), so a try paused after a check fails its write instead of
+        # undoing what a successor published meanwhile.
+        seen_manifest = head_etag(client, self.manifest_bucket, self.manifest_key)
+        seen_results = head_etag(client, self.bucket, self.key)
+        seen_errors = head_etag(client, self.error_bucket, self.error_key)
+        self.invalidate_manifest(seen_manifest)
         if results_path is not None:
-            manifest.output_etag = upload_file(self._fenced(), results_path, self.bucket, self.key)
+            manifest.output_etag = self._conditional_write(
+                lambda: upload_file(self._fenced(), results_path, self.bucket, self.key, **_condition(seen_results)),
+                self.output_uri,
+                landed=lambda: head_etag(client, self.bucket, self.key) == _file_md5(results_path),
+            )
         elif staging is not None:
-            manifest.output_etag = copy_object(self._fenced(), staging.bucket, staging.results_key, self.bucket, self.key)
+            manifest.output_etag = self._conditional_write(
+                lambda: copy_object(
+                    self._fenced(), staging.bucket, staging.results_key, self.bucket, self.key, **_condition(seen_results)
+                ),
+                self.output_uri,
+                landed=lambda: head_etag(client, self.bucket, self.key) == head_etag(client, staging.bucket, staging.results_key),
+            )
         else:
             raise ValueError("publish needs staging or results_path")
         manifest.error_etag = None
         if errors_path is not None:
-            manifest.error_etag = upload_file(self._fenced(), errors_path, self.error_bucket, self.error_key)
-        elif head_etag(self.hook.get_conn(), self.error_bucket, self.error_key) is not None:
+            manifest.error_etag = self._conditional_write(
+                lambda: upload_file(self._fenced(), errors_path, self.error_bucket, self.error_key, **_condition(seen_errors)),
+                self.error_uri,
+                landed=lambda: head_etag(client, self.error_bucket, self.error_key) == _file_md5(errors_path),
+            )
+        elif seen_errors is not None:
             # A re-run with no failures must not leave an earlier run's error file behind.
-            self._fenced().delete_object(Bucket=self.error_bucket, Key=self.error_key)
+            self._conditional_delete(self.error_bucket, self.error_key, seen_errors, self.error_uri)
         self.write_manifest(manifest)
         if staging is not None:
             staging.remove()
 
-    def invalidate_manifest(self) -> None:
-        """Delete the manifest, first thing before anything beside it changes."""
-        self._fenced().delete_object(Bucket=self.manifest_bucket, Key=self.manifest_key)
+    def invalidate_manifest(self, seen: str | None = None) -> None:
+        """Delete the manifest, first thing before anything beside it changes.
+
+        :param seen: the ETag of the manifest read before the fence check; the delete is
+            conditional on it, so a manifest another try published since is never deleted. None
+            (no manifest was seen): nothing to delete.
+        """
+        if seen is not None:
+            self._conditional_delete(self.manifest_bucket, self.manifest_key, seen, self.manifest_uri)
 
     def write_manifest(self, manifest: Manifest) -> None:
         """Write the manifest, last, only where there is none (``If-None-Match: *``: publishing deleted it first).
 
         :raises OutputBusyError: a manifest appeared since the invalidation: another writer published.
         """
-        client = self._fenced()
+        body = manifest.to_json()
+        self._conditional_write(
+            lambda: self._fenced().put_object(
+                Bucket=self.manifest_bucket, Key=self.manifest_key, Body=body, ContentType="application/json", IfNoneMatch="*"
+            ),
+            self.manifest_uri,
+            landed=lambda: head_etag(self.hook.get_conn(), self.manifest_bucket, self.manifest_key) == hashlib.md5(body).hexdigest(),
+        )
+
+    def _conditional_write(self, write: Callable[[], Any], uri: str, *, landed: Callable[[], bool]) -> Any:
+        """Run a fenced conditional write; a 412 is this try's own write when ``landed()`` (a lost response
+        botocore sent again), else another try changed ``uri`` meanwhile: :class:`OutputBusyError`."""
         try:
-            client.put_object(
-                Bucket=self.manifest_bucket,
-                Key=self.manifest_key,
-                Body=manifest.to_json(),
-                ContentType="application/json",
-                IfNoneMatch="*",
-            )
+            return write()
         except ClientError as err:
-            if error_code(err) not in _PRECONDITION_CODES:
+            if error_code(err) not in _PRECONDITION_CODES | {"NoSuchKey", "404"}:
                 raise
-            raise OutputBusyError(
-                f"Another run wrote the manifest {self.manifest_uri} while this try published; this try's manifest was "
-                "not written over it. Give each run its own output_uri."
-            ) from None
+            if error_code(err) in _PRECONDITION_CODES and landed():
+                log.info("The write of %s landed although its answer was lost; going on", uri)
+                # The ETag S3 gave it: what the write would have returned.
+                bucket, key = split_s3_uri(uri, "output_uri")
+                return head_etag(self.hook.get_conn(), bucket, key)
+            raise self._changed_meanwhile(uri) from None
+
+    def _conditional_delete(self, bucket: str, key: str, seen: str, uri: str) -> None:
+        """Delete ``key`` if it still has the ETag ``seen`` (fenced); gone already counts as deleted."""
+        try:
+            self._fenced().delete_object(Bucket=bucket, Key=key, IfMatch=f'"{seen}"')
+        except ClientError as err:
+            code = error_code(err)
+            # A missing object answers 404 on S3 and 412 on SeaweedFS: either way, gone is deleted (our own
+            # delete whose answer was lost, or another's: nothing of it is left to undo).
+            if code in ("NoSuchKey", "404") or (code in _PRECONDITION_CODES and head_etag(self.hook.get_conn(), bucket, key) is None):
+                return
+            if code in _PRECONDITION_CODES:
+                raise self._changed_meanwhile(uri) from None
+            raise
+
+    def _changed_meanwhile(self, uri: str) -> OutputBusyError:
+        return OutputBusyError(
+            f"{uri} changed while this try published (another try of this output, or another run, wrote it "
+            "after this try read it); this try stopped without changing it. Give each run its own output_uri."
+        )
+
+
+def _condition(seen: str | None) -> dict[str, str]:
+    """The condition of a write over what was seen: that very object, or none at all."""
+    return {"IfMatch": f'"{seen}"'} if seen is not None else {"IfNoneMatch": "*"}
+
+
+def _file_md5(path: Path) -> str | None:
+    """The MD5 ETag S3 gives a file uploaded in one PUT; None for one uploaded in parts (its ETag is not an MD5)."""
+    if path.stat().st_size > MULTIPART_ABOVE:
+        return None
+    digest = hashlib.md5()
+    with open(path, "rb") as f:
+        while chunk := f.read(2**20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 #: S3 error codes that say the location itself is wrong: the same call fails the same way on a retry.

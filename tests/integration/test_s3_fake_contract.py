@@ -70,6 +70,15 @@ def sequence(client, bucket: str) -> list[Any]:
     )
     seen.append(outcome(lambda: client.delete_object(Bucket=bucket, Key=lease, IfMatch=renewed["ETag"])))
     seen.append(outcome(lambda: client.get_object(Bucket=bucket, Key=lease)))
+    # Publishing's conditional writes (storage.OutputStore.publish): a copy and a PUT over what was seen,
+    # the same after another writer changed it, and a conditional delete of a key that is gone.
+    source = {"Bucket": bucket, "Key": "k/results.jsonl.staging/r/parts/part-000001-a.jsonl"}
+    seen.append(outcome(lambda: client.copy_object(Bucket=bucket, Key=out, CopySource=source, IfMatch=copied["CopyObjectResult"]["ETag"])))
+    seen.append(outcome(lambda: client.copy_object(Bucket=bucket, Key=out, CopySource=source, IfMatch=copied["CopyObjectResult"]["ETag"])))
+    seen.append(outcome(lambda: client.copy_object(Bucket=bucket, Key=out, CopySource=source, IfNoneMatch="*")))
+    seen.append(outcome(lambda: client.put_object(Bucket=bucket, Key="k/results.errors.jsonl", Body=b"e\n", IfNoneMatch="*")))
+    seen.append(outcome(lambda: client.put_object(Bucket=bucket, Key="k/results.errors.jsonl", Body=b"f\n", IfMatch=first["ETag"])))
+    seen.append(outcome(lambda: client.delete_object(Bucket=bucket, Key=lease, IfMatch=renewed["ETag"])))
     seen.append(outcome(lambda: client.head_bucket(Bucket=bucket)))
     seen.append(outcome(lambda: client.list_objects_v2(Bucket=bucket, Prefix="k/")))
     return seen

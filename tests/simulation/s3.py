@@ -341,8 +341,8 @@ class FakeS3Client:
         def apply() -> dict:
             current = self.s3.buckets[Bucket].get(Key)
             if IfMatch is not None:
-                if current is None:
-                    raise client_error("NoSuchKey", 404, "DeleteObject")
+                if current is None:  # as SeaweedFS answers (tests/integration/test_s3_fake_contract.py)
+                    raise client_error("PreconditionFailed", 412, "DeleteObject")
                 if _unquote(IfMatch) != _unquote(current.etag):
                     raise client_error("PreconditionFailed", 412, "DeleteObject")
             self.s3.buckets[Bucket].pop(Key, None)

@@ -18,7 +18,7 @@ from airflow_vllm_batch.exceptions import (
 from airflow_vllm_batch.identity import RunIdentity
 from airflow_vllm_batch.lease import OutputLease
 from airflow_vllm_batch.manifest import Manifest, RequestCounts, Usage
-from airflow_vllm_batch.storage import OutputStore, head_input, read_answers, s3_lines, split_s3_uri
+from airflow_vllm_batch.storage import OutputStore, head_etag, head_input, read_answers, s3_lines, split_s3_uri
 
 
 @pytest.fixture
@@ -155,7 +155,9 @@ def taken_over(s3, bucket, hook, tmp_path):
 
 
 _MUTATIONS = {
-    "invalidate-manifest": lambda store, staging, local: store.invalidate_manifest(),
+    "invalidate-manifest": lambda store, staging, local: store.invalidate_manifest(
+        head_etag(store.hook.get_conn(), store.manifest_bucket, store.manifest_key)
+    ),
     "publish-upload": lambda store, staging, local: store.publish(_manifest(store, "f"), staging=staging, results_path=local, errors_path=local),
     "publish-copy": lambda store, staging, local: store.publish(_manifest(store, "f"), staging=staging),
     "write-manifest": lambda store, staging, local: store.write_manifest(_manifest(store, "f")),
@@ -190,9 +192,41 @@ def test_deleting_an_old_error_file_is_fenced_too(s3, bucket, taken_over):
 def test_the_manifest_is_not_written_over_one_another_writer_put_there(s3, bucket, hook):
     store = OutputStore(hook, f"s3://{bucket}/r.jsonl")
     s3.client().put_object(Bucket=bucket, Key="r.manifest.json", Body=b'{"theirs": true}')
-    with pytest.raises(OutputBusyError, match="Another run wrote the manifest"):
+    with pytest.raises(OutputBusyError, match="changed while this try published"):
         store.write_manifest(_manifest(store, "f"))
     assert s3.client().get_object(Bucket=bucket, Key="r.manifest.json")["Body"].read() == b'{"theirs": true}'
+
+
+@pytest.mark.parametrize("paused_before", [1, 2, 3, 4], ids=["manifest-delete", "results", "error-file", "manifest"])
+def test_a_try_paused_after_its_lease_check_cannot_undo_what_its_successor_published_meanwhile(s3, bucket, hook, tmp_path, paused_before):
+    """Fencing when the check passed: the lease was this try's at the check, its successor took over and
+    published before the write landed (a zombie paused between the two); every write is conditional on
+    what the try read before its first check, so the write fails and the successor's output stands."""
+    client = s3.client()
+    for key, body in [("r.jsonl", b"old results\n"), ("r.errors.jsonl", b"old errors\n"), ("r.manifest.json", b'{"old": 1}')]:
+        client.put_object(Bucket=bucket, Key=key, Body=body)
+    zombie = OutputStore(hook, f"s3://{bucket}/r.jsonl")
+    successor = OutputStore(hook, f"s3://{bucket}/r.jsonl")
+    mine = tmp_path / "zombie.jsonl"
+    mine.write_bytes(b"the zombie's lines\n")
+    theirs = tmp_path / "successor.jsonl"
+    theirs.write_bytes(b"the successor's lines\n")
+    checks = []
+
+    def fence() -> None:  # the check passes; the pause after the chosen one is when the successor publishes
+        checks.append(1)
+        if len(checks) == paused_before:
+            successor.publish(_manifest(successor, "s"), results_path=theirs, errors_path=theirs)
+
+    zombie.fence = fence
+    with pytest.raises(OutputBusyError, match="changed while this try published"):
+        zombie.publish(_manifest(zombie, "z"), results_path=mine, errors_path=mine)
+    published = successor.read_manifest()
+    assert published is not None and published.fingerprint == "s"
+    assert client.get_object(Bucket=bucket, Key="r.jsonl")["Body"].read() == b"the successor's lines\n"
+    assert client.get_object(Bucket=bucket, Key="r.errors.jsonl")["Body"].read() == b"the successor's lines\n"
+    # The successor's manifest still names the very files that are there: its output is complete.
+    assert (published.output_etag, published.error_etag) == (head_etag(client, bucket, "r.jsonl"), head_etag(client, bucket, "r.errors.jsonl"))
 
 
 def test_an_output_overwritten_after_its_manifest_is_not_complete(s3, bucket, hook, tmp_path):
@@ -218,3 +252,46 @@ def test_read_answers_refuses_results_overwritten_after_the_manifest(s3, bucket,
     s3.client().put_object(Bucket=bucket, Key="r.jsonl", Body=_chat("a", "a zombie's answer") + b"\n")
     with pytest.raises(ResultsCheckError, match="is not the file its manifest published"):
         list(read_answers(manifest.to_dict()))
+
+
+class _LostResponses:
+    """A boto3 client whose conditional writes land but lose their answer once: botocore then sends the
+    same request again, conditions and all, and that second request's answer (a 412) is what the caller sees."""
+
+    def __init__(self, client) -> None:
+        self._client = client
+        self.resent = []
+
+    def __getattr__(self, name):
+        call = getattr(self._client, name)
+        if name not in ("put_object", "copy_object", "delete_object"):
+            return call
+
+        def twice(**kwargs):
+            if "IfMatch" not in kwargs and "IfNoneMatch" not in kwargs:
+                return call(**kwargs)
+            body = kwargs.get("Body")
+            call(**kwargs)  # landed; its answer is lost
+            if hasattr(body, "seek"):
+                body.seek(0)
+            self.resent.append((name, kwargs["Key"]))
+            return call(**kwargs)
+
+        return twice
+
+
+def test_a_publish_whose_conditional_writes_lost_their_answers_takes_them_as_its_own(s3, bucket, hook, tmp_path, monkeypatch):
+    client = s3.client()
+    for key, body in [("r.jsonl", b"old results\n"), ("r.errors.jsonl", b"old errors\n"), ("r.manifest.json", b'{"old": 1}')]:
+        client.put_object(Bucket=bucket, Key=key, Body=body)
+    lossy = _LostResponses(hook.get_conn())
+    monkeypatch.setattr(hook, "get_conn", lambda: lossy)
+    store = OutputStore(hook, f"s3://{bucket}/r.jsonl")
+    results = tmp_path / "results.jsonl"
+    results.write_bytes(b"new results\n")
+    store.publish(_manifest(store, "n"), results_path=results, errors_path=None)
+    assert {key for _, key in lossy.resent} == {"r.manifest.json", "r.jsonl", "r.errors.jsonl"}
+    published = store.read_manifest()
+    assert published is not None and published.fingerprint == "n"
+    assert published.output_etag == head_etag(client, bucket, "r.jsonl")
+    assert head_etag(client, bucket, "r.errors.jsonl") is None

@@ -60,8 +60,11 @@ class OpenAIBatchOperator(VLLMBatchOperator):
     def execute(self, context: Context) -> dict[str, Any]:
         try:
             return super().execute(context)
-        except VLLMBatchError as err:
-            self.record_failure(err)
+        except Exception as err:
+            # A mistake arrives as AirflowFailException raised from the VLLMBatchError (no retries).
+            cause = err if isinstance(err, VLLMBatchError) else err.__cause__
+            if isinstance(cause, VLLMBatchError):
+                self.record_failure(cause)
             raise
 
     def record_failure(self, err: VLLMBatchError) -> None:

@@ -109,3 +109,20 @@ def test_a_preflight_failure_is_recorded_line_by_line():
     assert record["stage"] == "preflight"
     assert [(e["line"], e["code"]) for e in record["errors"]] == [(2, "invalid_request"), (5, "invalid_request")]
     assert "r-5" in record["errors"][1]["message"]
+
+
+def test_the_batch_task_records_a_mistake_it_fails_without_retries(monkeypatch):
+    from airflow_vllm_batch.openai_api.batch_dag import OpenAIBatchOperator
+    from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
+    from airflow_vllm_batch.version_compat import AirflowFailException
+
+    def fail(self, context):
+        raise AirflowFailException("bad file") from PreflightError("bad file")
+
+    monkeypatch.setattr(VLLMBatchOperator, "execute", fail)
+    recorded = []
+    monkeypatch.setattr(OpenAIBatchOperator, "record_failure", lambda self, err: recorded.append(err))
+    op = OpenAIBatchOperator(task_id="t", input_uri="s3://b/i.jsonl", output_uri="s3://b/o.jsonl", model="m", failure_uri="s3://b/f.json")
+    with pytest.raises(AirflowFailException):
+        op.execute({})
+    assert [type(e) for e in recorded] == [PreflightError]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import urllib.parse
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -105,3 +106,12 @@ def test_the_completions_snippet_builds_a_server_task_whose_lines_are_prompts():
     assert {line["url"] for line in lines} == {"/v1/completions"}
     assert [line["body"]["prompt"] for line in lines] == ["Once upon a time", "The ship left the harbour", "Dear customer,"]
     assert all(line["body"]["max_tokens"] == 32 for line in lines)
+
+
+def test_the_openai_sdk_snippet_compiles_and_points_at_the_plugins_prefix():
+    from airflow_vllm_batch.openai_api.settings import URL_PREFIX
+
+    snippet = _section_snippet("## Use the OpenAI SDK")
+    compile(snippet, "README.md", "exec", dont_inherit=True)
+    base_url = re.search(r'base_url="([^"]+)"', snippet).group(1)
+    assert urllib.parse.urlsplit(base_url).path == URL_PREFIX

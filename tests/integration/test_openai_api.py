@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 
 from openai import NotFoundError, OpenAI, PermissionDeniedError
@@ -207,6 +208,31 @@ def test_a_batch_cancelled_before_it_runs_ends_cancelled(api: Api):
     assert cancelling.status == "cancelling" and cancelling.cancelling_at
     cancelled = _wait(api, alice, batch.id, ("cancelled", "completed", "failed"))
     assert cancelled.status == "cancelled" and cancelled.cancelled_at and cancelled.output_file_id is None
+
+
+def _engines(api: Api) -> list:
+    """The vLLM batch runners the deployment's tasks started."""
+    return [p for p in api.dep.descendants("scheduler") if "run_batch" in " ".join(_cmdline(p))]
+
+
+def _cmdline(process) -> list[str]:
+    try:
+        return process.cmdline()
+    except psutil.Error:
+        return []
+
+
+def test_a_batch_cancelled_while_its_engine_runs_stops_the_engine(api: Api):
+    alice = api.clients["alice"]
+    uploaded = alice.files.create(file=("run.jsonl", _lines(api.model)), purpose="batch")
+    batch = alice.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    engines = wait_until("the batch's engine to start", lambda: _engines(api), BATCH_TIMEOUT_S, api.dep, interval=0.5)
+    assert alice.batches.retrieve(batch.id).status == "in_progress"
+    assert alice.batches.cancel(batch.id).status == "cancelling"
+    cancelled = _wait(api, alice, batch.id, ("cancelled", "completed", "failed"))
+    assert cancelled.status == "cancelled" and cancelled.output_file_id is None
+    _, alive = psutil.wait_procs(engines, timeout=60)
+    assert alive == [], [(p.pid, _cmdline(p)) for p in alive]
 
 
 def test_batches_are_listed_newest_first_in_pages(api: Api, completed):

@@ -150,7 +150,9 @@ async def create_file(request: Request, user: GetUserDep) -> dict[str, Any]:
                 )
             pending += data
             while len(pending) >= PART_BYTES:
-                part = bytes(pending[:PART_BYTES])
+                # One copy of a part, not two (a slice of a bytearray is a copy too).
+                with memoryview(pending) as view:
+                    part = bytes(view[:PART_BYTES])
                 del pending[:PART_BYTES]
                 await run_in_threadpool(writer.write_part, part)
         reader.finish()

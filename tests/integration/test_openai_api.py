@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -208,6 +209,72 @@ def test_a_batch_cancelled_before_it_runs_ends_cancelled(api: Api):
     assert cancelling.status == "cancelling" and cancelling.cancelling_at
     cancelled = _wait(api, alice, batch.id, ("cancelled", "completed", "failed"))
     assert cancelled.status == "cancelled" and cancelled.cancelled_at and cancelled.output_file_id is None
+
+
+class PeakRss:
+    """Samples the summed RSS of a process and its descendants in a thread, keeping the peak."""
+
+    def __init__(self, pid: int) -> None:
+        self.root = psutil.Process(pid)
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def rss(self) -> int:
+        total = 0
+        for process in (self.root, *self.root.children(recursive=True)):
+            try:
+                total += process.memory_info().rss
+            except psutil.Error:
+                pass
+        return total
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.rss())
+            self._stop.wait(0.02)
+
+    def __enter__(self) -> PeakRss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+#: The memory benchmark's file: 10,000 request lines of ~10 KiB each (~100 MB).
+BIG_LINES, BIG_LINE_CHARS = 10_000, 10_000
+MAX_RSS_GROWTH = 50 * 1024 * 1024
+
+
+def test_a_100_mb_upload_and_download_keep_the_api_servers_memory_flat(api: Api):
+    alice = api.clients["alice"]
+    filler = "x" * BIG_LINE_CHARS
+    data = _lines(api.model, BIG_LINES).replace(b'"Say ', f'"{filler} '.encode())
+    # Warm up: the app, boto3 and their buffers are loaded before the baseline.
+    small = alice.files.create(file=("warm.jsonl", _lines(api.model, 2)), purpose="batch")
+    alice.files.content(small.id).read()
+    sampler = PeakRss(api.dep.processes["api-server"].pid)
+    baseline = sampler.rss()
+    with sampler:
+        started = time.monotonic()
+        uploaded = alice.files.create(file=("big.jsonl", data), purpose="batch")
+        upload_s = time.monotonic() - started
+        upload_peak = sampler.peak
+        received = 0
+        with alice.files.with_streaming_response.content(uploaded.id) as response:
+            for chunk in response.iter_bytes(1 << 20):
+                received += len(chunk)
+    growth = (max(upload_peak, sampler.peak) - baseline) / 2**20
+    print(
+        f"openai API memory: {len(data) / 2**20:.0f} MiB, {BIG_LINES} lines; upload {upload_s:.1f}s; API server RSS "
+        f"baseline {baseline / 2**20:.0f} MiB, peak growth upload {(upload_peak - baseline) / 2**20:.1f} MiB, "
+        f"upload+download {growth:.1f} MiB"
+    )
+    assert uploaded.bytes == len(data) == received
+    assert max(upload_peak, sampler.peak) - baseline <= MAX_RSS_GROWTH
+    alice.files.delete(uploaded.id)
 
 
 def _engines(api: Api) -> list:

@@ -49,7 +49,39 @@ def get_provider_info() -> dict[str, Any]:
                         "example": "http://localhost:8888/buckets/{bucket}/{key}",
                         # Empty: the AWS S3 console, or the object on a connection's own endpoint_url.
                         "default": "",
-                    }
+                    },
+                    "openai_files_uri": {
+                        "description": "s3://bucket/prefix/ where the OpenAI Files and Batches API (the provider's "
+                        "plugin, <airflow>/vllm-batch/openai/v1) keeps uploaded files and batch results, one prefix per "
+                        "user. Read by the API server. Empty: the API answers 503.",
+                        "version_added": "0.1.0",
+                        "type": "string",
+                        "example": "s3://my-bucket/openai/",
+                        "default": "",
+                    },
+                    "openai_max_file_bytes": {
+                        "description": "The largest file the OpenAI API accepts, in bytes (streamed to S3; never held "
+                        "whole in the API server's memory).",
+                        "version_added": "0.1.0",
+                        "type": "integer",
+                        "example": "1073741824",
+                        "default": "209715200",
+                    },
+                    "openai_batch_dag_id": {
+                        "description": "The DAG a batch created through the OpenAI API runs as (one DAG run per batch); "
+                        "build it with airflow_vllm_batch.openai_api.batch_dag.openai_batch_dag.",
+                        "version_added": "0.1.0",
+                        "type": "string",
+                        "example": "vllm_batch_openai",
+                        "default": "vllm_batch_openai",
+                    },
+                    "openai_aws_conn_id": {
+                        "description": "The AWS connection the API server reaches openai_files_uri with.",
+                        "version_added": "0.1.0",
+                        "type": "string",
+                        "example": "aws_default",
+                        "default": "aws_default",
+                    },
                 },
             }
         },

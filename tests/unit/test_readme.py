@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import urllib.parse
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -127,3 +128,12 @@ def test_the_taskflow_snippet_builds_a_decorated_task_whose_function_returns_con
     assert [line["body"]["messages"][1]["content"] for line in lines] == ["great", "awful"]
     assert all(line["body"]["max_completion_tokens"] == 16 and line["body"]["model"] == "Qwen/Qwen2.5-7B-Instruct" for line in lines)
     assert op.output_uri == "s3://my-bucket/batches/{{ run_id }}/answers.jsonl"
+
+
+def test_the_openai_sdk_snippet_compiles_and_points_at_the_plugins_prefix():
+    from airflow_vllm_batch.openai_api.settings import URL_PREFIX
+
+    snippet = _section_snippet("## Use the OpenAI SDK")
+    compile(snippet, "README.md", "exec", dont_inherit=True)
+    base_url = re.search(r'base_url="([^"]+)"', snippet).group(1)
+    assert urllib.parse.urlsplit(base_url).path == URL_PREFIX

@@ -1,0 +1,426 @@
+"""The FastAPI app of the OpenAI Files and Batches API, mounted on Airflow's API server by :mod:`.plugin`.
+
+The SDK's ``api_key`` is an Airflow API token (``POST /auth/token``): the app resolves the
+user with Airflow's own dependency (``airflow.api_fastapi.core_api.security.get_user``), so
+a request without one is answered 401, and asks the auth manager what the user may do
+(:mod:`.access`). Errors have OpenAI's shape (``{"error": {"message", "type", "param",
+"code"}}``) so that the SDK raises its own exception classes.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import lru_cache
+from typing import Any
+
+from fastapi import FastAPI, HTTPException, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, Field
+from starlette.concurrency import run_in_threadpool
+
+from airflow.api_fastapi.core_api.security import GetUserDep
+
+from airflow_vllm_batch.exceptions import ConfigurationError
+from airflow_vllm_batch.openai_api.access import may, owner_key, owns
+from airflow_vllm_batch.openai_api.files import (
+    BATCH_ID,
+    PART_BYTES,
+    FileStore,
+    FormReader,
+    LineCounter,
+    S3Writer,
+    UploadError,
+    new_batch_id,
+    file_object_from_record,
+    new_file_id,
+    result_file_ids,
+)
+from airflow_vllm_batch.openai_api.settings import OpenAIApiSettings, load_settings
+from airflow_vllm_batch.openai_api.status import BatchRun, batch_object, window_seconds
+
+#: The endpoints a batch may name (the engines' batch URLs).
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+MAX_METADATA_PAIRS = 16
+
+
+class OpenAIError(HTTPException):
+    """An error answered in OpenAI's shape.
+
+    :param status_code: the HTTP status.
+    :param message: what went wrong and what to do.
+    :param param: the request parameter at fault, if one is.
+    """
+
+    def __init__(self, status_code: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(status_code=status_code, detail=message)
+        self.param, self.code = param, code
+
+
+class BatchCreate(BaseModel):
+    """The body of ``POST /batches``."""
+
+    input_file_id: str
+    endpoint: str
+    completion_window: str = "24h"
+    metadata: dict[str, str] | None = Field(default=None)
+
+
+app = FastAPI(title="OpenAI Files and Batches API (airflow-vllm-batch)", version="1")
+
+
+def _error_body(message: str, status_code: int, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    kind = "invalid_request_error" if status_code < 500 else "server_error"
+    if status_code == 401:
+        kind = "authentication_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+@app.exception_handler(HTTPException)
+async def _http_error(request: Request, err: HTTPException) -> JSONResponse:
+    detail = err.detail if isinstance(err.detail, str) else str(err.detail)
+    body = _error_body(detail, err.status_code, getattr(err, "param", None), getattr(err, "code", None))
+    return JSONResponse(body, status_code=err.status_code, headers=getattr(err, "headers", None))
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, err: RequestValidationError) -> JSONResponse:
+    first = err.errors()[0] if err.errors() else {}
+    param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+    return JSONResponse(_error_body(f"{param}: {first.get('msg', 'invalid request')}", 400, param), status_code=400)
+
+
+def _settings() -> OpenAIApiSettings:
+    try:
+        return load_settings()
+    except ConfigurationError as err:
+        raise OpenAIError(503, str(err)) from None
+
+
+@lru_cache(maxsize=4)
+def _s3_client(aws_conn_id: str) -> Any:
+    from airflow.providers.amazon.aws.hooks.s3 import S3Hook
+
+    return S3Hook(aws_conn_id=aws_conn_id).get_conn()
+
+
+def _store(settings: OpenAIApiSettings) -> FileStore:
+    return FileStore(_s3_client(settings.aws_conn_id), settings.bucket, settings.prefix)
+
+
+def _page(items: list[dict[str, Any]], after: str | None, limit: int) -> dict[str, Any]:
+    if after is not None:
+        ids = [item["id"] for item in items]
+        items = items[ids.index(after) + 1 :] if after in ids else []
+    page = items[:limit]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(items) > limit,
+    }
+
+
+# -- files ----------------------------------------------------------------------------
+
+
+@app.post("/files")
+async def create_file(request: Request, user: GetUserDep) -> dict[str, Any]:
+    """Upload a batch input file (``multipart/form-data``: ``purpose=batch``, ``file``), streamed to S3 part by part."""
+    settings = await run_in_threadpool(_settings)
+    store = await run_in_threadpool(_store, settings)
+    owner, file_id = owner_key(user.get_id()), new_file_id()
+    try:
+        reader = FormReader(request.headers.get("content-type", ""))
+    except UploadError as err:
+        raise OpenAIError(err.status, str(err)) from None
+    writer = S3Writer(store.client, store.bucket, store.content_key(owner, file_id))
+    counter, pending = LineCounter(), bytearray()
+    try:
+        async for chunk in request.stream():
+            data = reader.feed(chunk)
+            if not data:
+                continue
+            _check_purpose(reader.fields.get("purpose", "batch"))
+            counter.add(data)
+            if counter.bytes > settings.max_file_bytes:
+                raise UploadError(
+                    f"the file is larger than {settings.max_file_bytes} bytes ([vllm_batch] openai_max_file_bytes): split it", 413
+                )
+            pending += data
+            while len(pending) >= PART_BYTES:
+                # One copy of a part, not two (a slice of a bytearray is a copy too).
+                with memoryview(pending) as view:
+                    part = bytes(view[:PART_BYTES])
+                del pending[:PART_BYTES]
+                await run_in_threadpool(writer.write_part, part)
+        reader.finish()
+        _check_purpose(reader.fields.get("purpose"))
+        await run_in_threadpool(writer.finish, bytes(pending))
+    except UploadError as err:
+        await run_in_threadpool(writer.abort)
+        raise OpenAIError(err.status, str(err), "file" if err.status == 413 else None) from None
+    except BaseException:
+        await run_in_threadpool(writer.abort)
+        raise
+    record = {
+        "id": file_id,
+        "bytes": counter.bytes,
+        "created_at": int(time.time()),
+        "filename": reader.filename or f"{file_id}.jsonl",
+        "purpose": "batch",
+        "lines": counter.lines,
+    }
+    await run_in_threadpool(store.save_record, owner, record)
+    return file_object_from_record(record)
+
+
+def _check_purpose(purpose: str | None) -> None:
+    if purpose != "batch":
+        raise UploadError(f"purpose is {purpose!r}: this API keeps batch input files only, send purpose='batch'")
+
+
+@app.get("/files")
+def list_files(
+    user: GetUserDep,
+    purpose: str | None = None,
+    after: str | None = None,
+    limit: int = Query(10000, ge=1, le=10000),
+    order: str = Query("desc", pattern="^(asc|desc)$"),
+) -> dict[str, Any]:
+    """The caller's files, newest first (``order=asc``: oldest first), paged by ``after`` and ``limit``."""
+    store = _store(_settings())
+    files = store.list_files(owner_key(user.get_id()), purpose)
+    if order == "asc":
+        files.reverse()
+    return _page(files, after, limit)
+
+
+@app.get("/files/{file_id}")
+def retrieve_file(file_id: str, user: GetUserDep) -> dict[str, Any]:
+    """One of the caller's files."""
+    found = _store(_settings()).file_object(owner_key(user.get_id()), file_id)
+    if found is None:
+        raise _no_file(file_id)
+    return found
+
+
+@app.get("/files/{file_id}/content")
+def file_content(file_id: str, user: GetUserDep) -> StreamingResponse:
+    """The bytes of one of the caller's files, streamed from S3."""
+    chunks = _store(_settings()).content(owner_key(user.get_id()), file_id)
+    if chunks is None:
+        raise _no_file(file_id)
+    return StreamingResponse(chunks, media_type="application/octet-stream")
+
+
+@app.delete("/files/{file_id}")
+def delete_file(file_id: str, user: GetUserDep) -> dict[str, Any]:
+    """Delete one of the caller's files."""
+    if not _store(_settings()).delete_file(owner_key(user.get_id()), file_id):
+        raise _no_file(file_id)
+    return {"id": file_id, "object": "file", "deleted": True}
+
+
+def _no_file(file_id: str) -> OpenAIError:
+    return OpenAIError(404, f"No such File object: {file_id}", "file_id")
+
+
+# -- batches --------------------------------------------------------------------------
+
+
+@app.post("/batches")
+def create_batch(body: BatchCreate, user: GetUserDep) -> dict[str, Any]:
+    """Start a batch: a run of the batch DAG over the input file."""
+    settings = _settings()
+    dag_id = settings.batch_dag_id
+    if not may(user, "POST", dag_id):
+        raise OpenAIError(403, f"you may not trigger runs of the batch DAG {dag_id!r}: ask for permission to trigger it")
+    if body.endpoint not in ENDPOINTS:
+        raise OpenAIError(400, f"endpoint {body.endpoint!r} is not one of {', '.join(ENDPOINTS)}", "endpoint")
+    try:
+        window_seconds(body.completion_window)
+    except ValueError as err:
+        raise OpenAIError(400, str(err), "completion_window") from None
+    if body.metadata and len(body.metadata) > MAX_METADATA_PAIRS:
+        raise OpenAIError(400, f"metadata has {len(body.metadata)} keys: at most {MAX_METADATA_PAIRS}", "metadata")
+    store = _store(settings)
+    owner = owner_key(user.get_id())
+    record = store.get_json(store.record_key(owner, body.input_file_id)) if body.input_file_id.startswith("file-") else None
+    if record is None:
+        raise OpenAIError(400, f"input_file_id {body.input_file_id!r} names none of your uploaded files: upload it with purpose='batch'", "input_file_id")
+    batch_id = new_batch_id()
+    output_file_id, error_file_id = result_file_ids(batch_id)
+    conf = {
+        "owner": user.get_id(),
+        "input_file_id": body.input_file_id,
+        "endpoint": body.endpoint,
+        "completion_window": body.completion_window,
+        "metadata": body.metadata or {},
+        "created_at": int(time.time()),
+        "total": int(record.get("lines") or 0),
+        "output_file_id": output_file_id,
+        "error_file_id": error_file_id,
+        "input_uri": store.uri(store.content_key(owner, body.input_file_id)),
+        "output_uri": store.uri(store.content_key(owner, output_file_id)),
+        "error_uri": store.uri(store.content_key(owner, error_file_id)),
+        "failure_uri": store.uri(store.failure_key(batch_id)),
+    }
+    _trigger(dag_id, batch_id, conf, user.get_name())
+    return batch_object(batch_id, BatchRun(conf=conf, run_state="queued"), time.time())
+
+
+def _trigger(dag_id: str, batch_id: str, conf: dict[str, Any], user_name: str) -> None:
+    from airflow.api.common.trigger_dag import trigger_dag
+    from airflow.exceptions import DagNotFound
+    from airflow.utils.types import DagRunTriggeredByType
+
+    try:
+        trigger_dag(dag_id, triggered_by=DagRunTriggeredByType.REST_API, run_id=batch_id, conf=conf, triggering_user_name=user_name)
+    except DagNotFound:
+        raise OpenAIError(
+            503,
+            f"the batch DAG {dag_id!r} ([vllm_batch] openai_batch_dag_id) is not deployed: put the provider's batch DAG "
+            "in the DAGs folder (see the docs' OpenAI API page)",
+        ) from None
+
+
+@app.get("/batches")
+def list_batches(user: GetUserDep, after: str | None = None, limit: int = Query(20, ge=1, le=100)) -> dict[str, Any]:
+    """The caller's batches, newest first, paged by ``after`` (a batch id) and ``limit``."""
+    settings = _settings()
+    if not may(user, "GET", settings.batch_dag_id):
+        return _page([], None, limit)
+    store = _store(settings)
+    runs = _runs(settings.batch_dag_id, user.get_id(), user.get_name(), after, limit + 1)
+    objects = [_batch_from_run(store, run, tis) for run, tis in runs]
+    return {
+        "object": "list",
+        "data": objects[:limit],
+        "first_id": objects[0]["id"] if objects else None,
+        "last_id": objects[: limit][-1]["id"] if objects else None,
+        "has_more": len(objects) > limit,
+    }
+
+
+@app.get("/batches/{batch_id}")
+def retrieve_batch(batch_id: str, user: GetUserDep) -> dict[str, Any]:
+    """One of the caller's batches."""
+    settings = _settings()
+    run, tis = _own_run(settings, batch_id, user)
+    return _batch_from_run(_store(settings), run, tis)
+
+
+@app.post("/batches/{batch_id}/cancel")
+def cancel_batch(batch_id: str, user: GetUserDep) -> dict[str, Any]:
+    """Cancel one of the caller's batches: its DAG run is marked failed, which stops its task and the engine with it."""
+    settings = _settings()
+    run, tis = _own_run(settings, batch_id, user)
+    if not may(user, "PUT", settings.batch_dag_id):
+        raise OpenAIError(403, f"you may not change runs of the batch DAG {settings.batch_dag_id!r}: ask for permission to edit it")
+    store = _store(settings)
+    before = _batch_from_run(store, run, tis)
+    if before["status"] in ("cancelling", "cancelled"):
+        return before
+    if before["status"] in ("completed", "failed", "expired"):
+        raise OpenAIError(409, f"Cannot cancel a batch with status {before['status']!r}")
+    store.put_json(store.cancel_key(batch_id), {"cancelling_at": int(time.time()), "by": user.get_name()})
+    _mark_failed(settings.batch_dag_id, batch_id)
+    return {**before, "status": "cancelling", "cancelling_at": int(time.time())}
+
+
+def _mark_failed(dag_id: str, run_id: str) -> None:
+    """Mark the run failed as the UI does: the running task is failed too, and its supervisor kills it."""
+    from sqlalchemy import select
+
+    from airflow.api.common.mark_tasks import set_dag_run_state_to_failed
+    from airflow.models.dagbag import DBDagBag
+    from airflow.models.dagrun import DagRun
+    from airflow.utils.session import create_session
+
+    with create_session() as session:
+        run = session.scalar(select(DagRun).where(DagRun.dag_id == dag_id, DagRun.run_id == run_id))
+        dag = DBDagBag().get_dag_for_run(run, session=session)
+        set_dag_run_state_to_failed(dag=dag, run_id=run_id, commit=True, session=session)
+
+
+def _own_run(settings: OpenAIApiSettings, batch_id: str, user: Any) -> tuple[Any, list[Any]]:
+    """The DAG run of one of the caller's batches, and its task instances; 404 for anyone else's."""
+    from sqlalchemy import select
+
+    from airflow.models.dagrun import DagRun
+    from airflow.models.taskinstance import TaskInstance
+    from airflow.utils.session import create_session
+
+    missing = OpenAIError(404, f"No such Batch object: {batch_id}", "batch_id")
+    if not BATCH_ID.match(batch_id) or not may(user, "GET", settings.batch_dag_id):
+        raise missing
+    with create_session() as session:
+        run = session.scalar(select(DagRun).where(DagRun.dag_id == settings.batch_dag_id, DagRun.run_id == batch_id))
+        if run is None or not owns(run.conf, user.get_id()):
+            raise missing
+        tis = list(session.scalars(select(TaskInstance).where(TaskInstance.dag_id == run.dag_id, TaskInstance.run_id == run.run_id)))
+        session.expunge_all()
+    return run, tis
+
+
+def _runs(dag_id: str, user_id: str, user_name: str, after: str | None, limit: int) -> list[tuple[Any, list[Any]]]:
+    """The caller's batch runs, newest first, after the run ``after``: ``limit`` of them at most."""
+    from sqlalchemy import select
+
+    from airflow.models.dagrun import DagRun
+    from airflow.models.taskinstance import TaskInstance
+    from airflow.utils.session import create_session
+
+    with create_session() as session:
+        query = select(DagRun).where(DagRun.dag_id == dag_id, DagRun.triggering_user_name == user_name).order_by(DagRun.id.desc())
+        if after is not None:
+            after_pk = session.scalar(select(DagRun.id).where(DagRun.dag_id == dag_id, DagRun.run_id == after))
+            if after_pk is None:
+                return []
+            query = query.where(DagRun.id < after_pk)
+        found: list[tuple[Any, list[Any]]] = []
+        for run in session.scalars(query.execution_options(yield_per=200)):
+            if not owns(run.conf, user_id):
+                continue
+            tis = list(session.scalars(select(TaskInstance).where(TaskInstance.dag_id == dag_id, TaskInstance.run_id == run.run_id)))
+            found.append((run, tis))
+            if len(found) >= limit:
+                break
+        session.expunge_all()
+    return found
+
+
+def _batch_from_run(store: FileStore, run: Any, tis: list[Any]) -> dict[str, Any]:
+    """The Batch object of a DAG run, with what its task left in S3."""
+    from airflow_vllm_batch.storage import manifest_uri
+
+    conf = run.conf
+    state = _state_name(run.state)
+    task_states = [_state_name(ti.state) for ti in tis]
+    starts = [ti.start_date for ti in tis if ti.start_date is not None]
+    ends = [ti.end_date for ti in tis if ti.end_date is not None]
+    manifest = failure = None
+    if state == "success" or "success" in task_states:
+        manifest = store.get_json(manifest_uri(conf["output_uri"]).split("/", 3)[3])
+    if state == "failed" or "failed" in task_states:
+        failure = store.get_json(store.failure_key(run.run_id))
+    cancel = store.get_json(store.cancel_key(run.run_id)) if state != "success" else None
+    view = BatchRun(
+        conf=conf,
+        run_state=state,
+        task_states=task_states,
+        task_start=min(starts) if starts else None,
+        task_end=max(ends) if ends else None,
+        run_end=run.end_date,
+        manifest=manifest,
+        failure=failure,
+        cancelling_at=(cancel or {}).get("cancelling_at"),
+    )
+    return batch_object(run.run_id, view, time.time())
+
+
+def _state_name(state: Any) -> str | None:
+    """A state enum's value (``"success"``), or None."""
+    return None if state is None else str(getattr(state, "value", state))

@@ -1,0 +1,115 @@
+"""The task of the batch DAG that runs the OpenAI API's batches, and the DAG itself.
+
+A batch created with ``POST /batches`` is a run of the DAG named by ``[vllm_batch]
+openai_batch_dag_id`` (default ``vllm_batch_openai``), its conf holding the input, output
+and error URIs the API chose. :func:`openai_batch_dag` builds that DAG; a one-line DAG file
+in the DAGs folder calls it (the repo's ``dags/vllm_batch_openai.py``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from airflow_vllm_batch.exceptions import PreflightError, VLLMBatchError
+from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
+from airflow_vllm_batch.openai_api.settings import DEFAULT_BATCH_DAG_ID
+
+if TYPE_CHECKING:
+    from airflow.sdk import DAG, Context
+
+TASK_ID = "vllm_batch"
+
+
+def failure_record(err: VLLMBatchError) -> dict[str, Any]:
+    """What ``errors.data`` of a failed batch says: a preflight failure's problems line by line, else the error.
+
+    :param err: why the task failed.
+    """
+    report = getattr(err, "report", None) if isinstance(err, PreflightError) else None
+    if report is not None and (report.problems or report.file_problems):
+        problems = [*report.file_problems, *report.problems]
+        errors = [
+            {
+                "code": "invalid_request",
+                "line": problem.line or None,
+                "param": None,
+                "message": problem.message + (f" (custom_id {problem.custom_id!r})" if problem.custom_id else ""),
+            }
+            for problem in problems
+        ]
+        return {"stage": "preflight", "errors": errors}
+    code = "invalid_file" if isinstance(err, PreflightError) else type(err).__name__
+    return {"stage": "preflight" if isinstance(err, PreflightError) else "run", "errors": [{"code": code, "line": None, "param": None, "message": str(err)}]}
+
+
+class OpenAIBatchOperator(VLLMBatchOperator):
+    """Run one batch of the OpenAI API; when it fails, leave why at ``failure_uri`` for ``GET /batches/{id}``.
+
+    :param failure_uri: ``s3://`` URI of the failure record. (templated)
+    """
+
+    template_fields: Sequence[str] = (*VLLMBatchOperator.template_fields, "failure_uri")
+
+    def __init__(self, *, failure_uri: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.failure_uri = failure_uri
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        try:
+            return super().execute(context)
+        except Exception as err:
+            # A mistake arrives as AirflowFailException raised from the VLLMBatchError (no retries).
+            cause = err if isinstance(err, VLLMBatchError) else err.__cause__
+            if isinstance(cause, VLLMBatchError):
+                self.record_failure(cause)
+            raise
+
+    def record_failure(self, err: VLLMBatchError) -> None:
+        """Write the failure record; a failure to write it is logged, not raised over the task's own error."""
+        bucket, _, key = self.failure_uri.removeprefix("s3://").partition("/")
+        try:
+            self.s3_hook.load_bytes(json.dumps(failure_record(err)).encode(), key=key, bucket_name=bucket, replace=True)
+        except Exception as write_err:  # the batch's own error is the one to raise
+            self.log.warning("Could not write the batch's failure record to %s: %s", self.failure_uri, write_err)
+
+
+def openai_batch_dag(
+    *,
+    model: str,
+    dag_id: str = DEFAULT_BATCH_DAG_ID,
+    completion_window: timedelta = timedelta(hours=24),
+    **operator_kwargs: Any,
+) -> DAG:
+    """Build the DAG that runs the OpenAI API's batches; call it from a DAG file.
+
+    :param model: the model the batches' lines name (``body.model``), as ``VLLMBatchOperator``'s ``model``.
+    :param dag_id: the DAG id: ``[vllm_batch] openai_batch_dag_id`` must name it. Default ``vllm_batch_openai``.
+    :param completion_window: the task's ``execution_timeout``: a batch still running then fails
+        and is reported ``expired``. Default 24 hours (OpenAI's only window).
+    :param operator_kwargs: more ``VLLMBatchOperator`` arguments (``engine_args``, ``vllm_conn_id``, ...).
+    """
+    from airflow.sdk import DAG
+
+    with DAG(
+        dag_id=dag_id,
+        schedule=None,
+        catchup=False,
+        is_paused_upon_creation=False,
+        max_active_runs=operator_kwargs.pop("max_active_runs", 4),
+        tags=["vllm-batch", "openai-api"],
+        doc_md="Runs the batches of the OpenAI Batches API (`POST /vllm-batch/openai/v1/batches`): one run per batch.",
+    ) as dag:
+        OpenAIBatchOperator(
+            task_id=TASK_ID,
+            input_uri="{{ dag_run.conf['input_uri'] }}",
+            output_uri="{{ dag_run.conf['output_uri'] }}",
+            error_uri="{{ dag_run.conf['error_uri'] }}",
+            failure_uri="{{ dag_run.conf['failure_uri'] }}",
+            model=model,
+            execution_timeout=completion_window,
+            **operator_kwargs,
+        )
+    return dag

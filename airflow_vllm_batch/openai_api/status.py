@@ -1,0 +1,170 @@
+"""A batch's OpenAI status, mapped from its DAG run, its task and what the task left in S3.
+
+Free of Airflow imports: the caller reads the run, the task instances, the manifest, the
+failure record and the cancel request, and :func:`batch_object` turns them into the
+fields of OpenAI's Batch object.
+
+============================================  =====================================
+DAG run / task                                 OpenAI status
+============================================  =====================================
+run queued, task not started                   ``validating``
+task running (preflight, then the engine)      ``in_progress``
+task succeeded, run not yet ended              ``finalizing``
+run succeeded (manifest published)             ``completed``
+run failed, a failure record (preflight...)    ``failed`` with ``errors.data``
+run failed after ``expires_at``                ``expired``
+cancel asked, run not ended                    ``cancelling``
+cancel asked, run ended failed                 ``cancelled``
+============================================  =====================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+#: Task instance states in which the task has not started yet.
+_NOT_STARTED = (None, "none", "scheduled", "queued", "removed")
+_SECONDS = {"h": 3600, "d": 86400}
+
+
+def window_seconds(completion_window: str) -> int:
+    """The seconds of a completion window such as ``"24h"``.
+
+    :raises ValueError: the window is not ``<n>h`` or ``<n>d`` with n >= 1.
+    """
+    unit = completion_window[-1:]
+    number = completion_window[:-1]
+    if unit not in _SECONDS or not number.isdigit() or int(number) < 1:
+        raise ValueError(f"completion_window {completion_window!r} is not a number of hours such as '24h'")
+    return int(number) * _SECONDS[unit]
+
+
+def _ts(value: datetime | None) -> int | None:
+    return int(value.timestamp()) if value is not None else None
+
+
+@dataclass
+class BatchRun:
+    """What is known of one batch, from the database and S3.
+
+    :param conf: the DAG run's conf, as :func:`airflow_vllm_batch.openai_api.app` wrote it.
+    :param run_state: the DAG run's state (``queued``, ``running``, ``success``, ``failed``).
+    :param task_states: the states of the run's task instances.
+    :param task_start: when the first task started.
+    :param task_end: when the last task ended.
+    :param run_end: when the DAG run ended.
+    :param manifest: the published manifest (a dict), when there is one.
+    :param failure: the failure record the batch task wrote (``{"errors": [...], "stage": ...}``).
+    :param cancelling_at: when a cancel was asked (seconds since the epoch), if one was.
+    """
+
+    conf: Mapping[str, Any]
+    run_state: str | None
+    task_states: list[str | None] = field(default_factory=list)
+    task_start: datetime | None = None
+    task_end: datetime | None = None
+    run_end: datetime | None = None
+    manifest: Mapping[str, Any] | None = None
+    failure: Mapping[str, Any] | None = None
+    cancelling_at: int | None = None
+
+
+def batch_status(run: BatchRun, now: float) -> str:
+    """The OpenAI status of a batch.
+
+    :param run: the batch's run.
+    :param now: the current time, seconds since the epoch.
+    """
+    ended = run.run_state in ("success", "failed")
+    if run.run_state == "success":
+        return "completed"
+    if run.cancelling_at is not None:
+        return "cancelled" if ended else "cancelling"
+    if run.run_state == "failed":
+        if run.failure is None and now >= expires_at(run.conf):
+            return "expired"
+        return "failed"
+    states = [str(s) if s is not None else None for s in run.task_states]
+    if not states or all(s in _NOT_STARTED for s in states):
+        return "validating"
+    if all(s in ("success", "skipped", "failed", "upstream_failed") for s in states):
+        return "finalizing"
+    return "in_progress"
+
+
+def expires_at(conf: Mapping[str, Any]) -> int:
+    """When the batch's completion window passes."""
+    return int(conf["created_at"]) + window_seconds(str(conf.get("completion_window", "24h")))
+
+
+def request_counts(run: BatchRun) -> dict[str, int]:
+    """Total, completed and failed requests: the manifest's once published, else the input's line count."""
+    if run.manifest is not None:
+        counts = run.manifest.get("request_counts") or {}
+        return {"total": int(counts.get("total", 0)), "completed": int(counts.get("completed", 0)), "failed": int(counts.get("failed", 0))}
+    return {"total": int(run.conf.get("total") or 0), "completed": 0, "failed": 0}
+
+
+def _usage(manifest: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    if manifest is None:
+        return None
+    usage = manifest.get("usage") or {}
+    prompt, completion = int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0))
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": completion,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": int(usage.get("total_tokens", prompt + completion)),
+    }
+
+
+def _errors(run: BatchRun, status: str) -> dict[str, Any] | None:
+    if status != "failed":
+        return None
+    data = list((run.failure or {}).get("errors") or [])
+    if not data:
+        data = [{"code": "batch_failed", "line": None, "param": None, "message": "The batch's DAG run failed; its task log says why."}]
+    return {"object": "list", "data": data}
+
+
+def batch_object(batch_id: str, run: BatchRun, now: float) -> dict[str, Any]:
+    """The OpenAI Batch object of a batch (``openai.types.Batch`` parses it).
+
+    :param batch_id: the batch's id (its DAG run's run_id).
+    :param run: the batch's run.
+    :param now: the current time, seconds since the epoch.
+    """
+    status = batch_status(run, now)
+    conf = run.conf
+    ended_at = _ts(run.run_end)
+    preflight_failed = (run.failure or {}).get("stage") == "preflight"
+    started = run.task_start is not None and not preflight_failed
+    published = run.manifest is not None
+    return {
+        "id": batch_id,
+        "object": "batch",
+        "endpoint": conf["endpoint"],
+        "errors": _errors(run, status),
+        "input_file_id": conf["input_file_id"],
+        "completion_window": conf.get("completion_window", "24h"),
+        "status": status,
+        "output_file_id": conf.get("output_file_id") if published else None,
+        "error_file_id": conf.get("error_file_id") if published and run.manifest.get("error_uri") else None,
+        "created_at": int(conf["created_at"]),
+        "in_progress_at": _ts(run.task_start) if started else None,
+        "expires_at": expires_at(conf),
+        "finalizing_at": _ts(run.task_end) if status in ("finalizing", "completed") else None,
+        "completed_at": ended_at if status == "completed" else None,
+        "failed_at": ended_at if status == "failed" else None,
+        "expired_at": ended_at if status == "expired" else None,
+        "cancelling_at": run.cancelling_at,
+        "cancelled_at": ended_at if status == "cancelled" else None,
+        "request_counts": request_counts(run),
+        "usage": _usage(run.manifest),
+        "model": (run.manifest or {}).get("model") or conf.get("model"),
+        "metadata": dict(conf.get("metadata") or {}) or None,
+    }

@@ -1,0 +1,23 @@
+"""The DAG that runs the batches of the OpenAI Batches API (``POST /vllm-batch/openai/v1/batches``).
+
+Copy this file into your DAGs folder (or point ``[vllm_batch] openai_batch_dag_id`` at a
+DAG of your own built the same way). Each batch an OpenAI SDK creates is one run of it;
+the run's conf holds the input, output and error URIs the API chose. ``model`` is what
+every line's ``body.model`` must name; the example settings (``vllm_batch_examples.py``)
+read it, the engine arguments and an optional warm server's connection from the
+environment.
+"""
+
+from __future__ import annotations
+
+from vllm_batch_examples import aws_conn_id, chat_model, engine_args, engine_python, vllm_conn_id
+
+from airflow_vllm_batch.openai_api.batch_dag import openai_batch_dag
+
+dag = openai_batch_dag(
+    model=chat_model(),
+    engine_args=engine_args(),
+    engine_python=engine_python(),
+    aws_conn_id=aws_conn_id(),
+    vllm_conn_id=vllm_conn_id(),
+)

@@ -1,0 +1,316 @@
+"""The OpenAI Files and Batches API, driven by the official ``openai`` SDK, unmodified, against a real deployment.
+
+One LocalExecutor deployment for the module (``deployment.py``: api-server, scheduler,
+dag-processor on 127.0.0.1, SQLite, SeaweedFS as S3) with the provider's plugin mounted at
+``/vllm-batch/openai/v1`` and the repo's ``dags/vllm_batch_openai.py`` as the batch DAG
+(vLLM's batch runner on the tiny model). Users of Airflow's simple auth manager: ``alice``
+and ``bob`` (role ``user``: may trigger), ``vera`` (``viewer``: may only read). The SDK's
+``api_key`` is each user's Airflow API token from ``POST /auth/token``.
+
+One real engine run (alice's good batch); the other batches fail in preflight or are
+cancelled before their task starts an engine.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+
+from openai import NotFoundError, OpenAI, PermissionDeniedError
+from openai.types import Batch, FileObject
+from openai.types.chat import ChatCompletion
+
+from airflow_vllm_batch.openai_api.settings import DEFAULT_BATCH_DAG_ID, URL_PREFIX
+from tests.integration.dagrun import REPO
+from tests.integration.deployment import Deployment, local_executor_deployment, wait_until
+
+pytestmark = [pytest.mark.integration, pytest.mark.engine]
+
+BUCKET = "openai"
+N_REQUESTS = 3
+#: One engine start on two shared cores, with the scheduler's own pace: generous.
+BATCH_TIMEOUT_S = 420
+PLUGIN_SHIM = "from airflow_vllm_batch.openai_api.plugin import VLLMBatchOpenAIPlugin  # noqa: F401\n"
+
+
+def _entry_point_installed() -> bool:
+    return any(ep.value.startswith("airflow_vllm_batch.openai_api.plugin") for ep in importlib.metadata.entry_points(group="airflow.plugins"))
+
+
+@dataclass
+class Api:
+    dep: Deployment
+    clients: dict[str, OpenAI]
+    model: str
+
+    @property
+    def base_url(self) -> str:
+        return self.dep.api_url + URL_PREFIX
+
+
+@pytest.fixture(scope="module")
+def api(seaweed, tiny_model: Path, tmp_path_factory) -> Iterator[Api]:
+    seaweed.create_bucket(BUCKET)
+    home = tmp_path_factory.mktemp("openai-api-home")
+    if not _entry_point_installed():
+        # A clone whose editable install predates the entry point (pip install -e . adds it):
+        # the same plugin class through Airflow's plugins folder.
+        (home / "plugins").mkdir()
+        (home / "plugins" / "vllm_batch_openai_api.py").write_text(PLUGIN_SHIM)
+    env = {
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin,alice:user,bob:user,vera:viewer",
+        "AIRFLOW__VLLM_BATCH__OPENAI_FILES_URI": f"s3://{BUCKET}/api/",
+    }
+    dag_files = {"vllm_batch_openai.py": (REPO / "dags" / "vllm_batch_openai.py").read_text()}
+    with local_executor_deployment(seaweed, tiny_model, home, dag_files, extra_env=env) as dep:
+        dep.wait_for_dag(DEFAULT_BATCH_DAG_ID)
+        clients = {}
+        for user in ("alice", "bob", "vera"):
+            dep.log_in(user)
+            clients[user] = OpenAI(base_url=dep.api_url + URL_PREFIX, api_key=dep.token, max_retries=0, timeout=60)
+        yield Api(dep, clients, str(tiny_model))
+
+
+def _lines(model: str, n: int = N_REQUESTS) -> bytes:
+    body = lambda i: {"model": model, "messages": [{"role": "user", "content": f"Say {i}."}], "max_completion_tokens": 4, "temperature": 0}
+    return b"".join(
+        json.dumps({"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body(i)}).encode() + b"\n" for i in range(n)
+    )
+
+
+def _wait(api: Api, client: OpenAI, batch_id: str, done: tuple[str, ...]) -> Batch:
+    def ended():
+        batch = client.batches.retrieve(batch_id)
+        return batch if batch.status in done else None
+
+    try:
+        return wait_until(f"batch {batch_id} to reach {done}", ended, BATCH_TIMEOUT_S, api.dep, interval=2)
+    except Exception:
+        print(api.dep.diagnose(DEFAULT_BATCH_DAG_ID, batch_id, "vllm_batch"))
+        print(api.dep.log("api-server")[-4000:])
+        raise
+
+
+@pytest.fixture(scope="module")
+def completed(api: Api) -> tuple[FileObject, Batch, list[Batch]]:
+    """Alice's good batch, from upload to ``completed``, and every status it was seen in."""
+    alice = api.clients["alice"]
+    uploaded = alice.files.create(file=("requests.jsonl", _lines(api.model)), purpose="batch")
+    batch = alice.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h", metadata={"test": "good"})
+    seen = [batch]
+
+    def ended():
+        seen.append(alice.batches.retrieve(batch.id))
+        return seen[-1] if seen[-1].status in ("completed", "failed", "cancelled", "expired") else None
+
+    try:
+        final = wait_until("the good batch to end", ended, BATCH_TIMEOUT_S, api.dep, interval=2)
+    except Exception:
+        print(api.dep.diagnose(DEFAULT_BATCH_DAG_ID, batch.id, "vllm_batch"))
+        raise
+    return uploaded, final, seen
+
+
+def test_without_a_token_the_api_answers_401(api: Api):
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(api.base_url + "/batches", timeout=30)  # loopback only
+    assert err.value.code == 401
+    assert "error" in json.loads(err.value.read())
+
+
+def test_an_uploaded_file_is_listed_retrieved_and_read_back_by_its_owner_only(api: Api):
+    alice, bob = api.clients["alice"], api.clients["bob"]
+    data = _lines(api.model, 2)
+    uploaded = alice.files.create(file=("two.jsonl", data), purpose="batch")
+    assert (uploaded.bytes, uploaded.filename, uploaded.purpose) == (len(data), "two.jsonl", "batch")
+    assert alice.files.retrieve(uploaded.id).id == uploaded.id
+    assert alice.files.content(uploaded.id).content == data
+    assert uploaded.id in [f.id for f in alice.files.list()]
+    assert uploaded.id not in [f.id for f in bob.files.list()]
+    with pytest.raises(NotFoundError):
+        bob.files.retrieve(uploaded.id)
+    with pytest.raises(NotFoundError):
+        bob.files.content(uploaded.id)
+    assert alice.files.delete(uploaded.id).deleted
+    with pytest.raises(NotFoundError):
+        alice.files.retrieve(uploaded.id)
+
+
+def test_a_batch_runs_to_completed_and_its_output_parses_with_the_sdks_types(api: Api, completed):
+    uploaded, batch, seen = completed
+    assert batch.status == "completed", batch
+    assert batch.input_file_id == uploaded.id and batch.metadata == {"test": "good"}
+    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (N_REQUESTS, N_REQUESTS, 0)
+    assert batch.error_file_id is None and batch.output_file_id
+    assert batch.created_at <= batch.in_progress_at <= batch.completed_at
+    statuses = [b.status for b in seen]
+    assert statuses[0] == "validating" and set(statuses) <= {"validating", "in_progress", "finalizing", "completed"}
+    alice = api.clients["alice"]
+    lines = alice.files.content(batch.output_file_id).text.splitlines()
+    assert sorted(json.loads(line)["custom_id"] for line in lines) == [f"req-{i}" for i in range(N_REQUESTS)]
+    for line in lines:
+        record = json.loads(line)
+        assert record["response"]["status_code"] == 200
+        ChatCompletion.model_validate(record["response"]["body"])
+    output = alice.files.retrieve(batch.output_file_id)
+    assert output.purpose == "batch_output" and output.bytes == len(alice.files.content(batch.output_file_id).content)
+
+
+def test_a_bad_file_fails_in_preflight_with_line_numbered_errors(api: Api):
+    alice = api.clients["alice"]
+    good = _lines(api.model, 3).splitlines(keepends=True)
+    bad = good[0] + b"{not json\n" + good[2] + b'{"custom_id": "req-9", "method": "POST", "url": "/v1/chat/completions"}\n'
+    uploaded = alice.files.create(file=("bad.jsonl", bad), purpose="batch")
+    batch = alice.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    failed = _wait(api, alice, batch.id, ("completed", "failed", "cancelled", "expired"))
+    assert failed.status == "failed", failed
+    assert sorted(e.line for e in failed.errors.data) == [2, 4], failed.errors
+    assert all(e.code == "invalid_request" and e.message for e in failed.errors.data)
+    # Preflight failed before any engine: nothing was published, and the run never was in progress.
+    assert failed.output_file_id is None and failed.in_progress_at is None
+    log = api.dep.task_log(DEFAULT_BATCH_DAG_ID, batch.id, "vllm_batch", 1)
+    assert "PreflightError" in log and "Starting the vLLM engine" not in log
+
+
+def test_another_user_neither_sees_nor_cancels_a_users_batch(api: Api, completed):
+    _, batch, _ = completed
+    bob = api.clients["bob"]
+    with pytest.raises(NotFoundError):
+        bob.batches.retrieve(batch.id)
+    with pytest.raises(NotFoundError):
+        bob.batches.cancel(batch.id)
+    assert batch.id not in [b.id for b in bob.batches.list()]
+    with pytest.raises(NotFoundError):
+        bob.files.content(batch.output_file_id)
+
+
+def test_a_viewer_may_not_create_a_batch(api: Api):
+    vera = api.clients["vera"]
+    uploaded = vera.files.create(file=("v.jsonl", _lines(api.model, 1)), purpose="batch")
+    with pytest.raises(PermissionDeniedError):
+        vera.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+
+
+def test_a_batch_cancelled_before_it_runs_ends_cancelled(api: Api):
+    alice = api.clients["alice"]
+    uploaded = alice.files.create(file=("c.jsonl", _lines(api.model)), purpose="batch")
+    batch = alice.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    cancelling = alice.batches.cancel(batch.id)
+    assert cancelling.status == "cancelling" and cancelling.cancelling_at
+    cancelled = _wait(api, alice, batch.id, ("cancelled", "completed", "failed"))
+    assert cancelled.status == "cancelled" and cancelled.cancelled_at and cancelled.output_file_id is None
+
+
+class PeakRss:
+    """Samples the summed RSS of a process and its descendants in a thread, keeping the peak."""
+
+    def __init__(self, pid: int) -> None:
+        self.root = psutil.Process(pid)
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def rss(self) -> int:
+        total = 0
+        for process in (self.root, *self.root.children(recursive=True)):
+            try:
+                total += process.memory_info().rss
+            except psutil.Error:
+                pass
+        return total
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.rss())
+            self._stop.wait(0.02)
+
+    def __enter__(self) -> PeakRss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+#: The memory benchmark's file: 10,000 request lines of ~10 KiB each (~100 MB).
+BIG_LINES, BIG_LINE_CHARS = 10_000, 10_000
+MAX_RSS_GROWTH = 50 * 1024 * 1024
+
+
+def test_a_100_mb_upload_and_download_keep_the_api_servers_memory_flat(api: Api):
+    alice = api.clients["alice"]
+    filler = "x" * BIG_LINE_CHARS
+    data = _lines(api.model, BIG_LINES).replace(b'"Say ', f'"{filler} '.encode())
+    # Warm up: the app, boto3 and their buffers are loaded before the baseline.
+    small = alice.files.create(file=("warm.jsonl", _lines(api.model, 2)), purpose="batch")
+    alice.files.content(small.id).read()
+    sampler = PeakRss(api.dep.processes["api-server"].pid)
+    baseline = sampler.rss()
+    with sampler:
+        started = time.monotonic()
+        uploaded = alice.files.create(file=("big.jsonl", data), purpose="batch")
+        upload_s = time.monotonic() - started
+        upload_peak = sampler.peak
+        received = 0
+        with alice.files.with_streaming_response.content(uploaded.id) as response:
+            for chunk in response.iter_bytes(1 << 20):
+                received += len(chunk)
+    growth = (max(upload_peak, sampler.peak) - baseline) / 2**20
+    print(
+        f"openai API memory: {len(data) / 2**20:.0f} MiB, {BIG_LINES} lines; upload {upload_s:.1f}s; API server RSS "
+        f"baseline {baseline / 2**20:.0f} MiB, peak growth upload {(upload_peak - baseline) / 2**20:.1f} MiB, "
+        f"upload+download {growth:.1f} MiB"
+    )
+    assert uploaded.bytes == len(data) == received
+    assert max(upload_peak, sampler.peak) - baseline <= MAX_RSS_GROWTH
+    alice.files.delete(uploaded.id)
+
+
+def _engines(api: Api) -> list:
+    """The vLLM batch runners the deployment's tasks started."""
+    return [p for p in api.dep.descendants("scheduler") if "run_batch" in " ".join(_cmdline(p))]
+
+
+def _cmdline(process) -> list[str]:
+    try:
+        return process.cmdline()
+    except psutil.Error:
+        return []
+
+
+def test_a_batch_cancelled_while_its_engine_runs_stops_the_engine(api: Api):
+    alice = api.clients["alice"]
+    uploaded = alice.files.create(file=("run.jsonl", _lines(api.model)), purpose="batch")
+    batch = alice.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    engines = wait_until("the batch's engine to start", lambda: _engines(api), BATCH_TIMEOUT_S, api.dep, interval=0.5)
+    assert alice.batches.retrieve(batch.id).status == "in_progress"
+    assert alice.batches.cancel(batch.id).status == "cancelling"
+    cancelled = _wait(api, alice, batch.id, ("cancelled", "completed", "failed"))
+    assert cancelled.status == "cancelled" and cancelled.output_file_id is None
+    _, alive = psutil.wait_procs(engines, timeout=60)
+    assert alive == [], [(p.pid, _cmdline(p)) for p in alive]
+
+
+def test_batches_are_listed_newest_first_in_pages(api: Api, completed):
+    alice = api.clients["alice"]
+    alice.batches.create(input_file_id=completed[0].id, endpoint="/v1/chat/completions", completion_window="24h")
+    everything = [b.id for b in alice.batches.list(limit=100).data]
+    assert len(everything) >= 2 and completed[1].id in everything
+    first = alice.batches.list(limit=1)
+    assert first.has_more and [b.id for b in first.data] == everything[:1]
+    second = alice.batches.list(limit=1, after=first.data[0].id)
+    assert [b.id for b in second.data] == everything[1:2]
+    assert [b.id for b in alice.batches.list(limit=100, after=everything[-1]).data] == []
+    # The extra batch is cancelled so that it does not start an engine after the module.
+    alice.batches.cancel(everything[0])

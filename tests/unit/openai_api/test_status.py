@@ -1,0 +1,82 @@
+"""A batch's OpenAI status follows its DAG run, its task and what the task left in S3; the SDK parses the object."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+import pytest
+from openai.types import Batch
+
+from airflow_vllm_batch.openai_api.status import BatchRun, batch_object, batch_status, window_seconds
+
+CREATED = 1_800_000_000
+CONF = {
+    "owner": "alice",
+    "input_file_id": "file-0123456789",
+    "endpoint": "/v1/chat/completions",
+    "completion_window": "24h",
+    "metadata": {"team": "search"},
+    "created_at": CREATED,
+    "total": 3,
+    "output_file_id": "file-abcdefabout",
+    "error_file_id": "file-abcdefaberr",
+    "output_uri": "s3://b/files/o/file-abcdefabout.jsonl",
+}
+T = datetime.fromtimestamp(CREATED + 10, tz=timezone.utc)
+MANIFEST = {"request_counts": {"total": 3, "completed": 2, "failed": 1}, "usage": {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}, "error_uri": "s3://b/e.jsonl", "model": "m"}
+NOW = CREATED + 60
+
+
+@pytest.mark.parametrize(
+    ("run", "status"),
+    [
+        (BatchRun(CONF, "queued"), "validating"),
+        (BatchRun(CONF, "running", ["scheduled"]), "validating"),
+        (BatchRun(CONF, "running", ["running"], task_start=T), "in_progress"),
+        (BatchRun(CONF, "running", ["up_for_retry"], task_start=T), "in_progress"),
+        (BatchRun(CONF, "running", ["success"], task_start=T, task_end=T), "finalizing"),
+        (BatchRun(CONF, "success", ["success"], task_start=T, task_end=T, run_end=T, manifest=MANIFEST), "completed"),
+        (BatchRun(CONF, "failed", ["failed"], failure={"stage": "preflight", "errors": []}), "failed"),
+        (BatchRun(CONF, "running", ["running"], cancelling_at=CREATED + 20), "cancelling"),
+        (BatchRun(CONF, "failed", ["failed"], run_end=T, cancelling_at=CREATED + 20), "cancelled"),
+    ],
+)
+def test_status_follows_the_run(run, status):
+    assert batch_status(run, NOW) == status
+
+
+def test_a_run_failed_after_its_window_without_a_failure_record_is_expired():
+    run = BatchRun(CONF, "failed", ["failed"], run_end=T)
+    assert batch_status(run, CREATED + 24 * 3600) == "expired"
+    assert batch_status(run, CREATED + 24 * 3600 - 1) == "failed"
+
+
+def test_a_completed_batch_names_its_output_and_error_files_and_counts():
+    batch = Batch.model_validate(batch_object("batch_abcdefab", BatchRun(CONF, "success", ["success"], T, T, T, MANIFEST), NOW))
+    assert batch.status == "completed" and batch.output_file_id == CONF["output_file_id"] and batch.error_file_id == CONF["error_file_id"]
+    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (3, 2, 1)
+    assert batch.usage.total_tokens == 12 and batch.completed_at == int(T.timestamp()) and batch.metadata == {"team": "search"}
+
+
+def test_a_completed_batch_without_failures_has_no_error_file():
+    manifest = {**MANIFEST, "error_uri": None}
+    batch = Batch.model_validate(batch_object("batch_abcdefab", BatchRun(CONF, "success", ["success"], T, T, T, manifest), NOW))
+    assert batch.error_file_id is None
+
+
+def test_a_preflight_failure_names_its_lines_and_never_was_in_progress():
+    errors = [{"code": "invalid_request", "line": 2, "param": None, "message": "not JSON"}]
+    batch = Batch.model_validate(batch_object("batch_abcdefab", BatchRun(CONF, "failed", ["failed"], T, T, T, failure={"stage": "preflight", "errors": errors}), NOW))
+    assert batch.status == "failed" and [e.line for e in batch.errors.data] == [2] and batch.in_progress_at is None
+    assert batch.output_file_id is None and batch.failed_at == int(T.timestamp())
+
+
+def test_a_running_batch_counts_its_input_lines():
+    batch = Batch.model_validate(batch_object("batch_abcdefab", BatchRun(CONF, "running", ["running"], task_start=T), NOW))
+    assert batch.request_counts.total == 3 and batch.in_progress_at == int(T.timestamp()) and batch.expires_at == CREATED + 86400
+
+
+@pytest.mark.parametrize("window", ["", "24", "h", "0h", "24m", "-1h"])
+def test_a_window_that_is_not_hours_or_days_is_refused(window):
+    with pytest.raises(ValueError, match="completion_window"):
+        window_seconds(window)

@@ -175,7 +175,18 @@ def fencing(o: Outcome) -> list[Violation]:
             if m.key in (okey, ekey, mkey):
                 last[m.key] = m
         writer = last[mkey].try_label if mkey in last else None
-        mixed = {k: m.try_label for k, m in last.items() if m.try_label != writer}
+        ebucket = split_s3_uri(world.error_uri or default_error_uri(world.output_uri), "error_uri")[0]
+        # An error file the complete manifest does not name must be absent. When it is absent and the last
+        # change was a delete (an earlier holder of the lease removed an old error file, then was killed
+        # before its manifest), the key is as the winner's manifest says: not another try's change of the
+        # output. A file another try *created* there is still flagged.
+        absent_as_named = (
+            last.get(ekey) is not None
+            and last[ekey].op in ("delete_object", "delete_objects")
+            and not o.complete.error_uri
+            and o.get(world.s3, ebucket, ekey) is None
+        )
+        mixed = {k: m.try_label for k, m in last.items() if m.try_label != writer and not (k == ekey and absent_as_named)}
         if mixed:
             found.append(
                 Violation("Fencing/mixed-writers", f"the complete output's manifest is {writer}'s, but the last change of {mixed} is another try's")

@@ -22,7 +22,9 @@ Every write puts a fresh *nonce* into the lease's body. A write whose PUT landed
 response was lost is retried by botocore with the same (now old) ``If-Match`` and gets 412;
 so on any failed write the lease is read back, and when it holds this holder with a nonce
 this lease wrote, the write landed: its ETag is adopted and the lease is still held (Fencing:
-only a body someone else wrote means another run took over).
+only a body someone else wrote means another run took over). When the lease cannot be read
+back either, the write's own error is raised, never :class:`OutputBusyError`: a heartbeat
+tries again at its next beat, whose 412 then finds this lease's nonce (Bounded).
 """
 
 from __future__ import annotations
@@ -279,7 +281,13 @@ class OutputLease:
                 Bucket=self.bucket, Key=self.key, Body=body, ContentType="application/json", **condition
             )
         except (ClientError, BotoCoreError) as err:
-            current = self._read_back()
+            try:
+                current = self._read()
+            except (ClientError, BotoCoreError) as read_err:
+                # Whether the write landed (a retried PUT's 412 is often its own) is unknown: not a
+                # lost lease (Bounded), and nothing adopted (Fencing); the next write reads it back.
+                log.warning("Could not read the lease %s back after a failed write (%s)", self.uri, read_err)
+                raise err from None
             if current is not None and current.nonce == nonce and current.holder == self.holder:
                 # The PUT landed and its response was lost (botocore's retry of it got 412, or gave up).
                 log.info("The lease write to %s landed although its response was lost; the lease is held.", self.uri)
@@ -298,14 +306,6 @@ class OutputLease:
                 ) from None
             raise
         self._etag = response["ETag"]
-
-    def _read_back(self) -> LeaseState | None:
-        """The lease as it is after a failed write; None when it cannot be read either."""
-        try:
-            return self._read()
-        except (ClientError, BotoCoreError) as err:
-            log.warning("Could not read the lease %s back after a failed write (%s)", self.uri, err)
-            return None
 
     def _verify(self) -> None:
         current = self._read()

@@ -12,6 +12,7 @@ Usage::
 
     .venv/bin/python benchmarks/simulate.py [--schedules 20000] [--start 0] [--jobs 2]
     .venv/bin/python benchmarks/simulate.py --seed 1234        # replay one schedule, with its plan and violations
+    .venv/bin/python benchmarks/simulate.py --seed 1234 --trace  # ... and every S3 call attempt and log line first
 """
 
 from __future__ import annotations
@@ -42,11 +43,19 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=1, help="processes (each runs a share of the seeds)")
     parser.add_argument("--seed", type=int, default=None, help="replay this one seed and print its details")
     parser.add_argument("--first", type=int, default=5, help="failing seeds to list per check")
+    parser.add_argument(
+        "--trace", action="store_true", help="with --seed: print every S3 call attempt (who, conditions, fault, outcome) and log line"
+    )
     args = parser.parse_args()
     if args.seed is not None:
         from tests.simulation.world import make_plan
 
         print(f"seed {args.seed}: {make_plan(args.seed).describe()}")
+        if args.trace:
+            from tests.simulation.world import run_schedule
+
+            with tempfile.TemporaryDirectory(prefix="vllm-batch-sim-") as workdir:
+                print("\n".join(run_schedule(args.seed, Path(workdir) / "schedule").s3.trace))
         report = _run([args.seed])
         print(report.format(first=args.first))
         return 1 if report.failing_seeds else 0

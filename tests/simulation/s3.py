@@ -116,6 +116,9 @@ class FakeS3:
         self.staging_reads: dict[str, int] = {}
         #: Client calls the run code made that the fake does not model (the campaign reports them).
         self.unsupported: set[str] = set()
+        #: One line per attempt of every call (who, what, which fault, what came of it), and the
+        #: run code's log lines (:meth:`note`), in order: ``benchmarks/simulate.py --seed N --trace``.
+        self.trace: list[str] = []
         self._local_now = 0.0
 
     # -- the clock -----------------------------------------------------------------
@@ -146,25 +149,49 @@ class FakeS3:
         except (ValueError, KeyError):
             return "?"
 
+    def note(self, line: str) -> None:
+        """Add a line to the trace at the current step (a log line of the run code)."""
+        self.trace.append(f"{self.calls:5d}          {line}")
+
+    def _trace(self, op: str, key: str, attempt: int, fault: str | None, outcome: str, conditions: str) -> None:
+        actor = self.scheduler.current_actor() if self.scheduler is not None else None
+        who = (actor.try_label or actor.name) if actor is not None else "-"
+        self.trace.append(
+            f"{self.calls:5d} t={self.now:%H:%M:%S} {who:<14} {op} {key}{conditions} "
+            f"attempt {attempt + 1}{f' [{fault}]' if fault else ''}: {outcome}"
+        )
+
     # -- one call, with botocore's retries ------------------------------------------
 
     def call(
-        self, op: str, bucket: str, key: str, apply: Callable[[], Any], conditional: bool = False, keys: list[str] | None = None
+        self,
+        op: str,
+        bucket: str,
+        key: str,
+        apply: Callable[[], Any],
+        conditional: bool = False,
+        keys: list[str] | None = None,
+        conditions: str = "",
     ) -> Any:
-        """Run one client call: the scheduler's step, faults and botocore's retries around ``apply``."""
+        """Run one client call: the scheduler's step, faults and botocore's retries around ``apply``.
+
+        :param conditions: the call's ``IfMatch``/``IfNoneMatch``, for the trace only.
+        """
         self.calls += 1
         scheduler = self.scheduler
         if scheduler is not None:
             scheduler.step(f"s3.{op}")
         last_error: Exception | None = None
-        for _attempt in range(BOTO_ATTEMPTS):
+        for attempt in range(BOTO_ATTEMPTS):
             fault = self.faults.draw() if self.faults is not None else None
             if scheduler is not None:
                 scheduler.sleep(30.0 + scheduler.rng.random() * 60 if fault == "slow" else 0.05)
             if fault == "error":
+                self._trace(op, key, attempt, fault, "503 before S3 (retried)", conditions)
                 last_error = client_error("SlowDown", 503, op, "Please reduce your request rate.")
                 continue
             if fault == "outage":
+                self._trace(op, key, attempt, fault, "raises EndpointConnectionError", conditions)
                 raise EndpointConnectionError(endpoint_url=f"http://s3.sim/{bucket}")
             if bucket not in self.buckets and op != "head_bucket":
                 raise client_error("NoSuchBucket", 404, op)
@@ -172,7 +199,14 @@ class FakeS3:
                 result = apply()
             except ClientError as err:
                 # A 4xx is final: botocore does not retry it.
+                self._trace(op, key, attempt, fault, f"raises {err.response['Error']['Code']}", conditions)
                 raise err from None
+            etag = result.get("ETag") if isinstance(result, dict) else None
+            self._trace(
+                op, key, attempt, fault,
+                ("applied, response lost (retried)" if fault == "lost_response" else "ok") + (f" ETag {etag}" if etag else ""),
+                conditions,
+            )
             if op in MUTATIONS:
                 for changed in keys or [key]:
                     self.note_mutation(op, bucket, changed, conditional)
@@ -225,6 +259,11 @@ class FakeS3:
 
     def metadata(self, status: int) -> dict:
         return {"HTTPStatusCode": status, "HTTPHeaders": {"date": format_datetime(self.now, usegmt=True)}}
+
+
+def _conditions(if_match: str | None, if_none_match: str | None) -> str:
+    """A call's conditions as the trace shows them."""
+    return (f" IfMatch={if_match}" if if_match else "") + (f" IfNoneMatch={if_none_match}" if if_none_match else "")
 
 
 def _unquote(etag: str) -> str:
@@ -312,6 +351,7 @@ class FakeS3Client:
             Key,
             lambda: self.s3.put(Bucket, Key, data, if_match=IfMatch, if_none_match=IfNoneMatch),
             conditional=IfMatch is not None or IfNoneMatch is not None,
+            conditions=_conditions(IfMatch, IfNoneMatch),
         )
 
     def upload_fileobj(self, Fileobj: Any, Bucket: str, Key: str, ExtraArgs: dict | None = None, **_: Any) -> None:
@@ -348,7 +388,7 @@ class FakeS3Client:
             self.s3.buckets[Bucket].pop(Key, None)
             return {"ResponseMetadata": self.s3.metadata(204)}
 
-        return self.s3.call("delete_object", Bucket, Key, apply, conditional=IfMatch is not None)
+        return self.s3.call("delete_object", Bucket, Key, apply, conditional=IfMatch is not None, conditions=_conditions(IfMatch, None))
 
     def delete_objects(self, Bucket: str, Delete: dict, **_: Any) -> dict:
         keys = [o["Key"] for o in Delete.get("Objects", [])]
@@ -378,7 +418,14 @@ class FakeS3Client:
             put = self.s3.put(Bucket, Key, source.body, if_match=IfMatch, if_none_match=IfNoneMatch)
             return {"CopyObjectResult": {"ETag": put["ETag"]}, "ResponseMetadata": put["ResponseMetadata"]}
 
-        return self.s3.call("copy_object", Bucket, Key, apply, conditional=IfMatch is not None or IfNoneMatch is not None)
+        return self.s3.call(
+            "copy_object",
+            Bucket,
+            Key,
+            apply,
+            conditional=IfMatch is not None or IfNoneMatch is not None,
+            conditions=_conditions(IfMatch, IfNoneMatch),
+        )
 
     def __getattr__(self, name: str) -> Any:
         # A boto3 call the fake does not model: recorded, so the campaign reports it rather than a bug of the run code.

@@ -63,3 +63,14 @@ def test_a_fault_plan_draws_the_same_faults_from_the_same_seed():
     plan_a, plan_b = FaultPlan(random.Random(5), 0.3), FaultPlan(random.Random(5), 0.3)
     drawn = [plan_a.draw() for _ in range(50)]
     assert drawn == [plan_b.draw() for _ in range(50)] and any(drawn)
+
+
+def test_the_trace_shows_each_attempt_with_its_conditions_fault_and_outcome():
+    s3, s3_client = client()
+    etag = s3_client.put_object(Bucket="b", Key="lease", Body=b"1", IfNoneMatch="*")["ETag"]
+    s3.faults = Scripted("lost_response")  # type: ignore[assignment]
+    with pytest.raises(ClientError):
+        s3_client.put_object(Bucket="b", Key="lease", Body=b"2", IfMatch=etag)
+    lost, retried = s3.trace[-2:]
+    assert f"IfMatch={etag}" in lost and "[lost_response]: applied, response lost" in lost
+    assert "attempt 2: raises PreconditionFailed" in retried

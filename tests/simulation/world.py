@@ -156,6 +156,7 @@ class _Capture(logging.Handler):
         except Exception:  # noqa: BLE001 - a bad format string is not the simulator's failure
             message = str(record.msg)
         self.world.logs.append(LogLine(actor.try_label if actor else None, message, self.world.s3.lease_holder()))
+        self.world.s3.note(f"{(actor.try_label or actor.name) if actor else '-':<14} log {record.levelname}: {message[:300]}")
 
 
 class World:

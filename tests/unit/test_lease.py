@@ -131,8 +131,9 @@ def test_an_acquisition_whose_response_was_lost_holds_the_lease(s3, bucket, how)
     assert "Contents" not in s3.client().list_objects_v2(Bucket=bucket)
 
 
-def test_a_renewal_after_a_landed_write_nobody_could_confirm_keeps_the_lease(s3, bucket):
-    client = LostResponses(s3.client(), "timeout")
+@pytest.mark.parametrize("how", ["retried-412", "timeout"])
+def test_a_renewal_after_a_landed_write_nobody_could_confirm_keeps_the_lease(s3, bucket, how):
+    client = LostResponses(s3.client(), how)
     held = OutputLease(client, bucket, KEY, holder(), heartbeat_s=3600)
     held.acquire()
     real_get = client.client.get_object

@@ -12,6 +12,7 @@ Usage::
 
     .venv/bin/python benchmarks/simulate.py [--schedules 20000] [--start 0] [--jobs 2]
     .venv/bin/python benchmarks/simulate.py --seed 1234        # replay one schedule, with its plan and violations
+    .venv/bin/python benchmarks/simulate.py --seed 1234 --trace  # ... and every S3 call and engine answer, by step
 """
 
 from __future__ import annotations
@@ -35,18 +36,31 @@ def _run(seeds: list[int]):
         return run_campaign(seeds, Path(workdir))
 
 
+def _print_trace(seed: int) -> None:
+    """Print the schedule's calls in order: step, try, S3 operation (or engine answer), key."""
+    from tests.simulation.world import run_schedule
+
+    with tempfile.TemporaryDirectory(prefix="vllm-batch-sim-") as workdir:
+        world = run_schedule(seed, Path(workdir) / "schedule")
+    for step, label, op, key in world.s3.trace:
+        print(f"  {step:5d} {label:14s} {op:24s} {key}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schedules", type=int, default=20000)
     parser.add_argument("--start", type=int, default=0, help="the first seed")
     parser.add_argument("--jobs", type=int, default=1, help="processes (each runs a share of the seeds)")
     parser.add_argument("--seed", type=int, default=None, help="replay this one seed and print its details")
+    parser.add_argument("--trace", action="store_true", help="with --seed: print every S3 call and engine answer, by step")
     parser.add_argument("--first", type=int, default=5, help="failing seeds to list per check")
     args = parser.parse_args()
     if args.seed is not None:
         from tests.simulation.world import make_plan
 
         print(f"seed {args.seed}: {make_plan(args.seed).describe()}")
+        if args.trace:
+            _print_trace(args.seed)
         report = _run([args.seed])
         print(report.format(first=args.first))
         return 1 if report.failing_seeds else 0

@@ -371,6 +371,11 @@ class RunnerEngine(LocalEngine):
         if not self.settings.engine_command:
             argv, hidden = conceal_arguments(argv)
             env.update(hidden)
+        # What the engine is given was decided by this try's reads of staging; staged results or a part
+        # written since were written under another holder of the lease. Read the lease after them, so a
+        # try paused before its engine starts (a zombie) does not answer again what its successor
+        # answered (Durability, Fencing).
+        job.lease.ensure_held(verify=True)
         with self.leased_gpus(env, job.holder) as pass_fds:
             run = self.hook.run(argv, env=env, pass_fds=pass_fds)
         run.vllm_version = run.vllm_version or info.vllm_version

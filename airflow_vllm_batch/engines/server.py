@@ -141,6 +141,10 @@ class _Streaming(Engine):
         )
         progress = _Progress(self.log, total=total, resumed=done)
         skip = (lambda custom_id: answered.line_of(custom_id) is not None) if answered else None
+        # The skip is what this try read of the parts; a part written since was written under another
+        # holder of the lease. Read the lease after the parts, so a try paused between its reads and its
+        # first request (a zombie) does not send again what its successor answered (Durability, Fencing).
+        job.lease.ensure_held(verify=True)
         started = time.monotonic()
         if self.settings.client_processes > 1:
             self.log.info(

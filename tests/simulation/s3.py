@@ -112,8 +112,9 @@ class FakeS3:
         self.lease_key = lease_key
         self.mutations: list[Mutation] = []
         self.calls = 0
-        #: The step of each try's last read under a staging prefix (what it knew was durable).
-        self.staging_reads: dict[str, int] = {}
+        #: What each try read of staging, by key: the body a get or head returned, or that a listing
+        #: showed the key with (what it could know was durable; not what was written after its reads).
+        self.staging_seen: dict[str, dict[str, bytes]] = {}
         #: Client calls the run code made that the fake does not model (the campaign reports them).
         self.unsupported: set[str] = set()
         #: One line per attempt of every call (who, what, which fault, what came of it), and the
@@ -211,7 +212,11 @@ class FakeS3:
                 for changed in keys or [key]:
                     self.note_mutation(op, bucket, changed, conditional)
             elif ".staging/" in key and scheduler is not None and (actor := scheduler.current_actor()) is not None:
-                self.staging_reads[actor.try_label or "-"] = self.calls
+                seen = self.staging_seen.setdefault(actor.try_label or "-", {})
+                listed = [item["Key"] for item in result.get("Contents", [])] if op == "list_objects_v2" else [key]
+                for read in listed:
+                    if (obj := self.buckets[bucket].get(read)) is not None:
+                        seen[read] = obj.body
             if fault == "lost_response":
                 last_error = ReadTimeoutError(endpoint_url=f"http://s3.sim/{bucket}/{key}")
                 continue

@@ -189,7 +189,8 @@ class World:
         #: Engine steps of this task instance's tries (not the earlier run's that filled the cache).
         self.task_engine_steps = 0
         self.zombies = 0
-        self.first_engine_step: dict[str, int] = {}
+        #: What each try had read of staging when its engine began (key -> body), for the no-resend check.
+        self.seen_at_engine_start: dict[str, dict[str, bytes]] = {}
         self.user_files: dict[Path, bytes] = {}
         self.settings_values = self._settings_values()
 
@@ -321,9 +322,9 @@ class World:
         """One request's step: maybe killed or preempted here; then what the engine does with it."""
         self.scheduler.step("engine.request")
         actor = self.scheduler.current_actor()
-        if actor is not None and actor.try_label not in self.first_engine_step:
-            # What the try knew of staging: its last read of it before the engine began.
-            self.first_engine_step[actor.try_label] = self.s3.staging_reads.get(actor.try_label, 0)
+        if actor is not None and actor.try_label not in self.seen_at_engine_start:
+            # What the try knew of staging: what its reads of it returned before the engine began.
+            self.seen_at_engine_start[actor.try_label] = dict(self.s3.staging_seen.get(actor.try_label, {}))
         self.scheduler.sleep(0.5 + self.rng.random() * 4)
         fate = "ok"
         for kind, chance in self.plan.engine_faults.items():
@@ -343,19 +344,24 @@ class World:
         actor = self.scheduler.current_actor()
         label = actor.try_label if actor is not None else "-"
         short = work.name.split("-try-")[0]
-        began = self.first_engine_step.get(label, self.s3.calls)
-        self.sent.append((label, short, custom_id, self.durable_before(short, custom_id, began)))
+        seen = self.seen_at_engine_start.get(label, self.s3.staging_seen.get(label, {}))
+        durable = self.durable_before(short, custom_id, seen)
+        self.sent.append((label, short, custom_id, durable))
+        self.s3.trace.append(f"{self.s3.calls:5d} {label:<14} engine answered {custom_id}{' (durable in what it read)' if durable else ''}")
 
-    def durable_before(self, short: str, custom_id: str, step: int) -> bool:
-        """Whether staging held a final answer to ``custom_id`` written before ``step`` and still there."""
+    def durable_before(self, short: str, custom_id: str, seen: dict[str, bytes]) -> bool:
+        """Whether a staging object the try read (``seen``: key -> body as read) holds a final answer to ``custom_id`` and is still there.
+
+        Only what the try's reads returned counts: a part a paused zombie wrote after the try
+        listed the parts is in no listing the try made, and no try can skip what it cannot see.
+        """
         from tests.simulation.invariants import final_answers, staging_prefix
 
         prefix = staging_prefix(self.output_uri, short)
-        for key, obj in self.s3.buckets[BUCKET].items():
-            if key.startswith(prefix) and custom_id in final_answers(obj.body):
-                written = max((m.step for m in self.s3.mutations if m.key == key), default=0)
-                if written < step:
-                    return True
+        for key, body in seen.items():
+            obj = self.s3.buckets[BUCKET].get(key)
+            if key.startswith(prefix) and obj is not None and obj.body == body and custom_id in final_answers(body):
+                return True
         return False
 
     def read_engine_input(self, location: str) -> list[dict]:

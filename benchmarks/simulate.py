@@ -12,6 +12,7 @@ Usage::
 
     .venv/bin/python benchmarks/simulate.py [--schedules 20000] [--start 0] [--jobs 2]
     .venv/bin/python benchmarks/simulate.py --seed 1234        # replay one schedule, with its plan and violations
+    .venv/bin/python benchmarks/simulate.py --seed 1234 --trace   # ... and every S3 change and log line in order
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def main() -> int:
     parser.add_argument("--start", type=int, default=0, help="the first seed")
     parser.add_argument("--jobs", type=int, default=1, help="processes (each runs a share of the seeds)")
     parser.add_argument("--seed", type=int, default=None, help="replay this one seed and print its details")
+    parser.add_argument("--trace", action="store_true", help="with --seed: print every S3 change and log line in order")
     parser.add_argument("--first", type=int, default=5, help="failing seeds to list per check")
     args = parser.parse_args()
     if args.seed is not None:
@@ -48,6 +50,11 @@ def main() -> int:
 
         print(f"seed {args.seed}: {make_plan(args.seed).describe()}")
         report = _run([args.seed])
+        if args.trace:
+            from tests.simulation.world import run_schedule, trace
+
+            with tempfile.TemporaryDirectory(prefix="vllm-batch-sim-") as workdir:
+                print("\n".join(trace(run_schedule(args.seed, Path(workdir) / "schedule"))))
         print(report.format(first=args.first))
         return 1 if report.failing_seeds else 0
     seeds = list(range(args.start, args.start + args.schedules))

@@ -142,6 +142,8 @@ class LogLine:
     try_label: str | None
     message: str
     lease_holder: str | None
+    #: The S3 calls made before this line: orders it among ``FakeS3.mutations`` (their ``step``).
+    step: int = 0
 
 
 class _Capture(logging.Handler):
@@ -155,7 +157,7 @@ class _Capture(logging.Handler):
             message = record.getMessage()
         except Exception:  # noqa: BLE001 - a bad format string is not the simulator's failure
             message = str(record.msg)
-        self.world.logs.append(LogLine(actor.try_label if actor else None, message, self.world.s3.lease_holder()))
+        self.world.logs.append(LogLine(actor.try_label if actor else None, message, self.world.s3.lease_holder(), self.world.s3.calls))
 
 
 class World:
@@ -365,6 +367,28 @@ class World:
         else:
             data = Path(location).read_bytes()
         return [json.loads(line) for line in data.splitlines() if line.strip()]
+
+
+def trace(world: World) -> list[str]:
+    """The schedule as it happened, for a human: each S3 change and each log line, in order.
+
+    A change shows its S3 call number, the try and actor, the operation, whether it was
+    conditional, the lease holder then, and for a results file or staged part the
+    custom_ids it answers finally (an engine-dead 5xx is not final).
+    """
+    from tests.simulation.invariants import final_answers
+
+    events: list[tuple[int, int, str]] = []
+    for i, m in enumerate(world.s3.mutations):
+        answers = ""
+        if m.body is not None and (m.key.endswith(".jsonl") or "/.staging/" in m.key or ".staging/" in m.key):
+            answers = f" final={sorted(final_answers(m.body))}"
+        cond = " if" if m.conditional else ""
+        events.append((m.step, i, f"S3 #{m.step:<5} {m.try_label or '-':<12} {m.op}{cond} {m.key} [lease {m.lease_holder}]{answers}"))
+    for i, line in enumerate(world.logs):
+        events.append((line.step, i, f"log#{line.step:<5} {line.try_label or '-':<12} {line.message[:300]}"))
+    # A log line at call count n came after mutation n (whose step is n): mutations first at a tie.
+    return [text for _, _, text in sorted(events, key=lambda e: (e[0], e[2].startswith("log"), e[1]))]
 
 
 def engine_argv(argv: list[str], env: dict[str, str] | None) -> list[str]:

@@ -7,6 +7,8 @@ instance and turns its outcome into XCom, a link and asset events. The steps:
 2. the engine is asked what it serves; the run identity is the fingerprint of what shapes
    the results; a complete output under the same identity is returned as it is;
 3. the output's lease is taken (one writer per output) and checked again before every write;
+   with it taken, a complete output is looked for again (a zombie predecessor may have
+   published it since the first look);
 4. preflight checks every line before any engine starts; with ``answer_cache_uri``, the
    requests the answer cache holds are answered from it (:mod:`.answer_cache`), and only
    the others go on (no engine starts when none is left);
@@ -123,6 +125,18 @@ class BatchRun:
             return BatchOutcome(manifest, resumed=True)
         self.store.check_writable()
         with self.store.lease(self.lease_holder(identity)) as lease:
+            # Durability: the check above ran before the lease was ours. A try that held it then (a
+            # zombie whose successor this is) may have published since, and removed the staging:
+            # running now would redo its answers and overwrite its output with this try's.
+            try:
+                manifest = self.published(identity, again=True)
+            except BotoCoreError as err:
+                raise StorageUnavailableError(
+                    f"Cannot reach S3 with connection {self.settings.aws_conn_id!r} ({err}). Nothing was run; check "
+                    "that S3 is reachable from this worker. The task is retried."
+                ) from err
+            if manifest is not None:
+                return BatchOutcome(manifest, resumed=True)
             return self.run_batch(info, identity, lease, started)
 
     def identity(self, info: EngineInfo) -> RunIdentity:
@@ -149,13 +163,18 @@ class BatchRun:
             }
         )
 
-    def published(self, identity: RunIdentity) -> Manifest | None:
-        """The manifest of a complete output made under this identity, if there is one."""
+    def published(self, identity: RunIdentity, again: bool = False) -> Manifest | None:
+        """The manifest of a complete output made under this identity, if there is one.
+
+        :param again: whether this is the check once the lease is taken (it says nothing when
+            there still is no complete output: the first check said so).
+        """
         if not self.settings.resume:
             return None
         manifest, why = self.store.completed(identity)
         if manifest is None:
-            self.log.info("Running: %s (run %s).", why, identity.short)
+            if not again:
+                self.log.info("Running: %s (run %s).", why, identity.short)
             return None
         self.log.info(
             "Not running the engine again: %s (run %s, %s). Set resume=False to force a new run.",

@@ -142,6 +142,8 @@ class LogLine:
     try_label: str | None
     message: str
     lease_holder: str | None
+    #: The S3 calls made before this line: orders it among ``FakeS3.mutations`` (their ``step``).
+    step: int = 0
 
 
 class _Capture(logging.Handler):
@@ -155,7 +157,7 @@ class _Capture(logging.Handler):
             message = record.getMessage()
         except Exception:  # noqa: BLE001 - a bad format string is not the simulator's failure
             message = str(record.msg)
-        self.world.logs.append(LogLine(actor.try_label if actor else None, message, self.world.s3.lease_holder()))
+        self.world.logs.append(LogLine(actor.try_label if actor else None, message, self.world.s3.lease_holder(), self.world.s3.calls))
         self.world.s3.note(f"{(actor.try_label or actor.name) if actor else '-':<14} log {record.levelname}: {message[:300]}")
 
 

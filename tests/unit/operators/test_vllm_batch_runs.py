@@ -462,6 +462,24 @@ def test_a_try_that_lost_its_lease_before_publishing_leaves_the_published_output
     assert _output(batch) == before
 
 
+def test_a_try_whose_predecessor_published_while_it_took_the_lease_returns_that_output_untouched(batch, monkeypatch):
+    from airflow_vllm_batch.storage import OutputStore
+
+    real_check_writable = OutputStore.check_writable
+    published = []
+
+    def predecessor_publishes_first(self):
+        # After this try found no complete output, its predecessor (a zombie to Airflow) publishes and lets go.
+        monkeypatch.setattr(OutputStore, "check_writable", real_check_writable)
+        published.append((batch.run(FakeTI(try_number=1)), _output(batch)))
+        return real_check_writable(self)
+
+    monkeypatch.setattr(OutputStore, "check_writable", predecessor_publishes_first)
+    manifest = batch.run(FakeTI(try_number=2))
+    assert (manifest, _output(batch)) == published[0]
+    assert batch.engine_runs == 1
+
+
 def test_access_denied_while_writing_requests_fails_without_retry_naming_the_location(batch, monkeypatch):
     from airflow.providers.amazon.aws.hooks.s3 import S3Hook
 

@@ -9,6 +9,7 @@ a request without one is answered 401, and asks the auth manager what the user m
 
 from __future__ import annotations
 
+import logging
 import time
 from functools import lru_cache
 from typing import Any
@@ -36,12 +37,17 @@ from airflow_vllm_batch.openai_api.files import (
     new_file_id,
     result_file_ids,
 )
+from airflow_vllm_batch.openai_api.progress import staged_progress
 from airflow_vllm_batch.openai_api.settings import OpenAIApiSettings, load_settings
-from airflow_vllm_batch.openai_api.status import BatchRun, batch_object, window_seconds
+from airflow_vllm_batch.openai_api.status import BatchRun, batch_object, batch_status, window_seconds
+
+log = logging.getLogger(__name__)
 
 #: The endpoints a batch may name (the engines' batch URLs).
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 MAX_METADATA_PAIRS = 16
+#: ``GET /batches/{id}`` of a running batch reads at most this much of its checkpoint parts.
+LIVE_COUNT_BYTES = 64 * 1024 * 1024
 
 
 class OpenAIError(HTTPException):
@@ -309,7 +315,7 @@ def retrieve_batch(batch_id: str, user: GetUserDep) -> dict[str, Any]:
     """One of the caller's batches."""
     settings = _settings()
     run, tis = _own_run(settings, batch_id, user)
-    return _batch_from_run(_store(settings), run, tis)
+    return _batch_from_run(_store(settings), run, tis, live=True)
 
 
 @app.post("/batches/{batch_id}/cancel")
@@ -392,8 +398,12 @@ def _runs(dag_id: str, user_id: str, user_name: str, after: str | None, limit: i
     return found
 
 
-def _batch_from_run(store: FileStore, run: Any, tis: list[Any]) -> dict[str, Any]:
-    """The Batch object of a DAG run, with what its task left in S3."""
+def _batch_from_run(store: FileStore, run: Any, tis: list[Any], live: bool = False) -> dict[str, Any]:
+    """The Batch object of a DAG run, with what its task left in S3.
+
+    :param live: count what a running batch answered so far from its checkpoints (one batch's
+        retrieve; a list does not, to stay cheap).
+    """
     from airflow_vllm_batch.storage import manifest_uri
 
     conf = run.conf
@@ -418,7 +428,24 @@ def _batch_from_run(store: FileStore, run: Any, tis: list[Any]) -> dict[str, Any
         failure=failure,
         cancelling_at=(cancel or {}).get("cancelling_at"),
     )
-    return batch_object(run.run_id, view, time.time())
+    now = time.time()
+    if live and batch_status(view, now) == "in_progress":
+        view.progress = _live_progress(store, conf["output_uri"])
+    return batch_object(run.run_id, view, now)
+
+
+def _live_progress(store: FileStore, output_uri: str) -> dict[str, int] | None:
+    """What a running batch answered so far, from the server engine's checkpoints; None when unknown.
+
+    Never fails the status call: a batch whose parts cannot be read reports 0 so far.
+    """
+    bucket, _, key = output_uri.removeprefix("s3://").partition("/")
+    try:
+        progress = staged_progress(store.client, bucket, key, LIVE_COUNT_BYTES)
+    except Exception as err:  # the status is worth more than the count
+        log.warning("Could not count the checkpointed answers under %s.staging/: %s", output_uri, err)
+        return None
+    return None if progress is None else {"completed": progress.completed, "failed": progress.failed}
 
 
 def _state_name(state: Any) -> str | None:

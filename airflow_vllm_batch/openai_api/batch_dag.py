@@ -9,12 +9,18 @@ in the DAGs folder calls it (the repo's ``dags/vllm_batch_openai.py``).
 from __future__ import annotations
 
 import json
+import tempfile
 from collections.abc import Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from airflow.sdk.exceptions import AirflowFailException, AirflowTaskTimeout
+
 from airflow_vllm_batch.exceptions import PreflightError, VLLMBatchError
+from airflow_vllm_batch.openai_api.progress import newest_run_parts, part_lines, split_expired
 from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
+from airflow_vllm_batch.storage import RunStaging, open_uri_lines, upload_file
 from airflow_vllm_batch.openai_api.settings import DEFAULT_BATCH_DAG_ID
 
 if TYPE_CHECKING:
@@ -48,6 +54,12 @@ def failure_record(err: VLLMBatchError) -> dict[str, Any]:
 class OpenAIBatchOperator(VLLMBatchOperator):
     """Run one batch of the OpenAI API; when it fails, leave why at ``failure_uri`` for ``GET /batches/{id}``.
 
+    When its ``execution_timeout`` (the batch's completion window) passes, the batch expires as
+    OpenAI's do: the engine is stopped, the answers its checkpoint parts hold are published to
+    the batch's output file (completed) and error file (failed, and every unanswered request as
+    ``batch_expired``), an expiry record with the counts goes to ``failure_uri``, and the task
+    fails without a retry.
+
     :param failure_uri: ``s3://`` URI of the failure record. (templated)
     """
 
@@ -60,12 +72,52 @@ class OpenAIBatchOperator(VLLMBatchOperator):
     def execute(self, context: Context) -> dict[str, Any]:
         try:
             return super().execute(context)
+        except AirflowTaskTimeout as timeout:
+            # The task runner calls on_kill only for a timeout it sees; it sees AirflowFailException instead.
+            self.on_kill()
+            counts = self.publish_expired()
+            raise AirflowFailException(
+                f"The batch's completion window ({self.execution_timeout}) passed: it expired. The answers "
+                f"finished so far are published ({counts['completed']} completed, {counts['failed']} failed or "
+                "unanswered, in the output and error files)"
+            ) from timeout
         except Exception as err:
             # A mistake arrives as AirflowFailException raised from the VLLMBatchError (no retries).
             cause = err if isinstance(err, VLLMBatchError) else err.__cause__
             if isinstance(cause, VLLMBatchError):
                 self.record_failure(cause)
             raise
+
+    def publish_expired(self) -> dict[str, int]:
+        """Publish the answers the newest run checkpointed, and the rest as ``batch_expired``; return the counts.
+
+        Exactly once: each custom_id is written once, its first answer or ``batch_expired``.
+        No run writes the output after this: the output file is the batch's own, and the task
+        fails without a retry. The run's staging is removed once the files are written.
+        """
+        hook = self.s3_hook
+        client = hook.get_conn()
+        bucket, _, output_key = self.output_uri.removeprefix("s3://").partition("/")
+        parts = [key for key, _ in newest_run_parts(client, bucket, output_key)]
+        with tempfile.TemporaryDirectory(prefix="vllm-batch-expired-") as scratch:
+            out_path, err_path = Path(scratch, "output.jsonl"), Path(scratch, "errors.jsonl")
+            with open(out_path, "wb") as output, open(err_path, "wb") as errors, open_uri_lines(hook, self.input_uri) as input_lines:
+                counts = split_expired(part_lines(client, bucket, parts), input_lines, output, errors)
+            record: dict[str, Any] = {"stage": "expired", "request_counts": counts, "output": False, "error": False}
+            for path, uri, name in ((out_path, self.output_uri, "output"), (err_path, self.resolved_error_uri, "error")):
+                if path.stat().st_size:
+                    target_bucket, _, key = uri.removeprefix("s3://").partition("/")
+                    upload_file(client, path, target_bucket, key)
+                    record[name] = True
+        failure_bucket, _, failure_key = self.failure_uri.removeprefix("s3://").partition("/")
+        hook.load_bytes(json.dumps(record).encode(), key=failure_key, bucket_name=failure_bucket, replace=True)
+        for prefix in {key.rsplit("/parts/", 1)[0] + "/" for key in parts}:
+            try:
+                RunStaging(hook, bucket, prefix).remove()
+            except Exception as err:  # published already: a leftover staging only costs storage
+                self.log.warning("Could not remove the expired batch's staging %s: %s", prefix, err)
+        self.log.info("The batch expired: published %s", counts)
+        return counts
 
     def record_failure(self, err: VLLMBatchError) -> None:
         """Write the failure record; a failure to write it is logged, not raised over the task's own error."""

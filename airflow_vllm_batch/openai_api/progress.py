@@ -13,17 +13,21 @@ publish when the completion window passes (:mod:`.batch_dag`).
 from __future__ import annotations
 
 import re
+import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, Any
 
 import msgspec
 
-from airflow_vllm_batch.batchfile.models import ResultLine
+from airflow_vllm_batch.batchfile.models import CustomIdOnly, ResultLine, error_object
 
 #: ``<run>/parts/part-000123[-<try token>].jsonl`` under the staging prefix (the storage layer's part names).
 _PART = re.compile(r"^([^/]+)/parts/part-(\d{6,})(?:-([0-9a-z]+))?\.jsonl$")
 _decode = msgspec.json.Decoder(ResultLine).decode
+_decode_request = msgspec.json.Decoder(CustomIdOnly).decode
+#: OpenAI's error of a request its batch's completion window left unanswered.
+EXPIRED_ERROR = {"code": "batch_expired", "message": "This request could not be executed before the completion window expired."}
 
 
 def staging_prefix(output_key: str) -> str:
@@ -132,3 +136,49 @@ def staged_progress(client: Any, bucket: str, output_key: str, max_bytes: int) -
     progress.partial = len(chosen) < len(parts)
     progress.outcomes = {}
     return progress
+
+
+def split_expired(part_lines: Iterable[bytes], input_lines: Iterable[bytes], output: IO[bytes], errors: IO[bytes]) -> dict[str, int]:
+    """Write what an expired batch answered, as OpenAI publishes it; return its ``request_counts``.
+
+    Each custom_id's first answer counts (a retry skips what the parts answered): a completed
+    one goes to ``output`` as it was, a failed one to ``errors`` with its ``error`` in the error
+    file's shape; every input request left unanswered goes to ``errors`` as ``batch_expired``.
+
+    :param part_lines: the lines of the run's checkpoint parts, in part order.
+    :param input_lines: the lines of the batch's input file.
+    :param output: where the completed answers go.
+    :param errors: where the failed and unanswered requests go.
+    """
+    seen: set[str] = set()
+    completed = failed = 0
+    for raw in part_lines:
+        found = answered(raw)
+        if found is None or found[0] in seen:
+            continue
+        seen.add(found[0])
+        if found[1]:
+            completed += 1
+            output.write(raw.rstrip(b"\r\n") + b"\n")
+        else:
+            failed += 1
+            line = msgspec.json.decode(raw)
+            response = line.get("response")
+            status = response.get("status_code") if isinstance(response, dict) else None
+            line["error"] = error_object(line.get("error"), status, None)
+            errors.write(msgspec.json.encode(line) + b"\n")
+    expired = 0
+    for raw in input_lines:
+        if not raw.strip():
+            continue
+        try:
+            custom_id = _decode_request(raw).custom_id
+        except (msgspec.DecodeError, UnicodeDecodeError):
+            continue
+        if not isinstance(custom_id, str) or custom_id in seen:
+            continue
+        seen.add(custom_id)
+        expired += 1
+        line = {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id, "response": None, "error": EXPIRED_ERROR}
+        errors.write(msgspec.json.encode(line) + b"\n")
+    return {"total": completed + failed + expired, "completed": completed, "failed": failed + expired}

@@ -38,6 +38,7 @@ from airflow_vllm_batch.openai_api.files import (
     result_file_ids,
 )
 from airflow_vllm_batch.openai_api.progress import staged_progress
+from airflow_vllm_batch.openai_api.routes import TASK_ID, load_routes, models_in, route_of
 from airflow_vllm_batch.openai_api.settings import OpenAIApiSettings, load_settings
 from airflow_vllm_batch.openai_api.status import BatchRun, batch_object, batch_status, window_seconds
 
@@ -256,6 +257,7 @@ def create_batch(body: BatchCreate, user: GetUserDep) -> dict[str, Any]:
     record = store.get_json(store.record_key(owner, body.input_file_id)) if body.input_file_id.startswith("file-") else None
     if record is None:
         raise OpenAIError(400, f"input_file_id {body.input_file_id!r} names none of your uploaded files: upload it with purpose='batch'", "input_file_id")
+    route = _route(store, owner, body.input_file_id)
     batch_id = new_batch_id()
     output_file_id, error_file_id = result_file_ids(batch_id)
     conf = {
@@ -272,9 +274,33 @@ def create_batch(body: BatchCreate, user: GetUserDep) -> dict[str, Any]:
         "output_uri": store.uri(store.content_key(owner, output_file_id)),
         "error_uri": store.uri(store.content_key(owner, error_file_id)),
         "failure_uri": store.uri(store.failure_key(batch_id)),
+        **route,
     }
     _trigger(dag_id, batch_id, conf, user.get_name())
     return batch_object(batch_id, BatchRun(conf=conf, run_state="queued"), time.time())
+
+
+def _route(store: FileStore, owner: str, file_id: str) -> dict[str, str]:
+    """The model and batch task of a file's batch, when ``openai_models`` is configured: its lines must name one of them.
+
+    Reads the file's lines for their ``body.model`` (streamed; it stops at the tenth model).
+    """
+    try:
+        routes = load_routes()
+    except ConfigurationError as err:
+        raise OpenAIError(503, str(err)) from None
+    if not routes:
+        return {}
+    body = store.client.get_object(Bucket=store.bucket, Key=store.content_key(owner, file_id))["Body"]
+    try:
+        models = models_in(body.iter_lines())
+    finally:
+        body.close()
+    try:
+        chosen = route_of(models, routes)
+    except ValueError as err:
+        raise OpenAIError(400, str(err), "model") from None
+    return {"model": chosen.model, "route": chosen.task_id}
 
 
 def _trigger(dag_id: str, batch_id: str, conf: dict[str, Any], user_name: str) -> None:
@@ -408,6 +434,8 @@ def _batch_from_run(store: FileStore, run: Any, tis: list[Any], live: bool = Fal
 
     conf = run.conf
     state = _state_name(run.state)
+    # The batch task (with openai_models, the route's): the route task and the routes not taken do not count.
+    tis = [ti for ti in tis if ti.task_id.startswith(TASK_ID) and _state_name(ti.state) != "skipped"]
     task_states = [_state_name(ti.state) for ti in tis]
     starts = [ti.start_date for ti in tis if ti.start_date is not None]
     ends = [ti.end_date for ti in tis if ti.end_date is not None]

@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.sdk.exceptions import AirflowFailException, AirflowTaskTimeout
 
-from airflow_vllm_batch.exceptions import PreflightError, VLLMBatchError
+from airflow_vllm_batch.exceptions import ConfigurationError, PreflightError, VLLMBatchError
 from airflow_vllm_batch.openai_api.progress import newest_run_parts, part_lines, split_expired
+from airflow_vllm_batch.openai_api.routes import TASK_ID, ModelRoute, load_routes
 from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
 from airflow_vllm_batch.storage import RunStaging, open_uri_lines, upload_file
 from airflow_vllm_batch.openai_api.settings import DEFAULT_BATCH_DAG_ID
@@ -26,7 +27,7 @@ from airflow_vllm_batch.openai_api.settings import DEFAULT_BATCH_DAG_ID
 if TYPE_CHECKING:
     from airflow.sdk import DAG, Context
 
-TASK_ID = "vllm_batch"
+__all__ = ["TASK_ID", "OpenAIBatchOperator", "failure_record", "openai_batch_dag"]
 
 
 def failure_record(err: VLLMBatchError) -> dict[str, Any]:
@@ -130,21 +131,32 @@ class OpenAIBatchOperator(VLLMBatchOperator):
 
 def openai_batch_dag(
     *,
-    model: str,
+    model: str | None = None,
     dag_id: str = DEFAULT_BATCH_DAG_ID,
     completion_window: timedelta = timedelta(hours=24),
+    routes: dict[str, ModelRoute] | None = None,
     **operator_kwargs: Any,
 ) -> DAG:
     """Build the DAG that runs the OpenAI API's batches; call it from a DAG file.
 
-    :param model: the model the batches' lines name (``body.model``), as ``VLLMBatchOperator``'s ``model``.
+    With ``[vllm_batch] openai_models`` configured (or ``routes`` given), the DAG has one batch
+    task per served model (its warm fleet's ``vllm_conn_id``, or the runner on its ``queue``)
+    and a ``route`` task that picks the one ``POST /batches`` chose; else one task, ``vllm_batch``,
+    serving ``model``.
+
+    :param model: the model every line's ``body.model`` names, when no routes are configured.
     :param dag_id: the DAG id: ``[vllm_batch] openai_batch_dag_id`` must name it. Default ``vllm_batch_openai``.
-    :param completion_window: the task's ``execution_timeout``: a batch still running then fails
-        and is reported ``expired``. Default 24 hours (OpenAI's only window).
-    :param operator_kwargs: more ``VLLMBatchOperator`` arguments (``engine_args``, ``vllm_conn_id``, ...).
+    :param completion_window: the task's ``execution_timeout``: a batch still running then expires,
+        publishing the answers finished so far. Default 24 hours (OpenAI's only window).
+    :param routes: the served models (default: ``[vllm_batch] openai_models``, read when the DAG file is parsed).
+    :param operator_kwargs: more ``VLLMBatchOperator`` arguments (``engine_args``, ``vllm_conn_id``, ...);
+        a route's ``vllm_conn_id``, ``queue`` and ``engine_args`` replace them for its task.
     """
     from airflow.sdk import DAG
 
+    routes = load_routes() if routes is None else routes
+    if not routes and not model:
+        raise ConfigurationError("openai_batch_dag needs model= or [vllm_batch] openai_models (the served models)")
     with DAG(
         dag_id=dag_id,
         schedule=None,
@@ -154,14 +166,33 @@ def openai_batch_dag(
         tags=["vllm-batch", "openai-api"],
         doc_md="Runs the batches of the OpenAI Batches API (`POST /vllm-batch/openai/v1/batches`): one run per batch.",
     ) as dag:
-        OpenAIBatchOperator(
-            task_id=TASK_ID,
-            input_uri="{{ dag_run.conf['input_uri'] }}",
-            output_uri="{{ dag_run.conf['output_uri'] }}",
-            error_uri="{{ dag_run.conf['error_uri'] }}",
-            failure_uri="{{ dag_run.conf['failure_uri'] }}",
-            model=model,
-            execution_timeout=completion_window,
-            **operator_kwargs,
-        )
+        uris = {
+            "input_uri": "{{ dag_run.conf['input_uri'] }}",
+            "output_uri": "{{ dag_run.conf['output_uri'] }}",
+            "error_uri": "{{ dag_run.conf['error_uri'] }}",
+            "failure_uri": "{{ dag_run.conf['failure_uri'] }}",
+        }
+        if not routes:
+            OpenAIBatchOperator(task_id=TASK_ID, model=model, execution_timeout=completion_window, **uris, **operator_kwargs)
+            return dag
+        from airflow.providers.standard.operators.python import BranchPythonOperator
+
+        route = BranchPythonOperator(task_id="route", python_callable=_chosen_route)
+        for served in routes.values():
+            kwargs = {**operator_kwargs, "vllm_conn_id": served.vllm_conn_id}
+            if served.queue:
+                kwargs["queue"] = served.queue
+            if served.engine_args:
+                kwargs["engine_args"] = list(served.engine_args)
+            route >> OpenAIBatchOperator(
+                task_id=served.task_id, model=served.model, execution_timeout=completion_window, **uris, **kwargs
+            )
     return dag
+
+
+def _chosen_route(dag_run: Any, **_: Any) -> str:
+    """The batch task ``POST /batches`` chose (``conf["route"]``); a run without one fails here, before any engine."""
+    chosen = dag_run.conf.get("route")
+    if not chosen:
+        raise AirflowFailException("this batch's conf names no route: [vllm_batch] openai_models was set after it was created; create it again")
+    return chosen

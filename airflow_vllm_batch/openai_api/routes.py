@@ -64,7 +64,7 @@ def parse_routes(raw: str | None) -> dict[str, ModelRoute]:
     except ValueError as err:
         raise ConfigurationError(f"{where} is not JSON ({err}): give {{\"served-name\": {{\"vllm_conn_id\": \"...\"}}}}") from None
     if not isinstance(data, dict):
-        raise ConfigurationError(f"{where} must be a JSON object mapping served model names to {{vllm_conn_id|queue}}")
+        raise ConfigurationError(f"{where} must be a JSON object mapping served model names to an object with vllm_conn_id or queue")
     routes: dict[str, ModelRoute] = {}
     for model, entry in data.items():
         if not isinstance(entry, dict) or not set(entry) <= _KEYS:

@@ -116,6 +116,8 @@ def models_in(lines: Iterable[bytes], limit: int = 10) -> list[str | None]:
 def route_of(models: list[str | None], routes: Mapping[str, ModelRoute]) -> ModelRoute:
     """The route of a file whose lines name ``models``; a ``ValueError`` says why there is none.
 
+    Lines naming no model are left to preflight, which names them by line number.
+
     :param models: the file's distinct models (:func:`models_in`).
     :param routes: the configured routes.
     """
@@ -123,8 +125,8 @@ def route_of(models: list[str | None], routes: Mapping[str, ModelRoute]) -> Mode
     named = [m for m in models if m is not None]
     if not named:
         raise ValueError(f"the file's lines name no body.model: name one of the models served here ({configured})")
-    if len(set(models)) > 1:
-        shown = ", ".join(repr(m) for m in models)
+    if len(named) > 1:
+        shown = ", ".join(repr(m) for m in named)
         raise ValueError(f"the file's lines name several models ({shown}): a batch runs one model, split the file by model")
     if named[0] not in routes:
         raise ValueError(f"The model {named[0]!r} is not served here: the configured models are {configured}")

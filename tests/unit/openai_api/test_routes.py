@@ -122,3 +122,9 @@ def test_a_routed_batch_is_validating_until_its_model_task_runs_whatever_the_rou
     assert app_module._batch_from_run(store, run, [*routed, skipped])["status"] == "validating"
     routed[1].state = "success"
     assert app_module._batch_from_run(store, run, [*routed, skipped])["status"] == "finalizing"
+
+
+def test_lines_naming_no_model_are_left_to_preflight_when_others_name_a_configured_one():
+    assert route_of([None, "qwen"], parse_routes(ROUTES)).model == "qwen"
+    with pytest.raises(ValueError, match="name no body.model"):
+        route_of([None], parse_routes(ROUTES))

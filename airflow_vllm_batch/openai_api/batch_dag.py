@@ -76,7 +76,11 @@ class OpenAIBatchOperator(VLLMBatchOperator):
         except AirflowTaskTimeout as timeout:
             # The task runner calls on_kill only for a timeout it sees; it sees AirflowFailException instead.
             self.on_kill()
-            counts = self.publish_expired()
+            try:
+                counts = self.publish_expired()
+            except Exception as err:  # still expired, without files: a retry would run another window
+                self.log.warning("Could not publish the expired batch's answers: %s", err)
+                raise AirflowFailException(f"The batch's completion window ({self.execution_timeout}) passed: it expired") from timeout
             raise AirflowFailException(
                 f"The batch's completion window ({self.execution_timeout}) passed: it expired. The answers "
                 f"finished so far are published ({counts['completed']} completed, {counts['failed']} failed or "

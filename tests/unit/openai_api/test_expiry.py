@@ -118,3 +118,10 @@ def test_an_expired_batch_reports_its_published_files_and_counts():
     assert batch.status == "expired" and batch.expired_at == int(T.timestamp()) and batch.errors is None
     assert (batch.output_file_id, batch.error_file_id) == (CONF["output_file_id"], CONF["error_file_id"])
     assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (3, 1, 2)
+
+
+def test_an_expired_batch_whose_answers_cannot_be_published_still_fails_without_retry(expiring, monkeypatch):
+    operator, bucket = expiring
+    monkeypatch.setattr(OpenAIBatchOperator, "publish_expired", lambda self: (_ for _ in ()).throw(ConnectionError("S3 is down")))
+    with pytest.raises(AirflowFailException, match="expired"):
+        operator.execute({})

@@ -82,6 +82,16 @@ def get_provider_info() -> dict[str, Any]:
                         "example": "aws_default",
                         "default": "aws_default",
                     },
+                    "openai_models": {
+                        "description": "JSON mapping each model name the OpenAI API serves to its engine: a warm "
+                        "fleet's vllm connection ({\"vllm_conn_id\": ...}) or the runner on a queue ({\"queue\": "
+                        "\"gpu\", \"engine_args\": [...]}). Read by the API server (a batch naming another model is "
+                        "refused) and by the batch DAG file (one task per model). Empty: one model, the batch DAG's.",
+                        "version_added": "0.1.0",
+                        "type": "string",
+                        "example": '{"qwen-1.5b": {"vllm_conn_id": "vllm_qwen"}, "llama-70b": {"queue": "gpu"}}',
+                        "default": "",
+                    },
                 },
             }
         },

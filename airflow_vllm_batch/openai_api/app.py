@@ -9,6 +9,7 @@ a request without one is answered 401, and asks the auth manager what the user m
 
 from __future__ import annotations
 
+import logging
 import time
 from functools import lru_cache
 from typing import Any
@@ -36,12 +37,18 @@ from airflow_vllm_batch.openai_api.files import (
     new_file_id,
     result_file_ids,
 )
+from airflow_vllm_batch.openai_api.progress import staged_progress
+from airflow_vllm_batch.openai_api.routes import TASK_ID, load_routes, models_in, route_of
 from airflow_vllm_batch.openai_api.settings import OpenAIApiSettings, load_settings
-from airflow_vllm_batch.openai_api.status import BatchRun, batch_object, window_seconds
+from airflow_vllm_batch.openai_api.status import BatchRun, batch_object, batch_status, window_seconds
+
+log = logging.getLogger(__name__)
 
 #: The endpoints a batch may name (the engines' batch URLs).
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 MAX_METADATA_PAIRS = 16
+#: ``GET /batches/{id}`` of a running batch reads at most this much of its checkpoint parts.
+LIVE_COUNT_BYTES = 64 * 1024 * 1024
 
 
 class OpenAIError(HTTPException):
@@ -250,6 +257,7 @@ def create_batch(body: BatchCreate, user: GetUserDep) -> dict[str, Any]:
     record = store.get_json(store.record_key(owner, body.input_file_id)) if body.input_file_id.startswith("file-") else None
     if record is None:
         raise OpenAIError(400, f"input_file_id {body.input_file_id!r} names none of your uploaded files: upload it with purpose='batch'", "input_file_id")
+    route = _route(store, owner, body.input_file_id)
     batch_id = new_batch_id()
     output_file_id, error_file_id = result_file_ids(batch_id)
     conf = {
@@ -266,9 +274,33 @@ def create_batch(body: BatchCreate, user: GetUserDep) -> dict[str, Any]:
         "output_uri": store.uri(store.content_key(owner, output_file_id)),
         "error_uri": store.uri(store.content_key(owner, error_file_id)),
         "failure_uri": store.uri(store.failure_key(batch_id)),
+        **route,
     }
     _trigger(dag_id, batch_id, conf, user.get_name())
     return batch_object(batch_id, BatchRun(conf=conf, run_state="queued"), time.time())
+
+
+def _route(store: FileStore, owner: str, file_id: str) -> dict[str, str]:
+    """The model and batch task of a file's batch, when ``openai_models`` is configured: its lines must name one of them.
+
+    Reads the file's lines for their ``body.model`` (streamed; it stops at the tenth model).
+    """
+    try:
+        routes = load_routes()
+    except ConfigurationError as err:
+        raise OpenAIError(503, str(err)) from None
+    if not routes:
+        return {}
+    body = store.client.get_object(Bucket=store.bucket, Key=store.content_key(owner, file_id))["Body"]
+    try:
+        models = models_in(body.iter_lines())
+    finally:
+        body.close()
+    try:
+        chosen = route_of(models, routes)
+    except ValueError as err:
+        raise OpenAIError(400, str(err), "model") from None
+    return {"model": chosen.model, "route": chosen.task_id}
 
 
 def _trigger(dag_id: str, batch_id: str, conf: dict[str, Any], user_name: str) -> None:
@@ -309,7 +341,7 @@ def retrieve_batch(batch_id: str, user: GetUserDep) -> dict[str, Any]:
     """One of the caller's batches."""
     settings = _settings()
     run, tis = _own_run(settings, batch_id, user)
-    return _batch_from_run(_store(settings), run, tis)
+    return _batch_from_run(_store(settings), run, tis, live=True)
 
 
 @app.post("/batches/{batch_id}/cancel")
@@ -392,12 +424,18 @@ def _runs(dag_id: str, user_id: str, user_name: str, after: str | None, limit: i
     return found
 
 
-def _batch_from_run(store: FileStore, run: Any, tis: list[Any]) -> dict[str, Any]:
-    """The Batch object of a DAG run, with what its task left in S3."""
+def _batch_from_run(store: FileStore, run: Any, tis: list[Any], live: bool = False) -> dict[str, Any]:
+    """The Batch object of a DAG run, with what its task left in S3.
+
+    :param live: count what a running batch answered so far from its checkpoints (one batch's
+        retrieve; a list does not, to stay cheap).
+    """
     from airflow_vllm_batch.storage import manifest_uri
 
     conf = run.conf
     state = _state_name(run.state)
+    # The batch task (with openai_models, the route's): the route task and the routes not taken do not count.
+    tis = [ti for ti in tis if ti.task_id.startswith(TASK_ID) and _state_name(ti.state) != "skipped"]
     task_states = [_state_name(ti.state) for ti in tis]
     starts = [ti.start_date for ti in tis if ti.start_date is not None]
     ends = [ti.end_date for ti in tis if ti.end_date is not None]
@@ -418,7 +456,24 @@ def _batch_from_run(store: FileStore, run: Any, tis: list[Any]) -> dict[str, Any
         failure=failure,
         cancelling_at=(cancel or {}).get("cancelling_at"),
     )
-    return batch_object(run.run_id, view, time.time())
+    now = time.time()
+    if live and batch_status(view, now) == "in_progress":
+        view.progress = _live_progress(store, conf["output_uri"])
+    return batch_object(run.run_id, view, now)
+
+
+def _live_progress(store: FileStore, output_uri: str) -> dict[str, int] | None:
+    """What a running batch answered so far, from the server engine's checkpoints; None when unknown.
+
+    Never fails the status call: a batch whose parts cannot be read reports 0 so far.
+    """
+    bucket, _, key = output_uri.removeprefix("s3://").partition("/")
+    try:
+        progress = staged_progress(store.client, bucket, key, LIVE_COUNT_BYTES)
+    except Exception as err:  # the status is worth more than the count
+        log.warning("Could not count the checkpointed answers under %s.staging/: %s", output_uri, err)
+        return None
+    return None if progress is None else {"completed": progress.completed, "failed": progress.failed}
 
 
 def _state_name(state: Any) -> str | None:

@@ -9,18 +9,25 @@ in the DAGs folder calls it (the repo's ``dags/vllm_batch_openai.py``).
 from __future__ import annotations
 
 import json
+import tempfile
 from collections.abc import Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from airflow_vllm_batch.exceptions import PreflightError, VLLMBatchError
+from airflow.sdk.exceptions import AirflowFailException, AirflowTaskTimeout
+
+from airflow_vllm_batch.exceptions import ConfigurationError, PreflightError, VLLMBatchError
+from airflow_vllm_batch.openai_api.progress import newest_run_parts, part_lines, split_expired
+from airflow_vllm_batch.openai_api.routes import TASK_ID, ModelRoute, load_routes
 from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
+from airflow_vllm_batch.storage import RunStaging, open_uri_lines, upload_file
 from airflow_vllm_batch.openai_api.settings import DEFAULT_BATCH_DAG_ID
 
 if TYPE_CHECKING:
     from airflow.sdk import DAG, Context
 
-TASK_ID = "vllm_batch"
+__all__ = ["TASK_ID", "OpenAIBatchOperator", "failure_record", "openai_batch_dag"]
 
 
 def failure_record(err: VLLMBatchError) -> dict[str, Any]:
@@ -48,6 +55,12 @@ def failure_record(err: VLLMBatchError) -> dict[str, Any]:
 class OpenAIBatchOperator(VLLMBatchOperator):
     """Run one batch of the OpenAI API; when it fails, leave why at ``failure_uri`` for ``GET /batches/{id}``.
 
+    When its ``execution_timeout`` (the batch's completion window) passes, the batch expires as
+    OpenAI's do: the engine is stopped, the answers its checkpoint parts hold are published to
+    the batch's output file (completed) and error file (failed, and every unanswered request as
+    ``batch_expired``), an expiry record with the counts goes to ``failure_uri``, and the task
+    fails without a retry.
+
     :param failure_uri: ``s3://`` URI of the failure record. (templated)
     """
 
@@ -60,12 +73,56 @@ class OpenAIBatchOperator(VLLMBatchOperator):
     def execute(self, context: Context) -> dict[str, Any]:
         try:
             return super().execute(context)
+        except AirflowTaskTimeout as timeout:
+            # The task runner calls on_kill only for a timeout it sees; it sees AirflowFailException instead.
+            self.on_kill()
+            try:
+                counts = self.publish_expired()
+            except Exception as err:  # still expired, without files: a retry would run another window
+                self.log.warning("Could not publish the expired batch's answers: %s", err)
+                raise AirflowFailException(f"The batch's completion window ({self.execution_timeout}) passed: it expired") from timeout
+            raise AirflowFailException(
+                f"The batch's completion window ({self.execution_timeout}) passed: it expired. The answers "
+                f"finished so far are published ({counts['completed']} completed, {counts['failed']} failed or "
+                "unanswered, in the output and error files)"
+            ) from timeout
         except Exception as err:
             # A mistake arrives as AirflowFailException raised from the VLLMBatchError (no retries).
             cause = err if isinstance(err, VLLMBatchError) else err.__cause__
             if isinstance(cause, VLLMBatchError):
                 self.record_failure(cause)
             raise
+
+    def publish_expired(self) -> dict[str, int]:
+        """Publish the answers the newest run checkpointed, and the rest as ``batch_expired``; return the counts.
+
+        Exactly once: each custom_id is written once, its first answer or ``batch_expired``.
+        No run writes the output after this: the output file is the batch's own, and the task
+        fails without a retry. The run's staging is removed once the files are written.
+        """
+        hook = self.s3_hook
+        client = hook.get_conn()
+        bucket, _, output_key = self.output_uri.removeprefix("s3://").partition("/")
+        parts = [key for key, _ in newest_run_parts(client, bucket, output_key)]
+        with tempfile.TemporaryDirectory(prefix="vllm-batch-expired-") as scratch:
+            out_path, err_path = Path(scratch, "output.jsonl"), Path(scratch, "errors.jsonl")
+            with open(out_path, "wb") as output, open(err_path, "wb") as errors, open_uri_lines(hook, self.input_uri) as input_lines:
+                counts = split_expired(part_lines(client, bucket, parts), input_lines, output, errors)
+            record: dict[str, Any] = {"stage": "expired", "request_counts": counts, "output": False, "error": False}
+            for path, uri, name in ((out_path, self.output_uri, "output"), (err_path, self.resolved_error_uri, "error")):
+                if path.stat().st_size:
+                    target_bucket, _, key = uri.removeprefix("s3://").partition("/")
+                    upload_file(client, path, target_bucket, key)
+                    record[name] = True
+        failure_bucket, _, failure_key = self.failure_uri.removeprefix("s3://").partition("/")
+        hook.load_bytes(json.dumps(record).encode(), key=failure_key, bucket_name=failure_bucket, replace=True)
+        for prefix in {key.rsplit("/parts/", 1)[0] + "/" for key in parts}:
+            try:
+                RunStaging(hook, bucket, prefix).remove()
+            except Exception as err:  # published already: a leftover staging only costs storage
+                self.log.warning("Could not remove the expired batch's staging %s: %s", prefix, err)
+        self.log.info("The batch expired: published %s", counts)
+        return counts
 
     def record_failure(self, err: VLLMBatchError) -> None:
         """Write the failure record; a failure to write it is logged, not raised over the task's own error."""
@@ -78,21 +135,32 @@ class OpenAIBatchOperator(VLLMBatchOperator):
 
 def openai_batch_dag(
     *,
-    model: str,
+    model: str | None = None,
     dag_id: str = DEFAULT_BATCH_DAG_ID,
     completion_window: timedelta = timedelta(hours=24),
+    routes: dict[str, ModelRoute] | None = None,
     **operator_kwargs: Any,
 ) -> DAG:
     """Build the DAG that runs the OpenAI API's batches; call it from a DAG file.
 
-    :param model: the model the batches' lines name (``body.model``), as ``VLLMBatchOperator``'s ``model``.
+    With ``[vllm_batch] openai_models`` configured (or ``routes`` given), the DAG has one batch
+    task per served model (its warm fleet's ``vllm_conn_id``, or the runner on its ``queue``)
+    and a ``route`` task that picks the one ``POST /batches`` chose; else one task, ``vllm_batch``,
+    serving ``model``.
+
+    :param model: the model every line's ``body.model`` names, when no routes are configured.
     :param dag_id: the DAG id: ``[vllm_batch] openai_batch_dag_id`` must name it. Default ``vllm_batch_openai``.
-    :param completion_window: the task's ``execution_timeout``: a batch still running then fails
-        and is reported ``expired``. Default 24 hours (OpenAI's only window).
-    :param operator_kwargs: more ``VLLMBatchOperator`` arguments (``engine_args``, ``vllm_conn_id``, ...).
+    :param completion_window: the task's ``execution_timeout``: a batch still running then expires,
+        publishing the answers finished so far. Default 24 hours (OpenAI's only window).
+    :param routes: the served models (default: ``[vllm_batch] openai_models``, read when the DAG file is parsed).
+    :param operator_kwargs: more ``VLLMBatchOperator`` arguments (``engine_args``, ``vllm_conn_id``, ...);
+        a route's ``vllm_conn_id``, ``queue`` and ``engine_args`` replace them for its task.
     """
     from airflow.sdk import DAG
 
+    routes = load_routes() if routes is None else routes
+    if not routes and not model:
+        raise ConfigurationError("openai_batch_dag needs model= or [vllm_batch] openai_models (the served models)")
     with DAG(
         dag_id=dag_id,
         schedule=None,
@@ -102,14 +170,33 @@ def openai_batch_dag(
         tags=["vllm-batch", "openai-api"],
         doc_md="Runs the batches of the OpenAI Batches API (`POST /vllm-batch/openai/v1/batches`): one run per batch.",
     ) as dag:
-        OpenAIBatchOperator(
-            task_id=TASK_ID,
-            input_uri="{{ dag_run.conf['input_uri'] }}",
-            output_uri="{{ dag_run.conf['output_uri'] }}",
-            error_uri="{{ dag_run.conf['error_uri'] }}",
-            failure_uri="{{ dag_run.conf['failure_uri'] }}",
-            model=model,
-            execution_timeout=completion_window,
-            **operator_kwargs,
-        )
+        uris = {
+            "input_uri": "{{ dag_run.conf['input_uri'] }}",
+            "output_uri": "{{ dag_run.conf['output_uri'] }}",
+            "error_uri": "{{ dag_run.conf['error_uri'] }}",
+            "failure_uri": "{{ dag_run.conf['failure_uri'] }}",
+        }
+        if not routes:
+            OpenAIBatchOperator(task_id=TASK_ID, model=model, execution_timeout=completion_window, **uris, **operator_kwargs)
+            return dag
+        from airflow.providers.standard.operators.python import BranchPythonOperator
+
+        route = BranchPythonOperator(task_id="route", python_callable=_chosen_route)
+        for served in routes.values():
+            kwargs = {**operator_kwargs, "vllm_conn_id": served.vllm_conn_id}
+            if served.queue:
+                kwargs["queue"] = served.queue
+            if served.engine_args:
+                kwargs["engine_args"] = list(served.engine_args)
+            route >> OpenAIBatchOperator(
+                task_id=served.task_id, model=served.model, execution_timeout=completion_window, **uris, **kwargs
+            )
     return dag
+
+
+def _chosen_route(dag_run: Any, **_: Any) -> str:
+    """The batch task ``POST /batches`` chose (``conf["route"]``); a run without one fails here, before any engine."""
+    chosen = dag_run.conf.get("route")
+    if not chosen:
+        raise AirflowFailException("this batch's conf names no route: [vllm_batch] openai_models was set after it was created; create it again")
+    return chosen

@@ -12,7 +12,7 @@ task running (preflight, then the engine)      ``in_progress``
 task succeeded, run not yet ended              ``finalizing``
 run succeeded (manifest published)             ``completed``
 run failed, a failure record (preflight...)    ``failed`` with ``errors.data``
-run failed after ``expires_at``                ``expired``
+run failed after ``expires_at``, or expired    ``expired`` (the answers so far published)
 cancel asked, run not ended                    ``cancelling``
 cancel asked, run ended failed                 ``cancelled``
 ============================================  =====================================
@@ -59,6 +59,7 @@ class BatchRun:
     :param manifest: the published manifest (a dict), when there is one.
     :param failure: the failure record the batch task wrote (``{"errors": [...], "stage": ...}``).
     :param cancelling_at: when a cancel was asked (seconds since the epoch), if one was.
+    :param progress: ``{"completed": n, "failed": m}`` answered so far, from the run's checkpoints, while it runs.
     """
 
     conf: Mapping[str, Any]
@@ -70,6 +71,7 @@ class BatchRun:
     manifest: Mapping[str, Any] | None = None
     failure: Mapping[str, Any] | None = None
     cancelling_at: int | None = None
+    progress: Mapping[str, int] | None = None
 
 
 def batch_status(run: BatchRun, now: float) -> str:
@@ -84,7 +86,7 @@ def batch_status(run: BatchRun, now: float) -> str:
     if run.cancelling_at is not None:
         return "cancelled" if ended else "cancelling"
     if run.run_state == "failed":
-        if run.failure is None and now >= expires_at(run.conf):
+        if expiry(run) is not None or (run.failure is None and now >= expires_at(run.conf)):
             return "expired"
         return "failed"
     states = [str(s) if s is not None else None for s in run.task_states]
@@ -95,17 +97,28 @@ def batch_status(run: BatchRun, now: float) -> str:
     return "in_progress"
 
 
+def expiry(run: BatchRun) -> Mapping[str, Any] | None:
+    """The record the batch task wrote when the completion window passed (``stage`` ``expired``), if it did."""
+    return run.failure if (run.failure or {}).get("stage") == "expired" else None
+
+
 def expires_at(conf: Mapping[str, Any]) -> int:
     """When the batch's completion window passes."""
     return int(conf["created_at"]) + window_seconds(str(conf.get("completion_window", "24h")))
 
 
 def request_counts(run: BatchRun) -> dict[str, int]:
-    """Total, completed and failed requests: the manifest's once published, else the input's line count."""
-    if run.manifest is not None:
-        counts = run.manifest.get("request_counts") or {}
+    """Total, completed and failed requests.
+
+    The manifest's once published (or the expiry record's); while the run goes, the input's
+    line count and what the checkpoints answered so far.
+    """
+    published = run.manifest if run.manifest is not None else expiry(run)
+    if published is not None:
+        counts = published.get("request_counts") or {}
         return {"total": int(counts.get("total", 0)), "completed": int(counts.get("completed", 0)), "failed": int(counts.get("failed", 0))}
-    return {"total": int(run.conf.get("total") or 0), "completed": 0, "failed": 0}
+    progress = run.progress or {}
+    return {"total": int(run.conf.get("total") or 0), "completed": int(progress.get("completed", 0)), "failed": int(progress.get("failed", 0))}
 
 
 def _usage(manifest: Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -144,6 +157,7 @@ def batch_object(batch_id: str, run: BatchRun, now: float) -> dict[str, Any]:
     preflight_failed = (run.failure or {}).get("stage") == "preflight"
     started = run.task_start is not None and not preflight_failed
     published = run.manifest is not None
+    expired = expiry(run) or {}
     return {
         "id": batch_id,
         "object": "batch",
@@ -152,8 +166,8 @@ def batch_object(batch_id: str, run: BatchRun, now: float) -> dict[str, Any]:
         "input_file_id": conf["input_file_id"],
         "completion_window": conf.get("completion_window", "24h"),
         "status": status,
-        "output_file_id": conf.get("output_file_id") if published else None,
-        "error_file_id": conf.get("error_file_id") if published and run.manifest.get("error_uri") else None,
+        "output_file_id": conf.get("output_file_id") if published or expired.get("output") else None,
+        "error_file_id": conf.get("error_file_id") if (published and run.manifest.get("error_uri")) or expired.get("error") else None,
         "created_at": int(conf["created_at"]),
         "in_progress_at": _ts(run.task_start) if started else None,
         "expires_at": expires_at(conf),

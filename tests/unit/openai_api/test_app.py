@@ -66,3 +66,11 @@ def test_an_upload_is_kept_under_the_users_key_with_its_record(s3):
 def test_without_a_token_the_app_answers_401_in_openais_shape():
     answer = TestClient(app_module.app).get("/batches")
     assert answer.status_code == 401 and answer.json()["error"]["type"] == "authentication_error"
+
+
+def test_live_counts_that_cannot_be_read_leave_the_status_call_answering():
+    class Broken:
+        def get_paginator(self, name):
+            raise ConnectionError("S3 is down")
+
+    assert app_module._live_progress(FileStore(Broken(), "b", "p/"), "s3://b/p/files/u/file-out.jsonl") is None

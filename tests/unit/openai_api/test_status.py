@@ -80,3 +80,9 @@ def test_a_running_batch_counts_its_input_lines():
 def test_a_window_that_is_not_hours_or_days_is_refused(window):
     with pytest.raises(ValueError, match="completion_window"):
         window_seconds(window)
+
+
+def test_a_running_batch_reports_what_its_checkpoints_answered_so_far():
+    run = BatchRun(CONF, "running", ["running"], task_start=T, progress={"completed": 2, "failed": 1})
+    batch = Batch.model_validate(batch_object("batch_abcdefab", run, NOW))
+    assert batch.status == "in_progress" and (batch.request_counts.completed, batch.request_counts.failed) == (2, 1)

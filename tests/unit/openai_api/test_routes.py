@@ -1,0 +1,130 @@
+"""[vllm_batch] openai_models maps a line's model to a warm fleet or the runner: checked when a batch is created, one task per model in the batch DAG."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from airflow.api_fastapi.core_api.security import get_user
+
+from airflow_vllm_batch.exceptions import ConfigurationError
+from airflow_vllm_batch.openai_api import app as app_module
+from airflow_vllm_batch.openai_api.batch_dag import openai_batch_dag
+from airflow_vllm_batch.openai_api.files import FileStore
+from airflow_vllm_batch.openai_api.routes import ModelRoute, models_in, parse_routes, route_of
+from airflow_vllm_batch.openai_api.settings import OpenAIApiSettings
+from tests.unit.openai_api.test_app import User
+
+ROUTES = '{"qwen": {"vllm_conn_id": "vllm_fleet"}, "llama/70b": {"queue": "gpu", "engine_args": ["--tensor-parallel-size", "2"]}}'
+
+
+def line(model: str | None, cid: str = "a") -> bytes:
+    body = {"messages": []} if model is None else {"model": model, "messages": []}
+    return json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": body}).encode()
+
+
+def test_the_config_maps_served_names_to_a_fleet_or_the_runners_queue():
+    routes = parse_routes(ROUTES)
+    assert routes["qwen"] == ModelRoute("qwen", vllm_conn_id="vllm_fleet")
+    assert routes["llama/70b"].queue == "gpu" and routes["llama/70b"].task_id == "vllm_batch__llama_70b"
+    assert parse_routes("") == {}
+
+
+@pytest.mark.parametrize("raw", ["[1]", "{", '{"m": {"conn": "x"}}', '{"m": {"engine_args": "--x"}}', '{"a/b": {}, "a_b": {}}'])
+def test_a_malformed_model_map_is_refused_naming_the_option(raw):
+    with pytest.raises(ConfigurationError, match="openai_models"):
+        parse_routes(raw)
+
+
+def test_the_models_of_a_file_are_its_lines_distinct_body_models():
+    assert models_in([line("qwen"), b"", b"not json", line("qwen", "b"), line(None, "c")]) == ["qwen", None]
+
+
+def test_a_file_naming_an_unknown_model_is_refused_naming_it_and_the_configured_ones():
+    with pytest.raises(ValueError, match=r"'gpt-4o' is not served here: the configured models are llama/70b, qwen"):
+        route_of(["gpt-4o"], parse_routes(ROUTES))
+
+
+def test_a_file_naming_two_models_is_refused():
+    with pytest.raises(ValueError, match="several models"):
+        route_of(["qwen", "llama/70b"], parse_routes(ROUTES))
+
+
+def test_the_batch_dag_has_one_task_per_model_behind_a_route_task():
+    dag = openai_batch_dag(routes=parse_routes(ROUTES), engine_args=["--max-model-len", "512"], vllm_conn_id="ignored")
+    fleet, runner = dag.get_task("vllm_batch__qwen"), dag.get_task("vllm_batch__llama_70b")
+    assert dag.get_task("route").downstream_task_ids == {"vllm_batch__qwen", "vllm_batch__llama_70b"}
+    assert (fleet.model, fleet.vllm_conn_id, fleet.engine) == ("qwen", "vllm_fleet", "server")
+    assert (runner.model, runner.vllm_conn_id, runner.queue, runner.engine_args) == ("llama/70b", None, "gpu", ["--tensor-parallel-size", "2"])
+
+
+class Bucket:
+    def __init__(self, objects):
+        self.objects = objects
+
+    def get_object(self, *, Bucket, Key):
+        body = io.BytesIO(self.objects[Key])
+        body.iter_lines = lambda: iter(body.getvalue().splitlines())
+        return {"Body": body}
+
+
+@pytest.fixture
+def create(monkeypatch):
+    store = FileStore(None, "b", "p/")
+    owner = app_module.owner_key("alice")
+    objects = {store.record_key(owner, "file-0123456789"): json.dumps({"id": "file-0123456789", "lines": 2}).encode()}
+    store.client = Bucket(objects)
+    triggered = []
+    monkeypatch.setattr(app_module, "_settings", lambda: OpenAIApiSettings(files_uri="s3://b/p/"))
+    monkeypatch.setattr(app_module, "_store", lambda settings: store)
+    monkeypatch.setattr(app_module, "may", lambda user, method, dag_id: True)
+    monkeypatch.setattr(app_module, "_trigger", lambda dag_id, batch_id, conf, user: triggered.append(conf))
+    monkeypatch.setattr(app_module, "load_routes", lambda: parse_routes(ROUTES))
+    app_module.app.dependency_overrides[get_user] = User
+
+    def post(*lines: bytes):
+        objects[store.content_key(owner, "file-0123456789")] = b"\n".join(lines)
+        body = {"input_file_id": "file-0123456789", "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+        return TestClient(app_module.app).post("/batches", json=body)
+
+    yield post, triggered
+    app_module.app.dependency_overrides.clear()
+
+
+def test_creating_a_batch_for_an_unknown_model_answers_400_and_starts_nothing(create):
+    post, triggered = create
+    answer = post(line("gpt-4o"), line("gpt-4o", "b"))
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "model"
+    assert "'gpt-4o' is not served here: the configured models are llama/70b, qwen" in answer.json()["error"]["message"]
+    assert triggered == []
+
+
+def test_a_batch_of_a_configured_model_runs_on_its_task(create):
+    post, triggered = create
+    answer = post(line("llama/70b"), line("llama/70b", "b"))
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["model"] == "llama/70b"
+    assert (triggered[0]["model"], triggered[0]["route"]) == ("llama/70b", "vllm_batch__llama_70b")
+
+
+def test_a_routed_batch_is_validating_until_its_model_task_runs_whatever_the_route_task_did():
+    from types import SimpleNamespace as NS
+
+    store = FileStore(None, "b", "p/")
+    store.get_json = lambda key: None
+    conf = {"input_file_id": "file-0123456789", "endpoint": "/v1/chat/completions", "created_at": 1_800_000_000, "output_uri": "s3://b/o.jsonl"}
+    run = NS(run_id="batch_abcdefab", conf=conf, state="running", end_date=None)
+    routed = [NS(task_id="route", state="success", start_date=None, end_date=None), NS(task_id="vllm_batch__qwen", state="scheduled", start_date=None, end_date=None)]
+    skipped = NS(task_id="vllm_batch__llama_70b", state="skipped", start_date=None, end_date=None)
+    assert app_module._batch_from_run(store, run, [*routed, skipped])["status"] == "validating"
+    routed[1].state = "success"
+    assert app_module._batch_from_run(store, run, [*routed, skipped])["status"] == "finalizing"
+
+
+def test_lines_naming_no_model_are_left_to_preflight_when_others_name_a_configured_one():
+    assert route_of([None, "qwen"], parse_routes(ROUTES)).model == "qwen"
+    with pytest.raises(ValueError, match="name no body.model"):
+        route_of([None], parse_routes(ROUTES))

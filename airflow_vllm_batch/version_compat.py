@@ -12,6 +12,8 @@ name                      Task SDK path, since           Airflow 3.0 path
 ``conf``                  ``airflow.sdk`` (3.2)          ``airflow.configuration``
 ``AirflowFailException``  ``airflow.sdk.exceptions``     ``airflow.exceptions``
                           (3.2)
+``AirflowTaskTimeout``    ``airflow.sdk.exceptions``     ``airflow.exceptions``
+                          (3.2)
 ``TaskInstanceKey``       ``airflow.sdk.types`` (3.2)    ``airflow.models.taskinstancekey``
                                                          (type hints only)
 ``determine_kwargs``      ``airflow.sdk.bases``          ``airflow.utils.operator_helpers``
@@ -46,10 +48,10 @@ else:
 
 if AIRFLOW_V_3_2_PLUS:
     from airflow.sdk import conf
-    from airflow.sdk.exceptions import AirflowFailException
+    from airflow.sdk.exceptions import AirflowFailException, AirflowTaskTimeout
 else:
     from airflow.configuration import conf  # type: ignore[no-redef]
-    from airflow.exceptions import AirflowFailException  # type: ignore[no-redef]
+    from airflow.exceptions import AirflowFailException, AirflowTaskTimeout  # type: ignore[no-redef]
 
 try:
     from airflow.sdk.bases.decorator import determine_kwargs
@@ -67,6 +69,7 @@ __all__ = [
     "AIRFLOW_V_3_1_PLUS",
     "AIRFLOW_V_3_2_PLUS",
     "AirflowFailException",
+    "AirflowTaskTimeout",
     "BaseHook",
     "conf",
     "determine_kwargs",

@@ -15,7 +15,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from airflow.sdk.exceptions import AirflowFailException, AirflowTaskTimeout
+from airflow_vllm_batch.version_compat import AirflowFailException, AirflowTaskTimeout
 
 from airflow_vllm_batch.exceptions import ConfigurationError, PreflightError, VLLMBatchError
 from airflow_vllm_batch.openai_api.progress import newest_run_parts, part_lines, split_expired

@@ -9,7 +9,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 from openai.types import Batch
 
-from airflow.sdk.exceptions import AirflowFailException, AirflowTaskTimeout
+from airflow_vllm_batch.version_compat import AirflowFailException, AirflowTaskTimeout
 
 from airflow_vllm_batch.openai_api.batch_dag import OpenAIBatchOperator
 from airflow_vllm_batch.openai_api.progress import split_expired

@@ -54,6 +54,7 @@ this module; the object names are made here only.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -139,22 +140,13 @@ def upload_file(client: Any, path: Path, bucket: str, key: str, **condition: str
     if path.stat().st_size <= MULTIPART_ABOVE:
         with open(path, "rb") as body:
             return bare_etag(client.put_object(Bucket=bucket, Key=key, Body=body, **condition)["ETag"])
-    upload_id = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
-    try:
-        parts = []
+    with _multipart(client, bucket, key, condition) as parts:
         with open(path, "rb") as body:
             while chunk := body.read(UPLOAD_PART_BYTES):
-                number = len(parts) + 1
-                etag = client.upload_part(Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=chunk)["ETag"]
-                parts.append({"ETag": etag, "PartNumber": number})
-        done = client.complete_multipart_upload(
-            Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts}, **condition
-        )
-        return bare_etag(done["ETag"])
-    except BaseException:
-        with contextlib.suppress(ClientError, BotoCoreError):
-            client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id)
-        raise
+                number = len(parts.done) + 1
+                etag = client.upload_part(Bucket=bucket, Key=key, UploadId=parts.upload_id, PartNumber=number, Body=chunk)["ETag"]
+                parts.done.append({"ETag": etag, "PartNumber": number})
+    return parts.etag
 
 
 def copy_object(client: Any, source_bucket: str, source_key: str, bucket: str, key: str, **condition: str) -> str:
@@ -166,22 +158,38 @@ def copy_object(client: Any, source_bucket: str, source_key: str, bucket: str, k
     size = client.head_object(**source)["ContentLength"]
     if size <= COPY_OBJECT_MAX:
         return bare_etag(client.copy_object(Bucket=bucket, Key=key, CopySource=source, **condition)["CopyObjectResult"]["ETag"])
-    upload_id = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
-    try:
-        parts = []
+    with _multipart(client, bucket, key, condition) as parts:
         for number, start in enumerate(range(0, size, 8 * UPLOAD_PART_BYTES), start=1):
             end = min(start + 8 * UPLOAD_PART_BYTES, size) - 1
             result = client.upload_part_copy(
-                Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, CopySource=source, CopySourceRange=f"bytes={start}-{end}"
+                Bucket=bucket, Key=key, UploadId=parts.upload_id, PartNumber=number, CopySource=source, CopySourceRange=f"bytes={start}-{end}"
             )
-            parts.append({"ETag": result["CopyPartResult"]["ETag"], "PartNumber": number})
+            parts.done.append({"ETag": result["CopyPartResult"]["ETag"], "PartNumber": number})
+    return parts.etag
+
+
+@dataclasses.dataclass
+class _Parts:
+    """A multipart upload under way: its id, the parts sent, and the object's ETag once completed."""
+
+    upload_id: str
+    done: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    etag: str = ""
+
+
+@contextlib.contextmanager
+def _multipart(client: Any, bucket: str, key: str, condition: Mapping[str, str]) -> Iterator[_Parts]:
+    """A multipart upload: the body sends the parts; completed (under ``condition``) after it, aborted if it raises."""
+    parts = _Parts(client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"])
+    try:
+        yield parts
         done = client.complete_multipart_upload(
-            Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts}, **condition
+            Bucket=bucket, Key=key, UploadId=parts.upload_id, MultipartUpload={"Parts": parts.done}, **condition
         )
-        return bare_etag(done["ETag"])
+        parts.etag = bare_etag(done["ETag"])
     except BaseException:
         with contextlib.suppress(ClientError, BotoCoreError):
-            client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id)
+            client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=parts.upload_id)
         raise
 
 

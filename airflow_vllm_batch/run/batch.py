@@ -117,10 +117,7 @@ class BatchRun:
             identity = self.identity(info)
             manifest = self.published(identity)
         except BotoCoreError as err:
-            raise StorageUnavailableError(
-                f"Cannot reach S3 with connection {self.settings.aws_conn_id!r} ({err}). Nothing was run; check that "
-                "S3 is reachable from this worker. The task is retried."
-            ) from err
+            raise self.s3_unreachable(err) from err
         if manifest is not None:
             return BatchOutcome(manifest, resumed=True)
         self.store.check_writable()
@@ -131,13 +128,17 @@ class BatchRun:
             try:
                 manifest = self.published(identity, again=True)
             except BotoCoreError as err:
-                raise StorageUnavailableError(
-                    f"Cannot reach S3 with connection {self.settings.aws_conn_id!r} ({err}). Nothing was run; check "
-                    "that S3 is reachable from this worker. The task is retried."
-                ) from err
+                raise self.s3_unreachable(err) from err
             if manifest is not None:
                 return BatchOutcome(manifest, resumed=True)
             return self.run_batch(info, identity, lease, started)
+
+    def s3_unreachable(self, err: BotoCoreError) -> StorageUnavailableError:
+        """The retryable error of S3 out of reach before anything ran."""
+        return StorageUnavailableError(
+            f"Cannot reach S3 with connection {self.settings.aws_conn_id!r} ({err}). Nothing was run; check that "
+            "S3 is reachable from this worker. The task is retried."
+        )
 
     def identity(self, info: EngineInfo) -> RunIdentity:
         """Everything that shapes the results (see :mod:`airflow_vllm_batch.identity`)."""

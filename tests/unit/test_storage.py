@@ -6,6 +6,7 @@ import json
 
 import pytest
 from airflow.providers.amazon.aws.hooks.s3 import S3Hook
+from botocore.exceptions import ClientError
 
 from airflow_vllm_batch.batchfile import Failed, Text
 from airflow_vllm_batch.exceptions import (
@@ -295,3 +296,22 @@ def test_a_publish_whose_conditional_writes_lost_their_answers_takes_them_as_its
     assert published is not None and published.fingerprint == "n"
     assert published.output_etag == head_etag(client, bucket, "r.jsonl")
     assert head_etag(client, bucket, "r.errors.jsonl") is None
+
+
+def test_a_large_file_goes_up_in_parts_under_its_condition_and_a_refused_one_leaves_no_upload_behind(s3, bucket, tmp_path, monkeypatch):
+    import airflow_vllm_batch.storage as storage
+
+    monkeypatch.setattr(storage, "MULTIPART_ABOVE", 1)
+    monkeypatch.setattr(storage, "UPLOAD_PART_BYTES", 5 * 2**20)  # S3's smallest part
+    monkeypatch.setattr(storage, "COPY_OBJECT_MAX", 1)
+    client = s3.client()
+    big = tmp_path / "big.jsonl"
+    big.write_bytes(b'{"custom_id": "c"}\n' * (6 * 2**20 // 19))  # two parts
+    etag = storage.upload_file(client, big, bucket, "r.jsonl", IfNoneMatch="*")
+    assert etag == head_etag(client, bucket, "r.jsonl") and etag.endswith("-2")
+    with pytest.raises(ClientError, match="PreconditionFailed"):
+        storage.upload_file(client, big, bucket, "r.jsonl", IfNoneMatch="*")
+    assert not client.list_multipart_uploads(Bucket=bucket).get("Uploads")  # the refused upload was aborted
+    copied = storage.copy_object(client, bucket, "r.jsonl", bucket, "copy.jsonl", IfNoneMatch="*")
+    assert copied == head_etag(client, bucket, "copy.jsonl")
+    assert client.get_object(Bucket=bucket, Key="copy.jsonl")["Body"].read() == big.read_bytes()

@@ -15,14 +15,13 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from airflow_vllm_batch.version_compat import AirflowFailException, AirflowTaskTimeout
-
 from airflow_vllm_batch.exceptions import ConfigurationError, PreflightError, VLLMBatchError
 from airflow_vllm_batch.openai_api.progress import newest_run_parts, part_lines, split_expired
 from airflow_vllm_batch.openai_api.routes import TASK_ID, ModelRoute, load_routes
+from airflow_vllm_batch.openai_api.settings import DEFAULT_BATCH_DAG_ID
 from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
 from airflow_vllm_batch.storage import RunStaging, open_uri_lines, upload_file
-from airflow_vllm_batch.openai_api.settings import DEFAULT_BATCH_DAG_ID
+from airflow_vllm_batch.version_compat import AirflowFailException, AirflowTaskTimeout
 
 if TYPE_CHECKING:
     from airflow.sdk import DAG, Context
@@ -71,6 +70,10 @@ class OpenAIBatchOperator(VLLMBatchOperator):
         self.failure_uri = failure_uri
 
     def execute(self, context: Context) -> dict[str, Any]:
+        dag_run = context.get("dag_run")
+        if endpoint := ((getattr(dag_run, "conf", None) or {}).get("endpoint")):
+            # As OpenAI: every line's url is the batch's endpoint; preflight fails the others, naming their lines.
+            self.supported_urls = [endpoint]
         try:
             return super().execute(context)
         except AirflowTaskTimeout as timeout:

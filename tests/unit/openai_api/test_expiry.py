@@ -5,16 +5,16 @@ from __future__ import annotations
 import io
 import json
 from datetime import datetime, timedelta, timezone
+from types import SimpleNamespace
 
 import pytest
 from openai.types import Batch
-
-from airflow_vllm_batch.version_compat import AirflowFailException, AirflowTaskTimeout
 
 from airflow_vllm_batch.openai_api.batch_dag import OpenAIBatchOperator
 from airflow_vllm_batch.openai_api.progress import split_expired
 from airflow_vllm_batch.openai_api.status import BatchRun, batch_object
 from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
+from airflow_vllm_batch.version_compat import AirflowFailException, AirflowTaskTimeout
 from tests.unit.openai_api.test_progress import bad, ok
 from tests.unit.openai_api.test_status import CONF, CREATED, T
 
@@ -125,3 +125,16 @@ def test_an_expired_batch_whose_answers_cannot_be_published_still_fails_without_
     monkeypatch.setattr(OpenAIBatchOperator, "publish_expired", lambda self: (_ for _ in ()).throw(ConnectionError("S3 is down")))
     with pytest.raises(AirflowFailException, match="expired"):
         operator.execute({})
+
+
+def test_the_batch_task_accepts_only_lines_whose_url_is_the_batchs_endpoint(expiring, monkeypatch):
+    operator, _ = expiring
+    seen = {}
+
+    def runs(self, context):
+        seen["settings"] = self.settings()
+        return {}
+
+    monkeypatch.setattr(VLLMBatchOperator, "execute", runs)
+    operator.execute({"dag_run": SimpleNamespace(conf={"endpoint": "/v1/embeddings"})})
+    assert seen["settings"].supported_urls == frozenset({"/v1/embeddings"})

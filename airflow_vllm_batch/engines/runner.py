@@ -252,13 +252,13 @@ class RunnerEngine(LocalEngine):
                 return contextlib.nullcontext(iter(()))
             return staging.open_results() if presigned else open_lines(output)
 
-        parts = staging.list_parts()
         if not died and whole:
-            # The common case, a whole batch: one read looking for vLLM 0.32's dead-engine lines, no copy.
+            # The common case, a whole batch: one read looking for vLLM 0.32's dead-engine lines, no copy,
+            # and no S3 call before the caller stages the output (S3 failing then keeps it on the worker).
             with output_lines() as lines:
                 if not any(is_engine_dead_line(raw, died=False) for raw in lines):
                     return None  # answered by a living engine: staged as one file by the caller
-        part = job.work / part_name(len(parts))
+        part = job.work / part_name(len(staging.list_parts()))
         with output_lines() as lines, open(part, "wb") as answers:
             self._split = split_output(lines, answers, died=died)
         job.lease.ensure_held(verify=True)

@@ -15,13 +15,14 @@ One output ``s3://b/k/results.jsonl`` comes with::
 
 Publishing follows one protocol, so that no reader is ever misled (:meth:`OutputStore.publish`):
 
-1. the old manifest is deleted first: from here until step 4 a reader (or a later
-   resume) sees *no* complete output rather than an old manifest beside new data;
+1. a *tombstone* (:class:`~airflow_vllm_batch.manifest.Tombstone`) takes the old manifest's
+   place first: from here until step 4 a reader (or a later resume) sees *no* complete
+   output rather than an old manifest beside new data;
 2. the results go to the output key; 3. the error file is written, or an old one deleted;
-4. the manifest is written, last, with ``If-None-Match: *`` (so a manifest another writer
-   put there meanwhile is never overwritten), holding the ETags that the results and the
-   error file got in steps 2 and 3; 5. this run's staging prefix is removed (and nobody
-   else's: other runs' staging lives under other prefixes).
+4. the manifest takes the place of this try's own tombstone, last (``If-Match`` its ETag),
+   holding the ETags that the results and the error file got in steps 2 and 3; 5. this
+   run's staging prefix is removed (and nobody else's: other runs' staging lives under
+   other prefixes).
 
 Fencing (the invariant of ``docs/protocol.md``): once a run holds the output's lease
 (:meth:`OutputStore.lease`), the lease is read back from S3 right before *every* mutation
@@ -30,10 +31,12 @@ and every delete in the staging. A try whose lease another took over stops at it
 mutation and changes nothing more. A check and the write after it are two round trips, and
 a try can pause between them (a zombie whose successor took over and published meanwhile),
 so publishing does not trust the check alone: it reads the ETags of the manifest, results
-and error file *before* its first check, and every change in steps 1-4 is conditional on
-them (``If-Match`` on what it saw, ``If-None-Match: *`` where it saw nothing). A successor
-that changed an object in between makes the paused try's change of it fail with 412, and
-the try stops. The one change no condition can refuse is the creation of an error file
+and error file *before* its first check, and steps 1-3 are conditional on them
+(``If-Match`` on what it saw, ``If-None-Match: *`` where it saw nothing), step 4 on the
+try's own tombstone. A successor that changed an object in between makes the paused try's
+change of it fail with 412, and the try stops; and since a successor's publish replaces
+the tombstone before anything else, a paused try's manifest never lands once its successor
+began publishing. The one change no condition can refuse is the creation of an error file
 where neither try left one; the manifest names its files and their ETags, so no reader
 takes such a file for part of the output. The manifest's ETags also close the gap for
 readers: :meth:`OutputStore.completed` takes an output as complete only when its results
@@ -41,7 +44,8 @@ and error file still have the ETags its manifest names (anything else is "not co
 and a retry publishes again), and :func:`read_answers` reads a manifest's files pinned to
 them. A conditional write whose response was lost is sent again by botocore and then
 fails its own condition; such a 412 is taken as this try's own write when the object now
-holds exactly what was written (its MD5 ETag).
+holds exactly what was written (its MD5 ETag; each tombstone carries a random id, so its
+bytes are its publish's alone).
 
 The runner engine's finished results reach ``<run>/results.jsonl`` before they are checked
 or published, so a retry on any worker (or pod) finds them there and publishes them without

@@ -4,7 +4,9 @@ Airflow 3's task log view folds the lines between a ``::group::<title>`` line an
 ``::endgroup::`` line under ``<title>`` (its own "Pre Execute" / "Post Execute" groups
 work this way), and the markers read well in a plain log file too. The engine's lines
 stay in the log, folded, so the operator's own lines (progress, the summary table) are
-visible without scrolling past thousands of vLLM lines.
+visible without scrolling past thousands of vLLM lines. A line vLLM logged as a warning
+or an error keeps its level (:func:`engine_line_level`), so it is still told apart from
+the rest, and level filters keep it while they drop the engine's chatter.
 """
 
 from __future__ import annotations
@@ -12,10 +14,27 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import re
 from collections.abc import Iterator
 
 GROUP_START = "::group::"
 GROUP_END = "::endgroup::"
+
+#: vLLM's own log prefix, ``WARNING 11-25 14:40:24 [cpu.py:224] ...`` (after a process tag).
+_VLLM_LEVEL = re.compile(r"\b(DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d \[")
+
+
+def engine_line_level(line: str) -> int:
+    """The level to log one engine output line at: vLLM's own for its warnings and errors, else INFO."""
+    match = _VLLM_LEVEL.search(line[:80])
+    if match is None:
+        return logging.INFO
+    return max(logging.INFO, logging.getLevelName(match.group(1)))
+
+
+def log_engine_line(log: logging.Logger, line: str) -> None:
+    """Log one engine output line at :func:`engine_line_level`."""
+    log.log(engine_line_level(line), "%s", line)
 
 
 @contextlib.contextmanager
@@ -62,4 +81,4 @@ class HeldLines:
             if dropped:
                 log.info("... %d earlier lines not kept", dropped)
             for line in lines:
-                log.info("%s", line)
+                log_engine_line(log, line)

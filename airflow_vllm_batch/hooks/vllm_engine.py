@@ -37,7 +37,7 @@ from pathlib import Path
 from airflow_vllm_batch.batchfile import DEFAULT_SUPPORTED_URLS, redact_urls
 from airflow_vllm_batch.redaction import redact_secrets
 from airflow_vllm_batch.exceptions import EngineConfigurationError
-from airflow_vllm_batch.hooks.log_groups import log_group
+from airflow_vllm_batch.hooks.log_groups import log_engine_line, log_group
 from airflow_vllm_batch.hooks.process import (
     DEFAULT_GRACE_S,
     reap,
@@ -241,7 +241,7 @@ class VLLMEngineHook(BaseHook):
         :param on_line: called with every output line, already redacted.
         :param pass_fds: descriptors the engine inherits (a GPU lease's locks).
         """
-        emit = on_line or self.log.info
+        emit = on_line or (lambda line: log_engine_line(self.log, line))
         tail: collections.deque[str] = collections.deque(maxlen=self.tail_lines)
         version = None
         started = time.monotonic()

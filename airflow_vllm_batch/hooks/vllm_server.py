@@ -45,7 +45,7 @@ from airflow_vllm_batch.exceptions import (
     ServerAuthError,
     ServerUnavailableError,
 )
-from airflow_vllm_batch.hooks.log_groups import GROUP_END, GROUP_START, HeldLines
+from airflow_vllm_batch.hooks.log_groups import GROUP_END, GROUP_START, HeldLines, log_engine_line
 from airflow_vllm_batch.hooks.process import (
     DEFAULT_GRACE_S,
     reap,
@@ -472,7 +472,7 @@ class VLLMServerProcess:
             if self._serving:
                 self._held.add(line)
             else:
-                self.log.info("%s", line)
+                log_engine_line(self.log, line)
 
     def _redact(self, line: str) -> str:
         # vLLM prints the key as '***' itself; this also covers a server_command that echoes it.

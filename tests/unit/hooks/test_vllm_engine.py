@@ -109,6 +109,24 @@ def test_the_engines_lines_are_folded_in_one_log_group(capsys):
     assert log.index("::group::vLLM engine output") < log.index("engine says hello") < log.index("::endgroup::")
 
 
+def test_the_engines_warnings_and_errors_keep_their_level_inside_the_group(capsys):
+    script = (
+        "print('(EngineCore pid=1) INFO 11-25 14:40:24 [core.py:1] loading'); "
+        "print('(EngineCore pid=1) WARNING 11-25 14:40:24 [cpu.py:224] Triton is not installed.'); "
+        "print('ERROR 11-25 14:40:25 [core.py:9] EngineCore failed')"
+    )
+    VLLMEngineHook().run([sys.executable, "-c", script])
+    log = capsys.readouterr().out.splitlines()
+
+    def logged(text: str) -> str:
+        (line,) = [line for line in log if text in line]
+        return line
+
+    assert "[info" in logged("loading")
+    assert "[warning" in logged("Triton is not installed")
+    assert "[error" in logged("EngineCore failed")
+
+
 def test_terminate_kills_the_whole_process_group_children_included(tmp_path):
     pid_file = tmp_path / "child.pid"
     # A parent that ignores SIGTERM and a grandchild, like vLLM's frontend and EngineCore.

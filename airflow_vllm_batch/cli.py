@@ -184,7 +184,7 @@ def run_stats(args: argparse.Namespace) -> int:
 
 
 #: How a message names the URL list when ``--supported-url`` is not given.
-URLS_FROM_DEFAULT = 'the operator\'s default engine (engine="runner"; --supported-url names another\'s URLs)'
+URLS_FROM_DEFAULT = 'engine="runner", the operator\'s default'
 
 
 # -- kinds of file ---------------------------------------------------------------------

@@ -32,9 +32,13 @@ def engine_line_level(line: str) -> int:
     return max(logging.INFO, logging.getLevelName(match.group(1)))
 
 
-def log_engine_line(log: logging.Logger, line: str) -> None:
-    """Log one engine output line at :func:`engine_line_level`."""
-    log.log(engine_line_level(line), "%s", line)
+def log_engine_line(log: logging.Logger, line: str, max_level: int = logging.CRITICAL) -> None:
+    """Log one engine output line at :func:`engine_line_level`, at most ``max_level``.
+
+    :param max_level: the highest level to use: ``logging.WARNING`` for what an engine logs
+        while the task stops it (vLLM's server logs its cancelled output loop as an error).
+    """
+    log.log(min(engine_line_level(line), max_level), "%s", line)
 
 
 @contextlib.contextmanager
@@ -62,11 +66,12 @@ class HeldLines:
     """
 
     def __init__(self, max_lines: int = 5000) -> None:
-        self.lines: collections.deque[str] = collections.deque(maxlen=max_lines)
+        self.lines: collections.deque[tuple[str, int]] = collections.deque(maxlen=max_lines)
         self.seen = 0
 
-    def add(self, line: str) -> None:
-        self.lines.append(line)
+    def add(self, line: str, max_level: int = logging.CRITICAL) -> None:
+        """Hold ``line``, to be logged at most at ``max_level`` (see :func:`log_engine_line`)."""
+        self.lines.append((line, max_level))
         self.seen += 1
 
     def flush(self, log: logging.Logger, title: str) -> None:
@@ -80,5 +85,5 @@ class HeldLines:
         with log_group(log, f"{title} ({seen} lines)"):
             if dropped:
                 log.info("... %d earlier lines not kept", dropped)
-            for line in lines:
-                log_engine_line(log, line)
+            for line, max_level in lines:
+                log_engine_line(log, line, max_level)

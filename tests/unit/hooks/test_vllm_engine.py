@@ -241,3 +241,19 @@ def test_terminate_from_on_kill_returns_while_the_interrupted_main_thread_holds_
     assert seconds_to_terminate_under_the_wait_lock(hook.process, hook.terminate) < 5
     hook.process.wait(timeout=5)
     assert hook.process.returncode is not None
+
+
+def test_what_an_engine_logs_while_the_task_stops_it_is_at_most_a_warning(caplog):
+    import logging
+
+    from airflow_vllm_batch.hooks.log_groups import HeldLines
+
+    held = HeldLines()
+    held.add("(APIServer pid=1) ERROR 11-25 15:08:33 [core.py:9] EngineCore died")
+    held.add("(APIServer pid=1) ERROR 11-25 15:08:33 [async_llm.py:906] AsyncLLM output_handler failed.", logging.WARNING)
+    log = logging.getLogger("test_held_lines")
+    with caplog.at_level(logging.INFO, logger="test_held_lines"):
+        held.flush(log, "server")
+    levels = {record.getMessage(): record.levelno for record in caplog.records}
+    assert levels["(APIServer pid=1) ERROR 11-25 15:08:33 [core.py:9] EngineCore died"] == logging.ERROR
+    assert levels["(APIServer pid=1) ERROR 11-25 15:08:33 [async_llm.py:906] AsyncLLM output_handler failed."] == logging.WARNING

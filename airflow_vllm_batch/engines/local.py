@@ -138,6 +138,11 @@ class LocalEngine(Engine):
                     offline_defaults_for=size if wanted and defaults is None else None,
                     env=self.settings.engine_environment,
                     module=info.runner_module if self.entrypoint == "run_batch" else None,
+                    options_file=(
+                        owned_dir(self.settings.results_dir) / f"engine-options-{_options_digest(self.python, info, self.entrypoint)}.json"
+                        if info.vllm_version
+                        else None
+                    ),
                 )
             except OfflineDefaultsUnavailable as err:
                 self.log.warning("%s", err)
@@ -159,6 +164,11 @@ class LocalEngine(Engine):
 
 def _option_names(args: list[str]) -> set[str]:
     return set(read_options(args))
+
+
+def _options_digest(python: str, info: EngineInfo, entrypoint: str) -> str:
+    """Names the file of the flags one entrypoint's parser knows, per engine environment, vLLM version and module."""
+    return hashlib.sha256(json.dumps([python, info.vllm_version, info.runner_module, entrypoint]).encode()).hexdigest()[:16]
 
 
 def _defaults_digest(python: str, vllm_version: str | None, world_size: int) -> str:

@@ -53,7 +53,7 @@ def test_a_task_started_server_accepts_its_own_flags_in_the_argument_check(tmp_p
 def test_arguments_that_passed_one_entrypoints_parser_are_checked_again_by_the_others(monkeypatch, tmp_path):
     checked: list[str] = []
 
-    def parser_accepts(python, model, args, *, entrypoint, offline_defaults_for=None, env=None, module=None):
+    def parser_accepts(python, model, args, *, entrypoint, offline_defaults_for=None, env=None, module=None, options_file=None):
         checked.append(entrypoint)
         return OfflineDefaults(max_num_seqs=8, max_num_batched_tokens=64, device="cpu") if offline_defaults_for else None
 

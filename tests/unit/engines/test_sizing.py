@@ -175,7 +175,7 @@ class _Reader:
         self.defaults = defaults
         self.fail = fail
 
-    def __call__(self, python, model, args, *, entrypoint, offline_defaults_for=None, env=None, module=None):
+    def __call__(self, python, model, args, *, entrypoint, offline_defaults_for=None, env=None, module=None, options_file=None):
         self.calls.append(
             {"args": list(args), "entrypoint": entrypoint, "offline_defaults_for": offline_defaults_for, "module": module}
         )

@@ -13,14 +13,13 @@ from airflow.providers.amazon.aws.utils.mixins import aws_template_fields
 from airflow.sdk import Asset
 from airflow.sdk.log import mask_secret
 
-from airflow_vllm_batch.batchfile import DEFAULT_MAX_LINE_BYTES
 from airflow_vllm_batch.batchfile.requests import INDEX
 from airflow_vllm_batch.engines import Engine, EngineOptions, VLLMRunner, make_engine
-from airflow_vllm_batch.exceptions import TooManyFailedRequestsError, VLLMBatchError
+from airflow_vllm_batch.exceptions import ConfigurationError, TooManyFailedRequestsError, VLLMBatchError
 from airflow_vllm_batch.lineage import lineage_for
 from airflow_vllm_batch.operators.task_try import task_try
 from airflow_vllm_batch.links.output import VLLMBatchOutputLink
-from airflow_vllm_batch.run import BatchRun, BatchSettings, check_static_settings
+from airflow_vllm_batch.run import AnswerCacheOptions, BatchRun, BatchSettings, InputLimits, check_static_settings
 from airflow_vllm_batch.storage import default_error_uri
 from airflow_vllm_batch.summary import render_summary
 from airflow_vllm_batch.version_compat import AirflowFailException
@@ -72,8 +71,8 @@ class VLLMBatchOperator(AwsBaseOperator[S3Hook]):
     :param invalid_lines: ``"fail"`` (default) or ``"skip"`` (invalid lines go to the error file).
     :param rewrite_model: rewrite every line's ``body.model`` to ``model``. Default False.
     :param default_body: fields filled into every body that lacks them. (templated)
-    :param max_lines: the most request lines accepted. Default: no limit.
-    :param max_line_bytes: the longest request line accepted. Default 1,000,000.
+    :param limits: how large the input may be: ``InputLimits(max_lines=..., max_line_bytes=...)``
+        (:class:`~airflow_vllm_batch.run.InputLimits`). Default: any number of lines of at most 1,000,000 bytes.
     :param supported_urls: the batch URLs to accept. Default: asked of the engine.
     :param aws_conn_id: the Airflow AWS connection for S3 (as every amazon operator's, from
         ``AwsBaseOperator``; so are ``region_name``, ``verify`` and ``botocore_config``, which reach
@@ -88,9 +87,9 @@ class VLLMBatchOperator(AwsBaseOperator[S3Hook]):
         its ``template_fields`` are templated (``args``, ``python``, ``env``, ``conn_id``, ``gpu_hour_cost``...).
     :param output_type: a pydantic ``BaseModel`` subclass, or its import path (imported on the worker): chat and
         completions bodies without ``response_format`` get its JSON schema; an answer that does not fit fails (``invalid_output``).
-    :param answer_cache_uri: ``s3://bucket/prefix/`` of an answer cache: deterministic requests answered
-        before are answered from it, only the others reach the engine. Default None: off. (templated)
-    :param answer_cache_sampled: also cache requests that sample (no ``temperature`` 0, no ``seed``). Default False.
+    :param answer_cache: an answer cache, ``AnswerCacheOptions(uri="s3://bucket/prefix/", sampled=False)``
+        (:class:`~airflow_vllm_batch.run.AnswerCacheOptions`): deterministic requests answered before are
+        answered from it, only the others reach the engine. Default None: off. (its ``uri`` is templated)
     """
 
     aws_hook_class = S3Hook
@@ -103,7 +102,7 @@ class VLLMBatchOperator(AwsBaseOperator[S3Hook]):
         "engine",
         "default_body",
         "max_failed_ratio",
-        "answer_cache_uri",
+        "answer_cache",
     )
     template_fields_renderers = {"engine": "json", "default_body": "json", "requests": "json"}
     operator_extra_links = (VLLMBatchOutputLink(),)
@@ -124,14 +123,12 @@ class VLLMBatchOperator(AwsBaseOperator[S3Hook]):
         invalid_lines: str = "fail",
         rewrite_model: bool = False,
         default_body: Mapping[str, Any] | None = None,
-        max_lines: int | None = None,
-        max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+        limits: InputLimits | None = None,
         supported_urls: Sequence[str] | None = None,
         resume: bool = True,
         results_dir: str | None = None,
         output_type: type | str | None = None,
-        answer_cache_uri: str | None = None,
-        answer_cache_sampled: bool = False,
+        answer_cache: AnswerCacheOptions | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -140,10 +137,15 @@ class VLLMBatchOperator(AwsBaseOperator[S3Hook]):
         self.engine = copy.copy(engine) if engine is not None else VLLMRunner()
         self.requests_url, self.requests_custom_id, self.error_uri = requests_url, requests_custom_id, error_uri
         self.max_failed_ratio, self.invalid_lines, self.rewrite_model = max_failed_ratio, invalid_lines, rewrite_model
-        self.default_body, self.max_lines, self.max_line_bytes = default_body, max_lines, max_line_bytes
+        self.default_body, self.limits = default_body, limits or InputLimits()
         self.supported_urls, self.resume, self.results_dir = supported_urls, resume, results_dir
         self.output_type = output_type
-        self.answer_cache_uri, self.answer_cache_sampled = answer_cache_uri, answer_cache_sampled
+        # A copy, as the engine's: rendered in place.
+        self.answer_cache = copy.copy(answer_cache)
+        if not isinstance(self.limits, InputLimits):
+            raise ConfigurationError(f"limits must be InputLimits(max_lines=..., max_line_bytes=...), got {limits!r}.")
+        if self.answer_cache is not None and not isinstance(self.answer_cache, AnswerCacheOptions):
+            raise ConfigurationError(f'answer_cache must be AnswerCacheOptions(uri="s3://bucket/prefix/"), got {answer_cache!r}.')
         #: The engine of the running try; kept so that ``on_kill`` can stop it.
         self._engine: Engine | None = None
         self._published_error_uri: str | None = None
@@ -224,4 +226,11 @@ class VLLMBatchOperator(AwsBaseOperator[S3Hook]):
             self._engine.terminate()
 
     def _setting_values(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in BatchSettings.__dataclass_fields__ if name != "execution_timeout"}
+        grouped = {
+            "max_lines": self.limits.max_lines,
+            "max_line_bytes": self.limits.max_line_bytes,
+            "answer_cache_uri": self.answer_cache.uri if self.answer_cache is not None else None,
+            "answer_cache_sampled": self.answer_cache.sampled if self.answer_cache is not None else False,
+        }
+        own = {name: getattr(self, name) for name in BatchSettings.__dataclass_fields__ if name not in grouped and name != "execution_timeout"}
+        return {**own, **grouped}

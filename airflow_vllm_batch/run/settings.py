@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from functools import cached_property
 from datetime import timedelta
-from typing import Any
+from typing import Any, ClassVar
 
 from airflow_vllm_batch.batchfile import DEFAULT_MAX_LINE_BYTES
 from airflow_vllm_batch.batchfile.requests import INDEX, check_requests_options
@@ -37,6 +37,39 @@ PRESIGN_MARGIN_SECONDS = 15 * 60
 DEFAULT_RESULTS_DIR = tempfile.gettempdir()
 
 _MODES = {"invalid_lines": ("fail", "skip")}
+
+
+@dataclass(kw_only=True)
+class AnswerCacheOptions:
+    """Where an answer cache lives and what it holds (the operator's ``answer_cache=``).
+
+    Deterministic requests answered before are answered from it; only the others reach the
+    engine (see the README's answer-cache section).
+
+    :param uri: ``s3://bucket/prefix/`` of the cache. (templated)
+    :param sampled: also cache requests that sample (no ``temperature`` 0, no ``seed``). Default False.
+    """
+
+    template_fields: ClassVar[Sequence[str]] = ("uri",)
+
+    uri: str
+    sampled: bool = False
+
+    def serialize(self) -> dict[str, Any]:
+        """What the rendered-fields view shows."""
+        return {"uri": self.uri, "sampled": self.sampled}
+
+
+@dataclass(frozen=True, kw_only=True)
+class InputLimits:
+    """How large an input may be, checked by preflight (the operator's ``limits=``).
+
+    :param max_lines: the most request lines accepted. Default: no limit.
+    :param max_line_bytes: the longest request line accepted. Default 1,000,000.
+    """
+
+    max_lines: int | None = None
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
 
 
 @dataclass(frozen=True)

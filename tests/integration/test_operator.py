@@ -10,6 +10,7 @@ from datetime import datetime, timezone
 import pytest
 
 from vllm_batch_embedded.demo import BUCKET
+from airflow_vllm_batch.engines import VLLMRunner
 from tests.integration.dagrun import DagRunResult, register_dag, run_dag
 
 pytestmark = pytest.mark.integration
@@ -98,7 +99,7 @@ def test_skip_mode_on_a_local_file_runs_the_valid_lines_and_files_the_invalid_on
         rewrite_model=True,
         default_body={"max_completion_tokens": 5},
         max_failed_ratio=0.5,
-        engine_args=["--enforce-eager", "--max-model-len", "512"],
+        engine=VLLMRunner(args=["--enforce-eager", "--max-model-len", "512"]),
     )
     assert result.state == "success", result.output[-3000:]
     manifest = result.xcom("vllm_batch")
@@ -128,7 +129,7 @@ def test_engine_killed_by_sigkill_fails_the_task_and_publishes_nothing(embedded,
         input_uri=uri,
         output_uri=f"s3://{BUCKET}/killed/results.jsonl",
         model=str(tiny_model),
-        engine_command=suicide,
+        engine=VLLMRunner(command=suicide),
     )
     assert result.state == "failed"
     assert "killed by signal 9" in result.output
@@ -142,7 +143,7 @@ def test_engine_that_exits_0_without_output_fails_the_task(embedded, airflow_db,
         input_uri=uri,
         output_uri=f"s3://{BUCKET}/silent/results.jsonl",
         model=str(tiny_model),
-        engine_command=[sys.executable, "-c", "print('Failed to upload data (attempt 5)')"],
+        engine=VLLMRunner(command=[sys.executable, "-c", "print('Failed to upload data (attempt 5)')"]),
     )
     assert result.state == "failed"
     assert "wrote no output" in result.output
@@ -171,8 +172,8 @@ def _mixed_endpoints(model: str) -> str:
 # engine environment (probe, model check, engine argument parser), so a case that slipped
 # past these checks would start an engine and be caught by the assertions.
 MISTAKES = [
-    ("engine_args_bad_value", {"engine_args": ["--enforce-eager", "--max-model-len", "abc"]}, None, "engine_args: argument --max-model-len"),
-    ("engine_args_unknown", {"engine_args": ["--no-such-flag"]}, None, "engine_args: unrecognized arguments: --no-such-flag"),
+    ("engine_args_bad_value", {"engine": VLLMRunner(args=["--enforce-eager", "--max-model-len", "abc"])}, None, "engine_args: argument --max-model-len"),
+    ("engine_args_unknown", {"engine": VLLMRunner(args=["--no-such-flag"])}, None, "engine_args: unrecognized arguments: --no-such-flag"),
     ("model_dir_missing", {"model": "/nonexistent/model-dir"}, None, "model: the local model directory '/nonexistent/model-dir'"),
     ("chat_and_embeddings_for_a_chat_model", {}, _mixed_endpoints, "is a generation model; /v1/embeddings needs a pooling model"),
     ("temperature_hot", {}, lambda m: _line("c", m, temperature="hot") + "\n", '"body.temperature"'),
@@ -195,7 +196,7 @@ def test_a_mistake_fails_once_naming_the_fix_and_starts_no_engine(embedded, airf
         "input_uri": _put(embedded, f"mistakes/{name}/input.jsonl", text),
         "output_uri": f"s3://{BUCKET}/mistakes/{name}/results.jsonl",
         "model": model,
-        "engine_args": ["--enforce-eager"],
+        "engine": VLLMRunner(args=["--enforce-eager"]),
         # A retryable error would show as a second try.
         "retries": 1,
         "retry_delay": timedelta(0),
@@ -252,7 +253,7 @@ def test_a_gzip_input_runs_and_the_engine_reads_an_uncompressed_copy(embedded, a
         input_uri=f"s3://{BUCKET}/gzip/input.jsonl.gz",
         output_uri=f"s3://{BUCKET}/gzip/results.jsonl",
         model=model,
-        engine_args=["--enforce-eager"],
+        engine=VLLMRunner(args=["--enforce-eager"]),
     )
     assert result.state == "success", result.output[-3000:]
     assert "The engine reads the cleaned copy" in result.output
@@ -279,7 +280,7 @@ def test_the_runner_gets_only_the_requests_the_answer_cache_does_not_hold(embedd
         "input_uri": _put(embedded, "answer-cache-runner/input.jsonl", text),
         "output_uri": f"s3://{BUCKET}/answer-cache-runner/results.jsonl",
         "model": model,
-        "engine_args": ["--enforce-eager"],
+        "engine": VLLMRunner(args=["--enforce-eager"]),
         "answer_cache_uri": cache_uri,
     }
     settings = BatchSettings.from_rendered(**kwargs)

@@ -25,6 +25,7 @@ from airflow_vllm_batch.exceptions import (
 )
 from airflow_vllm_batch.lease import LeaseHolder
 from airflow_vllm_batch.engines import VLLMRunner
+from airflow_vllm_batch.run import InputLimits
 from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
 from airflow_vllm_batch.storage import RunStaging
 from airflow_vllm_batch.version_compat import AirflowFailException
@@ -133,7 +134,7 @@ def test_same_identity_returns_the_published_manifest_without_the_engine(batch):
         ({"args": ["--max-model-len", "64"]}, "engine_args"),
         ({"default_body": {"max_completion_tokens": 3}}, "default_body"),
         ({"invalid_lines": "skip"}, "invalid_lines"),
-        ({"max_lines": 100}, "max_lines"),
+        ({"limits": InputLimits(max_lines=100)}, "max_lines"),
         ({"error_uri": "s3://{bucket}/elsewhere/errors.jsonl"}, "error_uri"),
         ({"rewrite_model": True}, "rewrite_model"),
     ],
@@ -146,7 +147,8 @@ def test_a_changed_setting_runs_again_and_the_log_names_it(batch, capfd, change,
     manifest = batch.run(**change)
     assert batch.engine_runs == 2
     assert f"made by a different run (changed: {named})" in capfd.readouterr().out
-    assert manifest["identity"][named] == next(iter(change.values()))
+    value = next(iter(change.values()))
+    assert manifest["identity"][named] == (getattr(value, named) if isinstance(value, InputLimits) else value)
 
 
 def test_an_overwritten_input_is_a_new_run(batch, capfd):

@@ -9,8 +9,8 @@ from datetime import datetime, timezone
 
 import pytest
 
-from vllm_batch_embedded.demo import BUCKET
 from airflow_vllm_batch.engines import VLLMRunner
+from vllm_batch_embedded.demo import BUCKET
 from tests.integration.dagrun import DagRunResult, register_dag, run_dag
 
 pytestmark = pytest.mark.integration
@@ -305,3 +305,30 @@ def test_the_runner_gets_only_the_requests_the_answer_cache_does_not_hold(embedd
     assert lines["a0"]["id"] != "cached-1"  # the runner answered the miss
     raw = embedded.client().get_object(Bucket=BUCKET, Key="answer-cache-runner/results.jsonl")["Body"].read()
     assert stored.encode() in raw.splitlines()  # a1's answer byte for byte
+
+
+def test_the_engines_templated_options_render_in_a_real_dag_run_and_show_in_the_rendered_fields(embedded, airflow_db, tmp_path):
+    """dag.test() renders the options' template_fields (a nested object of ``engine``); the stored view shows them, the secret masked."""
+    from pathlib import Path
+
+    fake_runner = Path(__file__).resolve().parents[1] / "unit" / "operators" / "fake_runner.py"
+    uri = _put(embedded, "rendered-engine/input.jsonl", _line("a", "m") + "\n")
+    engine = VLLMRunner(
+        command=[sys.executable, str(fake_runner)],
+        args=["--max-model-len", "{{ params.max_len }}", "--hf-token", "{{ params.token }}"],
+        env={"FAKE_ENGINE_CALLS": str(tmp_path / "calls.txt"), "RUN_MARKER": "{{ run_id }}"},
+    )
+    result = _run_operator(
+        "rendered_engine",
+        input_uri=uri,
+        output_uri=f"s3://{BUCKET}/rendered-engine/results.jsonl",
+        model="m",
+        engine=engine,
+        params={"max_len": "64", "token": "hf_RenderedInARealRun1"},
+    )
+    assert result.state == "success", result.output[-3000:]
+    shown = result.rendered["vllm_batch"]["engine"]
+    assert shown["engine"] == "VLLMRunner"
+    assert shown["args"] == ["--max-model-len", "64", "--hf-token", "***"]
+    assert shown["env"]["RUN_MARKER"].startswith("manual__")
+    assert "hf_RenderedInARealRun1" not in json.dumps(result.rendered) + repr(result.xcoms)

@@ -33,6 +33,7 @@ from airflow_vllm_batch.batchfile import (
     PreflightOptions,
     PreflightReport,
     ResultsReport,
+    RUNNER_URL_ADVICE,
     check_results,
     describe_source,
     line_kind,
@@ -87,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
         dest="supported_urls",
         metavar="URL",
         help=(
-            "URL the engine serves (repeatable); default: what the operator's default engine (engine=\"runner\") "
+            "URL the engine serves (repeatable); default: what the operator's default engine (engine=VLLMRunner()) "
             f"accepts, {', '.join(sorted(DEFAULT_SUPPORTED_URLS))}"
         ),
     )
@@ -123,6 +124,7 @@ def run_validate(args: argparse.Namespace) -> int:
             max_problems_listed=args.max_problems,
             # No engine runs here: the messages name where the list came from.
             urls_from="the engine --supported-url describes" if args.supported_urls else URLS_FROM_DEFAULT,
+            url_advice={} if args.supported_urls else RUNNER_URL_ADVICE,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -184,7 +186,8 @@ def run_stats(args: argparse.Namespace) -> int:
 
 
 #: How a message names the URL list when ``--supported-url`` is not given.
-URLS_FROM_DEFAULT = 'engine="runner", the operator\'s default'
+URLS_FROM_DEFAULT = "engine=VLLMRunner(), the operator's default"
+
 
 
 # -- kinds of file ---------------------------------------------------------------------

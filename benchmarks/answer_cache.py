@@ -1,4 +1,4 @@
-"""The answer cache (``answer_cache_uri=``): what a nightly run over a mostly unchanged table sends, and what the cache costs.
+"""The answer cache (``answer_cache=``): what a nightly run over a mostly unchanged table sends, and what the cache costs.
 
 ``nightly``: night 1 runs N chat rows (temperature 0) through one warm vLLM server with the
 cache on; night 2 runs the same rows with a share of them changed, into a new output, with
@@ -44,6 +44,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 os.environ.setdefault("AIRFLOW_HOME", tempfile.mkdtemp(prefix="vllm-batch-bench-airflow-"))
 
+from airflow_vllm_batch.engines import WarmVLLMServer  # noqa: E402
+from airflow_vllm_batch.run import AnswerCacheOptions  # noqa: E402
 from server_engine import BUCKET, stand_in_server, vm_kb, run_task  # noqa: E402
 
 from tests.integration.vllm_metrics import requests_answered  # noqa: E402
@@ -119,8 +121,8 @@ def nightly(args: argparse.Namespace, s3: SeaweedFS, work: Path) -> int:
                 input_uri=f"s3://{BUCKET}/nightly-{stamp}/night{night}.jsonl",
                 output_uri=f"s3://{BUCKET}/nightly-{stamp}/out-{night}/results.jsonl",
                 model=model,
-                vllm_conn_id=CONN_ID,
-                answer_cache_uri=cache,
+                engine=WarmVLLMServer(conn_id=CONN_ID),
+                answer_cache=AnswerCacheOptions(uri=cache),
                 results_dir=str(work / "results"),
             )
             wall = time.monotonic() - started
@@ -210,9 +212,9 @@ def _one(model: str, results_dir: str, cache: str) -> None:
     from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator  # noqa: F401 - imports are not the task's work
 
     started = time.monotonic()
-    extra = {"answer_cache_uri": cache} if cache else {}
+    extra = {"answer_cache": AnswerCacheOptions(uri=cache)} if cache else {}
     manifest = run_task(
-        0, input_uri=f"s3://{BUCKET}/overhead/input.jsonl", model=model, vllm_conn_id=CONN_ID, results_dir=results_dir, resume=False, **extra
+        0, input_uri=f"s3://{BUCKET}/overhead/input.jsonl", model=model, engine=WarmVLLMServer(conn_id=CONN_ID), results_dir=results_dir, resume=False, **extra
     )
     wall = time.monotonic() - started
     assert manifest["request_counts"]["completed"] == manifest["request_counts"]["total"], manifest["request_counts"]

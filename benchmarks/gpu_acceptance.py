@@ -142,10 +142,14 @@ def run_engine(engine: str, common: dict) -> dict:
 
 def _task(engine: str, common: str) -> None:
     """The child: one operator task; its log on stdout, then its manifest as the last line."""
+    from airflow_vllm_batch.engines import VLLMRunner, VLLMServer
     from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
 
     _TI.run_id = f"acceptance-{engine}-{time.time_ns()}"
-    op = VLLMBatchOperator(task_id="vllm_batch", output_uri=f"s3://{BUCKET}/out/{_TI.run_id}/results.jsonl", engine=engine, **json.loads(common))
+    settings = json.loads(common)
+    args = settings.pop("engine_args")
+    options = VLLMRunner(args=args) if engine == "runner" else VLLMServer(args=args)
+    op = VLLMBatchOperator(task_id="vllm_batch", output_uri=f"s3://{BUCKET}/out/{_TI.run_id}/results.jsonl", engine=options, **settings)
     manifest = op.execute({"ti": _TI(), "outlet_events": {}})
     sys.stderr.flush()
     print("\n" + json.dumps(manifest), flush=True)

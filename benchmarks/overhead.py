@@ -112,6 +112,8 @@ def run_operator(dag_cls, operator_cls, rep: int, model: Path, engine_args: list
     """Time one VLLMBatchOperator task (its task-instance duration) in ``dag.test()``."""
     from airflow.utils.session import create_session
 
+    from airflow_vllm_batch.engines import VLLMRunner
+
     from tests.integration.dagrun import register_dag
 
     with dag_cls(f"bench_overhead_{rep}", schedule=None, start_date=datetime(2026, 1, 1, tzinfo=timezone.utc)) as dag:
@@ -120,7 +122,7 @@ def run_operator(dag_cls, operator_cls, rep: int, model: Path, engine_args: list
             input_uri="s3://vllm-batch/bench/input.jsonl",
             output_uri=f"s3://vllm-batch/bench/out-{rep}/results.jsonl",
             model=str(model),
-            engine_args=engine_args,
+            engine=VLLMRunner(args=engine_args),
             execution_timeout=timedelta(hours=1),
         )
     register_dag(dag)

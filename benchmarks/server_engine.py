@@ -36,6 +36,7 @@ sys.path.insert(0, str(REPO / "dags"))  # the example settings live beside the e
 os.environ.setdefault("AIRFLOW_HOME", tempfile.mkdtemp(prefix="vllm-batch-bench-airflow-"))
 
 import vllm_batch_examples as examples  # noqa: E402
+from airflow_vllm_batch.engines import VLLMRunner, WarmVLLMServer  # noqa: E402
 from vllm_batch_embedded.demo import CPU_ENGINE_ARGS, CPU_ENGINE_ENV  # noqa: E402
 from vllm_batch_embedded.seaweedfs import SeaweedFS  # noqa: E402
 from vllm_batch_embedded.tiny_model import build_tiny_chat_model  # noqa: E402
@@ -71,7 +72,7 @@ def tasks(args: argparse.Namespace, s3: SeaweedFS, work: Path) -> None:
 
     runner_shares, started = [], time.monotonic()
     for i in range(args.tasks):
-        manifest = run_task(i, engine_args=CPU_ENGINE_ARGS.split(), **common)
+        manifest = run_task(i, engine=VLLMRunner(args=CPU_ENGINE_ARGS.split()), **common)
         runner_shares.append(manifest["engine_duration_s"] / manifest["duration_s"])
         print(f"runner task {i + 1}: {manifest['duration_s']:.1f}s", flush=True)
     runner_wall = time.monotonic() - started
@@ -84,7 +85,7 @@ def tasks(args: argparse.Namespace, s3: SeaweedFS, work: Path) -> None:
         ready_s = time.monotonic() - started
         server_shares = []
         for i in range(args.tasks):
-            manifest = run_task(i, vllm_conn_id="vllm_bench", **common)
+            manifest = run_task(i, engine=WarmVLLMServer(conn_id="vllm_bench"), **common)
             server_shares.append(manifest["engine_duration_s"] / manifest["duration_s"])
             print(f"server task {i + 1}: {manifest['duration_s']:.1f}s", flush=True)
         server_wall = time.monotonic() - started
@@ -176,7 +177,7 @@ def _one(input_uri: str, results_dir: str) -> None:
     from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator  # noqa: F401 - the floor: imports
 
     imports_kb = vm_kb("VmHWM")
-    manifest = run_task(0, input_uri=input_uri, model="m", vllm_conn_id="vllm_bench", results_dir=results_dir, resume=False)
+    manifest = run_task(0, input_uri=input_uri, model="m", engine=WarmVLLMServer(conn_id="vllm_bench"), results_dir=results_dir, resume=False)
     print(manifest["request_counts"], f"{manifest['duration_s']:.1f}s", file=sys.stderr, flush=True)
     print(json.dumps({"peak_after_imports_mb": round(imports_kb / 1024, 1), "peak_rss_mb": round(vm_kb("VmHWM") / 1024, 1)}), flush=True)
 

@@ -15,6 +15,7 @@ from airflow.sdk import Param, dag, task
 
 import vllm_batch_examples as examples
 from airflow_vllm_batch.batchfile import Failed
+from airflow_vllm_batch.engines import VLLMRunner
 from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
 from airflow_vllm_batch.storage import read_answers
 
@@ -46,8 +47,7 @@ def vllm_batch_embeddings():
         input_uri=upload(),
         output_uri=PREFIX + "/embeddings.jsonl",
         model="{{ params.model }}",
-        engine_args=examples.engine_args("--runner", "pooling"),
-        engine_python=examples.engine_python(),
+        engine=VLLMRunner(args=examples.engine_args("--runner", "pooling"), python=examples.engine_python()),
         aws_conn_id=examples.aws_conn_id(),
         execution_timeout=timedelta(hours=6),
         queue="gpu",

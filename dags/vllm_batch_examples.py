@@ -32,6 +32,8 @@ import re
 import shlex
 from datetime import datetime, timezone
 
+from airflow_vllm_batch.engines import EngineOptions, VLLMRunner, WarmVLLMServer
+
 DEFAULT_CHAT_MODEL = "Qwen/Qwen2.5-1.5B-Instruct"
 DEFAULT_EMBED_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 
@@ -58,6 +60,14 @@ def aws_conn_id() -> str:
 def vllm_conn_id() -> str | None:
     """The ``vllm`` connection of a running server for the example DAGs, or None to run vLLM's batch runner."""
     return os.environ.get("AIRFLOW_VLLM_BATCH_VLLM_CONN_ID") or None
+
+
+def engine(*extra: str) -> EngineOptions:
+    """The example DAGs' engine: the warm server of ``vllm_conn_id()``, else vLLM's batch runner with ``extra`` arguments."""
+    conn_id = vllm_conn_id()
+    if conn_id:
+        return WarmVLLMServer(conn_id=conn_id)
+    return VLLMRunner(args=engine_args(*extra), python=engine_python())
 
 
 def start_date() -> datetime | None:

@@ -10,14 +10,12 @@ environment.
 
 from __future__ import annotations
 
-from vllm_batch_examples import aws_conn_id, chat_model, engine_args, engine_python, vllm_conn_id
+from vllm_batch_examples import aws_conn_id, chat_model, engine
 
 from airflow_vllm_batch.openai_api.batch_dag import openai_batch_dag
 
 dag = openai_batch_dag(
     model=chat_model(),
-    engine_args=engine_args(),
-    engine_python=engine_python(),
+    engine=engine(),
     aws_conn_id=aws_conn_id(),
-    vllm_conn_id=vllm_conn_id(),
 )

@@ -72,9 +72,7 @@ def vllm_batch_sharded():
     inference = VLLMBatchOperator.partial(
         task_id="vllm_batch",
         model="{{ params.model }}",
-        engine_args=examples.engine_args(),
-        engine_python=examples.engine_python(),
-        vllm_conn_id=examples.vllm_conn_id(),
+        engine=examples.engine(),
         aws_conn_id=examples.aws_conn_id(),
         execution_timeout=timedelta(hours=2),
         queue="gpu",

@@ -38,6 +38,7 @@ from datetime import timedelta
 from airflow.sdk import Param, dag, task
 
 import vllm_batch_examples as examples
+from airflow_vllm_batch.engines import VLLMRunner
 from airflow_vllm_batch.gpu_pods import gpu_pod_override
 from airflow_vllm_batch.operators.shards import (
     VLLMBatchMergeOperator,
@@ -86,10 +87,12 @@ def vllm_batch_sharded_k8s():
     inference = VLLMBatchOperator.partial(
         task_id="vllm_batch",
         model="{{ params.model }}",
-        engine_args=examples.engine_args(*(["--tensor-parallel-size", str(GPUS)] if GPUS > 1 else [])),
-        engine_python=examples.engine_python(),
         # The pod holds exactly its GPUs: the engine leases them all.
-        gpus=GPUS,
+        engine=VLLMRunner(
+            args=examples.engine_args(*(["--tensor-parallel-size", str(GPUS)] if GPUS > 1 else [])),
+            python=examples.engine_python(),
+            gpus=GPUS,
+        ),
         aws_conn_id=examples.aws_conn_id(),
         execution_timeout=timedelta(hours=2),
         executor_config=gpu_pod_override(

@@ -115,6 +115,13 @@ from airflow_vllm_batch.exceptions import PreflightError
 #: line would publish a batch with a whole kind of request left out). A runner that serves one
 #: (the probe reads the installed runner's routes) accepts it like any other URL.
 SERVER_ONLY_URLS: frozenset[str] = frozenset({"/v1/completions"})
+#: What vLLM's batch runner tells a line of :data:`SERVER_ONLY_URLS` (its engine's ``url_advice``;
+#: also the CLI's, whose default URL list is the runner's).
+RUNNER_URL_ADVICE: dict[str, str] = {
+    url: f"vLLM's batch runner has no {url}: run this file with engine=VLLMServer(...) (a server the task starts) "
+    "or WarmVLLMServer(conn_id=...), which serve it"
+    for url in SERVER_ONLY_URLS
+}
 
 #: A request line longer than this is refused by default: real chat requests are
 #: a few KiB, and a single huge line is more likely a file without newlines.
@@ -185,6 +192,7 @@ class PreflightOptions:
     model_names: frozenset[str] = frozenset()
     response_format: Mapping[str, Any] | None = None
     urls_from: str = "this engine"
+    url_advice: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "supported_urls", frozenset(self.supported_urls))
@@ -626,9 +634,11 @@ class _Checker:
                 "without output_type"
             )
         if self.other_engine_lines and opts.invalid_lines == "skip":
+            urls = sorted(SERVER_ONLY_URLS)
+            advice = next((opts.url_advice[u] for u in urls if u in opts.url_advice), "run the file with an engine that serves them")
             self.file_problem(
-                f"{self.other_engine_lines} line(s) use {', '.join(sorted(SERVER_ONLY_URLS))}, which {opts.urls_from} does not "
-                'serve (vLLM\'s batch runner has none); they are not skipped — run the file with engine="server"'
+                f"{self.other_engine_lines} line(s) use {', '.join(urls)}, which {opts.urls_from} does not "
+                f"serve; they are not skipped — {advice}"
             )
         if report.needs_rewrite:
             self.renumber_for_cleaned_copy()
@@ -890,17 +900,9 @@ def diagnose_line(
     if not isinstance(url, str):
         return shown, f'"url" is a {_json_type(url)}, not a string — set "url" to one of: {supported}'
     if url not in opts.supported_urls:
-        if url.startswith("/v1/audio/"):
-            # Only vLLM's batch runner fetches an audio line's file_url and uploads it.
-            return shown, (
-                f'"url" {url!r} is not served by {opts.urls_from} — audio lines run on the batch runner '
-                f'(engine="runner"); put them in a file of their own, or use one of: {supported}'
-            )
-        if url in SERVER_ONLY_URLS:
-            return shown, (
-                f'"url" {url!r} is not served by {opts.urls_from} (vLLM\'s batch runner has no {url}) — run this file with '
-                f'engine="server" (a server the task starts, or a vllm connection), which serves it; or use one of: {supported}'
-            )
+        if url in opts.url_advice:
+            # The engine's own words: which engine serves it (preflight knows no engine).
+            return shown, f'"url" {url!r} is not served by {opts.urls_from} — {opts.url_advice[url]}; or use one of: {supported}'
         return shown, f'"url" {url!r} is not served by {opts.urls_from} — use one of: {supported}'
     unstructured = structured_problem(url, opts)
     if unstructured:

@@ -98,7 +98,7 @@ def vllm_batch_task(python_callable: Callable | None = None, **kwargs: Any) -> T
     """Wrap a function that returns the requests into a vLLM batch task (``@task.vllm_batch``).
 
     The keyword arguments are :class:`~airflow_vllm_batch.operators.vllm_batch.VLLMBatchOperator`'s
-    (``output_uri``, ``model``, ``engine_args``, ``vllm_conn_id``...), except ``requests`` and
+    (``output_uri``, ``model``, ``engine=VLLMServer(...)``...), except ``requests`` and
     ``input_uri``: the function's return value is the requests. The task returns the manifest.
 
     :param python_callable: the function to decorate.

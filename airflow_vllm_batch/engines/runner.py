@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from botocore.exceptions import BotoCoreError, ClientError
 
 from airflow_vllm_batch.batchfile import CustomIdIndex, open_lines, redact_urls
+from airflow_vllm_batch.batchfile.preflight import RUNNER_URL_ADVICE
 from airflow_vllm_batch.redaction import redact_engine_args
 from airflow_vllm_batch.engines.base import EngineJob, EngineResults
 from airflow_vllm_batch.engines.local import LocalEngine
@@ -68,10 +69,18 @@ class RunnerEngine(LocalEngine):
     #: The last output read by :meth:`split`.
     _split: Split = Split()
 
+    def url_advice(self) -> dict[str, str]:
+        return dict(RUNNER_URL_ADVICE)
+
+    @property
+    def presign_seconds(self) -> int:
+        """Seconds the presigned URLs stay valid: ``presign_expires_in``, or the task's whole time budget."""
+        return self.settings.presign_seconds(self.options.presign_expires_in)
+
     @cached_property
     def hook(self) -> VLLMEngineHook:
         """Runs the engine process; kept so that :meth:`terminate` can stop it."""
-        return VLLMEngineHook(kill_grace_s=self.settings.kill_grace_s)
+        return VLLMEngineHook(kill_grace_s=self.options.kill_grace_s)
 
     def produce(self, info: EngineInfo, job: EngineJob) -> EngineResults:
         """Make sure the run's answers are staged in S3; run the engine only for what is not.
@@ -154,8 +163,8 @@ class RunnerEngine(LocalEngine):
         staging = job.staging
         self.engine_arguments(info)
         engine_input = self.engine_input(job)
-        if self.settings.output_mode == "presigned":
-            output = job.input.presign("put_object", staging.bucket, staging.results_key)
+        if self.options.output_mode == "presigned":
+            output = job.input.presign("put_object", staging.bucket, staging.results_key, expires_in=self.presign_seconds)
             self.log.info("The engine uploads its results to %s", staged.staged_uri)
         else:
             output = str(job.work / "engine-results.jsonl")
@@ -163,7 +172,7 @@ class RunnerEngine(LocalEngine):
         staged.run = run
         died = self.split(job, run, output, whole=True)
         if died is None:
-            if self.settings.output_mode == "presigned":
+            if self.options.output_mode == "presigned":
                 self.confirm_input_unchanged(job)
                 return None
             local = Path(output)
@@ -204,12 +213,12 @@ class RunnerEngine(LocalEngine):
                 " ".join(extra),
             )
         engine_input = str(subset)
-        if self.settings.output_mode == "presigned" and job.input.in_s3:
+        if self.options.output_mode == "presigned" and job.input.in_s3:
             staging.put_input(subset)
-            engine_input = job.input.presign("get_object", staging.bucket, staging.input_key)
+            engine_input = job.input.presign("get_object", staging.bucket, staging.input_key, expires_in=self.presign_seconds)
         output = (
-            job.input.presign("put_object", staging.bucket, staging.results_key)
-            if self.settings.output_mode == "presigned"
+            job.input.presign("put_object", staging.bucket, staging.results_key, expires_in=self.presign_seconds)
+            if self.options.output_mode == "presigned"
             else str(job.work / "engine-results.jsonl")
         )
         run = self.start_engine(info, engine_input, output, job, extra=extra)
@@ -337,8 +346,8 @@ class RunnerEngine(LocalEngine):
                 return str(cleaned)
             uri = job.staging.put_input(cleaned)
             self.log.info("The engine reads the cleaned copy %s", uri)
-            return job.input.presign("get_object", job.staging.bucket, job.staging.input_key)
-        return job.input.presigned_get() if job.input.in_s3 else job.input.uri
+            return job.input.presign("get_object", job.staging.bucket, job.staging.input_key, expires_in=self.presign_seconds)
+        return job.input.presigned_get(expires_in=self.presign_seconds) if job.input.in_s3 else job.input.uri
 
     def start_engine(
         self, info: EngineInfo, input_location: str, output_location: str, job: EngineJob, extra: list[str] | None = None
@@ -348,7 +357,7 @@ class RunnerEngine(LocalEngine):
         :param extra: flags after the others (an isolated run's in-flight bound).
         """
         engine_args = self.engine_arguments(info) + list(extra or ())
-        if not self.settings.engine_command and "output_tmp_dir" in info.runner_options and output_location.startswith("http"):
+        if not self.command and "output_tmp_dir" in info.runner_options and output_location.startswith("http"):
             # Without it vLLM holds a URL output in memory until its final PUT.
             engine_args += ["--output-tmp-dir", str(job.work)]
         argv = build_engine_argv(
@@ -356,13 +365,13 @@ class RunnerEngine(LocalEngine):
             output_location=output_location,
             model=self.settings.model,
             engine_args=engine_args,
-            engine_command=self.settings.engine_command,
+            engine_command=self.command,
             python=self.python,
             runner_module=info.runner_module,
         )
-        env = self.settings.engine_environment
+        env = self.environment
         self.log.info("Starting the vLLM engine: %s", redact_urls(" ".join(redact_engine_args(argv))))
-        if not self.settings.engine_command:
+        if not self.command:
             argv, hidden = conceal_arguments(argv)
             env.update(hidden)
         # What the engine is given was decided by this try's reads of staging; staged results or a part

@@ -1,7 +1,7 @@
 """The server engines: vLLM's OpenAI-compatible server, started by the task or warm behind a ``vllm`` connection.
 
 Both stream the requests no checkpoint answers yet, with bounded in-flight, and journal
-each final answer as it arrives: every ``checkpoint_interval_s`` seconds (or 64 MiB) the
+each final answer as it arrives: every ``checkpoint_interval`` (or 64 MiB) the
 new answers go to the run's staging as a *part*, named for the try that wrote it. A
 retry on any worker sends only what no part answers. The lease is checked before every
 part goes up, so a try that lost its output to another stops at its next checkpoint.
@@ -32,6 +32,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from airflow_vllm_batch.batchfile import CustomIdIndex
 from airflow_vllm_batch.batchfile.cache_keys import reported_models
+from airflow_vllm_batch.batchfile.models import GENERATE_URLS
 from airflow_vllm_batch.engines.base import Engine, EngineJob, EngineResults
 from airflow_vllm_batch.engines.local import LocalEngine
 from airflow_vllm_batch.engines.sizing import api_server_count, connection_in_flight, started_server_in_flight
@@ -67,33 +68,30 @@ class _Streaming(Engine):
     """What both server engines do: stream what no checkpoint answers, journal answers into parts."""
 
     @classmethod
-    def check_settings(cls, values: Mapping[str, Any]) -> None:
-        if values.get("output_mode", "local") != "local" or values.get("engine_command"):
-            raise ConfigurationError(
-                "engine='server' streams from this task to the server: output_mode='presigned' and engine_command "
-                "apply to the runner only (set engine_python for a server in another environment)."
-            )
+    def check_settings(cls, options: Any, values: Mapping[str, Any]) -> None:
         urls = values.get("supported_urls")
         if urls and (unsendable := sorted(set(urls) - SERVED_URLS)):
             raise ConfigurationError(
-                f"supported_urls: the server engine cannot send {', '.join(unsendable)} (an audio line's file_url "
-                'must be fetched and uploaded, which only the batch runner does): use engine="runner" for these '
+                f"supported_urls: {options.label} cannot send {', '.join(unsendable)} (an audio line's file_url "
+                "must be fetched and uploaded, which only the batch runner does): use engine=VLLMRunner() for these "
                 f"lines, or list only some of {', '.join(sorted(SERVED_URLS))}."
             )
+
+    def url_advice(self) -> dict[str, str]:
+        # Only vLLM's batch runner fetches an audio line's file_url and uploads it.
+        return {
+            url: "audio lines run on the batch runner (engine=VLLMRunner()); put them in a file of their own"
+            for url in GENERATE_URLS - SERVED_URLS
+        }
 
     @cached_property
     def server(self) -> VLLMServerEngine:
         """The server (a warm one, or one this task starts); kept so that :meth:`terminate` can stop it."""
-        return VLLMServerEngine(
-            self.settings.model,
-            vllm_conn_id=self.settings.vllm_conn_id,
-            engine_args=list(self.settings.engine_args),
-            env=self.settings.engine_environment,
-            python=self.settings.engine_python,
-            grace_s=self.settings.kill_grace_s,
-            startup_timeout_s=self.settings.server_startup_timeout,
-            request_timeout_s=self.settings.request_timeout,
-        )
+        return VLLMServerEngine(self.settings.model, request_timeout_s=self.options.request_timeout_s, **self.server_arguments())
+
+    def server_arguments(self) -> dict[str, Any]:
+        """How :class:`VLLMServerEngine` reaches or starts the server."""
+        raise NotImplementedError
 
     def restrict(self, info: EngineInfo) -> EngineInfo:
         """The batch URLs of this engine: the server's routes (as the probe read them) that the stream can send."""
@@ -134,7 +132,7 @@ class _Streaming(Engine):
         journal = Journal(
             job.work / "journal",
             on_part=upload,
-            checkpoint_interval_s=self.settings.checkpoint_interval_s,
+            checkpoint_interval_s=self.options.checkpoint_interval_s,
             max_part_bytes=DEFAULT_MAX_PART_BYTES,
             first_index=len(parts),
         )
@@ -145,11 +143,11 @@ class _Streaming(Engine):
         # first request (a zombie) does not send again what its successor answered (Durability, Fencing).
         job.lease.ensure_held(verify=True)
         started = time.monotonic()
-        if self.settings.client_processes > 1:
+        if self.options.client_processes > 1:
             self.log.info(
                 "The client spreads the requests over %d processes, each with its own connection pool and share of "
                 "the in-flight bound; this task uploads their checkpoints.",
-                self.settings.client_processes,
+                self.options.client_processes,
             )
         try:
             with job.request_lines() as lines, self.gpus_for(job) as fds:
@@ -157,11 +155,11 @@ class _Streaming(Engine):
                 stats = self.server.run(
                     enumerate(lines, start=1),
                     journal=journal,
-                    max_in_flight=self.settings.max_in_flight,
+                    max_in_flight=self.options.max_in_flight,
                     skip=skip,
                     on_progress=progress,
                     progress_every_s=PROGRESS_EVERY_S,
-                    processes=self.settings.client_processes,
+                    processes=self.options.client_processes,
                 )
             progress.summary(stats)
             if stats.unanswered:
@@ -213,12 +211,21 @@ class ServerEngine(_Streaming, LocalEngine):
     entrypoint = "api_server"
 
     @classmethod
-    def check_settings(cls, values: Mapping[str, Any]) -> None:
-        super().check_settings(values)
-        args = values.get("engine_args")
+    def check_settings(cls, options: Any, values: Mapping[str, Any]) -> None:
+        super().check_settings(options, values)
+        args = options.args
         if isinstance(args, (list, tuple)):
             # At parse time: a flag the task sets itself (--port, ...) would leave it waiting on the wrong server.
             check_reserved_options([a for a in args if isinstance(a, str) and "{{" not in a], cls.entrypoint)
+
+    def server_arguments(self) -> dict[str, Any]:
+        return {
+            "engine_args": list(self.options.args),
+            "env": self.environment,
+            "python": self.options.python,
+            "grace_s": self.options.kill_grace_s,
+            "startup_timeout_s": self.options.startup_timeout_s,
+        }
 
     def inspect(self) -> EngineInfo:
         return self.restrict(LocalEngine.inspect(self))
@@ -230,7 +237,7 @@ class ServerEngine(_Streaming, LocalEngine):
         self.server.engine_args = self.engine_arguments(info)
         sizes = self.scheduler_sizes
         assert sizes is not None
-        self.server.max_in_flight, why = started_server_in_flight(self.settings.max_in_flight, sizes, self.server.engine_args)
+        self.server.max_in_flight, why = started_server_in_flight(self.options.max_in_flight, sizes, self.server.engine_args)
         self.log.info("In flight: at most %d requests (%s)", self.server.max_in_flight, why)
         if (api_server_count(self.server.engine_args) or 1) > 1:
             self.log.warning(
@@ -252,6 +259,10 @@ class ConnectionEngine(_Streaming):
     """
 
     name = "server"
+    cost_basis = "vllm_connection"
+
+    def server_arguments(self) -> dict[str, Any]:
+        return {"vllm_conn_id": self.options.conn_id}
 
     @cached_property
     def model_cards(self) -> list[dict[str, Any]]:
@@ -279,7 +290,7 @@ class ConnectionEngine(_Streaming):
         version = self.server.check()
         self.log.info(
             "Engine: the vLLM server of connection %r (vLLM %s) serves %s",
-            self.settings.vllm_conn_id,
+            self.options.conn_id,
             version or "of unknown version",
             self.settings.model,
         )
@@ -289,7 +300,7 @@ class ConnectionEngine(_Streaming):
         return {"engine_command": None, "engine_args": None, "engine": "vllm_connection"}
 
     def before_stream(self, info: EngineInfo) -> None:
-        self.server.max_in_flight, why = connection_in_flight(self.settings.max_in_flight, self.server.warm_hook.max_in_flight)
+        self.server.max_in_flight, why = connection_in_flight(self.options.max_in_flight, self.server.warm_hook.max_in_flight)
         self.log.info("In flight: at most %d requests (%s)", self.server.max_in_flight, why)
 
 

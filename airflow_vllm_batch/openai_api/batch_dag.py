@@ -103,7 +103,7 @@ class OpenAIBatchOperator(VLLMBatchOperator):
         No run writes the output after this: the output file is the batch's own, and the task
         fails without a retry. The run's staging is removed once the files are written.
         """
-        hook = self.s3_hook
+        hook = self.hook
         client = hook.get_conn()
         bucket, _, output_key = self.output_uri.removeprefix("s3://").partition("/")
         parts = [key for key, _ in newest_run_parts(client, bucket, output_key)]
@@ -131,7 +131,7 @@ class OpenAIBatchOperator(VLLMBatchOperator):
         """Write the failure record; a failure to write it is logged, not raised over the task's own error."""
         bucket, _, key = self.failure_uri.removeprefix("s3://").partition("/")
         try:
-            self.s3_hook.load_bytes(json.dumps(failure_record(err)).encode(), key=key, bucket_name=bucket, replace=True)
+            self.hook.load_bytes(json.dumps(failure_record(err)).encode(), key=key, bucket_name=bucket, replace=True)
         except Exception as write_err:  # the batch's own error is the one to raise
             self.log.warning("Could not write the batch's failure record to %s: %s", self.failure_uri, write_err)
 
@@ -147,7 +147,7 @@ def openai_batch_dag(
     """Build the DAG that runs the OpenAI API's batches; call it from a DAG file.
 
     With ``[vllm_batch] openai_models`` configured (or ``routes`` given), the DAG has one batch
-    task per served model (its warm fleet's ``vllm_conn_id``, or the runner on its ``queue``)
+    task per served model (its warm fleet's ``WarmVLLMServer``, or the runner on its ``queue``)
     and a ``route`` task that picks the one ``POST /batches`` chose; else one task, ``vllm_batch``,
     serving ``model``.
 
@@ -156,8 +156,8 @@ def openai_batch_dag(
     :param completion_window: the task's ``execution_timeout``: a batch still running then expires,
         publishing the answers finished so far. Default 24 hours (OpenAI's only window).
     :param routes: the served models (default: ``[vllm_batch] openai_models``, read when the DAG file is parsed).
-    :param operator_kwargs: more ``VLLMBatchOperator`` arguments (``engine_args``, ``vllm_conn_id``, ...);
-        a route's ``vllm_conn_id``, ``queue`` and ``engine_args`` replace them for its task.
+    :param operator_kwargs: more ``VLLMBatchOperator`` arguments (``engine=VLLMRunner(args=[...])``, ...);
+        a route's engine (its ``vllm_conn_id``, or ``engine_args`` for the runner) and ``queue`` replace them for its task.
     """
     from airflow.sdk import DAG
 
@@ -186,11 +186,9 @@ def openai_batch_dag(
 
         route = BranchPythonOperator(task_id="route", python_callable=_chosen_route)
         for served in routes.values():
-            kwargs = {**operator_kwargs, "vllm_conn_id": served.vllm_conn_id}
+            kwargs = {**operator_kwargs, "engine": served.engine()}
             if served.queue:
                 kwargs["queue"] = served.queue
-            if served.engine_args:
-                kwargs["engine_args"] = list(served.engine_args)
             route >> OpenAIBatchOperator(
                 task_id=served.task_id, model=served.model, execution_timeout=completion_window, **uris, **kwargs
             )

@@ -22,6 +22,7 @@ from typing import Any
 import msgspec
 
 from airflow_vllm_batch.batchfile.models import RequestBody
+from airflow_vllm_batch.engines.options import EngineOptions, VLLMRunner, WarmVLLMServer
 from airflow_vllm_batch.exceptions import ConfigurationError
 
 #: The task id of the batch task when no ``openai_models`` are configured; the routes' tasks start with it.
@@ -43,6 +44,12 @@ class ModelRoute:
     vllm_conn_id: str | None = None
     queue: str | None = None
     engine_args: tuple[str, ...] = field(default=())
+
+    def engine(self) -> EngineOptions:
+        """The engine of this model's task: the warm fleet's server, or the runner with ``engine_args``."""
+        if self.vllm_conn_id:
+            return WarmVLLMServer(conn_id=self.vllm_conn_id)
+        return VLLMRunner(args=list(self.engine_args))
 
     @property
     def task_id(self) -> str:

@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from airflow.providers.amazon.aws.hooks.s3 import S3Hook
-from airflow.sdk import BaseOperator
+from airflow.providers.amazon.aws.operators.base_aws import AwsBaseOperator
+from airflow.providers.amazon.aws.utils.mixins import aws_template_fields
 
 from airflow_vllm_batch.batchfile import open_lines, redact_url
 from airflow_vllm_batch.exceptions import VLLMBatchError
@@ -62,7 +63,7 @@ RESULTS_SUFFIX = ".results.jsonl"
 _SHARD_KEY = re.compile(r"^shard-(\d{5,})\.")
 
 
-class VLLMBatchSplitOperator(BaseOperator):
+class VLLMBatchSplitOperator(AwsBaseOperator[S3Hook]):
     """Split a batch file into shards in S3 and return one ``VLLMBatchOperator`` kwargs dict per shard.
 
     Streams the input (never whole in memory), writes each shard to a temporary
@@ -88,10 +89,12 @@ class VLLMBatchSplitOperator(BaseOperator):
     :param max_requests: the most requests in a shard. Default 20,000 (see
         :data:`airflow_vllm_batch.sharding.DEFAULT_MAX_REQUESTS` for why). (templated)
     :param max_bytes: the most input bytes in a shard. Default 256 MiB. (templated)
-    :param aws_conn_id: the Airflow AWS connection. Default ``aws_default``.
+    :param aws_conn_id: the Airflow AWS connection (``AwsBaseOperator``'s, with ``region_name``,
+        ``verify`` and ``botocore_config``). Default ``aws_default``.
     """
 
-    template_fields: Sequence[str] = ("input_uri", "shard_prefix", "max_requests", "max_bytes")
+    aws_hook_class = S3Hook
+    template_fields: Sequence[str] = aws_template_fields("input_uri", "shard_prefix", "max_requests", "max_bytes")
     ui_color = "#e8f0fe"
 
     def __init__(
@@ -101,7 +104,6 @@ class VLLMBatchSplitOperator(BaseOperator):
         shard_prefix: str,
         max_requests: int | str = DEFAULT_MAX_REQUESTS,
         max_bytes: int | str = DEFAULT_MAX_BYTES,
-        aws_conn_id: str | None = "aws_default",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -109,12 +111,6 @@ class VLLMBatchSplitOperator(BaseOperator):
         self.shard_prefix = shard_prefix
         self.max_requests = max_requests
         self.max_bytes = max_bytes
-        self.aws_conn_id = aws_conn_id
-
-    @cached_property
-    def s3_hook(self) -> S3Hook:
-        """The S3 hook of ``aws_conn_id``."""
-        return S3Hook(aws_conn_id=self.aws_conn_id)
 
     def execute(self, context: Context) -> list[dict[str, str]]:
         with _fail_without_retry_on_mistakes():
@@ -143,27 +139,27 @@ class VLLMBatchSplitOperator(BaseOperator):
 
     def upload_shard(self, path: Path, bucket: str, key: str, shard: Shard) -> None:
         """Upload one shard, unless the same content is already there (keeping its ETag)."""
-        head = self.s3_hook.head_object(key, bucket_name=bucket)
+        head = self.hook.head_object(key, bucket_name=bucket)
         if head and head.get("ContentLength") == shard.size and head.get("Metadata", {}).get(SHA256_METADATA) == shard.sha256:
             self.log.info("Shard %d (%d requests, lines %d...) already in s3://%s/%s: kept", shard.index, shard.requests, shard.first_line, bucket, key)
             return
         # S3Hook.load_file takes no per-object metadata; this is its own call with it added.
-        self.s3_hook.get_conn().upload_file(
+        self.hook.get_conn().upload_file(
             str(path),
             bucket,
             key,
-            ExtraArgs={**self.s3_hook.extra_args, "Metadata": {SHA256_METADATA: shard.sha256}},
-            Config=self.s3_hook.transfer_config,
+            ExtraArgs={**self.hook.extra_args, "Metadata": {SHA256_METADATA: shard.sha256}},
+            Config=self.hook.transfer_config,
         )
         self.log.info("Shard %d (%d requests, %d bytes, lines %d...) uploaded to s3://%s/%s", shard.index, shard.requests, shard.size, shard.first_line, bucket, key)
 
     def remove_stale_shards(self, bucket: str, prefix: str, count: int) -> None:
         """Delete shards (and their results) numbered ``count`` or more, left by a split into more shards."""
-        keys = self.s3_hook.list_keys(bucket_name=bucket, prefix=prefix) or []
+        keys = self.hook.list_keys(bucket_name=bucket, prefix=prefix) or []
         stale = [k for k in keys if (m := _SHARD_KEY.match(k[len(prefix) :])) and int(m.group(1)) >= count]
         if stale:
             self.log.info("Removing %d object(s) of shards beyond the %d of this split", len(stale), count)
-            self.s3_hook.delete_objects(bucket=bucket, keys=stale)
+            self.hook.delete_objects(bucket=bucket, keys=stale)
 
     @staticmethod
     def shard_kwargs(bucket: str, prefix: str, shard: Shard) -> dict[str, str]:
@@ -178,14 +174,14 @@ class VLLMBatchSplitOperator(BaseOperator):
     def _open_input(self) -> Iterator[Iterator[bytes]]:
         if self.input_uri.startswith("s3://"):
             bucket, key = S3Hook.parse_s3_url(self.input_uri)
-            with s3_body(self.s3_hook, bucket, key) as body, open_lines(body, max_line_bytes=MAX_LINE_BYTES) as lines:
+            with s3_body(self.hook, bucket, key) as body, open_lines(body, max_line_bytes=MAX_LINE_BYTES) as lines:
                 yield lines
         else:
             with open_lines(self.input_uri, max_line_bytes=MAX_LINE_BYTES) as lines:
                 yield lines
 
 
-class VLLMBatchMergeOperator(BaseOperator):
+class VLLMBatchMergeOperator(AwsBaseOperator[S3Hook]):
     """Concatenate the shards' results and error files in shard order; write the batch's manifest.
 
     Streams each shard's result file from S3 into a temporary file (each line's bytes
@@ -219,10 +215,12 @@ class VLLMBatchMergeOperator(BaseOperator):
         ``.jsonl`` replaced by ``.errors.jsonl``. (templated)
     :param input_uri: the unsplit input, recorded in the manifest (with its ETag when
         in S3). Default: none. (templated)
-    :param aws_conn_id: the Airflow AWS connection. Default ``aws_default``.
+    :param aws_conn_id: the Airflow AWS connection (``AwsBaseOperator``'s, with ``region_name``,
+        ``verify`` and ``botocore_config``). Default ``aws_default``.
     """
 
-    template_fields: Sequence[str] = ("shard_manifests", "output_uri", "error_uri", "input_uri")
+    aws_hook_class = S3Hook
+    template_fields: Sequence[str] = aws_template_fields("shard_manifests", "output_uri", "error_uri", "input_uri")
     ui_color = "#e8f0fe"
 
     def __init__(
@@ -232,7 +230,6 @@ class VLLMBatchMergeOperator(BaseOperator):
         output_uri: str,
         error_uri: str | None = None,
         input_uri: str | None = None,
-        aws_conn_id: str | None = "aws_default",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -240,17 +237,11 @@ class VLLMBatchMergeOperator(BaseOperator):
         self.output_uri = output_uri
         self.error_uri = error_uri
         self.input_uri = input_uri
-        self.aws_conn_id = aws_conn_id
-
-    @cached_property
-    def s3_hook(self) -> S3Hook:
-        """The S3 hook of ``aws_conn_id``."""
-        return S3Hook(aws_conn_id=self.aws_conn_id)
 
     @cached_property
     def store(self) -> OutputStore:
         """The merged output's objects in S3, named and published as a single run's are."""
-        return OutputStore(self.s3_hook, self.output_uri, self.error_uri)
+        return OutputStore(self.hook, self.output_uri, self.error_uri)
 
     def execute(self, context: Context) -> dict[str, Any]:
         with _fail_without_retry_on_mistakes():
@@ -299,7 +290,7 @@ class VLLMBatchMergeOperator(BaseOperator):
             return  # not one split's shards: only the manifests given can be checked
         prefix = folders.pop()
         bucket, key_prefix = _parse_prefix(prefix)
-        split_files = self.s3_hook.list_keys(bucket_name=bucket, prefix=key_prefix, delimiter="/") or []
+        split_files = self.hook.list_keys(bucket_name=bucket, prefix=key_prefix, delimiter="/") or []
         missing = missing_shards(inputs, split_files)
         if missing:
             raise ShardingError(
@@ -388,14 +379,14 @@ class VLLMBatchMergeOperator(BaseOperator):
         """Open each object's body in turn, closing it before the next one opens."""
         for uri in uris:
             bucket, key = split_s3_uri(uri, "shard_manifests[].output_uri")
-            with s3_body(self.s3_hook, bucket, key) as body:
+            with s3_body(self.hook, bucket, key) as body:
                 yield body
 
     def _input_etag(self) -> str | None:
         if not self.input_uri or not self.input_uri.startswith("s3://"):
             return None
         bucket, key = split_s3_uri(self.input_uri, "input_uri")
-        head = self.s3_hook.head_object(key, bucket_name=bucket)
+        head = self.hook.head_object(key, bucket_name=bucket)
         # Unquoted, as VLLMBatchOperator records it.
         return head["ETag"].strip('"') if head else None
 

@@ -246,11 +246,12 @@ class BatchRun:
         s = self.settings
         if not s.answer_cache_uri:
             return None
+        engine = self.engine.identity()
         digest = model_identity(
             model=s.model,
             vllm_version=info.vllm_version,
-            engine_args=self.engine.identity().get("engine_args"),  # None for a warm server: not the task's to know
-            engine_command=s.engine_command,
+            engine_args=engine.get("engine_args"),  # None for a warm server: not the task's to know
+            engine_command=engine.get("engine_command"),
             served_names=self.engine.served.names,
             reported=self.engine.reported_identity(),  # a warm server's cards: restarted with other weights, a miss
         )
@@ -283,6 +284,7 @@ class BatchRun:
             max_line_bytes=s.max_line_bytes,
             model_kind=info.model_kind,
             response_format=s.output_schema.response_format() if s.output_schema is not None else None,
+            url_advice=self.engine.url_advice(),
         )
         with batch_input.open() as lines:
             # The engine cannot read gzip: a compressed input gets an uncompressed cleaned copy.
@@ -417,12 +419,12 @@ class BatchRun:
         :param engine_tokens: the tokens the engine itself answered in this run (not the cached answers').
         """
         manifest.cost = run_cost(
-            device="vllm_connection" if self.settings.vllm_conn_id else "gpu",
+            device=self.engine.cost_basis,
             gpus=self.engine.gpu_plan().count,
             engine_s=engine_results.run.duration_s,
             task_s=time.monotonic() - started,
             total_tokens=engine_tokens,
-            gpu_hour_cost=self.settings.gpu_hour_cost,
+            gpu_hour_cost=self.engine.gpu_hour_cost,
         )
         if manifest.cost.cost is not None and manifest.per_model:
             manifest.per_model = split_cost(manifest.per_model, manifest.cost.cost)

@@ -21,12 +21,10 @@ in staging ran no engine and costs 0 here (the earlier try's time is not known t
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import msgspec
 
-from airflow_vllm_batch.exceptions import ConfigurationError
 from airflow_vllm_batch.manifest import Cost
 
 #: Digits kept of seconds and rates; of money, more (a small run costs fractions of a cent).
@@ -38,29 +36,6 @@ _SHARED_NOTE = (
     "and the cost is what the server's time during the task is worth at gpu_hour_cost per server-hour"
 )
 _CPU_NOTE = "no GPU: engine_s is the engine's time on the CPU, and gpu_hour_cost is read per engine-hour"
-
-
-def check_gpu_hour_cost(value: Any) -> float | None:
-    """
-    Return ``gpu_hour_cost`` as a float, or ``None`` when it is not set.
-
-    A rendered template gives a string (``"2.5"``); an empty one means "not set".
-
-    :param value: the rendered ``gpu_hour_cost``.
-    :raises ConfigurationError: it is not a finite number >= 0.
-    """
-    if value is None or (isinstance(value, str) and not value.strip()):
-        return None
-    try:
-        price = float(value) if not isinstance(value, bool) else math.nan
-    except (TypeError, ValueError):
-        price = math.nan
-    if not math.isfinite(price) or price < 0:
-        raise ConfigurationError(
-            f"gpu_hour_cost must be a number >= 0 (the price of one GPU-hour, e.g. 2.5), got {value!r} after rendering. "
-            "Leave it out (None) to report GPU-seconds without a cost."
-        )
-    return price
 
 
 def run_cost(

@@ -107,13 +107,16 @@ class BatchInput:
             with open_lines(self.uri) as lines:
                 yield lines
 
-    def presign(self, method: str, bucket: str, key: str, version_id: str | None = None) -> str:
-        """A presigned URL for the engine, registered with the secrets masker before anything can log it."""
+    def presign(self, method: str, bucket: str, key: str, version_id: str | None = None, *, expires_in: int) -> str:
+        """A presigned URL for the engine, registered with the secrets masker before anything can log it.
+
+        :param expires_in: seconds it stays valid (:meth:`~airflow_vllm_batch.run.BatchSettings.presign_seconds`).
+        """
         params = {"Bucket": bucket, "Key": key}
         if version_id:
             params["VersionId"] = version_id
         url = self.hook.generate_presigned_url(
-            client_method=method, params=params, expires_in=self.settings.presign_seconds()
+            client_method=method, params=params, expires_in=expires_in
         )
         if not url:
             raise PresignError(
@@ -123,10 +126,10 @@ class BatchInput:
         mask_secret(url)
         return url
 
-    def presigned_get(self) -> str:
-        """A presigned GET of the pinned input (its VersionId, when the bucket versions)."""
+    def presigned_get(self, *, expires_in: int) -> str:
+        """A presigned GET of the pinned input (its VersionId, when the bucket versions), valid ``expires_in`` seconds."""
         bucket, key = split_s3_uri(self.uri, "input_uri")
-        return self.presign("get_object", bucket, key, version_id=self.pinned.version_id)
+        return self.presign("get_object", bucket, key, version_id=self.pinned.version_id, expires_in=expires_in)
 
     def confirm_unchanged(self) -> None:
         """Fail when an unversioned S3 input was overwritten while the engine read it by key.

@@ -10,25 +10,20 @@ fix; it is never retried.
 
 from __future__ import annotations
 
-import os
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from functools import cached_property
 from datetime import timedelta
-from typing import Any
+from typing import Any, ClassVar
 
 from airflow_vllm_batch.batchfile import DEFAULT_MAX_LINE_BYTES
 from airflow_vllm_batch.batchfile.requests import INDEX, check_requests_options
 from airflow_vllm_batch.batchfile.structured import OutputSchema, check_output_type_path, resolve_output_type
+from airflow_vllm_batch.engines.options import EngineOptions, VLLMRunner
 from airflow_vllm_batch.exceptions import ConfigurationError, PresignError
-from airflow_vllm_batch.hooks.process import DEFAULT_GRACE_S
-from airflow_vllm_batch.hooks.vllm_server import DEFAULT_STARTUP_TIMEOUT_S
-from airflow_vllm_batch.redaction import register_engine_secrets
 from airflow_vllm_batch.run.answer_cache import split_cache_uri
-from airflow_vllm_batch.run.cost import check_gpu_hour_cost
 from airflow_vllm_batch.run.locations import check_locations
-from airflow_vllm_batch.serving.stream import DEFAULT_REQUEST_TIMEOUT_S
 from airflow_vllm_batch.storage import split_s3_uri
 
 #: SigV4 presigned URLs are valid for at most seven days.
@@ -41,7 +36,40 @@ PRESIGN_MARGIN_SECONDS = 15 * 60
 #: and results kept after an S3 failure (:func:`airflow_vllm_batch.scratch.owned_dir`).
 DEFAULT_RESULTS_DIR = tempfile.gettempdir()
 
-_MODES = {"output_mode": ("local", "presigned"), "invalid_lines": ("fail", "skip")}
+_MODES = {"invalid_lines": ("fail", "skip")}
+
+
+@dataclass(kw_only=True)
+class AnswerCacheOptions:
+    """Where an answer cache lives and what it holds (the operator's ``answer_cache=``).
+
+    Deterministic requests answered before are answered from it; only the others reach the
+    engine (see the README's answer-cache section).
+
+    :param uri: ``s3://bucket/prefix/`` of the cache. (templated)
+    :param sampled: also cache requests that sample (no ``temperature`` 0, no ``seed``). Default False.
+    """
+
+    template_fields: ClassVar[Sequence[str]] = ("uri",)
+
+    uri: str
+    sampled: bool = False
+
+    def serialize(self) -> dict[str, Any]:
+        """What the rendered-fields view shows."""
+        return {"uri": self.uri, "sampled": self.sampled}
+
+
+@dataclass(frozen=True, kw_only=True)
+class InputLimits:
+    """How large an input may be, checked by preflight (the operator's ``limits=``).
+
+    :param max_lines: the most request lines accepted. Default: no limit.
+    :param max_line_bytes: the longest request line accepted. Default 1,000,000.
+    """
+
+    max_lines: int | None = None
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
 
 
 @dataclass(frozen=True)
@@ -55,12 +83,7 @@ class BatchSettings:
     requests_url: str = "/v1/chat/completions"
     requests_custom_id: str = INDEX
     error_uri: str | None = None
-    engine_args: tuple[str, ...] = ()
-    engine_python: str | None = None
-    engine_command: tuple[str, ...] | None = None
-    engine_env: Mapping[str, str] = field(default_factory=dict)
     aws_conn_id: str | None = "aws_default"
-    presign_expires_in: int | None = None
     max_failed_ratio: float = 0.0
     invalid_lines: str = "fail"
     rewrite_model: bool = False
@@ -68,22 +91,13 @@ class BatchSettings:
     max_lines: int | None = None
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
     supported_urls: frozenset[str] | None = None
-    kill_grace_s: float = DEFAULT_GRACE_S
     resume: bool = True
-    output_mode: str = "local"
     results_dir: str = DEFAULT_RESULTS_DIR
-    engine: str = "runner"
-    vllm_conn_id: str | None = None
-    max_in_flight: int | None = None
-    checkpoint_interval_s: float = 60.0
-    client_processes: int = 1
-    gpus: int | None = None
-    gpu_hour_cost: float | None = None
+    #: The engine's options (:mod:`airflow_vllm_batch.engines.options`), rendered and checked.
+    engine: EngineOptions = field(default_factory=VLLMRunner)
     output_type: type | None = None
     answer_cache_uri: str | None = None
     answer_cache_sampled: bool = False
-    server_startup_timeout: float = DEFAULT_STARTUP_TIMEOUT_S
-    request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S
     execution_timeout: timedelta | None = None
 
     @classmethod
@@ -98,14 +112,9 @@ class BatchSettings:
         split_s3_uri(values["output_uri"], "output_uri")
         if values.get("error_uri") is not None:
             split_s3_uri(values["error_uri"], "error_uri")
-        for name in ("engine_args", "engine_command"):
-            value = values.get(name)
-            if value is not None and (isinstance(value, str) or not all(isinstance(a, str) for a in value)):
-                raise ConfigurationError(f"{name} must be a list of strings, e.g. ['--max-model-len', '4096'], got {value!r}.")
-        for name in ("engine_env", "default_body"):
-            value = values.get(name)
-            if value is not None and not isinstance(value, Mapping):
-                raise ConfigurationError(f"{name} must be a mapping, got {type(value).__name__} {value!r}.")
+        default_body = values.get("default_body")
+        if default_body is not None and not isinstance(default_body, Mapping):
+            raise ConfigurationError(f"default_body must be a mapping, got {type(default_body).__name__} {default_body!r}.")
         if values.get("answer_cache_uri") is not None:
             bucket, prefix = split_cache_uri(values["answer_cache_uri"])
             values = {**values, "answer_cache_uri": f"s3://{bucket}/{prefix}"}
@@ -116,20 +125,14 @@ class BatchSettings:
         coerced.update(
             results_dir=values.get("results_dir") or DEFAULT_RESULTS_DIR,
             max_failed_ratio=_ratio(values.get("max_failed_ratio", 0.0)),
-            gpu_hour_cost=check_gpu_hour_cost(values.get("gpu_hour_cost")),
-            engine_args=tuple(values.get("engine_args") or ()),
-            engine_command=tuple(values["engine_command"]) if values.get("engine_command") else None,
-            engine_env={k: str(v) for k, v in (values.get("engine_env") or {}).items()},
             default_body=dict(values.get("default_body") or {}),
             supported_urls=frozenset(values["supported_urls"]) if values.get("supported_urls") else None,
-            engine="server" if values.get("vllm_conn_id") else values.get("engine", "runner"),
+            engine=_engine_options(values.get("engine")).rendered(),
             output_type=resolve_output_type(values.get("output_type")),
-            server_startup_timeout=_seconds("server_startup_timeout", values.get("server_startup_timeout"), DEFAULT_STARTUP_TIMEOUT_S),
-            request_timeout=_seconds("request_timeout", values.get("request_timeout"), DEFAULT_REQUEST_TIMEOUT_S),
         )
         settings = cls(**coerced)
         # Masked where they enter: every later line (ours, or the engine's relayed) is safe.
-        register_engine_secrets(settings.engine_args, settings.engine_env)
+        settings.engine.mask_secrets()
         return settings
 
     @cached_property
@@ -138,18 +141,18 @@ class BatchSettings:
         return OutputSchema(self.output_type) if self.output_type is not None else None
 
     @property
-    def engine_environment(self) -> dict[str, str]:
-        """The environment of an engine this task starts: the worker's, plus ``engine_env``."""
-        return {**os.environ, **self.engine_env}
-
-    @property
     def skips_invalid_lines(self) -> bool:
         return self.invalid_lines == "skip"
 
-    def presign_seconds(self) -> int:
-        """Seconds the presigned URLs must stay valid: the task's whole time budget."""
-        if self.presign_expires_in is not None:
-            seconds = int(self.presign_expires_in)
+    def presign_seconds(self, expires_in: timedelta | int | None = None) -> int:
+        """Seconds the presigned URLs an engine is given must stay valid: ``expires_in``, or the task's whole time budget.
+
+        :param expires_in: the engine's ``presign_expires_in``, a ``timedelta`` or seconds; None: the task's budget.
+        """
+        if isinstance(expires_in, timedelta):
+            seconds = int(expires_in.total_seconds())
+        elif expires_in is not None:
+            seconds = int(expires_in)
         elif isinstance(self.execution_timeout, timedelta):
             seconds = int(self.execution_timeout.total_seconds()) + PRESIGN_MARGIN_SECONDS
         else:
@@ -165,8 +168,6 @@ class BatchSettings:
 
 def check_static_settings(values: Mapping[str, Any]) -> None:
     """Check the arguments that are not templated (at DAG parse time, and again at run time)."""
-    from airflow_vllm_batch.engines import engine_class
-
     if (values.get("input_uri") is None) == (values.get("requests") is None):
         raise ConfigurationError(
             "Give the batch as input_uri (a file) or as requests (a list, e.g. an upstream task's XCom): "
@@ -178,34 +179,10 @@ def check_static_settings(values: Mapping[str, Any]) -> None:
     for name, allowed in _MODES.items():
         if name in values and values[name] not in allowed:
             raise ConfigurationError(f"{name} must be one of {allowed}, got {values[name]!r}.")
-    for name in ("max_lines", "max_line_bytes", "presign_expires_in"):
+    for name in ("max_lines", "max_line_bytes"):
         value = values.get(name)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ConfigurationError(f"{name} must be a positive whole number or None, got {value!r}.")
-    grace = values.get("kill_grace_s", DEFAULT_GRACE_S)
-    if not isinstance(grace, (int, float)) or grace < 0:
-        raise ConfigurationError(f"kill_grace_s must be a number of seconds >= 0, got {grace!r}.")
-    price = values.get("gpu_hour_cost")
-    if not isinstance(price, str):
-        # A string may be a template, rendered (and checked) when the task runs.
-        check_gpu_hour_cost(price)
-    gpus = values.get("gpus")
-    if gpus is not None and (not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 0):
-        raise ConfigurationError(f"gpus must be a whole number >= 0 or None, got {gpus!r}.")
-    in_flight = values.get("max_in_flight")
-    if in_flight is not None and (not isinstance(in_flight, int) or isinstance(in_flight, bool) or in_flight < 1):
-        raise ConfigurationError(f"max_in_flight must be a positive whole number or None, got {in_flight!r}.")
-    processes = values.get("client_processes", 1)
-    if not isinstance(processes, int) or isinstance(processes, bool) or processes < 1:
-        raise ConfigurationError(
-            f"client_processes must be a positive whole number (1 unless the server answers more than one client "
-            f"core sends, ~3,400 requests/s), got {processes!r}."
-        )
-    _seconds("server_startup_timeout", values.get("server_startup_timeout"), DEFAULT_STARTUP_TIMEOUT_S)
-    _seconds("request_timeout", values.get("request_timeout"), DEFAULT_REQUEST_TIMEOUT_S)
-    interval = values.get("checkpoint_interval_s", 60.0)
-    if not isinstance(interval, (int, float)) or interval <= 0:
-        raise ConfigurationError(f"checkpoint_interval_s must be a number of seconds > 0, got {interval!r}.")
     _check_output_type(values.get("output_type"), values.get("default_body"))
     if not isinstance(values.get("answer_cache_sampled", False), bool):
         raise ConfigurationError(f"answer_cache_sampled must be True or False, got {values['answer_cache_sampled']!r}.")
@@ -214,8 +191,19 @@ def check_static_settings(values: Mapping[str, Any]) -> None:
         # A string with a template is checked once rendered.
         split_cache_uri(cache_uri)
     check_locations(values, rendered=False)
-    engine = "server" if values.get("vllm_conn_id") else values.get("engine", "runner")
-    engine_class(engine, vllm_conn_id=values.get("vllm_conn_id")).check_settings(values)
+    _engine_options(values.get("engine")).check(values)
+
+
+def _engine_options(engine: Any) -> EngineOptions:
+    """The ``engine=`` options; None is the default engine, vLLM's batch runner."""
+    if engine is None:
+        return VLLMRunner()
+    if not isinstance(engine, EngineOptions):
+        raise ConfigurationError(
+            f"engine must be an engine's options, e.g. VLLMRunner(args=[...]), VLLMServer(...) or "
+            f"WarmVLLMServer(conn_id=...) from airflow_vllm_batch.engines, got {engine!r}."
+        )
+    return engine
 
 
 def _check_output_type(output_type: Any, default_body: Any) -> None:
@@ -231,23 +219,6 @@ def _check_output_type(output_type: Any, default_body: Any) -> None:
             "default_body sets response_format and output_type gives one (its JSON schema): drop response_format "
             "from default_body, or output_type."
         )
-
-
-def _seconds(name: str, value: Any, default: float) -> float:
-    """A duration given as a ``timedelta`` or a number of seconds (Airflow's style), > 0; None: ``default``."""
-    if value is None:
-        return default
-    if isinstance(value, timedelta):
-        seconds = value.total_seconds()
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        seconds = float(value)
-    else:
-        seconds = -1.0
-    if not seconds > 0:
-        raise ConfigurationError(
-            f"{name} must be a datetime.timedelta or a number of seconds > 0, e.g. timedelta(minutes=30), got {value!r}."
-        )
-    return seconds
 
 
 def _ratio(value: Any) -> float:

@@ -88,6 +88,7 @@ import sys
 sys.path.insert(0, {repo!r})
 from datetime import datetime, timezone
 from airflow.sdk import DAG
+from airflow_vllm_batch.engines import VLLMRunner
 from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
 from tests.integration.dagrun import register_dag
 
@@ -97,9 +98,7 @@ with DAG({dag_id!r}, schedule=None, start_date=datetime(2026, 1, 1, tzinfo=timez
         input_uri={input_uri!r},
         output_uri={output_uri!r},
         model={model!r},
-        engine_args=["--enforce-eager"],
-        engine_env={{"BATCH_TEST_MARKER": {marker!r}}},
-        output_mode={mode!r},
+        engine=VLLMRunner(args=["--enforce-eager"], env={{"BATCH_TEST_MARKER": {marker!r}}}, output_mode={mode!r}),
     )
 register_dag(dag)
 print("DAGRUN STATE", dag.test().state, flush=True)

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from vllm_batch_embedded.demo import BUCKET
+from airflow_vllm_batch.engines import VLLMRunner
 from tests.integration.test_operator import _line, _put, _run_operator
 
 pytestmark = pytest.mark.integration
@@ -23,7 +24,7 @@ def test_an_hf_token_in_engine_args_is_masked_in_our_line_and_vllms_own_args_lin
         input_uri=uri,
         output_uri=f"s3://{BUCKET}/secrets/results.jsonl",
         model=model,
-        engine_args=["--enforce-eager", "--hf-token", SECRET],
+        engine=VLLMRunner(args=["--enforce-eager", "--hf-token", SECRET]),
     )
     assert result.state == "success", result.output[-3000:]
     assert SECRET not in result.output

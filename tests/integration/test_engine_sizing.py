@@ -20,6 +20,7 @@ from datetime import datetime, timezone
 import pytest
 
 from vllm_batch_embedded.demo import BUCKET, CPU_ENGINE_ARGS
+from airflow_vllm_batch.engines import VLLMServer
 from tests.integration.dagrun import DagRunResult, register_dag, run_dag
 
 pytestmark = [pytest.mark.integration, pytest.mark.engine]
@@ -63,7 +64,7 @@ def _scheduler_resolved(output: str) -> int:
 
 
 def test_a_users_max_num_seqs_is_what_the_server_resolves(embedded, airflow_db, tiny_model):
-    run = _run(embedded, tiny_model, "server_user", engine="server", engine_args=[*CPU_ENGINE_ARGS.split(), "--max-num-seqs=64"])
+    run = _run(embedded, tiny_model, "server_user", engine=VLLMServer(args=[*CPU_ENGINE_ARGS.split(), "--max-num-seqs=64"]))
     assert "Scheduler: --max-num-batched-tokens 4096 (vLLM's offline defaults on cpu; --max-num-seqs from engine_args)" in run.output
     (non_default,) = re.findall(r"non-default args: (\{.*\})", run.output)
     assert "'max_num_seqs': 64" in non_default and "'max_num_batched_tokens': 4096" in non_default

@@ -20,6 +20,7 @@ from datetime import datetime, timezone
 import pytest
 
 from vllm_batch_embedded.seaweedfs import SeaweedFS
+from airflow_vllm_batch.engines import VLLMRunner
 from tests.integration.dagrun import REPO, DagRunResult, register_dag, run_dag
 from tests.processes import processes_with
 
@@ -109,9 +110,7 @@ def test_s3_down_at_start_then_after_inference_loses_nothing_and_retries_publish
         model=model,
         aws_conn_id="s3_fault",
         results_dir=str(results_dir),
-        engine_command=[sys.executable, str(wrapper)],
-        engine_args=["--enforce-eager"],
-        engine_env={"FAULT_S3_PID": str(s3.pid)},
+        engine=VLLMRunner(command=[sys.executable, str(wrapper)], args=["--enforce-eager"], env={"FAULT_S3_PID": str(s3.pid)}),
         # A rewrite, so the engine reads a cleaned copy staged in S3 beside the output.
         default_body={"temperature": 0.0},
     )
@@ -172,8 +171,7 @@ def test_sigkill_of_the_real_engine_fails_the_task_and_leaves_no_engine_process(
         input_uri=f"s3://{DEMO_BUCKET}/sigkill/input.jsonl",
         output_uri=f"s3://{DEMO_BUCKET}/sigkill/results.jsonl",
         model=model,
-        engine_args=["--enforce-eager"],
-        engine_env={marker.split("=")[0]: marker.split("=")[1]},
+        engine=VLLMRunner(args=["--enforce-eager"], env={marker.split("=")[0]: marker.split("=")[1]}),
     )
     watcher.join(5)
     assert killed, "the watcher never saw the engine"
@@ -189,6 +187,7 @@ import sys
 sys.path.insert(0, {repo!r})
 from datetime import datetime, timezone
 from airflow.sdk import DAG
+from airflow_vllm_batch.engines import VLLMRunner
 from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
 from tests.integration.dagrun import register_dag
 
@@ -198,9 +197,7 @@ with DAG("fault_sigterm", schedule=None, start_date=datetime(2026, 1, 1, tzinfo=
         input_uri={input_uri!r},
         output_uri={output_uri!r},
         model={model!r},
-        engine_args=["--enforce-eager"],
-        engine_env={{"BATCH_TEST_MARKER": {marker!r}}},
-        kill_grace_s=5,
+        engine=VLLMRunner(args=["--enforce-eager"], env={{"BATCH_TEST_MARKER": {marker!r}}}, kill_grace=5),
     )
 register_dag(dag)
 dr = dag.test()

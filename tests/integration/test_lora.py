@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from airflow_vllm_batch.engines import VLLMRunner
 from airflow_vllm_batch.batchfile import Text
 from airflow_vllm_batch.storage import read_answers
 from vllm_batch_embedded.demo import BUCKET
@@ -70,7 +71,7 @@ def test_one_batch_alternating_base_and_two_adapters_answers_each_through_its_ow
         output_uri=f"s3://{BUCKET}/lora/results.jsonl",
         model=str(tiny_model),
         default_body={"temperature": 0, "max_completion_tokens": 8},
-        engine_args=lora_args(adapters),
+        engine=VLLMRunner(args=lora_args(adapters)),
     )
     assert result.state == "success", result.output[-5000:]
     manifest = result.xcom("vllm_batch")
@@ -104,7 +105,7 @@ def test_a_wrong_name_or_adapter_fails_in_seconds_before_any_engine(embedded, ai
     if extra:
         args = args[: args.index("--lora-modules")] + [a.format(empty=empty) for a in extra]
     started = time.monotonic()
-    result = _run_operator(f"lora_{case}", requests=requests, output_uri=f"s3://{BUCKET}/lora-{case}/results.jsonl", model=model, engine_args=args)
+    result = _run_operator(f"lora_{case}", requests=requests, output_uri=f"s3://{BUCKET}/lora-{case}/results.jsonl", model=model, engine=VLLMRunner(args=args))
     assert result.state == "failed"
     assert expected in result.output
     assert "Starting the vLLM engine" not in result.output
@@ -118,7 +119,7 @@ def test_on_cpu_a_mixed_batch_with_every_lora_slot_taken_fails_before_any_engine
     args = lora_args(adapters)
     args[args.index("--max-loras") + 1] = "2"
     requests = [{"model": name, "messages": [{"role": "user", "content": "hi"}]} for name in NAMES]
-    result = _run_operator("lora_slots", requests=requests, output_uri=f"s3://{BUCKET}/lora-slots/results.jsonl", model=str(tiny_model), engine_args=args)
+    result = _run_operator("lora_slots", requests=requests, output_uri=f"s3://{BUCKET}/lora-slots/results.jsonl", model=str(tiny_model), engine=VLLMRunner(args=args))
     assert result.state == "failed"
     assert "Set --max-loras to at least 3" in result.output
     assert "Starting the vLLM engine" not in result.output

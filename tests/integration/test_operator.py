@@ -9,6 +9,7 @@ from datetime import datetime, timezone
 
 import pytest
 
+from airflow_vllm_batch.engines import VLLMRunner
 from vllm_batch_embedded.demo import BUCKET
 from tests.integration.dagrun import DagRunResult, register_dag, run_dag
 
@@ -98,7 +99,7 @@ def test_skip_mode_on_a_local_file_runs_the_valid_lines_and_files_the_invalid_on
         rewrite_model=True,
         default_body={"max_completion_tokens": 5},
         max_failed_ratio=0.5,
-        engine_args=["--enforce-eager", "--max-model-len", "512"],
+        engine=VLLMRunner(args=["--enforce-eager", "--max-model-len", "512"]),
     )
     assert result.state == "success", result.output[-3000:]
     manifest = result.xcom("vllm_batch")
@@ -128,7 +129,7 @@ def test_engine_killed_by_sigkill_fails_the_task_and_publishes_nothing(embedded,
         input_uri=uri,
         output_uri=f"s3://{BUCKET}/killed/results.jsonl",
         model=str(tiny_model),
-        engine_command=suicide,
+        engine=VLLMRunner(command=suicide),
     )
     assert result.state == "failed"
     assert "killed by signal 9" in result.output
@@ -142,7 +143,7 @@ def test_engine_that_exits_0_without_output_fails_the_task(embedded, airflow_db,
         input_uri=uri,
         output_uri=f"s3://{BUCKET}/silent/results.jsonl",
         model=str(tiny_model),
-        engine_command=[sys.executable, "-c", "print('Failed to upload data (attempt 5)')"],
+        engine=VLLMRunner(command=[sys.executable, "-c", "print('Failed to upload data (attempt 5)')"]),
     )
     assert result.state == "failed"
     assert "wrote no output" in result.output
@@ -171,8 +172,8 @@ def _mixed_endpoints(model: str) -> str:
 # engine environment (probe, model check, engine argument parser), so a case that slipped
 # past these checks would start an engine and be caught by the assertions.
 MISTAKES = [
-    ("engine_args_bad_value", {"engine_args": ["--enforce-eager", "--max-model-len", "abc"]}, None, "engine_args: argument --max-model-len"),
-    ("engine_args_unknown", {"engine_args": ["--no-such-flag"]}, None, "engine_args: unrecognized arguments: --no-such-flag"),
+    ("engine_args_bad_value", {"engine": VLLMRunner(args=["--enforce-eager", "--max-model-len", "abc"])}, None, "engine_args: argument --max-model-len"),
+    ("engine_args_unknown", {"engine": VLLMRunner(args=["--no-such-flag"])}, None, "engine_args: unrecognized arguments: --no-such-flag"),
     ("model_dir_missing", {"model": "/nonexistent/model-dir"}, None, "model: the local model directory '/nonexistent/model-dir'"),
     ("chat_and_embeddings_for_a_chat_model", {}, _mixed_endpoints, "is a generation model; /v1/embeddings needs a pooling model"),
     ("temperature_hot", {}, lambda m: _line("c", m, temperature="hot") + "\n", '"body.temperature"'),
@@ -195,7 +196,7 @@ def test_a_mistake_fails_once_naming_the_fix_and_starts_no_engine(embedded, airf
         "input_uri": _put(embedded, f"mistakes/{name}/input.jsonl", text),
         "output_uri": f"s3://{BUCKET}/mistakes/{name}/results.jsonl",
         "model": model,
-        "engine_args": ["--enforce-eager"],
+        "engine": VLLMRunner(args=["--enforce-eager"]),
         # A retryable error would show as a second try.
         "retries": 1,
         "retry_delay": timedelta(0),
@@ -252,7 +253,7 @@ def test_a_gzip_input_runs_and_the_engine_reads_an_uncompressed_copy(embedded, a
         input_uri=f"s3://{BUCKET}/gzip/input.jsonl.gz",
         output_uri=f"s3://{BUCKET}/gzip/results.jsonl",
         model=model,
-        engine_args=["--enforce-eager"],
+        engine=VLLMRunner(args=["--enforce-eager"]),
     )
     assert result.state == "success", result.output[-3000:]
     assert "The engine reads the cleaned copy" in result.output
@@ -279,7 +280,7 @@ def test_the_runner_gets_only_the_requests_the_answer_cache_does_not_hold(embedd
         "input_uri": _put(embedded, "answer-cache-runner/input.jsonl", text),
         "output_uri": f"s3://{BUCKET}/answer-cache-runner/results.jsonl",
         "model": model,
-        "engine_args": ["--enforce-eager"],
+        "engine": VLLMRunner(args=["--enforce-eager"]),
         "answer_cache_uri": cache_uri,
     }
     settings = BatchSettings.from_rendered(**kwargs)
@@ -311,9 +312,36 @@ def test_a_misspelled_engine_flag_after_one_check_on_the_worker_fails_in_seconds
     model = str(tiny_model)
     common = {"input_uri": _put(embedded, "misspelled/input.jsonl", _line("c", model) + "\n"), "model": model, "results_dir": str(tmp_path)}
     # The first check on this worker imports vLLM's parser (seconds to tens of seconds) and keeps its flags.
-    first = _run_operator("misspelled_first", output_uri=f"s3://{BUCKET}/misspelled/a.jsonl", engine_args=["--max-model-len", "abc"], **common)
+    first = _run_operator("misspelled_first", output_uri=f"s3://{BUCKET}/misspelled/a.jsonl", engine=VLLMRunner(args=["--max-model-len", "abc"]), **common)
     assert first.state == "failed" and "engine_args: argument --max-model-len" in first.output
-    second = _run_operator("misspelled_second", output_uri=f"s3://{BUCKET}/misspelled/b.jsonl", engine_args=["--max-modle-len", "64"], **common)
+    second = _run_operator("misspelled_second", output_uri=f"s3://{BUCKET}/misspelled/b.jsonl", engine=VLLMRunner(args=["--max-modle-len", "64"]), **common)
     assert second.state == "failed"
     assert "unrecognized arguments: --max-modle-len (did you mean --max-model-len for --max-modle-len?)" in second.output
     assert _seconds_between(second.output, "Task started", "Task failed with exception") < 5
+
+
+def test_the_engines_templated_options_render_in_a_real_dag_run_and_show_in_the_rendered_fields(embedded, airflow_db, tmp_path):
+    """dag.test() renders the options' template_fields (a nested object of ``engine``); the stored view shows them, the secret masked."""
+    from pathlib import Path
+
+    fake_runner = Path(__file__).resolve().parents[1] / "unit" / "operators" / "fake_runner.py"
+    uri = _put(embedded, "rendered-engine/input.jsonl", _line("a", "m") + "\n")
+    engine = VLLMRunner(
+        command=[sys.executable, str(fake_runner)],
+        args=["--max-model-len", "{{ params.max_len }}", "--hf-token", "{{ params.token }}"],
+        env={"FAKE_ENGINE_CALLS": str(tmp_path / "calls.txt"), "RUN_MARKER": "{{ run_id }}"},
+    )
+    result = _run_operator(
+        "rendered_engine",
+        input_uri=uri,
+        output_uri=f"s3://{BUCKET}/rendered-engine/results.jsonl",
+        model="m",
+        engine=engine,
+        params={"max_len": "64", "token": "hf_RenderedInARealRun1"},
+    )
+    assert result.state == "success", result.output[-3000:]
+    shown = result.rendered["vllm_batch"]["engine"]
+    assert shown["engine"] == "VLLMRunner"
+    assert shown["args"] == ["--max-model-len", "64", "--hf-token", "***"]
+    assert shown["env"]["RUN_MARKER"].startswith("manual__")
+    assert "hf_RenderedInARealRun1" not in json.dumps(result.rendered) + repr(result.xcoms)

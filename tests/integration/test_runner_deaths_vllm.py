@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from airflow_vllm_batch.engines import VLLMRunner
 from airflow_vllm_batch.engines.runner_deaths import (
     DEAD_ENGINE_ERROR,
     ENGINE_DEAD_CLIENT_MESSAGE,
@@ -110,9 +111,7 @@ def test_a_real_engine_core_killed_mid_run_is_read_as_a_death_and_the_batch_comp
         input_uri=f"s3://{DEMO_BUCKET}/{prefix}/input.jsonl",
         output_uri=f"s3://{DEMO_BUCKET}/{prefix}/results.jsonl",
         model=model,
-        engine_command=[sys.executable, str(wrapper)],
-        engine_args=["--enforce-eager"],
-        engine_env={"KILL_ENGINE_CORE_FLAG": str(flag)},
+        engine=VLLMRunner(command=[sys.executable, str(wrapper)], args=["--enforce-eager"], env={"KILL_ENGINE_CORE_FLAG": str(flag)}),
     )
     assert flag.exists(), "the wrapper never saw the batch running"
     # vLLM 0.32 exits 0, the requests it had left answered with EngineDeadError's message.

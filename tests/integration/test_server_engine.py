@@ -25,6 +25,8 @@ from openai.types.chat import ChatCompletion
 from pydantic import BaseModel
 
 from vllm_batch_embedded.demo import BUCKET, CPU_ENGINE_ARGS, CPU_ENGINE_ENV
+from airflow_vllm_batch.engines import VLLMRunner, WarmVLLMServer
+from airflow_vllm_batch.run import AnswerCacheOptions
 from airflow_vllm_batch.hooks.vllm_server import VLLMServerProcess
 from tests.integration.dagrun import REPO, load_dag, run_dag
 from tests.integration.dagrun import error_lines as _error_lines
@@ -118,6 +120,7 @@ import sys
 sys.path.insert(0, {repo!r})
 from datetime import datetime, timezone
 from airflow.sdk import DAG
+from airflow_vllm_batch.engines import WarmVLLMServer
 from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
 from tests.integration.dagrun import register_dag
 
@@ -128,9 +131,7 @@ with DAG("server_engine_sigkill", schedule=None, start_date=datetime(2026, 1, 1,
         input_uri={input_uri!r},
         output_uri={output_uri!r},
         model={model!r},
-        vllm_conn_id={conn_id!r},
-        max_in_flight={max_in_flight},
-        checkpoint_interval_s={interval},
+        engine=WarmVLLMServer(conn_id={conn_id!r}, max_in_flight={max_in_flight}, checkpoint_interval={interval}),
     )
 register_dag(dag)
 dr = dag.test(logical_date=when, run_after=when)
@@ -262,7 +263,7 @@ def _warm_dag(dag_id: str, model: str, input_key: str, output_key: str, **option
             input_uri=f"s3://{BUCKET}/{input_key}",
             output_uri=f"s3://{BUCKET}/{output_key}",
             model=model,
-            **{"vllm_conn_id": CONN_ID, **options},
+            **{"engine": WarmVLLMServer(conn_id=CONN_ID), **options},
         )
     register_dag(dag)
     return dag
@@ -281,7 +282,7 @@ def test_chat_and_completion_lines_in_one_file_are_all_answered_through_the_serv
     model = str(tiny_model)
     embedded.client().put_object(Bucket=BUCKET, Key="completions/input.jsonl", Body=_mixed_chat_and_completion_lines(model))
     before = requests_answered(warm.hook.base_url)
-    run = run_dag(_completions_dag("completions_server", model, engine="server", vllm_conn_id=CONN_ID, gpu_hour_cost=2.5))
+    run = run_dag(_completions_dag("completions_server", model, engine=WarmVLLMServer(conn_id=CONN_ID, gpu_hour_cost=2.5)))
     assert run.state == "success", run.output[-4000:]
     manifest = run.xcom("vllm_batch")
     assert manifest["request_counts"] == {"total": 5, "completed": 5, "failed": 0}
@@ -306,7 +307,7 @@ def test_chat_and_completion_lines_in_one_file_are_all_answered_through_the_serv
 def test_a_real_runs_manifest_and_summary_carry_its_engine_time_and_cost(warm, embedded, tiny_model):
     model = str(tiny_model)
     embedded.client().put_object(Bucket=BUCKET, Key="completions/input.jsonl", Body=_mixed_chat_and_completion_lines(model))
-    run = run_dag(_completions_dag("cost_connection", model, vllm_conn_id=CONN_ID, gpu_hour_cost="2.5"))
+    run = run_dag(_completions_dag("cost_connection", model, engine=WarmVLLMServer(conn_id=CONN_ID, gpu_hour_cost="2.5")))
     assert run.state == "success", run.output[-4000:]
     manifest = run.xcom("vllm_batch")
     cost = manifest["cost"]
@@ -326,7 +327,7 @@ def test_two_client_processes_answer_each_request_once_through_the_real_server_a
     model = str(tiny_model)
     embedded.client().put_object(Bucket=BUCKET, Key="completions/input.jsonl", Body=_chat_lines(model, n, max_tokens=3))
     before = requests_answered(warm.hook.base_url)
-    run = run_dag(_completions_dag("two_clients", model, vllm_conn_id=CONN_ID, client_processes=2, checkpoint_interval_s=1.0))
+    run = run_dag(_completions_dag("two_clients", model, engine=WarmVLLMServer(conn_id=CONN_ID, client_processes=2, checkpoint_interval=1.0)))
     assert run.state == "success", run.output[-4000:]
     assert "The client spreads the requests over 2 processes" in run.output
     manifest = run.xcom("vllm_batch")
@@ -343,11 +344,11 @@ def test_the_same_file_for_the_runner_fails_preflight_naming_the_server_engine_a
     model = str(tiny_model)
     embedded.client().put_object(Bucket=BUCKET, Key="completions/input.jsonl", Body=_mixed_chat_and_completion_lines(model))
     # Retries allowed: a failed task (not up_for_retry) says preflight's error is not retried.
-    run = run_dag(_completions_dag("completions_runner", model, engine="runner", vllm_conn_id=None, engine_args=CPU_ENGINE_ARGS.split(), retries=2))
+    run = run_dag(_completions_dag("completions_runner", model, engine=VLLMRunner(args=CPU_ENGINE_ARGS.split()), retries=2))
     assert run.state == "failed" and run.task_states["vllm_batch"] == "failed", run.output[-4000:]
     assert "PreflightError" in run.output, run.output[-4000:]
     for lineno, custom_id in ((2, "text-0"), (3, "ids-0"), (5, "text-1")):
-        assert re.search(rf"line {lineno} \(custom_id '{custom_id}'\): \"url\" '/v1/completions' is not served by this engine .*engine=\"server\"", run.output), run.output[-4000:]
+        assert re.search(rf"line {lineno} \(custom_id '{custom_id}'\): \"url\" '/v1/completions' is not served by this engine .*engine=VLLMServer", run.output), run.output[-4000:]
     assert "Starting the vLLM" not in run.output
 
 
@@ -412,7 +413,7 @@ def test_structured_answers_cut_off_at_the_token_limit_fail_saying_so_and_naming
         assert f"raise the request's {limit}" in message, message
 
 def _cache_dag(dag_id: str, model: str, input_key: str, cache_uri: str):
-    return _warm_dag(dag_id, model, input_key, f"answer-cache-it/{dag_id}/results.jsonl", answer_cache_uri=cache_uri)
+    return _warm_dag(dag_id, model, input_key, f"answer-cache-it/{dag_id}/results.jsonl", answer_cache=AnswerCacheOptions(uri=cache_uri))
 
 
 def test_a_second_run_through_the_answer_cache_sends_only_the_changed_requests(warm, embedded, tiny_model):

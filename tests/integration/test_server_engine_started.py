@@ -18,6 +18,7 @@ from datetime import datetime, timezone
 import pytest
 from openai.types.chat import ChatCompletion
 
+from airflow_vllm_batch.engines import VLLMServer
 from airflow_vllm_batch import gpus
 from vllm_batch_embedded.demo import BUCKET, CPU_ENGINE_ARGS
 from tests.integration.dagrun import error_lines, register_dag, run_dag
@@ -29,6 +30,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.engine]
 def test_a_task_started_server_answers_the_batch_and_is_stopped_with_the_task(embedded, airflow_db, tiny_model, monkeypatch, tmp_path):
     from airflow.sdk import DAG
 
+    from airflow_vllm_batch.engines import VLLMServer
     from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
 
     model = str(tiny_model)
@@ -49,9 +51,7 @@ def test_a_task_started_server_answers_the_batch_and_is_stopped_with_the_task(em
             input_uri=f"s3://{BUCKET}/started-server/input.jsonl",
             output_uri=f"s3://{BUCKET}/started-server/results.jsonl",
             model=model,
-            engine="server",
-            engine_args=CPU_ENGINE_ARGS.split(),
-            engine_env={"BATCH_TEST_MARKER": marker},
+            engine=VLLMServer(args=CPU_ENGINE_ARGS.split(), env={"BATCH_TEST_MARKER": marker}),
         )
     register_dag(dag)
     run = run_dag(dag)
@@ -93,6 +93,7 @@ def test_a_task_started_pooling_server_answers_embeddings_score_and_rerank_lines
     from vllm.entrypoints.pooling.scoring.protocol import RerankResponse, ScoreResponse
 
     from vllm_batch_embedded.tiny_model import embedding_model_path
+    from airflow_vllm_batch.engines import VLLMServer
     from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
 
     model = str(embedding_model_path())
@@ -115,8 +116,7 @@ def test_a_task_started_pooling_server_answers_embeddings_score_and_rerank_lines
             input_uri=f"s3://{BUCKET}/started-pooling/input.jsonl",
             output_uri=f"s3://{BUCKET}/started-pooling/results.jsonl",
             model=model,
-            engine="server",
-            engine_args=[*CPU_ENGINE_ARGS.split(), "--runner", "pooling"],
+            engine=VLLMServer(args=[*CPU_ENGINE_ARGS.split(), "--runner", "pooling"]),
         )
     register_dag(dag)
     run = run_dag(dag)

@@ -20,6 +20,7 @@ import psutil
 import pytest
 
 from vllm_batch_embedded.demo import BUCKET
+from airflow_vllm_batch.engines import VLLMRunner
 from tests.integration.dagrun import DagRunResult, error_lines, load_dag, register_dag, run_dag
 
 pytestmark = [pytest.mark.integration, pytest.mark.engine]
@@ -238,11 +239,12 @@ def embeddings_sharded_and_whole(embedded, airflow_db) -> DagRunResult:
         VLLMBatchMergeOperator,
         VLLMBatchSplitOperator,
     )
+    from airflow_vllm_batch.engines import VLLMRunner
     from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
 
     model = str(embedding_model_path())
     embedded.client().put_object(Bucket=BUCKET, Key="embed-shards/input.jsonl", Body=examples.embedding_requests(N_TEXTS, model))
-    common = {"model": model, "engine_args": ["--runner", "pooling", "--enforce-eager"]}
+    common = {"model": model, "engine": VLLMRunner(args=["--runner", "pooling", "--enforce-eager"])}
     with DAG("sharded_embeddings", schedule=None, start_date=datetime(2026, 1, 1, tzinfo=timezone.utc)) as dag:
         split = VLLMBatchSplitOperator(
             task_id="split", input_uri=f"s3://{BUCKET}/embed-shards/input.jsonl", shard_prefix=f"s3://{BUCKET}/embed-shards/shards", max_requests=N_TEXTS // 2

@@ -70,12 +70,17 @@ from datetime import datetime, timedelta, timezone
 
 from airflow.sdk import DAG
 
+from airflow_vllm_batch.engines import VLLMRunner, VLLMServer
 from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
 
 # SETTINGS (a dict) is prepended by the test.
 
 
-def batch_dag(dag_id, input_key, retries, retry_delay_s, **extra):
+#: One marker per run (the test sets it in the run's conf), to find the run's processes.
+MARKER_ENV = {SETTINGS["marker_var"]: "{{ dag_run.conf['marker'] }}"}
+
+
+def batch_dag(dag_id, input_key, retries, retry_delay_s, engine=None, **extra):
     with DAG(dag_id, schedule=None, start_date=datetime(2026, 1, 1, tzinfo=timezone.utc), catchup=False) as dag:
         VLLMBatchOperator(
             task_id=SETTINGS["task_id"],
@@ -83,8 +88,7 @@ def batch_dag(dag_id, input_key, retries, retry_delay_s, **extra):
             # One output per case, and one marker per run (the test sets both in the run's conf).
             output_uri=f"s3://{SETTINGS['bucket']}/out/" + "{{ dag_run.conf['case'] }}/results.jsonl",
             model=SETTINGS["model"],
-            engine_args=["--enforce-eager"],
-            engine_env={SETTINGS["marker_var"]: "{{ dag_run.conf['marker'] }}"},
+            engine=engine or VLLMRunner(args=["--enforce-eager"], env=MARKER_ENV),
             results_dir=SETTINGS["results_dir"],
             retries=retries,
             retry_delay=timedelta(seconds=retry_delay_s),
@@ -100,7 +104,7 @@ retry_mismatch = batch_dag(
     "in/small.jsonl",
     retries=1,
     retry_delay_s=1,
-    engine_command=[SETTINGS["python"], SETTINGS["wrapper"], SETTINGS["wrapper_state"]],
+    engine=VLLMRunner(command=[SETTINGS["python"], SETTINGS["wrapper"], SETTINGS["wrapper_state"]], args=["--enforce-eager"], env=MARKER_ENV),
 )
 # Try 2 must find S3 back: the test restarts it once try 1 has failed, which takes seconds.
 retry_s3 = batch_dag("supervised_retry_s3", "in/small.jsonl", retries=1, retry_delay_s=15)
@@ -108,7 +112,7 @@ retry_s3 = batch_dag("supervised_retry_s3", "in/small.jsonl", retries=1, retry_d
 # mid-run leaves parts for the retry.
 retry_server = batch_dag(
     "supervised_server_retry", "in/server.jsonl", retries=1, retry_delay_s=1,
-    engine="server", checkpoint_interval_s=SETTINGS["checkpoint_s"], max_in_flight=32,
+    engine=VLLMServer(args=["--enforce-eager"], env=MARKER_ENV, checkpoint_interval=SETTINGS["checkpoint_s"], max_in_flight=32),
 )
 """
 

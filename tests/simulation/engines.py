@@ -27,6 +27,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from airflow_vllm_batch.engines.local import LocalEngine
+from airflow_vllm_batch.engines.options import VLLMRunner, VLLMServer
 from airflow_vllm_batch.engines.runner import RunnerEngine
 from airflow_vllm_batch.engines.server import _Streaming
 from airflow_vllm_batch.exceptions import ServerUnavailableError
@@ -153,11 +155,11 @@ class SimRunnerEngine(RunnerEngine):
 
     def engine_arguments(self, info: EngineInfo) -> list[str]:
         # The real one runs vLLM's parser in the engine's Python (seconds); the arguments are the user's.
-        return list(self.settings.engine_args)
+        return list(self.options.args)
 
     @cached_property
     def hook(self) -> VLLMEngineHook:
-        hook = SimEngineHook(kill_grace_s=self.settings.kill_grace_s)
+        hook = SimEngineHook(kill_grace_s=self.options.kill_grace_s)
         hook._log = logging.getLogger("airflow.task.hooks.sim_engine")  # captured like the task log
         return hook
 
@@ -231,15 +233,36 @@ class SimServerEngine(_Streaming):
 
     @cached_property
     def served(self) -> ServedModels:
-        return served_models(self.settings.model, list(self.settings.engine_args))
+        return served_models(self.settings.model, list(self.options.args))
 
     def inspect(self) -> EngineInfo:
         return self.restrict(EngineInfo(vllm_version=SIM_VLLM_VERSION, supported_urls=FALLBACK_SUPPORTED_URLS))
 
     def identity(self) -> dict[str, Any]:
-        return {**super().identity(), "engine": "server"}
+        return {**LocalEngine.identity(self), "engine": "server"}  # type: ignore[arg-type]
 
     @cached_property
     def server(self) -> SimServer:  # type: ignore[override]
         assert self.world is not None
         return SimServer(self.world)
+
+
+# -- their options (``engine=`` of the run's settings) ---------------------------------------
+
+
+class SimRunner(VLLMRunner):
+    """The runner's options, naming the simulated runner engine."""
+
+    def engine_class(self) -> type[SimRunnerEngine]:
+        return SimRunnerEngine
+
+
+class SimServerOptions(VLLMServer):
+    """The server's options, naming the simulated server engine."""
+
+    def engine_class(self) -> type[SimServerEngine]:
+        return SimServerEngine
+
+
+#: The options class of each engine a schedule may draw.
+SIM_ENGINES = {"sim-runner": SimRunner, "sim-server": SimServerOptions}

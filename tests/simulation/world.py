@@ -27,11 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from airflow_vllm_batch.engines import _ENGINES, engine_class, register_engine
 from airflow_vllm_batch.exceptions import VLLMBatchError
 from airflow_vllm_batch.run.batch import BatchRun
 from airflow_vllm_batch.run.settings import BatchSettings
-from tests.simulation.engines import SimRunnerEngine, SimRunnerProcess, SimServerEngine
+from tests.simulation.engines import SIM_ENGINES, SimRunnerProcess
 from tests.simulation.s3 import FakeS3, FakeS3Client, FakeS3Hook, FaultPlan
 from tests.simulation.scheduler import Scheduler, TryKilled, TryState, virtual_threading
 
@@ -237,8 +236,7 @@ class World:
             "output_uri": output_uri,
             "error_uri": error_uri,
             "model": "m",
-            "engine": plan.engine,
-            "engine_args": engine_args,
+            "engine": SIM_ENGINES[plan.engine](args=engine_args),
             "results_dir": str(results_dir),
             "max_failed_ratio": 1.0,
         }
@@ -276,7 +274,7 @@ class World:
         if state.label.startswith("prior/"):
             values = {**values, "input_uri": f"s3://{BUCKET}/{PRIOR_INPUT_KEY}", "output_uri": f"s3://{BUCKET}/{PRIOR_OUTPUT_KEY}", "error_uri": None}
         settings = BatchSettings.from_rendered(**values)
-        engine = engine_class(settings.engine)(settings, log)
+        engine = settings.engine.engine_class()(settings, log)
         engine.world = self  # type: ignore[attr-defined]
         task = {
             "dag_id": "sim",
@@ -398,9 +396,6 @@ def simulation(world: World) -> Iterator[None]:
     """Install the schedule's stand-ins: the engines, the runner's process, the lease's threads, log capture."""
     from airflow_vllm_batch.hooks import vllm_engine
 
-    saved_engines = {name: _ENGINES.get(name) for name in ("sim-runner", "sim-server")}
-    register_engine("sim-runner", SimRunnerEngine)
-    register_engine("sim-server", SimServerEngine)
     saved_start = vllm_engine.start_bound_process
     vllm_engine.start_bound_process = lambda argv, env=None, **_: SimRunnerProcess(world, engine_argv(argv, env))  # type: ignore[assignment]
     # Object names the run code draws at random (probes, the parts' try tokens) come from the seed too.
@@ -423,11 +418,6 @@ def simulation(world: World) -> Iterator[None]:
             lg.propagate = propagate
         vllm_engine.start_bound_process = saved_start
         uuid.uuid4 = saved_uuid4  # type: ignore[assignment]
-        for name, cls in saved_engines.items():
-            if cls is None:
-                _ENGINES.pop(name, None)
-            else:
-                _ENGINES[name] = cls
 
 
 def run_schedule(seed: int, workdir: Path) -> World:

@@ -207,7 +207,7 @@ def test_validate_names_the_default_engine_not_this_engine_for_an_unserved_url(t
     assert cli.main(["validate", str(path)]) == 1
     out = capsys.readouterr().out
     assert "this engine" not in out
-    assert 'engine="runner"' in out and 'engine="server"' in out
+    assert "engine=VLLMRunner()" in out and "engine=VLLMServer(...)" in out
 
 
 def test_validate_with_supported_url_names_that_option_for_an_unserved_url(batch, capsys):

@@ -49,3 +49,28 @@ def test_a_local_file_is_pinned_by_its_content(tmp_path):
     first = local_file_tag(str(path))
     path.write_bytes(b"b\n")
     assert local_file_tag(str(path)) != first
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        (
+            {"engine": "VLLMRunner", "args": ["--hf-token", "hf_abcdefgh", "--max-model-len", "64"], "command": ["x", "y"]},
+            {"engine_args": ["--hf-token", "<secret>", "--max-model-len", "64"], "engine_command": ["x", "y"]},
+        ),
+        ({"engine": "VLLMServer", "args": ["--max-model-len", "64"]}, {"engine": "server", "engine_args": ["--max-model-len", "64"], "engine_command": []}),
+        ({"engine": "WarmVLLMServer", "conn_id": "c"}, {"engine": "vllm_connection", "engine_args": None, "engine_command": None}),
+    ],
+    ids=["runner", "server", "warm"],
+)
+def test_each_engines_part_of_the_identity_is_what_it_was_before_engines_took_options(options, expected):
+    """Runs made before the options objects keep resuming: the same components (and so fingerprints) as the flat arguments gave."""
+    import logging
+
+    import airflow_vllm_batch.engines as engines
+    from airflow_vllm_batch.run.settings import BatchSettings
+
+    options = dict(options)
+    engine = getattr(engines, options.pop("engine"))(**options)
+    settings = BatchSettings.from_rendered(input_uri="s3://b/in.jsonl", output_uri="s3://b/out/r.jsonl", model="m", engine=engine)
+    assert engines.make_engine(settings, logging.getLogger(__name__)).identity() == expected

@@ -99,7 +99,7 @@ def test_the_completions_snippet_builds_a_server_task_whose_lines_are_prompts():
     with DAG("readme_completions", schedule=None, start_date=datetime(2026, 1, 1, tzinfo=timezone.utc)) as dag:
         exec(_section_snippet("## Completions: `/v1/completions` lines"), {})  # noqa: S102 - our own README
     (op,) = [t for t in dag.tasks if isinstance(t, VLLMBatchOperator)]
-    assert (op.requests_url, op.engine) == ("/v1/completions", "server")
+    assert op.requests_url == "/v1/completions" and type(op.engine).__name__ == "VLLMServer"
     settings = op.settings()
     data = build_batch_file(settings.requests, model=settings.model, url=settings.requests_url, default_body=settings.default_body)
     lines = [json.loads(line) for line in data.splitlines()]
@@ -137,3 +137,22 @@ def test_the_openai_sdk_snippet_compiles_and_points_at_the_plugins_prefix():
     compile(snippet, "README.md", "exec", dont_inherit=True)
     base_url = re.search(r'base_url="([^"]+)"', snippet).group(1)
     assert urllib.parse.urlsplit(base_url).path == URL_PREFIX
+
+
+def test_the_readme_builds_each_engine_with_its_own_options():
+    """The README's examples build the runner (*Use it*), the task-started server (*Completions*) and a warm server (*Two engines*)."""
+    from airflow.sdk import DAG
+
+    from airflow_vllm_batch.engines import VLLMRunner, VLLMServer, WarmVLLMServer
+
+    built = {}
+    for title in ("## Use it", "## Completions: `/v1/completions` lines", "## Two engines"):
+        with DAG(f"readme_{len(built)}", schedule=None, start_date=datetime(2026, 1, 1, tzinfo=timezone.utc)) as dag:
+            snippet = _section_snippet(title) if title != "## Two engines" else _section_snippet("```bash\nexport AIRFLOW_CONN_VLLM_DEFAULT")
+            exec(compile(snippet, "README.md", "exec", dont_inherit=True), {"__name__": "readme_dag"})  # noqa: S102 - our own README
+        (task,) = dag.tasks
+        built[title] = task.engine
+    runner, server, warm = built.values()
+    assert isinstance(runner, VLLMRunner) and runner.args == ["--max-model-len", "8192"]
+    assert isinstance(server, VLLMServer)
+    assert isinstance(warm, WarmVLLMServer) and warm.conn_id == "vllm_default" and warm.checkpoint_interval_s == 60

@@ -546,16 +546,24 @@ def test_a_bad_completion_body_is_named_with_its_line(name, fields, reason):
     assert reason in first.message, str(first)
 
 
-def test_completion_lines_for_an_engine_without_them_name_each_line_and_the_server_engine():
-    report = run(good(1) + completion("c1", prompt="a") + completion("c2", prompt=[1, 2]))
+ADVICE = {"/v1/completions": "run this file with the other engine, which serves it"}
+
+
+def test_completion_lines_for_an_engine_without_them_name_each_line_and_the_engines_advice():
+    report = run(good(1) + completion("c1", prompt="a") + completion("c2", prompt=[1, 2]), url_advice=ADVICE)
     assert [(p.line, p.custom_id) for p in report.problems] == [(2, "c1"), (3, "c2")]
-    assert all('run this file with engine="server"' in p.message for p in report.problems)
+    assert all("run this file with the other engine" in p.message for p in report.problems)
 
 
 def test_completion_lines_for_an_engine_without_them_fail_the_file_even_in_skip_mode():
-    report = run(good(2) + completion(prompt="a"), invalid_lines="skip")
+    report = run(good(2) + completion(prompt="a"), invalid_lines="skip", url_advice=ADVICE)
     assert not report.runnable
-    assert 'engine="server"' in report.file_problems[0].message
+    assert "run this file with the other engine" in report.file_problems[0].message
+
+
+def test_a_url_no_engine_advises_on_names_the_supported_ones():
+    report = run(good(1) + completion("c1", prompt="a"))
+    assert "is not served by this engine — use one of: " in report.problems[0].message
 
 
 def test_completions_for_a_pooling_model_are_the_wrong_kind():

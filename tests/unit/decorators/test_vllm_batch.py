@@ -8,6 +8,7 @@ from datetime import datetime, timezone
 
 import pytest
 
+from airflow_vllm_batch.engines import VLLMRunner
 from airflow_vllm_batch.decorators.vllm_batch import _VLLMBatchDecoratedOperator, vllm_batch_task
 from airflow_vllm_batch.exceptions import ConfigurationError
 from airflow_vllm_batch.get_provider_info import get_provider_info
@@ -28,8 +29,7 @@ def _decorated(batch: Batch, function, *args, **settings) -> _VLLMBatchDecorated
         "task_id": "vllm_batch",
         "output_uri": batch.output_uri,
         "model": "m",
-        "engine_command": [sys.executable, str(FAKE_RUNNER)],
-        "engine_env": {"FAKE_ENGINE_CALLS": str(batch.calls)},
+        "engine": VLLMRunner(command=[sys.executable, str(FAKE_RUNNER)], env={"FAKE_ENGINE_CALLS": str(batch.calls)}),
         "results_dir": str(batch.results_dir),
     }
     with DAG("taskflow", schedule=None, start_date=datetime(2026, 1, 1, tzinfo=timezone.utc)) as dag:
@@ -82,6 +82,14 @@ def test_the_operators_settings_are_rendered_as_usual(batch):
     task = _decorated(batch, lambda: ["hi"], output_uri=f"s3://{batch.bucket}/out/{{{{ ds }}}}.jsonl")
     task.render_template_fields({"ds": "2026-11-21", "run_id": "r"})
     assert task.output_uri == f"s3://{batch.bucket}/out/2026-11-21.jsonl"
+
+
+def test_the_engines_options_are_rendered_too(batch):
+    engine = VLLMRunner(command=[sys.executable, str(FAKE_RUNNER)], args=["--max-model-len", "{{ params.len }}"])
+    task = _decorated(batch, lambda: ["hi"], engine=engine)
+    task.render_template_fields({"params": {"len": "64"}, "run_id": "r"})
+    assert task.engine.args == ["--max-model-len", "64"]
+    assert engine.args == ["--max-model-len", "{{ params.len }}"]  # the DAG file's object is left as written
 
 
 @pytest.mark.parametrize("returned", ["one prompt", {"custom_id": "a"}, None, 3])

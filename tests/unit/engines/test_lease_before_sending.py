@@ -13,6 +13,7 @@ from unittest import mock
 
 import pytest
 
+from airflow_vllm_batch.engines.options import VLLMRunner, WarmVLLMServer
 from airflow_vllm_batch.engines.runner import RunnerEngine
 from airflow_vllm_batch.engines.server import ConnectionEngine
 from airflow_vllm_batch.exceptions import OutputBusyError
@@ -44,7 +45,7 @@ def _job(tmp_path: Path) -> mock.Mock:
 
 
 def test_a_runner_try_that_lost_its_lease_since_reading_staging_starts_no_engine(tmp_path):
-    settings = BatchSettings.from_rendered(input_uri="s3://b/in.jsonl", output_uri="s3://b/out/results.jsonl", model="m", engine="runner")
+    settings = BatchSettings.from_rendered(input_uri="s3://b/in.jsonl", output_uri="s3://b/out/results.jsonl", model="m", engine=VLLMRunner())
     engine = RunnerEngine(settings, logging.getLogger(__name__))
     engine.__dict__["hook"] = hook = mock.Mock()
     hook.run.side_effect = AssertionError("the engine started although the lease was taken over")
@@ -59,7 +60,7 @@ def test_a_runner_try_that_lost_its_lease_since_reading_staging_starts_no_engine
 
 def test_a_server_try_that_lost_its_lease_since_reading_the_parts_sends_no_request(tmp_path):
     settings = BatchSettings.from_rendered(
-        input_uri="s3://b/in.jsonl", output_uri="s3://b/out/results.jsonl", model="m", engine="server", vllm_conn_id="c"
+        input_uri="s3://b/in.jsonl", output_uri="s3://b/out/results.jsonl", model="m", engine=WarmVLLMServer(conn_id="c")
     )
     engine = ConnectionEngine(settings, logging.getLogger(__name__))
     engine.__dict__["server"] = server = mock.Mock()

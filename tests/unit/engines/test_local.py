@@ -19,6 +19,7 @@ from airflow_vllm_batch.engines.runner import RunnerEngine
 from airflow_vllm_batch.engines.server import ServerEngine
 from airflow_vllm_batch.hooks.engine_checks import OfflineDefaults
 from airflow_vllm_batch.hooks.vllm_engine import EngineInfo
+from airflow_vllm_batch.engines.options import VLLMRunner, VLLMServer
 from airflow_vllm_batch.run.settings import BatchSettings
 
 #: Flags only vLLM's OpenAI server has: the batch runner's parser refuses ``--uvicorn-log-level``.
@@ -31,8 +32,7 @@ def _settings(results_dir: Path, engine: str) -> BatchSettings:
         input_uri="s3://b/in.jsonl",
         output_uri="s3://b/out/results.jsonl",
         model="m",
-        engine=engine,
-        engine_args=SERVER_FLAGS,
+        engine=(VLLMServer if engine == "server" else VLLMRunner)(args=SERVER_FLAGS),
         results_dir=str(results_dir),
     )
 

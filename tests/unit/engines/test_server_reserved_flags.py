@@ -6,6 +6,7 @@ import pytest
 
 from airflow_vllm_batch.exceptions import EngineArgumentsError
 from airflow_vllm_batch.hooks.engine_checks import check_engine_args
+from airflow_vllm_batch.engines.options import VLLMRunner, VLLMServer
 from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
 
 RESERVED = {
@@ -24,8 +25,7 @@ def _operator(engine_args):
         input_uri="s3://b/in.jsonl",
         output_uri="s3://b/out/results.jsonl",
         model="m",
-        engine="server",
-        engine_args=engine_args,
+        engine=VLLMServer(args=engine_args),
     )
 
 
@@ -44,7 +44,7 @@ def test_a_rendered_reserved_server_flag_is_refused_before_the_engine_python_run
 
 def test_the_runner_and_a_warm_connection_keep_their_own_rules():
     # --port means nothing to the runner's parser (its own check says so); not refused here.
-    VLLMBatchOperator(task_id="t", input_uri="s3://b/in.jsonl", output_uri="s3://b/out/results.jsonl", model="m", engine_args=["--port", "1"])
+    VLLMBatchOperator(task_id="t", input_uri="s3://b/in.jsonl", output_uri="s3://b/out/results.jsonl", model="m", engine=VLLMRunner(args=["--port", "1"]))
 
 
 def test_a_templated_flag_value_is_left_for_run_time():

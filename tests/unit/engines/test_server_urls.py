@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+from airflow_vllm_batch.engines.options import VLLMServer, WarmVLLMServer
 from airflow_vllm_batch.engines.server import ConnectionEngine, ServerEngine
 from airflow_vllm_batch.hooks.vllm_engine import EngineInfo
 from airflow_vllm_batch.run.settings import BatchSettings
@@ -11,9 +12,9 @@ from airflow_vllm_batch.run.settings import BatchSettings
 RUNNER_URLS = frozenset({"/v1/chat/completions", "/v1/embeddings", "/v1/audio/transcriptions"})
 
 
-def _engine(cls, **extra):
+def _engine(cls, engine=None):
     settings = BatchSettings.from_rendered(
-        input_uri="s3://b/in.jsonl", output_uri="s3://b/out/results.jsonl", model="m", engine="server", **extra
+        input_uri="s3://b/in.jsonl", output_uri="s3://b/out/results.jsonl", model="m", engine=engine or VLLMServer()
     )
     return cls(settings, logging.getLogger(__name__))
 
@@ -30,5 +31,5 @@ def test_a_server_whose_routes_could_not_be_read_still_serves_completions_but_no
 
 
 def test_a_warm_server_behind_a_connection_accepts_completions():
-    urls = _engine(ConnectionEngine, vllm_conn_id="c").restrict(EngineInfo("0.32.0", RUNNER_URLS)).supported_urls
+    urls = _engine(ConnectionEngine, WarmVLLMServer(conn_id="c")).restrict(EngineInfo("0.32.0", RUNNER_URLS)).supported_urls
     assert {"/v1/chat/completions", "/v1/completions"} <= urls

@@ -24,6 +24,7 @@ from airflow_vllm_batch.engines.sizing import (
 )
 from airflow_vllm_batch.hooks.engine_checks import OfflineDefaults, OfflineDefaultsUnavailable
 from airflow_vllm_batch.hooks.vllm_engine import EngineInfo
+from airflow_vllm_batch.engines.options import VLLMRunner, VLLMServer
 from airflow_vllm_batch.run.settings import BatchSettings
 
 H100 = OfflineDefaults(max_num_seqs=1024, max_num_batched_tokens=16384, device="NVIDIA H100 80GB HBM3")
@@ -186,14 +187,11 @@ class _Reader:
         return self.defaults
 
 
-def _engine(cls, tmp_path: Path, **values):
-    values = {"engine_args": (), **values}
-    settings = BatchSettings(
-        output_uri="s3://b/out.jsonl",
-        model="m",
-        results_dir=str(tmp_path),
-        **{**values, "engine_args": tuple(values["engine_args"]), "engine_command": tuple(values.get("engine_command") or ()) or None},
-    )
+def _engine(cls, tmp_path: Path, **options):
+    """The engine ``cls`` with its options (``VLLMServer``'s for the server, else ``VLLMRunner``'s)."""
+    options = {"args": (), **options}
+    engine = (VLLMServer if cls is ServerEngine else VLLMRunner)(**options).rendered()
+    settings = BatchSettings(output_uri="s3://b/out.jsonl", model="m", results_dir=str(tmp_path), engine=engine)
     return cls(settings, logging.getLogger("test"))
 
 
@@ -204,7 +202,7 @@ INFO = EngineInfo(vllm_version="0.32.0", supported_urls=frozenset(), model_kind=
 def test_engine_starts_with_the_offline_sizes_read_from_its_python(monkeypatch, tmp_path, cls):
     reader = _Reader()
     monkeypatch.setattr(local_engines, "check_engine_args", reader)
-    args = _engine(cls, tmp_path, engine_args=["--enforce-eager"]).engine_arguments(INFO)
+    args = _engine(cls, tmp_path, args=["--enforce-eager"]).engine_arguments(INFO)
     assert args == ["--enforce-eager", "--max-num-seqs", "1024", "--max-num-batched-tokens", "16384"]
 
 
@@ -215,7 +213,7 @@ def test_engine_starts_with_the_offline_sizes_read_from_its_python(monkeypatch, 
 def test_engine_checks_its_arguments_and_reads_the_defaults_in_one_run_of_its_own_entrypoints_parser(monkeypatch, tmp_path, cls, entrypoint):
     reader = _Reader()
     monkeypatch.setattr(local_engines, "check_engine_args", reader)
-    _engine(cls, tmp_path, engine_args=["--enforce-eager"]).engine_arguments(INFO)
+    _engine(cls, tmp_path, args=["--enforce-eager"]).engine_arguments(INFO)
     # The runner's check follows the module the probe found; the server's, its own default.
     module = INFO.runner_module if cls is RunnerEngine else None
     assert reader.calls == [{"args": ["--enforce-eager"], "entrypoint": entrypoint, "offline_defaults_for": 1, "module": module}]
@@ -224,8 +222,8 @@ def test_engine_checks_its_arguments_and_reads_the_defaults_in_one_run_of_its_ow
 def test_a_later_try_on_the_worker_reads_neither_arguments_nor_defaults_again(monkeypatch, tmp_path):
     reader = _Reader()
     monkeypatch.setattr(local_engines, "check_engine_args", reader)
-    first = _engine(RunnerEngine, tmp_path, engine_args=["--enforce-eager"]).engine_arguments(INFO)
-    again = _engine(RunnerEngine, tmp_path, engine_args=["--enforce-eager"]).engine_arguments(INFO)
+    first = _engine(RunnerEngine, tmp_path, args=["--enforce-eager"]).engine_arguments(INFO)
+    again = _engine(RunnerEngine, tmp_path, args=["--enforce-eager"]).engine_arguments(INFO)
     assert first == again and len(reader.calls) == 1
 
 
@@ -233,27 +231,27 @@ def test_engine_with_both_sizes_set_does_not_ask_for_defaults(monkeypatch, tmp_p
     reader = _Reader()
     monkeypatch.setattr(local_engines, "check_engine_args", reader)
     args = ["--max-num-seqs", "8", "--max-num-batched-tokens", "64"]
-    assert _engine(RunnerEngine, tmp_path, engine_args=args).engine_arguments(INFO) == args
+    assert _engine(RunnerEngine, tmp_path, args=args).engine_arguments(INFO) == args
     assert reader.calls[0]["offline_defaults_for"] is None
 
 
 def test_custom_engine_command_is_not_sized(monkeypatch, tmp_path):
     reader = _Reader()
     monkeypatch.setattr(local_engines, "check_engine_args", reader)
-    engine = _engine(RunnerEngine, tmp_path, engine_command=["my-engine"], engine_args=["--enforce-eager"])
+    engine = _engine(RunnerEngine, tmp_path, command=["my-engine"], args=["--enforce-eager"])
     assert engine.engine_arguments(INFO) == ["--enforce-eager"] and reader.calls == []
 
 
 def test_defaults_that_cannot_be_read_start_the_engine_unsized_with_a_warning(monkeypatch, tmp_path, caplog):
     monkeypatch.setattr(local_engines, "check_engine_args", _Reader(fail=True))
     with caplog.at_level(logging.WARNING):
-        assert _engine(RunnerEngine, tmp_path, engine_args=["--enforce-eager"]).engine_arguments(INFO) == ["--enforce-eager"]
+        assert _engine(RunnerEngine, tmp_path, args=["--enforce-eager"]).engine_arguments(INFO) == ["--enforce-eager"]
     assert "no table here" in caplog.text
 
 
 def test_started_server_gets_in_flight_sized_to_its_scheduler(monkeypatch, tmp_path, caplog):
     monkeypatch.setattr(local_engines, "check_engine_args", _Reader())
-    engine = _engine(ServerEngine, tmp_path, engine="server", engine_args=["--data-parallel-size", "2"])
+    engine = _engine(ServerEngine, tmp_path, args=["--data-parallel-size", "2"])
     with caplog.at_level(logging.INFO):
         engine.before_stream(INFO)
     assert engine.server.max_in_flight == 2 * 1024 * 2
@@ -264,7 +262,7 @@ def test_started_server_gets_in_flight_sized_to_its_scheduler(monkeypatch, tmp_p
 @pytest.mark.parametrize("flag", [["--api-server-count", "2"], ["--api-server-count=2"], ["-asc", "2"]], ids=["space", "equals", "short"])
 def test_started_server_warns_that_its_module_ignores_api_server_count(monkeypatch, tmp_path, caplog, flag):
     monkeypatch.setattr(local_engines, "check_engine_args", _Reader())
-    engine = _engine(ServerEngine, tmp_path, engine="server", engine_args=flag)
+    engine = _engine(ServerEngine, tmp_path, args=flag)
     with caplog.at_level(logging.WARNING):
         engine.before_stream(INFO)
     assert "--api-server-count has no effect here" in caplog.text

@@ -87,7 +87,7 @@ def expiring(monkeypatch):
         raise AirflowTaskTimeout("Timeout")
 
     monkeypatch.setattr(VLLMBatchOperator, "execute", times_out)
-    monkeypatch.setattr(OpenAIBatchOperator, "s3_hook", property(lambda self: bucket))
+    monkeypatch.setattr(OpenAIBatchOperator, "hook", property(lambda self: bucket))
     operator = OpenAIBatchOperator(
         task_id="vllm_batch",
         input_uri="s3://b/files/u/file-in.jsonl",

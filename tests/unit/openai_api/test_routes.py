@@ -10,6 +10,7 @@ from fastapi.testclient import TestClient
 
 from airflow.api_fastapi.core_api.security import get_user
 
+from airflow_vllm_batch.engines import VLLMRunner, WarmVLLMServer
 from airflow_vllm_batch.exceptions import ConfigurationError
 from airflow_vllm_batch.openai_api import app as app_module
 from airflow_vllm_batch.openai_api.batch_dag import openai_batch_dag
@@ -54,11 +55,11 @@ def test_a_file_naming_two_models_is_refused():
 
 
 def test_the_batch_dag_has_one_task_per_model_behind_a_route_task():
-    dag = openai_batch_dag(routes=parse_routes(ROUTES), engine_args=["--max-model-len", "512"], vllm_conn_id="ignored")
+    dag = openai_batch_dag(routes=parse_routes(ROUTES), engine=WarmVLLMServer(conn_id="ignored"))
     fleet, runner = dag.get_task("vllm_batch__qwen"), dag.get_task("vllm_batch__llama_70b")
     assert dag.get_task("route").downstream_task_ids == {"vllm_batch__qwen", "vllm_batch__llama_70b"}
-    assert (fleet.model, fleet.vllm_conn_id, fleet.engine) == ("qwen", "vllm_fleet", "server")
-    assert (runner.model, runner.vllm_conn_id, runner.queue, runner.engine_args) == ("llama/70b", None, "gpu", ["--tensor-parallel-size", "2"])
+    assert (fleet.model, fleet.engine) == ("qwen", WarmVLLMServer(conn_id="vllm_fleet"))
+    assert (runner.model, runner.queue, runner.engine) == ("llama/70b", "gpu", VLLMRunner(args=["--tensor-parallel-size", "2"]))
 
 
 class Bucket:

@@ -12,6 +12,7 @@ import re
 import pytest
 from botocore.exceptions import ClientError
 
+from airflow_vllm_batch.run import AnswerCacheOptions
 from airflow_vllm_batch.exceptions import ConfigurationError, StorageUnavailableError
 from airflow_vllm_batch.run import BatchSettings
 from airflow_vllm_batch.run.answer_cache import AnswerCache
@@ -39,7 +40,7 @@ def raw_lines(batch, key: str) -> dict[str, bytes]:
 
 
 def run(batch, input_uri: str, output: str, ti: FakeTI | None = None, **kwargs) -> dict:
-    kwargs.setdefault("answer_cache_uri", f"s3://{batch.bucket}/cache/")
+    kwargs.setdefault("answer_cache", AnswerCacheOptions(uri=f"s3://{batch.bucket}/cache/"))
     return batch.run(ti or FakeTI(run_id=output), input_uri=input_uri, output_uri=f"s3://{batch.bucket}/{output}/results.jsonl", **kwargs)
 
 
@@ -92,13 +93,13 @@ def test_requests_that_sample_are_cached_only_when_opted_in(batch, server):
     uri = put_input(batch, "in/sampled.jsonl", lines)
     run(batch, uri, "sampled1")
     assert run(batch, uri, "sampled2")["from_cache"] == 0 and server.requests == 8
-    run(batch, uri, "sampled3", answer_cache_sampled=True)
-    assert run(batch, uri, "sampled4", answer_cache_sampled=True)["from_cache"] == 4 and server.requests == 12
+    run(batch, uri, "sampled3", answer_cache=AnswerCacheOptions(uri=f"s3://{batch.bucket}/cache/", sampled=True))
+    assert run(batch, uri, "sampled4", answer_cache=AnswerCacheOptions(uri=f"s3://{batch.bucket}/cache/", sampled=True))["from_cache"] == 4 and server.requests == 12
 
 
 def test_a_run_without_the_cache_has_no_from_cache_and_its_identity_is_unchanged(batch, server):
     uri = put_input(batch, "in/plain.jsonl", [line("p0")])
-    plain = run(batch, uri, "plain", answer_cache_uri=None)
+    plain = run(batch, uri, "plain", answer_cache=None)
     cached = run(batch, uri, "cached")
     assert "from_cache" not in plain and "answer_cache" not in plain["identity"]
     assert cached["identity"]["answer_cache"] == {"uri": f"s3://{batch.bucket}/cache/", "sampled": False}
@@ -119,7 +120,7 @@ def test_the_answer_cache_uri_gets_its_trailing_slash():
 def test_a_cache_bucket_that_does_not_exist_fails_before_any_request_is_sent(batch, server):
     uri = put_input(batch, "in/x.jsonl", [line("x0")])
     with pytest.raises(AirflowFailException, match="answer_cache_uri: bucket 'no-such-cache-bucket' does not exist"):
-        run(batch, uri, "x", answer_cache_uri="s3://no-such-cache-bucket/cache/")
+        run(batch, uri, "x", answer_cache=AnswerCacheOptions(uri="s3://no-such-cache-bucket/cache/"))
     assert server.requests == 0
     assert [k for k in batch.keys("x/") if not k.startswith("x/results.jsonl.staging/")] == []
 

@@ -39,7 +39,7 @@ def _free(lock_dir, device: str) -> bool:
 
 def test_the_engine_runs_on_the_leased_gpu_which_is_locked_while_it_runs_and_free_after(batch, worker, tmp_path):
     probe = tmp_path / "probe.json"
-    batch.run(engine_env={"FAKE_ENGINE_GPU_PROBE": str(probe)})
+    batch.run(env={"FAKE_ENGINE_GPU_PROBE": str(probe)})
     seen = json.loads(probe.read_text())
     assert seen == {"CUDA_VISIBLE_DEVICES": "0", "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "locked": {"0": True, "1": False}}
     assert _free(worker, "0") and _free(worker, "1")
@@ -48,19 +48,19 @@ def test_the_engine_runs_on_the_leased_gpu_which_is_locked_while_it_runs_and_fre
 def test_a_device_another_task_holds_is_skipped(batch, worker, tmp_path):
     probe = tmp_path / "probe.json"
     with gpus.try_lease(["0"], 1, str(worker), {"task_id": "other"}):
-        batch.run(engine_env={"FAKE_ENGINE_GPU_PROBE": str(probe)})
+        batch.run(env={"FAKE_ENGINE_GPU_PROBE": str(probe)})
     assert json.loads(probe.read_text())["CUDA_VISIBLE_DEVICES"] == "1"
 
 
 def test_tensor_parallel_size_is_leased_by_default(batch, worker, tmp_path):
     probe = tmp_path / "probe.json"
-    batch.run(engine_args=["--tensor-parallel-size", "2"], engine_env={"FAKE_ENGINE_GPU_PROBE": str(probe)})
+    batch.run(args=["--tensor-parallel-size", "2"], env={"FAKE_ENGINE_GPU_PROBE": str(probe)})
     assert json.loads(probe.read_text())["CUDA_VISIBLE_DEVICES"] == "0,1"
 
 
 def test_parallel_sizes_that_do_not_fit_gpus_fail_without_retry_before_any_engine(batch, worker):
     with pytest.raises(AirflowFailException, match="Set gpus=2"):
-        batch.run(gpus=1, engine_args=["-tp", "2"])
+        batch.run(gpus=1, args=["-tp", "2"])
     assert batch.engine_runs == 0
 
 
@@ -68,17 +68,18 @@ def test_a_cpu_worker_leases_nothing_and_leaves_cuda_visible_devices_alone(batch
     monkeypatch.setenv(gpus.GPUS_ENV, "")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     probe = tmp_path / "probe.json"
-    batch.run(engine_env={"FAKE_ENGINE_GPU_PROBE": str(probe)})
+    batch.run(env={"FAKE_ENGINE_GPU_PROBE": str(probe)})
     assert json.loads(probe.read_text())["CUDA_VISIBLE_DEVICES"] is None
 
 
 @pytest.mark.parametrize("value", [-1, 1.5, True, "2"])
 def test_gpus_must_be_a_whole_number_or_none(value):
+    from airflow_vllm_batch.engines import VLLMRunner
     from airflow_vllm_batch.exceptions import ConfigurationError
     from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
 
     with pytest.raises(ConfigurationError, match="gpus must be"):
-        VLLMBatchOperator(task_id="t", input_uri="s3://b/i.jsonl", output_uri="s3://b/o.jsonl", model="m", gpus=value)
+        VLLMBatchOperator(task_id="t", input_uri="s3://b/i.jsonl", output_uri="s3://b/o.jsonl", model="m", engine=VLLMRunner(gpus=value))
 
 
 @pytest.mark.timeout(120)
@@ -89,7 +90,7 @@ def test_a_task_with_a_vllm_connection_leases_no_gpu_even_when_all_are_taken(s3,
 
 
 def test_the_manifest_counts_leased_gpus_times_the_engines_time_and_prices_them(batch, worker):
-    manifest = batch.run(engine_args=["--tensor-parallel-size", "2"], gpu_hour_cost=2.5)
+    manifest = batch.run(args=["--tensor-parallel-size", "2"], gpu_hour_cost=2.5)
     cost = manifest["cost"]
     assert (cost["device"], cost["gpus"]) == ("gpu", 2)
     assert cost["gpu_s"] == pytest.approx(2 * manifest["engine_duration_s"], abs=0.01)

@@ -66,7 +66,7 @@ LORA_ARGS = ["--served-model-name", "chat", "--enable-lora", "--lora-modules", "
 
 def test_lines_use_served_names_and_adapters_and_the_manifest_counts_per_name(batch):
     batch.put("in/input.jsonl", chat_lines(2, "chat") + chat_lines(3, "sql").replace(b'"custom_id": "r', b'"custom_id": "s'))
-    manifest = batch.run(engine_args=LORA_ARGS)
+    manifest = batch.run(args=LORA_ARGS)
     assert manifest["request_counts"]["completed"] == 5
     assert {name: c["requests"] for name, c in manifest["per_model"].items()} == {"chat": 2, "sql": 3}
     assert manifest["per_model"]["sql"]["total_tokens"] == 12
@@ -74,7 +74,7 @@ def test_lines_use_served_names_and_adapters_and_the_manifest_counts_per_name(ba
 
 def test_the_path_is_no_name_once_served_names_are_given(batch):
     with pytest.raises(AirflowFailException, match=r"'m', which the engine does not serve — use one of: 'chat', 'sql'"):
-        batch.run(engine_args=LORA_ARGS)
+        batch.run(args=LORA_ARGS)
     assert batch.engine_runs == 0
 
 

@@ -27,9 +27,9 @@ def batch(s3, bucket, tmp_path, monkeypatch) -> Batch:
 
 
 def _inspect_as_0_33_when_asked(self):
-    """The probe's answer for a custom engine_command, with 0.33's --max-inflight when the stand-in plays 0.33."""
+    """The probe's answer for a custom command, with 0.33's --max-inflight when the stand-in plays 0.33."""
     info = RunnerEngine.__mro__[1].inspect(self)
-    if self.settings.engine_env.get("FAKE_ENGINE_VLLM") == "0.33":
+    if self.options.env.get("FAKE_ENGINE_VLLM") == "0.33":
         info = dataclasses.replace(info, runner_options=frozenset({"output_tmp_dir", "max_inflight"}))
     return info
 
@@ -43,7 +43,7 @@ def sent(batch: Batch) -> list[list[str]]:
 def run(batch: Batch, version: str, ti: FakeTI | None = None, **env: str) -> dict:
     engine_env = {"FAKE_ENGINE_VLLM": version, "FAKE_ENGINE_SENT": str(batch.calls.with_name("sent.txt")), **env}
     # A request answered as failed must not fail the task here: max_failed_ratio is the user's call.
-    return batch.run(ti, engine_env=engine_env, max_failed_ratio=0.5)
+    return batch.run(ti, env=engine_env, max_failed_ratio=0.5)
 
 
 def ids(*numbers: int) -> list[str]:

@@ -6,6 +6,7 @@ the integration tests run the same paths with the real vLLM engine and Airflow's
 
 from __future__ import annotations
 
+import dataclasses
 import http.server
 import json
 import sys
@@ -23,6 +24,8 @@ from airflow_vllm_batch.exceptions import (
     StorageUnavailableError,
 )
 from airflow_vllm_batch.lease import LeaseHolder
+from airflow_vllm_batch.engines import VLLMRunner
+from airflow_vllm_batch.run import InputLimits
 from airflow_vllm_batch.manifest import is_tombstone
 from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
 from airflow_vllm_batch.storage import RunStaging
@@ -53,6 +56,10 @@ def chat_lines(n: int, model: str = "m") -> bytes:
     )
 
 
+#: The keyword arguments of the helpers that are the runner's options.
+RUNNER_FIELDS = {f.name for f in dataclasses.fields(VLLMRunner)}
+
+
 class Batch:
     """One input and output in a fresh bucket, and a way to run the operator on them."""
 
@@ -81,14 +88,16 @@ class Batch:
         return len(self.calls.read_text().splitlines()) if self.calls.exists() else 0
 
     def operator(self, **kwargs) -> VLLMBatchOperator:
-        env = {"FAKE_ENGINE_CALLS": str(self.calls), **kwargs.pop("engine_env", {})}
+        """The operator on the fake runner; the keyword arguments that are ``VLLMRunner``'s go to it."""
+        options = {k: kwargs.pop(k) for k in list(kwargs) if k in RUNNER_FIELDS}
+        options["env"] = {"FAKE_ENGINE_CALLS": str(self.calls), **(options.get("env") or {})}
+        options.setdefault("command", [sys.executable, str(FAKE_RUNNER)])
         args = {
             "task_id": "vllm_batch",
             "input_uri": self.input_uri,
             "output_uri": self.output_uri,
             "model": "m",
-            "engine_command": [sys.executable, str(FAKE_RUNNER)],
-            "engine_env": env,
+            "engine": VLLMRunner(**options),
             "results_dir": str(self.results_dir),
         }
         return VLLMBatchOperator(**{**args, **kwargs})
@@ -123,10 +132,10 @@ def test_same_identity_returns_the_published_manifest_without_the_engine(batch):
 @pytest.mark.parametrize(
     ("change", "named"),
     [
-        ({"engine_args": ["--max-model-len", "64"]}, "engine_args"),
+        ({"args": ["--max-model-len", "64"]}, "engine_args"),
         ({"default_body": {"max_completion_tokens": 3}}, "default_body"),
         ({"invalid_lines": "skip"}, "invalid_lines"),
-        ({"max_lines": 100}, "max_lines"),
+        ({"limits": InputLimits(max_lines=100)}, "max_lines"),
         ({"error_uri": "s3://{bucket}/elsewhere/errors.jsonl"}, "error_uri"),
         ({"rewrite_model": True}, "rewrite_model"),
     ],
@@ -139,7 +148,8 @@ def test_a_changed_setting_runs_again_and_the_log_names_it(batch, capfd, change,
     manifest = batch.run(**change)
     assert batch.engine_runs == 2
     assert f"made by a different run (changed: {named})" in capfd.readouterr().out
-    assert manifest["identity"][named] == change[named]
+    value = next(iter(change.values()))
+    assert manifest["identity"][named] == (getattr(value, named) if isinstance(value, InputLimits) else value)
 
 
 def test_an_overwritten_input_is_a_new_run(batch, capfd):
@@ -154,7 +164,7 @@ def test_an_overwritten_input_is_a_new_run(batch, capfd):
 
 def test_results_that_fail_the_check_are_dropped_so_the_retry_runs_the_engine(batch):
     with pytest.raises(ResultsCheckError, match="custom_id 'r4'\\): has no result"):
-        batch.run(engine_env={"FAKE_ENGINE_DROP": "1"})
+        batch.run(env={"FAKE_ENGINE_DROP": "1"})
     assert not [k for k in batch.keys() if k.endswith("results.jsonl") and ".staging/" in k]
     assert list(batch.scratch_dir.iterdir()) == []  # a failed try leaves no scratch behind
     manifest = batch.run(FakeTI(try_number=2))
@@ -272,7 +282,6 @@ def test_a_retry_of_the_same_task_instance_takes_over_its_own_dead_lease(batch):
         ({"input_uri": "/nonexistent/input.jsonl"}, "input_uri: no file '/nonexistent/input.jsonl'"),
         ({"output_uri": "s3://no-such-bucket-here/r.jsonl"}, "output_uri: bucket 'no-such-bucket-here' does not exist"),
         ({"error_uri": "s3://no-such-bucket-here/e.jsonl"}, "error_uri: bucket 'no-such-bucket-here' does not exist"),
-        ({"engine_args": "--max-model-len 64"}, "engine_args must be a list of strings"),
     ],
 )
 def test_a_mistake_fails_without_retry_before_any_engine(batch, kwargs, fragment):
@@ -280,6 +289,16 @@ def test_a_mistake_fails_without_retry_before_any_engine(batch, kwargs, fragment
     with pytest.raises(AirflowFailException, match=fragment.format(bucket=batch.bucket).replace("(", r"\(").replace(")", r"\)")):
         batch.run(**kwargs)
     assert batch.engine_runs == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"), [({"args": "--max-model-len 64"}, "args must be a list of strings"), ({"command": "python -m vllm"}, "command must be a list of strings")]
+)
+def test_a_malformed_engine_option_fails_at_dag_parse_time(batch, kwargs, fragment):
+    from airflow_vllm_batch.exceptions import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match=fragment):
+        batch.operator(**kwargs)
 
 
 @pytest.mark.parametrize("name", ["output_mode", "invalid_lines"])
@@ -387,7 +406,7 @@ def test_a_users_old_files_in_results_dir_are_never_aged_out(batch):
 
 def test_failures_are_counted_by_reason_in_the_manifest_and_the_log_ends_with_a_summary_table(batch, capfd):
     batch.put("in/input.jsonl", chat_lines(5) + b'{"custom_id": "bad", "method": "GET"}\n')
-    manifest = batch.run(invalid_lines="skip", max_failed_ratio=0.5, engine_env={"FAKE_ENGINE_FAIL": "2"})
+    manifest = batch.run(invalid_lines="skip", max_failed_ratio=0.5, env={"FAKE_ENGINE_FAIL": "2"})
     assert manifest["request_counts"] == {"total": 6, "completed": 3, "failed": 3}
     assert manifest["failed_by_reason"] == {"engine_error": 2, "invalid_request": 1}
     stored = json.loads(batch.get("out/results.manifest.json"))

@@ -7,6 +7,7 @@ import logging
 
 import pytest
 
+from airflow_vllm_batch.engines import VLLMRunner
 from airflow_vllm_batch.exceptions import EngineError
 from tests.unit.operators.test_vllm_batch_runs import Batch, FakeTI
 
@@ -24,7 +25,7 @@ def test_an_hf_token_in_engine_args_is_in_no_log_line_manifest_xcom_or_object(ba
     secret = "hf_SecretTokenForLogs1"
     ti = FakeTI()
     with caplog.at_level(logging.INFO):
-        manifest = batch.run(ti, engine_args=["--hf-token", secret], engine_env={"FAKE_ENGINE_ECHO_ARGS": "1", "HF_TOKEN": "hf_EnvTokenForLogs1"})
+        manifest = batch.run(ti, args=["--hf-token", secret], env={"FAKE_ENGINE_ECHO_ARGS": "1", "HF_TOKEN": "hf_EnvTokenForLogs1"})
     out = capfd.readouterr()
     logged = out.out + out.err + caplog.text
     assert "Starting the vLLM engine" in logged and "--hf-token ***" in logged  # our line: the flag, masked
@@ -35,8 +36,8 @@ def test_an_hf_token_in_engine_args_is_in_no_log_line_manifest_xcom_or_object(ba
 
 
 def test_a_rotated_token_is_the_same_run(batch):
-    first = batch.run(engine_args=["--hf-token=hf_RotatedTokenOld1"])
-    again = batch.run(engine_args=["--hf-token=hf_RotatedTokenNew2"])
+    first = batch.run(args=["--hf-token=hf_RotatedTokenOld1"])
+    again = batch.run(args=["--hf-token=hf_RotatedTokenNew2"])
     assert again["fingerprint"] == first["fingerprint"]
     assert batch.engine_runs == 1  # the published output is returned: no engine for a new token
 
@@ -44,7 +45,7 @@ def test_a_rotated_token_is_the_same_run(batch):
 def test_an_engine_failure_message_quoting_the_token_masks_it(batch):
     secret = "hf_SecretTokenInError1"
     with pytest.raises(EngineError) as err:
-        batch.run(engine_args=["--hf-token", secret], engine_env={"FAKE_ENGINE_ECHO_ARGS": "fail"})
+        batch.run(args=["--hf-token", secret], env={"FAKE_ENGINE_ECHO_ARGS": "fail"})
     assert "unrecognized arguments: --hf-token ***" in str(err.value)
     assert secret not in str(err.value)
 
@@ -60,10 +61,15 @@ def test_a_rendered_secret_is_registered_with_the_masker_before_the_rendered_fie
         input_uri="s3://b/in.jsonl",
         output_uri="s3://b/out/results.jsonl",
         model="m",
-        engine_args=["--hf-token", "{{ params.token }}"],
-        engine_env={"HF_TOKEN": "{{ params.token }}x"},
+        engine=VLLMRunner(args=["--hf-token", "{{ params.token }}"], env={"HF_TOKEN": "{{ params.token }}x"}),
     )
     operator.render_template_fields({"params": {"token": "hf_RenderedTokenAbc1"}}, jinja_env=jinja2.Environment())
-    assert operator.engine_args == ["--hf-token", "hf_RenderedTokenAbc1"]
-    assert redact(list(operator.engine_args)) == ["--hf-token", "***"]
-    assert "hf_RenderedTokenAbc1" not in str(redact(dict(operator.engine_env)))
+    assert operator.engine.args == ["--hf-token", "hf_RenderedTokenAbc1"]
+    assert redact(list(operator.engine.args)) == ["--hf-token", "***"]
+    assert "hf_RenderedTokenAbc1" not in str(redact(dict(operator.engine.env)))
+    # What the rendered-fields view stores: the engine's options, its secrets masked.
+    from airflow.sdk.execution_time.task_runner import _serialize_rendered_fields
+
+    shown = _serialize_rendered_fields(operator)
+    assert shown["engine"]["engine"] == "VLLMRunner" and shown["engine"]["args"] == ["--hf-token", "***"]
+    assert "hf_RenderedTokenAbc1" not in json.dumps(shown)

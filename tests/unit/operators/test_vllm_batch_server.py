@@ -8,10 +8,12 @@ server runs the same paths in ``tests/integration/test_vllm_server.py``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import re
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -27,6 +29,7 @@ from airflow_vllm_batch.exceptions import (
 )
 from airflow_vllm_batch.batchfile import CustomIdIndex
 from airflow_vllm_batch.engines import server as server_engines
+from airflow_vllm_batch.engines import VLLMRunner, WarmVLLMServer
 from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
 from airflow_vllm_batch.serving import ServerUnavailableError, stream
 from airflow_vllm_batch.storage import RunStaging
@@ -100,6 +103,10 @@ def requests_lines(n: int) -> bytes:
     )
 
 
+#: The keyword arguments of the helpers that are the warm server's options.
+WARM_FIELDS = {f.name for f in dataclasses.fields(WarmVLLMServer)}
+
+
 class Batch:
     def __init__(self, s3, bucket: str, tmp_path: Path) -> None:
         self.client = s3.client()
@@ -118,13 +125,15 @@ class Batch:
         return sorted(k for k in self.keys("out/") if "/parts/" in k)
 
     def operator(self, **kwargs) -> VLLMBatchOperator:
+        """The operator on the warm server of ``CONN_ID``; the keyword arguments that are ``WarmVLLMServer``'s go to it."""
+        options = {"conn_id": CONN_ID, "checkpoint_interval": 0.05}
+        options.update({k: kwargs.pop(k) for k in list(kwargs) if k in WARM_FIELDS})
         args = {
             "task_id": "vllm_batch",
             "input_uri": f"s3://{self.bucket}/in/input.jsonl",
             "output_uri": f"s3://{self.bucket}/out/results.jsonl",
             "model": "m",
-            "vllm_conn_id": CONN_ID,
-            "checkpoint_interval_s": 0.05,
+            "engine": WarmVLLMServer(**options),
             "results_dir": str(self.tmp_path / "results"),
         }
         return VLLMBatchOperator(**{**args, **kwargs})
@@ -170,9 +179,9 @@ def test_a_warm_server_through_a_connection_answers_every_request_once_and_publi
         assert API_KEY not in text
 
 
-def test_a_warm_servers_arguments_are_not_in_the_run_identity(batch, server):
+def test_a_warm_servers_streaming_knobs_are_not_in_the_run_identity(batch, server):
     first = batch.run()
-    again = batch.run(FakeTI(run_id="rerun"), engine_args=["--max-model-len", "64"])
+    again = batch.run(FakeTI(run_id="rerun"), max_in_flight=3, client_processes=1, request_timeout=timedelta(minutes=5))
     assert again == first
     assert server.requests == N
 
@@ -263,26 +272,31 @@ def test_progress_lines_show_done_rate_tokens_failures_and_eta(batch, server, mo
         assert fragment in line
 
 
-@pytest.mark.parametrize("kwargs", [{"output_mode": "presigned"}, {"engine_command": ["x"]}, {"checkpoint_interval_s": 0}, {"max_in_flight": 0}, {"engine": "ray", "vllm_conn_id": None}])
+@pytest.mark.parametrize("kwargs", [{"checkpoint_interval": 0}, {"checkpoint_interval": timedelta(0)}, {"max_in_flight": 0}, {"engine": "server"}])
 def test_settings_that_do_not_fit_the_server_engine_fail_at_dag_parse_time(batch, kwargs):
     with pytest.raises(ConfigurationError):
         batch.operator(**kwargs)
 
 
-def test_a_connection_implies_the_server_engine(batch):
-    assert batch.operator().engine == "server"
-    assert batch.operator(vllm_conn_id=None).engine == "runner"
+@pytest.mark.parametrize("knob", ["output_mode", "command", "args", "gpus"])
+def test_a_warm_server_has_no_knob_of_an_engine_the_task_starts(knob):
+    with pytest.raises(TypeError, match=knob):
+        WarmVLLMServer(conn_id=CONN_ID, **{knob: None})
+
+
+def test_the_engine_defaults_to_the_runner(batch):
+    assert isinstance(batch.operator(engine=None).engine, VLLMRunner)
 
 
 def test_supported_urls_the_server_engine_cannot_send_fail_at_dag_parse_time_naming_the_runner(batch):
-    with pytest.raises(ConfigurationError, match=r'/v1/audio/transcriptions.*engine="runner"'):
+    with pytest.raises(ConfigurationError, match=r"/v1/audio/transcriptions.*engine=VLLMRunner\(\)"):
         batch.operator(supported_urls=["/v1/chat/completions", "/v1/audio/transcriptions"])
 
 
 def test_an_audio_line_fails_preflight_for_the_server_engine_and_names_the_runner(batch, server):
     audio = {"custom_id": "a0", "method": "POST", "url": "/v1/audio/transcriptions", "body": {"model": "m", "file_url": "https://example.com/a.wav"}}
     batch.client.put_object(Bucket=batch.bucket, Key="in/input.jsonl", Body=requests_lines(2) + json.dumps(audio).encode() + b"\n")
-    with pytest.raises(AirflowFailException, match=r'line 3.*audio lines run on the batch runner \(engine="runner"\)'):
+    with pytest.raises(AirflowFailException, match=r"line 3.*audio lines run on the batch runner \(engine=VLLMRunner\(\)\)"):
         batch.run()
     assert server.requests == 0
 

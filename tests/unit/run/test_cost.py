@@ -9,7 +9,8 @@ import pytest
 
 from airflow_vllm_batch.exceptions import ConfigurationError
 from airflow_vllm_batch.manifest import Cost, Manifest, RequestCounts, Usage
-from airflow_vllm_batch.run.cost import check_gpu_hour_cost, run_cost, split_cost, sum_costs
+from airflow_vllm_batch.engines.options import VLLMRunner, VLLMServer, WarmVLLMServer, check_gpu_hour_cost
+from airflow_vllm_batch.run.cost import run_cost, split_cost, sum_costs
 from airflow_vllm_batch.summary import render_summary
 
 
@@ -75,8 +76,8 @@ def test_a_bad_gpu_hour_cost_fails_the_dag_at_parse_time_but_a_template_waits_fo
 
     args = {"task_id": "t", "input_uri": "s3://b/i.jsonl", "output_uri": "s3://b/o.jsonl", "model": "m"}
     with pytest.raises(ConfigurationError, match="gpu_hour_cost"):
-        VLLMBatchOperator(**args, gpu_hour_cost=-2)
-    assert VLLMBatchOperator(**args, gpu_hour_cost="{{ var.value.gpu_hour_cost }}").gpu_hour_cost.startswith("{{")
+        VLLMBatchOperator(**args, engine=VLLMRunner(gpu_hour_cost=-2))
+    assert VLLMBatchOperator(**args, engine=VLLMServer(gpu_hour_cost="{{ var.value.gpu_hour_cost }}")).engine.gpu_hour_cost.startswith("{{")
 
 
 def _manifest(**extra) -> Manifest:
@@ -123,9 +124,9 @@ def test_a_rendered_gpu_hour_cost_is_checked_when_the_task_starts():
     from airflow_vllm_batch.run.settings import BatchSettings
 
     values = {"input_uri": "s3://b/in.jsonl", "output_uri": "s3://b/out/results.jsonl", "model": "m"}
-    assert BatchSettings.from_rendered(**values, gpu_hour_cost="2.5").gpu_hour_cost == 2.5
+    assert BatchSettings.from_rendered(**values, engine=VLLMRunner(gpu_hour_cost="2.5")).engine.gpu_hour_cost == 2.5
     with pytest.raises(ConfigurationError, match="gpu_hour_cost must be a number >= 0"):
-        BatchSettings.from_rendered(**values, gpu_hour_cost="two dollars")
+        BatchSettings.from_rendered(**values, engine=WarmVLLMServer(gpu_hour_cost="two dollars"))
 
 
 def _as_dict(cost: Cost | None) -> dict | None:

@@ -6,6 +6,7 @@ from datetime import timedelta
 
 import pytest
 
+from airflow_vllm_batch.engines import VLLMRunner, VLLMServer
 from airflow_vllm_batch.exceptions import ConfigurationError, PresignError
 from airflow_vllm_batch.run.settings import (
     DEFAULT_PRESIGN_SECONDS,
@@ -29,13 +30,23 @@ def test_expiry_defaults_to_a_day_without_a_timeout():
 
 
 def test_explicit_expiry_wins():
-    assert make(presign_expires_in=600, execution_timeout=timedelta(hours=10)).presign_seconds() == 600
+    assert make(execution_timeout=timedelta(hours=10)).presign_seconds(600) == 600
+
+
+def test_expiry_may_be_a_timedelta_as_airflow_durations_are():
+    assert make().presign_seconds(timedelta(hours=2)) == 7200
+
+
+@pytest.mark.parametrize("bad", [0, -5, 1.5, "600", True])
+def test_an_expiry_that_is_no_duration_names_the_parameter(bad):
+    with pytest.raises(ConfigurationError, match="presign_expires_in"):
+        make(engine=VLLMRunner(presign_expires_in=bad))
 
 
 def test_expiry_past_sigv4_limit_is_a_clear_error():
     with pytest.raises(PresignError, match="7 days"):
         make(execution_timeout=timedelta(days=8)).presign_seconds()
-    assert make(presign_expires_in=MAX_PRESIGN_SECONDS).presign_seconds() == MAX_PRESIGN_SECONDS
+    assert make().presign_seconds(MAX_PRESIGN_SECONDS) == MAX_PRESIGN_SECONDS
 
 
 def test_a_rendered_ratio_string_becomes_a_number():
@@ -49,9 +60,9 @@ def test_a_ratio_outside_0_to_1_names_the_parameter(ratio):
 
 
 def test_none_values_take_the_defaults_but_aws_conn_id_none_is_kept():
-    settings = make(results_dir=None, engine_env=None, default_body=None, aws_conn_id=None)
+    settings = make(results_dir=None, engine=VLLMRunner(env=None), default_body=None, aws_conn_id=None)
     assert settings.results_dir == DEFAULT_RESULTS_DIR
-    assert settings.engine_env == {} and settings.default_body == {}
+    assert settings.engine.env == {} and settings.default_body == {}
     assert settings.aws_conn_id is None  # boto3's own credential chain
 
 
@@ -60,35 +71,47 @@ def test_settings_are_frozen():
         make().model = "other"  # type: ignore[misc]
 
 
-def test_an_unknown_engine_names_the_known_ones():
-    with pytest.raises(ConfigurationError, match="engine must be one of .*'runner'.*'server'"):
-        make(engine="gateway")
+def test_an_engine_that_is_no_engines_options_names_them():
+    with pytest.raises(ConfigurationError, match=r"engine must be an engine's options, e.g. VLLMRunner"):
+        make(engine="server")
 
 
-@pytest.mark.parametrize(("given", "seconds"), [(timedelta(minutes=2), 120.0), (90, 90.0), (2.5, 2.5), (None, None)])
-def test_the_server_timeouts_take_a_timedelta_or_seconds(given, seconds):
+def test_no_engine_is_vllms_batch_runner():
+    assert isinstance(make().engine, VLLMRunner) and make().engine.args == ()
+
+
+@pytest.mark.parametrize(("given", "seconds"), [(timedelta(minutes=2), 120.0), (90, 90.0), (2.5, 2.5)])
+def test_the_server_durations_take_a_timedelta_or_seconds(given, seconds):
+    options = make(engine=VLLMServer(startup_timeout=given, request_timeout=given, checkpoint_interval=given, kill_grace=given)).engine
+    assert (options.startup_timeout_s, options.request_timeout_s, options.checkpoint_interval_s, options.kill_grace_s) == (seconds,) * 4
+
+
+def test_the_default_durations_are_the_engines_own():
+    from airflow_vllm_batch.hooks.process import DEFAULT_GRACE_S
     from airflow_vllm_batch.hooks.vllm_server import DEFAULT_STARTUP_TIMEOUT_S
+    from airflow_vllm_batch.serving.journal import DEFAULT_CHECKPOINT_INTERVAL_S
     from airflow_vllm_batch.serving.stream import DEFAULT_REQUEST_TIMEOUT_S
 
-    settings = make(server_startup_timeout=given, request_timeout=given)
-    assert settings.server_startup_timeout == (seconds or DEFAULT_STARTUP_TIMEOUT_S)
-    assert settings.request_timeout == (seconds or DEFAULT_REQUEST_TIMEOUT_S)
+    options = VLLMServer()
+    assert (options.startup_timeout_s, options.request_timeout_s, options.checkpoint_interval_s, options.kill_grace_s) == (
+        DEFAULT_STARTUP_TIMEOUT_S, DEFAULT_REQUEST_TIMEOUT_S, DEFAULT_CHECKPOINT_INTERVAL_S, DEFAULT_GRACE_S
+    )
 
 
-@pytest.mark.parametrize("name", ["server_startup_timeout", "request_timeout"])
+@pytest.mark.parametrize("name", ["startup_timeout", "request_timeout", "checkpoint_interval"])
 @pytest.mark.parametrize("bad", [0, -5, timedelta(0), "10", True])
-def test_a_timeout_that_is_not_a_positive_duration_fails_at_dag_parse_time_naming_it(name, bad):
+def test_a_duration_that_is_not_positive_fails_at_dag_parse_time_naming_it(name, bad):
     from airflow_vllm_batch.run.settings import check_static_settings
 
     with pytest.raises(ConfigurationError, match=rf"^{name} must be a datetime.timedelta or a number of seconds > 0"):
-        check_static_settings({"input_uri": "s3://b/in.jsonl", "output_uri": "s3://b/o.jsonl", "model": "m", name: bad})
+        check_static_settings({"input_uri": "s3://b/in.jsonl", "output_uri": "s3://b/o.jsonl", "model": "m", "engine": VLLMServer(**{name: bad})})
 
 
-def test_a_started_server_gets_the_operators_timeouts():
+def test_a_started_server_gets_its_timeouts():
     import logging
 
     from airflow_vllm_batch.engines.server import ServerEngine
 
-    settings = make(engine="server", server_startup_timeout=timedelta(seconds=42), request_timeout=7)
+    settings = make(engine=VLLMServer(startup_timeout=timedelta(seconds=42), request_timeout=7))
     server = ServerEngine(settings, logging.getLogger(__name__)).server
     assert (server.startup_timeout_s, server.request_timeout_s) == (42.0, 7.0)

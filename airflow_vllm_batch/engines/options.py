@@ -1,0 +1,366 @@
+"""Each engine's options: a typed, templated object the operator takes as ``engine=``.
+
+::
+
+    VLLMBatchOperator(..., engine=VLLMRunner(args=["--max-model-len", "4096"]))        # the default
+    VLLMBatchOperator(..., engine=VLLMServer(args=[...], checkpoint_interval=timedelta(minutes=2)))
+    VLLMBatchOperator(..., engine=WarmVLLMServer(conn_id="vllm_qwen", max_in_flight=1024))
+
+Why an object per engine rather than operator arguments: a user of one engine meets only
+its knobs (the runner has no in-flight bound; a warm server has neither engine arguments
+nor GPUs, which are not the task's to set); a knob another engine would ignore cannot be
+written at all; and another engine brings its own options class (a subclass of
+:class:`EngineOptions` naming its :class:`~airflow_vllm_batch.engines.base.Engine`) with
+no new operator argument, setting or check in the run layer. Why three classes rather
+than one server class with an optional connection: a server the task starts and a warm
+one share the streaming knobs but not the others (``args``, ``python``, ``gpus``,
+``startup_timeout`` mean nothing for a warm server).
+
+Templating: Airflow renders, in place, the attributes an object lists in
+``template_fields`` when the object is the value of an operator's templated field; the
+operator lists ``engine``. :meth:`EngineOptions.serialize` is what the rendered-fields
+view shows. Durations are a ``datetime.timedelta`` or a number of seconds, as Airflow's own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from airflow_vllm_batch.exceptions import ConfigurationError
+
+if TYPE_CHECKING:
+    from airflow_vllm_batch.engines.base import Engine
+
+#: Seconds between SIGTERM and SIGKILL when an engine this task started is stopped.
+DEFAULT_KILL_GRACE = timedelta(seconds=4)
+#: How long a server this task starts may take to be ready.
+DEFAULT_STARTUP_TIMEOUT = timedelta(minutes=15)
+#: How long one request to a server may take, its retries included.
+DEFAULT_REQUEST_TIMEOUT = timedelta(minutes=30)
+#: How often a server engine seals its answers into a checkpoint part.
+DEFAULT_CHECKPOINT_INTERVAL = timedelta(seconds=60)
+
+_OUTPUT_MODES = ("local", "presigned")
+
+
+def check_gpu_hour_cost(value: Any) -> float | None:
+    """
+    Return ``gpu_hour_cost`` as a float, or ``None`` when it is not set.
+
+    A rendered template gives a string (``"2.5"``); an empty one means "not set".
+
+    :param value: the rendered ``gpu_hour_cost``.
+    :raises ConfigurationError: it is not a finite number >= 0.
+    """
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    try:
+        price = float(value) if not isinstance(value, bool) else math.nan
+    except (TypeError, ValueError):
+        price = math.nan
+    if not math.isfinite(price) or price < 0:
+        raise ConfigurationError(
+            f"gpu_hour_cost must be a number >= 0 (the price of one GPU-hour, e.g. 2.5), got {value!r} after rendering. "
+            "Leave it out (None) to report GPU-seconds without a cost."
+        )
+    return price
+
+
+def seconds_of(name: str, value: Any, *, minimum: float = 0.0, allow_zero: bool = False) -> float:
+    """A duration given as a ``timedelta`` or a number of seconds (Airflow's style), in seconds.
+
+    :raises ConfigurationError: naming ``name`` when it is not a duration > 0 (>= 0 with ``allow_zero``).
+    """
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        seconds = math.nan
+    if not (seconds >= minimum if allow_zero else seconds > minimum):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigurationError(
+            f"{name} must be a datetime.timedelta or a number of seconds {bound}, e.g. timedelta(minutes=30), got {value!r}."
+        )
+    return seconds
+
+
+#: How a Jinja template opens (spelt apart so that no scan of the source takes it for one).
+_TEMPLATE_OPENING = "{" + "{"
+
+
+def _templated(value: Any) -> bool:
+    """A string holding a template: checked once rendered, not at DAG parse time."""
+    return isinstance(value, str) and _TEMPLATE_OPENING in value
+
+
+def _strings(name: str, value: Any, example: str) -> None:
+    if value is not None and (isinstance(value, str) or not all(isinstance(a, str) for a in value)):
+        raise ConfigurationError(f"{name} must be a list of strings, e.g. {example}, got {value!r}.")
+
+
+def _whole(name: str, value: Any, *, minimum: int, why: str = "") -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < minimum):
+        raise ConfigurationError(f"{name} must be a whole number >= {minimum} or None{why}, got {value!r}.")
+
+
+@dataclasses.dataclass(kw_only=True)
+class EngineOptions:
+    """What one engine is told; the base of every engine's options (``engine=`` of the operator).
+
+    A subclass names its engine (:meth:`engine_class`), lists its templated fields in
+    ``template_fields`` and checks itself (:meth:`check` at DAG parse time, :meth:`rendered`
+    when the task starts). The run layer asks it nothing else: what the engine does with it
+    is the engine's.
+
+    :param gpu_hour_cost: the price of one hour of what the engine runs on (a GPU the task
+        leases; a server-hour for a warm server), a number >= 0: the manifest's ``cost`` then
+        holds the run's cost. Default None: GPU-seconds only. (templated)
+    """
+
+    template_fields: ClassVar[Sequence[str]] = ("gpu_hour_cost",)
+
+    gpu_hour_cost: float | str | None = None
+
+    def engine_class(self) -> type[Engine]:
+        """The engine these options are for (imported on first use: engines pull in process and HTTP machinery)."""
+        raise NotImplementedError(f"{type(self).__name__} names no engine: define engine_class().")
+
+    @property
+    def label(self) -> str:
+        """How messages name this engine, e.g. ``VLLMRunner()``."""
+        return f"{type(self).__name__}()"
+
+    def check(self, values: Mapping[str, Any]) -> None:
+        """Refuse, at DAG parse time, options this engine cannot use (a templated value is checked once rendered).
+
+        :param values: the operator's other settings (``supported_urls``, ``output_type``...), for checks across them.
+        """
+        if not isinstance(self.gpu_hour_cost, str):
+            check_gpu_hour_cost(self.gpu_hour_cost)
+        self.engine_class().check_settings(self, values)
+
+    def rendered(self) -> EngineOptions:
+        """A checked copy of the rendered options, coerced (a Param's ``"2.5"`` becomes 2.5)."""
+        return dataclasses.replace(self, gpu_hour_cost=check_gpu_hour_cost(self.gpu_hour_cost))
+
+    def mask_secrets(self) -> None:
+        """Register the secrets among the options with Airflow's masker (as soon as they are rendered)."""
+
+    def serialize(self) -> dict[str, Any]:
+        """The options as the rendered-fields view shows them."""
+        shown = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {"engine": type(self).__name__, **{k: str(v) if isinstance(v, timedelta) else v for k, v in shown.items()}}
+
+
+@dataclasses.dataclass(kw_only=True)
+class _LocalVLLM(EngineOptions):
+    """What an engine this task starts on its worker takes: vLLM's arguments, its Python, environment and GPUs."""
+
+    template_fields: ClassVar[Sequence[str]] = ("args", "python", "env", "gpu_hour_cost")
+
+    args: Sequence[str] = ()
+    python: str | None = None
+    env: Mapping[str, str] | None = None
+    gpus: int | None = None
+    kill_grace: timedelta | float = DEFAULT_KILL_GRACE
+
+    def check(self, values: Mapping[str, Any]) -> None:
+        if not _templated(self.args):
+            _strings("args", self.args, "['--max-model-len', '4096']")
+        if self.env is not None and not isinstance(self.env, (Mapping, str)):
+            raise ConfigurationError(f"env must be a mapping, got {type(self.env).__name__} {self.env!r}.")
+        _whole("gpus", self.gpus, minimum=0)
+        seconds_of("kill_grace", self.kill_grace, allow_zero=True)
+        super().check(values)
+
+    def rendered(self) -> _LocalVLLM:
+        _strings("args", self.args, "['--max-model-len', '4096']")
+        if self.env is not None and not isinstance(self.env, Mapping):
+            raise ConfigurationError(f"env must be a mapping, got {type(self.env).__name__} {self.env!r} after rendering.")
+        return dataclasses.replace(
+            super().rendered(), args=tuple(self.args or ()), env={k: str(v) for k, v in (self.env or {}).items()}
+        )
+
+    def mask_secrets(self) -> None:
+        from airflow_vllm_batch.redaction import register_engine_secrets
+
+        if isinstance(self.args, (list, tuple)) and isinstance(self.env or {}, Mapping):
+            register_engine_secrets([a for a in self.args if isinstance(a, str)], self.env)
+
+    @property
+    def kill_grace_s(self) -> float:
+        return seconds_of("kill_grace", self.kill_grace, allow_zero=True)
+
+
+@dataclasses.dataclass(kw_only=True)
+class VLLMRunner(_LocalVLLM):
+    """vLLM's offline batch runner on this worker, bound to the task (the default engine).
+
+    :param args: more arguments of ``run_batch`` (``--max-model-len``, ``--tensor-parallel-size``...),
+        checked by its own parser before it starts. (templated)
+    :param python: the Python of the environment that has vLLM. Default: this task's. (templated)
+    :param command: a command prefix replacing ``<python> -m <runner>``, e.g. a container's. (templated)
+    :param env: environment variables added for the engine; not in the run identity. (templated)
+    :param gpus: GPUs the engine leases on the worker. Default: what the parallel sizes in
+        ``args`` need (none on a CPU worker); 0: no lease.
+    :param kill_grace: time between SIGTERM and SIGKILL when stopping the engine, a
+        ``timedelta`` or seconds. Default 4 seconds.
+    :param output_mode: ``"local"`` (default) or ``"presigned"`` (the runner PUTs its output to a
+        presigned staging URL: for engines without this worker's disk or AWS credentials).
+    :param presign_expires_in: how long the presigned URLs stay valid, a ``timedelta`` or seconds.
+        Default: ``execution_timeout`` plus 15 minutes, or 24 hours; at most 7 days.
+    :param gpu_hour_cost: see :class:`EngineOptions`. (templated)
+    """
+
+    template_fields: ClassVar[Sequence[str]] = ("args", "python", "command", "env", "gpu_hour_cost")
+
+    command: Sequence[str] | None = None
+    output_mode: str = "local"
+    presign_expires_in: timedelta | int | None = None
+
+    def engine_class(self) -> type[Engine]:
+        from airflow_vllm_batch.engines.runner import RunnerEngine
+
+        return RunnerEngine
+
+    def check(self, values: Mapping[str, Any]) -> None:
+        if self.output_mode not in _OUTPUT_MODES:
+            raise ConfigurationError(f"output_mode must be one of {_OUTPUT_MODES}, got {self.output_mode!r}.")
+        if not _templated(self.command):
+            _strings("command", self.command, "['docker', 'exec', 'vllm', 'python', '-m', 'vllm.entrypoints.openai.run_batch']")
+        presign = self.presign_expires_in
+        if presign is not None and not isinstance(presign, timedelta):
+            # Seconds, as amazon's S3Hook.generate_presigned_url takes them; or a timedelta, as Airflow's durations.
+            if not isinstance(presign, int) or isinstance(presign, bool) or presign < 1:
+                raise ConfigurationError(
+                    "presign_expires_in must be a datetime.timedelta or a positive whole number of seconds, e.g. "
+                    f"timedelta(hours=6), got {presign!r}."
+                )
+        super().check(values)
+
+    def rendered(self) -> VLLMRunner:
+        _strings("command", self.command, "['docker', 'exec', 'vllm', 'python', '-m', 'vllm.entrypoints.openai.run_batch']")
+        rendered = super().rendered()
+        assert isinstance(rendered, VLLMRunner)
+        return dataclasses.replace(rendered, command=tuple(self.command) if self.command else None)
+
+
+@dataclasses.dataclass(kw_only=True)
+class _Streaming(EngineOptions):
+    """What both server engines take: how the task streams the requests and checkpoints the answers."""
+
+    max_in_flight: int | None = None
+    checkpoint_interval: timedelta | float = DEFAULT_CHECKPOINT_INTERVAL
+    client_processes: int = 1
+    request_timeout: timedelta | float = DEFAULT_REQUEST_TIMEOUT
+
+    def check(self, values: Mapping[str, Any]) -> None:
+        _whole("max_in_flight", self.max_in_flight, minimum=1)
+        if not isinstance(self.client_processes, int) or isinstance(self.client_processes, bool) or self.client_processes < 1:
+            raise ConfigurationError(
+                f"client_processes must be a positive whole number (1 unless the server answers more than one client "
+                f"core sends, ~3,400 requests/s), got {self.client_processes!r}."
+            )
+        seconds_of("checkpoint_interval", self.checkpoint_interval)
+        seconds_of("request_timeout", self.request_timeout)
+        super().check(values)
+
+    @property
+    def checkpoint_interval_s(self) -> float:
+        return seconds_of("checkpoint_interval", self.checkpoint_interval)
+
+    @property
+    def request_timeout_s(self) -> float:
+        return seconds_of("request_timeout", self.request_timeout)
+
+
+@dataclasses.dataclass(kw_only=True)
+class VLLMServer(_Streaming, _LocalVLLM):
+    """vLLM's OpenAI-compatible server, started by the task on its worker for the batch and stopped when it ends.
+
+    The task streams the requests to it with bounded in-flight and checkpoints the answers
+    to S3 as it goes: a retry on any worker sends only what no checkpoint answers (a try
+    killed before its first checkpoint resumes nothing).
+
+    :param args: more arguments of the server (``--max-model-len``...), checked by its own parser. (templated)
+    :param python: the Python of the environment that has vLLM. Default: this task's. (templated)
+    :param env: environment variables added for the server; not in the run identity. (templated)
+    :param gpus: GPUs the server leases on the worker. Default: what ``args`` need; 0: no lease.
+    :param kill_grace: time between SIGTERM and SIGKILL when stopping it. Default 4 seconds.
+    :param startup_timeout: how long the server may take to be ready, a ``timedelta`` or seconds;
+        then the try fails (retryable) and the server is stopped. Default 15 minutes.
+    :param max_in_flight: requests sent and not yet answered. Default: what the server's
+        scheduler takes at once (its ``--max-num-seqs``).
+    :param checkpoint_interval: time between checkpoints, a ``timedelta`` or seconds. Default 60 seconds.
+    :param client_processes: processes the client spreads the requests over (one core sends ~3,400/s). Default 1.
+    :param request_timeout: how long one request may take, its retries included; a request still
+        unanswered then is set aside (sent again by the task's retry), and a server that answered
+        no request for that long ends the try. Default 30 minutes. **Bounded**: a try never waits
+        on a silent server longer than ``startup_timeout`` + ``request_timeout`` (plus ``kill_grace``).
+    :param gpu_hour_cost: see :class:`EngineOptions`. (templated)
+    """
+
+    template_fields: ClassVar[Sequence[str]] = ("args", "python", "env", "gpu_hour_cost")
+
+    startup_timeout: timedelta | float = DEFAULT_STARTUP_TIMEOUT
+
+    def engine_class(self) -> type[Engine]:
+        from airflow_vllm_batch.engines.server import ServerEngine
+
+        return ServerEngine
+
+    def check(self, values: Mapping[str, Any]) -> None:
+        seconds_of("startup_timeout", self.startup_timeout)
+        super().check(values)
+
+    @property
+    def startup_timeout_s(self) -> float:
+        return seconds_of("startup_timeout", self.startup_timeout)
+
+
+@dataclasses.dataclass(kw_only=True)
+class WarmVLLMServer(_Streaming):
+    """A running vLLM server (or a load-balanced deployment) behind a ``vllm`` connection: nothing is started.
+
+    Its arguments and GPUs are not the task's to know or set: the run identity holds the
+    model and the vLLM version its ``/version`` reports, not its URL, so moving the
+    connection to another replica of the same deployment keeps resuming.
+
+    :param conn_id: the ``vllm`` connection (host, port, schema, the API key as password; the
+        ``max_in_flight`` extra). Default ``vllm_default``. (templated)
+    :param max_in_flight: requests sent and not yet answered. Default: the connection's
+        ``max_in_flight`` extra, else 512.
+    :param checkpoint_interval: time between checkpoints, a ``timedelta`` or seconds. Default 60 seconds.
+    :param client_processes: processes the client spreads the requests over. Default 1.
+    :param request_timeout: how long one request may take, its retries included. Default 30 minutes.
+    :param gpu_hour_cost: the price of one hour of the server's time (it may serve other tasks
+        meanwhile: the manifest's note says so). (templated)
+    """
+
+    template_fields: ClassVar[Sequence[str]] = ("conn_id", "gpu_hour_cost")
+
+    conn_id: str = "vllm_default"
+
+    def engine_class(self) -> type[Engine]:
+        from airflow_vllm_batch.engines.server import ConnectionEngine
+
+        return ConnectionEngine
+
+    @property
+    def label(self) -> str:
+        return f"WarmVLLMServer(conn_id={self.conn_id!r})"
+
+    def rendered(self) -> WarmVLLMServer:
+        if not isinstance(self.conn_id, str) or not self.conn_id.strip():
+            raise ConfigurationError(f"conn_id must be the name of a vllm connection, got {self.conn_id!r} after rendering.")
+        rendered = super().rendered()
+        assert isinstance(rendered, WarmVLLMServer)
+        return rendered
+
+
+__all__ = ["EngineOptions", "VLLMRunner", "VLLMServer", "WarmVLLMServer", "check_gpu_hour_cost", "seconds_of"]

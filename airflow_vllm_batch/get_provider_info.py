@@ -99,14 +99,14 @@ def get_provider_info() -> dict[str, Any]:
             {
                 "integration-name": "vLLM Batch",
                 "python-modules": [
-                    "airflow_vllm_batch.hooks.vllm_engine",
-                    "airflow_vllm_batch.hooks.vllm_server",
+                    "airflow_vllm_batch.engines.vllm.command",
+                    "airflow_vllm_batch.engines.vllm.server_process",
                 ],
             }
         ],
         "connection-types": [
             {
-                "hook-class-name": "airflow_vllm_batch.hooks.vllm_server.VLLMServerHook",
+                "hook-class-name": "airflow_vllm_batch.engines.vllm.server_process.VLLMServerHook",
                 "connection-type": "vllm",
             }
         ],

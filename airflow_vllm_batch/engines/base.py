@@ -31,8 +31,8 @@ if TYPE_CHECKING:
     import logging
 
     from airflow_vllm_batch.batchfile import PreflightReport, ResultsReport
-    from airflow_vllm_batch.hooks.model_names import ServedModels
-    from airflow_vllm_batch.hooks.vllm_engine import EngineInfo, EngineRun
+    from airflow_vllm_batch.engines.vllm.model_names import ServedModels
+    from airflow_vllm_batch.engines.vllm.command import EngineInfo, EngineRun
     from airflow_vllm_batch.identity import RunIdentity
     from airflow_vllm_batch.lease import OutputLease
     from airflow_vllm_batch.run.inputs import BatchInput

@@ -16,7 +16,7 @@ from airflow_vllm_batch.batchfile import DEFAULT_MAX_LINE_BYTES
 from airflow_vllm_batch.batchfile.requests import INDEX
 from airflow_vllm_batch.engines import Engine, make_engine
 from airflow_vllm_batch.exceptions import TooManyFailedRequestsError, VLLMBatchError
-from airflow_vllm_batch.hooks.process import DEFAULT_GRACE_S
+from airflow_vllm_batch.engines.vllm.process import DEFAULT_GRACE_S
 from airflow_vllm_batch.lineage import lineage_for
 from airflow_vllm_batch.operators.task_try import task_try
 from airflow_vllm_batch.redaction import register_engine_secrets

@@ -22,8 +22,8 @@ from airflow_vllm_batch.batchfile import DEFAULT_MAX_LINE_BYTES
 from airflow_vllm_batch.batchfile.requests import INDEX, check_requests_options
 from airflow_vllm_batch.batchfile.structured import OutputSchema, check_output_type_path, resolve_output_type
 from airflow_vllm_batch.exceptions import ConfigurationError, PresignError
-from airflow_vllm_batch.hooks.process import DEFAULT_GRACE_S
-from airflow_vllm_batch.hooks.vllm_server import DEFAULT_STARTUP_TIMEOUT_S
+from airflow_vllm_batch.engines.vllm.process import DEFAULT_GRACE_S
+from airflow_vllm_batch.engines.vllm.server_process import DEFAULT_STARTUP_TIMEOUT_S
 from airflow_vllm_batch.redaction import register_engine_secrets
 from airflow_vllm_batch.run.answer_cache import split_cache_uri
 from airflow_vllm_batch.run.cost import check_gpu_hour_cost

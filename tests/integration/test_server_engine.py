@@ -25,7 +25,7 @@ from openai.types.chat import ChatCompletion
 from pydantic import BaseModel
 
 from vllm_batch_embedded.demo import BUCKET, CPU_ENGINE_ARGS, CPU_ENGINE_ENV
-from airflow_vllm_batch.hooks.vllm_server import VLLMServerProcess
+from airflow_vllm_batch.engines.vllm.server_process import VLLMServerProcess
 from tests.integration.dagrun import REPO, load_dag, run_dag
 from tests.integration.vllm_metrics import requests_answered
 

@@ -6,7 +6,7 @@ an engine start on every try:
 
 - :func:`check_engine_args` parses the arguments with the engine environment's *own*
   vLLM argument parser, in a subprocess of its Python (see
-  :mod:`~airflow_vllm_batch.hooks.engine_argcheck`); vLLM is never imported here.
+  :mod:`~airflow_vllm_batch.engines.vllm.argcheck`); vLLM is never imported here.
 - :func:`inspect_model` reads files only: a local model directory must exist and look
   like a model; a hub id must be in the local cache when downloads are off; and it
   tells whether the model generates text or pools (embeddings, scores), the way vLLM
@@ -35,7 +35,7 @@ from airflow_vllm_batch.exceptions import (
     ModelNotFoundError,
 )
 
-_ARGCHECK_SCRIPT = Path(__file__).with_name("engine_argcheck.py")
+_ARGCHECK_SCRIPT = Path(__file__).with_name("argcheck.py")
 
 #: The runner requires ``-i`` and ``-o``; nothing is read or written. vLLM 0.33's own check
 #: (``validate_run_batch_args``) wants ``-o`` writable: a relative name would be tested
@@ -154,7 +154,7 @@ def check_engine_args(
 ) -> OfflineDefaults | None:
     """Parse the engine arguments with the engine environment's own vLLM parser.
 
-    Runs :mod:`~airflow_vllm_batch.hooks.engine_argcheck` in ``python``; it imports the
+    Runs :mod:`~airflow_vllm_batch.engines.vllm.argcheck` in ``python``; it imports the
     entrypoint's parser module (about 8 s with vLLM 0.32 on a CPU, most of it importing
     torch), parses ``--model <model> <engine_args>`` and runs the entrypoint's own quick
     checks. No engine starts and no model is read.

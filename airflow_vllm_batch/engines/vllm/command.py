@@ -37,8 +37,8 @@ from pathlib import Path
 from airflow_vllm_batch.batchfile import redact_urls
 from airflow_vllm_batch.redaction import redact_secrets
 from airflow_vllm_batch.exceptions import EngineConfigurationError
-from airflow_vllm_batch.hooks.log_groups import log_group
-from airflow_vllm_batch.hooks.process import (
+from airflow_vllm_batch.log_groups import log_group
+from airflow_vllm_batch.engines.vllm.process import (
     DEFAULT_GRACE_S,
     reap,
     signal_group,
@@ -60,7 +60,7 @@ FALLBACK_SUPPORTED_URLS = frozenset(
 
 _VERSION_LINE = re.compile(r"vLLM batch processing API version (\S+)")
 
-_PROBE_SCRIPT = Path(__file__).with_name("engine_probe.py")
+_PROBE_SCRIPT = Path(__file__).with_name("probe.py")
 
 
 def build_engine_argv(
@@ -159,7 +159,7 @@ def expand_url_matchers(exact: Sequence[str], suffixes: Sequence[str]) -> frozen
 def probe_engine(python: str, timeout: float = 60) -> EngineInfo:
     """Ask the engine environment for its vLLM version and supported batch URLs.
 
-    Runs :mod:`airflow_vllm_batch.hooks.engine_probe` as a script in ``python``; it
+    Runs :mod:`airflow_vllm_batch.engines.vllm.probe` as a script in ``python``; it
     imports no vLLM, so it takes well under a second.
 
     :param python: the engine environment's Python executable.

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from airflow_vllm_batch.exceptions import AdapterNotFoundError, EngineArgumentsError
-from airflow_vllm_batch.hooks.engine_checks import (
+from airflow_vllm_batch.engines.vllm.checks import (
     _COMMIT,
     _HUB_ID,
     _downloads_off,

@@ -1,6 +1,6 @@
 """Ask an engine environment which vLLM it has and which batch URLs its runner serves.
 
-This file runs as a script in the *engine's* Python (``python -I engine_probe.py``),
+This file runs as a script in the *engine's* Python (``python -I probe.py``),
 which may be a different environment from Airflow's, so it imports nothing but the
 standard library and never imports vLLM itself (that takes seconds). It reads the
 batch runner's source with :mod:`ast` instead and prints one JSON object::

@@ -8,7 +8,7 @@ port, scheme, the API key as password), or one the task started itself
 
 :class:`VLLMServerProcess` starts ``python -m vllm.entrypoints.openai.api_server`` on a
 free loopback port with a random API key, under the same guard as the batch runner
-(:func:`~airflow_vllm_batch.hooks.process.start_bound_process`), so the server and its
+(:func:`~airflow_vllm_batch.engines.vllm.process.start_bound_process`), so the server and its
 children die with the task however the task dies.
 
 :class:`VLLMServerEngine` is what the operator drives: the server engine of one task,
@@ -45,8 +45,8 @@ from airflow_vllm_batch.exceptions import (
     ServerAuthError,
     ServerUnavailableError,
 )
-from airflow_vllm_batch.hooks.log_groups import GROUP_END, GROUP_START, HeldLines
-from airflow_vllm_batch.hooks.process import (
+from airflow_vllm_batch.log_groups import GROUP_END, GROUP_START, HeldLines
+from airflow_vllm_batch.engines.vllm.process import (
     DEFAULT_GRACE_S,
     reap,
     signal_group,

@@ -17,8 +17,8 @@ from airflow_vllm_batch.engines import local as local_engines
 from airflow_vllm_batch.engines.local import arguments_marker_digest
 from airflow_vllm_batch.engines.runner import RunnerEngine
 from airflow_vllm_batch.engines.server import ServerEngine
-from airflow_vllm_batch.hooks.engine_checks import OfflineDefaults
-from airflow_vllm_batch.hooks.vllm_engine import EngineInfo
+from airflow_vllm_batch.engines.vllm.checks import OfflineDefaults
+from airflow_vllm_batch.engines.vllm.command import EngineInfo
 from airflow_vllm_batch.run.settings import BatchSettings
 
 #: Flags only vLLM's OpenAI server has: the batch runner's parser refuses ``--uvicorn-log-level``.

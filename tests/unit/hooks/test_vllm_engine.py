@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from airflow_vllm_batch.hooks.vllm_engine import (
+from airflow_vllm_batch.engines.vllm.command import (
     RUN_BATCH_MODULE,
     VLLMEngineHook,
     build_engine_argv,
@@ -215,7 +215,7 @@ def test_the_probe_names_the_runner_module_the_engine_environment_has():
 def test_terminate_from_on_kill_returns_while_the_interrupted_main_thread_holds_popens_wait_lock():
     import subprocess
 
-    from airflow_vllm_batch.hooks.process import start_bound_process
+    from airflow_vllm_batch.engines.vllm.process import start_bound_process
     from tests.processes import seconds_to_terminate_under_the_wait_lock
 
     hook = VLLMEngineHook(kill_grace_s=1)

@@ -11,8 +11,8 @@ from airflow_vllm_batch.batchfile import open_lines
 from airflow_vllm_batch.engines import _ENGINES, register_engine
 from airflow_vllm_batch.engines.base import Engine, EngineJob, EngineResults
 from airflow_vllm_batch.exceptions import ConfigurationError
-from airflow_vllm_batch.hooks.model_names import ServedModels, served_models
-from airflow_vllm_batch.hooks.vllm_engine import FALLBACK_SUPPORTED_URLS, EngineInfo, EngineRun
+from airflow_vllm_batch.engines.vllm.model_names import ServedModels, served_models
+from airflow_vllm_batch.engines.vllm.command import FALLBACK_SUPPORTED_URLS, EngineInfo, EngineRun
 from tests.unit.operators.test_vllm_batch_runs import Batch, FakeTI
 
 

@@ -67,7 +67,7 @@ def test_an_unknown_engine_names_the_known_ones():
 
 @pytest.mark.parametrize(("given", "seconds"), [(timedelta(minutes=2), 120.0), (90, 90.0), (2.5, 2.5), (None, None)])
 def test_the_server_timeouts_take_a_timedelta_or_seconds(given, seconds):
-    from airflow_vllm_batch.hooks.vllm_server import DEFAULT_STARTUP_TIMEOUT_S
+    from airflow_vllm_batch.engines.vllm.server_process import DEFAULT_STARTUP_TIMEOUT_S
     from airflow_vllm_batch.serving.stream import DEFAULT_REQUEST_TIMEOUT_S
 
     settings = make(server_startup_timeout=given, request_timeout=given)

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from airflow_vllm_batch.hooks.engine_argcheck import _did_you_mean
-from airflow_vllm_batch.hooks.engine_checks import EngineArgumentsError, _argv_to_check, _raise_for_result, _run_argcheck
+from airflow_vllm_batch.engines.vllm.argcheck import _did_you_mean
+from airflow_vllm_batch.engines.vllm.checks import EngineArgumentsError, _argv_to_check, _raise_for_result, _run_argcheck
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -17,7 +17,7 @@ from vllm_batch_embedded.tiny_model import (
     build_tiny_chat_model,
     embedding_model_path,
 )
-from airflow_vllm_batch.hooks.engine_checks import (
+from airflow_vllm_batch.engines.vllm.checks import (
     EngineArgsCheckError,
     EngineArgumentsError,
     IncompleteModelError,

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from airflow_vllm_batch.exceptions import AdapterNotFoundError, EngineArgumentsError
-from airflow_vllm_batch.hooks.model_names import (
+from airflow_vllm_batch.engines.vllm.model_names import (
     LoraAdapter,
     ServedModels,
     check_adapters,

@@ -396,7 +396,7 @@ def retryable(error: BaseException) -> bool:
 @contextlib.contextmanager
 def simulation(world: World) -> Iterator[None]:
     """Install the schedule's stand-ins: the engines, the runner's process, the lease's threads, log capture."""
-    from airflow_vllm_batch.engines.vllm import command as vllm_engine
+    from airflow_vllm_batch.hooks import vllm as vllm_engine
 
     saved_engines = {name: _ENGINES.get(name) for name in ("sim-runner", "sim-server")}
     register_engine("sim-runner", SimRunnerEngine)

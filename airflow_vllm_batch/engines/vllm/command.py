@@ -1,50 +1,21 @@
-"""Start vLLM's batch runner as a child process and stream its log, secrets redacted.
+"""The command that starts vLLM's batch runner, and the probe of the environment it runs in.
 
-:class:`VLLMEngineHook` is to vLLM what Airflow's ``SubprocessHook`` is to a shell
-command: an argv list (never a shell string), its own process group so that the
-whole engine (API frontend and ``EngineCore`` children) can be stopped at once, and
-output streamed line by line. It differs in three ways that matter here:
-
-* the engine's life is bound to the task process (:mod:`.process`): if the task is
-  SIGKILLed (the OOM killer, Airflow's supervisor escalating after SIGTERM), the engine
-  and its children are stopped within ``kill_grace_s`` seconds instead of holding the
-  GPU until their next write to a closed pipe;
-
-* every line goes through :func:`redact_urls` before it is logged, because vLLM logs
-  its input and output URLs in full ("args: ...", "Reading batch from ...",
-  "Uploading outputs to ...") and a presigned URL is a bearer credential. The URLs
-  are also registered with Airflow's secrets masker by the operator, but vLLM
-  sometimes cuts a long URL with "...", which exact-string masking cannot catch;
-* the last lines are kept, so that an engine failure can be explained in the
-  exception without re-reading the log.
+:func:`build_engine_argv` makes the runner's argv, :func:`conceal_arguments` moves its
+arguments (presigned URLs among them) off the world-readable command line, and
+:func:`probe_engine` asks the engine's Python which vLLM it has and what its runner
+accepts. :class:`~airflow_vllm_batch.hooks.vllm.VLLMEngineHook` runs the command.
 """
 
 from __future__ import annotations
 
-import collections
 import json
-import queue
-import re
-import signal
 import subprocess
 import sys
-import threading
-import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from airflow_vllm_batch.batchfile import redact_urls
-from airflow_vllm_batch.redaction import redact_secrets
 from airflow_vllm_batch.exceptions import EngineConfigurationError
-from airflow_vllm_batch.log_groups import log_group
-from airflow_vllm_batch.engines.vllm.process import (
-    DEFAULT_GRACE_S,
-    reap,
-    signal_group,
-    start_bound_process,
-)
-from airflow_vllm_batch.version_compat import BaseHook
 
 #: The batch runner module since vLLM 0.32 (``vllm.entrypoints.openai.run_batch`` is a
 #: deprecated shim there). ``python -m`` because the ``vllm`` console script is broken in
@@ -57,8 +28,6 @@ RUN_BATCH_MODULE = "vllm.entrypoints.launchers.run_batch"
 FALLBACK_SUPPORTED_URLS = frozenset(
     {"/v1/chat/completions", "/v1/embeddings", "/v1/score", "/v1/rerank", "/score", "/rerank"}
 )
-
-_VERSION_LINE = re.compile(r"vLLM batch processing API version (\S+)")
 
 _PROBE_SCRIPT = Path(__file__).with_name("probe.py")
 
@@ -205,115 +174,3 @@ class EngineRun:
     duration_s: float
     vllm_version: str | None = None
     tail: list[str] = field(default_factory=list)
-
-
-class VLLMEngineHook(BaseHook):
-    """Run vLLM's batch runner in its own process group, bound to the task, and stream its log.
-
-    :param kill_grace_s: seconds between SIGTERM and SIGKILL when stopping the engine.
-        Default 4: shorter than the ~5 s after which Airflow's supervisor follows its
-        SIGTERM of the task with SIGKILL, so ``on_kill`` finishes in the task's time.
-    :param tail_lines: how many of the last output lines to keep for error messages.
-    :param drain_s: seconds of silence after the leader exited before the rest of its
-        group is killed (children that outlive it would hold the log pipe open forever).
-    """
-
-    def __init__(self, kill_grace_s: float = DEFAULT_GRACE_S, tail_lines: int = 40, drain_s: float = 10.0, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.kill_grace_s = kill_grace_s
-        self.drain_s = drain_s
-        self.tail_lines = tail_lines
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def run(
-        self,
-        argv: Sequence[str],
-        *,
-        env: Mapping[str, str] | None = None,
-        on_line: Callable[[str], None] | None = None,
-        pass_fds: Sequence[int] = (),
-    ) -> EngineRun:
-        """Start the engine, stream its output and wait for it to exit.
-
-        The engine is stopped (whole process group) if anything interrupts the wait,
-        including Airflow's ``execution_timeout``, so no vLLM process outlives the task.
-
-        :param argv: the command, e.g. from :func:`build_engine_argv`.
-        :param env: the engine's full environment. Default: this process's.
-        :param on_line: called with every output line, already redacted.
-        :param pass_fds: descriptors the engine inherits (a GPU lease's locks).
-        """
-        emit = on_line or self.log.info
-        tail: collections.deque[str] = collections.deque(maxlen=self.tail_lines)
-        version = None
-        started = time.monotonic()
-        # Folded in the UI: a long run's thousands of engine lines must not bury the outcome.
-        with log_group(self.log, "vLLM engine output"):
-            self.process = start_bound_process(argv, env=env, grace_s=self.kill_grace_s, pass_fds=pass_fds)
-            try:
-                for raw in self._output_lines(self.process):
-                    line = redact_secrets(redact_urls(raw.decode("utf-8", errors="replace").rstrip()))
-                    if version is None and (match := _VERSION_LINE.search(line)):
-                        version = match.group(1)
-                    tail.append(line)
-                    emit(line)
-                returncode = self.process.wait()
-            finally:
-                # Reached with a live process only on an interruption (timeout, SIGTERM).
-                self.terminate()
-        return EngineRun(returncode, time.monotonic() - started, version, list(tail))
-
-    def _output_lines(self, process: subprocess.Popen[bytes]) -> Iterator[bytes]:
-        """Yield the engine's output lines until its pipe closes, or its leader is gone for good.
-
-        End of file alone is not enough: when the leader dies (OOM-killed, say), its
-        ``EngineCore`` child still holds the pipe open and may live on. Once the leader
-        has exited and ``drain_s`` seconds passed with no more output, the rest of the
-        group is killed, which closes the pipe.
-        """
-        assert process.stdout is not None
-        lines: queue.Queue[bytes | None] = queue.Queue()
-
-        def pump() -> None:
-            for raw in iter(process.stdout.readline, b""):
-                lines.put(raw)
-            lines.put(None)
-
-        threading.Thread(target=pump, name="vllm-engine-output", daemon=True).start()
-        quiet_since: float | None = None
-        while True:
-            try:
-                raw = lines.get(timeout=0.5)
-            except queue.Empty:
-                if process.poll() is None:
-                    continue
-                quiet_since = quiet_since or time.monotonic()
-                if time.monotonic() - quiet_since > self.drain_s:
-                    self.log.warning("The engine's leader exited; stopping what is left of its process group")
-                    signal_group(process.pid, signal.SIGKILL)
-                continue
-            if raw is None:
-                return
-            quiet_since = None
-            yield raw
-
-    def terminate(self) -> None:
-        """Stop the engine's whole process group: SIGTERM, then SIGKILL after the grace period.
-
-        Safe to call at any time, from ``on_kill`` too; does nothing when no engine runs.
-        """
-        proc = self.process
-        if proc is None:
-            return
-        # start_new_session made the engine the leader of its own group: pgid == pid,
-        # still valid after the leader exited while EngineCore children live on.
-        pgid = proc.pid
-        if proc.poll() is None:
-            self.log.info("Stopping the vLLM engine (process group %s)", pgid)
-            signal_group(pgid, signal.SIGTERM)
-            if not reap(proc, timeout=self.kill_grace_s):
-                self.log.warning("vLLM engine ignored SIGTERM for %ss; sending SIGKILL", self.kill_grace_s)
-        # The leader may be gone while EngineCore children live on: kill the group regardless.
-        signal_group(pgid, signal.SIGKILL)
-        reap(proc, timeout=self.kill_grace_s)
-

@@ -9,15 +9,15 @@ import time
 
 import pytest
 
+from airflow_vllm_batch.batchfile import redact_urls
 from airflow_vllm_batch.engines.vllm.command import (
     RUN_BATCH_MODULE,
-    VLLMEngineHook,
     build_engine_argv,
     conceal_arguments,
     expand_url_matchers,
     probe_engine,
-    redact_urls,
 )
+from airflow_vllm_batch.hooks.vllm import VLLMEngineHook
 
 GET = "http://127.0.0.1:8333/b/in%20put.jsonl?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential=AK%2F2026&X-Amz-Signature=abc123"
 PUT = "https://s3.example.com/b/out.jsonl?X-Amz-Expires=3600&X-Amz-Signature=def456"

@@ -19,10 +19,10 @@ from airflow_vllm_batch.exceptions import EngineError
 from airflow_vllm_batch.engines.vllm.server_process import (
     API_KEY_ENV,
     SERVER_MODULE,
-    VLLMServerHook,
     VLLMServerProcess,
     build_server_argv,
 )
+from airflow_vllm_batch.hooks.vllm import VLLMServerHook
 from airflow_vllm_batch.serving import (
     ModelNotServedError,
     ServerAuthError,

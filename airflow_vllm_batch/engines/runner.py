@@ -30,7 +30,8 @@ from airflow_vllm_batch.engines.runner_deaths import (
 )
 from airflow_vllm_batch.engines.server import _decode_custom_id, answered_ids
 from airflow_vllm_batch.exceptions import EngineError, InputChangedError, PublishError, StorageUnavailableError
-from airflow_vllm_batch.engines.vllm.command import EngineInfo, EngineRun, build_engine_argv, conceal_arguments
+from airflow_vllm_batch.engines.base import EngineInfo, EngineRun
+from airflow_vllm_batch.engines.vllm.command import build_engine_argv, conceal_arguments
 from airflow_vllm_batch.hooks.vllm import VLLMEngineHook
 
 from airflow_vllm_batch.serving.journal import part_name

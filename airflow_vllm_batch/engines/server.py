@@ -38,7 +38,8 @@ from airflow_vllm_batch.engines.sizing import api_server_count, connection_in_fl
 from airflow_vllm_batch.exceptions import ConfigurationError, RequestsUnansweredError, StorageUnavailableError
 from airflow_vllm_batch.engines.vllm.checks import check_reserved_options
 from airflow_vllm_batch.engines.vllm.model_names import ServedModels, served_models_of_server
-from airflow_vllm_batch.engines.vllm.command import FALLBACK_SUPPORTED_URLS, EngineInfo, EngineRun
+from airflow_vllm_batch.engines.base import EngineInfo, EngineRun
+from airflow_vllm_batch.engines.vllm.command import FALLBACK_SUPPORTED_URLS
 from airflow_vllm_batch.engines.vllm.server_process import SERVER_MODULE, VLLMServerEngine
 from airflow_vllm_batch.serving import SERVED_URLS, Journal, StreamStats
 from airflow_vllm_batch.serving.journal import DEFAULT_MAX_PART_BYTES

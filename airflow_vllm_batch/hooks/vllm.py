@@ -46,7 +46,7 @@ from typing import Any
 from airflow.sdk.log import mask_secret
 
 from airflow_vllm_batch.batchfile import redact_urls
-from airflow_vllm_batch.engines.vllm.command import EngineRun
+from airflow_vllm_batch.engines.base import EngineRun
 from airflow_vllm_batch.engines.vllm.process import DEFAULT_GRACE_S, reap, signal_group, start_bound_process
 from airflow_vllm_batch.exceptions import ModelNotServedError, ServerAuthError, ServerUnavailableError
 from airflow_vllm_batch.log_groups import log_group

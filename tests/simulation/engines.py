@@ -32,7 +32,8 @@ from airflow_vllm_batch.engines.server import _Streaming
 from airflow_vllm_batch.exceptions import ServerUnavailableError
 from airflow_vllm_batch.gpus import GPUPlan
 from airflow_vllm_batch.engines.vllm.model_names import ServedModels, served_models
-from airflow_vllm_batch.engines.vllm.command import FALLBACK_SUPPORTED_URLS, EngineInfo
+from airflow_vllm_batch.engines.base import EngineInfo
+from airflow_vllm_batch.engines.vllm.command import FALLBACK_SUPPORTED_URLS
 from airflow_vllm_batch.hooks.vllm import VLLMEngineHook
 from airflow_vllm_batch.serving import StreamStats
 

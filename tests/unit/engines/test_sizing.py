@@ -23,7 +23,7 @@ from airflow_vllm_batch.engines.sizing import (
     world_size,
 )
 from airflow_vllm_batch.engines.vllm.checks import OfflineDefaults, OfflineDefaultsUnavailable
-from airflow_vllm_batch.engines.vllm.command import EngineInfo
+from airflow_vllm_batch.engines.base import EngineInfo
 from airflow_vllm_batch.run.settings import BatchSettings
 
 H100 = OfflineDefaults(max_num_seqs=1024, max_num_batched_tokens=16384, device="NVIDIA H100 80GB HBM3")

@@ -10,8 +10,8 @@ import time
 import pytest
 
 from airflow_vllm_batch.batchfile import redact_urls
+from airflow_vllm_batch.engines.vllm import RUN_BATCH_MODULE
 from airflow_vllm_batch.engines.vllm.command import (
-    RUN_BATCH_MODULE,
     build_engine_argv,
     conceal_arguments,
     expand_url_matchers,

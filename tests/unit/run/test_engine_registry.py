@@ -12,7 +12,8 @@ from airflow_vllm_batch.engines import _ENGINES, register_engine
 from airflow_vllm_batch.engines.base import Engine, EngineJob, EngineResults
 from airflow_vllm_batch.exceptions import ConfigurationError
 from airflow_vllm_batch.engines.vllm.model_names import ServedModels, served_models
-from airflow_vllm_batch.engines.vllm.command import FALLBACK_SUPPORTED_URLS, EngineInfo, EngineRun
+from airflow_vllm_batch.engines.base import EngineInfo, EngineRun
+from airflow_vllm_batch.engines.vllm.command import FALLBACK_SUPPORTED_URLS
 from tests.unit.operators.test_vllm_batch_runs import Batch, FakeTI
 
 

@@ -34,7 +34,8 @@ from airflow_vllm_batch.engines.vllm.checks import (
     switch_setting,
 )
 from airflow_vllm_batch.engines.vllm.model_names import CPU_LORA_SLOTS_FIXED_IN, served_models
-from airflow_vllm_batch.engines.vllm.command import FALLBACK_SUPPORTED_URLS, RUN_BATCH_MODULE, build_engine_argv, probe_engine
+from airflow_vllm_batch.engines.vllm import RUN_BATCH_MODULE
+from airflow_vllm_batch.engines.vllm.command import FALLBACK_SUPPORTED_URLS, build_engine_argv, probe_engine
 from airflow_vllm_batch.engines.vllm.server_process import SERVER_MODULE, build_server_argv
 
 REPO = Path(__file__).resolve().parents[3]

@@ -18,7 +18,7 @@ from airflow_vllm_batch.exceptions import ConfigurationError
 if TYPE_CHECKING:
     import logging
 
-    from airflow_vllm_batch.run.settings import BatchSettings
+    from airflow_vllm_batch.engines.base import EngineSettings
 
 _ENGINES: dict[str, type[Engine]] = {}
 
@@ -41,7 +41,7 @@ def engine_class(name: str, *, vllm_conn_id: str | None = None) -> type[Engine]:
         raise ConfigurationError(f"engine must be one of {tuple(_ENGINES)}, got {name!r}.") from None
 
 
-def make_engine(settings: BatchSettings, log: logging.Logger) -> Engine:
+def make_engine(settings: EngineSettings, log: logging.Logger) -> Engine:
     """The engine the settings ask for."""
     return engine_class(settings.engine, vllm_conn_id=settings.vllm_conn_id)(settings, log)
 

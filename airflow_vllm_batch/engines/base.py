@@ -22,7 +22,7 @@ import contextlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from airflow_vllm_batch.engines.vllm import RUN_BATCH_MODULE
 from airflow_vllm_batch.gpus import GPUPlan
@@ -33,10 +33,8 @@ if TYPE_CHECKING:
 
     from airflow_vllm_batch.batchfile import PreflightReport, ResultsReport
     from airflow_vllm_batch.engines.vllm.model_names import ServedModels
-    from airflow_vllm_batch.identity import RunIdentity
+    from airflow_vllm_batch.identity import PinnedInput, RunIdentity
     from airflow_vllm_batch.lease import OutputLease
-    from airflow_vllm_batch.run.inputs import BatchInput
-    from airflow_vllm_batch.run.settings import BatchSettings
     from airflow_vllm_batch.storage import RunStaging
 
 
@@ -78,6 +76,56 @@ class EngineRun:
     tail: list[str] = field(default_factory=list)
 
 
+class EngineSettings(Protocol):
+    """The run's settings as an engine reads them; :class:`~airflow_vllm_batch.run.settings.BatchSettings` is one.
+
+    A protocol rather than an import: the run layer sits above the engines and hands them
+    its settings, so the engines name what they read without importing the run layer.
+    """
+
+    model: str
+    engine: str
+    engine_args: tuple[str, ...]
+    engine_python: str | None
+    engine_command: tuple[str, ...] | None
+    engine_env: Mapping[str, str]
+    vllm_conn_id: str | None
+    kill_grace_s: float
+    resume: bool
+    output_mode: str
+    results_dir: str
+    max_in_flight: int | None
+    checkpoint_interval_s: float
+    client_processes: int
+    gpus: int | None
+    server_startup_timeout: float
+    request_timeout: float
+
+    @property
+    def engine_environment(self) -> dict[str, str]: ...
+
+
+class EngineInput(Protocol):
+    """The run's pinned input as an engine uses it; :class:`~airflow_vllm_batch.run.inputs.BatchInput` is one."""
+
+    @property
+    def uri(self) -> str: ...
+
+    @property
+    def in_s3(self) -> bool: ...
+
+    @property
+    def pinned(self) -> PinnedInput: ...
+
+    def open(self) -> contextlib.AbstractContextManager[Iterator[Any]]: ...
+
+    def presign(self, method: str, bucket: str, key: str, version_id: str | None = None) -> str: ...
+
+    def presigned_get(self) -> str: ...
+
+    def confirm_unchanged(self) -> None: ...
+
+
 #: Opens the engine's results as lines, again and again (the check reads them twice on a mismatch).
 OpenResults = Callable[[], contextlib.AbstractContextManager[Iterator[bytes]]]
 
@@ -98,7 +146,7 @@ class EngineJob:
         publishes what it could not answer as failed lines rather than leave it to a retry. Default True.
     """
 
-    input: BatchInput
+    input: EngineInput
     report: PreflightReport
     work: Path
     staging: RunStaging
@@ -148,7 +196,7 @@ class Engine(abc.ABC):
     #: The name users pass as ``engine=``.
     name: str = ""
 
-    def __init__(self, settings: BatchSettings, log: logging.Logger) -> None:
+    def __init__(self, settings: EngineSettings, log: logging.Logger) -> None:
         self.settings = settings
         self.log = log
 

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from collections.abc import Mapping
 
     from airflow_vllm_batch.batchfile import PreflightReport
-    from airflow_vllm_batch.run.settings import BatchSettings
+    from airflow_vllm_batch.engines.base import EngineSettings
 
 
 def arguments_marker_digest(python: str, vllm_version: str | None, model: str, engine_args: list[str], entrypoint: str) -> str:
@@ -51,7 +51,7 @@ class LocalEngine(Engine):
     #: The entrypoint whose parser checks ``engine_args`` (:func:`~airflow_vllm_batch.engines.vllm.checks.check_engine_args`).
     entrypoint = "run_batch"
 
-    def __init__(self, settings: BatchSettings, log: logging.Logger) -> None:
+    def __init__(self, settings: EngineSettings, log: logging.Logger) -> None:
         super().__init__(settings, log)
         self._gpu_plan: GPUPlan | None = None
         self._sizes: SchedulerSizes | None = None

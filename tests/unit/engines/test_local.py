@@ -1,7 +1,7 @@
 """An engine this task starts checks ``engine_args`` with its own entrypoint's parser (issue 18, bug 1).
 
 The server's check runs vLLM's real parser in a child process (about 10 s); the runner's
-refusal of the same flags is among the cases of ``tests/unit/hooks/test_engine_checks.py``,
+refusal of the same flags is among the cases of ``tests/unit/engines/vllm/test_engine_checks.py``,
 which share one run of that parser.
 """
 

@@ -31,6 +31,7 @@ import msgspec
 from botocore.exceptions import BotoCoreError, ClientError
 
 from airflow_vllm_batch.batchfile import CustomIdIndex
+from airflow_vllm_batch.batchfile.models import decode_custom_id
 from airflow_vllm_batch.batchfile.cache_keys import reported_models
 from airflow_vllm_batch.engines.base import Engine, EngineJob, EngineResults
 from airflow_vllm_batch.engines.local import LocalEngine
@@ -55,13 +56,6 @@ FALLBACK_SERVER_URLS: frozenset[str] = FALLBACK_SUPPORTED_URLS | {"/v1/completio
 
 #: Seconds between progress lines of the server engine in the task log.
 PROGRESS_EVERY_S = 15.0
-
-
-class _CustomId(msgspec.Struct, gc=False):
-    custom_id: str
-
-
-_decode_custom_id = msgspec.json.Decoder(_CustomId).decode
 
 
 class _Streaming(Engine):
@@ -303,7 +297,7 @@ def answered_ids(staging: RunStaging, parts: list[str]) -> CustomIdIndex:
     with staging.open_parts(parts) as lines:
         for number, raw in enumerate(lines, start=1):
             if raw.strip():
-                index.add(_decode_custom_id(raw).custom_id, number)
+                index.add(decode_custom_id(raw).custom_id, number)
     return index
 
 

@@ -204,3 +204,29 @@ def test_an_airflow_free_module_imports_only_the_standard_library_msgspec_and_th
         if not (imported.partition(".")[0] in allowed_roots or imported.startswith(AIRFLOW_FREE) or imported == "airflow_vllm_batch")
     )
     assert foreign == []
+
+
+def _private_names_imported(source: str, name: str) -> list[str]:
+    """The ``_private`` names that module ``name`` imports from other modules of the package."""
+    package = name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join(anchor + ([node.module] if node.module else []))
+            if module.startswith("airflow_vllm_batch") and module != name:
+                found.extend(f"{name} imports {module}.{alias.name}" for alias in node.names if alias.name.startswith("_"))
+    return found
+
+
+def test_no_module_imports_a_private_name_of_another():
+    assert [found for name, path in MODULES.items() for found in _private_names_imported(path.read_text(), name)] == []
+
+
+def test_the_private_name_check_sees_one_imported_from_another_module():
+    source = "from airflow_vllm_batch.engines.server import _decode_custom_id, answered_ids\n"
+    assert _private_names_imported(source, "airflow_vllm_batch.engines.runner") == [
+        "airflow_vllm_batch.engines.runner imports airflow_vllm_batch.engines.server._decode_custom_id"
+    ]

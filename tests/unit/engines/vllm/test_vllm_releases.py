@@ -30,7 +30,7 @@ from airflow_vllm_batch.engines.vllm.checks import (
     OfflineDefaults,
     _argv_to_check,
     _raise_for_result,
-    _run_argcheck_script,
+    run_argcheck_script,
     switch_setting,
 )
 from airflow_vllm_batch.engines.vllm.model_names import CPU_LORA_SLOTS_FIXED_IN, served_models
@@ -243,7 +243,7 @@ def checked(release, tmp_path_factory) -> dict[str, dict]:
     here = os.getcwd()
     os.chdir(cwd)
     try:
-        answer = _run_argcheck_script(release["python"], request, timeout=600, env=ENV)
+        answer = run_argcheck_script(release["python"], request, timeout=600, env=ENV)
     finally:
         os.chdir(here)
         cwd.chmod(0o755)

@@ -79,6 +79,8 @@ def worker_in_flight(max_in_flight: int, processes: int, index: int) -> int:
     return max(1, share + (1 if index < rest else 0))
 
 
+# Its keyword parameters repeat run_stream's on purpose (the duplicates tool pairs the two):
+# spelled out, a misspelled keyword fails at the call in the task, not in a worker process.
 def run_stream_processes(
     requests: Iterable[tuple[int, bytes]],
     *,

@@ -366,6 +366,8 @@ class VLLMServerEngine:
         self.warm_hook.check_serves(self.model)
         return self.warm_hook.version()
 
+    # Its parameters repeat VLLMServerHook.stream_batch's, to which it forwards them, on purpose
+    # (the duplicates tool pairs the two): spelled out, they are documented and checked at the call.
     def run(
         self,
         requests: Iterable[tuple[int, bytes]],

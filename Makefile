@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 # vLLM 0.33.0, what `pip install "airflow-vllm-batch[vllm]"` resolves to (a CUDA wheel), in a
-# venv of its own: tests/unit/hooks/test_vllm_releases.py runs the argument checks and the
+# venv of its own: tests/unit/engines/vllm/test_vllm_releases.py runs the argument checks and the
 # probe against it with VLLM_TARGET_DEVICE=cpu (no engine starts; no GPU needed) and reads
 # its wheel's files. About 7 GB and 6 minutes, once: the stamp keeps it. The tests find it
 # here, or at AIRFLOW_VLLM_BATCH_VLLM033_PYTHON, and skip saying so when it is absent.

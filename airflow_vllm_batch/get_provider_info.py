@@ -98,15 +98,12 @@ def get_provider_info() -> dict[str, Any]:
         "hooks": [
             {
                 "integration-name": "vLLM Batch",
-                "python-modules": [
-                    "airflow_vllm_batch.hooks.vllm_engine",
-                    "airflow_vllm_batch.hooks.vllm_server",
-                ],
+                "python-modules": ["airflow_vllm_batch.hooks.vllm"],
             }
         ],
         "connection-types": [
             {
-                "hook-class-name": "airflow_vllm_batch.hooks.vllm_server.VLLMServerHook",
+                "hook-class-name": "airflow_vllm_batch.hooks.vllm.VLLMServerHook",
                 "connection-type": "vllm",
             }
         ],

@@ -89,7 +89,7 @@ def vllm_server(url: str | None, model: str) -> Iterator[str]:
         _connect(url, os.environ.get("BENCH_VLLM_API_KEY"))
         yield url
         return
-    from airflow_vllm_batch.hooks.vllm_server import VLLMServerProcess
+    from airflow_vllm_batch.engines.vllm.server_process import VLLMServerProcess
 
     with VLLMServerProcess(model, engine_args=CPU_ENGINE_ARGS.split(), env={**os.environ, **CPU_ENGINE_ENV}, startup_timeout_s=300) as server:
         assert server.hook is not None

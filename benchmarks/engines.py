@@ -126,7 +126,7 @@ def run_server(
     local_input: Path, work: Path, model: str, engine_args: list[str], env: dict[str, str], args: argparse.Namespace
 ) -> tuple[list[float], dict[str, float], float]:
     """Start one server; stream the file ``repeats`` times, then once per sweep bound."""
-    from airflow_vllm_batch.hooks.vllm_server import VLLMServerProcess
+    from airflow_vllm_batch.engines.vllm.server_process import VLLMServerProcess
     from airflow_vllm_batch.serving import DEFAULT_MAX_IN_FLIGHT
 
     times: list[float] = []

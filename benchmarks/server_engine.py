@@ -62,7 +62,7 @@ def run_task(index: int, **kwargs) -> dict:
 
 
 def tasks(args: argparse.Namespace, s3: SeaweedFS, work: Path) -> None:
-    from airflow_vllm_batch.hooks.vllm_server import VLLMServerProcess
+    from airflow_vllm_batch.engines.vllm.server_process import VLLMServerProcess
 
     model = str(build_tiny_chat_model(REPO / ".cache" / "models" / "tiny-llama-chat"))
     s3.client().put_object(Bucket=BUCKET, Key="in/input.jsonl", Body=examples.chat_requests(args.requests, model, args.max_tokens, 0.0))

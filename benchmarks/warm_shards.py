@@ -5,7 +5,7 @@ The same N-request chat file (tiny local model, CPU, ``max_completion_tokens`` 1
 
 * ``runner``: vLLM's batch runner on the whole file (started as ``benchmarks/engines.py``
   starts it), timed from its start to its exit (what one task with the runner engine pays);
-* ``warm``: one :class:`~airflow_vllm_batch.hooks.vllm_server.VLLMServerProcess`, then the
+* ``warm``: one :class:`~airflow_vllm_batch.engines.vllm.server_process.VLLMServerProcess`, then the
   file split into ``--shards`` shards with :func:`~airflow_vllm_batch.sharding.split_lines`,
   each streamed through the server with :func:`~airflow_vllm_batch.serving.run_stream`
   one after another (what the mapped shards of ``dags/vllm_batch_sharded.py`` do on one
@@ -88,7 +88,7 @@ def warm_shards(
 ) -> tuple[float, list[float], float, int]:
     """Start one server, stream every shard through it in turn, merge; return the timings and lines merged."""
     from airflow_vllm_batch.batchfile import open_lines
-    from airflow_vllm_batch.hooks.vllm_server import VLLMServerProcess
+    from airflow_vllm_batch.engines.vllm.server_process import VLLMServerProcess
     from airflow_vllm_batch.serving import DEFAULT_MAX_IN_FLIGHT
     from airflow_vllm_batch.sharding import merge_results, split_lines
 

@@ -65,6 +65,16 @@ class CustomIdOnly(msgspec.Struct, gc=False):
     custom_id: Any = None
 
 
+class CustomId(msgspec.Struct, gc=False):
+    """The ``custom_id`` of a line that has one: a checked request line, or a result line the package wrote."""
+
+    custom_id: str
+
+
+#: Decodes a line to its :class:`CustomId`; raises on a line without a string ``custom_id``.
+decode_custom_id = msgspec.json.Decoder(CustomId).decode
+
+
 class ChatMessage(msgspec.Struct, gc=False):
     """One chat message; only its ``role`` is checked."""
 

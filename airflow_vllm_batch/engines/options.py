@@ -25,15 +25,13 @@ view shows. Durations are a ``datetime.timedelta`` or a number of seconds, as Ai
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from airflow_vllm_batch.exceptions import ConfigurationError
-
-if TYPE_CHECKING:
-    from airflow_vllm_batch.engines.base import Engine
 
 #: Seconds between SIGTERM and SIGKILL when an engine this task started is stopped.
 DEFAULT_KILL_GRACE = timedelta(seconds=4)
@@ -126,9 +124,18 @@ class EngineOptions:
 
     gpu_hour_cost: float | str | None = None
 
-    def engine_class(self) -> type[Engine]:
-        """The engine these options are for (imported on first use: engines pull in process and HTTP machinery)."""
-        raise NotImplementedError(f"{type(self).__name__} names no engine: define engine_class().")
+    #: The dotted path of the :class:`~airflow_vllm_batch.engines.base.Engine` subclass these
+    #: options are for. A path, not the class: engines pull in process and HTTP machinery (only
+    #: the engine a task uses is imported), and the interface (``engines.base``) reads these
+    #: options, so importing the engines here would close an import cycle.
+    engine_path: ClassVar[str] = ""
+
+    def engine_class(self) -> type:
+        """The :class:`~airflow_vllm_batch.engines.base.Engine` subclass these options are for (:attr:`engine_path`)."""
+        if not self.engine_path:
+            raise NotImplementedError(f"{type(self).__name__} names no engine: set engine_path (or define engine_class()).")
+        module, _, name = self.engine_path.rpartition(".")
+        return getattr(importlib.import_module(module), name)
 
     @property
     def label(self) -> str:
@@ -218,15 +225,11 @@ class VLLMRunner(_LocalVLLM):
     """
 
     template_fields: ClassVar[Sequence[str]] = ("args", "python", "command", "env", "gpu_hour_cost")
+    engine_path: ClassVar[str] = "airflow_vllm_batch.engines.runner.RunnerEngine"
 
     command: Sequence[str] | None = None
     output_mode: str = "local"
     presign_expires_in: timedelta | int | None = None
-
-    def engine_class(self) -> type[Engine]:
-        from airflow_vllm_batch.engines.runner import RunnerEngine
-
-        return RunnerEngine
 
     def check(self, values: Mapping[str, Any]) -> None:
         if self.output_mode not in _OUTPUT_MODES:
@@ -306,13 +309,9 @@ class VLLMServer(_Streaming, _LocalVLLM):
     """
 
     template_fields: ClassVar[Sequence[str]] = ("args", "python", "env", "gpu_hour_cost")
+    engine_path: ClassVar[str] = "airflow_vllm_batch.engines.server.ServerEngine"
 
     startup_timeout: timedelta | float = DEFAULT_STARTUP_TIMEOUT
-
-    def engine_class(self) -> type[Engine]:
-        from airflow_vllm_batch.engines.server import ServerEngine
-
-        return ServerEngine
 
     def check(self, values: Mapping[str, Any]) -> None:
         seconds_of("startup_timeout", self.startup_timeout)
@@ -343,13 +342,9 @@ class WarmVLLMServer(_Streaming):
     """
 
     template_fields: ClassVar[Sequence[str]] = ("conn_id", "gpu_hour_cost")
+    engine_path: ClassVar[str] = "airflow_vllm_batch.engines.server.ConnectionEngine"
 
     conn_id: str = "vllm_default"
-
-    def engine_class(self) -> type[Engine]:
-        from airflow_vllm_batch.engines.server import ConnectionEngine
-
-        return ConnectionEngine
 
     @property
     def label(self) -> str:

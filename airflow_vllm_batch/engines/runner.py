@@ -14,6 +14,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from airflow_vllm_batch.batchfile import CustomIdIndex, open_lines, redact_urls
 from airflow_vllm_batch.batchfile.preflight import RUNNER_URL_ADVICE
+from airflow_vllm_batch.batchfile.models import decode_custom_id
 from airflow_vllm_batch.redaction import redact_engine_args
 from airflow_vllm_batch.engines.base import EngineJob, EngineResults
 from airflow_vllm_batch.engines.local import LocalEngine
@@ -29,9 +30,11 @@ from airflow_vllm_batch.engines.runner_deaths import (
     to_isolate,
     unanswered,
 )
-from airflow_vllm_batch.engines.server import _decode_custom_id, answered_ids
+from airflow_vllm_batch.engines.server import answered_ids
 from airflow_vllm_batch.exceptions import EngineError, InputChangedError, PublishError, StorageUnavailableError
-from airflow_vllm_batch.hooks.vllm_engine import EngineInfo, EngineRun, VLLMEngineHook, build_engine_argv, conceal_arguments
+from airflow_vllm_batch.engines.base import EngineInfo, EngineRun
+from airflow_vllm_batch.engines.vllm.command import build_engine_argv, conceal_arguments
+from airflow_vllm_batch.hooks.vllm import VLLMEngineHook
 
 from airflow_vllm_batch.serving.journal import part_name
 
@@ -199,7 +202,7 @@ class RunnerEngine(LocalEngine):
             for raw in lines:
                 if not raw.strip():
                     continue
-                custom_id = _decode_custom_id(raw).custom_id
+                custom_id = decode_custom_id(raw).custom_id
                 if answered.line_of(custom_id) is None and (not wanted or custom_id in wanted):
                     out.write(raw if raw.endswith(b"\n") else raw + b"\n")
         extra: list[str] = []
@@ -286,7 +289,7 @@ class RunnerEngine(LocalEngine):
         staging = job.staging
         opened = open_lines(str(run_input)) if run_input is not None else job.request_lines()
         with opened as lines:
-            ids = (_decode_custom_id(raw).custom_id for raw in lines if raw.strip())
+            ids = (decode_custom_id(raw).custom_id for raw in lines if raw.strip())
             left = unanswered(ids, answered, self._split.answered)
             if isolate:
                 suspects = list(itertools.islice(left, 1))

@@ -31,16 +31,18 @@ import msgspec
 from botocore.exceptions import BotoCoreError, ClientError
 
 from airflow_vllm_batch.batchfile import CustomIdIndex
+from airflow_vllm_batch.batchfile.models import decode_custom_id
 from airflow_vllm_batch.batchfile.cache_keys import reported_models
 from airflow_vllm_batch.batchfile.models import GENERATE_URLS
 from airflow_vllm_batch.engines.base import Engine, EngineJob, EngineResults
 from airflow_vllm_batch.engines.local import LocalEngine
 from airflow_vllm_batch.engines.sizing import api_server_count, connection_in_flight, started_server_in_flight
 from airflow_vllm_batch.exceptions import ConfigurationError, RequestsUnansweredError, StorageUnavailableError
-from airflow_vllm_batch.hooks.engine_checks import check_reserved_options
-from airflow_vllm_batch.hooks.model_names import ServedModels, served_models_of_server
-from airflow_vllm_batch.hooks.vllm_engine import FALLBACK_SUPPORTED_URLS, EngineInfo, EngineRun
-from airflow_vllm_batch.hooks.vllm_server import SERVER_MODULE, VLLMServerEngine
+from airflow_vllm_batch.engines.vllm.checks import check_reserved_options
+from airflow_vllm_batch.engines.vllm.model_names import ServedModels, served_models_of_server
+from airflow_vllm_batch.engines.base import EngineInfo, EngineRun
+from airflow_vllm_batch.engines.vllm.command import FALLBACK_SUPPORTED_URLS
+from airflow_vllm_batch.engines.vllm.server_process import SERVER_MODULE, VLLMServerEngine
 from airflow_vllm_batch.serving import SERVED_URLS, Journal, StreamStats
 from airflow_vllm_batch.serving.journal import DEFAULT_MAX_PART_BYTES
 from airflow_vllm_batch.serving.processes import terminate_workers
@@ -55,13 +57,6 @@ FALLBACK_SERVER_URLS: frozenset[str] = FALLBACK_SUPPORTED_URLS | {"/v1/completio
 
 #: Seconds between progress lines of the server engine in the task log.
 PROGRESS_EVERY_S = 15.0
-
-
-class _CustomId(msgspec.Struct, gc=False):
-    custom_id: str
-
-
-_decode_custom_id = msgspec.json.Decoder(_CustomId).decode
 
 
 class _Streaming(Engine):
@@ -312,7 +307,7 @@ def answered_ids(staging: RunStaging, parts: list[str]) -> CustomIdIndex:
     with staging.open_parts(parts) as lines:
         for number, raw in enumerate(lines, start=1):
             if raw.strip():
-                index.add(_decode_custom_id(raw).custom_id, number)
+                index.add(decode_custom_id(raw).custom_id, number)
     return index
 
 

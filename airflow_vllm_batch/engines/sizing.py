@@ -5,7 +5,7 @@ vLLM sizes its scheduler by entry point: its offline ``LLM`` class gets the larg
 OpenAI server smaller ones, and its batch runner none at all (it falls back to 128 and
 2048 on every device). A batch is offline work, so the engines this task starts get the
 offline row of the installed vLLM, read on the engine's own device
-(:class:`~airflow_vllm_batch.hooks.engine_checks.OfflineDefaults`), passed as flags for
+(:class:`~airflow_vllm_batch.engines.vllm.checks.OfflineDefaults`), passed as flags for
 what ``engine_args`` leave unset: the user's flags always win.
 
 Not in the run identity: the sizes change how requests are grouped into steps, not what
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from airflow_vllm_batch.gpus import parallel_sizes
-from airflow_vllm_batch.hooks.engine_checks import OfflineDefaults, read_options, switch_setting
+from airflow_vllm_batch.engines.vllm.checks import OfflineDefaults, read_options, switch_setting
 from airflow_vllm_batch.serving import DEFAULT_MAX_IN_FLIGHT
 
 MAX_NUM_SEQS = "--max-num-seqs"

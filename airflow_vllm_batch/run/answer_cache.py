@@ -45,6 +45,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from airflow_vllm_batch.batchfile import CustomIdIndex, open_lines
 from airflow_vllm_batch.batchfile.cache_keys import KEY_HEX, line_key
+from airflow_vllm_batch.batchfile.models import decode_custom_id
 from airflow_vllm_batch.exceptions import ConfigurationError, StorageUnavailableError
 from airflow_vllm_batch.storage import error_code, location_error, s3_lines
 
@@ -73,6 +74,8 @@ def split_cache_uri(uri: str) -> tuple[str, str]:
     return bucket, prefix if not prefix or prefix.endswith("/") else prefix + "/"
 
 
+# A near-copy of serving.stream._Usage, left on purpose: the cache sums all three counts of
+# answers it stored, and a count that is not a number fails the decode (see that one's note).
 class _Usage(msgspec.Struct, gc=False):
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -96,12 +99,7 @@ class _Answer(msgspec.Struct, gc=False):
     error: Any = None
 
 
-class _CustomId(msgspec.Struct, gc=False):
-    custom_id: str
-
-
 _decode_answer = msgspec.json.Decoder(_Answer).decode
-_decode_custom_id = msgspec.json.Decoder(_CustomId).decode
 
 
 @dataclasses.dataclass
@@ -185,7 +183,7 @@ class AnswerCache:
             with s3_lines(staging.hook, staging.bucket, hits_key) as lines:
                 db.executemany(
                     "INSERT OR IGNORE INTO hit VALUES (?, ?)",
-                    ((_decode_custom_id(raw).custom_id, bytes(raw)) for raw in lines if raw.strip()),
+                    ((decode_custom_id(raw).custom_id, bytes(raw)) for raw in lines if raw.strip()),
                 )
         elif cacheable:
             try:
@@ -289,7 +287,7 @@ class AnswerCache:
             for raw in lines:
                 if not raw.strip():
                     continue
-                custom_id = _decode_custom_id(raw).custom_id
+                custom_id = decode_custom_id(raw).custom_id
                 if db.execute("SELECT 1 FROM hit WHERE custom_id = ?", (custom_id,)).fetchone():
                     continue
                 count += 1
@@ -318,7 +316,7 @@ class AnswerCache:
             for raw in lines:
                 if not raw.strip():
                     continue
-                row = self.db.execute("SELECT key FROM req WHERE custom_id = ?", (_decode_custom_id(raw).custom_id,)).fetchone()
+                row = self.db.execute("SELECT key FROM req WHERE custom_id = ?", (decode_custom_id(raw).custom_id,)).fetchone()
                 if row is None:
                     continue
                 key = row[0]

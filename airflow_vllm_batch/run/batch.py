@@ -38,7 +38,7 @@ from airflow_vllm_batch.batchfile.per_model import count_per_model
 from airflow_vllm_batch.engines import EngineJob, EngineResults
 from airflow_vllm_batch.engines.server import invalid_parts
 from airflow_vllm_batch.exceptions import PreflightError, PublishError, StorageUnavailableError
-from airflow_vllm_batch.hooks.vllm_engine import EngineRun
+from airflow_vllm_batch.engines.base import EngineRun
 from airflow_vllm_batch.identity import RunIdentity
 from airflow_vllm_batch.lease import LeaseHolder
 from airflow_vllm_batch.manifest import Manifest, RequestCounts, Usage
@@ -55,7 +55,7 @@ if TYPE_CHECKING:
     from airflow.providers.amazon.aws.hooks.s3 import S3Hook
 
     from airflow_vllm_batch.engines import Engine
-    from airflow_vllm_batch.hooks.vllm_engine import EngineInfo
+    from airflow_vllm_batch.engines.base import EngineInfo
     from airflow_vllm_batch.lease import OutputLease
     from airflow_vllm_batch.run.settings import BatchSettings
 

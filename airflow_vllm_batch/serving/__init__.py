@@ -2,7 +2,7 @@
 
 Free of Airflow imports, like :mod:`airflow_vllm_batch.batchfile`, so a CLI, a test and
 the operator use the same code. The server's lifecycle and the ``vllm`` connection are in
-:mod:`airflow_vllm_batch.hooks.vllm_server`.
+:mod:`airflow_vllm_batch.engines.vllm.server_process`.
 """
 
 from __future__ import annotations

@@ -40,6 +40,7 @@ from typing import Any
 
 import msgspec
 
+from airflow_vllm_batch.batchfile.models import decode_custom_id
 from airflow_vllm_batch.exceptions import BadRequestLineError
 from airflow_vllm_batch.serving.journal import Journal
 from airflow_vllm_batch.serving.stream import (
@@ -57,13 +58,6 @@ _QUEUED_CHUNKS = 8
 _POLL_S = 0.5
 #: Seconds a worker gets to exit after the run, or after SIGTERM, before it is killed.
 _JOIN_S = 5.0
-
-
-class _CustomId(msgspec.Struct, gc=False):
-    custom_id: str
-
-
-_decode_custom_id = msgspec.json.Decoder(_CustomId).decode
 
 
 #: The runs under way in this process, for :func:`terminate_workers` (``on_kill`` runs in another thread).
@@ -85,6 +79,8 @@ def worker_in_flight(max_in_flight: int, processes: int, index: int) -> int:
     return max(1, share + (1 if index < rest else 0))
 
 
+# Its keyword parameters repeat run_stream's on purpose (the duplicates tool pairs the two):
+# spelled out, a misspelled keyword fails at the call in the task, not in a worker process.
 def run_stream_processes(
     requests: Iterable[tuple[int, bytes]],
     *,
@@ -218,7 +214,7 @@ class _Parent:
                     continue
                 if skip is not None:
                     try:
-                        custom_id = _decode_custom_id(raw).custom_id
+                        custom_id = decode_custom_id(raw).custom_id
                     except msgspec.DecodeError as err:
                         raise BadRequestLineError(
                             f"Input line {number} is not a request line ({err}); run preflight on the input first."

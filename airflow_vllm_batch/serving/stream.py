@@ -128,6 +128,10 @@ class _RequestLine(msgspec.Struct, gc=False):
     body: msgspec.Raw
 
 
+# A near-copy of run.answer_cache._Usage and batchfile.models.Usage, left on purpose: each
+# reads usage with its own strictness (here an embedding's usage has no completion_tokens, and
+# a count that is not a number fails the decode), so one struct for all three would change
+# which answers decode.
 class _Usage(msgspec.Struct, gc=False):
     prompt_tokens: int = 0
     completion_tokens: int | None = None

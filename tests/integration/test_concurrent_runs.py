@@ -27,7 +27,7 @@ from vllm_batch_embedded.demo import (
     CPU_ENGINE_ENV,
     embedded_env,
 )
-from airflow_vllm_batch.hooks.vllm_server import VLLMServerProcess
+from airflow_vllm_batch.engines.vllm.server_process import VLLMServerProcess
 from tests.integration.vllm_metrics import requests_answered
 from tests.processes import processes_with
 

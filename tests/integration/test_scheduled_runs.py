@@ -44,7 +44,7 @@ import pytest
 
 from vllm_batch_embedded.demo import CPU_ENGINE_ARGS, CPU_ENGINE_ENV
 from vllm_batch_embedded.seaweedfs import SeaweedFS
-from airflow_vllm_batch.hooks.vllm_server import VLLMServerProcess
+from airflow_vllm_batch.engines.vllm.server_process import VLLMServerProcess
 from tests.integration.dagrun import REPO
 from tests.integration.deployment import (
     RUN_DONE,

@@ -27,7 +27,7 @@ from pydantic import BaseModel
 from vllm_batch_embedded.demo import BUCKET, CPU_ENGINE_ARGS, CPU_ENGINE_ENV
 from airflow_vllm_batch.engines import VLLMRunner, WarmVLLMServer
 from airflow_vllm_batch.run import AnswerCacheOptions
-from airflow_vllm_batch.hooks.vllm_server import VLLMServerProcess
+from airflow_vllm_batch.engines.vllm.server_process import VLLMServerProcess
 from tests.integration.dagrun import REPO, load_dag, run_dag
 from tests.integration.dagrun import error_lines as _error_lines
 from tests.integration.vllm_metrics import requests_answered

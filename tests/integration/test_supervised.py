@@ -35,7 +35,7 @@ import psutil
 import pytest
 
 from vllm_batch_embedded.seaweedfs import SeaweedFS
-from airflow_vllm_batch.hooks.process import GUARD_SCRIPT
+from airflow_vllm_batch.engines.vllm.process import GUARD_SCRIPT
 from tests.integration.deployment import (
     Deployment,
     DeploymentError,

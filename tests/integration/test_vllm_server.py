@@ -15,7 +15,8 @@ import pytest
 from openai.types.chat import ChatCompletion
 
 from vllm_batch_embedded.demo import CPU_ENGINE_ARGS, CPU_ENGINE_ENV
-from airflow_vllm_batch.hooks.vllm_server import VLLMServerHook, VLLMServerProcess
+from airflow_vllm_batch.engines.vllm.server_process import VLLMServerProcess
+from airflow_vllm_batch.hooks.vllm import VLLMServerHook
 from airflow_vllm_batch.serving import (
     Journal,
     ModelNotServedError,

@@ -2,7 +2,7 @@
 
 :class:`SimRunnerEngine` is the real :class:`~airflow_vllm_batch.engines.runner.RunnerEngine`
 (its ``produce``, staging, input re-check, dead-engine classification, the "Starting the vLLM
-engine" line and :class:`~airflow_vllm_batch.hooks.vllm_engine.VLLMEngineHook`'s relay of the
+engine" line and :class:`~airflow_vllm_batch.hooks.vllm.VLLMEngineHook`'s relay of the
 engine's log lines) with only the process replaced: :class:`SimRunnerProcess` answers the
 requests one step at a time, and can crash (exit 1), die the vLLM 0.32 way (exit 0, every
 request left answered with ``EngineCore`` 500s), stall, or answer a request as failed.
@@ -33,8 +33,10 @@ from airflow_vllm_batch.engines.runner import RunnerEngine
 from airflow_vllm_batch.engines.server import _Streaming
 from airflow_vllm_batch.exceptions import ServerUnavailableError
 from airflow_vllm_batch.gpus import GPUPlan
-from airflow_vllm_batch.hooks.model_names import ServedModels, served_models
-from airflow_vllm_batch.hooks.vllm_engine import FALLBACK_SUPPORTED_URLS, EngineInfo, VLLMEngineHook
+from airflow_vllm_batch.engines.vllm.model_names import ServedModels, served_models
+from airflow_vllm_batch.engines.base import EngineInfo
+from airflow_vllm_batch.engines.vllm.command import FALLBACK_SUPPORTED_URLS
+from airflow_vllm_batch.hooks.vllm import VLLMEngineHook
 from airflow_vllm_batch.serving import StreamStats
 
 if TYPE_CHECKING:

@@ -394,7 +394,7 @@ def retryable(error: BaseException) -> bool:
 @contextlib.contextmanager
 def simulation(world: World) -> Iterator[None]:
     """Install the schedule's stand-ins: the engines, the runner's process, the lease's threads, log capture."""
-    from airflow_vllm_batch.hooks import vllm_engine
+    from airflow_vllm_batch.hooks import vllm as vllm_engine
 
     saved_start = vllm_engine.start_bound_process
     vllm_engine.start_bound_process = lambda argv, env=None, **_: SimRunnerProcess(world, engine_argv(argv, env))  # type: ignore[assignment]

@@ -193,7 +193,7 @@ def test_validate_refuses_a_results_file(tmp_path, capsys):
 
 
 def test_validate_checks_the_operators_default_urls_by_default(tmp_path, capsys):
-    from airflow_vllm_batch.hooks.vllm_engine import FALLBACK_SUPPORTED_URLS
+    from airflow_vllm_batch.engines.vllm.command import FALLBACK_SUPPORTED_URLS
 
     path = tmp_path / "score.jsonl"
     path.write_text('{"custom_id": "a", "method": "POST", "url": "/score", "body": {"model": "m", "text_1": "a", "text_2": "b"}}\n')

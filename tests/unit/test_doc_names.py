@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import airflow_vllm_batch
-from airflow_vllm_batch.hooks.vllm_engine import RUN_BATCH_MODULE
+from airflow_vllm_batch.engines.vllm import RUN_BATCH_MODULE
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]

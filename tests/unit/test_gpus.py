@@ -41,7 +41,7 @@ TASK_WITH_ENGINE = textwrap.dedent(
     """
     import os, sys, time
     from airflow_vllm_batch import gpus
-    from airflow_vllm_batch.hooks.process import start_bound_process
+    from airflow_vllm_batch.engines.vllm.process import start_bound_process
     lock_dir, marker = sys.argv[1], sys.argv[2]
     lease = gpus.lease_gpus(["0"], 1, directory=lock_dir)
     engine = "import signal, time; signal.signal(signal.SIGTERM, lambda *a: time.sleep(1.5) or exit(0)); print('up', flush=True); time.sleep(600)"

@@ -1,10 +1,11 @@
-"""The package's layers: the batch-file core imports no Airflow and no S3 client, and no module import closes a cycle."""
+"""The package's layers: the batch-file core imports no Airflow and no S3 client, every import follows docs/concepts.md's layers, and none closes a cycle."""
 
 from __future__ import annotations
 
 import ast
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -78,13 +79,13 @@ MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 
 
 def _imports(name: str) -> set[str]:
-    """Every module ``name`` imports, at the top or inside a function; not under ``if TYPE_CHECKING:``."""
+    """Every module ``name`` imports: at the top, inside a function, or under ``if TYPE_CHECKING:``.
+
+    Type-only imports count: a type one layer names from another is a dependency all the same.
+    """
     path = MODULES[name]
     tree = ast.parse(path.read_text())
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            node.body = []  # type-only imports are never executed
     found: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -139,9 +140,59 @@ def test_no_module_of_the_package_imports_its_way_back_to_itself():
     assert _find_cycle(_package_edges()) is None
 
 
-def test_the_cycle_finder_finds_a_cycle_through_a_lazy_import():
-    edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}
-    assert _find_cycle(edges) == ["a", "b", "c", "a"]
+def test_a_type_only_import_counts_as_an_import():
+    assert "airflow_vllm_batch.engines.base" in _imports("airflow_vllm_batch.run.answer_cache")
+
+
+CONCEPTS = REPO / "docs" / "concepts.md"
+
+
+def _layers() -> dict[str, int]:
+    """docs/concepts.md's layer table: each module name (or package prefix, ending in ``.``) and its layer."""
+    text = CONCEPTS.read_text()
+    section = text[text.index("## Layers: what may import what") :]
+    layers: dict[str, int] = {}
+    for row in re.findall(r"^\| (\d+) \| ([^|]+) \|", section, flags=re.MULTILINE):
+        for path in re.findall(r"`([^`]+)`", row[1]):
+            name = "airflow_vllm_batch." + path.removesuffix(".py").removesuffix("/").replace("/", ".")
+            layers[name.removesuffix(".__init__") + ("." if path.endswith("/") else "")] = int(row[0])
+    return layers
+
+
+def _layer(name: str, layers: dict[str, int]) -> int | None:
+    """The layer of module ``name``: its own row, else the deepest package row it is under."""
+    if name in layers:
+        return layers[name]
+    prefixes = [p for p in layers if p.endswith(".") and (name + ".").startswith(p)]
+    return layers[max(prefixes, key=len)] if prefixes else None
+
+
+def test_the_layer_table_places_every_module_of_the_package():
+    layers = _layers()
+    assert len(set(layers.values())) >= 5, "docs/concepts.md's layer table was not found"
+    assert [name for name in MODULES if _layer(name, layers) is None] == []
+
+
+def _against_the_table(edges: dict[str, set[str]], layers: dict[str, int]) -> list[str]:
+    """The imports that go to a layer listed after the importer's."""
+    return sorted(
+        f"{name} (layer {_layer(name, layers)}) imports {target} (layer {_layer(target, layers)})"
+        for name, targets in edges.items()
+        for target in targets
+        if _layer(target, layers) > _layer(name, layers)
+    )
+
+
+def test_every_import_goes_to_its_own_layer_or_one_listed_before_it_in_docs_concepts_md():
+    assert _against_the_table(_package_edges(), _layers()) == []
+
+
+def test_the_layer_check_refuses_the_engines_naming_the_run_layers_settings():
+    # What engines/base.py did, type-only, before the engines named their settings as a protocol.
+    edges = {"airflow_vllm_batch.engines.base": {"airflow_vllm_batch.run.settings"}}
+    assert _against_the_table(edges, _layers()) == [
+        "airflow_vllm_batch.engines.base (layer 5) imports airflow_vllm_batch.run.settings (layer 6)"
+    ]
 
 
 @pytest.mark.parametrize("name", [m for m in MODULES if m.startswith(AIRFLOW_FREE)])
@@ -153,3 +204,29 @@ def test_an_airflow_free_module_imports_only_the_standard_library_msgspec_and_th
         if not (imported.partition(".")[0] in allowed_roots or imported.startswith(AIRFLOW_FREE) or imported == "airflow_vllm_batch")
     )
     assert foreign == []
+
+
+def _private_names_imported(source: str, name: str) -> list[str]:
+    """The ``_private`` names that module ``name`` imports from other modules of the package."""
+    package = name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join(anchor + ([node.module] if node.module else []))
+            if module.startswith("airflow_vllm_batch") and module != name:
+                found.extend(f"{name} imports {module}.{alias.name}" for alias in node.names if alias.name.startswith("_"))
+    return found
+
+
+def test_no_module_imports_a_private_name_of_another():
+    assert [found for name, path in MODULES.items() for found in _private_names_imported(path.read_text(), name)] == []
+
+
+def test_the_private_name_check_sees_one_imported_from_another_module():
+    source = "from airflow_vllm_batch.engines.server import _decode_custom_id, answered_ids\n"
+    assert _private_names_imported(source, "airflow_vllm_batch.engines.runner") == [
+        "airflow_vllm_batch.engines.runner imports airflow_vllm_batch.engines.server._decode_custom_id"
+    ]

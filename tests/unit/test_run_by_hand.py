@@ -59,7 +59,7 @@ def test_the_aws_connection_json_has_sigv4_and_path_addressing():
 
 
 def test_the_vllm_connection_json_is_read_by_the_hook(monkeypatch):
-    from airflow_vllm_batch.hooks.vllm_server import VLLMServerHook
+    from airflow_vllm_batch.hooks.vllm import VLLMServerHook
 
     monkeypatch.setenv("AIRFLOW_CONN_VLLM_DEFAULT", json.dumps(_json_objects()[1]))
     hook = VLLMServerHook()
@@ -108,14 +108,14 @@ def _server_argv(command: str) -> list[str]:
 
 @pytest.mark.vllm
 def test_the_warm_server_command_lines_parse_with_vllms_own_server_parser():
-    from airflow_vllm_batch.hooks.engine_checks import _run_argcheck
+    from airflow_vllm_batch.engines.vllm.checks import run_argcheck_script
 
     servers = [c for c in _commands() if "api_server" in c or c.startswith("vllm serve")]
     assert len(servers) == 2  # CPU and GPU
     argvs = [_server_argv(c) for c in servers]
     for argv in argvs:
         assert argv[argv.index(STRUCTURED[0]) + 1] == STRUCTURED[1]
-    results = _run_argcheck(sys.executable, [{"entrypoint": "api_server", "argv": argv} for argv in argvs], timeout=300)
+    results = run_argcheck_script(sys.executable, {"checks": [{"entrypoint": "api_server", "argv": argv} for argv in argvs]}, timeout=300)["results"]
     assert [r["ok"] for r in results] == [True, True], results
 
 

@@ -18,8 +18,9 @@ from airflow.sdk import BaseHook
 from airflow_vllm_batch.batchfile import open_lines
 from airflow_vllm_batch.engines import Engine, EngineJob, EngineOptions, EngineResults
 from airflow_vllm_batch.exceptions import ConfigurationError
-from airflow_vllm_batch.hooks.model_names import ServedModels, served_models
-from airflow_vllm_batch.hooks.vllm_engine import FALLBACK_SUPPORTED_URLS, EngineInfo, EngineRun
+from airflow_vllm_batch.engines.vllm.model_names import ServedModels, served_models
+from airflow_vllm_batch.engines.base import EngineInfo, EngineRun
+from airflow_vllm_batch.engines.vllm.command import FALLBACK_SUPPORTED_URLS
 
 #: The connection type of the gateway.
 CONN_TYPE = "echo_gateway"
@@ -54,13 +55,11 @@ class EchoGateway(EngineOptions):
     """
 
     template_fields: ClassVar[Sequence[str]] = ("conn_id", "suffix", "gpu_hour_cost")
+    engine_path: ClassVar[str] = f"{__name__}.EchoGatewayEngine"
 
     conn_id: str = EchoGatewayHook.default_conn_name
     suffix: str = ""
     max_words: int | None = None
-
-    def engine_class(self) -> type[Engine]:
-        return EchoGatewayEngine
 
     def check(self, values: Mapping[str, Any]) -> None:
         if self.max_words is not None and (not isinstance(self.max_words, int) or self.max_words < 1):

@@ -17,7 +17,7 @@ from airflow_vllm_batch.engines.options import VLLMRunner, WarmVLLMServer
 from airflow_vllm_batch.engines.runner import RunnerEngine
 from airflow_vllm_batch.engines.server import ConnectionEngine
 from airflow_vllm_batch.exceptions import OutputBusyError
-from airflow_vllm_batch.hooks.vllm_engine import EngineInfo
+from airflow_vllm_batch.engines.base import EngineInfo
 from airflow_vllm_batch.run.settings import BatchSettings
 
 

@@ -1,7 +1,7 @@
 """An engine this task starts checks ``engine_args`` with its own entrypoint's parser (issue 18, bug 1).
 
 The server's check runs vLLM's real parser in a child process (about 10 s); the runner's
-refusal of the same flags is among the cases of ``tests/unit/hooks/test_engine_checks.py``,
+refusal of the same flags is among the cases of ``tests/unit/engines/vllm/test_engine_checks.py``,
 which share one run of that parser.
 """
 
@@ -17,8 +17,8 @@ from airflow_vllm_batch.engines import local as local_engines
 from airflow_vllm_batch.engines.local import arguments_marker_digest
 from airflow_vllm_batch.engines.runner import RunnerEngine
 from airflow_vllm_batch.engines.server import ServerEngine
-from airflow_vllm_batch.hooks.engine_checks import OfflineDefaults
-from airflow_vllm_batch.hooks.vllm_engine import EngineInfo
+from airflow_vllm_batch.engines.vllm.checks import OfflineDefaults
+from airflow_vllm_batch.engines.base import EngineInfo
 from airflow_vllm_batch.engines.options import VLLMRunner, VLLMServer
 from airflow_vllm_batch.run.settings import BatchSettings
 

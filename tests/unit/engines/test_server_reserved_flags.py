@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from airflow_vllm_batch.exceptions import EngineArgumentsError
-from airflow_vllm_batch.hooks.engine_checks import check_engine_args
+from airflow_vllm_batch.engines.vllm.checks import check_engine_args
 from airflow_vllm_batch.engines.options import VLLMRunner, VLLMServer
 from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
 

@@ -6,7 +6,7 @@ import logging
 
 from airflow_vllm_batch.engines.options import VLLMServer, WarmVLLMServer
 from airflow_vllm_batch.engines.server import ConnectionEngine, ServerEngine
-from airflow_vllm_batch.hooks.vllm_engine import EngineInfo
+from airflow_vllm_batch.engines.base import EngineInfo
 from airflow_vllm_batch.run.settings import BatchSettings
 
 RUNNER_URLS = frozenset({"/v1/chat/completions", "/v1/embeddings", "/v1/audio/transcriptions"})

@@ -22,8 +22,8 @@ from airflow_vllm_batch.engines.sizing import (
     started_server_in_flight,
     world_size,
 )
-from airflow_vllm_batch.hooks.engine_checks import OfflineDefaults, OfflineDefaultsUnavailable
-from airflow_vllm_batch.hooks.vllm_engine import EngineInfo
+from airflow_vllm_batch.engines.vllm.checks import OfflineDefaults, OfflineDefaultsUnavailable
+from airflow_vllm_batch.engines.base import EngineInfo
 from airflow_vllm_batch.engines.options import VLLMRunner, VLLMServer
 from airflow_vllm_batch.run.settings import BatchSettings
 
@@ -56,7 +56,7 @@ def test_offline_defaults_are_vllms_llm_class_row_for_the_gpu(monkeypatch, name,
     from vllm.engine import arg_utils
     from vllm.usage.usage_lib import UsageContext
 
-    from airflow_vllm_batch.hooks import engine_argcheck
+    from airflow_vllm_batch.engines.vllm import argcheck as engine_argcheck
 
     gpu = _gpu(name, memory_gib)
     monkeypatch.setattr(arg_utils, "current_platform", gpu)

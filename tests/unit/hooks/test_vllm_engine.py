@@ -9,15 +9,15 @@ import time
 
 import pytest
 
-from airflow_vllm_batch.hooks.vllm_engine import (
-    RUN_BATCH_MODULE,
-    VLLMEngineHook,
+from airflow_vllm_batch.batchfile import redact_urls
+from airflow_vllm_batch.engines.vllm import RUN_BATCH_MODULE
+from airflow_vllm_batch.engines.vllm.command import (
     build_engine_argv,
     conceal_arguments,
     expand_url_matchers,
     probe_engine,
-    redact_urls,
 )
+from airflow_vllm_batch.hooks.vllm import VLLMEngineHook
 
 GET = "http://127.0.0.1:8333/b/in%20put.jsonl?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential=AK%2F2026&X-Amz-Signature=abc123"
 PUT = "https://s3.example.com/b/out.jsonl?X-Amz-Expires=3600&X-Amz-Signature=def456"
@@ -233,7 +233,7 @@ def test_the_probe_names_the_runner_module_the_engine_environment_has():
 def test_terminate_from_on_kill_returns_while_the_interrupted_main_thread_holds_popens_wait_lock():
     import subprocess
 
-    from airflow_vllm_batch.hooks.process import start_bound_process
+    from airflow_vllm_batch.engines.vllm.process import start_bound_process
     from tests.processes import seconds_to_terminate_under_the_wait_lock
 
     hook = VLLMEngineHook(kill_grace_s=1)
@@ -246,7 +246,7 @@ def test_terminate_from_on_kill_returns_while_the_interrupted_main_thread_holds_
 def test_what_an_engine_logs_while_the_task_stops_it_is_at_most_a_warning(caplog):
     import logging
 
-    from airflow_vllm_batch.hooks.log_groups import HeldLines
+    from airflow_vllm_batch.log_groups import HeldLines
 
     held = HeldLines()
     held.add("(APIServer pid=1) ERROR 11-25 15:08:33 [core.py:9] EngineCore died")

@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 
 from airflow_vllm_batch.exceptions import EngineError
-from airflow_vllm_batch.hooks.vllm_server import (
+from airflow_vllm_batch.engines.vllm.server_process import (
     API_KEY_ENV,
     SERVER_MODULE,
-    VLLMServerHook,
     VLLMServerProcess,
     build_server_argv,
 )
+from airflow_vllm_batch.hooks.vllm import VLLMServerHook
 from airflow_vllm_batch.serving import (
     ModelNotServedError,
     ServerAuthError,
@@ -267,7 +267,7 @@ def foreign_server() -> Iterator[int]:
 def test_a_foreign_server_that_took_the_port_is_not_taken_for_ours_and_ours_starts_on_another_port(
     fake_server, foreign_server, monkeypatch, capsys
 ):
-    import airflow_vllm_batch.hooks.vllm_server as vllm_server
+    import airflow_vllm_batch.engines.vllm.server_process as vllm_server
 
     ports = iter([foreign_server])
     real_free_port = vllm_server.free_port

@@ -441,7 +441,7 @@ def _successor_takes_over(batch: Batch) -> None:
 
 
 def test_a_try_that_lost_its_lease_while_the_engine_ran_stages_and_publishes_nothing(batch, monkeypatch):
-    from airflow_vllm_batch.hooks.vllm_engine import VLLMEngineHook
+    from airflow_vllm_batch.hooks.vllm import VLLMEngineHook
 
     real_run = VLLMEngineHook.run
 

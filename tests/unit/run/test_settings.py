@@ -87,8 +87,8 @@ def test_the_server_durations_take_a_timedelta_or_seconds(given, seconds):
 
 
 def test_the_default_durations_are_the_engines_own():
-    from airflow_vllm_batch.hooks.process import DEFAULT_GRACE_S
-    from airflow_vllm_batch.hooks.vllm_server import DEFAULT_STARTUP_TIMEOUT_S
+    from airflow_vllm_batch.engines.vllm.process import DEFAULT_GRACE_S
+    from airflow_vllm_batch.engines.vllm.server_process import DEFAULT_STARTUP_TIMEOUT_S
     from airflow_vllm_batch.serving.journal import DEFAULT_CHECKPOINT_INTERVAL_S
     from airflow_vllm_batch.serving.stream import DEFAULT_REQUEST_TIMEOUT_S
 

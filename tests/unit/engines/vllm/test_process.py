@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from airflow_vllm_batch.hooks.process import reap, start_bound_process
+from airflow_vllm_batch.engines.vllm.process import reap, start_bound_process
 from tests.processes import processes_with
 
 #: Stands in for vLLM: a leader that starts a child (as EngineCore is), both sleeping.
@@ -39,7 +39,7 @@ def test_the_engine_and_its_children_die_with_the_task_process(tmp_path, how):
     task = textwrap.dedent(
         f"""
         import os, sys, time
-        from airflow_vllm_batch.hooks.process import start_bound_process
+        from airflow_vllm_batch.engines.vllm.process import start_bound_process
         proc = start_bound_process([sys.executable, "-c", {ENGINE!r}], env={{**os.environ, "{marker}": "1"}}, grace_s=1)
         print(proc.stdout.readline().decode().strip(), flush=True)
         time.sleep(600)

@@ -6,7 +6,7 @@ an engine start on every try:
 
 - :func:`check_engine_args` parses the arguments with the engine environment's *own*
   vLLM argument parser, in a subprocess of its Python (see
-  :mod:`~airflow_vllm_batch.hooks.engine_argcheck`); vLLM is never imported here.
+  :mod:`~airflow_vllm_batch.engines.vllm.argcheck`); vLLM is never imported here.
 - :func:`inspect_model` reads files only: a local model directory must exist and look
   like a model; a hub id must be in the local cache when downloads are off; and it
   tells whether the model generates text or pools (embeddings, scores), the way vLLM
@@ -35,7 +35,7 @@ from airflow_vllm_batch.exceptions import (
     ModelNotFoundError,
 )
 
-_ARGCHECK_SCRIPT = Path(__file__).with_name("engine_argcheck.py")
+_ARGCHECK_SCRIPT = Path(__file__).with_name("argcheck.py")
 
 #: The runner requires ``-i`` and ``-o``; nothing is read or written. vLLM 0.33's own check
 #: (``validate_run_batch_args``) wants ``-o`` writable: a relative name would be tested
@@ -112,8 +112,10 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 _TOKENIZER_FILES = frozenset(
     {"vocab.json", "vocab.txt", "merges.txt", "spiece.model", "sentencepiece.bpe.model", "tekken.json"}
 )
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
-_COMMIT = re.compile(r"^[0-9a-f]{40}$")
+#: A Hugging Face hub repository id (``name`` or ``owner/name``).
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+#: A full commit hash, as the hub cache names its snapshots.
+COMMIT = re.compile(r"^[0-9a-f]{40}$")
 _CLOUD_PREFIXES = ("s3://", "gs://", "az://", "http://", "https://")
 
 
@@ -155,7 +157,7 @@ def check_engine_args(
 ) -> OfflineDefaults | None:
     """Parse the engine arguments with the engine environment's own vLLM parser.
 
-    Runs :mod:`~airflow_vllm_batch.hooks.engine_argcheck` in ``python``; it imports the
+    Runs :mod:`~airflow_vllm_batch.engines.vllm.argcheck` in ``python``; it imports the
     entrypoint's parser module (about 8 s with vLLM 0.32 on a CPU, most of it importing
     torch), parses ``--model <model> <engine_args>`` and runs the entrypoint's own quick
     checks. No engine starts and no model is read.
@@ -189,7 +191,7 @@ def check_engine_args(
     request: dict = {"checks": [{"entrypoint": entrypoint, "argv": argv, **({"module": module} if module else {})}]}
     if offline_defaults_for is not None:
         request["offline_defaults"] = {"world_size": offline_defaults_for}
-    answer = _run_argcheck_script(python, request, timeout=timeout, env=env)
+    answer = run_argcheck_script(python, request, timeout=timeout, env=env)
     (result,) = answer["results"]
     if options_file is not None and result.get("options"):
         _write_options(options_file, result)
@@ -273,7 +275,7 @@ def _refuse_unknown_options(engine_args: Sequence[str], path: Path) -> None:
             continue
         unknown.append(flag)
     if unknown:
-        from airflow_vllm_batch.hooks.engine_argcheck import did_you_mean
+        from airflow_vllm_batch.engines.vllm.argcheck import did_you_mean
 
         message = did_you_mean(f"unrecognized arguments: {' '.join(unknown)}", sorted(known))
         raise EngineArgumentsError(
@@ -288,13 +290,15 @@ def _argv_to_check(model: str, engine_args: Sequence[str], entrypoint: str) -> l
     return [*prefix, "--model", model, *args]
 
 
-def _run_argcheck(python: str, checks: list[dict], *, timeout: float) -> list[dict]:
-    """Run the check script in ``python`` on ``checks``; return its results, one per check."""
-    return _run_argcheck_script(python, {"checks": checks}, timeout=timeout)["results"]
+def run_argcheck_script(python: str, request: dict, *, timeout: float, env: Mapping[str, str] | None = None) -> dict:
+    """Run the check script in ``python`` on ``request``; return its answer (``results``, one per check).
 
+    :func:`check_engine_args` checks one entrypoint's arguments this way; several checks in
+    one request share the slow import of vLLM.
 
-def _run_argcheck_script(python: str, request: dict, *, timeout: float, env: Mapping[str, str] | None = None) -> dict:
-    """Run the check script in ``python`` on ``request``; return its answer (``results``, one per check)."""
+    :param request: ``{"checks": [{"entrypoint": ..., "argv": [...]}, ...]}``, and optionally
+        ``"offline_defaults": {"world_size": N}``.
+    """
     checks = request["checks"]
     try:
         proc = subprocess.run(
@@ -436,9 +440,9 @@ def inspect_model(
         config_kind = (None, None, [])
     else:
         local = _cached_snapshot(model, _last(options.get("--revision")) or "main", env)
-        if local is None and _downloads_off(env):
+        if local is None and downloads_off(env):
             raise ModelNotFoundError(
-                f"model: {model!r} is not in the local Hugging Face cache ({_hub_cache(env)}) and downloads "
+                f"model: {model!r} is not in the local Hugging Face cache ({hub_cache(env)}) and downloads "
                 "are off (HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE is set). Download it first "
                 f"(hf download {model}), point HF_HOME/HF_HUB_CACHE at the cache that has it, "
                 "or give model= the model's local directory."
@@ -535,7 +539,7 @@ def _local_model_path(model: str) -> Path | None:
     path = Path(model)
     if path.is_dir() or (path.is_file() and path.suffix == ".gguf"):
         return path
-    if not _HUB_ID.match(model) and not model.startswith(_CLOUD_PREFIXES):
+    if not HUB_ID.match(model) and not model.startswith(_CLOUD_PREFIXES):
         # Not a valid hub id either (e.g. "models/a/b"): vLLM can only mean a path.
         return path
     return None
@@ -626,11 +630,12 @@ def _is_true(value: str | None) -> bool:
     return (value or "").strip().upper() in {"1", "ON", "YES", "TRUE"}
 
 
-def _downloads_off(env: Mapping[str, str]) -> bool:
+def downloads_off(env: Mapping[str, str]) -> bool:
+    """Whether the engine's environment turns Hugging Face downloads off (``HF_HUB_OFFLINE``, ``TRANSFORMERS_OFFLINE``)."""
     return _is_true(env.get("HF_HUB_OFFLINE")) or _is_true(env.get("TRANSFORMERS_OFFLINE"))
 
 
-def _hub_cache(env: Mapping[str, str]) -> Path:
+def hub_cache(env: Mapping[str, str]) -> Path:
     """Return the Hugging Face hub cache the engine would use (huggingface_hub's own precedence)."""
     if env.get("HF_HUB_CACHE"):
         return Path(env["HF_HUB_CACHE"]).expanduser()
@@ -641,17 +646,26 @@ def _hub_cache(env: Mapping[str, str]) -> Path:
     return base / "huggingface" / "hub"
 
 
-def _cached_snapshot(repo_id: str, revision: str, env: Mapping[str, str]) -> Path | None:
-    """Return the cached snapshot of a hub model that has a config, or None (the cache layout of huggingface_hub)."""
-    repo_dir = _hub_cache(env) / f"models--{repo_id.replace('/', '--')}"
-    if _COMMIT.match(revision):
+def hub_snapshot(repo_id: str, revision: str, env: Mapping[str, str]) -> Path | None:
+    """Return where the hub cache keeps ``repo_id`` at ``revision`` (a commit, or a ref such as ``main``), or None.
+
+    None when the cache has no such ref; the directory itself may not exist (the cache
+    layout of huggingface_hub).
+    """
+    repo_dir = hub_cache(env) / f"models--{repo_id.replace('/', '--')}"
+    if COMMIT.match(revision):
         commit = revision
     else:
         try:
             commit = (repo_dir / "refs" / revision).read_text(encoding="utf-8").strip()
         except OSError:
             return None
-    snapshot = repo_dir / "snapshots" / commit
-    if any((snapshot / name).is_file() for name in _CONFIG_FILES):
+    return repo_dir / "snapshots" / commit
+
+
+def _cached_snapshot(repo_id: str, revision: str, env: Mapping[str, str]) -> Path | None:
+    """Return the cached snapshot of a hub model that has a config, or None."""
+    snapshot = hub_snapshot(repo_id, revision, env)
+    if snapshot is not None and any((snapshot / name).is_file() for name in _CONFIG_FILES):
         return snapshot
     return None

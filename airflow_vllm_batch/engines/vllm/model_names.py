@@ -26,11 +26,12 @@ from pathlib import Path
 from typing import Any
 
 from airflow_vllm_batch.exceptions import AdapterNotFoundError, EngineArgumentsError
-from airflow_vllm_batch.hooks.engine_checks import (
-    _COMMIT,
-    _HUB_ID,
-    _downloads_off,
-    _hub_cache,
+from airflow_vllm_batch.engines.vllm.checks import (
+    COMMIT,
+    HUB_ID,
+    downloads_off,
+    hub_cache,
+    hub_snapshot,
     read_options,
     switch_setting,
 )
@@ -135,16 +136,16 @@ def check_adapters(served: ServedModels, env: Mapping[str, str] | None = None) -
     env = os.environ if env is None else env
     for adapter in served.adapters:
         path = adapter.path
-        if os.path.isabs(path) or path.startswith("~") or os.path.exists(path) or not _HUB_ID.match(path):
+        if os.path.isabs(path) or path.startswith("~") or os.path.exists(path) or not HUB_ID.match(path):
             _require_adapter_dir(adapter, Path(path).expanduser())
             continue
         snapshot = _cached_adapter_snapshot(path, env)
         if snapshot is not None:
             _require_adapter_dir(adapter, snapshot)
-        elif _downloads_off(env):
+        elif downloads_off(env):
             raise AdapterNotFoundError(
                 f"engine_args: LoRA adapter {adapter.name!r} ({path!r}) is neither a local directory nor in the "
-                f"local Hugging Face cache ({_hub_cache(env)}), and downloads are off (HF_HUB_OFFLINE or "
+                f"local Hugging Face cache ({hub_cache(env)}), and downloads are off (HF_HUB_OFFLINE or "
                 "TRANSFORMERS_OFFLINE). Give its local directory in --lora-modules, or download it first "
                 f"(hf download {path})."
             )
@@ -223,13 +224,8 @@ def _require_adapter_dir(adapter: LoraAdapter, path: Path) -> None:
 
 def _cached_adapter_snapshot(repo_id: str, env: Mapping[str, str]) -> Path | None:
     """The cached ``main`` snapshot of a hub adapter that holds an ``adapter_config.json``, or None."""
-    repo_dir = _hub_cache(env) / f"models--{repo_id.replace('/', '--')}"
-    try:
-        commit = (repo_dir / "refs" / "main").read_text(encoding="utf-8").strip()
-    except OSError:
-        return None
-    snapshot = repo_dir / "snapshots" / commit
-    return snapshot if _COMMIT.match(commit) and snapshot.is_dir() else None
+    snapshot = hub_snapshot(repo_id, "main", env)
+    return snapshot if snapshot is not None and COMMIT.match(snapshot.name) and snapshot.is_dir() else None
 
 
 def _parse_adapter(item: str) -> LoraAdapter:

@@ -1,6 +1,6 @@
 """Ask an engine environment which vLLM it has and which batch URLs its runner serves.
 
-This file runs as a script in the *engine's* Python (``python -I engine_probe.py``),
+This file runs as a script in the *engine's* Python (``python -I probe.py``),
 which may be a different environment from Airflow's, so it imports nothing but the
 standard library and never imports vLLM itself (that takes seconds). It reads the
 batch runner's source with :mod:`ast` instead and prints one JSON object::
@@ -60,6 +60,20 @@ def vllm_distribution() -> tuple[str | None, str | None]:
     return None, None
 
 
+def _string_argument(node: ast.AST, method: str) -> str | None:
+    """The string ``s`` when ``node`` is a call ``x.method(s)``, else None."""
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == method
+        and len(node.args) == 1
+        and isinstance(node.args[0], ast.Constant)
+        and isinstance(node.args[0].value, str)
+    ):
+        return node.args[0].value
+    return None
+
+
 def _matchers(tree: ast.AST) -> tuple[set[str], set[str]]:
     exact: set[str] = set()
     suffixes: set[str] = set()
@@ -76,15 +90,8 @@ def _matchers(tree: ast.AST) -> tuple[set[str], set[str]]:
             and body.comparators[0].value.startswith("/")
         ):
             exact.add(body.comparators[0].value)
-        elif (
-            isinstance(body, ast.Call)
-            and isinstance(body.func, ast.Attribute)
-            and body.func.attr == "endswith"
-            and len(body.args) == 1
-            and isinstance(body.args[0], ast.Constant)
-            and isinstance(body.args[0].value, str)
-        ):
-            suffixes.add(body.args[0].value)
+        elif (suffix := _string_argument(body, "endswith")) is not None:
+            suffixes.add(suffix)
     return exact, suffixes
 
 
@@ -110,15 +117,8 @@ def _registry_urls(tree: ast.AST) -> tuple[set[str], set[str]]:
     for node in ast.walk(tree):
         if isinstance(node, ast.FunctionDef) and node.name == "url_matches":
             for call in ast.walk(node):
-                if (
-                    isinstance(call, ast.Call)
-                    and isinstance(call.func, ast.Attribute)
-                    and call.func.attr == "startswith"
-                    and len(call.args) == 1
-                    and isinstance(call.args[0], ast.Constant)
-                    and isinstance(call.args[0].value, str)
-                ):
-                    exact_prefix = call.args[0].value
+                if (prefix := _string_argument(call, "startswith")) is not None:
+                    exact_prefix = prefix
             if exact_prefix is None:
                 return urls, set()
     if exact_prefix is None:

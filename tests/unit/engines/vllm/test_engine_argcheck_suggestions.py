@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from airflow_vllm_batch.hooks.engine_argcheck import _did_you_mean
-from airflow_vllm_batch.hooks.engine_checks import EngineArgumentsError, _argv_to_check, _raise_for_result, _run_argcheck
+from airflow_vllm_batch.engines.vllm.argcheck import _did_you_mean
+from airflow_vllm_batch.engines.vllm.checks import EngineArgumentsError, _argv_to_check, _raise_for_result, run_argcheck_script
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -44,7 +44,7 @@ def test_nothing_close_or_no_unknown_flag_gets_no_guess(message):
 @pytest.mark.vllm
 def test_vllms_own_parser_suggests_the_flag_for_a_misspelling():
     checks = [{"entrypoint": "run_batch", "argv": _argv_to_check("m", ["--max-modle-len", "4096"], "run_batch")}]
-    (result,) = _run_argcheck(sys.executable, checks, timeout=300)
+    (result,) = run_argcheck_script(sys.executable, {"checks": checks}, timeout=300)["results"]
     with pytest.raises(EngineArgumentsError, match=r"unrecognized arguments: --max-modle-len 4096 \(did you mean --max-model-len for --max-modle-len\?\)"):
         _raise_for_result(result, sys.executable)
 
@@ -53,7 +53,7 @@ def test_a_misspelled_flag_is_refused_at_once_from_the_flags_an_earlier_check_sa
     import json
     import time
 
-    from airflow_vllm_batch.hooks.engine_checks import check_engine_args
+    from airflow_vllm_batch.engines.vllm.checks import check_engine_args
 
     options = tmp_path / "engine-options.json"
     options.write_text(json.dumps({"options": ["--max-model-len", "--enforce-eager", "--compilation-config"], "help": "vllm --help"}))
@@ -69,7 +69,7 @@ def test_flags_vllms_parser_reads_are_left_to_the_full_check(tmp_path, args):
     import json
 
     from airflow_vllm_batch.exceptions import EngineArgsCheckError
-    from airflow_vllm_batch.hooks.engine_checks import check_engine_args
+    from airflow_vllm_batch.engines.vllm.checks import check_engine_args
 
     options = tmp_path / "engine-options.json"
     options.write_text(json.dumps({"options": ["--max-model-len", "--enforce-eager", "--compilation-config"], "help": "vllm --help"}))
@@ -82,7 +82,7 @@ def test_flags_vllms_parser_reads_are_left_to_the_full_check(tmp_path, args):
 def test_a_check_keeps_the_flags_vllms_parser_knows_and_the_next_misspelling_needs_no_import(tmp_path):
     import time
 
-    from airflow_vllm_batch.hooks.engine_checks import check_engine_args
+    from airflow_vllm_batch.engines.vllm.checks import check_engine_args
 
     options = tmp_path / "engine-options.json"
     check_engine_args(sys.executable, "m", ["--enforce-eager"], options_file=options)

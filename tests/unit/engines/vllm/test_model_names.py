@@ -5,7 +5,7 @@ import json
 import pytest
 
 from airflow_vllm_batch.exceptions import AdapterNotFoundError, EngineArgumentsError
-from airflow_vllm_batch.hooks.model_names import (
+from airflow_vllm_batch.engines.vllm.model_names import (
     LoraAdapter,
     ServedModels,
     check_adapters,
@@ -151,6 +151,6 @@ def test_cpu_lora_slots_need_one_more_than_the_adapters_a_mixed_batch_uses(extra
     [("0.32.0", True), ("0.32.1", True), (None, True), ("0.33.0", False), ("0.33.1", False), ("0.34.0rc1", False)],
 )
 def test_the_cpu_lora_slots_workaround_stops_at_the_vllm_release_that_fixes_it(version, affected):
-    """vLLM 0.33's CPU LoRA ops mask the base model's rows (tests/unit/hooks/test_vllm_releases.py reads the fix)."""
+    """vLLM 0.33's CPU LoRA ops mask the base model's rows (tests/unit/engines/vllm/test_vllm_releases.py reads the fix)."""
     found = cpu_lora_slots_problem(served_models("m", CPU_LORA), CPU_LORA, {"m": 1, "a": 1}, version)
     assert (found is not None) is affected

@@ -1,8 +1,8 @@
 """Parse engine arguments with the engine environment's own vLLM argument parser.
 
-This file runs as a script in the *engine's* Python (``python -I engine_argcheck.py``),
+This file runs as a script in the *engine's* Python (``python -I argcheck.py``),
 which may be a different environment from Airflow's, so it imports nothing from
-``airflow_vllm_batch`` (only :mod:`engine_probe` beside it, by path, which is standard
+``airflow_vllm_batch`` (only :mod:`probe` beside it, by path, which is standard
 library); it imports only the vLLM module that builds the parser of the chosen
 entrypoint (no engine, no model, no GPU), found by following the entrypoint's module (what
 ``python -m <module>`` runs) to its ``make_arg_parser``. It reads one JSON object on
@@ -62,12 +62,12 @@ class ArgumentsRejected(Exception):
 
 @functools.lru_cache(maxsize=1)
 def _entry_point_reader():
-    """Load :mod:`engine_probe` (next to this file) for its :func:`follow_entry_point`.
+    """Load :mod:`probe` (next to this file) for its :func:`follow_entry_point`.
 
     Both files run as scripts in the engine's Python with ``-I``, which keeps this
     directory off ``sys.path``, so it is loaded by its path.
     """
-    spec = importlib.util.spec_from_file_location("_engine_probe", Path(__file__).with_name("engine_probe.py"))
+    spec = importlib.util.spec_from_file_location("_engine_probe", Path(__file__).with_name("probe.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

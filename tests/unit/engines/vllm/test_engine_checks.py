@@ -17,7 +17,7 @@ from vllm_batch_embedded.tiny_model import (
     build_tiny_chat_model,
     embedding_model_path,
 )
-from airflow_vllm_batch.hooks.engine_checks import (
+from airflow_vllm_batch.engines.vllm.checks import (
     EngineArgsCheckError,
     EngineArgumentsError,
     IncompleteModelError,
@@ -25,9 +25,9 @@ from airflow_vllm_batch.hooks.engine_checks import (
     ModelNotFoundError,
     _argv_to_check,
     _raise_for_result,
-    _run_argcheck,
     check_engine_args,
     inspect_model,
+    run_argcheck_script,
 )
 
 # Runs vLLM's own argument parsers and model loaders in this Python.
@@ -77,7 +77,7 @@ def argcheck_results() -> dict[str, dict]:
     cases |= {f"run_batch/{k}": ("run_batch", v) for k, v in ACCEPTED_RUNNER_ARGS.items()}
     cases |= {f"api_server/{k}": ("api_server", v[0]) for k, v in REFUSED_SERVER_ARGS.items()}
     checks = [{"entrypoint": ep, "argv": _argv_to_check("m", args, ep)} for ep, args in cases.values()]
-    results = _run_argcheck(sys.executable, checks, timeout=300)
+    results = run_argcheck_script(sys.executable, {"checks": checks}, timeout=300)["results"]
     return dict(zip(cases, results))
 
 

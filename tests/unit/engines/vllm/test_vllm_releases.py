@@ -25,17 +25,18 @@ from packaging.version import Version
 from airflow_vllm_batch.batchfile.cache_keys import output_args
 from airflow_vllm_batch.engines.sizing import scheduler_sizes
 from airflow_vllm_batch.exceptions import EngineArgumentsError
-from airflow_vllm_batch.hooks import engine_argcheck, engine_probe
-from airflow_vllm_batch.hooks.engine_checks import (
+from airflow_vllm_batch.engines.vllm import argcheck as engine_argcheck, probe as engine_probe
+from airflow_vllm_batch.engines.vllm.checks import (
     OfflineDefaults,
     _argv_to_check,
     _raise_for_result,
-    _run_argcheck_script,
+    run_argcheck_script,
     switch_setting,
 )
-from airflow_vllm_batch.hooks.model_names import CPU_LORA_SLOTS_FIXED_IN, served_models
-from airflow_vllm_batch.hooks.vllm_engine import FALLBACK_SUPPORTED_URLS, RUN_BATCH_MODULE, build_engine_argv, probe_engine
-from airflow_vllm_batch.hooks.vllm_server import SERVER_MODULE, build_server_argv
+from airflow_vllm_batch.engines.vllm.model_names import CPU_LORA_SLOTS_FIXED_IN, served_models
+from airflow_vllm_batch.engines.vllm import RUN_BATCH_MODULE
+from airflow_vllm_batch.engines.vllm.command import FALLBACK_SUPPORTED_URLS, build_engine_argv, probe_engine
+from airflow_vllm_batch.engines.vllm.server_process import SERVER_MODULE, build_server_argv
 
 REPO = Path(__file__).resolve().parents[3]
 VLLM033_PYTHON = os.environ.get("AIRFLOW_VLLM_BATCH_VLLM033_PYTHON") or str(REPO / ".venv-vllm033" / "bin" / "python")
@@ -242,7 +243,7 @@ def checked(release, tmp_path_factory) -> dict[str, dict]:
     here = os.getcwd()
     os.chdir(cwd)
     try:
-        answer = _run_argcheck_script(release["python"], request, timeout=600, env=ENV)
+        answer = run_argcheck_script(release["python"], request, timeout=600, env=ENV)
     finally:
         os.chdir(here)
         cwd.chmod(0o755)

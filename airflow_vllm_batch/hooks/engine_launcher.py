@@ -181,7 +181,7 @@ def main() -> None:
     _write_report(launch.get("report"), report)
     if not report.get("check", {"ok": True})["ok"]:
         # The task reads why from the report (the message may quote a secret flag's value: not logged here).
-        print(f"The engine arguments were refused by {module}'s argument parser; the engine was not started.", file=sys.stderr, flush=True)
+        print(f"engine_args were refused by {module}'s argument parser: stopping before the model loads.", file=sys.stderr, flush=True)
         sys.stdout.flush()
         # A normal exit tears down torch and vLLM's imports, seconds for nothing here.
         os._exit(ARGUMENTS_REFUSED_EXIT)

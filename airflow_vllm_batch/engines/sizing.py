@@ -4,8 +4,9 @@ vLLM sizes its scheduler by entry point: its offline ``LLM`` class gets the larg
 ``EngineArgs.get_batch_defaults`` (1024 sequences and 16384 tokens on an H100), its
 OpenAI server smaller ones, and its batch runner none at all (it falls back to 128 and
 2048 on every device). A batch is offline work, so the engines this task starts get the
-offline row of the installed vLLM, read on the engine's own device
-(:class:`~airflow_vllm_batch.hooks.engine_checks.OfflineDefaults`), passed as flags for
+offline row of the installed vLLM, read on the engine's own device by the engine's own
+process before it loads the model (:mod:`~airflow_vllm_batch.hooks.engine_launcher`: the
+task sends :func:`sizing_plan`, the launcher adds the defaults), passed as flags for
 what ``engine_args`` leave unset: the user's flags always win.
 
 Not in the run identity: the sizes change how requests are grouped into steps, not what

@@ -6,7 +6,10 @@ an engine start on every try:
 
 - :func:`check_engine_args` parses the arguments with the engine environment's *own*
   vLLM argument parser, in a subprocess of its Python (see
-  :mod:`~airflow_vllm_batch.hooks.engine_argcheck`); vLLM is never imported here.
+  :mod:`~airflow_vllm_batch.hooks.engine_argcheck`); vLLM is never imported here. The
+  engines the task starts run the same check in the engine's own process instead, in
+  its launcher (:mod:`~airflow_vllm_batch.hooks.engine_launcher`), so a task imports
+  vLLM once; :func:`_argv_to_check` and :func:`_raise_for_result` are shared.
 - :func:`inspect_model` reads files only: a local model directory must exist and look
   like a model; a hub id must be in the local cache when downloads are off; and it
   tells whether the model generates text or pools (embeddings, scores), the way vLLM

@@ -347,6 +347,49 @@ def test_the_disable_forms_change_what_the_operator_derives():
     assert output_args(["--disable-prefix-caching", "--max-inflight", "64", "--seed", "1"]) == ["--seed", "1"]
 
 
+#: The engine launcher's preparation (check, defaults, sizes) for each launch, in one process; never the entry point.
+_PREPARE = """
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("launcher", sys.argv[1])
+launcher = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(launcher)
+print("LAUNCHED " + json.dumps([launcher.prepare(module, argv, launch) for module, argv, launch in json.loads(sys.argv[2])]))
+"""
+
+
+def test_the_engine_launcher_checks_and_sizes_in_the_releases_own_process(release, tmp_path):
+    """One import of the release's vLLM in the engine's process checks the flags and reads the offline sizes (issue 26 item 2)."""
+    from airflow_vllm_batch.engines.sizing import sizing_plan
+    from airflow_vllm_batch.hooks import engine_launcher
+
+    def launch(entrypoint: str, args: list[str]) -> dict:
+        return {"entrypoint": entrypoint, "check": _argv_to_check("m", args, entrypoint), "sizing": sizing_plan(args, model_kind="generate")}
+
+    runner_argv = ["-i", "in.jsonl", "-o", str(tmp_path / "out.jsonl"), "--model", "m", "--enforce-eager"]
+    disable = ["--disable-chunked-prefill"]
+    launches = [
+        [RUN_BATCH_MODULE, runner_argv, launch("run_batch", ["--enforce-eager"])],
+        [SERVER_MODULE, ["--model", "m", "--uvicorn-log-level", "loud"], launch("api_server", ["--uvicorn-log-level", "loud"])],
+        [SERVER_MODULE, ["--model", "m", *disable], launch("api_server", disable)],
+    ]
+    done = subprocess.run(  # noqa: S603 - the release's Python, as the engine starts it (no -I)
+        [release["python"], "-c", _PREPARE, engine_launcher.__file__, json.dumps(launches)], capture_output=True, text=True, timeout=600, env=ENV, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    (runner, runner_report), (_, refused), (disabled_argv, disabled) = json.loads(done.stdout.split("LAUNCHED ", 1)[1])
+    assert runner_report["check"]["ok"] and runner_report["check"]["parser_module"] == RUN_BATCH_MODULE
+    assert runner_report["offline_defaults"] == {"max_num_seqs": 256, "max_num_batched_tokens": 4096, "device": "cpu", "world_size": 1}
+    assert runner == [*runner_argv, "--max-num-seqs", "256", "--max-num-batched-tokens", "4096"]
+    assert refused["check"]["parser_module"] == release["server_parser"]
+    with pytest.raises(EngineArgumentsError, match=r"^engine_args: argument --uvicorn-log-level: .*'loud'.*\(see 'vllm serve --help'\)\.$"):
+        _raise_for_result(refused["check"], release["python"])
+    if release["disable_forms"]:
+        # 0.33's --disable-chunked-prefill: a step holds whole prompts, so the token budget is left to vLLM.
+        assert disabled["check"]["ok"] and disabled_argv == ["--model", "m", *disable, "--max-num-seqs", "256"]
+    else:
+        assert "unrecognized arguments: --disable-chunked-prefill" in disabled["check"]["error"]
+
+
 # --- what needs a GPU to run: read from the installed wheel's files ---------------------
 
 _READ_WHEEL = """

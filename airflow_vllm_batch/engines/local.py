@@ -127,7 +127,7 @@ class LocalEngine(Engine):
         report.unlink(missing_ok=True)
         return {
             "entrypoint": self.entrypoint,
-            # As before: arguments the user did not give need no check (the task's own pass always).
+            # As before: no engine_args, nothing of the user's for vLLM's parser to refuse.
             "check": _argv_to_check(self.settings.model, args, self.entrypoint) if args else None,
             "sizing": sizing_plan(args, model_kind=info.model_kind),
             "insert_at": insert_at,

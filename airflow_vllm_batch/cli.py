@@ -19,7 +19,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
+import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import chain
 from typing import Any
@@ -84,7 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         dest="supported_urls",
         metavar="URL",
-        help=f"URL the engine serves (repeatable); default: {', '.join(sorted(DEFAULT_SUPPORTED_URLS))}",
+        help=(
+            "URL the engine serves (repeatable); default: what the operator's default engine (engine=\"runner\") "
+            f"accepts, {', '.join(sorted(DEFAULT_SUPPORTED_URLS))}"
+        ),
     )
     validate.add_argument("--max-lines", type=int, help="most requests allowed")
     validate.add_argument(
@@ -116,23 +121,33 @@ def run_validate(args: argparse.Namespace) -> int:
             max_lines=args.max_lines,
             max_line_bytes=args.max_line_bytes,
             max_problems_listed=args.max_problems,
+            # No engine runs here: the messages name where the list came from.
+            urls_from="the engine --supported-url describes" if args.supported_urls else URLS_FROM_DEFAULT,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     name = display_name(args.source)
-    with reading(args.source, args.aws_conn_id, args.progress, options.max_line_bytes) as lines:
+    with contextlib.ExitStack() as stack:
+        again, copy = args.source, None
+        if args.source == "-":
+            # stdin is copied to disk as it is read, so that repeated custom_ids can be
+            # named by a second pass, as they are for a file.
+            again = os.path.join(stack.enter_context(tempfile.TemporaryDirectory(prefix="airflow-vllm-batch-")), "stdin")
+            copy = stack.enter_context(open(again, "wb"))
+
+        def reread() -> contextlib.AbstractContextManager[Iterator[bytes]]:
+            if copy is not None:
+                copy.flush()
+            return reading(again, args.aws_conn_id, False)
+
+        lines = stack.enter_context(reading(args.source, args.aws_conn_id, args.progress, options.max_line_bytes, copy))
         lines, kind = peek_kind(lines)
         if kind == "result":
             # Anything else is validated line by line: the messages say what each line lacks.
             print(f"error: {name} is {_FOUND[kind]}, not {_FOUND['request']}{_hint(kind, 'request')}", file=sys.stderr)
             return 2
-        report = preflight(
-            lines,
-            options,
-            source=name,
-            reread=None if args.source == "-" else (lambda: reading(args.source, args.aws_conn_id, False)),
-        )
+        report = preflight(lines, options, source=name, reread=reread)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
@@ -166,6 +181,10 @@ def run_stats(args: argparse.Namespace) -> int:
     else:
         print_results(report)
     return 0 if report.ok else 1
+
+
+#: How a message names the URL list when ``--supported-url`` is not given.
+URLS_FROM_DEFAULT = 'engine="runner", the operator\'s default'
 
 
 # -- kinds of file ---------------------------------------------------------------------
@@ -227,6 +246,18 @@ def _hint(found: str, wanted: str) -> str:
 # -- reading -------------------------------------------------------------------------
 
 
+class _Tee:
+    """A binary reader that copies what it reads to ``copy``."""
+
+    def __init__(self, stream: Any, copy: Any) -> None:
+        self.stream, self.copy = stream, copy
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.stream.read(n)
+        self.copy.write(data)
+        return data
+
+
 def display_name(source: str) -> str:
     """Return a printable name for a source argument (presigned query strings removed)."""
     return "<stdin>" if source == "-" else describe_source(source)
@@ -238,6 +269,7 @@ def reading(
     aws_conn_id: str,
     progress: bool | None,
     max_line_bytes: int | None = None,
+    copy_stdin: Any = None,
 ) -> Iterator[Iterator[bytes]]:
     """
     Open any CLI source as lines, with a progress bar on stderr when wanted.
@@ -246,6 +278,7 @@ def reading(
     :param aws_conn_id: Airflow connection used for ``s3://``.
     :param progress: True / False to force the bar, None to decide from the tty and the size.
     :param max_line_bytes: passed to the reader so an endless line is cut, not held whole.
+    :param copy_stdin: a binary file that receives a copy of what is read from stdin (``-``).
     """
     kwargs: dict[str, Any] = {}
     if max_line_bytes is not None:
@@ -253,7 +286,7 @@ def reading(
     with contextlib.ExitStack() as stack:
         size: int | None
         if source == "-":
-            target: Any = sys.stdin.buffer
+            target: Any = sys.stdin.buffer if copy_stdin is None else _Tee(sys.stdin.buffer, copy_stdin)
             size = None
         elif source.startswith("s3://"):
             target, size = open_s3(source, aws_conn_id)
@@ -273,8 +306,8 @@ def open_s3(uri: str, aws_conn_id: str) -> tuple[Any, int | None]:
     :param uri: ``s3://bucket/key``.
     :param aws_conn_id: the Airflow connection id.
     """
-    # Airflow logs to stdout (connection look-ups, the secrets masker); stdout is the
-    # report's, which scripts parse with --json, so Airflow's chatter goes to stderr.
+    # Whatever Airflow still logs goes to stderr: stdout is the report's, which scripts
+    # parse with --json.
     with contextlib.redirect_stdout(sys.stderr):
         hook = s3_hook(aws_conn_id)
         bucket, key = hook.parse_s3_url(uri)
@@ -282,12 +315,39 @@ def open_s3(uri: str, aws_conn_id: str) -> tuple[Any, int | None]:
             obj = hook.get_key(key, bucket_name=bucket)
             response = obj.get()
         except Exception as exc:  # botocore raises many types; the message is what matters here
-            raise VLLMBatchError(f"{uri}: cannot read the object ({exc}).") from exc
+            raise VLLMBatchError(_s3_read_problem(hook, uri, bucket, key, aws_conn_id, exc)) from exc
     return response["Body"], response.get("ContentLength")
+
+
+def _s3_read_problem(hook: Any, uri: str, bucket: str, key: str, aws_conn_id: str, exc: Exception) -> str:
+    """Say why an S3 object could not be read, and what to do: a missing bucket and a missing key are told apart."""
+    error = getattr(exc, "response", {}).get("Error", {})
+    code = str(error.get("Code", ""))
+    if code in ("404", "NoSuchKey", "NoSuchBucket", "NotFound"):
+        try:
+            bucket_exists = hook.check_for_bucket(bucket)
+        except Exception:  # noqa: BLE001 - the first error is the one reported then
+            bucket_exists = True
+        if not bucket_exists:
+            return (
+                f"{uri}: bucket {bucket!r} does not exist (or connection {aws_conn_id!r} cannot see it) — "
+                "check the bucket's name, create it, or pass the connection of the account that has it with --aws-conn-id"
+            )
+        return f"{uri}: bucket {bucket!r} has no object {key!r} — check the key (the path after the bucket)"
+    if code in ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
+        return (
+            f"{uri}: access denied ({code}) — connection {aws_conn_id!r} may not read bucket {bucket!r}; "
+            "check its credentials or pass another with --aws-conn-id"
+        )
+    return f"{uri}: cannot read the object ({exc})."
 
 
 def s3_hook(aws_conn_id: str) -> Any:
     """Return an ``S3Hook``; Airflow is imported only here, so the rest of the CLI works without it."""
+    if "airflow" not in sys.modules:
+        # Airflow logs its connection look-ups and the secrets masker's notes at INFO and
+        # WARNING; in a terminal command they are noise around the report. Its errors still show.
+        os.environ["AIRFLOW__LOGGING__LOGGING_LEVEL"] = "ERROR"
     try:
         from airflow.providers.amazon.aws.hooks.s3 import S3Hook
     except ImportError as exc:  # pragma: no cover - depends on the environment

@@ -139,3 +139,42 @@ class Manifest(msgspec.Struct, omit_defaults=True):
     def from_dict(cls, data: dict[str, Any]) -> Manifest:
         """Read a manifest from XCom (plain JSON types)."""
         return msgspec.convert(data, type=cls)
+
+
+class Tombstone(msgspec.Struct, omit_defaults=True):
+    """What the manifest key holds while one try publishes: "not complete" to every reader.
+
+    :meth:`airflow_vllm_batch.storage.OutputStore.publish` writes it first (conditionally on
+    the manifest the try read before its first lease check) and replaces it with the manifest
+    last (``If-Match`` its own tombstone), so a successor's publish, which replaces the
+    tombstone, makes a paused predecessor's manifest write fail (invariant *Fencing*). It
+    has none of a manifest's fields but ``output_uri``, so no reader takes it for one.
+
+    :param tombstone: this publish's own random id: every tombstone's bytes (and ETag) are
+        unique, so a write whose answer was lost is known by the ETag it left.
+    :param output_uri: the output being published.
+    :param fingerprint: the run identity of the try publishing.
+    :param note: what a person reading the object should know.
+    """
+
+    tombstone: str
+    output_uri: str
+    fingerprint: str | None = None
+    note: str = (
+        "A try of this output is publishing it, or was stopped while it did: the output is not complete. "
+        "The manifest replaces this object once the results and the error file are written."
+    )
+
+    def to_json(self) -> bytes:
+        """The tombstone as stored at the manifest key."""
+        return msgspec.json.format(msgspec.json.encode(self), indent=2)
+
+
+def is_tombstone(data: Any) -> bool:
+    """Whether a manifest key's content (JSON bytes, or the object decoded from them) is a :class:`Tombstone`."""
+    if isinstance(data, (bytes, str)):
+        try:
+            data = msgspec.json.decode(data)
+        except msgspec.DecodeError:
+            return False
+    return isinstance(data, dict) and "tombstone" in data and "request_counts" not in data

@@ -15,13 +15,14 @@ One output ``s3://b/k/results.jsonl`` comes with::
 
 Publishing follows one protocol, so that no reader is ever misled (:meth:`OutputStore.publish`):
 
-1. the old manifest is deleted first: from here until step 4 a reader (or a later
-   resume) sees *no* complete output rather than an old manifest beside new data;
+1. a *tombstone* (:class:`~airflow_vllm_batch.manifest.Tombstone`) takes the old manifest's
+   place first: from here until step 4 a reader (or a later resume) sees *no* complete
+   output rather than an old manifest beside new data;
 2. the results go to the output key; 3. the error file is written, or an old one deleted;
-4. the manifest is written, last, with ``If-None-Match: *`` (so a manifest another writer
-   put there meanwhile is never overwritten), holding the ETags that the results and the
-   error file got in steps 2 and 3; 5. this run's staging prefix is removed (and nobody
-   else's: other runs' staging lives under other prefixes).
+4. the manifest takes the place of this try's own tombstone, last (``If-Match`` its ETag),
+   holding the ETags that the results and the error file got in steps 2 and 3; 5. this
+   run's staging prefix is removed (and nobody else's: other runs' staging lives under
+   other prefixes).
 
 Fencing (the invariant of ``docs/protocol.md``): once a run holds the output's lease
 (:meth:`OutputStore.lease`), the lease is read back from S3 right before *every* mutation
@@ -30,10 +31,12 @@ and every delete in the staging. A try whose lease another took over stops at it
 mutation and changes nothing more. A check and the write after it are two round trips, and
 a try can pause between them (a zombie whose successor took over and published meanwhile),
 so publishing does not trust the check alone: it reads the ETags of the manifest, results
-and error file *before* its first check, and every change in steps 1-4 is conditional on
-them (``If-Match`` on what it saw, ``If-None-Match: *`` where it saw nothing). A successor
-that changed an object in between makes the paused try's change of it fail with 412, and
-the try stops. The one change no condition can refuse is the creation of an error file
+and error file *before* its first check, and steps 1-3 are conditional on them
+(``If-Match`` on what it saw, ``If-None-Match: *`` where it saw nothing), step 4 on the
+try's own tombstone. A successor that changed an object in between makes the paused try's
+change of it fail with 412, and the try stops; and since a successor's publish replaces
+the tombstone before anything else, a paused try's manifest never lands once its successor
+began publishing. The one change no condition can refuse is the creation of an error file
 where neither try left one; the manifest names its files and their ETags, so no reader
 takes such a file for part of the output. The manifest's ETags also close the gap for
 readers: :meth:`OutputStore.completed` takes an output as complete only when its results
@@ -41,7 +44,8 @@ and error file still have the ETags its manifest names (anything else is "not co
 and a retry publishes again), and :func:`read_answers` reads a manifest's files pinned to
 them. A conditional write whose response was lost is sent again by botocore and then
 fails its own condition; such a 412 is taken as this try's own write when the object now
-holds exactly what was written (its MD5 ETag).
+holds exactly what was written (its MD5 ETag; each tombstone carries a random id, so its
+bytes are its publish's alone).
 
 The runner engine's finished results reach ``<run>/results.jsonl`` before they are checked
 or published, so a retry on any worker (or pod) finds them there and publishes them without
@@ -81,7 +85,7 @@ from airflow_vllm_batch.exceptions import (
 )
 from airflow_vllm_batch.identity import RunIdentity
 from airflow_vllm_batch.lease import LeaseHolder, OutputLease
-from airflow_vllm_batch.manifest import Manifest
+from airflow_vllm_batch.manifest import Manifest, Tombstone, is_tombstone
 
 
 def output_stem(output_uri: str) -> str:
@@ -510,9 +514,13 @@ class OutputStore:
                 raise LocationError(_location_message(parameter, bucket, err, self.hook.aws_conn_id)) from None
 
     def read_manifest(self) -> Manifest | None:
-        """The manifest beside the output, or None when there is none (or it is unreadable)."""
+        """The manifest beside the output, or None when there is none (or a publish's tombstone, or it is unreadable)."""
+        return _decode_manifest(self._manifest_body())
+
+    def _manifest_body(self) -> bytes | None:
+        """What the manifest key holds (a manifest, or a publish's tombstone), or None when nothing."""
         try:
-            data = self.hook.get_conn().get_object(Bucket=self.manifest_bucket, Key=self.manifest_key)["Body"].read()
+            return self.hook.get_conn().get_object(Bucket=self.manifest_bucket, Key=self.manifest_key)["Body"].read()
         except ClientError as err:
             code = error_code(err)
             if code in ("NoSuchKey", "404"):
@@ -520,17 +528,19 @@ class OutputStore:
             if code in ("NoSuchBucket", "AccessDenied", "403"):
                 raise LocationError(_location_message("output_uri", self.manifest_bucket, err, self.hook.aws_conn_id)) from None
             raise
-        try:
-            return Manifest.from_json(data)
-        except msgspec.DecodeError:
-            return None
 
     def completed(self, identity: RunIdentity) -> tuple[Manifest | None, str]:
         """Return the published manifest of a run with this identity, if its files are all there.
 
         :return: the manifest (or None) and one line that says why it was (not) taken.
         """
-        manifest = self.read_manifest()
+        data = self._manifest_body()
+        if data is not None and is_tombstone(data):
+            return None, (
+                f"the output at {self.output_uri} is not complete: a try began publishing it and has not finished "
+                "(it still publishes, or it was stopped)"
+            )
+        manifest = _decode_manifest(data)
         if manifest is None:
             return None, f"no complete output at {self.output_uri} yet"
         if manifest.fingerprint != identity.fingerprint:
@@ -597,7 +607,7 @@ class OutputStore:
         seen_manifest = head_etag(client, self.manifest_bucket, self.manifest_key)
         seen_results = head_etag(client, self.bucket, self.key)
         seen_errors = head_etag(client, self.error_bucket, self.error_key)
-        self.invalidate_manifest(seen_manifest)
+        tombstone = self.mark_publishing(seen_manifest, manifest.fingerprint)
         if results_path is not None:
             manifest.output_etag = self._conditional_write(
                 lambda: upload_file(self._fenced(), results_path, self.bucket, self.key, **_condition(seen_results)),
@@ -624,33 +634,49 @@ class OutputStore:
         elif seen_errors is not None:
             # A re-run with no failures must not leave an earlier run's error file behind.
             self._conditional_delete(self.error_bucket, self.error_key, seen_errors, self.error_uri)
-        self.write_manifest(manifest)
+        self.write_manifest(manifest, over=tombstone)
         if staging is not None:
             staging.remove()
 
-    def invalidate_manifest(self, seen: str | None = None) -> None:
-        """Delete the manifest, first thing before anything beside it changes.
+    def mark_publishing(self, seen: str | None, fingerprint: str | None = None) -> str:
+        """Replace the manifest with this publish's tombstone, first thing before anything beside it changes.
 
-        :param seen: the ETag of the manifest read before the fence check; the delete is
-            conditional on it, so a manifest another try published since is never deleted. None
-            (no manifest was seen): nothing to delete.
+        From here until :meth:`write_manifest` a reader (or a later resume) sees *no* complete
+        output rather than an old manifest beside new data.
+
+        :param seen: the ETag of the manifest (or tombstone) read before the fence check: the write
+            is ``If-Match`` it (``If-None-Match: *`` for None), so a manifest or tombstone another
+            try wrote since is never replaced.
+        :param fingerprint: the run identity publishing, for a person reading the tombstone.
+        :return: the tombstone's ETag, which the manifest's write is conditional on.
+        :raises OutputBusyError: the manifest changed since ``seen`` was read: another try publishes.
         """
-        if seen is not None:
-            self._conditional_delete(self.manifest_bucket, self.manifest_key, seen, self.manifest_uri)
+        body = Tombstone(uuid.uuid4().hex, self.output_uri, fingerprint).to_json()
+        return self._put_manifest_key(body, _condition(seen))
 
-    def write_manifest(self, manifest: Manifest) -> None:
-        """Write the manifest, last, only where there is none (``If-None-Match: *``: publishing deleted it first).
+    def write_manifest(self, manifest: Manifest, over: str | None = None) -> str:
+        """Write the manifest, last, in place of this try's own tombstone.
 
-        :raises OutputBusyError: a manifest appeared since the invalidation: another writer published.
+        :param over: the ETag of the tombstone :meth:`mark_publishing` wrote: the write is ``If-Match``
+            it, so a successor that replaced the tombstone (it publishes now) makes this write fail.
+            None: only where there is no manifest at all (``If-None-Match: *``).
+        :return: the manifest's ETag.
+        :raises OutputBusyError: the tombstone was replaced (or a manifest appeared): another writer published.
         """
-        body = manifest.to_json()
-        self._conditional_write(
+        return self._put_manifest_key(manifest.to_json(), {"IfMatch": f'"{over}"'} if over is not None else {"IfNoneMatch": "*"})
+
+    def _put_manifest_key(self, body: bytes, condition: Mapping[str, str]) -> str:
+        """A fenced conditional PUT at the manifest key; return the ETag it got."""
+        response = self._conditional_write(
             lambda: self._fenced().put_object(
-                Bucket=self.manifest_bucket, Key=self.manifest_key, Body=body, ContentType="application/json", IfNoneMatch="*"
+                Bucket=self.manifest_bucket, Key=self.manifest_key, Body=body, ContentType="application/json", **condition
             ),
             self.manifest_uri,
+            # A tombstone's bytes are unique (its id): finding them there means this very write landed. A
+            # manifest byte for byte like this one (another try's) names the very same files: the same output.
             landed=lambda: head_etag(self.hook.get_conn(), self.manifest_bucket, self.manifest_key) == hashlib.md5(body).hexdigest(),
         )
+        return response if isinstance(response, str) else bare_etag(response["ETag"])
 
     def _conditional_write(self, write: Callable[[], Any], uri: str, *, landed: Callable[[], bool]) -> Any:
         """Run a fenced conditional write; a 412 is this try's own write when ``landed()`` (a lost response
@@ -686,6 +712,16 @@ class OutputStore:
             f"{uri} changed while this try published (another try of this output, or another run, wrote it "
             "after this try read it); this try stopped without changing it. Give each run its own output_uri."
         )
+
+
+def _decode_manifest(data: bytes | None) -> Manifest | None:
+    """A manifest key's content as a manifest; None for nothing, a publish's tombstone, or something unreadable."""
+    if data is None or is_tombstone(data):
+        return None
+    try:
+        return Manifest.from_json(data)
+    except msgspec.DecodeError:
+        return None
 
 
 def _condition(seen: str | None) -> dict[str, str]:

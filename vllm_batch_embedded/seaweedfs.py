@@ -14,9 +14,11 @@ Use it as a context manager in tests::
         s3.create_bucket("batches")
         os.environ["AIRFLOW_CONN_S3_EMBEDDED"] = s3.airflow_connection_json()
 
-or from the command line, in two steps (what ``make demo`` does)::
+or from the command line (``docs/run-by-hand.md``): start it in the background, point
+Airflow's ``aws_default`` connection at it, stop it::
 
-    python -m vllm_batch_embedded.seaweedfs start --dir .cache/s3 --state .cache/s3.json
+    python -m vllm_batch_embedded.seaweedfs start --dir .cache/s3 --state .cache/s3.json --bucket vllm-batch
+    export AIRFLOW_CONN_AWS_DEFAULT="$(python -m vllm_batch_embedded.seaweedfs connection --state .cache/s3.json)"
     python -m vllm_batch_embedded.seaweedfs stop --state .cache/s3.json
 """
 
@@ -540,6 +542,10 @@ def _main(argv: list[str] | None = None) -> int:
     start.add_argument("--dir", required=True, help="data directory")
     start.add_argument("--state", required=True, help="state file (JSON) to write")
     start.add_argument("--bucket", action="append", default=[], help="bucket to create (repeatable)")
+    connection = commands.add_parser(
+        "connection", help="print the Airflow AWS connection (JSON, with its keys) of the server in a state file"
+    )
+    connection.add_argument("--state", required=True, help="state file written by `start`")
     stop = commands.add_parser("stop", help="stop the server named in a state file")
     stop.add_argument("--state", required=True, help="state file written by `start`")
     args = parser.parse_args(argv)
@@ -560,6 +566,13 @@ def _main(argv: list[str] | None = None) -> int:
         return 0
 
     state = Path(args.state)
+    if args.command == "connection":
+        if not state.exists():
+            print(f"No state file {state}: start the server first.", file=sys.stderr)
+            return 1
+        # Asked for by name, for AIRFLOW_CONN_<ID>: this throw-away server's random keys.
+        print(SeaweedFS.from_state_file(state).airflow_connection_json())
+        return 0
     if not state.exists():
         print(f"No state file {state}: nothing to stop.")
         return 0

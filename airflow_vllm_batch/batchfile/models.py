@@ -30,12 +30,14 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 #: The endpoints ``vllm run-batch`` 0.32 serves for text models
-#: (``build_endpoint_registry`` in ``vllm/entrypoints/launchers/run_batch.py``).
+#: (``build_endpoint_registry`` in ``vllm/entrypoints/launchers/run_batch.py``): what the
+#: operator's default engine (``engine="runner"``) accepts when its environment cannot be
+#: asked, and what the CLI, which runs no engine, checks by default. The one list both use.
 #: vLLM also matches any URL *ending* in ``/score`` or ``/rerank`` and serves
 #: ``/v1/audio/transcriptions`` and ``/v1/audio/translations``; which of them a
 #: given model supports is for the caller to ask the engine.
 DEFAULT_SUPPORTED_URLS: frozenset[str] = frozenset(
-    {"/v1/chat/completions", "/v1/embeddings", "/v1/score", "/v1/rerank"}
+    {"/v1/chat/completions", "/v1/embeddings", "/v1/score", "/v1/rerank", "/score", "/rerank"}
 )
 
 NonEmptyStr = Annotated[str, msgspec.Meta(min_length=1)]

@@ -168,6 +168,9 @@ class PreflightOptions:
         (:meth:`~airflow_vllm_batch.batchfile.structured.OutputSchema.response_format`): added,
         in the cleaned copy, to every chat and completions body without one; a line of any
         other URL is refused (it fails the file in both modes). Default None.
+    :param urls_from: what ``supported_urls`` is, as messages name it ("a URL not served by
+        <urls_from>"). Default ``"this engine"`` (the operator asks its engine); the CLI,
+        which runs none, names the operator's default engine or ``--supported-url``.
     """
 
     supported_urls: frozenset[str] = DEFAULT_SUPPORTED_URLS
@@ -181,6 +184,7 @@ class PreflightOptions:
     model_kind: Literal["generate", "pooling"] | None = None
     model_names: frozenset[str] = frozenset()
     response_format: Mapping[str, Any] | None = None
+    urls_from: str = "this engine"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "supported_urls", frozenset(self.supported_urls))
@@ -623,7 +627,7 @@ class _Checker:
             )
         if self.other_engine_lines and opts.invalid_lines == "skip":
             self.file_problem(
-                f"{self.other_engine_lines} line(s) use {', '.join(sorted(SERVER_ONLY_URLS))}, which this engine does not "
+                f"{self.other_engine_lines} line(s) use {', '.join(sorted(SERVER_ONLY_URLS))}, which {opts.urls_from} does not "
                 'serve (vLLM\'s batch runner has none); they are not skipped — run the file with engine="server"'
             )
         if report.needs_rewrite:
@@ -889,15 +893,15 @@ def diagnose_line(
         if url.startswith("/v1/audio/"):
             # Only vLLM's batch runner fetches an audio line's file_url and uploads it.
             return shown, (
-                f'"url" {url!r} is not served by this engine — audio lines run on the batch runner '
+                f'"url" {url!r} is not served by {opts.urls_from} — audio lines run on the batch runner '
                 f'(engine="runner"); put them in a file of their own, or use one of: {supported}'
             )
         if url in SERVER_ONLY_URLS:
             return shown, (
-                f'"url" {url!r} is not served by this engine (vLLM\'s batch runner has no {url}) — run this file with '
+                f'"url" {url!r} is not served by {opts.urls_from} (vLLM\'s batch runner has no {url}) — run this file with '
                 f'engine="server" (a server the task starts, or a vllm connection), which serves it; or use one of: {supported}'
             )
-        return shown, f'"url" {url!r} is not served by this engine — use one of: {supported}'
+        return shown, f'"url" {url!r} is not served by {opts.urls_from} — use one of: {supported}'
     unstructured = structured_problem(url, opts)
     if unstructured:
         return shown, unstructured

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import sys
 from functools import cached_property
@@ -19,8 +20,11 @@ from airflow_vllm_batch.hooks.engine_checks import (
     OfflineDefaultsUnavailable,
     _argv_to_check,
     _raise_for_result,
+    _refuse_unknown_options,
+    _write_options,
     inspect_model,
 )
+from airflow_vllm_batch.scratch import owned_dir
 from airflow_vllm_batch.hooks.model_names import ServedModels, check_adapters, cpu_lora_slots_problem, served_models
 from airflow_vllm_batch.hooks.vllm_engine import FALLBACK_SUPPORTED_URLS, EngineInfo, probe_engine
 
@@ -45,6 +49,7 @@ class LocalEngine(Engine):
         super().__init__(settings, log)
         self._gpu_plan: GPUPlan | None = None
         self._sizes: SchedulerSizes | None = None
+        self._options: Path | None = None
 
     @property
     def python(self) -> str:
@@ -99,12 +104,23 @@ class LocalEngine(Engine):
         """The user's ``engine_args``, refused here when malformed or naming an option the task sets itself.
 
         vLLM's own parser checks them in the engine's process, before it loads the model
-        (:meth:`launch`), and the scheduler sizes are added there.
+        (:meth:`launch`), and the scheduler sizes are added there. A flag that parser did
+        not know when an earlier engine on this worker ran (a misspelling) is refused here
+        already, without starting the engine (the flags it knows are kept in ``results_dir``
+        per engine Python, vLLM version, module and entrypoint).
         """
         args = list(self.settings.engine_args)
         if not self.settings.engine_command:
             _argv_to_check(self.settings.model, args, self.entrypoint)
+            if (options := self.options_file(info)) is not None:
+                _refuse_unknown_options(args, options)
         return args
+
+    def options_file(self, info: EngineInfo) -> Path | None:
+        """Where the flags this engine's parser knows are kept on the worker (None when its vLLM version is unknown)."""
+        if not info.vllm_version:
+            return None
+        return owned_dir(self.settings.results_dir) / f"engine-options-{_options_digest(self.python, info, self.entrypoint)}.json"
 
     def launch(self, info: EngineInfo, report: Path, *, insert_at: int | None = None) -> dict[str, Any] | None:
         """What the engine's launcher does before it hands over to vLLM's entry point; None for a custom ``engine_command``.
@@ -125,6 +141,7 @@ class LocalEngine(Engine):
             return None
         args = list(self.settings.engine_args)
         report.unlink(missing_ok=True)
+        self._options = self.options_file(info)
         return {
             "entrypoint": self.entrypoint,
             # As before: no engine_args, nothing of the user's for vLLM's parser to refuse.
@@ -144,8 +161,11 @@ class LocalEngine(Engine):
             decided = json.loads(report.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             return  # the engine ended before its launcher decided anything: its exit and log tell why
-        if decided.get("check") is not None:
-            _raise_for_result(decided["check"], self.python)
+        check = decided.get("check")
+        if check is not None:
+            if self._options is not None and check.get("options"):
+                _write_options(self._options, check)
+            _raise_for_result(check, self.python)
         defaults = decided.get("offline_defaults")
         if isinstance(defaults, dict) and "error" in defaults:
             try:
@@ -159,3 +179,8 @@ class LocalEngine(Engine):
     def scheduler_sizes(self) -> SchedulerSizes | None:
         """The scheduler sizes the engine's launcher chose, once it ran."""
         return self._sizes
+
+
+def _options_digest(python: str, info: EngineInfo, entrypoint: str) -> str:
+    """Names the file of the flags one entrypoint's parser knows, per engine environment, vLLM version and module."""
+    return hashlib.sha256(json.dumps([python, info.vllm_version, info.runner_module, entrypoint]).encode()).hexdigest()[:16]

@@ -91,7 +91,6 @@ class RunnerEngine(LocalEngine):
         )
         if not self.settings.resume:
             # A new run from scratch: no earlier try's parts, deaths or results count.
-            job.lease.ensure_held(verify=True)
             staging.remove()
         parts = staging.list_parts()
         if self.settings.resume and not parts and staging.has_results():
@@ -206,7 +205,6 @@ class RunnerEngine(LocalEngine):
             )
         engine_input = str(subset)
         if self.settings.output_mode == "presigned" and job.input.in_s3:
-            job.lease.ensure_held(verify=True)
             staging.put_input(subset)
             engine_input = job.input.presign("get_object", staging.bucket, staging.input_key)
         output = (
@@ -261,7 +259,6 @@ class RunnerEngine(LocalEngine):
         part = job.work / part_name(len(staging.list_parts()))
         with output_lines() as lines, open(part, "wb") as answers:
             self._split = split_output(lines, answers, died=died)
-        job.lease.ensure_held(verify=True)
         if len(self._split.answered):
             staging.put_part(part, uuid.uuid4().hex[:8])
         if presigned and exists:
@@ -301,7 +298,6 @@ class RunnerEngine(LocalEngine):
             crashed = suspects[0]
             part = job.work / "engine-crash.jsonl"
             part.write_bytes(crash_line(crashed, sum(d.died for d in deaths) + 1))
-            job.lease.ensure_held(verify=True)
             staging.put_part(part.rename(job.work / part_name(len(staging.list_parts()))), uuid.uuid4().hex[:8])
             self.log.warning(
                 "custom_id %r was in flight at two engine deaths in a row, the second time alone: it is answered as "
@@ -320,7 +316,6 @@ class RunnerEngine(LocalEngine):
 
     def record(self, job: EngineJob, death: Death, deaths: list[Death]) -> None:
         """Stage one record of the rule (a death, or an isolated run that lived), fenced by the lease."""
-        job.lease.ensure_held(verify=True)
         job.staging.put_death(len(deaths), uuid.uuid4().hex[:8], death.to_json())
         if not death.died:
             deaths.append(death)
@@ -340,7 +335,6 @@ class RunnerEngine(LocalEngine):
             cleaned = job.work / "input.jsonl"
             if not job.input.in_s3:
                 return str(cleaned)
-            job.lease.ensure_held(verify=True)
             uri = job.staging.put_input(cleaned)
             self.log.info("The engine reads the cleaned copy %s", uri)
             return job.input.presign("get_object", job.staging.bucket, job.staging.input_key)
@@ -394,7 +388,6 @@ class RunnerEngine(LocalEngine):
     def stage(self, job: EngineJob, path: Path) -> None:
         """Upload finished results to the run's staging; keep them on this worker if S3 fails."""
         try:
-            job.lease.ensure_held(verify=True)
             job.staging.put_results(path)
         except (BotoCoreError, ClientError) as err:
             kept = job.kept_results

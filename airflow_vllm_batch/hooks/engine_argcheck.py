@@ -135,11 +135,22 @@ def _hint(message: str) -> str:
     return message
 
 
+def known_options(parser) -> list[str]:
+    """The long options ``parser`` knows (``--max-model-len``, ``--no-enable-prefix-caching``...)."""
+    return sorted(o for o in getattr(parser, "_option_string_actions", {}) if o.startswith("--"))
+
+
 def _did_you_mean(message: str, parser) -> str:
     """Add the closest known flags to an ``unrecognized arguments`` message (a misspelled flag: ``--max-modle-len``)."""
-    if parser is None or not message.startswith("unrecognized arguments:"):
+    if parser is None:
         return message
-    known = [o for o in getattr(parser, "_option_string_actions", {}) if o.startswith("--")]
+    return did_you_mean(message, known_options(parser))
+
+
+def did_you_mean(message: str, known: list[str]) -> str:
+    """Add the closest of the ``known`` flags to an ``unrecognized arguments`` message."""
+    if not message.startswith("unrecognized arguments:"):
+        return message
     guesses = []
     for token in message.removeprefix("unrecognized arguments:").split():
         flag = token.split("=", 1)[0].replace("_", "-")
@@ -175,6 +186,8 @@ def check(entrypoint: str, argv: list[str], entry_module: str | None = None) -> 
     parser = None
     try:
         parser = module.make_arg_parser(parser_class())
+        # What this vLLM's parser knows, so that a misspelling can be refused next time without the import.
+        result["options"] = known_options(parser)
         args = parser.parse_args(argv)
         result["stage"] = "validate"
         if validator is not None:

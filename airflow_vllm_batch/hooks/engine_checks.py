@@ -154,6 +154,7 @@ def check_engine_args(
     offline_defaults_for: int | None = None,
     env: Mapping[str, str] | None = None,
     module: str | None = None,
+    options_file: Path | None = None,
 ) -> OfflineDefaults | None:
     """Parse the engine arguments with the engine environment's own vLLM parser.
 
@@ -175,6 +176,10 @@ def check_engine_args(
     :param module: the module the entrypoint is started as (``python -m``), whose code leads
         to its parser. Default: the entrypoint's usual one (the probe's ``runner_module``,
         the server's ``vllm.entrypoints.openai.api_server``).
+    :param options_file: where the flags this entrypoint's parser knows are kept, for this
+        engine environment and vLLM version. When an earlier check wrote it, a flag the
+        parser does not know (a misspelling) is refused at once, with the closest known
+        flag, without importing vLLM; every check that imports the parser writes it.
     :return: the offline defaults when asked for, else None.
     :raises EngineArgumentsError: the arguments are refused; the one-line message names
         the argument, what was wrong and where to look.
@@ -182,11 +187,15 @@ def check_engine_args(
         crash, a timeout).
     """
     argv = _argv_to_check(model, engine_args, entrypoint)
+    if options_file is not None:
+        _refuse_unknown_options(engine_args, options_file)
     request: dict = {"checks": [{"entrypoint": entrypoint, "argv": argv, **({"module": module} if module else {})}]}
     if offline_defaults_for is not None:
         request["offline_defaults"] = {"world_size": offline_defaults_for}
     answer = _run_argcheck_script(python, request, timeout=timeout, env=env)
     (result,) = answer["results"]
+    if options_file is not None and result.get("options"):
+        _write_options(options_file, result)
     _raise_for_result(result, python)
     if offline_defaults_for is None:
         return None
@@ -234,6 +243,45 @@ class OfflineDefaults:
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
+
+
+def _write_options(path: Path, result: Mapping) -> None:
+    """Keep the flags the parser knows and its help command (written whole, then renamed: readers see all or nothing)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"options": list(result["options"]), "help": result.get("help")}), encoding="utf-8")
+    tmp.replace(path)
+
+
+def _refuse_unknown_options(engine_args: Sequence[str], path: Path) -> None:
+    """Refuse a flag the parser an earlier check saw does not know, without starting the engine's Python.
+
+    Only what argparse would refuse for certain: a long option that is neither a known
+    flag (``--max_model_len`` and ``--compilation-config.level`` are, as vLLM's parser
+    reads them) nor a prefix of one (argparse takes a unique prefix). Everything else is
+    left to the full check.
+    """
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+        known = set(saved["options"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    unknown = []
+    for arg in engine_args:
+        if not isinstance(arg, str) or not arg.startswith("--") or arg == "--":
+            continue
+        flag = arg.split("=", 1)[0]
+        name = flag.split(".", 1)[0].replace("_", "-")
+        if name in known or any(option.startswith(name) for option in known):
+            continue
+        unknown.append(flag)
+    if unknown:
+        from airflow_vllm_batch.hooks.engine_argcheck import did_you_mean
+
+        message = did_you_mean(f"unrecognized arguments: {' '.join(unknown)}", sorted(known))
+        raise EngineArgumentsError(
+            f"engine_args: {redact_secrets(message)}. Fix engine_args (see {saved.get('help') or 'the engine --help'!r})."
+        )
 
 
 def _argv_to_check(model: str, engine_args: Sequence[str], entrypoint: str) -> list[str]:

@@ -4,7 +4,9 @@ Airflow 3's task log view folds the lines between a ``::group::<title>`` line an
 ``::endgroup::`` line under ``<title>`` (its own "Pre Execute" / "Post Execute" groups
 work this way), and the markers read well in a plain log file too. The engine's lines
 stay in the log, folded, so the operator's own lines (progress, the summary table) are
-visible without scrolling past thousands of vLLM lines.
+visible without scrolling past thousands of vLLM lines. A line vLLM logged as a warning
+or an error keeps its level (:func:`engine_line_level`), so it is still told apart from
+the rest, and level filters keep it while they drop the engine's chatter.
 """
 
 from __future__ import annotations
@@ -12,10 +14,31 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import re
 from collections.abc import Iterator
 
 GROUP_START = "::group::"
 GROUP_END = "::endgroup::"
+
+#: vLLM's own log prefix, ``WARNING 11-25 14:40:24 [cpu.py:224] ...`` (after a process tag).
+_VLLM_LEVEL = re.compile(r"\b(DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d \[")
+
+
+def engine_line_level(line: str) -> int:
+    """The level to log one engine output line at: vLLM's own for its warnings and errors, else INFO."""
+    match = _VLLM_LEVEL.search(line[:80])
+    if match is None:
+        return logging.INFO
+    return max(logging.INFO, logging.getLevelName(match.group(1)))
+
+
+def log_engine_line(log: logging.Logger, line: str, max_level: int = logging.CRITICAL) -> None:
+    """Log one engine output line at :func:`engine_line_level`, at most ``max_level``.
+
+    :param max_level: the highest level to use: ``logging.WARNING`` for what an engine logs
+        while the task stops it (vLLM's server logs its cancelled output loop as an error).
+    """
+    log.log(min(engine_line_level(line), max_level), "%s", line)
 
 
 @contextlib.contextmanager
@@ -43,11 +66,12 @@ class HeldLines:
     """
 
     def __init__(self, max_lines: int = 5000) -> None:
-        self.lines: collections.deque[str] = collections.deque(maxlen=max_lines)
+        self.lines: collections.deque[tuple[str, int]] = collections.deque(maxlen=max_lines)
         self.seen = 0
 
-    def add(self, line: str) -> None:
-        self.lines.append(line)
+    def add(self, line: str, max_level: int = logging.CRITICAL) -> None:
+        """Hold ``line``, to be logged at most at ``max_level`` (see :func:`log_engine_line`)."""
+        self.lines.append((line, max_level))
         self.seen += 1
 
     def flush(self, log: logging.Logger, title: str) -> None:
@@ -61,5 +85,5 @@ class HeldLines:
         with log_group(log, f"{title} ({seen} lines)"):
             if dropped:
                 log.info("... %d earlier lines not kept", dropped)
-            for line in lines:
-                log.info("%s", line)
+            for line, max_level in lines:
+                log_engine_line(log, line, max_level)

@@ -35,11 +35,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from airflow_vllm_batch.batchfile import redact_urls
+from airflow_vllm_batch.batchfile import DEFAULT_SUPPORTED_URLS, redact_urls
 from airflow_vllm_batch.redaction import redact_secrets
 from airflow_vllm_batch.exceptions import EngineConfigurationError
 from airflow_vllm_batch.hooks.engine_launcher import ARGV_ENV, LAUNCH_ENV, bootstrap
-from airflow_vllm_batch.hooks.log_groups import log_group
+from airflow_vllm_batch.hooks.log_groups import log_engine_line, log_group
 from airflow_vllm_batch.hooks.process import (
     DEFAULT_GRACE_S,
     reap,
@@ -55,10 +55,8 @@ from airflow_vllm_batch.version_compat import BaseHook
 RUN_BATCH_MODULE = "vllm.entrypoints.launchers.run_batch"
 
 #: Used only when the engine environment cannot be asked (a custom engine command,
-#: e.g. a container) and the user gave no ``supported_urls``: vLLM 0.32's runner.
-FALLBACK_SUPPORTED_URLS = frozenset(
-    {"/v1/chat/completions", "/v1/embeddings", "/v1/score", "/v1/rerank", "/score", "/rerank"}
-)
+#: e.g. a container) and the user gave no ``supported_urls``: vLLM 0.32's runner (the CLI's default too).
+FALLBACK_SUPPORTED_URLS = DEFAULT_SUPPORTED_URLS
 
 _VERSION_LINE = re.compile(r"vLLM batch processing API version (\S+)")
 
@@ -238,7 +236,7 @@ class VLLMEngineHook(BaseHook):
         :param on_line: called with every output line, already redacted.
         :param pass_fds: descriptors the engine inherits (a GPU lease's locks).
         """
-        emit = on_line or self.log.info
+        emit = on_line or (lambda line: log_engine_line(self.log, line))
         tail: collections.deque[str] = collections.deque(maxlen=self.tail_lines)
         version = None
         started = time.monotonic()

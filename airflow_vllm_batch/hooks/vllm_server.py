@@ -45,7 +45,7 @@ from airflow_vllm_batch.exceptions import (
     ServerAuthError,
     ServerUnavailableError,
 )
-from airflow_vllm_batch.hooks.log_groups import GROUP_END, GROUP_START, HeldLines
+from airflow_vllm_batch.hooks.log_groups import GROUP_END, GROUP_START, HeldLines, log_engine_line
 from airflow_vllm_batch.hooks.vllm_engine import conceal_arguments
 from airflow_vllm_batch.hooks.process import (
     DEFAULT_GRACE_S,
@@ -375,6 +375,8 @@ class VLLMServerProcess:
         #: (live, they would be folded together with the task's progress lines).
         self._serving = False
         self._held = HeldLines()
+        #: Set when the task stops the server: what it logs then is its shutdown, not a failure.
+        self._stopping = False
 
     @property
     def log(self) -> logging.Logger:
@@ -478,10 +480,11 @@ class VLLMServerProcess:
         for raw in iter(self.process.stdout.readline, b""):
             line = self._redact(raw.decode("utf-8", errors="replace").rstrip())
             self.tail.append(line)
+            max_level = logging.WARNING if self._stopping else logging.CRITICAL
             if self._serving:
-                self._held.add(line)
+                self._held.add(line, max_level)
             else:
-                self.log.info("%s", line)
+                log_engine_line(self.log, line, max_level)
 
     def _redact(self, line: str) -> str:
         # vLLM prints the key as '***' itself; this also covers a server_command that echoes it.
@@ -505,6 +508,7 @@ class VLLMServerProcess:
             return
         if proc.poll() is None:
             self.log.info("Stopping the vLLM server (process group %s)", proc.pid)
+            self._stopping = True
             # The guard turns SIGTERM into SIGTERM for the group, then SIGKILL after grace_s.
             signal_group(proc.pid, signal.SIGTERM)
             if not reap(proc, timeout=self.grace_s + 5):
@@ -514,6 +518,7 @@ class VLLMServerProcess:
         self._pump_done(timeout=5)
         self._held.flush(self.log, "vLLM server log while serving")
         self._serving = False
+        self._stopping = False
 
     def __enter__(self) -> VLLMServerProcess:
         self.start()

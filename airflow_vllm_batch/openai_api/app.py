@@ -430,6 +430,7 @@ def _batch_from_run(store: FileStore, run: Any, tis: list[Any], live: bool = Fal
     :param live: count what a running batch answered so far from its checkpoints (one batch's
         retrieve; a list does not, to stay cheap).
     """
+    from airflow_vllm_batch.manifest import is_tombstone
     from airflow_vllm_batch.storage import manifest_uri
 
     conf = run.conf
@@ -442,6 +443,8 @@ def _batch_from_run(store: FileStore, run: Any, tis: list[Any], live: bool = Fal
     manifest = failure = None
     if state == "success" or "success" in task_states:
         manifest = store.get_json(manifest_uri(conf["output_uri"]).split("/", 3)[3])
+        if is_tombstone(manifest):
+            manifest = None  # a try is publishing (or was stopped publishing): nothing is published yet
     if state == "failed" or "failed" in task_states:
         failure = store.get_json(store.failure_key(run.run_id))
     cancel = store.get_json(store.cancel_key(run.run_id)) if state != "success" else None

@@ -190,8 +190,8 @@ class VLLMBatchMergeOperator(BaseOperator):
 
     Streams each shard's result file from S3 into a temporary file (each line's bytes
     kept, newline-terminated) and publishes it to ``output_uri`` with the same protocol as
-    ``VLLMBatchOperator`` (:meth:`airflow_vllm_batch.storage.OutputStore.publish`): the old
-    manifest is deleted first, the results and the error file follow, the manifest
+    ``VLLMBatchOperator`` (:meth:`airflow_vllm_batch.storage.OutputStore.publish`): a
+    tombstone replaces the old manifest first, the results and the error file follow, the manifest
     (``<output stem>.manifest.json``) comes last, so its presence means the merged files
     are complete. Returns it::
 

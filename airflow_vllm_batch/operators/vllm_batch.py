@@ -231,8 +231,12 @@ class VLLMBatchOperator(BaseOperator):
             self.fail_on_too_many_failures(manifest, settings.max_failed_ratio, context)
         except VLLMBatchError as err:
             if not err.retryable:
-                # The same mistake fails the same way on every try: no retry, no GPU time.
-                raise AirflowFailException(str(err)) from err
+                # The same mistake fails the same way on every try: no retry, no GPU time. Its
+                # message is the whole story: Airflow logs the raised exception with its
+                # traceback, and a chained one would print the message a second time. Where
+                # it was raised goes to DEBUG.
+                self.log.debug("%s raised here:", type(err).__name__, exc_info=err)
+                raise AirflowFailException(str(err)) from None
             raise
         return manifest.to_dict()
 

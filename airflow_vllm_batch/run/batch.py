@@ -299,9 +299,10 @@ class BatchRun:
             ):
                 report = preflight(lines, options, cleaned_out=cleaned, errors_out=errors, reread=batch_input.open)
         report.source = batch_input.display_uri
-        self.log.info("%s", report.format())
         if not s.skips_invalid_lines or not report.runnable:
+            # A file that cannot run is told once, by the error (the same lines as the report).
             report.raise_for_problems(batch_input.display_uri)
+        self.log.info("%s", report.format())
         if not report.valid_lines:
             raise PreflightError(f"{batch_input.display_uri} has no request line: nothing to run.", report)
         self.engine.check_requests(info, report)

@@ -6,6 +6,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import re
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -122,6 +123,11 @@ def run_dag(dag, run_conf: dict | None = None, logical_date=None, run_after=None
             )
         }
     return DagRunResult(dr.run_id, str(dr.state), tis, xcoms, output, rendered)
+
+
+def error_lines(output: str) -> list[str]:
+    """The log lines at error level or above (structlog's ``[error    ]``, Airflow's ``ERROR -``)."""
+    return [line for line in output.splitlines() if re.search(r"\[(error|critical)\s*\]|\b(ERROR|CRITICAL) - ", line)]
 
 
 def _xcom_value(value: Any) -> Any:

@@ -42,3 +42,25 @@ def test_validate_on_an_s3_uri_names_the_bad_line_and_exits_one(files):
     proc = _cli(files, "validate", "s3://cli/with space+plus/bad.jsonl", "--aws-conn-id", "cli_s3")
     assert proc.returncode == 1
     assert "line 2" in proc.stdout and "POST" in proc.stdout
+
+
+def test_validate_on_an_s3_uri_prints_no_airflow_log_lines(files):
+    proc = _cli(files, "validate", "s3://cli/good.jsonl", "--aws-conn-id", "cli_s3")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""
+    assert "connection_wrapper" not in proc.stdout and "secrets_masker" not in proc.stdout
+
+
+def test_validate_on_a_missing_bucket_names_the_bucket_and_the_fix(files):
+    proc = _cli(files, "validate", "s3://no-such-bucket/good.jsonl", "--aws-conn-id", "cli_s3")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: s3://no-such-bucket/good.jsonl: bucket 'no-such-bucket' does not exist (or connection 'cli_s3' cannot "
+        "see it) — check the bucket's name, create it, or pass the connection of the account that has it with --aws-conn-id"
+    ]
+
+
+def test_validate_on_a_missing_key_names_the_key(files):
+    proc = _cli(files, "validate", "s3://cli/nope.jsonl", "--aws-conn-id", "cli_s3")
+    assert proc.returncode == 2
+    assert "bucket 'cli' has no object 'nope.jsonl'" in proc.stderr and "404" not in proc.stderr

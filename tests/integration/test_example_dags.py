@@ -7,10 +7,11 @@ on that one run's result lines, XComs and logs.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
-from tests.integration.dagrun import DagRunResult, load_dag, run_dag
+from tests.integration.dagrun import DagRunResult, error_lines, load_dag, run_dag
 
 pytestmark = [pytest.mark.integration, pytest.mark.engine]
 
@@ -174,3 +175,12 @@ def test_prompts_dag_writes_the_requests_beside_its_output(prompts_run, seaweed)
     assert [r["custom_id"] for r in requests] == [f"request-{i}" for i in range(N_PROMPTS)]
     assert all(r["body"]["messages"][0]["content"].startswith("Is this review positive") for r in requests)
     assert {(r["body"]["temperature"], r["body"]["max_completion_tokens"]) for r in requests} == {(0, 16)}
+
+
+def test_pipeline_logs_no_error_and_folds_the_engines_output_keeping_its_warnings(pipeline_run):
+    out = pipeline_run.output
+    assert error_lines(out) == []
+    start, end = out.index("::group::vLLM engine output"), out.index("::endgroup::", out.index("::group::vLLM engine output"))
+    assert "Reading batch from" in out[start:end]
+    warnings = [line for line in out[start:end].splitlines() if re.search(r"\bWARNING \d\d-\d\d ", line)]
+    assert warnings and all("[warning" in line for line in warnings)  # vLLM's own warnings, at warning level

@@ -310,3 +310,16 @@ def test_the_runner_gets_only_the_requests_the_answer_cache_does_not_hold(embedd
     assert lines["a0"]["id"] != "cached-1"  # the runner answered the miss
     raw = embedded.client().get_object(Bucket=BUCKET, Key="answer-cache-runner/results.jsonl")["Body"].read()
     assert stored.encode() in raw.splitlines()  # a1's answer byte for byte
+
+
+@pytest.mark.engine
+def test_a_misspelled_engine_flag_after_one_check_on_the_worker_fails_in_seconds_with_did_you_mean(embedded, airflow_db, tiny_model, tmp_path):
+    model = str(tiny_model)
+    common = {"input_uri": _put(embedded, "misspelled/input.jsonl", _line("c", model) + "\n"), "model": model, "results_dir": str(tmp_path)}
+    # The first check on this worker imports vLLM's parser (seconds to tens of seconds) and keeps its flags.
+    first = _run_operator("misspelled_first", output_uri=f"s3://{BUCKET}/misspelled/a.jsonl", engine_args=["--max-model-len", "abc"], **common)
+    assert first.state == "failed" and "engine_args: argument --max-model-len" in first.output
+    second = _run_operator("misspelled_second", output_uri=f"s3://{BUCKET}/misspelled/b.jsonl", engine_args=["--max-modle-len", "64"], **common)
+    assert second.state == "failed"
+    assert "unrecognized arguments: --max-modle-len (did you mean --max-model-len for --max-modle-len?)" in second.output
+    assert _seconds_between(second.output, "Task started", "Task failed with exception") < 5

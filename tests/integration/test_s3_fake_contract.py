@@ -78,6 +78,20 @@ def sequence(client, bucket: str) -> list[Any]:
     seen.append(outcome(lambda: client.copy_object(Bucket=bucket, Key=out, CopySource=source, IfNoneMatch="*")))
     seen.append(outcome(lambda: client.put_object(Bucket=bucket, Key="k/results.errors.jsonl", Body=b"e\n", IfNoneMatch="*")))
     seen.append(outcome(lambda: client.put_object(Bucket=bucket, Key="k/results.errors.jsonl", Body=b"f\n", IfMatch=first["ETag"])))
+    # The manifest's chain: a tombstone If-Match the manifest seen, a successor's tombstone over it, the
+    # paused zombie's manifest If-Match its own (replaced) tombstone: 412; the successor's manifest lands,
+    # and botocore sending it again (its answer lost) meets its own new ETag: 412.
+    manifest = "k/results.manifest.json"
+    old = client.head_object(Bucket=bucket, Key=manifest)["ETag"]
+    zombie = client.put_object(Bucket=bucket, Key=manifest, Body=b'{"tombstone": "z"}', IfMatch=old)
+    seen.append(("ok", zombie["ETag"]))
+    successor = client.put_object(Bucket=bucket, Key=manifest, Body=b'{"tombstone": "s"}', IfMatch=zombie["ETag"])
+    seen.append(("ok", successor["ETag"]))
+    seen.append(outcome(lambda: client.put_object(Bucket=bucket, Key=manifest, Body=b'{"manifest": "z"}', IfMatch=zombie["ETag"])))
+    seen.append(outcome(lambda: client.put_object(Bucket=bucket, Key=manifest, Body=b'{"manifest": "s"}', IfMatch=successor["ETag"])))
+    seen.append(outcome(lambda: client.put_object(Bucket=bucket, Key=manifest, Body=b'{"manifest": "s"}', IfMatch=successor["ETag"])))
+    seen.append(outcome(lambda: client.get_object(Bucket=bucket, Key=manifest)))
+    seen.append(outcome(lambda: client.put_object(Bucket=bucket, Key="k2/results.manifest.json", Body=b'{"tombstone": "n"}', IfNoneMatch="*")))
     seen.append(outcome(lambda: client.delete_object(Bucket=bucket, Key=lease, IfMatch=renewed["ETag"])))
     seen.append(outcome(lambda: client.head_bucket(Bucket=bucket)))
     seen.append(outcome(lambda: client.list_objects_v2(Bucket=bucket, Prefix="k/")))

@@ -27,6 +27,7 @@ from pydantic import BaseModel
 from vllm_batch_embedded.demo import BUCKET, CPU_ENGINE_ARGS, CPU_ENGINE_ENV
 from airflow_vllm_batch.hooks.vllm_server import VLLMServerProcess
 from tests.integration.dagrun import REPO, load_dag, run_dag
+from tests.integration.dagrun import error_lines as _error_lines
 from tests.integration.vllm_metrics import requests_answered
 
 pytestmark = [pytest.mark.integration, pytest.mark.engine]
@@ -59,11 +60,6 @@ def warm(embedded, airflow_db, tiny_model: Path) -> Iterator[VLLMServerProcess]:
         finally:
             os.environ.pop("AIRFLOW_VLLM_BATCH_VLLM_CONN_ID", None)
             os.environ.pop(f"AIRFLOW_CONN_{CONN_ID.upper()}", None)
-
-
-def _error_lines(output: str) -> list[str]:
-    """The log lines at error level or above (structlog's ``[error    ]``, Airflow's ``ERROR -``)."""
-    return [line for line in output.splitlines() if re.search(r"\[(error|critical)\s*\]|\b(ERROR|CRITICAL) - ", line)]
 
 
 def _s3_lines(seaweed, uri: str) -> list[dict]:

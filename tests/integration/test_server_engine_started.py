@@ -20,7 +20,7 @@ from openai.types.chat import ChatCompletion
 
 from airflow_vllm_batch import gpus
 from vllm_batch_embedded.demo import BUCKET, CPU_ENGINE_ARGS
-from tests.integration.dagrun import register_dag, run_dag
+from tests.integration.dagrun import error_lines, register_dag, run_dag
 from tests.processes import processes_with
 
 pytestmark = [pytest.mark.integration, pytest.mark.engine]
@@ -62,6 +62,7 @@ def test_a_task_started_server_answers_the_batch_and_is_stopped_with_the_task(em
     assert "The vLLM server is ready after" in run.output and "Stopping the vLLM server" in run.output
     assert "Leased GPU(s) 0 of 0 (from AIRFLOW_VLLM_BATCH_GPUS) for the engine" in run.output
     assert "Released GPU(s) 0" in run.output
+    assert error_lines(run.output) == []  # starting, using and stopping the server logs no error
     # The leased GPU's seconds are the server's time, from its start to the last answer.
     cost = manifest["cost"]
     assert (cost["device"], cost["gpus"]) == ("gpu", 1) and cost["gpu_s"] == pytest.approx(manifest["engine_duration_s"], abs=0.01)

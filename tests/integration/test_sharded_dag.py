@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from vllm_batch_embedded.demo import BUCKET
-from tests.integration.dagrun import DagRunResult, load_dag, register_dag, run_dag
+from tests.integration.dagrun import DagRunResult, error_lines, load_dag, register_dag, run_dag
 
 pytestmark = [pytest.mark.integration, pytest.mark.engine]
 
@@ -254,6 +254,11 @@ def embeddings_sharded_and_whole(embedded, airflow_db) -> DagRunResult:
         )
     register_dag(dag)
     return run_dag(dag)
+
+
+def test_a_successful_sharded_run_logs_no_line_at_error_level(embeddings_sharded_and_whole):
+    assert embeddings_sharded_and_whole.state == "success", embeddings_sharded_and_whole.output[-4000:]
+    assert error_lines(embeddings_sharded_and_whole.output) == []  # split, shards, merge and the whole run
 
 
 def _vectors(seaweed, uri: str) -> dict[str, np.ndarray]:

@@ -190,3 +190,36 @@ def test_validate_refuses_a_results_file(tmp_path, capsys):
     path.write_text(RESULT % "a")
     assert cli.main(["validate", str(path)]) == 2
     assert "is a results file, not a request (input) file — did you mean `airflow-vllm-batch stats`?" in capsys.readouterr().err
+
+
+def test_validate_checks_the_operators_default_urls_by_default(tmp_path, capsys):
+    from airflow_vllm_batch.hooks.vllm_engine import FALLBACK_SUPPORTED_URLS
+
+    path = tmp_path / "score.jsonl"
+    path.write_text('{"custom_id": "a", "method": "POST", "url": "/score", "body": {"model": "m", "text_1": "a", "text_2": "b"}}\n')
+    assert cli.main(["validate", str(path), "--json"]) == 0
+    assert cli.DEFAULT_SUPPORTED_URLS == FALLBACK_SUPPORTED_URLS
+
+
+def test_validate_names_the_default_engine_not_this_engine_for_an_unserved_url(tmp_path, capsys):
+    path = tmp_path / "completions.jsonl"
+    path.write_text('{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"model": "m", "prompt": "hi"}}\n')
+    assert cli.main(["validate", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "this engine" not in out
+    assert 'engine="runner"' in out and 'engine="server"' in out
+
+
+def test_validate_with_supported_url_names_that_option_for_an_unserved_url(batch, capsys):
+    assert cli.main(["validate", str(batch), "--supported-url", "/v1/embeddings"]) == 1
+    out = capsys.readouterr().out
+    assert "this engine" not in out and "--supported-url" in out
+
+
+def test_validate_lists_repeated_custom_ids_read_from_stdin_without_sending_the_user_to_validate(monkeypatch, capsys):
+    data = (REQUEST % "a" + REQUEST % "b" + REQUEST % "a").encode()
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(data)))
+    assert cli.main(["validate", "-"]) == 1
+    out = capsys.readouterr().out
+    assert "airflow-vllm-batch validate" not in out
+    assert "line 3" in out and "repeats the one on line 1" in out

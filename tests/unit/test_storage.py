@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import threading
 
 import pytest
 from airflow.providers.amazon.aws.hooks.s3 import S3Hook
@@ -71,6 +73,26 @@ def test_a_manifest_whose_files_are_gone_is_not_complete(s3, bucket, hook):
     assert manifest is None and why == f"the manifest names {store.error_uri}, which is gone"
     s3.client().put_object(Bucket=bucket, Key="r.errors.jsonl", Body=b"{}\n")
     assert store.completed(identity)[0] is not None
+
+
+def test_an_output_whose_publish_stopped_after_its_tombstone_is_not_complete_and_says_so(s3, bucket, hook, tmp_path):
+    store = OutputStore(hook, f"s3://{bucket}/r.jsonl")
+    identity = RunIdentity({"model": "m"})
+    local = tmp_path / "r.jsonl"
+    local.write_bytes(b"{}\n")
+    store.publish(_manifest(store, identity.fingerprint), results_path=local)
+    assert store.completed(identity)[0] is not None
+    # The next publish's first write; the try is stopped before its last.
+    store.mark_publishing(head_etag(s3.client(), bucket, "r.manifest.json"), identity.fingerprint)
+    manifest, why = store.completed(identity)
+    assert manifest is None and store.read_manifest() is None
+    assert why == f"the output at s3://{bucket}/r.jsonl is not complete: a try began publishing it and has not finished (it still publishes, or it was stopped)"
+
+
+def test_two_tombstones_of_one_output_differ_so_a_lost_answer_is_known_by_its_etag(s3, bucket, hook):
+    store = OutputStore(hook, f"s3://{bucket}/r.jsonl")
+    first = store.mark_publishing(None, "f")
+    assert store.mark_publishing(first, "f") != first
 
 
 def test_removing_a_runs_staging_leaves_other_runs_staging(s3, bucket, hook):
@@ -156,7 +178,7 @@ def taken_over(s3, bucket, hook, tmp_path):
 
 
 _MUTATIONS = {
-    "invalidate-manifest": lambda store, staging, local: store.invalidate_manifest(
+    "mark-publishing": lambda store, staging, local: store.mark_publishing(
         head_etag(store.hook.get_conn(), store.manifest_bucket, store.manifest_key)
     ),
     "publish-upload": lambda store, staging, local: store.publish(_manifest(store, "f"), staging=staging, results_path=local, errors_path=local),
@@ -198,7 +220,7 @@ def test_the_manifest_is_not_written_over_one_another_writer_put_there(s3, bucke
     assert s3.client().get_object(Bucket=bucket, Key="r.manifest.json")["Body"].read() == b'{"theirs": true}'
 
 
-@pytest.mark.parametrize("paused_before", [1, 2, 3, 4], ids=["manifest-delete", "results", "error-file", "manifest"])
+@pytest.mark.parametrize("paused_before", [1, 2, 3, 4], ids=["tombstone", "results", "error-file", "manifest"])
 def test_a_try_paused_after_its_lease_check_cannot_undo_what_its_successor_published_meanwhile(s3, bucket, hook, tmp_path, paused_before):
     """Fencing when the check passed: the lease was this try's at the check, its successor took over and
     published before the write landed (a zombie paused between the two); every write is conditional on
@@ -227,6 +249,57 @@ def test_a_try_paused_after_its_lease_check_cannot_undo_what_its_successor_publi
     assert client.get_object(Bucket=bucket, Key="r.jsonl")["Body"].read() == b"the successor's lines\n"
     assert client.get_object(Bucket=bucket, Key="r.errors.jsonl")["Body"].read() == b"the successor's lines\n"
     # The successor's manifest still names the very files that are there: its output is complete.
+    assert (published.output_etag, published.error_etag) == (head_etag(client, bucket, "r.jsonl"), head_etag(client, bucket, "r.errors.jsonl"))
+
+
+def test_a_zombies_manifest_cannot_land_between_its_successors_results_and_its_successors_manifest(s3, bucket, hook, tmp_path):
+    """The schedule the simulator found (seeds 975, 9811): the zombie's lease check before its manifest
+    passed; while it paused there its successor took over, replaced the results and the error file, and
+    paused before its own manifest; the zombie's manifest landed then. Its write must fail (the
+    successor's publish replaced the zombie's tombstone), and the successor's manifest must follow."""
+    client = s3.client()
+    for key, body in [("r.jsonl", b"old results\n"), ("r.errors.jsonl", b"old errors\n"), ("r.manifest.json", b'{"old": 1}')]:
+        client.put_object(Bucket=bucket, Key=key, Body=body)
+    zombie = OutputStore(hook, f"s3://{bucket}/r.jsonl")
+    successor = OutputStore(hook, f"s3://{bucket}/r.jsonl")
+    mine = tmp_path / "zombie.jsonl"
+    mine.write_bytes(b"the zombie's lines\n")
+    theirs = tmp_path / "successor.jsonl"
+    theirs.write_bytes(b"the successor's lines\n")
+    zombie_paused, zombie_goes = threading.Event(), threading.Event()
+    zombie_ended: list[BaseException | None] = []
+
+    def before_the_manifest(lines: bytes) -> bool:
+        # The error file is each publish's last write before its manifest.
+        return head_etag(client, bucket, "r.errors.jsonl") == hashlib.md5(lines).hexdigest()
+
+    def zombie_fence() -> None:
+        if before_the_manifest(mine.read_bytes()):
+            zombie_paused.set()
+            zombie_goes.wait(timeout=60)
+
+    def successor_fence() -> None:
+        if before_the_manifest(theirs.read_bytes()):
+            zombie_goes.set()  # the zombie's manifest write lands now, between the successor's files and its manifest
+            zombie_thread.join(timeout=60)
+
+    def zombie_publishes() -> None:
+        try:
+            zombie.publish(_manifest(zombie, "z"), results_path=mine, errors_path=mine)
+            zombie_ended.append(None)
+        except BaseException as err:  # noqa: BLE001 - the test reads it
+            zombie_ended.append(err)
+
+    zombie.fence, successor.fence = zombie_fence, successor_fence
+    zombie_thread = threading.Thread(target=zombie_publishes)
+    zombie_thread.start()
+    assert zombie_paused.wait(timeout=60)
+    successor.publish(_manifest(successor, "s"), results_path=theirs, errors_path=theirs)
+    zombie_thread.join(timeout=60)
+    assert len(zombie_ended) == 1 and isinstance(zombie_ended[0], OutputBusyError)
+    published = successor.read_manifest()
+    assert published is not None and published.fingerprint == "s"
+    assert client.get_object(Bucket=bucket, Key="r.jsonl")["Body"].read() == b"the successor's lines\n"
     assert (published.output_etag, published.error_etag) == (head_etag(client, bucket, "r.jsonl"), head_etag(client, bucket, "r.errors.jsonl"))
 
 

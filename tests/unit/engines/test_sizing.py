@@ -252,7 +252,7 @@ def test_the_task_imports_no_vllm_and_starts_no_process_before_the_engine(monkey
     engine = _engine(RunnerEngine, tmp_path, engine_args=["--enforce-eager"])
     assert engine.engine_arguments(INFO) == ["--enforce-eager"]
     assert engine.launch(INFO, tmp_path / "r.json") is not None
-    # Nothing is remembered on the worker either: a fresh worker and a warm one start the engine alike.
+    # No check or defaults remembered on the worker either: a fresh worker and a warm one start the engine alike.
     assert not (tmp_path / "airflow-vllm-batch").exists()
 
 

@@ -47,3 +47,46 @@ def test_vllms_own_parser_suggests_the_flag_for_a_misspelling():
     (result,) = _run_argcheck(sys.executable, checks, timeout=300)
     with pytest.raises(EngineArgumentsError, match=r"unrecognized arguments: --max-modle-len 4096 \(did you mean --max-model-len for --max-modle-len\?\)"):
         _raise_for_result(result, sys.executable)
+
+
+def test_a_misspelled_flag_is_refused_at_once_from_the_flags_an_earlier_check_saw(tmp_path):
+    import json
+    import time
+
+    from airflow_vllm_batch.hooks.engine_checks import check_engine_args
+
+    options = tmp_path / "engine-options.json"
+    options.write_text(json.dumps({"options": ["--max-model-len", "--enforce-eager", "--compilation-config"], "help": "vllm --help"}))
+    started = time.monotonic()
+    # No engine Python is run: this one does not even exist.
+    with pytest.raises(EngineArgumentsError, match=r"unrecognized arguments: --max-modle-len \(did you mean --max-model-len for --max-modle-len\?\)"):
+        check_engine_args("/nonexistent/python", "m", ["--max-modle-len", "64"], options_file=options)
+    assert time.monotonic() - started < 1
+
+
+@pytest.mark.parametrize("args", [["--max_model_len", "64"], ["--compilation-config.level=3"], ["--max-model", "64"], ["-O3"]])
+def test_flags_vllms_parser_reads_are_left_to_the_full_check(tmp_path, args):
+    import json
+
+    from airflow_vllm_batch.exceptions import EngineArgsCheckError
+    from airflow_vllm_batch.hooks.engine_checks import check_engine_args
+
+    options = tmp_path / "engine-options.json"
+    options.write_text(json.dumps({"options": ["--max-model-len", "--enforce-eager", "--compilation-config"], "help": "vllm --help"}))
+    # Not refused from the file: the full check runs (and fails here, for want of a Python).
+    with pytest.raises(EngineArgsCheckError, match="cannot run the engine environment's Python"):
+        check_engine_args("/nonexistent/python", "m", args, options_file=options)
+
+
+@pytest.mark.vllm
+def test_a_check_keeps_the_flags_vllms_parser_knows_and_the_next_misspelling_needs_no_import(tmp_path):
+    import time
+
+    from airflow_vllm_batch.hooks.engine_checks import check_engine_args
+
+    options = tmp_path / "engine-options.json"
+    check_engine_args(sys.executable, "m", ["--enforce-eager"], options_file=options)
+    started = time.monotonic()
+    with pytest.raises(EngineArgumentsError, match=r"did you mean --max-model-len for --max-modle-len\?"):
+        check_engine_args(sys.executable, "m", ["--max-modle-len", "64"], options_file=options)
+    assert time.monotonic() - started < 1

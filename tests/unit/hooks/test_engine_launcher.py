@@ -197,3 +197,12 @@ def test_the_launcher_runs_a_module_as_python_m_would_when_asked_for_nothing_els
     argv, env = conceal_arguments([sys.executable, "-m", "plain", "--x", "1"])
     done = subprocess.run(argv, env={**os.environ, **env, "PYTHONPATH": str(tmp_path)}, capture_output=True, text=True, check=True)
     assert done.stdout == "args ['--x', '1'] __main__\n"
+
+
+def test_after_one_engine_on_the_worker_a_misspelled_flag_is_refused_without_starting_another(tmp_path, fake_vllm):
+    engine, run, _ = _start(tmp_path, fake_vllm, ["--enforce-eager"])
+    assert run.returncode == 0
+    engine.settle_launch(tmp_path / "engine-launch.json")  # keeps the flags the engine's parser knew
+    again = RunnerEngine(_settings(tmp_path, ["--max-modle-len", "4096"]), logging.getLogger("test"))
+    with pytest.raises(EngineArgumentsError, match=r"unrecognized arguments: --max-modle-len \(did you mean --max-model-len for --max-modle-len\?\)"):
+        again.engine_arguments(INFO)

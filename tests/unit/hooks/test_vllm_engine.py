@@ -109,6 +109,24 @@ def test_the_engines_lines_are_folded_in_one_log_group(capsys):
     assert log.index("::group::vLLM engine output") < log.index("engine says hello") < log.index("::endgroup::")
 
 
+def test_the_engines_warnings_and_errors_keep_their_level_inside_the_group(capsys):
+    script = (
+        "print('(EngineCore pid=1) INFO 11-25 14:40:24 [core.py:1] loading'); "
+        "print('(EngineCore pid=1) WARNING 11-25 14:40:24 [cpu.py:224] Triton is not installed.'); "
+        "print('ERROR 11-25 14:40:25 [core.py:9] EngineCore failed')"
+    )
+    VLLMEngineHook().run([sys.executable, "-c", script])
+    log = capsys.readouterr().out.splitlines()
+
+    def logged(text: str) -> str:
+        (line,) = [line for line in log if text in line]
+        return line
+
+    assert "[info" in logged("loading")
+    assert "[warning" in logged("Triton is not installed")
+    assert "[error" in logged("EngineCore failed")
+
+
 def test_terminate_kills_the_whole_process_group_children_included(tmp_path):
     pid_file = tmp_path / "child.pid"
     # A parent that ignores SIGTERM and a grandchild, like vLLM's frontend and EngineCore.
@@ -223,3 +241,19 @@ def test_terminate_from_on_kill_returns_while_the_interrupted_main_thread_holds_
     assert seconds_to_terminate_under_the_wait_lock(hook.process, hook.terminate) < 5
     hook.process.wait(timeout=5)
     assert hook.process.returncode is not None
+
+
+def test_what_an_engine_logs_while_the_task_stops_it_is_at_most_a_warning(caplog):
+    import logging
+
+    from airflow_vllm_batch.hooks.log_groups import HeldLines
+
+    held = HeldLines()
+    held.add("(APIServer pid=1) ERROR 11-25 15:08:33 [core.py:9] EngineCore died")
+    held.add("(APIServer pid=1) ERROR 11-25 15:08:33 [async_llm.py:906] AsyncLLM output_handler failed.", logging.WARNING)
+    log = logging.getLogger("test_held_lines")
+    with caplog.at_level(logging.INFO, logger="test_held_lines"):
+        held.flush(log, "server")
+    levels = {record.getMessage(): record.levelno for record in caplog.records}
+    assert levels["(APIServer pid=1) ERROR 11-25 15:08:33 [core.py:9] EngineCore died"] == logging.ERROR
+    assert levels["(APIServer pid=1) ERROR 11-25 15:08:33 [async_llm.py:906] AsyncLLM output_handler failed."] == logging.WARNING

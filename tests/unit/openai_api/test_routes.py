@@ -124,6 +124,24 @@ def test_a_routed_batch_is_validating_until_its_model_task_runs_whatever_the_rou
     assert app_module._batch_from_run(store, run, [*routed, skipped])["status"] == "finalizing"
 
 
+def test_a_publishs_tombstone_at_the_manifest_key_is_no_published_output():
+    from types import SimpleNamespace as NS
+
+    from airflow_vllm_batch.manifest import Tombstone
+
+    tombstone = json.loads(Tombstone("0" * 32, "s3://b/o.jsonl", "f" * 64).to_json())
+    store = FileStore(None, "b", "p/")
+    store.get_json = lambda key: tombstone if key == "o.manifest.json" else None
+    conf = {
+        "input_file_id": "file-0123456789", "endpoint": "/v1/chat/completions", "created_at": 1_800_000_000,
+        "output_uri": "s3://b/o.jsonl", "output_file_id": "file-out", "error_file_id": "file-err", "model": "qwen",
+    }
+    run = NS(run_id="batch_abcdefab", conf=conf, state="running", end_date=None)
+    tis = [NS(task_id="vllm_batch__qwen", state="success", start_date=None, end_date=None)]
+    batch = app_module._batch_from_run(store, run, tis)
+    assert (batch["output_file_id"], batch["error_file_id"], batch["usage"], batch["model"]) == (None, None, None, "qwen")
+
+
 def test_lines_naming_no_model_are_left_to_preflight_when_others_name_a_configured_one():
     assert route_of([None, "qwen"], parse_routes(ROUTES)).model == "qwen"
     with pytest.raises(ValueError, match="name no body.model"):

@@ -23,6 +23,7 @@ from airflow_vllm_batch.exceptions import (
     StorageUnavailableError,
 )
 from airflow_vllm_batch.lease import LeaseHolder
+from airflow_vllm_batch.manifest import is_tombstone
 from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
 from airflow_vllm_batch.storage import RunStaging
 from airflow_vllm_batch.version_compat import AirflowFailException
@@ -225,14 +226,14 @@ def test_a_publish_that_fails_midway_leaves_no_manifest_to_trust(batch, monkeypa
     batch.run()
     batch.put("in/input.jsonl", chat_lines(7))
 
-    def manifest_write_fails(self, manifest):
+    def manifest_write_fails(self, manifest, over=None):
         raise ClientError({"Error": {"Code": "ServiceUnavailable", "Message": "down"}}, "PutObject")
 
     monkeypatch.setattr(OutputStore, "write_manifest", manifest_write_fails)
     with pytest.raises(PublishError):
         batch.run()
-    # The old manifest went first: nobody pairs it with the new results file.
-    assert "out/results.manifest.json" not in batch.keys()
+    # The old manifest went first (a tombstone took its place): nobody pairs it with the new results file.
+    assert is_tombstone(batch.get("out/results.manifest.json"))
 
 
 def test_publishing_removes_only_this_runs_staging(batch):

@@ -23,7 +23,8 @@ LOCAL_RESULTS_MAX_AGE_S = 7 * 24 * 3600
 OWNED_DIR_NAME = "airflow-vllm-batch"
 #: The names of the entries a run makes in its owned directory: a try's scratch
 #: (``<run>-try-<random>``), a run's kept results (``<run>/``) and the engine-argument
-#: markers (:mod:`airflow_vllm_batch.engines.local`); ``<run>`` is 16 hex digits.
+#: markers that releases before the engine launcher made (still ours to age out);
+#: ``<run>`` is 16 hex digits.
 _OWN_ENTRY = re.compile(r"^(?:[0-9a-f]{16}(?:-try-[A-Za-z0-9_]+)?|engine-args-ok-[0-9a-f]{16}|engine-offline-defaults-[0-9a-f]{16}\.json)$")
 
 

@@ -1,4 +1,4 @@
-"""What the operator adds on top of vLLM's own batch runner.
+"""What the operator adds on top of vLLM's own batch runner, on a warm worker and on a fresh one.
 
 Runs the same 1,000-request chat file through
 
@@ -6,10 +6,13 @@ Runs the same 1,000-request chat file through
   (local files, nothing else), and
 * ``operator``: a DAG with one ``VLLMBatchOperator`` task reading from and writing to
   real S3 (SeaweedFS) through presigned URLs, with preflight, the results check,
-  the error split and the publish step; timed as the task instance's duration,
+  the error split and the publish step; timed as the task instance's duration, twice:
+  on a **warm** worker (a ``results_dir`` an untimed first task used before) and as the
+  **first task on a fresh worker** (a new, empty ``results_dir``, as a Kubernetes
+  executor's new pod has; same Python process, so the process's own imports are not in it),
 
-alternating the two so that drift of the machine hits both alike, and prints the
-ratio of the medians. Usage::
+alternating them so that drift of the machine hits all alike, and prints the ratio of the
+medians (raw against warm) and each operator's time outside the engine. Usage::
 
     .venv/bin/python benchmarks/overhead.py [--requests 1000] [--repeats 3]
 """
@@ -66,35 +69,51 @@ def main() -> None:
 
         resetdb()
         engine_args = CPU_ENGINE_ARGS.split()
+        warm_dir = work / "warm-worker"
+        # Untimed: the process's first task (clients, imports) and the warm worker's first task.
+        run_operator(DAG, VLLMBatchOperator, "warmup", model, engine_args, warm_dir)
         raw_times: list[float] = []
-        op_times: list[float] = []
-        engine_in_op: list[float] = []
+        op_times: dict[str, list[float]] = {"warm": [], "fresh": []}
+        engine_in_op: dict[str, list[float]] = {"warm": [], "fresh": []}
         for rep in range(args.repeats):
             raw_times.append(run_raw(local_input, work / f"raw-{rep}.jsonl", model, engine_args))
-            op_times.append(run_operator(DAG, VLLMBatchOperator, rep, model, engine_args))
-            manifest = json.loads(
-                s3.client().get_object(Bucket=BUCKET, Key=f"bench/out-{rep}/results.manifest.json")["Body"].read()
-            )
-            engine_in_op.append(manifest["engine_duration_s"])
+            for kind in ("warm", "fresh") if rep % 2 == 0 else ("fresh", "warm"):
+                results_dir = warm_dir if kind == "warm" else work / f"fresh-worker-{rep}"
+                op_times[kind].append(run_operator(DAG, VLLMBatchOperator, f"{kind}-{rep}", model, engine_args, results_dir))
+                manifest = json.loads(
+                    s3.client().get_object(Bucket=BUCKET, Key=f"bench/out-{kind}-{rep}/results.manifest.json")["Body"].read()
+                )
+                engine_in_op[kind].append(manifest["engine_duration_s"])
             print(
-                f"repeat {rep + 1}: raw {raw_times[-1]:.1f}s, operator {op_times[-1]:.1f}s "
-                f"(engine inside it {engine_in_op[-1]:.1f}s, the rest {op_times[-1] - engine_in_op[-1]:.1f}s)",
+                f"repeat {rep + 1}: raw {raw_times[-1]:.1f}s; "
+                + "; ".join(
+                    f"operator on a {kind} worker {op_times[kind][-1]:.1f}s (engine inside it {engine_in_op[kind][-1]:.1f}s, "
+                    f"the rest {op_times[kind][-1] - engine_in_op[kind][-1]:.1f}s)"
+                    for kind in ("warm", "fresh")
+                ),
                 flush=True,
             )
 
-    raw, op = statistics.median(raw_times), statistics.median(op_times)
+    raw, op = statistics.median(raw_times), statistics.median(op_times["warm"])
+    outside = {kind: [o - e for o, e in zip(op_times[kind], engine_in_op[kind])] for kind in ("warm", "fresh")}
     print(
         json.dumps(
             {
                 "requests": args.requests,
                 "repeats": args.repeats,
                 "raw_s": [round(t, 2) for t in raw_times],
-                "operator_s": [round(t, 2) for t in op_times],
+                "operator_s": [round(t, 2) for t in op_times["warm"]],
                 "raw_median_s": round(raw, 2),
                 "operator_median_s": round(op, 2),
-                "operator_engine_s": [round(t, 2) for t in engine_in_op],
-                "operator_outside_engine_median_s": round(statistics.median(o - e for o, e in zip(op_times, engine_in_op)), 2),
+                "operator_engine_s": [round(t, 2) for t in engine_in_op["warm"]],
+                "operator_outside_engine_s": [round(t, 2) for t in outside["warm"]],
+                "operator_outside_engine_median_s": round(statistics.median(outside["warm"]), 2),
                 "ratio_of_medians": round(op / raw, 3),
+                "fresh_worker_operator_s": [round(t, 2) for t in op_times["fresh"]],
+                "fresh_worker_operator_median_s": round(statistics.median(op_times["fresh"]), 2),
+                "fresh_worker_engine_s": [round(t, 2) for t in engine_in_op["fresh"]],
+                "fresh_worker_outside_engine_s": [round(t, 2) for t in outside["fresh"]],
+                "fresh_worker_outside_engine_median_s": round(statistics.median(outside["fresh"]), 2),
             }
         )
     )
@@ -108,21 +127,22 @@ def run_raw(local_input: Path, output: Path, model: Path, engine_args: list[str]
     return time.monotonic() - started
 
 
-def run_operator(dag_cls, operator_cls, rep: int, model: Path, engine_args: list[str]) -> float:
-    """Time one VLLMBatchOperator task (its task-instance duration) in ``dag.test()``."""
+def run_operator(dag_cls, operator_cls, name: str, model: Path, engine_args: list[str], results_dir: Path) -> float:
+    """Time one VLLMBatchOperator task (its task-instance duration) in ``dag.test()``, on the worker of ``results_dir``."""
     from airflow.utils.session import create_session
 
     from airflow_vllm_batch.engines import VLLMRunner
 
     from tests.integration.dagrun import register_dag
 
-    with dag_cls(f"bench_overhead_{rep}", schedule=None, start_date=datetime(2026, 1, 1, tzinfo=timezone.utc)) as dag:
+    with dag_cls(f"bench_overhead_{name}", schedule=None, start_date=datetime(2026, 1, 1, tzinfo=timezone.utc)) as dag:
         operator_cls(
             task_id="vllm_batch",
             input_uri="s3://vllm-batch/bench/input.jsonl",
-            output_uri=f"s3://vllm-batch/bench/out-{rep}/results.jsonl",
+            output_uri=f"s3://vllm-batch/bench/out-{name}/results.jsonl",
             model=str(model),
             engine=VLLMRunner(args=engine_args),
+            results_dir=str(results_dir),
             execution_timeout=timedelta(hours=1),
         )
     register_dag(dag)
@@ -138,7 +158,7 @@ def run_operator(dag_cls, operator_cls, rep: int, model: Path, engine_args: list
     with create_session() as session:
         (ti,) = dr.get_task_instances(session=session)
         if str(ti.state) != "success":
-            raise SystemExit(f"operator run {rep} ended {ti.state}")
+            raise SystemExit(f"operator run {name} ended {ti.state}")
         return (ti.end_date - ti.start_date).total_seconds()
 
 

@@ -12,8 +12,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from airflow_vllm_batch.engines.sizing import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, SchedulerSizes, world_size
-from airflow_vllm_batch.engines.sizing import scheduler_sizes as choose_scheduler_sizes
+from airflow_vllm_batch.engines.sizing import SchedulerSizes, sizing_plan
 from airflow_vllm_batch.engines.base import Engine
 from airflow_vllm_batch.exceptions import EngineArgumentsError
 from airflow_vllm_batch.gpus import GPUPlan, engine_gpus, plan_gpus
@@ -22,8 +21,10 @@ from airflow_vllm_batch.scratch import owned_dir
 from airflow_vllm_batch.engines.vllm.checks import (
     OfflineDefaults,
     OfflineDefaultsUnavailable,
-    read_options,
-    check_engine_args,
+    argv_to_check,
+    raise_for_result,
+    refuse_unknown_options,
+    write_options,
     inspect_model,
 )
 from airflow_vllm_batch.engines.vllm.model_names import ServedModels, check_adapters, cpu_lora_slots_problem, served_models
@@ -37,26 +38,21 @@ if TYPE_CHECKING:
     from airflow_vllm_batch.batchfile import PreflightReport
     from airflow_vllm_batch.engines.base import EngineSettings
 
-
-def arguments_marker_digest(python: str, vllm_version: str | None, model: str, engine_args: list[str], entrypoint: str) -> str:
-    """The name of the marker remembering arguments that passed one entrypoint's parser.
-
-    The entrypoint is part of it: a server's flags (``--uvicorn-log-level``) are not the
-    runner's, so arguments that passed one parser say nothing of the other.
-    """
-    return hashlib.sha256(json.dumps([python, vllm_version, model, engine_args, entrypoint]).encode()).hexdigest()[:16]
+#: What the engine's launcher decided (its argument check, its scheduler sizes), in the try's scratch.
+LAUNCH_REPORT = "engine-launch.json"
 
 
 class LocalEngine(Engine):
     """An engine this task starts on its worker, in its ``python``'s environment (or the runner's ``command``)."""
 
-    #: The entrypoint whose parser checks ``engine_args`` (:func:`~airflow_vllm_batch.engines.vllm.checks.check_engine_args`).
+    #: The entrypoint whose parser checks ``engine_args``, in the engine's process (:meth:`launch`).
     entrypoint = "run_batch"
 
     def __init__(self, settings: EngineSettings, log: logging.Logger) -> None:
         super().__init__(settings, log)
         self._gpu_plan: GPUPlan | None = None
         self._sizes: SchedulerSizes | None = None
+        self._options: Path | None = None
 
     @property
     def python(self) -> str:
@@ -125,79 +121,86 @@ class LocalEngine(Engine):
             raise EngineArgumentsError(problem)
 
     def engine_arguments(self, info: EngineInfo) -> list[str]:
-        """The arguments the engine starts with: ``engine_args``, checked, plus offline scheduler sizes.
+        """The user's ``engine_args``, refused here when malformed or naming an option the task sets itself.
 
-        ``args`` are parsed with this entrypoint's own parser, and vLLM's offline
-        scheduler defaults for the engine's device are read, in one run of the engine's
-        Python (:func:`~airflow_vllm_batch.engines.vllm.checks.check_engine_args`): importing
-        vLLM takes several seconds (torch), so this runs after preflight (a bad line, the
-        commoner mistake, fails first), and markers in ``results_dir`` remember arguments
-        that passed and the defaults read, for the same engine environment and version.
-        The sizes fill only what ``engine_args`` leave unset (:mod:`~airflow_vllm_batch.engines.sizing`);
-        none for a custom ``command``, whose vLLM this worker cannot ask.
+        vLLM's own parser checks them in the engine's process, before it loads the model
+        (:meth:`launch`), and the scheduler sizes are added there. A flag that parser did
+        not know when an earlier engine on this worker ran (a misspelling) is refused here
+        already, without starting the engine (the flags it knows are kept in ``results_dir``
+        per engine Python, vLLM version, module and entrypoint).
         """
-        if self._sizes is not None:
-            return [*self.options.args, *self._sizes.flags]
         args = list(self.options.args)
+        if not self.command:
+            argv_to_check(self.settings.model, args, self.entrypoint)
+            if (options := self.options_file(info)) is not None:
+                refuse_unknown_options(args, options)
+        return args
+
+    def options_file(self, info: EngineInfo) -> Path | None:
+        """Where the flags this engine's parser knows are kept on the worker (None when its vLLM version is unknown)."""
+        if not info.vllm_version:
+            return None
+        return owned_dir(self.settings.results_dir) / f"engine-options-{_options_digest(self.python, info, self.entrypoint)}.json"
+
+    def launch(self, info: EngineInfo, report: Path, *, insert_at: int | None = None) -> dict[str, Any] | None:
+        """What the engine's launcher does before it hands over to vLLM's entry point; None for a custom ``engine_command``.
+
+        In the engine's own process, which imports vLLM anyway (one import per engine start,
+        however fresh the worker): the entry point's parser checks ``engine_args`` as the
+        separate check did (same messages; the engine stops before it loads the model), and
+        vLLM's offline scheduler defaults on the engine's device fill the sizes ``engine_args``
+        leave unset (:mod:`~airflow_vllm_batch.engines.sizing`). :meth:`settle_launch` reads
+        what it decided. Nothing here goes into the run identity, which is decided before
+        any engine starts and does not depend on what a worker has seen before.
+
+        :param info: the probe's answer (the runner's module, the model's kind).
+        :param report: where the launcher writes what it decided (this try's scratch).
+        :param insert_at: where the size flags go in the entry point's arguments (default: the end).
+        """
         if self.command:
-            return args
-        wanted = not (MAX_NUM_SEQS in _option_names(args) and MAX_NUM_BATCHED_TOKENS in _option_names(args))
-        size = world_size(args)
-        digest = arguments_marker_digest(self.python, info.vllm_version, self.settings.model, args, self.entrypoint)
-        checked = owned_dir(self.settings.results_dir) / f"engine-args-ok-{digest}"
-        remembered = owned_dir(self.settings.results_dir) / f"engine-offline-defaults-{_defaults_digest(self.python, info.vllm_version, size)}.json"
-        defaults = _read_defaults(remembered) if wanted else None
-        needs_check = bool(args) and not checked.exists()
-        if needs_check or (wanted and defaults is None):
+            return None
+        args = list(self.options.args)
+        report.unlink(missing_ok=True)
+        self._options = self.options_file(info)
+        return {
+            "entrypoint": self.entrypoint,
+            # As before: no engine_args, nothing of the user's for vLLM's parser to refuse.
+            "check": argv_to_check(self.settings.model, args, self.entrypoint) if args else None,
+            "sizing": sizing_plan(args, model_kind=info.model_kind),
+            "insert_at": insert_at,
+            "report": str(report),
+        }
+
+    def settle_launch(self, report: Path) -> None:
+        """Read what the engine's launcher decided: raise its argument check's refusal, keep the scheduler sizes.
+
+        :raises EngineArgumentsError: the entry point's parser refused ``engine_args`` (not retryable).
+        :raises EngineArgsCheckError: the parser could not be loaded in the engine's Python.
+        """
+        try:
+            decided = json.loads(report.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return  # the engine ended before its launcher decided anything: its exit and log tell why
+        check = decided.get("check")
+        if check is not None:
+            if self._options is not None and check.get("options"):
+                write_options(self._options, check)
+            raise_for_result(check, self.python)
+        defaults = decided.get("offline_defaults")
+        if isinstance(defaults, dict) and "error" in defaults:
             try:
-                read = check_engine_args(
-                    self.python,
-                    self.settings.model,
-                    args,
-                    entrypoint=self.entrypoint,
-                    offline_defaults_for=size if wanted and defaults is None else None,
-                    env=self.environment,
-                    module=info.runner_module if self.entrypoint == "run_batch" else None,
-                    options_file=(
-                        owned_dir(self.settings.results_dir) / f"engine-options-{_options_digest(self.python, info, self.entrypoint)}.json"
-                        if info.vllm_version
-                        else None
-                    ),
-                )
+                OfflineDefaults.from_answer(defaults, self.python)
             except OfflineDefaultsUnavailable as err:
                 self.log.warning("%s", err)
-                read = None
-            checked.parent.mkdir(parents=True, exist_ok=True)
-            checked.touch()
-            if read is not None:
-                remembered.write_text(read.to_json(), encoding="utf-8")
-                defaults = read
-        self._sizes = choose_scheduler_sizes(args, defaults, model_kind=info.model_kind)
-        self.log.info("%s", self._sizes.note)
-        return [*args, *self._sizes.flags]
+        if "sizes" in decided:
+            self._sizes = SchedulerSizes.from_report(decided["sizes"])
 
     @property
     def scheduler_sizes(self) -> SchedulerSizes | None:
-        """The scheduler sizes :meth:`engine_arguments` chose, once it ran."""
+        """The scheduler sizes the engine's launcher chose, once it ran."""
         return self._sizes
-
-
-def _option_names(args: list[str]) -> set[str]:
-    return set(read_options(args))
 
 
 def _options_digest(python: str, info: EngineInfo, entrypoint: str) -> str:
     """Names the file of the flags one entrypoint's parser knows, per engine environment, vLLM version and module."""
     return hashlib.sha256(json.dumps([python, info.vllm_version, info.runner_module, entrypoint]).encode()).hexdigest()[:16]
-
-
-def _defaults_digest(python: str, vllm_version: str | None, world_size: int) -> str:
-    return hashlib.sha256(json.dumps([python, vllm_version, world_size]).encode()).hexdigest()[:16]
-
-
-def _read_defaults(path: Path) -> OfflineDefaults | None:
-    """The offline defaults an earlier try on this worker read, or None."""
-    try:
-        return OfflineDefaults(**json.loads(path.read_text(encoding="utf-8")))
-    except (OSError, ValueError, TypeError):
-        return None

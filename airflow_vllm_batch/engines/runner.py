@@ -17,7 +17,7 @@ from airflow_vllm_batch.batchfile.preflight import RUNNER_URL_ADVICE
 from airflow_vllm_batch.batchfile.models import decode_custom_id
 from airflow_vllm_batch.redaction import redact_engine_args
 from airflow_vllm_batch.engines.base import EngineJob, EngineResults
-from airflow_vllm_batch.engines.local import LocalEngine
+from airflow_vllm_batch.engines.local import LAUNCH_REPORT, LocalEngine
 from airflow_vllm_batch.engines.runner_deaths import (
     DEFAULT_SUSPECTS,
     ENGINE_CRASH,
@@ -164,7 +164,7 @@ class RunnerEngine(LocalEngine):
         :return: the run when the engine died (its answers are in :attr:`_answers`, not staged yet).
         """
         staging = job.staging
-        self.engine_arguments(info)
+        self.engine_arguments(info)  # malformed or reserved options fail before anything is uploaded
         engine_input = self.engine_input(job)
         if self.options.output_mode == "presigned":
             output = job.input.presign("put_object", staging.bucket, staging.results_key, expires_in=self.presign_seconds)
@@ -359,23 +359,26 @@ class RunnerEngine(LocalEngine):
 
         :param extra: flags after the others (an isolated run's in-flight bound).
         """
-        engine_args = self.engine_arguments(info) + list(extra or ())
+        after = list(extra or ())
         if not self.command and "output_tmp_dir" in info.runner_options and output_location.startswith("http"):
             # Without it vLLM holds a URL output in memory until its final PUT.
-            engine_args += ["--output-tmp-dir", str(job.work)]
+            after += ["--output-tmp-dir", str(job.work)]
         argv = build_engine_argv(
             input_location=input_location,
             output_location=output_location,
             model=self.settings.model,
-            engine_args=engine_args,
+            engine_args=[*self.engine_arguments(info), *after],
             engine_command=self.command,
             python=self.python,
             runner_module=info.runner_module,
         )
         env = self.environment
         self.log.info("Starting the vLLM engine: %s", redact_urls(" ".join(redact_engine_args(argv))))
+        report = job.work / LAUNCH_REPORT
         if not self.command:
-            argv, hidden = conceal_arguments(argv)
+            # The scheduler sizes go after the user's flags and before ``after`` (an isolated run's bound wins).
+            launch = self.launch(info, report, insert_at=len(argv) - 3 - len(after))
+            argv, hidden = conceal_arguments(argv, launch)
             env.update(hidden)
         # What the engine is given was decided by this try's reads of staging; staged results or a part
         # written since were written under another holder of the lease. Read the lease after them, so a
@@ -386,6 +389,8 @@ class RunnerEngine(LocalEngine):
             run = self.hook.run(argv, env=env, pass_fds=pass_fds)
         run.vllm_version = run.vllm_version or info.vllm_version
         self.log.info("vLLM engine exited with code %s after %.1fs", run.returncode, run.duration_s)
+        # A refused flag stopped the engine before it loaded the model: the check's own error, not retried.
+        self.settle_launch(report)
         return run
 
     def engine_failed(self, run: EngineRun) -> EngineError:

@@ -35,8 +35,8 @@ from airflow_vllm_batch.batchfile.models import decode_custom_id
 from airflow_vllm_batch.batchfile.cache_keys import reported_models
 from airflow_vllm_batch.batchfile.models import GENERATE_URLS
 from airflow_vllm_batch.engines.base import Engine, EngineJob, EngineResults
-from airflow_vllm_batch.engines.local import LocalEngine
-from airflow_vllm_batch.engines.sizing import api_server_count, connection_in_flight, started_server_in_flight
+from airflow_vllm_batch.engines.local import LAUNCH_REPORT, LocalEngine
+from airflow_vllm_batch.engines.sizing import SchedulerSizes, api_server_count, connection_in_flight, started_server_in_flight
 from airflow_vllm_batch.exceptions import ConfigurationError, RequestsUnansweredError, StorageUnavailableError
 from airflow_vllm_batch.engines.vllm.checks import check_reserved_options
 from airflow_vllm_batch.engines.vllm.model_names import ServedModels, served_models_of_server
@@ -118,7 +118,7 @@ class _Streaming(Engine):
             )
         if done >= total:
             return results
-        self.before_stream(info)
+        self.before_stream(info, job)
         token = uuid.uuid4().hex[:8]
 
         def upload(path: Path, index: int) -> None:
@@ -185,7 +185,7 @@ class _Streaming(Engine):
         journal.write_set_aside()
         journal.close()
 
-    def before_stream(self, info: EngineInfo) -> None:
+    def before_stream(self, info: EngineInfo, job: EngineJob) -> None:
         """Checks worth their cost only when requests are about to be sent."""
 
     def gpus_for(self, job: EngineJob) -> Any:
@@ -228,18 +228,26 @@ class ServerEngine(_Streaming, LocalEngine):
     def identity(self) -> dict[str, Any]:
         return {**LocalEngine.identity(self), "engine": "server"}
 
-    def before_stream(self, info: EngineInfo) -> None:
+    def before_stream(self, info: EngineInfo, job: EngineJob) -> None:
         self.server.engine_args = self.engine_arguments(info)
-        sizes = self.scheduler_sizes
-        assert sizes is not None
-        self.server.max_in_flight, why = started_server_in_flight(self.options.max_in_flight, sizes, self.server.engine_args)
-        self.log.info("In flight: at most %d requests (%s)", self.server.max_in_flight, why)
+        report = job.work / LAUNCH_REPORT
+        # The server's launcher checks the arguments and sizes its scheduler; the in-flight bound
+        # follows the sizes it chose, read once the server started (or failed to).
+        self.server.launch = self.launch(info, report)
+        self.server.on_started = lambda: self.size_in_flight(report)
         if (api_server_count(self.server.engine_args) or 1) > 1:
             self.log.warning(
                 "--api-server-count has no effect here: vLLM 0.32's python -m %s runs one API process (only "
                 "'vllm serve' starts several). Use a warm server behind a vllm connection for that.",
                 SERVER_MODULE,
             )
+
+    def size_in_flight(self, report: Path) -> None:
+        """Read what the server's launcher decided (a refused flag raises its error); bound the requests in flight by its sizes."""
+        self.settle_launch(report)
+        sizes = self.scheduler_sizes or SchedulerSizes([], None, None, "")
+        self.server.max_in_flight, why = started_server_in_flight(self.options.max_in_flight, sizes, self.server.engine_args)
+        self.log.info("In flight: at most %d requests (%s)", self.server.max_in_flight, why)
 
     def gpus_for(self, job: EngineJob) -> Any:
         return self.leased_gpus(self.server.env, job.holder)
@@ -294,7 +302,7 @@ class ConnectionEngine(_Streaming):
     def identity(self) -> dict[str, Any]:
         return {"engine_command": None, "engine_args": None, "engine": "vllm_connection"}
 
-    def before_stream(self, info: EngineInfo) -> None:
+    def before_stream(self, info: EngineInfo, job: EngineJob) -> None:
         self.server.max_in_flight, why = connection_in_flight(self.options.max_in_flight, self.server.warm_hook.max_in_flight)
         self.log.info("In flight: at most %d requests (%s)", self.server.max_in_flight, why)
 

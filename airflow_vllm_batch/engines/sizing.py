@@ -4,8 +4,9 @@ vLLM sizes its scheduler by entry point: its offline ``LLM`` class gets the larg
 ``EngineArgs.get_batch_defaults`` (1024 sequences and 16384 tokens on an H100), its
 OpenAI server smaller ones, and its batch runner none at all (it falls back to 128 and
 2048 on every device). A batch is offline work, so the engines this task starts get the
-offline row of the installed vLLM, read on the engine's own device
-(:class:`~airflow_vllm_batch.engines.vllm.checks.OfflineDefaults`), passed as flags for
+offline row of the installed vLLM, read on the engine's own device by the engine's own
+process before it loads the model (:mod:`~airflow_vllm_batch.engines.vllm.launcher`: the
+task sends :func:`sizing_plan`, the launcher adds the defaults), passed as flags for
 what ``engine_args`` leave unset: the user's flags always win.
 
 Not in the run identity: the sizes change how requests are grouped into steps, not what
@@ -15,15 +16,15 @@ another kind of GPU resumes the same run.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from airflow_vllm_batch.gpus import parallel_sizes
 from airflow_vllm_batch.engines.vllm.checks import OfflineDefaults, read_options, switch_setting
+from airflow_vllm_batch.engines.vllm.launcher import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, fill_sizes
 from airflow_vllm_batch.serving import DEFAULT_MAX_IN_FLIGHT
 
-MAX_NUM_SEQS = "--max-num-seqs"
-MAX_NUM_BATCHED_TOKENS = "--max-num-batched-tokens"
 #: Requests in flight per sequence the server schedules at once: the second half waits in its
 #: queue, so a finished sequence is replaced in the same step rather than after a round trip.
 IN_FLIGHT_PER_SEQUENCE = 2
@@ -44,6 +45,11 @@ class SchedulerSizes:
     max_num_seqs: int | None
     max_num_batched_tokens: int | None
     note: str
+
+    @classmethod
+    def from_report(cls, sizes: dict) -> SchedulerSizes:
+        """The sizes the engine's launcher chose (its report's ``sizes``)."""
+        return cls(list(sizes["flags"]), sizes.get("max_num_seqs"), sizes.get("max_num_batched_tokens"), str(sizes["note"]))
 
 
 def world_size(engine_args: Sequence[str]) -> int:
@@ -72,6 +78,29 @@ def _int_option(options: dict[str, list[str]], name: str) -> int | None:
         return None  # "auto", "4k": the parser check decides; vLLM resolves it
 
 
+def sizing_plan(engine_args: Sequence[str], *, model_kind: str | None) -> dict:
+    """What ``engine_args`` say about the scheduler's sizes, for the engine's launcher to complete with vLLM's defaults.
+
+    Everything that reads the user's flags is decided here, in the task; the engine's own
+    process (:func:`~airflow_vllm_batch.engines.vllm.launcher.fill_sizes`) adds only what
+    needs its vLLM: the offline defaults on its device.
+
+    :param engine_args: the user's engine arguments.
+    :param model_kind: ``"generate"`` or ``"pooling"``, when known.
+    """
+    options = read_options(engine_args)
+    return {
+        "world_size": world_size(engine_args),
+        "max_num_seqs": _int_option(options, MAX_NUM_SEQS),
+        "max_num_seqs_set": MAX_NUM_SEQS in options,
+        "max_num_batched_tokens": _int_option(options, MAX_NUM_BATCHED_TOKENS),
+        "max_num_batched_tokens_set": MAX_NUM_BATCHED_TOKENS in options,
+        "factor": 2 if (options.get("--performance-mode") or [""])[-1] == "throughput" else 1,
+        "whole_prompts": model_kind == "pooling" or switch_setting(engine_args, "--enable-chunked-prefill") is False,
+        "max_model_len": _int_option(options, "--max-model-len"),
+    }
+
+
 def scheduler_sizes(engine_args: Sequence[str], defaults: OfflineDefaults | None, *, model_kind: str | None) -> SchedulerSizes:
     """The offline scheduler sizes to add to ``engine_args``, for the flags the user did not set.
 
@@ -80,48 +109,15 @@ def scheduler_sizes(engine_args: Sequence[str], defaults: OfflineDefaults | None
     sequences per step; and without chunked prefill (pooling models, or
     ``--no-enable-chunked-prefill``, 0.33's ``--disable-chunked-prefill``) a step must hold a whole prompt, so the token budget
     is left to vLLM (which knows the model's length) unless ``--max-model-len`` says it.
+    The engine's launcher decides the same way in the engine's process
+    (:func:`sizing_plan`, then :func:`~airflow_vllm_batch.engines.vllm.launcher.fill_sizes`).
 
     :param engine_args: the user's engine arguments.
     :param defaults: the offline sizes of the engine's vLLM on its device; None when unknown.
     :param model_kind: ``"generate"`` or ``"pooling"``, when known.
     """
-    options = read_options(engine_args)
-    user_seqs = _int_option(options, MAX_NUM_SEQS)
-    user_tokens = _int_option(options, MAX_NUM_BATCHED_TOKENS)
-    seqs_set, tokens_set = MAX_NUM_SEQS in options, MAX_NUM_BATCHED_TOKENS in options
-    if seqs_set and tokens_set:
-        return SchedulerSizes([], user_seqs, user_tokens, f"Scheduler: {MAX_NUM_SEQS} and {MAX_NUM_BATCHED_TOKENS} as engine_args set them")
-    if defaults is None:
-        return SchedulerSizes([], user_seqs, user_tokens, "Scheduler: vLLM's own defaults for this entry point (its offline defaults could not be read)")
-    factor = 2 if (options.get("--performance-mode") or [""])[-1] == "throughput" else 1
-    flags: list[str] = []
-    why = [f"vLLM's offline defaults on {defaults.device}" + (f", world size {defaults.world_size}" if defaults.world_size > 1 else "")]
-    if factor > 1:
-        why.append("doubled for --performance-mode throughput")
-    if seqs_set:
-        seqs = user_seqs
-        why.append(f"{MAX_NUM_SEQS} from engine_args")
-    else:
-        seqs = defaults.max_num_seqs * factor
-        if user_tokens is not None and user_tokens < seqs:
-            seqs = user_tokens
-            why.append(f"{MAX_NUM_SEQS} at most engine_args' {MAX_NUM_BATCHED_TOKENS}")
-        flags += [MAX_NUM_SEQS, str(seqs)]
-    tokens: int | None
-    if tokens_set:
-        tokens = user_tokens
-        why.append(f"{MAX_NUM_BATCHED_TOKENS} from engine_args")
-    else:
-        whole_prompts = model_kind == "pooling" or switch_setting(engine_args, "--enable-chunked-prefill") is False
-        max_model_len = _int_option(options, "--max-model-len")
-        if whole_prompts and max_model_len is None:
-            tokens = None
-            why.append(f"{MAX_NUM_BATCHED_TOKENS} left to vLLM (no chunked prefill: a step holds whole prompts of the model's length)")
-        else:
-            tokens = max(defaults.max_num_batched_tokens * factor, seqs or 0, max_model_len if whole_prompts else 0)
-            flags += [MAX_NUM_BATCHED_TOKENS, str(tokens)]
-    shown = " ".join(flags)
-    return SchedulerSizes(flags, seqs, tokens, f"Scheduler: {shown} ({'; '.join(why)}); set them in engine_args to override")
+    chosen = fill_sizes(sizing_plan(engine_args, model_kind=model_kind), None if defaults is None else dataclasses.asdict(defaults))
+    return SchedulerSizes.from_report(chosen)
 
 
 def started_server_in_flight(user: int | None, sizes: SchedulerSizes, engine_args: Sequence[str]) -> tuple[int, str]:

@@ -27,6 +27,10 @@ the scheduler sizes this vLLM gives its offline entry point on this machine's de
 ``stage`` is ``"import"`` (the parser could not be built: no or broken vLLM),
 ``"parse"`` (argparse refused the arguments) or ``"validate"`` (the entrypoint's own
 quick checks, run before it loads a model, refused them).
+
+The engines a task starts call :func:`check` and :func:`offline_defaults` in their own
+process instead, from :mod:`engine_launcher` (which loads this file by its path), so a
+task imports vLLM once.
 """
 
 from __future__ import annotations

@@ -6,7 +6,10 @@ an engine start on every try:
 
 - :func:`check_engine_args` parses the arguments with the engine environment's *own*
   vLLM argument parser, in a subprocess of its Python (see
-  :mod:`~airflow_vllm_batch.engines.vllm.argcheck`); vLLM is never imported here.
+  :mod:`~airflow_vllm_batch.engines.vllm.argcheck`); vLLM is never imported here. The
+  engines the task starts run the same check in the engine's own process instead, in
+  its launcher (:mod:`~airflow_vllm_batch.engines.vllm.launcher`), so a task imports
+  vLLM once; :func:`argv_to_check` and :func:`raise_for_result` are shared.
 - :func:`inspect_model` reads files only: a local model directory must exist and look
   like a model; a hub id must be in the local cache when downloads are off; and it
   tells whether the model generates text or pools (embeddings, scores), the way vLLM
@@ -185,17 +188,17 @@ def check_engine_args(
     :raises EngineArgsCheckError: the check could not run (no vLLM in ``python``, a
         crash, a timeout).
     """
-    argv = _argv_to_check(model, engine_args, entrypoint)
+    argv = argv_to_check(model, engine_args, entrypoint)
     if options_file is not None:
-        _refuse_unknown_options(engine_args, options_file)
+        refuse_unknown_options(engine_args, options_file)
     request: dict = {"checks": [{"entrypoint": entrypoint, "argv": argv, **({"module": module} if module else {})}]}
     if offline_defaults_for is not None:
         request["offline_defaults"] = {"world_size": offline_defaults_for}
     answer = run_argcheck_script(python, request, timeout=timeout, env=env)
     (result,) = answer["results"]
     if options_file is not None and result.get("options"):
-        _write_options(options_file, result)
-    _raise_for_result(result, python)
+        write_options(options_file, result)
+    raise_for_result(result, python)
     if offline_defaults_for is None:
         return None
     return OfflineDefaults.from_answer(answer.get("offline_defaults"), python)
@@ -244,7 +247,7 @@ class OfflineDefaults:
         return json.dumps(dataclasses.asdict(self))
 
 
-def _write_options(path: Path, result: Mapping) -> None:
+def write_options(path: Path, result: Mapping) -> None:
     """Keep the flags the parser knows and its help command (written whole, then renamed: readers see all or nothing)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
@@ -252,7 +255,7 @@ def _write_options(path: Path, result: Mapping) -> None:
     tmp.replace(path)
 
 
-def _refuse_unknown_options(engine_args: Sequence[str], path: Path) -> None:
+def refuse_unknown_options(engine_args: Sequence[str], path: Path) -> None:
     """Refuse a flag the parser an earlier check saw does not know, without starting the engine's Python.
 
     Only what argparse would refuse for certain: a long option that is neither a known
@@ -283,7 +286,7 @@ def _refuse_unknown_options(engine_args: Sequence[str], path: Path) -> None:
         )
 
 
-def _argv_to_check(model: str, engine_args: Sequence[str], entrypoint: str) -> list[str]:
+def argv_to_check(model: str, engine_args: Sequence[str], entrypoint: str) -> list[str]:
     """Return the arguments the entrypoint would get, in the order the operator gives them."""
     args = _validated_engine_args(engine_args, entrypoint)
     prefix = list(_RUNNER_IO_PLACEHOLDERS) if entrypoint == "run_batch" else []
@@ -332,7 +335,7 @@ def run_argcheck_script(python: str, request: dict, *, timeout: float, env: Mapp
     return answer
 
 
-def _raise_for_result(result: Mapping, python: str) -> None:
+def raise_for_result(result: Mapping, python: str) -> None:
     """Raise the error one check result stands for, if any."""
     if result["ok"]:
         return

@@ -11,12 +11,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from airflow_vllm_batch.batchfile import DEFAULT_SUPPORTED_URLS
 from airflow_vllm_batch.engines.base import EngineInfo
 from airflow_vllm_batch.engines.vllm import RUN_BATCH_MODULE
+from airflow_vllm_batch.engines.vllm.launcher import ARGV_ENV, LAUNCH_ENV, bootstrap
 from airflow_vllm_batch.exceptions import EngineConfigurationError
 
 #: Used only when the engine environment cannot be asked (a custom engine command,
@@ -53,35 +55,28 @@ def build_engine_argv(
     return [*prefix, "-i", input_location, "-o", output_location, "--model", model, *engine_args]
 
 
-#: Runs a module as ``python -m`` would, with its arguments taken from the environment.
-#: A vLLM module run as ``__main__`` logs through the logger ``"__main__"``, outside the
-#: ``vllm`` logger that vLLM configures, so its INFO lines ("Reading batch from ...",
-#: "args: ...", the version) would be lost: that logger is made a child of ``vllm`` first
-#: (vLLM's own ``vllm run_batch`` imports the module under its real name instead).
-_LAUNCHER = """\
-import json, logging, os, runpy, sys
-sys.argv = [sys.argv[1], *json.loads(os.environ.pop('AIRFLOW_VLLM_BATCH_ENGINE_ARGV'))]
-if sys.argv[0].startswith('vllm.'):
-    logging.getLogger('__main__').parent = logging.getLogger('vllm')
-runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)
-"""
-
-
-def conceal_arguments(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
-    """Move the arguments of a ``python -m module ...`` command into an environment variable.
+def conceal_arguments(argv: Sequence[str], launch: Mapping[str, Any] | None = None) -> tuple[list[str], dict[str, str]]:
+    """Start a ``python -m module ...`` command through the engine launcher, its arguments in the environment.
 
     A process's command line is world-readable (``ps``, ``/proc/PID/cmdline``), so
     presigned URLs passed as ``-i``/``-o`` would be visible to every local user for the
-    whole run. Its environment is readable only by the same user; the launcher also
-    drops the variable once read.
+    whole run. Its environment is readable only by the same user; the launcher
+    (:mod:`~airflow_vllm_batch.engines.vllm.launcher`, loaded by path in the engine's Python)
+    drops the variables once read, does what ``launch`` asks (check the arguments, size the
+    scheduler) and runs the module as ``python -m`` would, in the same process.
 
     :param argv: ``[python, "-m", module, *arguments]``, as :func:`build_engine_argv` makes.
+    :param launch: what the launcher does before the hand-over (see
+        :mod:`~airflow_vllm_batch.engines.vllm.launcher`). Default: nothing.
     :return: the argv to start instead, and the environment variables to add.
     """
     python, flag, module, *arguments = argv
     if flag != "-m":
         raise ValueError(f"expected [python, '-m', module, ...], got {argv[:3]!r}")
-    return [python, "-c", _LAUNCHER, module], {"AIRFLOW_VLLM_BATCH_ENGINE_ARGV": json.dumps(arguments)}
+    env = {ARGV_ENV: json.dumps(arguments)}
+    if launch:
+        env[LAUNCH_ENV] = json.dumps(launch)
+    return [python, "-c", bootstrap(), module], env
 
 
 def expand_url_matchers(exact: Sequence[str], suffixes: Sequence[str]) -> frozenset[str]:

@@ -37,6 +37,7 @@ from airflow_vllm_batch.exceptions import (
     ServerUnavailableError,
 )
 from airflow_vllm_batch.log_groups import GROUP_END, GROUP_START, HeldLines, log_engine_line
+from airflow_vllm_batch.engines.vllm.command import conceal_arguments
 from airflow_vllm_batch.engines.vllm.process import (
     DEFAULT_GRACE_S,
     reap,
@@ -119,6 +120,9 @@ class VLLMServerProcess:
     :param grace_s: seconds between SIGTERM and SIGKILL when stopping. Default 4.
     :param tail_lines: how many of the last log lines to keep for error messages. Default 40.
     :param pass_fds: descriptors the server inherits (a GPU lease's locks).
+    :param launch: what the engine launcher does in the server's process before vLLM's entry
+        point runs (check the arguments, size the scheduler: see
+        :mod:`~airflow_vllm_batch.engines.vllm.launcher`). Default: start the module directly.
     """
 
     def __init__(
@@ -135,8 +139,10 @@ class VLLMServerProcess:
         grace_s: float = DEFAULT_GRACE_S,
         tail_lines: int = 40,
         pass_fds: Sequence[int] = (),
+        launch: Mapping[str, Any] | None = None,
     ) -> None:
         self.model = model
+        self.launch = launch
         self.pass_fds = tuple(pass_fds)
         self.engine_args = list(engine_args)
         self.env = env
@@ -202,6 +208,9 @@ class VLLMServerProcess:
             server_command=self.server_command,
         )
         env = {**(os.environ if self.env is None else self.env), API_KEY_ENV: self._api_key}
+        if self.launch is not None and not self.server_command:
+            argv, launcher_env = conceal_arguments(argv, self.launch)
+            env.update(launcher_env)
         started = time.monotonic()
         self.log.info("Starting the vLLM server for %s on %s:%s", self.model, self.host, port)
         self.log.info("%svLLM server start-up", GROUP_START)
@@ -324,7 +333,10 @@ class VLLMServerEngine:
     :param pass_fds: descriptors a started server inherits (a GPU lease's locks); settable
         until :meth:`run`.
     :param max_in_flight: most requests in flight when :meth:`run` is given none; settable
-        until :meth:`run`. Default: the connection's ``max_in_flight`` extra, else 512.
+        until :meth:`run` (and by ``on_started``). Default: the connection's ``max_in_flight`` extra, else 512.
+    :param launch: a started server's launcher instructions (see :class:`VLLMServerProcess`).
+    :param on_started: called once a started server is ready, or exited during start-up (before
+        its error is raised: it may raise the better one, a flag its launcher refused).
     :param startup_timeout_s: seconds a started server may take to be ready. Default 900.
     :param request_timeout_s: seconds one request may take, its retries included. Default 1800.
     """
@@ -342,7 +354,11 @@ class VLLMServerEngine:
         max_in_flight: int | None = None,
         startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
         request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+        launch: Mapping[str, Any] | None = None,
+        on_started: Callable[[], None] | None = None,
     ) -> None:
+        self.launch = launch
+        self.on_started = on_started
         self.startup_timeout_s = startup_timeout_s
         self.request_timeout_s = request_timeout_s
         self.model = model
@@ -391,15 +407,14 @@ class VLLMServerEngine:
         stream: dict[str, Any] = {
             "processes": processes,
             "journal": journal,
-            "max_in_flight": max_in_flight or self.max_in_flight,
             "skip": skip,
             "on_progress": on_progress,
             "progress_every_s": progress_every_s,
             "request_timeout_s": self.request_timeout_s,
         }
         if self.vllm_conn_id is not None:
-            return self.warm_hook.stream_batch(requests, **stream)
-        self.process = VLLMServerProcess(
+            return self.warm_hook.stream_batch(requests, max_in_flight=max_in_flight or self.max_in_flight, **stream)
+        self.process = server = VLLMServerProcess(
             self.model,
             engine_args=self.engine_args,
             env=self.env,
@@ -407,19 +422,29 @@ class VLLMServerEngine:
             grace_s=self.grace_s,
             pass_fds=self.pass_fds,
             startup_timeout_s=self.startup_timeout_s,
+            launch=self.launch,
         )
-        with self.process as server:
+        try:
+            server.start()
+        except EngineError:
+            if self.on_started is not None:
+                self.on_started()
+            raise
+        try:
             assert server.hook is not None
-            try:
-                return server.hook.stream_batch(requests, **stream)
-            except ServerUnavailableError:
-                if server.process is not None and server.process.poll() is not None:
-                    raise ServerUnavailableError(
-                        f"The vLLM server this task started exited (code {server.process.returncode}) during the "
-                        f"batch; the answers so far are checkpointed and the task's retry resumes from them. "
-                        f"Its last lines:\n{server._tail_text()}"
-                    ) from None
-                raise
+            if self.on_started is not None:
+                self.on_started()
+            return server.hook.stream_batch(requests, max_in_flight=max_in_flight or self.max_in_flight, **stream)
+        except ServerUnavailableError:
+            if server.process is not None and server.process.poll() is not None:
+                raise ServerUnavailableError(
+                    f"The vLLM server this task started exited (code {server.process.returncode}) during the "
+                    f"batch; the answers so far are checkpointed and the task's retry resumes from them. "
+                    f"Its last lines:\n{server._tail_text()}"
+                ) from None
+            raise
+        finally:
+            server.terminate()
 
     def terminate(self) -> None:
         """Stop a server this engine started; nothing for a warm server (it is not ours)."""

@@ -1,23 +1,22 @@
 """An engine this task starts checks ``engine_args`` with its own entrypoint's parser (issue 18, bug 1).
 
-The server's check runs vLLM's real parser in a child process (about 10 s); the runner's
-refusal of the same flags is among the cases of ``tests/unit/engines/vllm/test_engine_checks.py``,
-which share one run of that parser.
+The check runs in the engine's own process, in its launcher, before the entry point
+(issue 26 item 2); here the launcher's preparation runs vLLM's real parsers (about 10 s).
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from airflow_vllm_batch.engines import local as local_engines
-from airflow_vllm_batch.engines.local import arguments_marker_digest
 from airflow_vllm_batch.engines.runner import RunnerEngine
 from airflow_vllm_batch.engines.server import ServerEngine
-from airflow_vllm_batch.engines.vllm.checks import OfflineDefaults
+from airflow_vllm_batch.engines.vllm import launcher as engine_launcher
 from airflow_vllm_batch.engines.base import EngineInfo
 from airflow_vllm_batch.engines.options import VLLMRunner, VLLMServer
 from airflow_vllm_batch.run.settings import BatchSettings
@@ -41,25 +40,28 @@ def _server_engine(results_dir: Path) -> ServerEngine:
     return ServerEngine(_settings(results_dir, "server"), logging.getLogger(__name__))
 
 
-@pytest.mark.vllm  # the installed vLLM's own api_server parser
-def test_a_task_started_server_accepts_its_own_flags_in_the_argument_check(tmp_path):
-    engine = _server_engine(tmp_path)
-    engine.engine_arguments(INFO)  # the installed vLLM's api_server parser: raises if it refuses them
-    assert [p.name for p in (tmp_path / "airflow-vllm-batch").glob("engine-args-ok-*")] == [
-        f"engine-args-ok-{arguments_marker_digest(sys.executable, '0.32.0', 'm', SERVER_FLAGS, 'api_server')}"
+#: Runs the launcher's preparation for each engine's launch (not the entry point) in one process, prints the reports.
+PREPARE = """
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("launcher", sys.argv[1])
+launcher = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(launcher)
+for module, launch in json.loads(sys.argv[2]):
+    print(json.dumps(launcher.prepare(module, [], launch)[1]["check"]))
+"""
+
+
+@pytest.mark.vllm  # the installed vLLM's own api_server and run_batch parsers, in the engine's launcher
+def test_each_engine_launcher_checks_with_its_own_entrypoints_parser(tmp_path):
+    server, runner = _server_engine(tmp_path), RunnerEngine(_settings(tmp_path, "runner"), logging.getLogger(__name__))
+    launches = [
+        ["vllm.entrypoints.openai.api_server", server.launch(INFO, tmp_path / "s.json")],
+        [INFO.runner_module, runner.launch(INFO, tmp_path / "r.json")],
     ]
-
-
-def test_arguments_that_passed_one_entrypoints_parser_are_checked_again_by_the_others(monkeypatch, tmp_path):
-    checked: list[str] = []
-
-    def parser_accepts(python, model, args, *, entrypoint, offline_defaults_for=None, env=None, module=None, options_file=None):
-        checked.append(entrypoint)
-        return OfflineDefaults(max_num_seqs=8, max_num_batched_tokens=64, device="cpu") if offline_defaults_for else None
-
-    monkeypatch.setattr(local_engines, "check_engine_args", parser_accepts)
-    _server_engine(tmp_path).engine_arguments(INFO)
-    # Same worker, same results_dir, same flags: the server's marker must not let the
-    # runner skip its own parser, which refuses --uvicorn-log-level.
-    RunnerEngine(_settings(tmp_path, "runner"), logging.getLogger(__name__)).engine_arguments(INFO)
-    assert checked == ["api_server", "run_batch"]
+    done = subprocess.run(  # noqa: S603
+        [sys.executable, "-c", PREPARE, engine_launcher.__file__, json.dumps(launches)], capture_output=True, text=True, timeout=300, check=True
+    )
+    served, ran = (json.loads(line) for line in done.stdout.splitlines()[-2:])
+    assert served["ok"], served  # the server's own flags pass its parser
+    # The same flags on the same worker: the runner's parser refuses the server's --uvicorn-log-level.
+    assert not ran["ok"] and "--uvicorn-log-level" in ran["error"]

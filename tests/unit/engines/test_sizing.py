@@ -7,13 +7,16 @@ real engines report what they resolved in ``tests/integration/test_engine_sizing
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
+import os
+import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from airflow_vllm_batch.engines import local as local_engines
 from airflow_vllm_batch.engines.runner import RunnerEngine
 from airflow_vllm_batch.engines.server import ServerEngine
 from airflow_vllm_batch.engines.sizing import (
@@ -22,7 +25,8 @@ from airflow_vllm_batch.engines.sizing import (
     started_server_in_flight,
     world_size,
 )
-from airflow_vllm_batch.engines.vllm.checks import OfflineDefaults, OfflineDefaultsUnavailable
+from airflow_vllm_batch.engines.vllm import launcher as engine_launcher
+from airflow_vllm_batch.engines.vllm.checks import OfflineDefaults
 from airflow_vllm_batch.engines.base import EngineInfo
 from airflow_vllm_batch.engines.options import VLLMRunner, VLLMServer
 from airflow_vllm_batch.run.settings import BatchSettings
@@ -165,26 +169,25 @@ def test_connection_in_flight(user, extra, expected, reason):
     assert chosen == expected and reason in why
 
 
-# -- the engines: what they pass, read once per worker ---------------------------------
+# -- the engines: the sizes their launcher chooses in the engine's own process ---------
 
 
-class _Reader:
-    """Stands in for the engine Python's check script: counts its runs, answers with fixed defaults."""
+class _Argcheck:
+    """Stands in for ``engine_argcheck`` in the launcher: accepts every argument, answers fixed defaults."""
 
     def __init__(self, defaults: OfflineDefaults | None = H100, fail: bool = False) -> None:
-        self.calls: list[dict] = []
+        self.defaults_read: list[int] = []
         self.defaults = defaults
         self.fail = fail
 
-    def __call__(self, python, model, args, *, entrypoint, offline_defaults_for=None, env=None, module=None, options_file=None):
-        self.calls.append(
-            {"args": list(args), "entrypoint": entrypoint, "offline_defaults_for": offline_defaults_for, "module": module}
-        )
-        if offline_defaults_for is None:
-            return None
+    def check(self, entrypoint, argv, entry_module=None):
+        return {"ok": True, "entrypoint": entrypoint}
+
+    def offline_defaults(self, world_size):
+        self.defaults_read.append(world_size)
         if self.fail:
-            raise OfflineDefaultsUnavailable("no table here")
-        return self.defaults
+            raise RuntimeError("no table here")
+        return dataclasses.asdict(self.defaults)
 
 
 def _engine(cls, tmp_path: Path, **options):
@@ -198,72 +201,99 @@ def _engine(cls, tmp_path: Path, **options):
 INFO = EngineInfo(vllm_version="0.32.0", supported_urls=frozenset(), model_kind="generate")
 
 
+def _launched(monkeypatch, engine, tmp_path: Path, argcheck: _Argcheck, argv: list[str] | None = None, insert_at=None) -> list[str]:
+    """What the engine's launcher does in the engine's process, with ``argcheck`` for vLLM; return the arguments it starts with."""
+    monkeypatch.setattr(engine_launcher, "_argcheck", lambda: argcheck)
+    report = tmp_path / "engine-launch.json"
+    launch = json.loads(json.dumps(engine.launch(INFO, report, insert_at=insert_at)))  # what the environment carries
+    args = list(engine.engine_arguments(INFO) if argv is None else argv)
+    started, decided = engine_launcher.prepare("vllm.entrypoints.launchers.run_batch", args, launch)
+    engine_launcher._write_report(launch["report"], decided)
+    engine.settle_launch(report)
+    return started
+
+
 @pytest.mark.parametrize("cls", [RunnerEngine, ServerEngine], ids=["runner", "server"])
-def test_engine_starts_with_the_offline_sizes_read_from_its_python(monkeypatch, tmp_path, cls):
-    reader = _Reader()
-    monkeypatch.setattr(local_engines, "check_engine_args", reader)
-    args = _engine(cls, tmp_path, args=["--enforce-eager"]).engine_arguments(INFO)
+def test_engine_starts_with_the_offline_sizes_its_launcher_read_in_its_own_process(monkeypatch, tmp_path, cls):
+    engine = _engine(cls, tmp_path, args=["--enforce-eager"])
+    args = _launched(monkeypatch, engine, tmp_path, _Argcheck())
     assert args == ["--enforce-eager", "--max-num-seqs", "1024", "--max-num-batched-tokens", "16384"]
+    assert engine.scheduler_sizes == scheduler_sizes(["--enforce-eager"], H100, model_kind="generate")
+
+
+def test_size_flags_go_between_the_users_flags_and_an_isolated_runs_bound(monkeypatch, tmp_path):
+    engine = _engine(RunnerEngine, tmp_path, args=["--enforce-eager"])
+    args = _launched(monkeypatch, engine, tmp_path, _Argcheck(), argv=["--enforce-eager", "--max-num-seqs", "1"], insert_at=1)
+    # argparse keeps the last value: the isolated run's bound of one sequence wins over the default.
+    assert args == ["--enforce-eager", "--max-num-seqs", "1024", "--max-num-batched-tokens", "16384", "--max-num-seqs", "1"]
 
 
 # The entrypoints are spelled out, not read from the class: a server checked with the
 # runner's parser would refuse the server's own flags (--uvicorn-log-level) and accept
 # flags the server does not know.
 @pytest.mark.parametrize(("cls", "entrypoint"), [(RunnerEngine, "run_batch"), (ServerEngine, "api_server")], ids=["runner", "server"])
-def test_engine_checks_its_arguments_and_reads_the_defaults_in_one_run_of_its_own_entrypoints_parser(monkeypatch, tmp_path, cls, entrypoint):
-    reader = _Reader()
-    monkeypatch.setattr(local_engines, "check_engine_args", reader)
-    _engine(cls, tmp_path, args=["--enforce-eager"]).engine_arguments(INFO)
-    # The runner's check follows the module the probe found; the server's, its own default.
-    module = INFO.runner_module if cls is RunnerEngine else None
-    assert reader.calls == [{"args": ["--enforce-eager"], "entrypoint": entrypoint, "offline_defaults_for": 1, "module": module}]
+def test_engine_launcher_checks_the_arguments_with_its_own_entrypoints_parser_as_the_task_did(tmp_path, cls, entrypoint):
+    launch = _engine(cls, tmp_path, args=["--enforce-eager"]).launch(INFO, tmp_path / "r.json")
+    assert launch["entrypoint"] == entrypoint
+    prefix = ["-i", "input.jsonl", "-o", os.devnull] if entrypoint == "run_batch" else []
+    assert launch["check"] == [*prefix, "--model", "m", "--enforce-eager"]
+    assert launch["sizing"]["world_size"] == 1 and not launch["sizing"]["max_num_seqs_set"]
 
 
-def test_a_later_try_on_the_worker_reads_neither_arguments_nor_defaults_again(monkeypatch, tmp_path):
-    reader = _Reader()
-    monkeypatch.setattr(local_engines, "check_engine_args", reader)
-    first = _engine(RunnerEngine, tmp_path, args=["--enforce-eager"]).engine_arguments(INFO)
-    again = _engine(RunnerEngine, tmp_path, args=["--enforce-eager"]).engine_arguments(INFO)
-    assert first == again and len(reader.calls) == 1
+def test_the_task_imports_no_vllm_and_starts_no_process_before_the_engine(monkeypatch, tmp_path):
+    # A fresh worker used to import vLLM in a separate check process (seconds); the engine's process does it now.
+    def no_process(*args, **kwargs):
+        raise AssertionError("a process was started before the engine")
+
+    monkeypatch.setattr(subprocess, "run", no_process)
+    monkeypatch.setattr(subprocess, "Popen", no_process)
+    engine = _engine(RunnerEngine, tmp_path, args=["--enforce-eager"])
+    assert engine.engine_arguments(INFO) == ["--enforce-eager"]
+    assert engine.launch(INFO, tmp_path / "r.json") is not None
+    # No check or defaults remembered on the worker either: a fresh worker and a warm one start the engine alike.
+    assert not (tmp_path / "airflow-vllm-batch").exists()
 
 
-def test_engine_with_both_sizes_set_does_not_ask_for_defaults(monkeypatch, tmp_path):
-    reader = _Reader()
-    monkeypatch.setattr(local_engines, "check_engine_args", reader)
+def test_engine_with_both_sizes_set_does_not_read_the_defaults(monkeypatch, tmp_path):
+    argcheck = _Argcheck()
     args = ["--max-num-seqs", "8", "--max-num-batched-tokens", "64"]
-    assert _engine(RunnerEngine, tmp_path, args=args).engine_arguments(INFO) == args
-    assert reader.calls[0]["offline_defaults_for"] is None
+    assert _launched(monkeypatch, _engine(RunnerEngine, tmp_path, args=args), tmp_path, argcheck) == args
+    assert argcheck.defaults_read == []
 
 
-def test_custom_engine_command_is_not_sized(monkeypatch, tmp_path):
-    reader = _Reader()
-    monkeypatch.setattr(local_engines, "check_engine_args", reader)
+def test_custom_engine_command_has_no_launcher_and_is_not_sized(tmp_path):
     engine = _engine(RunnerEngine, tmp_path, command=["my-engine"], args=["--enforce-eager"])
-    assert engine.engine_arguments(INFO) == ["--enforce-eager"] and reader.calls == []
+    assert engine.engine_arguments(INFO) == ["--enforce-eager"]
+    assert engine.launch(INFO, tmp_path / "r.json") is None
 
 
 def test_defaults_that_cannot_be_read_start_the_engine_unsized_with_a_warning(monkeypatch, tmp_path, caplog):
-    monkeypatch.setattr(local_engines, "check_engine_args", _Reader(fail=True))
+    engine = _engine(RunnerEngine, tmp_path, args=["--enforce-eager"])
     with caplog.at_level(logging.WARNING):
-        assert _engine(RunnerEngine, tmp_path, args=["--enforce-eager"]).engine_arguments(INFO) == ["--enforce-eager"]
+        assert _launched(monkeypatch, engine, tmp_path, _Argcheck(fail=True)) == ["--enforce-eager"]
     assert "no table here" in caplog.text
+    assert "Could not read vLLM's offline scheduler defaults" in caplog.text
 
 
-def test_started_server_gets_in_flight_sized_to_its_scheduler(monkeypatch, tmp_path, caplog):
-    monkeypatch.setattr(local_engines, "check_engine_args", _Reader())
+def test_started_server_gets_in_flight_sized_to_the_scheduler_its_launcher_chose(monkeypatch, tmp_path, caplog):
     engine = _engine(ServerEngine, tmp_path, args=["--data-parallel-size", "2"])
+    job = SimpleNamespace(work=tmp_path)
+    engine.before_stream(INFO, job)
+    assert engine.server.launch["entrypoint"] == "api_server"
+    monkeypatch.setattr(engine_launcher, "_argcheck", lambda: _Argcheck())
+    started, decided = engine_launcher.prepare("vllm.entrypoints.openai.api_server", list(engine.server.engine_args), engine.server.launch)
+    engine_launcher._write_report(engine.server.launch["report"], decided)
+    assert started[-4:] == ["--max-num-seqs", "1024", "--max-num-batched-tokens", "16384"]
     with caplog.at_level(logging.INFO):
-        engine.before_stream(INFO)
+        engine.server.on_started()
     assert engine.server.max_in_flight == 2 * 1024 * 2
-    assert engine.server.engine_args[-4:] == ["--max-num-seqs", "1024", "--max-num-batched-tokens", "16384"]
     assert "In flight: at most 4096 requests (twice the server's max_num_seqs 1024" in caplog.text
 
 
 @pytest.mark.parametrize("flag", [["--api-server-count", "2"], ["--api-server-count=2"], ["-asc", "2"]], ids=["space", "equals", "short"])
-def test_started_server_warns_that_its_module_ignores_api_server_count(monkeypatch, tmp_path, caplog, flag):
-    monkeypatch.setattr(local_engines, "check_engine_args", _Reader())
+def test_started_server_warns_that_its_module_ignores_api_server_count(tmp_path, caplog, flag):
     engine = _engine(ServerEngine, tmp_path, args=flag)
     with caplog.at_level(logging.WARNING):
-        engine.before_stream(INFO)
+        engine.before_stream(INFO, SimpleNamespace(work=tmp_path))
     assert "--api-server-count has no effect here" in caplog.text
     assert engine.server.engine_args[: len(flag)] == flag  # passed through all the same

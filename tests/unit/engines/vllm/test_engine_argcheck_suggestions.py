@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from airflow_vllm_batch.engines.vllm.argcheck import _did_you_mean
-from airflow_vllm_batch.engines.vllm.checks import EngineArgumentsError, _argv_to_check, _raise_for_result, run_argcheck_script
+from airflow_vllm_batch.engines.vllm.checks import EngineArgumentsError, argv_to_check, raise_for_result, run_argcheck_script
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -43,10 +43,10 @@ def test_nothing_close_or_no_unknown_flag_gets_no_guess(message):
 
 @pytest.mark.vllm
 def test_vllms_own_parser_suggests_the_flag_for_a_misspelling():
-    checks = [{"entrypoint": "run_batch", "argv": _argv_to_check("m", ["--max-modle-len", "4096"], "run_batch")}]
+    checks = [{"entrypoint": "run_batch", "argv": argv_to_check("m", ["--max-modle-len", "4096"], "run_batch")}]
     (result,) = run_argcheck_script(sys.executable, {"checks": checks}, timeout=300)["results"]
     with pytest.raises(EngineArgumentsError, match=r"unrecognized arguments: --max-modle-len 4096 \(did you mean --max-model-len for --max-modle-len\?\)"):
-        _raise_for_result(result, sys.executable)
+        raise_for_result(result, sys.executable)
 
 
 def test_a_misspelled_flag_is_refused_at_once_from_the_flags_an_earlier_check_saw(tmp_path):

@@ -23,8 +23,8 @@ from airflow_vllm_batch.engines.vllm.checks import (
     IncompleteModelError,
     ModelInfo,
     ModelNotFoundError,
-    _argv_to_check,
-    _raise_for_result,
+    argv_to_check,
+    raise_for_result,
     check_engine_args,
     inspect_model,
     run_argcheck_script,
@@ -33,7 +33,7 @@ from airflow_vllm_batch.engines.vllm.checks import (
 # Runs vLLM's own argument parsers and model loaders in this Python.
 pytestmark = pytest.mark.vllm
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[4]
 RUNNER_HELP = "'python -m vllm.entrypoints.launchers.run_batch --help'"
 
 #: (engine_args, fragments the one-line message must hold) for arguments vLLM refuses.
@@ -76,7 +76,7 @@ def argcheck_results() -> dict[str, dict]:
     cases = {f"run_batch/{k}": ("run_batch", v[0]) for k, v in REFUSED_RUNNER_ARGS.items()}
     cases |= {f"run_batch/{k}": ("run_batch", v) for k, v in ACCEPTED_RUNNER_ARGS.items()}
     cases |= {f"api_server/{k}": ("api_server", v[0]) for k, v in REFUSED_SERVER_ARGS.items()}
-    checks = [{"entrypoint": ep, "argv": _argv_to_check("m", args, ep)} for ep, args in cases.values()]
+    checks = [{"entrypoint": ep, "argv": argv_to_check("m", args, ep)} for ep, args in cases.values()]
     results = run_argcheck_script(sys.executable, {"checks": checks}, timeout=300)["results"]
     return dict(zip(cases, results))
 
@@ -85,7 +85,7 @@ def argcheck_results() -> dict[str, dict]:
 def test_runner_args_refused_by_vllm_name_the_argument_and_the_fix(argcheck_results, case):
     _, fragments = REFUSED_RUNNER_ARGS[case]
     with pytest.raises(EngineArgumentsError) as err:
-        _raise_for_result(argcheck_results[f"run_batch/{case}"], sys.executable)
+        raise_for_result(argcheck_results[f"run_batch/{case}"], sys.executable)
     message = str(err.value)
     assert message.startswith("engine_args: ")
     assert "\n" not in message
@@ -97,14 +97,14 @@ def test_runner_args_refused_by_vllm_name_the_argument_and_the_fix(argcheck_resu
 @pytest.mark.parametrize("case", ACCEPTED_RUNNER_ARGS)
 def test_runner_args_vllm_accepts_pass(argcheck_results, case):
     assert argcheck_results[f"run_batch/{case}"]["ok"], argcheck_results[f"run_batch/{case}"]
-    _raise_for_result(argcheck_results[f"run_batch/{case}"], sys.executable)
+    raise_for_result(argcheck_results[f"run_batch/{case}"], sys.executable)
 
 
 @pytest.mark.parametrize("case", REFUSED_SERVER_ARGS)
 def test_server_args_refused_by_vllm_name_the_argument_and_the_fix(argcheck_results, case):
     _, fragments, help_cmd = REFUSED_SERVER_ARGS[case]
     with pytest.raises(EngineArgumentsError) as err:
-        _raise_for_result(argcheck_results[f"api_server/{case}"], sys.executable)
+        raise_for_result(argcheck_results[f"api_server/{case}"], sys.executable)
     message = str(err.value)
     assert message.startswith("engine_args: ") and "\n" not in message
     for fragment in fragments:

@@ -28,8 +28,8 @@ from airflow_vllm_batch.exceptions import EngineArgumentsError
 from airflow_vllm_batch.engines.vllm import argcheck as engine_argcheck, probe as engine_probe
 from airflow_vllm_batch.engines.vllm.checks import (
     OfflineDefaults,
-    _argv_to_check,
-    _raise_for_result,
+    argv_to_check,
+    raise_for_result,
     run_argcheck_script,
     switch_setting,
 )
@@ -38,7 +38,7 @@ from airflow_vllm_batch.engines.vllm import RUN_BATCH_MODULE
 from airflow_vllm_batch.engines.vllm.command import FALLBACK_SUPPORTED_URLS, build_engine_argv, probe_engine
 from airflow_vllm_batch.engines.vllm.server_process import SERVER_MODULE, build_server_argv
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[4]
 VLLM033_PYTHON = os.environ.get("AIRFLOW_VLLM_BATCH_VLLM033_PYTHON") or str(REPO / ".venv-vllm033" / "bin" / "python")
 
 #: What each release is expected to show.
@@ -236,7 +236,7 @@ def checked(release, tmp_path_factory) -> dict[str, dict]:
     (cwd / "output.jsonl").mkdir()  # not writable as a file, even by root
     cwd.chmod(0o555)
     request = {
-        "checks": [{"entrypoint": ep, "argv": _argv_to_check("m", args, ep)} for ep, args in CASES.values()]
+        "checks": [{"entrypoint": ep, "argv": argv_to_check("m", args, ep)} for ep, args in CASES.values()]
         + [{"entrypoint": ep, "argv": argv} for ep, argv in STARTED.values()],
         "offline_defaults": {"world_size": 2},
     }
@@ -255,7 +255,7 @@ def test_the_servers_argument_check_finds_the_releases_parser(release, checked):
     assert result["ok"], result
     assert result["parser_module"] == release["server_parser"]
     with pytest.raises(EngineArgumentsError, match=r"^engine_args: argument --uvicorn-log-level: .*'loud'.*\(see 'vllm serve --help'\)\.$"):
-        _raise_for_result(checked["server/bad-choice"], release["python"])
+        raise_for_result(checked["server/bad-choice"], release["python"])
 
 
 def test_the_runners_argument_check_passes_whatever_the_working_directory(release, checked):
@@ -264,7 +264,7 @@ def test_the_runners_argument_check_passes_whatever_the_working_directory(releas
     assert result["ok"], result
     assert result["parser_module"] == RUN_BATCH_MODULE
     with pytest.raises(EngineArgumentsError, match=rf"^engine_args: argument --max-model-len: .*\(see 'python -m {RUN_BATCH_MODULE} --help'\)\.$"):
-        _raise_for_result(checked["runner/bad-length"], release["python"])
+        raise_for_result(checked["runner/bad-length"], release["python"])
 
 
 @pytest.mark.parametrize("case", STARTED)
@@ -346,6 +346,49 @@ def test_the_disable_forms_change_what_the_operator_derives():
     with pytest.raises(EngineArgumentsError, match="--enable-lora"):
         served_models("m", ["--enable-lora", "--lora-modules", "a=/a", "--disable-lora"])
     assert output_args(["--disable-prefix-caching", "--max-inflight", "64", "--seed", "1"]) == ["--seed", "1"]
+
+
+#: The engine launcher's preparation (check, defaults, sizes) for each launch, in one process; never the entry point.
+_PREPARE = """
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("launcher", sys.argv[1])
+launcher = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(launcher)
+print("LAUNCHED " + json.dumps([launcher.prepare(module, argv, launch) for module, argv, launch in json.loads(sys.argv[2])]))
+"""
+
+
+def test_the_engine_launcher_checks_and_sizes_in_the_releases_own_process(release, tmp_path):
+    """One import of the release's vLLM in the engine's process checks the flags and reads the offline sizes (issue 26 item 2)."""
+    from airflow_vllm_batch.engines.sizing import sizing_plan
+    from airflow_vllm_batch.engines.vllm import launcher as engine_launcher
+
+    def launch(entrypoint: str, args: list[str]) -> dict:
+        return {"entrypoint": entrypoint, "check": argv_to_check("m", args, entrypoint), "sizing": sizing_plan(args, model_kind="generate")}
+
+    runner_argv = ["-i", "in.jsonl", "-o", str(tmp_path / "out.jsonl"), "--model", "m", "--enforce-eager"]
+    disable = ["--disable-chunked-prefill"]
+    launches = [
+        [RUN_BATCH_MODULE, runner_argv, launch("run_batch", ["--enforce-eager"])],
+        [SERVER_MODULE, ["--model", "m", "--uvicorn-log-level", "loud"], launch("api_server", ["--uvicorn-log-level", "loud"])],
+        [SERVER_MODULE, ["--model", "m", *disable], launch("api_server", disable)],
+    ]
+    done = subprocess.run(  # noqa: S603 - the release's Python, as the engine starts it (no -I)
+        [release["python"], "-c", _PREPARE, engine_launcher.__file__, json.dumps(launches)], capture_output=True, text=True, timeout=600, env=ENV, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    (runner, runner_report), (_, refused), (disabled_argv, disabled) = json.loads(done.stdout.split("LAUNCHED ", 1)[1])
+    assert runner_report["check"]["ok"] and runner_report["check"]["parser_module"] == RUN_BATCH_MODULE
+    assert runner_report["offline_defaults"] == {"max_num_seqs": 256, "max_num_batched_tokens": 4096, "device": "cpu", "world_size": 1}
+    assert runner == [*runner_argv, "--max-num-seqs", "256", "--max-num-batched-tokens", "4096"]
+    assert refused["check"]["parser_module"] == release["server_parser"]
+    with pytest.raises(EngineArgumentsError, match=r"^engine_args: argument --uvicorn-log-level: .*'loud'.*\(see 'vllm serve --help'\)\.$"):
+        raise_for_result(refused["check"], release["python"])
+    if release["disable_forms"]:
+        # 0.33's --disable-chunked-prefill: a step holds whole prompts, so the token budget is left to vLLM.
+        assert disabled["check"]["ok"] and disabled_argv == ["--model", "m", *disable, "--max-num-seqs", "256"]
+    else:
+        assert "unrecognized arguments: --disable-chunked-prefill" in disabled["check"]["error"]
 
 
 # --- what needs a GPU to run: read from the installed wheel's files ---------------------

@@ -44,6 +44,7 @@ WORKER_TAG = "airflow-vllm-batch-gpu-worker:3.3.2-cpu"
 PROJECT = "vllm-batch-compose-test"
 MODEL_IN_CONTAINER = "/models/tiny-llama-chat"
 FIND_LINKS_PORT = 38411
+HEALTH_INTERVAL_S = 3
 APT_SOURCES = Path("/etc/apt/sources.list.d")
 HOST_CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 
@@ -321,10 +322,13 @@ class ComposeStack:
         }
         # The file's health checks, polled more often: the services start as they would, but
         # those waiting on them (everything on the database, the workers on the API server)
-        # learn sooner that they may start.
+        # learn sooner that they may start. As many more retries: a service is given as long
+        # to become healthy as the file gives it.
         services = yaml.safe_load((REPO / "docker-compose.yaml").read_text())["services"]
         for name in ("postgres", "redis", "s3", "airflow-apiserver"):
-            override["services"][name] = {"healthcheck": {**services[name]["healthcheck"], "interval": "3s"}}
+            check = services[name]["healthcheck"]
+            retries = check.get("retries", 3) * int(check["interval"].removesuffix("s")) // HEALTH_INTERVAL_S
+            override["services"][name] = {"healthcheck": {**check, "interval": f"{HEALTH_INTERVAL_S}s", "retries": retries}}
         # Under the repository's cache, not pytest's temporary directory: `down` needs the
         # file, and a concurrent pytest session may prune old temporary directories.
         CACHE.mkdir(parents=True, exist_ok=True)

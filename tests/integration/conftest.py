@@ -51,3 +51,36 @@ def airflow_db(embedded: SeaweedFS) -> None:
     from airflow.utils.db import resetdb
 
     resetdb()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """When the compose test is selected, build its images in the background from now and run it last.
+
+    Building the images of docker/ takes minutes and mostly waits on the network and the
+    disk, so it overlaps the rest of the suite instead of adding to it.
+    """
+    compose = [item for item in items if item.get_closest_marker("compose")]
+    if not compose or config.option.collectonly:
+        return
+    items[:] = [item for item in items if not item.get_closest_marker("compose")] + compose
+    from tests.integration.compose_stack import IMAGES
+
+    IMAGES.start()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Stop a dockerd the compose test started, also when the test did not run to its end."""
+    from tests.integration.compose_stack import IMAGES
+
+    IMAGES.close()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    """The compose test's phases and their durations, when it ran."""
+    from tests.integration.compose_stack import IMAGES
+
+    if IMAGES.timings:
+        terminalreporter.write_sep("-", "compose stack: seconds per phase")
+        for phase, seconds in IMAGES.timings.items():
+            terminalreporter.write_line(f"{seconds:8.1f}  {phase}")

@@ -110,7 +110,7 @@ def _whole(name: str, value: Any, *, minimum: int, why: str = "") -> None:
 class EngineOptions:
     """What one engine is told; the base of every engine's options (``engine=`` of the operator).
 
-    A subclass names its engine (:meth:`engine_class`), lists its templated fields in
+    A subclass names its engine (:attr:`engine_path`), lists its templated fields in
     ``template_fields`` and checks itself (:meth:`check` at DAG parse time, :meth:`rendered`
     when the task starts). The run layer asks it nothing else: what the engine does with it
     is the engine's.

@@ -14,6 +14,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
+from airflow_vllm_batch.engines import VLLMRunner, VLLMServer
 from vllm_batch_embedded.demo import BUCKET, CPU_ENGINE_ARGS
 from tests.integration.dagrun import DagRunResult, register_dag, run_dag
 
@@ -67,7 +68,8 @@ def _model_loaded(output: str) -> bool:
 
 @pytest.mark.parametrize("engine", ["runner", "server"])
 def test_a_misspelled_flag_fails_once_before_the_model_loads_with_the_checks_message(embedded, airflow_db, tiny_model, tmp_path, engine):
-    result = _run(embedded, tiny_model, tmp_path, f"bad_{engine}", engine=engine, engine_args=[*CPU_ENGINE_ARGS.split(), "--max-modle-len", "64"])
+    options = VLLMRunner if engine == "runner" else VLLMServer
+    result = _run(embedded, tiny_model, tmp_path, f"bad_{engine}", engine=options(args=[*CPU_ENGINE_ARGS.split(), "--max-modle-len", "64"]))
     assert result.state == "failed"
     # The server's parser takes a bare word as its positional model tag, so it names the flag alone.
     refused, help_command = ("--max-modle-len 64", RUNNER_HELP) if engine == "runner" else ("--max-modle-len", "vllm serve --help")
@@ -81,7 +83,7 @@ def test_a_misspelled_flag_fails_once_before_the_model_loads_with_the_checks_mes
 
 
 def test_a_runner_task_on_a_fresh_worker_starts_the_engine_with_its_offline_sizes_and_answers(embedded, airflow_db, tiny_model, tmp_path):
-    result = _run(embedded, tiny_model, tmp_path, "good_runner", engine_args=CPU_ENGINE_ARGS.split())
+    result = _run(embedded, tiny_model, tmp_path, "good_runner", engine=VLLMRunner(args=CPU_ENGINE_ARGS.split()))
     assert result.state == "success", result.output[-4000:]
     assert result.xcom("vllm_batch")["request_counts"] == {"total": N, "completed": N, "failed": 0}
     assert "Scheduler: --max-num-seqs 256 --max-num-batched-tokens 4096 (vLLM's offline defaults on cpu)" in result.output
@@ -95,7 +97,7 @@ def test_a_runner_task_on_a_fresh_worker_starts_the_engine_with_its_offline_size
 
 
 def test_a_task_started_server_on_a_fresh_worker_starts_with_its_offline_sizes_and_answers(embedded, airflow_db, tiny_model, tmp_path):
-    result = _run(embedded, tiny_model, tmp_path, "good_server", engine="server", engine_args=CPU_ENGINE_ARGS.split())
+    result = _run(embedded, tiny_model, tmp_path, "good_server", engine=VLLMServer(args=CPU_ENGINE_ARGS.split()))
     assert result.state == "success", result.output[-4000:]
     assert result.xcom("vllm_batch")["request_counts"] == {"total": N, "completed": N, "failed": 0}
     assert "Scheduler: --max-num-seqs 256 --max-num-batched-tokens 4096 (vLLM's offline defaults on cpu)" in result.output

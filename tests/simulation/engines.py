@@ -232,6 +232,8 @@ class SimServerEngine(_Streaming):
 
     name = "sim-server"
     world: World | None = None
+    #: A server has no command prefix (the real ServerEngine's, from LocalEngine); the identity reads it.
+    command: tuple[str, ...] | None = None
 
     @cached_property
     def served(self) -> ServedModels:

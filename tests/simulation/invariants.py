@@ -343,6 +343,9 @@ def no_secrets(o: Outcome) -> list[Violation]:
 
 # -- Bounded ----------------------------------------------------------------------------
 
+#: Exceptions no fault the simulator injects can cause: a try ending in one is a bug in the code under test.
+PROGRAMMING_ERRORS = (AttributeError, TypeError, NameError, KeyError, IndexError, AssertionError, ImportError, UnboundLocalError)
+
 
 def bounded(o: Outcome) -> list[Violation]:
     world = o.world
@@ -360,6 +363,13 @@ def bounded(o: Outcome) -> list[Violation]:
             found.append(
                 Violation("Bounded/terminal-on-transient-faults", f"{last.label}: {type(last.error).__name__}: {str(last.error)[:160]}")
             )
+    # A try that ends in a programming error ends the task no better than a bug would: Airflow
+    # retries it, and the simulator would count a schedule where nothing ran as clean (the
+    # server engine's schedules did, after a refactor, until this check).
+    for t in world.tries:
+        if isinstance(t.error, PROGRAMMING_ERRORS):
+            found.append(Violation("Bounded/programming-error", f"{t.label}: {type(t.error).__name__}: {str(t.error)[:160]}"))
+            break
     for line in world.logs:
         if line.message.startswith("Lost the lease") and line.lease_holder == line.try_label:
             found.append(Violation("Bounded/lease-lost-to-nobody", f"{line.try_label} declared its lease lost while the lease named it"))

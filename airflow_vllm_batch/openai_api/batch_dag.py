@@ -90,8 +90,9 @@ class OpenAIBatchOperator(VLLMBatchOperator):
                 "unanswered, in the output and error files)"
             ) from timeout
         except Exception as err:
-            # A mistake arrives as AirflowFailException raised from the VLLMBatchError (no retries).
-            cause = err if isinstance(err, VLLMBatchError) else err.__cause__
+            # A mistake arrives as AirflowFailException raised in the handling of the VLLMBatchError
+            # (no retries), ``from None`` so that the task log tells it once: the error is its context.
+            cause = err if isinstance(err, VLLMBatchError) else (err.__cause__ or err.__context__)
             if isinstance(cause, VLLMBatchError):
                 self.record_failure(cause)
             raise

@@ -117,7 +117,12 @@ def test_the_batch_task_records_a_mistake_it_fails_without_retries(monkeypatch):
     from airflow_vllm_batch.version_compat import AirflowFailException
 
     def fail(self, context):
-        raise AirflowFailException("bad file") from PreflightError("bad file")
+        # As VLLMBatchOperator.execute fails a mistake: in the handling of it, ``from None``
+        # (the task log tells it once), so the mistake is the exception's context, not its cause.
+        try:
+            raise PreflightError("bad file")
+        except PreflightError as err:
+            raise AirflowFailException(str(err)) from None
 
     monkeypatch.setattr(VLLMBatchOperator, "execute", fail)
     recorded = []

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from functools import cached_property
 from typing import Any, ClassVar
 
-from airflow.sdk import BaseHook
+from airflow_vllm_batch.version_compat import BaseHook
 
 from airflow_vllm_batch.batchfile import open_lines
 from airflow_vllm_batch.engines import Engine, EngineJob, EngineOptions, EngineResults

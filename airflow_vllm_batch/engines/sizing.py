@@ -7,7 +7,7 @@ OpenAI server smaller ones, and its batch runner none at all (it falls back to 1
 offline row of the installed vLLM, read on the engine's own device by the engine's own
 process before it loads the model (:mod:`~airflow_vllm_batch.engines.vllm.launcher`: the
 task sends :func:`sizing_plan`, the launcher adds the defaults), passed as flags for
-what ``engine_args`` leave unset: the user's flags always win.
+what the engine's ``args`` leave unset: the user's flags always win.
 
 Not in the run identity: the sizes change how requests are grouped into steps, not what
 an answer means, and the vLLM version that decides them is in it already. A retry on

@@ -123,12 +123,12 @@ def scheduler_sizes(engine_args: Sequence[str], defaults: OfflineDefaults | None
 def started_server_in_flight(user: int | None, sizes: SchedulerSizes, engine_args: Sequence[str]) -> tuple[int, str]:
     """Requests in flight to a server this task starts, and why.
 
-    :param user: the operator's ``max_in_flight``; always wins.
+    :param user: the options' ``max_in_flight``; always wins.
     :param sizes: the server's scheduler sizes.
     :param engine_args: the server's arguments (``--data-parallel-size``: one scheduler per rank).
     """
     if user:
-        return user, "max_in_flight from the operator"
+        return user, "VLLMServer(max_in_flight=...)"
     data_parallel = parallel_sizes(engine_args).get("data_parallel_size", 1)
     if sizes.max_num_seqs:
         return (
@@ -146,11 +146,11 @@ def connection_in_flight(user: int | None, extra: int | None) -> tuple[int, str]
     ``/server_info`` exists only with ``VLLM_SERVER_DEV_MODE=1``, which vLLM says never
     to run in production. The connection's ``max_in_flight`` extra is where to say it.
 
-    :param user: the operator's ``max_in_flight``; always wins.
+    :param user: the options' ``max_in_flight``; always wins.
     :param extra: the connection's ``max_in_flight`` extra.
     """
     if user:
-        return user, "max_in_flight from the operator"
+        return user, "WarmVLLMServer(max_in_flight=...)"
     if extra:
         return extra, "the connection's max_in_flight extra"
     return DEFAULT_MAX_IN_FLIGHT, (

@@ -172,8 +172,8 @@ def _mixed_endpoints(model: str) -> str:
 # engine environment (probe, model check, engine argument parser), so a case that slipped
 # past these checks would start an engine and be caught by the assertions.
 MISTAKES = [
-    ("engine_args_bad_value", {"engine": VLLMRunner(args=["--enforce-eager", "--max-model-len", "abc"])}, None, "VLLMRunner(args=...): argument --max-model-len"),
-    ("engine_args_unknown", {"engine": VLLMRunner(args=["--no-such-flag"])}, None, "VLLMRunner(args=...): unrecognized arguments: --no-such-flag. Fix args"),
+    ("runner_args_bad_value", {"engine": VLLMRunner(args=["--enforce-eager", "--max-model-len", "abc"])}, None, "VLLMRunner(args=...): argument --max-model-len"),
+    ("runner_args_unknown", {"engine": VLLMRunner(args=["--no-such-flag"])}, None, "VLLMRunner(args=...): unrecognized arguments: --no-such-flag. Fix args"),
     ("model_dir_missing", {"model": "/nonexistent/model-dir"}, None, "model: the local model directory '/nonexistent/model-dir'"),
     ("chat_and_embeddings_for_a_chat_model", {}, _mixed_endpoints, "is a generation model; /v1/embeddings needs a pooling model"),
     ("temperature_hot", {}, lambda m: _line("c", m, temperature="hot") + "\n", '"body.temperature"'),

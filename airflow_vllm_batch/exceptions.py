@@ -65,7 +65,7 @@ class EngineConfigurationError(VLLMBatchError):
 
 
 class EngineArgumentsError(EngineConfigurationError):
-    """``engine_args`` were refused by the engine's own argument parser (or are malformed)."""
+    """An engine's ``args`` (``VLLMRunner(args=...)``) were refused by the engine's own argument parser (or are malformed)."""
 
 
 class ModelNotFoundError(EngineConfigurationError):
@@ -77,7 +77,7 @@ class IncompleteModelError(EngineConfigurationError):
 
 
 class EngineArgsCheckError(EngineConfigurationError):
-    """The engine environment could not check ``engine_args``: no vLLM there, a crash or a timeout.
+    """The engine environment could not check an engine's ``args``: no vLLM there, a crash or a timeout.
 
     :param message: what happened and what to do.
     :param retryable: True when trying again may help (a timeout on a busy machine).

@@ -113,9 +113,10 @@ def worker_devices(environ: Mapping[str, str] | None = None) -> tuple[list[str],
 # -- how many ---------------------------------------------------------------------------
 
 
-def parallel_sizes(engine_args: Sequence[str]) -> dict[str, int]:
-    """The parallelism sizes set in ``engine_args`` (``--x N``, ``--x=N``, ``-tp N``); missing ones are left out.
+def parallel_sizes(engine_args: Sequence[str], *, engine: str = "VLLMRunner") -> dict[str, int]:
+    """The parallelism sizes set in an engine's ``args`` (``--x N``, ``--x=N``, ``-tp N``); missing ones are left out.
 
+    :param engine: the options class whose ``args`` these are, as messages name them (``VLLMRunner(args=...)``).
     :raises ConfigurationError: a size is not a positive whole number.
     """
     by_flag = {flag: name for name, flags in _PARALLEL_FLAGS.items() for flag in flags}
@@ -132,30 +133,33 @@ def parallel_sizes(engine_args: Sequence[str]) -> dict[str, int]:
         except ValueError:
             value = 0
         if value < 1:
-            raise ConfigurationError(f"engine_args: {flag} must be a positive whole number, got {raw!r}.")
+            raise ConfigurationError(f"{engine}(args=...): {flag} must be a positive whole number, got {raw!r}.")
         sizes[name] = value
     return sizes
 
 
-def devices_needed(engine_args: Sequence[str]) -> int:
+def devices_needed(engine_args: Sequence[str], *, engine: str = "VLLMRunner") -> int:
     """How many devices the engine's parallelism asks for on this node: TP x PP x local DP."""
-    sizes = parallel_sizes(engine_args)
+    sizes = parallel_sizes(engine_args, engine=engine)
     data = sizes.get("data_parallel_size_local", sizes.get("data_parallel_size", 1))
     return sizes.get("tensor_parallel_size", 1) * sizes.get("pipeline_parallel_size", 1) * data
 
 
-def gpus_to_lease(gpus: int | None, engine_args: Sequence[str], devices: Sequence[str], source: str) -> int:
+def gpus_to_lease(
+    gpus: int | None, engine_args: Sequence[str], devices: Sequence[str], source: str, *, engine: str = "VLLMRunner"
+) -> int:
     """How many devices to lease for one engine; fail fast when the settings cannot fit.
 
-    :param gpus: the operator's ``gpus``. None: as many as the engine's parallelism needs
+    :param gpus: the options' ``gpus``. None: as many as the engine's parallelism needs
         (1 without parallelism options) on a worker with GPUs, none on a CPU worker.
     :param engine_args: the engine's arguments (their parallelism sizes must fit the lease).
     :param devices: the devices this worker may use.
     :param source: where ``devices`` came from, for the messages.
+    :param engine: the options class whose ``args`` and ``gpus`` these are, as messages name them.
     :raises ConfigurationError: the parallelism needs more devices than ``gpus``, or ``gpus``
         is more than the worker has.
     """
-    needed = devices_needed(engine_args)
+    needed = devices_needed(engine_args, engine=engine)
     if gpus is None:
         if not devices:
             return 0
@@ -163,15 +167,15 @@ def gpus_to_lease(gpus: int | None, engine_args: Sequence[str], devices: Sequenc
     elif gpus and needed > gpus:
         sizes = ", ".join(f"{k}={v}" for k, v in parallel_sizes(engine_args).items())
         raise ConfigurationError(
-            f"engine_args ask for {needed} GPUs ({sizes}) but gpus={gpus}. Set gpus={needed} (or leave it unset), "
-            "or lower the parallel sizes in engine_args."
+            f"{engine}(args=...) ask for {needed} GPUs ({sizes}) but {engine}(gpus={gpus}). Set gpus={needed} "
+            "(or leave it unset), or lower the parallel sizes in args."
         )
     if gpus > len(devices):
         have = f"{len(devices)} ({','.join(devices)})" if devices else "none"
         raise ConfigurationError(
             f"The engine needs {gpus} GPU(s), but this worker ({os.uname().nodename}) may use {have}, "
             f"from {source}. Send the task to a worker that has them (queue=...), lower gpus or the parallel "
-            f"sizes in engine_args, or set {GPUS_ENV} on the worker."
+            f"sizes in {engine}(args=...), or set {GPUS_ENV} on the worker."
         )
     return gpus
 
@@ -328,20 +332,23 @@ class GPUPlan:
     source: str = ""
 
 
-def plan_gpus(gpus: int | None, engine_args: Sequence[str], engine_env: Mapping[str, str] | None) -> GPUPlan:
+def plan_gpus(
+    gpus: int | None, engine_args: Sequence[str], engine_env: Mapping[str, str] | None, *, engine: str = "VLLMRunner"
+) -> GPUPlan:
     """Decide the lease of one task before anything runs; fail fast when it cannot fit.
 
-    ``CUDA_VISIBLE_DEVICES`` in the task's ``engine_env`` narrows the worker's devices to
+    ``CUDA_VISIBLE_DEVICES`` in the engine options' ``env`` narrows the worker's devices to
     those (the lease still keeps other tasks off them).
 
+    :param engine: the options class whose ``gpus``, ``args`` and ``env`` these are, as messages name them.
     :raises ConfigurationError: see :func:`gpus_to_lease`.
     """
     pinned = (engine_env or {}).get("CUDA_VISIBLE_DEVICES")
     if pinned is not None:
-        devices, source = parse_device_list(str(pinned)), "engine_env's CUDA_VISIBLE_DEVICES"
+        devices, source = parse_device_list(str(pinned)), f"CUDA_VISIBLE_DEVICES in {engine}(env=...)"
     else:
         devices, source = worker_devices()
-    return GPUPlan(gpus_to_lease(gpus, engine_args, devices, source), tuple(devices), source)
+    return GPUPlan(gpus_to_lease(gpus, engine_args, devices, source, engine=engine), tuple(devices), source)
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ same identity. The identity holds:
   model's import name and a SHA-256 of its JSON schema.
 
 Not in it, on purpose: where the engine's Python lives (paths differ from worker to
-worker, and a retry may land on another), ``engine_env`` (``CUDA_VISIBLE_DEVICES`` and
+worker, and a retry may land on another), the options' ``env`` (``CUDA_VISIBLE_DEVICES`` and
 the like change per worker and do not change results), ``output_mode`` and timeouts.
 """
 

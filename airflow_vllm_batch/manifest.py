@@ -41,7 +41,7 @@ class Cost(msgspec.Struct, omit_defaults=True):
     :param gpu_s: engine GPU-seconds, ``gpus × engine_s`` (``"gpu"`` only).
     :param tokens_per_gpu_s: total tokens per GPU-second (``"gpu"`` only).
     :param tokens_per_engine_s: total tokens per engine-second (``"cpu"``, ``"vllm_connection"``).
-    :param gpu_hour_cost: the operator's ``gpu_hour_cost``, when given.
+    :param gpu_hour_cost: the engine options' ``gpu_hour_cost``, when given.
     :param cost: the run's cost at that price, when given.
     :param note: how to read the figures when they are not GPU-seconds.
     """

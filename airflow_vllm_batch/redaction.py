@@ -1,9 +1,9 @@
 """Secrets in the engine's settings: found by the flag's name, masked where they enter, never in an identity.
 
-Invariant *No secrets*. ``engine_args`` may carry a credential (``--hf-token hf_...``,
+Invariant *No secrets*. An engine's ``args`` may carry a credential (``--hf-token hf_...``,
 ``--api-key ...``): any flag whose name has the word token, key, secret, password, passwd,
 credential(s) or apikey (``--hf-token``, ``--hf_token=...``; not ``--max-num-batched-tokens``
-or ``--tokenizer``), in the ``--flag value`` and ``--flag=value`` forms; and ``engine_env``
+or ``--tokenizer``), in the ``--flag value`` and ``--flag=value`` forms; and its ``env``
 may too (``HF_TOKEN``). As soon as the settings are read (and when the operator's templates
 are rendered, before Airflow stores the rendered fields) every such value is registered
 with Airflow's secrets masker (:func:`register_engine_secrets`), so every later log line,
@@ -73,7 +73,7 @@ def secret_env_values(env: Mapping[str, str] | None) -> list[str]:
 
 
 def register_engine_secrets(engine_args: Sequence[str] | None, engine_env: Mapping[str, str] | None = None) -> None:
-    """Register the secrets of ``engine_args`` and ``engine_env`` with Airflow's masker and :func:`redact_secrets`."""
+    """Register the secrets of an engine's ``args`` and ``env`` with Airflow's masker and :func:`redact_secrets`."""
     values = [*secret_values(list(engine_args or ())), *secret_env_values(engine_env)]
     if not values:
         return

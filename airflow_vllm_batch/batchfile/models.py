@@ -31,7 +31,7 @@ import msgspec
 
 #: The endpoints ``vllm run-batch`` 0.32 serves for text models
 #: (``build_endpoint_registry`` in ``vllm/entrypoints/launchers/run_batch.py``): what the
-#: operator's default engine (``engine="runner"``) accepts when its environment cannot be
+#: operator's default engine (``VLLMRunner``) accepts when its environment cannot be
 #: asked, and what the CLI, which runs no engine, checks by default. The one list both use.
 #: vLLM also matches any URL *ending* in ``/score`` or ``/rerank`` and serves
 #: ``/v1/audio/transcriptions`` and ``/v1/audio/translations``; which of them a

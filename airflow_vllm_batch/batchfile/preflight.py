@@ -15,7 +15,7 @@ What a line must be (checks in order; the first failure is the line's problem):
 3. ``custom_id``: a non-empty string, unique in the file;
 4. ``method``: ``"POST"``; ``url``: one of ``supported_urls`` (a ``/v1/completions``
    line for an engine without it, vLLM 0.32's batch runner, is told to use
-   ``engine="server"`` and fails the file in both modes: :data:`SERVER_ONLY_URLS`);
+   ``engine=VLLMServer(...)`` and fails the file in both modes: :data:`SERVER_ONLY_URLS`);
 5. ``body``: an object that fits its URL (chat: ``messages``, a non-empty list
    of objects with a ``role``; completions: ``prompt``, a non-empty string or a
    non-empty list of strings, of token ids or of lists of token ids, one kind per
@@ -111,7 +111,7 @@ from airflow_vllm_batch.exceptions import PreflightError
 
 #: URLs vLLM's OpenAI-compatible server serves but its 0.32 batch runner does not. A line naming
 #: one for an engine without it is a choice of engine, not a bad line: its message names
-#: engine="server", and it fails the file even with invalid_lines="skip" (skipping every such
+#: VLLMServer, and it fails the file even with invalid_lines="skip" (skipping every such
 #: line would publish a batch with a whole kind of request left out). A runner that serves one
 #: (the probe reads the installed runner's routes) accepts it like any other URL.
 SERVER_ONLY_URLS: frozenset[str] = frozenset({"/v1/completions"})
@@ -433,7 +433,7 @@ class _Checker:
         self.model_counts: dict[str, int] = {}
         self.seg_start = 1
         self.seg_skip = 0
-        # Lines for a URL only engine="server" serves (SERVER_ONLY_URLS), when this engine does not.
+        # Lines for a URL only VLLMServer serves (SERVER_ONLY_URLS), when this engine does not.
         self.other_engine_lines = 0
         # Lines of a URL whose answer output_type cannot validate (an embedding, a score).
         self.unstructured_lines = 0
@@ -950,7 +950,7 @@ def diagnose_line(
             return shown, (
                 f'"body.model" is {model!r}, which the engine does not serve — use one of: '
                 f"{_names(opts.model_names, opts.model)} (the model's served names and its --lora-modules adapters), "
-                "or add it to engine_args"
+                "or add it to the engine's args"
             )
         if first_model_line:
             return shown, (

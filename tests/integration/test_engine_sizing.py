@@ -65,7 +65,7 @@ def _scheduler_resolved(output: str) -> int:
 
 def test_a_users_max_num_seqs_is_what_the_server_resolves(embedded, airflow_db, tiny_model):
     run = _run(embedded, tiny_model, "server_user", engine=VLLMServer(args=[*CPU_ENGINE_ARGS.split(), "--max-num-seqs=64"]))
-    assert "Scheduler: --max-num-batched-tokens 4096 (vLLM's offline defaults on cpu; --max-num-seqs from engine_args)" in run.output
+    assert "Scheduler: --max-num-batched-tokens 4096 (vLLM's offline defaults on cpu; --max-num-seqs from the engine's args)" in run.output
     (non_default,) = re.findall(r"non-default args: (\{.*\})", run.output)
     assert "'max_num_seqs': 64" in non_default and "'max_num_batched_tokens': 4096" in non_default
     assert _scheduler_resolved(run.output) == 4096

@@ -6,7 +6,7 @@ cached under ``.cache/`` by a hash of the two files. Nothing runs from the clone
 the checks run from a copy of the clone without ``airflow_vllm_batch/`` (the tests, the DAGs
 and the embedded default), so every import of the provider is the installed wheel's. vLLM
 is not in that venv: the example DAG's engine runs in this (the main) venv, through the
-operator's ``engine_python``.
+engine's ``python`` (``VLLMRunner(python=...)``).
 """
 
 from __future__ import annotations

@@ -172,8 +172,8 @@ def _mixed_endpoints(model: str) -> str:
 # engine environment (probe, model check, engine argument parser), so a case that slipped
 # past these checks would start an engine and be caught by the assertions.
 MISTAKES = [
-    ("engine_args_bad_value", {"engine": VLLMRunner(args=["--enforce-eager", "--max-model-len", "abc"])}, None, "engine_args: argument --max-model-len"),
-    ("engine_args_unknown", {"engine": VLLMRunner(args=["--no-such-flag"])}, None, "engine_args: unrecognized arguments: --no-such-flag"),
+    ("runner_args_bad_value", {"engine": VLLMRunner(args=["--enforce-eager", "--max-model-len", "abc"])}, None, "VLLMRunner(args=...): argument --max-model-len"),
+    ("runner_args_unknown", {"engine": VLLMRunner(args=["--no-such-flag"])}, None, "VLLMRunner(args=...): unrecognized arguments: --no-such-flag. Fix args"),
     ("model_dir_missing", {"model": "/nonexistent/model-dir"}, None, "model: the local model directory '/nonexistent/model-dir'"),
     ("chat_and_embeddings_for_a_chat_model", {}, _mixed_endpoints, "is a generation model; /v1/embeddings needs a pooling model"),
     ("temperature_hot", {}, lambda m: _line("c", m, temperature="hot") + "\n", '"body.temperature"'),
@@ -320,7 +320,7 @@ def test_a_misspelled_engine_flag_after_one_check_on_the_worker_fails_in_seconds
     common = {"input_uri": _put(embedded, "misspelled/input.jsonl", _line("c", model) + "\n"), "model": model, "results_dir": str(tmp_path)}
     # The first check on this worker imports vLLM's parser (seconds to tens of seconds) and keeps its flags.
     first = _run_operator("misspelled_first", output_uri=f"s3://{BUCKET}/misspelled/a.jsonl", engine=VLLMRunner(args=["--max-model-len", "abc"]), **common)
-    assert first.state == "failed" and "engine_args: argument --max-model-len" in first.output
+    assert first.state == "failed" and "VLLMRunner(args=...): argument --max-model-len" in first.output
     second = _run_operator("misspelled_second", output_uri=f"s3://{BUCKET}/misspelled/b.jsonl", engine=VLLMRunner(args=["--max-modle-len", "64"]), **common)
     assert second.state == "failed"
     assert "unrecognized arguments: --max-modle-len (did you mean --max-model-len for --max-modle-len?)" in second.output

@@ -7,7 +7,7 @@ vLLM engine on the CPU with the tiny model. Every DAG run is triggered through t
 each task runs as Airflow runs it in production: scheduler -> LocalExecutor worker ->
 supervisor -> task runner (a forked child) -> the operator's guard -> the vLLM engine.
 
-The engine's processes are found by a marker in their environment (``engine_env``), which
+The engine's processes are found by a marker in their environment (the options' ``env``), which
 nothing else carries. The guard (``python -I -c <GUARD_SCRIPT>``) is the marked process
 whose parent is not marked; its parent is the task runner, its child the engine.
 

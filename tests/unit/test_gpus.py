@@ -104,7 +104,7 @@ def test_the_engine_needs_tensor_times_pipeline_times_local_data_parallel_device
 
 @pytest.mark.parametrize("engine_args", [["-tp", "two"], ["--tensor-parallel-size=0"], ["--pipeline-parallel-size"]])
 def test_a_parallel_size_that_is_not_a_positive_number_is_a_configuration_error(engine_args):
-    with pytest.raises(ConfigurationError, match="engine_args: "):
+    with pytest.raises(ConfigurationError, match=r"^VLLMRunner\(args=\.\.\.\): "):
         gpus.devices_needed(engine_args)
 
 
@@ -116,7 +116,7 @@ def test_by_default_a_gpu_worker_leases_what_the_parallelism_needs_and_a_cpu_wor
 
 
 def test_parallel_sizes_larger_than_gpus_fail_fast_naming_the_fix():
-    with pytest.raises(ConfigurationError, match=r"ask for 4 GPUs \(tensor_parallel_size=2, pipeline_parallel_size=2\) but gpus=2\. Set gpus=4"):
+    with pytest.raises(ConfigurationError, match=r"^VLLMRunner\(args=\.\.\.\) ask for 4 GPUs \(tensor_parallel_size=2, pipeline_parallel_size=2\) but VLLMRunner\(gpus=2\)\. Set gpus=4"):
         gpus.gpus_to_lease(2, ["-tp", "2", "-pp", "2"], ["0", "1", "2", "3"], "x")
 
 
@@ -127,10 +127,10 @@ def test_more_gpus_than_the_worker_may_use_fail_fast_naming_the_devices_and_thei
         gpus.gpus_to_lease(1, [], [], gpus.GPUS_ENV)
 
 
-def test_engine_env_cuda_visible_devices_narrows_the_workers_devices(monkeypatch):
+def test_cuda_visible_devices_in_the_options_env_narrows_the_workers_devices(monkeypatch):
     monkeypatch.setenv(gpus.GPUS_ENV, "0,1,2,3")
-    plan = gpus.plan_gpus(None, [], {"CUDA_VISIBLE_DEVICES": "2"})
-    assert plan == gpus.GPUPlan(1, ("2",), "engine_env's CUDA_VISIBLE_DEVICES")
+    plan = gpus.plan_gpus(None, [], {"CUDA_VISIBLE_DEVICES": "2"}, engine="VLLMServer")
+    assert plan == gpus.GPUPlan(1, ("2",), "CUDA_VISIBLE_DEVICES in VLLMServer(env=...)")
 
 
 # -- leasing --------------------------------------------------------------------------------

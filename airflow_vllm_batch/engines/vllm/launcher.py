@@ -1,7 +1,7 @@
 """Start a vLLM entry point after checking its arguments and sizing its scheduler, in the engine's own process.
 
 vLLM is imported once per engine start, by the engine itself: this file runs first in the
-engine's Python, checks ``engine_args`` with the entry point's own parser and reads vLLM's
+engine's Python, checks the engine's ``args`` with the entry point's own parser and reads vLLM's
 offline scheduler defaults (the work :mod:`~airflow_vllm_batch.engines.vllm.argcheck` does, which it loads and
 calls), then hands over to the entry point in the same interpreter, as ``python -m`` would
 (:func:`runpy.run_module`). The modules the check imports are the ones the entry point
@@ -84,10 +84,10 @@ def fill_sizes(plan: dict, defaults: dict | None) -> dict:
     """The scheduler sizes for the flags the user did not set: ``flags``, ``max_num_seqs``, ``max_num_batched_tokens``, ``note``.
 
     The arithmetic of :func:`airflow_vllm_batch.engines.sizing.scheduler_sizes`, which
-    reads the plan from ``engine_args``; it lives here because the engine's own process
+    reads the plan from the engine's ``args``; it lives here because the engine's own process
     decides the sizes once it has read the defaults.
 
-    :param plan: what ``engine_args`` set (``sizing_plan`` in :mod:`~airflow_vllm_batch.engines.sizing`).
+    :param plan: what the engine's ``args`` set (``sizing_plan`` in :mod:`~airflow_vllm_batch.engines.sizing`).
     :param defaults: vLLM's offline sizes on the engine's device (``max_num_seqs``,
         ``max_num_batched_tokens``, ``device``, ``world_size``); None when unknown.
     """
@@ -98,7 +98,7 @@ def fill_sizes(plan: dict, defaults: dict | None) -> dict:
         return {"flags": flags, "max_num_seqs": seqs, "max_num_batched_tokens": tokens, "note": note}
 
     if seqs_set and tokens_set:
-        return sizes([], user_seqs, user_tokens, f"Scheduler: {MAX_NUM_SEQS} and {MAX_NUM_BATCHED_TOKENS} as engine_args set them")
+        return sizes([], user_seqs, user_tokens, f"Scheduler: {MAX_NUM_SEQS} and {MAX_NUM_BATCHED_TOKENS} as the engine's args set them")
     if defaults is None:
         return sizes([], user_seqs, user_tokens, "Scheduler: vLLM's own defaults for this entry point (its offline defaults could not be read)")
     factor = plan["factor"]
@@ -109,17 +109,17 @@ def fill_sizes(plan: dict, defaults: dict | None) -> dict:
         why.append("doubled for --performance-mode throughput")
     if seqs_set:
         seqs = user_seqs
-        why.append(f"{MAX_NUM_SEQS} from engine_args")
+        why.append(f"{MAX_NUM_SEQS} from the engine's args")
     else:
         seqs = int(defaults["max_num_seqs"]) * factor
         if user_tokens is not None and user_tokens < seqs:
             seqs = user_tokens
-            why.append(f"{MAX_NUM_SEQS} at most engine_args' {MAX_NUM_BATCHED_TOKENS}")
+            why.append(f"{MAX_NUM_SEQS} at most the {MAX_NUM_BATCHED_TOKENS} in the engine's args")
         flags += [MAX_NUM_SEQS, str(seqs)]
     tokens: int | None
     if tokens_set:
         tokens = user_tokens
-        why.append(f"{MAX_NUM_BATCHED_TOKENS} from engine_args")
+        why.append(f"{MAX_NUM_BATCHED_TOKENS} from the engine's args")
     else:
         whole_prompts, max_model_len = plan["whole_prompts"], plan["max_model_len"]
         if whole_prompts and max_model_len is None:
@@ -128,7 +128,7 @@ def fill_sizes(plan: dict, defaults: dict | None) -> dict:
         else:
             tokens = max(int(defaults["max_num_batched_tokens"]) * factor, seqs or 0, max_model_len if whole_prompts else 0)
             flags += [MAX_NUM_BATCHED_TOKENS, str(tokens)]
-    return sizes(flags, seqs, tokens, f"Scheduler: {' '.join(flags)} ({'; '.join(why)}); set them in engine_args to override")
+    return sizes(flags, seqs, tokens, f"Scheduler: {' '.join(flags)} ({'; '.join(why)}); set them in the engine's args to override")
 
 
 def prepare(module: str, argv: list[str], launch: dict) -> tuple[list[str], dict]:
@@ -181,7 +181,7 @@ def main() -> None:
     _write_report(launch.get("report"), report)
     if not report.get("check", {"ok": True})["ok"]:
         # The task reads why from the report (the message may quote a secret flag's value: not logged here).
-        print(f"engine_args were refused by {module}'s argument parser: stopping before the model loads.", file=sys.stderr, flush=True)
+        print(f"The engine's args were refused by {module}'s argument parser: stopping before the model loads.", file=sys.stderr, flush=True)
         sys.stdout.flush()
         # A normal exit tears down torch and vLLM's imports, seconds for nothing here.
         os._exit(ARGUMENTS_REFUSED_EXIT)

@@ -10,7 +10,7 @@ the batch runner alike):
   ``name=path`` and JSON ``{"name": ..., "path": ..., "base_model_name": ...}``, and
   loads adapters only with ``--enable-lora``.
 
-:func:`served_models` reads those names from ``engine_args`` (files only, vLLM is not
+:func:`served_models` reads those names from an engine's ``args`` (files only, vLLM is not
 imported); :func:`check_adapters` checks, before any engine starts, that every adapter is
 where the engine will look for it and has an ``adapter_config.json``. Both raise
 deterministic errors that name the argument and the fix.
@@ -75,29 +75,30 @@ class ServedModels:
         return self.base_names + tuple(adapter.name for adapter in self.adapters)
 
 
-def served_models(model: str, engine_args: Sequence[str] = ()) -> ServedModels:
+def served_models(model: str, engine_args: Sequence[str] = (), *, engine: str = "VLLMRunner") -> ServedModels:
     """Return the names an engine started with ``--model model`` and ``engine_args`` answers to.
 
     :param model: the ``model`` argument (``--model``).
     :param engine_args: the further engine arguments; ``--served-model-name``,
         ``--lora-modules`` and ``--enable-lora`` are read.
+    :param engine: the options class whose ``args`` these are, as messages name them (``VLLMRunner(args=...)``).
     :raises EngineArgumentsError: an adapter entry cannot be read, two names clash, or
         adapters are given without ``--enable-lora``.
     """
     options = read_options(engine_args)
     base = tuple(options.get("--served-model-name") or [model])
-    adapters = tuple(_parse_adapter(item) for item in options.get("--lora-modules") or () if item)
+    adapters = tuple(_parse_adapter(item, engine) for item in options.get("--lora-modules") or () if item)
     if adapters and not _lora_enabled(engine_args):
         raise EngineArgumentsError(
-            f"engine_args: --lora-modules names adapters ({', '.join(a.name for a in adapters)}) but vLLM loads "
+            f"{engine}(args=...): --lora-modules names adapters ({', '.join(a.name for a in adapters)}) but vLLM loads "
             "adapters only with --enable-lora. Add '--enable-lora' (and '--max-lora-rank' at least the adapters' "
-            "rank) to engine_args."
+            "rank) to args."
         )
     names = base + tuple(a.name for a in adapters)
     repeated = sorted({name for name in names if names.count(name) > 1})
     if repeated:
         raise EngineArgumentsError(
-            f"engine_args: the model name(s) {', '.join(map(repr, repeated))} are given twice (--served-model-name "
+            f"{engine}(args=...): the model name(s) {', '.join(map(repr, repeated))} are given twice (--served-model-name "
             "and --lora-modules); vLLM could not tell which model a request means. Give each adapter its own name."
         )
     return ServedModels(base_names=base, adapters=adapters)
@@ -121,7 +122,7 @@ def served_models_of_server(cards: Sequence[Mapping[str, Any]], model: str) -> S
     return ServedModels(base_names=base or (model,), adapters=adapters)
 
 
-def check_adapters(served: ServedModels, env: Mapping[str, str] | None = None) -> None:
+def check_adapters(served: ServedModels, env: Mapping[str, str] | None = None, *, engine: str = "VLLMRunner") -> None:
     """Check that every LoRA adapter is where the engine will load it from, with an ``adapter_config.json``.
 
     The engine's own rule (``get_adapter_absolute_path``): an absolute path or one starting
@@ -131,20 +132,21 @@ def check_adapters(served: ServedModels, env: Mapping[str, str] | None = None) -
 
     :param served: the engine's names, from :func:`served_models`.
     :param env: the engine's environment (``HF_HUB_OFFLINE``, ``HF_HOME``...). Default: this process's.
+    :param engine: the options class whose ``args`` name the adapters, as messages name them.
     :raises AdapterNotFoundError: an adapter directory is missing or lacks ``adapter_config.json``.
     """
     env = os.environ if env is None else env
     for adapter in served.adapters:
         path = adapter.path
         if os.path.isabs(path) or path.startswith("~") or os.path.exists(path) or not HUB_ID.match(path):
-            _require_adapter_dir(adapter, Path(path).expanduser())
+            _require_adapter_dir(adapter, Path(path).expanduser(), engine)
             continue
         snapshot = _cached_adapter_snapshot(path, env)
         if snapshot is not None:
-            _require_adapter_dir(adapter, snapshot)
+            _require_adapter_dir(adapter, snapshot, engine)
         elif downloads_off(env):
             raise AdapterNotFoundError(
-                f"engine_args: LoRA adapter {adapter.name!r} ({path!r}) is neither a local directory nor in the "
+                f"{engine}(args=...): LoRA adapter {adapter.name!r} ({path!r}) is neither a local directory nor in the "
                 f"local Hugging Face cache ({hub_cache(env)}), and downloads are off (HF_HUB_OFFLINE or "
                 "TRANSFORMERS_OFFLINE). Give its local directory in --lora-modules, or download it first "
                 f"(hf download {path})."
@@ -172,6 +174,8 @@ def cpu_lora_slots_problem(
     engine_args: Sequence[str],
     requests_per_model: Mapping[str, int],
     vllm_version: str | None = None,
+    *,
+    engine: str = "VLLMRunner",
 ) -> str | None:
     """Return why vLLM on CPU would answer base-model lines through an adapter, or None.
 
@@ -187,6 +191,7 @@ def cpu_lora_slots_problem(
     :param requests_per_model: the batch's requests per name, from preflight.
     :param vllm_version: the engine's vLLM version: from :data:`CPU_LORA_SLOTS_FIXED_IN` on
         there is no problem; unknown counts as affected.
+    :param engine: the options class whose ``args`` these are, as the answer names them.
     """
     if not _before(vllm_version, CPU_LORA_SLOTS_FIXED_IN):
         return None
@@ -201,15 +206,15 @@ def cpu_lora_slots_problem(
     if max_loras > len(used):
         return None
     return (
-        f"engine_args: the batch mixes base-model lines with {len(used)} LoRA adapter(s) ({', '.join(used)}) and "
+        f"{engine}(args=...): the batch mixes base-model lines with {len(used)} LoRA adapter(s) ({', '.join(used)}) and "
         f"--max-loras is {max_loras}. vLLM on CPU then answers base-model lines through the last adapter slot "
         f"(a CPU kernel issue of vLLM before 0.33: the base model's index -1 picks the last slot). Set --max-loras to at "
         f"least {len(used) + 1}, one more than the adapters the batch uses, or put base-model lines in a batch of their own."
     )
 
 
-def _require_adapter_dir(adapter: LoraAdapter, path: Path) -> None:
-    where = f"engine_args: LoRA adapter {adapter.name!r} ({adapter.path!r})"
+def _require_adapter_dir(adapter: LoraAdapter, path: Path, engine: str) -> None:
+    where = f"{engine}(args=...): LoRA adapter {adapter.name!r} ({adapter.path!r})"
     if not path.is_dir():
         raise AdapterNotFoundError(
             f"{where}: no such directory on {os.uname().nodename}. An adapter must be a directory on the worker "
@@ -228,7 +233,7 @@ def _cached_adapter_snapshot(repo_id: str, env: Mapping[str, str]) -> Path | Non
     return snapshot if snapshot is not None and COMMIT.match(snapshot.name) and snapshot.is_dir() else None
 
 
-def _parse_adapter(item: str) -> LoraAdapter:
+def _parse_adapter(item: str, engine: str = "VLLMRunner") -> LoraAdapter:
     """Read one ``--lora-modules`` value the way vLLM's ``LoRAParserAction`` does."""
     if "=" in item and "," not in item:
         name, path = item.split("=", 1)
@@ -243,7 +248,7 @@ def _parse_adapter(item: str) -> LoraAdapter:
             base = data.get("base_model_name")
             return LoraAdapter(name=data["name"], path=data["path"], base_model_name=base if isinstance(base, str) else None)
     raise EngineArgumentsError(
-        f"engine_args: cannot read the --lora-modules value {item!r}. Use name=path "
+        f"{engine}(args=...): cannot read the --lora-modules value {item!r}. Use name=path "
         '(e.g. "sql=/models/sql-lora") or JSON (e.g. \'{"name": "sql", "path": "/models/sql-lora"}\').'
     )
 

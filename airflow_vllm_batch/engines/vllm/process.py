@@ -18,7 +18,7 @@ engine is started under a small *guard*:
   dies of signal N too), so callers see the engine's own outcome.
 
 The guard is a few lines of standard-library Python run with this interpreter, so it also
-guards engines started by a custom ``engine_command`` (a container, another environment).
+guards engines started by a runner's custom ``command`` (a container, another environment).
 The engine's argv travels in the environment, not on the guard's command line, because a
 command line is world-readable (``ps``) and may hold presigned URLs.
 """

@@ -31,14 +31,14 @@ def _operator(engine_args):
 
 @pytest.mark.parametrize(("engine_args", "flag"), RESERVED.values(), ids=RESERVED)
 def test_a_started_servers_address_or_key_in_engine_args_fails_at_dag_parse_time_naming_the_flag(engine_args, flag):
-    with pytest.raises(EngineArgumentsError, match=rf"^engine_args: {flag} is not allowed there: the task .*Remove it"):
+    with pytest.raises(EngineArgumentsError, match=rf"^VLLMServer\(args=\.\.\.\): {flag} is not allowed there: the task .*Remove it from args\."):
         _operator(["--max-model-len", "512", *engine_args])
 
 
 @pytest.mark.parametrize(("engine_args", "flag"), RESERVED.values(), ids=RESERVED)
 def test_a_rendered_reserved_server_flag_is_refused_before_the_engine_python_runs(engine_args, flag):
     # The run-time check (engine_args templated at parse time): refused before the engine's Python is asked.
-    with pytest.raises(EngineArgumentsError, match=rf"^engine_args: {flag} is not allowed there"):
+    with pytest.raises(EngineArgumentsError, match=rf"^VLLMServer\(args=\.\.\.\): {flag} is not allowed there"):
         check_engine_args("/nonexistent/python", "m", engine_args, entrypoint="api_server")
 
 

@@ -150,9 +150,9 @@ def test_started_server_in_flight_follows_the_users_max_num_seqs():
     assert started_server_in_flight(None, sizes, ["--max-num-seqs", "64"]) == (128, "twice the server's max_num_seqs 64 times its data-parallel size 1")
 
 
-def test_operators_max_in_flight_wins_for_a_started_server():
+def test_the_options_max_in_flight_wins_for_a_started_server_and_the_log_names_it():
     sizes = scheduler_sizes([], H100, model_kind="generate")
-    assert started_server_in_flight(7, sizes, [])[0] == 7
+    assert started_server_in_flight(7, sizes, []) == (7, "VLLMServer(max_in_flight=...)")
 
 
 def test_started_server_of_unknown_size_gets_the_streams_default():
@@ -161,8 +161,8 @@ def test_started_server_of_unknown_size_gets_the_streams_default():
 
 @pytest.mark.parametrize(
     ("user", "extra", "expected", "reason"),
-    [(7, 100, 7, "operator"), (None, 100, 100, "connection's max_in_flight extra"), (None, None, 512, "does not say its max_num_seqs")],
-    ids=["operator-wins", "connection-extra", "default"],
+    [(7, 100, 7, "WarmVLLMServer(max_in_flight=...)"), (None, 100, 100, "connection's max_in_flight extra"), (None, None, 512, "does not say its max_num_seqs")],
+    ids=["options-win", "connection-extra", "default"],
 )
 def test_connection_in_flight(user, extra, expected, reason):
     chosen, why = connection_in_flight(user, extra)

@@ -89,7 +89,7 @@ def test_probe_of_an_environment_without_vllm_says_what_to_set(tmp_path):
     fake = tmp_path / "python"
     fake.write_text('#!/bin/sh\necho \'{"distribution": null, "vllm_version": null}\'\n')
     fake.chmod(0o755)
-    with pytest.raises(EngineConfigurationError, match="engine_python"):
+    with pytest.raises(EngineConfigurationError, match=r"set VLLMRunner\(python=\.\.\.\) .*\(or command=\.\.\."):
         probe_engine(str(fake))
 
 

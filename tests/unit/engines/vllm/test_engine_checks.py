@@ -87,11 +87,11 @@ def test_runner_args_refused_by_vllm_name_the_argument_and_the_fix(argcheck_resu
     with pytest.raises(EngineArgumentsError) as err:
         raise_for_result(argcheck_results[f"run_batch/{case}"], sys.executable)
     message = str(err.value)
-    assert message.startswith("engine_args: ")
+    assert message.startswith("VLLMRunner(args=...): ")
     assert "\n" not in message
     for fragment in fragments:
         assert fragment in message
-    assert message.endswith(f"Fix engine_args (see {RUNNER_HELP}).")
+    assert message.endswith(f"Fix args (see {RUNNER_HELP}).")
 
 
 @pytest.mark.parametrize("case", ACCEPTED_RUNNER_ARGS)
@@ -106,14 +106,14 @@ def test_server_args_refused_by_vllm_name_the_argument_and_the_fix(argcheck_resu
     with pytest.raises(EngineArgumentsError) as err:
         raise_for_result(argcheck_results[f"api_server/{case}"], sys.executable)
     message = str(err.value)
-    assert message.startswith("engine_args: ") and "\n" not in message
+    assert message.startswith("VLLMServer(args=...): ") and "\n" not in message
     for fragment in fragments:
         assert fragment in message
-    assert message.endswith(f"Fix engine_args (see {help_cmd}).")
+    assert message.endswith(f"Fix args (see {help_cmd}).")
 
 
 def test_check_engine_args_runs_the_engine_pythons_parser():
-    expected = r"^engine_args: argument --max-model-len: .*'abc'\. Fix engine_args"
+    expected = r"^VLLMRunner\(args=\.\.\.\): argument --max-model-len: .*'abc'\. Fix args"
     with pytest.raises(EngineArgumentsError, match=expected):
         check_engine_args(sys.executable, "m", ["--max-model-len", "abc"])
 
@@ -122,7 +122,7 @@ def test_check_engine_args_runs_the_engine_pythons_parser():
     ("engine_args", "fragments"),
     [
         ("--max-model-len 4096", ["expected a list of strings", "'--max-model-len 4096'", "shlex.split"]),
-        (["--max-model-len", 4096], ["engine_args[1]", "expected a string, found int 4096", "'4096'"]),
+        (["--max-model-len", 4096], ["args[1]", "expected a string, found int 4096", "'4096'"]),
         (["-i", "other.jsonl"], ["-i is not allowed", "the operator sets the input itself"]),
         (["--output_file=x"], ["--output_file is not allowed", "the operator sets the output itself"]),
         (["--model", "other"], ["--model is not allowed", "set model= instead"]),
@@ -132,20 +132,20 @@ def test_check_engine_args_runs_the_engine_pythons_parser():
 def test_malformed_engine_args_fail_without_running_the_engine_python(engine_args, fragments):
     with pytest.raises(EngineArgumentsError) as err:
         check_engine_args("/nonexistent/python", "m", engine_args)
-    assert str(err.value).startswith("engine_args")
+    assert str(err.value).startswith("VLLMRunner(args=...): ")
     for fragment in fragments:
         assert fragment in str(err.value)
 
 
 def test_engine_python_without_vllm_says_to_install_it():
     base_python = str(Path(sys.base_prefix) / "bin" / "python3")  # the venv's base interpreter: no vLLM
-    expected = r"engine_args: cannot load vLLM's argument parser .*Install vllm"
+    expected = r"^VLLMRunner\(args=\.\.\.\): cannot load vLLM's argument parser .*Install vllm.* set VLLMRunner\(python=\.\.\.\)"
     with pytest.raises(EngineArgsCheckError, match=expected):
         check_engine_args(base_python, "m", [])
 
 
-def test_missing_engine_python_names_engine_python():
-    expected = r"cannot run the engine environment's Python .*engine_python"
+def test_missing_engine_python_names_the_options_python():
+    expected = r"cannot run the engine environment's Python .*Set VLLMRunner\(python=\.\.\.\)"
     with pytest.raises(EngineArgsCheckError, match=expected) as err:
         check_engine_args("/nonexistent/python", "m", [])
     assert not err.value.retryable

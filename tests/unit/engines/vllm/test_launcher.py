@@ -118,8 +118,8 @@ def test_a_refused_flag_stops_the_engine_before_its_entry_point_runs_with_the_ch
         engine.settle_launch(tmp_path / "engine-launch.json")
     # The message the separate check gave, word for word; not retried.
     assert str(refused.value) == (
-        "engine_args: unrecognized arguments: --max-modle-len 4096 (did you mean --max-model-len for --max-modle-len?). "
-        f"Fix engine_args (see 'python -m {RUNNER} --help')."
+        "VLLMRunner(args=...): unrecognized arguments: --max-modle-len 4096 (did you mean --max-model-len for --max-modle-len?). "
+        f"Fix args (see 'python -m {RUNNER} --help')."
     )
     assert refused.value.retryable is False
 
@@ -136,7 +136,7 @@ def test_a_refused_secret_flag_value_is_in_neither_the_engine_log_nor_the_error(
 def test_the_entry_points_own_quick_checks_refuse_before_it_runs(tmp_path, fake_vllm):
     engine, run, _ = _start(tmp_path, fake_vllm, ["--max-model-len", "0"])
     assert run.returncode == ARGUMENTS_REFUSED_EXIT and not (tmp_path / "ran.json").exists()
-    with pytest.raises(EngineArgumentsError, match="engine_args: max_model_len must be positive"):
+    with pytest.raises(EngineArgumentsError, match=r"^VLLMRunner\(args=\.\.\.\): max_model_len must be positive"):
         engine.settle_launch(tmp_path / "engine-launch.json")
 
 
@@ -192,7 +192,7 @@ def test_a_started_server_that_exits_on_a_refused_flag_raises_the_checks_error_n
         json.dumps({"check": {"ok": False, "stage": "parse", "error": "unrecognized arguments: --bogus", "help": "vllm serve --help"}})
     )
     assert isinstance(engine.server, VLLMServerEngine)
-    with pytest.raises(EngineArgumentsError, match=r"^engine_args: unrecognized arguments: --bogus. Fix engine_args \(see 'vllm serve --help'\).$"):
+    with pytest.raises(EngineArgumentsError, match=r"^VLLMServer\(args=\.\.\.\): unrecognized arguments: --bogus\. Fix args \(see 'vllm serve --help'\)\.$"):
         engine.server.run(iter(()), journal=None)
 
 

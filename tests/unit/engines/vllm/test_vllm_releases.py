@@ -254,7 +254,7 @@ def test_the_servers_argument_check_finds_the_releases_parser(release, checked):
     result = checked["server/none"]
     assert result["ok"], result
     assert result["parser_module"] == release["server_parser"]
-    with pytest.raises(EngineArgumentsError, match=r"^engine_args: argument --uvicorn-log-level: .*'loud'.*\(see 'vllm serve --help'\)\.$"):
+    with pytest.raises(EngineArgumentsError, match=r"^VLLMServer\(args=\.\.\.\): argument --uvicorn-log-level: .*'loud'.*Fix args \(see 'vllm serve --help'\)\.$"):
         raise_for_result(checked["server/bad-choice"], release["python"])
 
 
@@ -263,7 +263,7 @@ def test_the_runners_argument_check_passes_whatever_the_working_directory(releas
     result = checked["runner/none"]
     assert result["ok"], result
     assert result["parser_module"] == RUN_BATCH_MODULE
-    with pytest.raises(EngineArgumentsError, match=rf"^engine_args: argument --max-model-len: .*\(see 'python -m {RUN_BATCH_MODULE} --help'\)\.$"):
+    with pytest.raises(EngineArgumentsError, match=rf"^VLLMRunner\(args=\.\.\.\): argument --max-model-len: .*Fix args \(see 'python -m {RUN_BATCH_MODULE} --help'\)\.$"):
         raise_for_result(checked["runner/bad-length"], release["python"])
 
 
@@ -382,7 +382,7 @@ def test_the_engine_launcher_checks_and_sizes_in_the_releases_own_process(releas
     assert runner_report["offline_defaults"] == {"max_num_seqs": 256, "max_num_batched_tokens": 4096, "device": "cpu", "world_size": 1}
     assert runner == [*runner_argv, "--max-num-seqs", "256", "--max-num-batched-tokens", "4096"]
     assert refused["check"]["parser_module"] == release["server_parser"]
-    with pytest.raises(EngineArgumentsError, match=r"^engine_args: argument --uvicorn-log-level: .*'loud'.*\(see 'vllm serve --help'\)\.$"):
+    with pytest.raises(EngineArgumentsError, match=r"^VLLMServer\(args=\.\.\.\): argument --uvicorn-log-level: .*'loud'.*Fix args \(see 'vllm serve --help'\)\.$"):
         raise_for_result(refused["check"], release["python"])
     if release["disable_forms"]:
         # 0.33's --disable-chunked-prefill: a step holds whole prompts, so the token budget is left to vLLM.

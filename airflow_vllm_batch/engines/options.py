@@ -159,9 +159,25 @@ class EngineOptions:
         """Register the secrets among the options with Airflow's masker (as soon as they are rendered)."""
 
     def serialize(self) -> dict[str, Any]:
-        """The options as the rendered-fields view shows them."""
-        shown = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return {"engine": type(self).__name__, **{k: str(v) if isinstance(v, timedelta) else v for k, v in shown.items()}}
+        """The options as the rendered-fields view shows them, the engine's secrets masked.
+
+        Masked here, not left to Airflow: Airflow 3.0 stores what an object's ``serialize()``
+        returns as it is (3.1+ redacts it afterwards).
+        """
+        from airflow_vllm_batch.redaction import redact_secrets
+
+        def shown(value: Any) -> Any:
+            if isinstance(value, timedelta):
+                return str(value)
+            if isinstance(value, str):
+                return redact_secrets(value)
+            if isinstance(value, Mapping):
+                return {k: shown(v) for k, v in value.items()}
+            if isinstance(value, (list, tuple)):
+                return [shown(v) for v in value]
+            return value
+
+        return {"engine": type(self).__name__, **{f.name: shown(getattr(self, f.name)) for f in dataclasses.fields(self)}}
 
 
 @dataclasses.dataclass(kw_only=True)

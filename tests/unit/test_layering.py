@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGE = REPO / "airflow_vllm_batch"
+# The installed package (on the floor, the wheel; tests/integration/test_floor_wheel.py runs these tests in a clone without it).
+PACKAGE = Path(__import__("airflow_vllm_batch").__file__).parent
 
 #: Modules that a CLI or a test must be able to use without Airflow or boto3 installed.
 AIRFLOW_FREE = ("airflow_vllm_batch.batchfile", "airflow_vllm_batch.sharding", "airflow_vllm_batch.exceptions")

@@ -20,6 +20,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 PAGE = REPO / "docs" / "run-by-hand.md"
+#: The installed package (the wheel, on the floor: its tests run in a clone without the package).
+PACKAGE = Path(__import__("airflow_vllm_batch").__file__).parent
 STRUCTURED = ["--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}']
 
 
@@ -140,8 +142,8 @@ def test_the_settings_and_log_lines_the_page_names_exist():
     examples = (REPO / "dags" / "vllm_batch_examples.py").read_text()
     for name in re.findall(r"\bAIRFLOW_VLLM_BATCH_[A-Z_]+", PAGE.read_text()):
         assert name in examples, name
-    assert "(reused: no engine ran in this try)" in (REPO / "airflow_vllm_batch" / "summary.py").read_text()
-    assert "Resuming from %d checkpoint part(s)" in (REPO / "airflow_vllm_batch" / "engines" / "server.py").read_text()
+    assert "(reused: no engine ran in this try)" in (PACKAGE / "summary.py").read_text()
+    assert "Resuming from %d checkpoint part(s)" in (PACKAGE / "engines" / "server.py").read_text()
     assert (REPO / ".cache" / "models").name  # the tiny model's place is the one demo.py builds
     from vllm_batch_embedded import demo
 

@@ -72,7 +72,7 @@ print(json.dumps({{"answers": answers, "s3": s3, "loaded": loaded}}))
 
 
 def _module_name(path: Path) -> str:
-    parts = path.relative_to(REPO).with_suffix("").parts
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 

@@ -346,7 +346,7 @@ def test_the_same_file_for_the_runner_fails_preflight_naming_the_server_engine_a
     # Retries allowed: a failed task (not up_for_retry) says preflight's error is not retried.
     run = run_dag(_completions_dag("completions_runner", model, engine=VLLMRunner(args=CPU_ENGINE_ARGS.split()), retries=2))
     assert run.state == "failed" and run.task_states["vllm_batch"] == "failed", run.output[-4000:]
-    assert "PreflightError" in run.output, run.output[-4000:]
+    assert "failed preflight" in run.output and "AirflowFailException" in run.output, run.output[-4000:]
     for lineno, custom_id in ((2, "text-0"), (3, "ids-0"), (5, "text-1")):
         assert re.search(rf"line {lineno} \(custom_id '{custom_id}'\): \"url\" '/v1/completions' is not served by this engine .*engine=VLLMServer", run.output), run.output[-4000:]
     assert "Starting the vLLM" not in run.output

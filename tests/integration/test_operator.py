@@ -205,7 +205,7 @@ def test_a_mistake_fails_once_naming_the_fix_and_starts_no_engine(embedded, airf
     result = _run_operator(f"mistake_{name}", **args)
     assert result.state == "failed"
     assert fragment in result.output, result.output[-3000:]
-    if name.startswith("engine_args"):
+    if name.startswith("runner_args"):
         # vLLM's parser checks them in the engine's own process (its one import of vLLM), which stops
         # before it loads the model (issue 26 item 2): no model, no GPU memory taken. Once an engine on
         # this worker kept its parser's flags, an unknown flag is refused before any engine starts.
@@ -277,7 +277,7 @@ def test_the_runner_gets_only_the_requests_the_answer_cache_does_not_hold(embedd
 
     from airflow_vllm_batch.batchfile.cache_keys import request_key
     from airflow_vllm_batch.engines import make_engine
-    from airflow_vllm_batch.run import BatchRun, BatchSettings
+    from airflow_vllm_batch.run import AnswerCacheOptions, BatchRun, BatchSettings
 
     model = str(tiny_model)
     cache_uri = f"s3://{BUCKET}/answer-cache-runner/cache-{uuid.uuid4().hex[:8]}/"
@@ -302,7 +302,8 @@ def test_the_runner_gets_only_the_requests_the_answer_cache_does_not_hold(embedd
         separators=(",", ":"),
     )
     embedded.client().put_object(Bucket=BUCKET, Key=f"{cache_uri.removeprefix(f's3://{BUCKET}/')}{cache.model_digest}/{key[0]}/seed.tsv", Body=f"{key}\t{stored}\n".encode())
-    result = _run_operator("answer_cache_runner", **kwargs)
+    operator_kwargs = {k: v for k, v in kwargs.items() if k != "answer_cache_uri"}
+    result = _run_operator("answer_cache_runner", **operator_kwargs, answer_cache=AnswerCacheOptions(uri=cache_uri))
     assert result.state == "success", result.output[-3000:]
     assert "3 of 4 requests answered from the cache" in result.output and "The engine reads the cleaned copy" in result.output
     manifest = result.xcom("vllm_batch")

@@ -61,9 +61,19 @@ def _floor_venv() -> Path:
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The wheel of this clone, built by pip in an isolated build environment."""
+    """The wheel of this clone's committed and working-tree files, built by pip in an isolated build environment.
+
+    Built from a copy of the files git knows: setuptools would otherwise reuse the clone's
+    ``build/lib``, where a module moved or deleted since the last build lingers and ships.
+    """
     out = tmp_path_factory.mktemp("dist")
-    _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out), str(REPO)], timeout=600)
+    source = tmp_path_factory.mktemp("source")
+    tracked = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO, capture_output=True, check=True).stdout.decode().split("\0")
+    for name in filter(None, tracked):
+        if (REPO / name).is_file():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, source / name)
+    _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out), str(source)], timeout=600)
     (built,) = out.glob("airflow_vllm_batch-*.whl")
     return built
 
@@ -100,6 +110,9 @@ def test_the_wheel_holds_the_provider_and_nothing_of_the_clone(wheel):
     tops = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
     assert tops == {"airflow_vllm_batch", "airflow_vllm_batch-0.1.0.dist-info"}
     assert not [name for name in zipfile.ZipFile(wheel).namelist() if "embedded" in name or "examples" in name]
+    # Exactly the clone's modules: none that a move or a deletion left in an old build directory.
+    shipped = {name for name in zipfile.ZipFile(wheel).namelist() if name.endswith(".py")}
+    assert shipped == {path.relative_to(REPO).as_posix() for path in (REPO / "airflow_vllm_batch").rglob("*.py")}
 
 
 def test_airflow_on_the_floor_lists_the_provider(floor, tmp_path):

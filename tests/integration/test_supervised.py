@@ -35,6 +35,7 @@ import psutil
 import pytest
 
 from vllm_batch_embedded.seaweedfs import SeaweedFS
+from airflow_vllm_batch.engines.vllm.launcher import ARGV_ENV
 from airflow_vllm_batch.engines.vllm.process import GUARD_SCRIPT
 from tests.integration.deployment import (
     Deployment,
@@ -574,7 +575,9 @@ def test_retry_after_the_task_started_server_was_killed_resumes_from_its_checkpo
 
 def _server_answered(tree: EngineTree) -> float:
     """Requests the task-started server has answered; 0 while it starts."""
-    argv = _cmdline(tree.engine)
+    # The server's arguments travel in its environment, not on its command line (the launcher
+    # hides them from ps): the environment it was started with still holds them.
+    argv = json.loads(psutil.Process(tree.engine).environ()[ARGV_ENV])
     return requests_answered(f"http://127.0.0.1:{argv[argv.index('--port') + 1]}", starting=True)
 
 

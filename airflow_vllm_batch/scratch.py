@@ -25,7 +25,10 @@ OWNED_DIR_NAME = "airflow-vllm-batch"
 #: (``<run>-try-<random>``), a run's kept results (``<run>/``) and the engine-argument
 #: markers that releases before the engine launcher made (still ours to age out);
 #: ``<run>`` is 16 hex digits.
-_OWN_ENTRY = re.compile(r"^(?:[0-9a-f]{16}(?:-try-[A-Za-z0-9_]+)?|engine-args-ok-[0-9a-f]{16}|engine-offline-defaults-[0-9a-f]{16}\.json)$")
+#: A run's directory, a try's, and the flags an engine's parser knows (``engine-options-<digest>.json``,
+#: :meth:`~airflow_vllm_batch.engines.local.LocalEngine.options_file`, and the temporary file it is
+#: written through, left behind by a kill between the write and the rename).
+_OWN_ENTRY = re.compile(r"^(?:[0-9a-f]{16}(?:-try-[A-Za-z0-9_]+)?|engine-options-[0-9a-f]{16}\.json(?:\.[0-9]+\.tmp)?)$")
 
 
 def owned_dir(results_dir: str) -> Path:

@@ -9,13 +9,17 @@ aged out or removed (invariant: No strangers).
 from __future__ import annotations
 
 import contextlib
+import os
 import re
+import stat
 import shutil
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
+
+from airflow_vllm_batch.exceptions import ConfigurationError
 
 #: Local results older than this are removed when the next task starts on the worker.
 LOCAL_RESULTS_MAX_AGE_S = 7 * 24 * 3600
@@ -32,8 +36,34 @@ _OWN_ENTRY = re.compile(r"^(?:[0-9a-f]{16}(?:-try-[A-Za-z0-9_]+)?|engine-options
 
 
 def owned_dir(results_dir: str) -> Path:
-    """The subdirectory of ``results_dir`` that this provider's runs own (created on first use elsewhere)."""
+    """The subdirectory of ``results_dir`` that this provider's runs own (made by :func:`ensure_owned_dir`)."""
     return Path(results_dir) / OWNED_DIR_NAME
+
+
+def ensure_owned_dir(results_dir: str) -> Path:
+    """Make the runs' own directory private to the worker's user (mode 0700), or refuse one another user owns.
+
+    Kept results are the users' data: on a shared worker (the default ``results_dir`` is the
+    system's temporary directory) another local user must not read them, nor have made the
+    directory first to read or plant what the runs write there.
+
+    :param results_dir: the worker's directory the user named.
+    :raises ConfigurationError: the directory exists and belongs to another user, or is not a directory.
+    """
+    root = owned_dir(results_dir)
+    try:
+        root.mkdir(mode=0o700, parents=True)
+    except FileExistsError:
+        pass
+    info = os.lstat(root)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        owner = "is not a directory" if not stat.S_ISDIR(info.st_mode) else f"belongs to uid {info.st_uid}, not this worker's uid {os.getuid()}"
+        raise ConfigurationError(
+            f"results_dir: {root} {owner}. Remove it, or set results_dir to a directory of the worker's own user."
+        )
+    if stat.S_IMODE(info.st_mode) & 0o077:
+        os.chmod(root, 0o700)  # ours, made by an older release with the umask's mode
+    return root
 
 
 @contextlib.contextmanager
@@ -43,8 +73,7 @@ def scratch(results_dir: str, run: str) -> Iterator[Path]:
     :param results_dir: the worker's directory the user named; the scratch goes in its :func:`owned_dir`.
     :param run: the run identity's short form, the directory's prefix.
     """
-    root = owned_dir(results_dir)
-    root.mkdir(parents=True, exist_ok=True)
+    root = ensure_owned_dir(results_dir)
     age_out(root, LOCAL_RESULTS_MAX_AGE_S)
     work = Path(tempfile.mkdtemp(prefix=f"{run}-try-", dir=root))
     try:

@@ -80,7 +80,9 @@ class VLLMBatchOperator(AwsBaseOperator[S3Hook]):
     :param resume: reuse a complete output or staged answers of the same run. Default True.
     :param results_dir: a directory on the worker; the runs own only its ``airflow-vllm-batch/``
         subdirectory (scratch, results kept while S3 is down), and age out only the entries they
-        made there; nothing else in it is touched. Default: the system temporary directory.
+        made there; nothing else in it is touched. That subdirectory is made private to the
+        worker's user (mode 0700); one another user owns is refused. Default: the system
+        temporary directory.
     :param engine: the engine and its options: ``VLLMRunner(...)`` (default ``VLLMRunner()``),
         ``VLLMServer(...)`` or ``WarmVLLMServer(conn_id=...)``, or another engine's options (a
         subclass of :class:`~airflow_vllm_batch.engines.EngineOptions`). The fields each lists in

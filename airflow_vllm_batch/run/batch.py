@@ -353,13 +353,16 @@ class BatchRun:
         """Drop from staging what failed the results check, and nothing else (Durability).
 
         A staged results file is one engine run's whole answer: when it does not answer the
-        input it goes, so that no later try publishes it. Checkpoint parts
+        input it goes, so that no later try publishes it, and so does this worker's kept copy
+        of it (else every retry here would stage the same file again and never run the
+        engine). Checkpoint parts
         (``duplicates="first"``) are kept unless they hold an unreadable line or an answer to a
         custom_id not in the input: a request merely missing leaves every part in place, and
         the next try resumes from them and sends only what they do not answer.
         """
         if engine_results.duplicates != "first":
             job.staging.drop_results()
+            job.kept_results.unlink(missing_ok=True)
             return
         if results.unparseable_count or results.extra_count:
             bad = invalid_parts(job.staging, job.report.custom_ids)

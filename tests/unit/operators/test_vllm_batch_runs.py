@@ -230,6 +230,27 @@ def test_results_kept_on_the_worker_when_staging_failed_are_published_by_the_ret
     assert not kept.exists()
 
 
+def test_kept_results_the_check_rejects_are_dropped_so_the_next_try_runs_the_engine(batch, monkeypatch):
+    real_put = RunStaging.put_results
+
+    def s3_fails(self, path):
+        raise ClientError({"Error": {"Code": "ServiceUnavailable", "Message": "down"}}, "PutObject")
+
+    monkeypatch.setattr(RunStaging, "put_results", s3_fails)
+    with pytest.raises(PublishError):
+        batch.run()
+    monkeypatch.setattr(RunStaging, "put_results", real_put)
+    (kept,) = batch.scratch_dir.glob("*/results.jsonl")
+    kept.write_bytes(b"".join(kept.read_bytes().splitlines(keepends=True)[:-1]))  # a request left unanswered
+
+    with pytest.raises(ResultsCheckError):
+        batch.run(FakeTI(try_number=2))
+    assert not kept.exists()
+    manifest = batch.run(FakeTI(try_number=3))
+    assert manifest["request_counts"]["completed"] == 5
+    assert batch.engine_runs == 2
+
+
 def test_a_publish_that_fails_midway_leaves_no_manifest_to_trust(batch, monkeypatch):
     from airflow_vllm_batch.storage import OutputStore
 

@@ -21,6 +21,7 @@ import re
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,7 +31,7 @@ from airflow.providers.amazon.aws.operators.base_aws import AwsBaseOperator
 from airflow.providers.amazon.aws.utils.mixins import aws_template_fields
 
 from airflow_vllm_batch.batchfile import open_lines, redact_url
-from airflow_vllm_batch.exceptions import VLLMBatchError
+from airflow_vllm_batch.exceptions import InputChangedError, VLLMBatchError
 from airflow_vllm_batch.lease import LeaseHolder
 from airflow_vllm_batch.manifest import Manifest, RequestCounts, Usage
 from airflow_vllm_batch.operators.task_try import task_try
@@ -305,12 +306,14 @@ class VLLMBatchMergeOperator(AwsBaseOperator[S3Hook]):
         :return: the merged results, and the merged error lines (None when no shard has an error file).
         :raises ShardingError: a shard's files hold other counts than its manifest: nothing is published.
         """
-        results, result_lines = self.concatenate([m["output_uri"] for m in manifests], tmp / "results.jsonl")
+        outputs = [_ShardFile(i, m["output_uri"], m.get("output_etag")) for i, m in enumerate(manifests)]
+        results, result_lines = self.concatenate(outputs, tmp / "results.jsonl")
         with_errors = [i for i, m in enumerate(manifests) if m.get("error_uri")]
         error_lines = [0] * len(manifests)
         errors = None
         if with_errors:
-            errors, merged = self.concatenate([manifests[i]["error_uri"] for i in with_errors], tmp / "errors.jsonl")
+            error_files = [_ShardFile(i, manifests[i]["error_uri"], manifests[i].get("error_etag")) for i in with_errors]
+            errors, merged = self.concatenate(error_files, tmp / "errors.jsonl")
             for shard, lines in zip(with_errors, merged):
                 error_lines[shard] = lines
         check_merged_counts(manifests, result_lines, error_lines)
@@ -329,11 +332,11 @@ class VLLMBatchMergeOperator(AwsBaseOperator[S3Hook]):
                 errors_path=errors,
             )
 
-    def concatenate(self, uris: Sequence[str], scratch: Path) -> tuple[Path, list[int]]:
-        """Merge the objects ``uris`` (in order) into the local file ``scratch``; return it and each object's line count."""
+    def concatenate(self, files: Sequence[_ShardFile], scratch: Path) -> tuple[Path, list[int]]:
+        """Merge the shards' ``files`` (in order) into the local file ``scratch``; return it and each file's line count."""
         with open(scratch, "wb") as out:
-            lines = merge_results(self._bodies(uris), out)
-        self.log.info("Merged %d file(s) into %d lines (%s)", len(uris), sum(lines), scratch.name)
+            lines = merge_results(self._bodies(files), out)
+        self.log.info("Merged %d file(s) into %d lines (%s)", len(files), sum(lines), scratch.name)
         return scratch, lines
 
     def build_manifest(
@@ -375,12 +378,22 @@ class VLLMBatchMergeOperator(AwsBaseOperator[S3Hook]):
         """``<output stem>.manifest.json``, as ``VLLMBatchOperator`` names it."""
         return self.store.manifest_uri
 
-    def _bodies(self, uris: Sequence[str]) -> Iterator[Any]:
-        """Open each object's body in turn, closing it before the next one opens."""
-        for uri in uris:
-            bucket, key = split_s3_uri(uri, "shard_manifests[].output_uri")
-            with s3_body(self.hook, bucket, key) as body:
-                yield body
+    def _bodies(self, files: Sequence[_ShardFile]) -> Iterator[Any]:
+        """Open each shard file's body in turn, at the ETag its manifest published, closing it before the next one opens.
+
+        Counts alone cannot tell a shard's published file from one another run wrote over it
+        with as many lines: the ETag can (as :func:`~airflow_vllm_batch.storage.read_answers` reads).
+        """
+        for shard in files:
+            bucket, key = split_s3_uri(shard.uri, "shard_manifests[].output_uri")
+            try:
+                with s3_body(self.hook, bucket, key, if_match=shard.etag) as body:
+                    yield body
+            except InputChangedError:
+                raise ShardingError(
+                    f"The shard at map index {shard.index} published {shard.uri} with ETag {shard.etag}, but the file "
+                    "has changed since. Nothing was merged; clear that shard's inference task, then the merge."
+                ) from None
 
     def _input_etag(self) -> str | None:
         if not self.input_uri or not self.input_uri.startswith("s3://"):
@@ -389,6 +402,15 @@ class VLLMBatchMergeOperator(AwsBaseOperator[S3Hook]):
         head = self.hook.head_object(key, bucket_name=bucket)
         # Unquoted, as VLLMBatchOperator records it.
         return head["ETag"].strip('"') if head else None
+
+
+@dataclass(frozen=True)
+class _ShardFile:
+    """One shard's published results or error file, and the ETag its manifest recorded (None: an older manifest)."""
+
+    index: int
+    uri: str
+    etag: str | None
 
 
 @contextlib.contextmanager

@@ -58,15 +58,17 @@ class Shards:
         completed, failed = self.COMPLETED[index], self.FAILED[index]
         self.put(self.key(index), b"request\n" * (completed + failed))
         # vLLM uploads its output without a final newline.
-        self.put(self.key(index, ".results.jsonl"), b"\n".join(result_line(f"r{index}-{n}") for n in range(completed)))
-        error_uri = None
+        output_etag = self.put(self.key(index, ".results.jsonl"), b"\n".join(result_line(f"r{index}-{n}") for n in range(completed)))
+        error_uri = error_etag = None
         if failed:
             lines = [error_line(f"r{index}-e{n}") for n in range(failed - 1)] + [error_line(None)]
-            self.put(self.key(index, ".results.errors.jsonl"), b"\n".join(lines) + b"\n")
+            error_etag = self.put(self.key(index, ".results.errors.jsonl"), b"\n".join(lines) + b"\n")
             error_uri = f"s3://{self.bucket}/{self.key(index, '.results.errors.jsonl')}"
         return {
             "output_uri": f"s3://{self.bucket}/{self.key(index, '.results.jsonl')}",
+            "output_etag": output_etag,
             "error_uri": error_uri,
+            "error_etag": error_etag,
             "input_uri": f"s3://{self.bucket}/{self.key(index)}",
             "model": "m",
             "request_counts": {"total": completed + failed, "completed": completed, "failed": failed},
@@ -78,8 +80,9 @@ class Shards:
             "manifest_uri": f"s3://{self.bucket}/{self.key(index, '.results.manifest.json')}",
         }
 
-    def put(self, key: str, data: bytes) -> None:
-        self.client.put_object(Bucket=self.bucket, Key=key, Body=data)
+    def put(self, key: str, data: bytes) -> str:
+        """Write an object; return its ETag, bare, as manifests record it."""
+        return self.client.put_object(Bucket=self.bucket, Key=key, Body=data)["ETag"].strip('"')
 
     def get(self, key: str) -> bytes:
         return self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
@@ -129,16 +132,20 @@ def test_shards_mapped_without_the_split_are_merged_as_given(shards):
     assert shards.merge(renamed[:2])["request_counts"]["total"] == 7
 
 
+# A manifest that miscounts the files it published (their ETags are its own): only the counts tell.
+
+
 def _extra_result(shards: Shards) -> None:
-    shards.put(shards.key(1, ".results.jsonl"), shards.get(shards.key(1, ".results.jsonl")) + b"\n" + result_line("late"))
+    data = shards.get(shards.key(1, ".results.jsonl")) + b"\n" + result_line("late")
+    shards.manifests[1]["output_etag"] = shards.put(shards.key(1, ".results.jsonl"), data)
 
 
 def _lost_result(shards: Shards) -> None:
-    shards.put(shards.key(1, ".results.jsonl"), result_line("r1-0"))
+    shards.manifests[1]["output_etag"] = shards.put(shards.key(1, ".results.jsonl"), result_line("r1-0"))
 
 
 def _lost_error_line(shards: Shards) -> None:
-    shards.put(shards.key(1, ".results.errors.jsonl"), error_line(None) + b"\n")
+    shards.manifests[1]["error_etag"] = shards.put(shards.key(1, ".results.errors.jsonl"), error_line(None) + b"\n")
 
 
 def _no_error_file_named(shards: Shards) -> None:
@@ -159,6 +166,16 @@ def test_a_shard_whose_files_disagree_with_its_manifest_fails_before_anything_is
         shards.merge()
     # Not even the old manifest is invalidated: the check comes before the publish protocol.
     assert shards.published() == ["out/results.manifest.json"]
+
+
+@pytest.mark.parametrize("suffix", [".results.jsonl", ".results.errors.jsonl"])
+def test_a_shard_file_rewritten_since_its_manifest_fails_the_merge_naming_the_shard(shards, suffix):
+    # As many lines as the manifest counts, so only the ETag its manifest recorded tells them apart.
+    original = shards.get(shards.key(1, suffix))
+    shards.put(shards.key(1, suffix), original.replace(b'"r1-', b'"other-'))
+    with pytest.raises(AirflowFailException, match=r"shard at map index 1 published s3://.*shard-00001.* has changed since"):
+        shards.merge()
+    assert shards.published() == []
 
 
 def test_the_count_mismatch_names_only_the_shards_that_disagree(shards):

@@ -105,6 +105,7 @@ from airflow_vllm_batch.batchfile.sources import (
     redact_url,
     redact_urls,
     source_size,
+    url_secrets,
 )
 
 __all__ = [
@@ -143,5 +144,6 @@ __all__ = [
     "read_answers",
     "redact_url",
     "redact_urls",
+    "url_secrets",
     "source_size",
 ]

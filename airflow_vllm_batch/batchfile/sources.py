@@ -38,7 +38,9 @@ closed as soon as the ``with`` block ends, even when the consumer stops early::
 
 from __future__ import annotations
 
+import base64
 import gzip
+import http.client
 import os
 import re
 import urllib.error
@@ -50,7 +52,7 @@ from contextlib import contextmanager
 from itertools import chain
 from typing import IO, Protocol, Union
 
-from airflow_vllm_batch.exceptions import PreflightError, VLLMBatchError
+from airflow_vllm_batch.exceptions import ConfigurationError, PreflightError, VLLMBatchError
 
 #: Bytes read from the source per call; large enough that the per-call overhead
 #: vanishes, small enough to keep memory flat.
@@ -102,14 +104,36 @@ def redact_url(url: str) -> str:
     """
     Return ``url`` without credentials, query string or fragment.
 
-    :param url: any URL, possibly presigned.
+    :param url: any URL, possibly presigned, possibly malformed (a port that is no number is left out).
     """
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:  # e.g. an unclosed "[": nothing of it is safe to show but its scheme
+        return url.partition(":")[0] + "://<a URL that cannot be parsed>"
+    return urllib.parse.urlunsplit((parts.scheme, _host_and_port(parts), parts.path, "", "")) + ("?<redacted>" if parts.query else "")
+
+
+def url_secrets(url: str) -> list[str]:
+    """The parts of an http(s) URL that may be credentials, for the secrets masker: the URL itself, its query, its user info.
+
+    :param url: an input URL (``https://user:password@host/in.jsonl``, a presigned URL's ``?X-Amz-...``).
+    """
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        return []
     parts = urllib.parse.urlsplit(url)
+    userinfo = parts.netloc.rpartition("@")[0]
+    found = [parts.query, userinfo, userinfo.partition(":")[2], urllib.parse.unquote(userinfo.partition(":")[2])]
+    return [url, *dict.fromkeys(value for value in found if value)] if any(found) else []
+
+
+def _host_and_port(parts: urllib.parse.SplitResult) -> str:
+    """``host[:port]`` of a URL, without user info; a port that is no number is left out."""
     netloc = parts.hostname or ""
-    if parts.port:
-        netloc = f"{netloc}:{parts.port}"
-    suffix = "?<redacted>" if parts.query else ""
-    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", "")) + suffix
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    return f"{netloc}:{port}" if port else netloc
 
 
 class Lines:
@@ -326,8 +350,7 @@ def is_compressed(source: Source, *, timeout: float = 60.0) -> bool:
     if isinstance(source, (str, os.PathLike)):
         text = os.fspath(source)
         if isinstance(text, str) and text.startswith(("http://", "https://")):
-            request = urllib.request.Request(text, method="GET", headers={"Range": f"bytes=0-{_MAGIC_BYTES - 1}"})
-            with _open_url(request, timeout) as response:
+            with _open_url(text, timeout, {"Range": f"bytes=0-{_MAGIC_BYTES - 1}"}) as response:
                 return compression_of_head(response.read(_MAGIC_BYTES)) is not None
         try:
             with open(text, "rb") as handle:
@@ -416,12 +439,31 @@ class _GzipReader:
             ) from None
 
 
-def _open_url(url: str | urllib.request.Request, timeout: float):
-    """Open a GET request for ``url``, raising an error that never shows the query string."""
-    request = url if isinstance(url, urllib.request.Request) else urllib.request.Request(url, method="GET")
-    url = request.full_url
+def _open_url(url: str, timeout: float, headers: dict[str, str] | None = None):
+    """Open a GET request for ``url``, raising an error that never shows its credentials or query string.
+
+    Credentials in the URL (``https://user:password@host/...``), which urllib cannot open, are
+    sent as HTTP Basic authentication instead.
+
+    :raises ConfigurationError: the URL cannot be opened as written (not retried).
+    """
+    headers = dict(headers or {})
     try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 -- raises ValueError for a port that is no number, or out of range
+        if "@" in parts.netloc:
+            user, _, password = parts.netloc.rpartition("@")[0].partition(":")
+            token = f"{urllib.parse.unquote(user)}:{urllib.parse.unquote(password)}".encode()
+            headers["Authorization"] = "Basic " + base64.b64encode(token).decode()
+            parts = parts._replace(netloc=_host_and_port(parts))
+        request = urllib.request.Request(urllib.parse.urlunsplit(parts), method="GET", headers=headers)
         return urllib.request.urlopen(request, timeout=timeout)
+    except (http.client.InvalidURL, ValueError) as exc:
+        # Their messages quote the URL's parts, credentials included: only the redacted URL is told.
+        raise ConfigurationError(
+            f"input_uri: {redact_url(url)} is not a URL that can be read ({type(exc).__name__}). "
+            "Fix input_uri (http(s)://[user:password@]host[:port]/path)."
+        ) from None
     except urllib.error.HTTPError as exc:
         raise VLLMBatchError(
             f"{redact_url(url)}: HTTP {exc.code} {exc.reason} while reading the batch file; "

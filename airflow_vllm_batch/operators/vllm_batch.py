@@ -13,6 +13,7 @@ from airflow.providers.amazon.aws.utils.mixins import aws_template_fields
 from airflow.sdk import Asset
 from airflow.sdk.log import mask_secret
 
+from airflow_vllm_batch.batchfile import url_secrets
 from airflow_vllm_batch.batchfile.requests import INDEX
 from airflow_vllm_batch.engines import Engine, EngineOptions, VLLMRunner, make_engine
 from airflow_vllm_batch.exceptions import ConfigurationError, TooManyFailedRequestsError, VLLMBatchError
@@ -163,9 +164,8 @@ class VLLMBatchOperator(AwsBaseOperator[S3Hook]):
         super().render_template_fields(context, jinja_env)
         if isinstance(self.engine, EngineOptions):
             self.engine.mask_secrets()
-        if isinstance(self.input_uri, str) and self.input_uri.startswith(("http://", "https://")) and "?" in self.input_uri:
-            mask_secret(self.input_uri)
-            mask_secret(self.input_uri.split("?", 1)[1])
+        for secret in url_secrets(self.input_uri):
+            mask_secret(secret)
 
     def execute(self, context: Context) -> dict[str, Any]:
         # An empty link until the output is published: the task runner asks for it even when

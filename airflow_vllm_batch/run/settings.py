@@ -17,7 +17,7 @@ from functools import cached_property
 from datetime import timedelta
 from typing import Any, ClassVar
 
-from airflow_vllm_batch.batchfile import DEFAULT_MAX_LINE_BYTES
+from airflow_vllm_batch.batchfile import DEFAULT_MAX_LINE_BYTES, url_secrets
 from airflow_vllm_batch.batchfile.requests import INDEX, check_requests_options
 from airflow_vllm_batch.batchfile.structured import OutputSchema, check_output_type_path, resolve_output_type
 from airflow_vllm_batch.engines.options import EngineOptions, VLLMRunner
@@ -133,6 +133,11 @@ class BatchSettings:
         settings = cls(**coerced)
         # Masked where they enter: every later line (ours, or the engine's relayed) is safe.
         settings.engine.mask_secrets()
+        if secrets := url_secrets(settings.input_uri):  # an http(s) input's user info or signature
+            from airflow.sdk.log import mask_secret
+
+            for secret in secrets:
+                mask_secret(secret)
         return settings
 
     @cached_property

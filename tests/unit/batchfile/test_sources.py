@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import base64
 import gzip
 import http.server
 import io
@@ -13,8 +14,9 @@ from airflow_vllm_batch.batchfile import (
     iter_lines,
     open_lines,
     redact_url,
+    url_secrets,
 )
-from airflow_vllm_batch.exceptions import PreflightError, VLLMBatchError
+from airflow_vllm_batch.exceptions import ConfigurationError, PreflightError, VLLMBatchError
 
 JSONL = b'{"a": 1}\n{"b": 2}\n'
 
@@ -87,6 +89,9 @@ def http_server():
             if self.path.startswith("/missing"):
                 self.send_error(403)
                 return
+            if self.path.startswith("/private") and self.headers.get("Authorization") != "Basic " + base64.b64encode(b"reader:p@ss w0rd").decode():
+                self.send_error(401)
+                return
             body = b'{"a": 1}\n{"b": 2}'
             if self.path.startswith("/gz"):
                 body = gzip.compress(JSONL)
@@ -118,6 +123,36 @@ def test_http_error_message_hides_the_signature(http_server):
         with open_lines(f"{http_server}/missing.jsonl?X-Amz-Signature=secret"):
             pass
     assert "403" in str(excinfo.value) and "secret" not in str(excinfo.value)
+
+
+def test_credentials_in_an_http_url_are_sent_as_basic_authentication(http_server):
+    url = http_server.replace("http://", "http://reader:p%40ss%20w0rd@") + "/private/in.jsonl"
+    with open_lines(url) as lines:
+        assert list(lines) == [b'{"a": 1}', b'{"b": 2}']
+    assert is_compressed(url) is False
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "https://reader:S3cretPw1@files.example:notaport/in.jsonl",
+        "https://reader:S3cretPw1@[files.example/in.jsonl",
+        "http://reader:S3cretPw1@files.example:99999999/in.jsonl",
+    ],
+)
+def test_a_malformed_url_is_a_mistake_naming_input_uri_without_its_password(url):
+    with pytest.raises(ConfigurationError, match=r"^input_uri: https?://(files\.example/in\.jsonl|<a URL that cannot be parsed>) is not a URL that can be read") as excinfo:
+        with open_lines(url):
+            pass
+    assert not excinfo.value.retryable
+    assert "S3cretPw1" not in str(excinfo.value)
+
+
+def test_the_secrets_of_an_input_url_are_its_whole_self_its_user_info_and_its_query():
+    url = "https://reader:p%40ss@host/in.jsonl?X-Amz-Signature=abc"
+    assert url_secrets(url) == [url, "X-Amz-Signature=abc", "reader:p%40ss", "p%40ss", "p@ss"]
+    assert url_secrets("https://host/in.jsonl") == []
+    assert url_secrets("s3://b/k?x") == []
 
 
 def test_redact_url_drops_query_and_credentials():
@@ -222,3 +257,8 @@ def test_lines_record_whether_the_file_ended_with_a_newline(data, expected):
     with open_lines(io.BytesIO(data), chunk_size=1) as lines:
         list(lines)
         assert lines.ended_with_newline is expected
+
+
+def test_redact_url_leaves_out_a_port_that_is_no_number():
+    assert redact_url("https://user:pw@host:pw@x/in.jsonl") == "https://x/in.jsonl"
+    assert redact_url("https://user:pw@host:abc/in.jsonl") == "https://host/in.jsonl"

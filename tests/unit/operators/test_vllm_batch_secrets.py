@@ -73,3 +73,34 @@ def test_a_rendered_secret_is_registered_with_the_masker_before_the_rendered_fie
     shown = _serialize_rendered_fields(operator)
     assert shown["engine"]["engine"] == "VLLMRunner" and shown["engine"]["args"] == ["--hf-token", "***"]
     assert "hf_RenderedTokenAbc1" not in json.dumps(shown)
+
+
+def test_an_http_inputs_credentials_are_masked_when_rendered():
+    import jinja2
+
+    from airflow import __version__ as airflow_version
+    from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
+    from tests.airflow_compat import redact
+
+    operator = VLLMBatchOperator(
+        task_id="t", input_uri="{{ params.url }}", output_uri="s3://b/out/results.jsonl", model="m", engine=VLLMRunner()
+    )
+    operator.render_template_fields(
+        {"params": {"url": "https://reader:RenderedPw123@files.example/in.jsonl"}}, jinja_env=jinja2.Environment()
+    )
+    assert "RenderedPw123" not in str(redact(operator.input_uri))
+    assert "RenderedPw123" not in str(redact("a log line quoting reader:RenderedPw123@files.example"))
+    if not airflow_version.startswith("3.0."):  # Airflow 3.0 stores a rendered string unredacted
+        from airflow.sdk.execution_time.task_runner import _serialize_rendered_fields
+
+        assert "RenderedPw123" not in json.dumps(_serialize_rendered_fields(operator))
+
+
+def test_a_malformed_http_input_fails_without_retry_naming_input_uri_and_no_password(batch, capfd, caplog):
+    from airflow_vllm_batch.version_compat import AirflowFailException
+
+    with pytest.raises(AirflowFailException, match="^input_uri: https://files.example/in.jsonl is not a URL") as err:
+        batch.run(input_uri="https://reader:MalformedPw9@files.example:notaport/in.jsonl")
+    out, errs = capfd.readouterr()
+    assert "MalformedPw9" not in str(err.value) + out + errs + caplog.text
+    assert batch.engine_runs == 0

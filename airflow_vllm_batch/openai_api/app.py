@@ -24,6 +24,7 @@ from airflow.api_fastapi.core_api.security import GetUserDep
 
 from airflow_vllm_batch.exceptions import ConfigurationError
 from airflow_vllm_batch.openai_api.access import may, owner_key, owns
+from airflow_vllm_batch.openai_api.batch_spec import BatchSpec, ForgedBatchError, signing_key
 from airflow_vllm_batch.openai_api.files import (
     BATCH_ID,
     PART_BYTES,
@@ -239,7 +240,7 @@ def _no_file(file_id: str) -> OpenAIError:
 
 @app.post("/batches")
 def create_batch(body: BatchCreate, user: GetUserDep) -> dict[str, Any]:
-    """Start a batch: a run of the batch DAG over the input file."""
+    """Start a batch: pin its input, sign what its run may do, trigger a run of the batch DAG."""
     settings = _settings()
     dag_id = settings.batch_dag_id
     if not may(user, "POST", dag_id):
@@ -247,37 +248,67 @@ def create_batch(body: BatchCreate, user: GetUserDep) -> dict[str, Any]:
     if body.endpoint not in ENDPOINTS:
         raise OpenAIError(400, f"endpoint {body.endpoint!r} is not one of {', '.join(ENDPOINTS)}", "endpoint")
     try:
-        window_seconds(body.completion_window)
+        window_s = window_seconds(body.completion_window)
     except ValueError as err:
         raise OpenAIError(400, str(err), "completion_window") from None
     if body.metadata and len(body.metadata) > MAX_METADATA_PAIRS:
         raise OpenAIError(400, f"metadata has {len(body.metadata)} keys: at most {MAX_METADATA_PAIRS}", "metadata")
+    key = _signing_key()
     store = _store(settings)
     owner = owner_key(user.get_id())
     record = store.get_json(store.record_key(owner, body.input_file_id)) if body.input_file_id.startswith("file-") else None
     if record is None:
-        raise OpenAIError(400, f"input_file_id {body.input_file_id!r} names none of your uploaded files: upload it with purpose='batch'", "input_file_id")
+        raise _not_an_input(body.input_file_id)
     route = _route(store, owner, body.input_file_id)
     batch_id = new_batch_id()
+    # The batch runs this copy (its ETag is signed): deleting or replacing the file later changes nothing of it.
+    version = store.pin_input(owner, body.input_file_id, batch_id)
+    if version is None:
+        raise _not_an_input(body.input_file_id)
+    spec = BatchSpec(
+        batch_id=batch_id,
+        owner=user.get_id(),
+        input_file_id=body.input_file_id,
+        input_version=version,
+        endpoint=body.endpoint,
+        route=route.get("route", ""),
+        created_at=int(time.time()),
+        window_s=window_s,
+    )
     output_file_id, error_file_id = result_file_ids(batch_id)
+    # What everyone who may read the batch DAG's runs sees: the signed spec and what the status shows,
+    # no S3 location and no metadata (those stay in the API's own record).
     conf = {
-        "owner": user.get_id(),
-        "input_file_id": body.input_file_id,
-        "endpoint": body.endpoint,
+        **spec.sign(key),
         "completion_window": body.completion_window,
-        "metadata": body.metadata or {},
-        "created_at": int(time.time()),
         "total": int(record.get("lines") or 0),
         "output_file_id": output_file_id,
         "error_file_id": error_file_id,
-        "input_uri": store.uri(store.content_key(owner, body.input_file_id)),
-        "output_uri": store.uri(store.content_key(owner, output_file_id)),
-        "error_uri": store.uri(store.content_key(owner, error_file_id)),
-        "failure_uri": store.uri(store.failure_key(batch_id)),
-        **route,
+        **({"model": route["model"]} if "model" in route else {}),
     }
+    metadata = body.metadata or {}
+    store.put_json(store.batch_record_key(batch_id), {"metadata": metadata})
     _trigger(dag_id, batch_id, conf, user.get_name())
-    return batch_object(batch_id, BatchRun(conf=conf, run_state="queued"), time.time())
+    return batch_object(batch_id, BatchRun(conf={**conf, "metadata": metadata}, run_state="queued"), time.time())
+
+
+def _not_an_input(file_id: str) -> OpenAIError:
+    return OpenAIError(400, f"input_file_id {file_id!r} names none of your uploaded files: upload it with purpose='batch'", "input_file_id")
+
+
+def _signing_key() -> str:
+    try:
+        return signing_key()
+    except ConfigurationError as err:
+        raise OpenAIError(503, str(err)) from None
+
+
+def _batch_spec(run: Any) -> BatchSpec | None:
+    """The verified spec of a batch run; None for a run the API did not make (triggered by hand, or edited)."""
+    try:
+        return BatchSpec.verified(run.conf, run.run_id, signing_key())
+    except (ForgedBatchError, ConfigurationError):
+        return None
 
 
 def _route(store: FileStore, owner: str, file_id: str) -> dict[str, str]:
@@ -378,7 +409,7 @@ def _mark_failed(dag_id: str, run_id: str) -> None:
 
 
 def _own_run(settings: OpenAIApiSettings, batch_id: str, user: Any) -> tuple[Any, list[Any]]:
-    """The DAG run of one of the caller's batches, and its task instances; 404 for anyone else's."""
+    """The DAG run of one of the caller's batches, and its task instances; 404 for anyone else's, and for a run the API did not make."""
     from sqlalchemy import select
 
     from airflow.models.dagrun import DagRun
@@ -390,15 +421,24 @@ def _own_run(settings: OpenAIApiSettings, batch_id: str, user: Any) -> tuple[Any
         raise missing
     with create_session() as session:
         run = session.scalar(select(DagRun).where(DagRun.dag_id == settings.batch_dag_id, DagRun.run_id == batch_id))
-        if run is None or not owns(run.conf, user.get_id()):
+        if run is None or not owns(run.conf, user.get_id()) or _batch_spec(run) is None:
             raise missing
         tis = list(session.scalars(select(TaskInstance).where(TaskInstance.dag_id == run.dag_id, TaskInstance.run_id == run.run_id)))
         session.expunge_all()
     return run, tis
 
 
+#: How many DAG runs ``GET /batches`` reads per query while it looks for the caller's.
+RUNS_PER_QUERY = 200
+
+
 def _runs(dag_id: str, user_id: str, user_name: str, after: str | None, limit: int) -> list[tuple[Any, list[Any]]]:
-    """The caller's batch runs, newest first, after the run ``after``: ``limit`` of them at most."""
+    """The caller's batch runs, newest first, after the run ``after``: ``limit`` of them at most.
+
+    Each query's rows are all read before the next query is sent (pages by primary key, the
+    task instances of a page in one query): MySQL's driver refuses a query while another's
+    rows are still streaming, and PostgreSQL's named cursors would hold a transaction open.
+    """
     from sqlalchemy import select
 
     from airflow.models.dagrun import DagRun
@@ -413,13 +453,17 @@ def _runs(dag_id: str, user_id: str, user_name: str, after: str | None, limit: i
                 return []
             query = query.where(DagRun.id < after_pk)
         found: list[tuple[Any, list[Any]]] = []
-        for run in session.scalars(query.execution_options(yield_per=200)):
-            if not owns(run.conf, user_id):
-                continue
-            tis = list(session.scalars(select(TaskInstance).where(TaskInstance.dag_id == dag_id, TaskInstance.run_id == run.run_id)))
-            found.append((run, tis))
-            if len(found) >= limit:
+        while len(found) < limit:
+            runs = list(session.scalars(query.limit(RUNS_PER_QUERY)))
+            mine = [run for run in runs if owns(run.conf, user_id) and _batch_spec(run) is not None][: limit - len(found)]
+            if mine:
+                tis: dict[str, list[Any]] = {run.run_id: [] for run in mine}
+                for ti in session.scalars(select(TaskInstance).where(TaskInstance.dag_id == dag_id, TaskInstance.run_id.in_(list(tis)))):
+                    tis[ti.run_id].append(ti)
+                found.extend((run, tis[run.run_id]) for run in mine)
+            if len(runs) < RUNS_PER_QUERY:
                 break
+            query = query.where(DagRun.id < runs[-1].id)
         session.expunge_all()
     return found
 
@@ -433,7 +477,13 @@ def _batch_from_run(store: FileStore, run: Any, tis: list[Any], live: bool = Fal
     from airflow_vllm_batch.manifest import is_tombstone
     from airflow_vllm_batch.storage import manifest_uri
 
-    conf = run.conf
+    spec = _batch_spec(run)
+    if spec is None:
+        raise OpenAIError(404, f"No such Batch object: {run.run_id}", "batch_id")
+    where = spec.locations(store.uri(store.prefix))
+    record = store.get_json(store.batch_record_key(run.run_id)) or {}
+    # The run's conf holds no location and no metadata: the derived locations and the API's record add them.
+    conf = {**run.conf, "output_uri": where.output_uri, "metadata": record.get("metadata") or {}}
     state = _state_name(run.state)
     # The batch task (with openai_models, the route's): the route task and the routes not taken do not count.
     tis = [ti for ti in tis if ti.task_id.startswith(TASK_ID) and _state_name(ti.state) != "skipped"]

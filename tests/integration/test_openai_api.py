@@ -40,6 +40,7 @@ BUCKET = "openai"
 N_REQUESTS = 3
 #: One engine start on two shared cores, with the scheduler's own pace: generous.
 BATCH_TIMEOUT_S = 420
+SIGNING_KEY = "integration-signing-key-" + "0" * 16
 PLUGIN_SHIM = "from airflow_vllm_batch.openai_api.plugin import VLLMBatchOpenAIPlugin  # noqa: F401\n"
 
 
@@ -70,6 +71,8 @@ def api(seaweed, tiny_model: Path, tmp_path_factory) -> Iterator[Api]:
     env = {
         "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin,alice:user,bob:user,vera:viewer",
         "AIRFLOW__VLLM_BATCH__OPENAI_FILES_URI": f"s3://{BUCKET}/api/",
+        # The API server and the workers share it (the LocalExecutor's workers inherit the scheduler's environment).
+        "AIRFLOW__VLLM_BATCH__OPENAI_SIGNING_KEY": SIGNING_KEY,
     }
     dag_files = {"vllm_batch_openai.py": (REPO / "dags" / "vllm_batch_openai.py").read_text()}
     with local_executor_deployment(seaweed, tiny_model, home, dag_files, extra_env=env) as dep:

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from functools import lru_cache
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from airflow.api_fastapi.core_api.security import GetUserDep
@@ -47,7 +48,12 @@ log = logging.getLogger(__name__)
 
 #: The endpoints a batch may name (the engines' batch URLs).
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+#: OpenAI's limits on a batch's metadata.
 MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
+#: Parameters of OpenAI's that this API refuses rather than ignore (it keeps files until they are deleted).
+REFUSED_FILE_FIELDS = ("expires_after[anchor]", "expires_after[seconds]", "expires_after")
 #: ``GET /batches/{id}`` of a running batch reads at most this much of its checkpoint parts.
 LIVE_COUNT_BYTES = 64 * 1024 * 1024
 
@@ -66,7 +72,9 @@ class OpenAIError(HTTPException):
 
 
 class BatchCreate(BaseModel):
-    """The body of ``POST /batches``."""
+    """The body of ``POST /batches``; a parameter it does not know is refused (400 naming it), not ignored."""
+
+    model_config = ConfigDict(extra="forbid")
 
     input_file_id: str
     endpoint: str
@@ -75,6 +83,39 @@ class BatchCreate(BaseModel):
 
 
 app = FastAPI(title="OpenAI Files and Batches API (airflow-vllm-batch)", version="1")
+
+
+class RequestIdMiddleware:
+    """Give every response an ``x-request-id`` (``req_<hex>``), as OpenAI's do: the SDK shows it as ``_request_id``.
+
+    Pure ASGI, so that uploads and downloads stream through it untouched.
+
+    :param app: the ASGI app it wraps.
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = new_request_id()
+
+        async def send_with_id(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", request_id.encode())]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+def new_request_id() -> str:
+    return f"req_{uuid.uuid4().hex}"
+
+
+app.add_middleware(RequestIdMiddleware)
 
 
 def _error_body(message: str, status_code: int, param: str | None = None, code: str | None = None) -> dict[str, Any]:
@@ -87,15 +128,32 @@ def _error_body(message: str, status_code: int, param: str | None = None, code: 
 @app.exception_handler(HTTPException)
 async def _http_error(request: Request, err: HTTPException) -> JSONResponse:
     detail = err.detail if isinstance(err.detail, str) else str(err.detail)
-    body = _error_body(detail, err.status_code, getattr(err, "param", None), getattr(err, "code", None))
-    return JSONResponse(body, status_code=err.status_code, headers=getattr(err, "headers", None))
+    status_code, headers = err.status_code, getattr(err, "headers", None)
+    if status_code in (401, 403) and not isinstance(err, OpenAIError):
+        # Airflow's token check (the only other source of these) answers 403 for a wrong token:
+        # to OpenAI's clients any token that does not authenticate is a 401 (AuthenticationError).
+        status_code, headers = 401, {"WWW-Authenticate": "Bearer"}
+        detail = f"The API key (an Airflow API token) was not accepted ({detail}): get a new one with POST /auth/token and pass it as api_key."
+    body = _error_body(detail, status_code, getattr(err, "param", None), getattr(err, "code", None))
+    return JSONResponse(body, status_code=status_code, headers=headers)
+
+
+@app.exception_handler(Exception)
+async def _server_error(request: Request, err: Exception) -> JSONResponse:
+    # Outside the middleware stack (Starlette's last resort): the request id is given here.
+    log.exception("The OpenAI API failed on %s %s", request.method, request.url.path)
+    body = _error_body("The server failed on this request; its log says why. Try again later.", 500)
+    return JSONResponse(body, status_code=500, headers={"x-request-id": new_request_id()})
 
 
 @app.exception_handler(RequestValidationError)
 async def _validation_error(request: Request, err: RequestValidationError) -> JSONResponse:
     first = err.errors()[0] if err.errors() else {}
     param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-    return JSONResponse(_error_body(f"{param}: {first.get('msg', 'invalid request')}", 400, param), status_code=400)
+    message = f"{param}: {first.get('msg', 'invalid request')}"
+    if first.get("type") == "extra_forbidden":
+        message = f"{param} is not a parameter this API takes: leave it out (a batch's files are kept until they are deleted)"
+    return JSONResponse(_error_body(message, 400, param), status_code=400)
 
 
 def _settings() -> OpenAIApiSettings:
@@ -151,6 +209,7 @@ async def create_file(request: Request, user: GetUserDep) -> dict[str, Any]:
             if not data:
                 continue
             _check_purpose(reader.fields.get("purpose", "batch"))
+            _check_no_expiry(reader.fields)
             counter.add(data)
             if counter.bytes > settings.max_file_bytes:
                 raise UploadError(
@@ -165,10 +224,11 @@ async def create_file(request: Request, user: GetUserDep) -> dict[str, Any]:
                 await run_in_threadpool(writer.write_part, part)
         reader.finish()
         _check_purpose(reader.fields.get("purpose"))
+        _check_no_expiry(reader.fields)
         await run_in_threadpool(writer.finish, bytes(pending))
     except UploadError as err:
         await run_in_threadpool(writer.abort)
-        raise OpenAIError(err.status, str(err), "file" if err.status == 413 else None) from None
+        raise OpenAIError(err.status, str(err), err.param or ("file" if err.status == 413 else None)) from None
     except BaseException:
         await run_in_threadpool(writer.abort)
         raise
@@ -182,6 +242,11 @@ async def create_file(request: Request, user: GetUserDep) -> dict[str, Any]:
     }
     await run_in_threadpool(store.save_record, owner, record)
     return file_object_from_record(record)
+
+
+def _check_no_expiry(fields: dict[str, str]) -> None:
+    if any(name in fields for name in REFUSED_FILE_FIELDS):
+        raise UploadError("expires_after is not supported: this API keeps a file until it is deleted (DELETE /files/{id}); leave it out", param="expires_after")
 
 
 def _check_purpose(purpose: str | None) -> None:
@@ -247,12 +312,13 @@ def create_batch(body: BatchCreate, user: GetUserDep) -> dict[str, Any]:
         raise OpenAIError(403, f"you may not trigger runs of the batch DAG {dag_id!r}: ask for permission to trigger it")
     if body.endpoint not in ENDPOINTS:
         raise OpenAIError(400, f"endpoint {body.endpoint!r} is not one of {', '.join(ENDPOINTS)}", "endpoint")
-    try:
-        window_s = window_seconds(body.completion_window)
-    except ValueError as err:
-        raise OpenAIError(400, str(err), "completion_window") from None
-    if body.metadata and len(body.metadata) > MAX_METADATA_PAIRS:
-        raise OpenAIError(400, f"metadata has {len(body.metadata)} keys: at most {MAX_METADATA_PAIRS}", "metadata")
+    if body.completion_window not in settings.completion_windows:
+        accepted = ", ".join(repr(w) for w in settings.completion_windows)
+        raise OpenAIError(
+            400, f"completion_window {body.completion_window!r} is not offered here: use {accepted} ([vllm_batch] openai_completion_windows)", "completion_window"
+        )
+    window_s = window_seconds(body.completion_window)
+    _check_metadata(body.metadata)
     key = _signing_key()
     store = _store(settings)
     owner = owner_key(user.get_id())
@@ -290,6 +356,19 @@ def create_batch(body: BatchCreate, user: GetUserDep) -> dict[str, Any]:
     store.put_json(store.batch_record_key(batch_id), {"metadata": metadata})
     _trigger(dag_id, batch_id, conf, user.get_name())
     return batch_object(batch_id, BatchRun(conf={**conf, "metadata": metadata}, run_state="queued"), time.time())
+
+
+def _check_metadata(metadata: dict[str, str] | None) -> None:
+    """Refuse metadata over OpenAI's limits: 16 pairs, keys of 64 characters, values of 512."""
+    if not metadata:
+        return
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise OpenAIError(400, f"metadata has {len(metadata)} keys: give at most {MAX_METADATA_PAIRS}", "metadata")
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY_CHARS:
+            raise OpenAIError(400, f"metadata key {key[:20]!r}... has {len(key)} characters: give at most {MAX_METADATA_KEY_CHARS}", "metadata")
+        if len(value) > MAX_METADATA_VALUE_CHARS:
+            raise OpenAIError(400, f"metadata[{key!r}] has {len(value)} characters: give at most {MAX_METADATA_VALUE_CHARS}", "metadata")
 
 
 def _not_an_input(file_id: str) -> OpenAIError:

@@ -39,7 +39,8 @@ def failure_record(err: VLLMBatchError) -> dict[str, Any]:
     """
     report = getattr(err, "report", None) if isinstance(err, PreflightError) else None
     if report is not None and (report.problems or report.file_problems):
-        problems = [*report.file_problems, *report.problems]
+        # A problem of the whole file is in both lists (problems keeps the first ones listed): told once.
+        problems = [*report.file_problems, *(p for p in report.problems if p not in report.file_problems)]
         errors = [
             {
                 "code": "invalid_request",

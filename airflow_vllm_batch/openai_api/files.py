@@ -43,11 +43,12 @@ class UploadError(ValueError):
     """The upload is not acceptable; the message says why and what to send instead.
 
     :param status: the HTTP status to answer with.
+    :param param: the request parameter at fault, if one is.
     """
 
-    def __init__(self, message: str, status: int = 400) -> None:
+    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
         super().__init__(message)
-        self.status = status
+        self.status, self.param = status, param
 
 
 def new_file_id() -> str:

@@ -29,7 +29,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from openai import NotFoundError, OpenAI, PermissionDeniedError
+from openai import AuthenticationError, NotFoundError, OpenAI, PermissionDeniedError
 from openai.types import Batch, FileObject
 from openai.types.chat import ChatCompletion
 
@@ -141,6 +141,16 @@ def test_without_a_token_the_api_answers_401(api: Api):
         urllib.request.urlopen(api.base_url + "/batches", timeout=30)  # loopback only
     assert err.value.code == 401
     assert "error" in json.loads(err.value.read())
+
+
+def test_a_wrong_token_is_the_sdks_authentication_error_and_every_answer_has_a_request_id(api: Api):
+    wrong = OpenAI(base_url=api.base_url, api_key="not-an-airflow-token", max_retries=0, timeout=60)
+    with pytest.raises(AuthenticationError) as refused:
+        wrong.batches.list()
+    assert refused.value.status_code == 401 and (refused.value.request_id or "").startswith("req_")
+    uploaded = api.clients["alice"].files.create(file=("id.jsonl", _lines(api.model, 1)), purpose="batch")
+    assert (uploaded._request_id or "").startswith("req_")
+    api.clients["alice"].files.delete(uploaded.id)
 
 
 def test_an_uploaded_file_is_listed_retrieved_and_read_back_by_its_owner_only(api: Api):

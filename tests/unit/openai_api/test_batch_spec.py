@@ -162,3 +162,48 @@ def test_the_api_shows_no_run_it_did_not_sign_even_one_naming_the_caller_as_owne
     with pytest.raises(app_module.OpenAIError) as missing:
         app_module._batch_from_run(FileStore(None, "b", "p/"), SimpleNamespace(conf=forged, run_id=SPEC.batch_id, state="failed", end_date=None), [])
     assert missing.value.status_code == 404
+
+
+@pytest.mark.parametrize(("setting", "named"), [("OPENAI_FILES_URI", "openai_files_uri"), ("OPENAI_SIGNING_KEY", "openai_signing_key")])
+def test_a_worker_without_the_apis_settings_fails_the_batch_naming_the_setting(operator, monkeypatch, setting, named):
+    monkeypatch.setenv(f"AIRFLOW__VLLM_BATCH__{setting}", "")
+    with pytest.raises(AirflowFailException, match=rf"\[vllm_batch\] {named}"):
+        operator.execute(run(SPEC.sign(KEY)))
+    assert operator.output_uri == UNBOUND
+
+
+class Head:
+    """A hook whose input copy has the ETag ``etag`` (None: gone); records the failure records written."""
+
+    def __init__(self, etag):
+        self.etag, self.written = etag, {}
+        self.exceptions = SimpleNamespace(ClientError=Exception)
+
+    def get_conn(self):
+        return self
+
+    def head_object(self, *, Bucket, Key):
+        if self.etag is None:
+            err = Exception("Not Found")
+            err.response = {"Error": {"Code": "404"}}
+            raise err
+        return {"ETag": f'"{self.etag}"'}
+
+    def load_bytes(self, data, key, bucket_name, replace):
+        self.written[key] = data
+
+
+@pytest.mark.parametrize(("etag", "why"), [("another", "not the one made at create"), (None, "gone")])
+def test_a_batch_whose_input_copy_changed_fails_without_running_and_says_so(monkeypatch, etag, why):
+    import json
+
+    from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
+
+    hook = Head(etag)
+    monkeypatch.setattr(OpenAIBatchOperator, "hook", property(lambda self: hook))
+    monkeypatch.setattr(VLLMBatchOperator, "execute", lambda self, context: pytest.fail("the batch ran"))
+    operator = OpenAIBatchOperator(task_id="vllm_batch", model="m")
+    with pytest.raises(AirflowFailException, match=why):
+        operator.execute(run(SPEC.sign(KEY)))
+    (record,) = hook.written.values()
+    assert why in json.loads(record)["errors"][0]["message"]

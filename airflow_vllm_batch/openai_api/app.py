@@ -325,12 +325,16 @@ def create_batch(body: BatchCreate, user: GetUserDep) -> dict[str, Any]:
     record = store.get_json(store.record_key(owner, body.input_file_id)) if body.input_file_id.startswith("file-") else None
     if record is None:
         raise _not_an_input(body.input_file_id)
-    route = _route(store, owner, body.input_file_id)
     batch_id = new_batch_id()
     # The batch runs this copy (its ETag is signed): deleting or replacing the file later changes nothing of it.
     version = store.pin_input(owner, body.input_file_id, batch_id)
     if version is None:
         raise _not_an_input(body.input_file_id)
+    try:
+        route = _route(store, store.batch_input_key(batch_id))  # the models of the copy the batch runs
+    except BaseException:
+        _forget_batch(store, batch_id)
+        raise
     spec = BatchSpec(
         batch_id=batch_id,
         owner=user.get_id(),
@@ -353,9 +357,22 @@ def create_batch(body: BatchCreate, user: GetUserDep) -> dict[str, Any]:
         **({"model": route["model"]} if "model" in route else {}),
     }
     metadata = body.metadata or {}
-    store.put_json(store.batch_record_key(batch_id), {"metadata": metadata})
-    _trigger(dag_id, batch_id, conf, user.get_name())
+    try:
+        store.put_json(store.batch_record_key(batch_id), {"metadata": metadata})
+        _trigger(dag_id, batch_id, conf, user.get_name())
+    except BaseException:
+        _forget_batch(store, batch_id)
+        raise
     return batch_object(batch_id, BatchRun(conf={**conf, "metadata": metadata}, run_state="queued"), time.time())
+
+
+def _forget_batch(store: FileStore, batch_id: str) -> None:
+    """Remove what a create that failed made (the input copy, the record): no run will ever read them."""
+    for key in (store.batch_input_key(batch_id), store.batch_record_key(batch_id)):
+        try:
+            store.client.delete_object(Bucket=store.bucket, Key=key)
+        except Exception as err:  # the create's own error is the one to answer
+            log.warning("Could not remove %s of a batch that was not created: %s", key, err)
 
 
 def _check_metadata(metadata: dict[str, str] | None) -> None:
@@ -390,7 +407,7 @@ def _batch_spec(run: Any) -> BatchSpec | None:
         return None
 
 
-def _route(store: FileStore, owner: str, file_id: str) -> dict[str, str]:
+def _route(store: FileStore, key: str) -> dict[str, str]:
     """The model and batch task of a file's batch, when ``openai_models`` is configured: its lines must name one of them.
 
     Reads the file's lines for their ``body.model`` (streamed; it stops at the tenth model).
@@ -401,7 +418,7 @@ def _route(store: FileStore, owner: str, file_id: str) -> dict[str, str]:
         raise OpenAIError(503, str(err)) from None
     if not routes:
         return {}
-    body = store.client.get_object(Bucket=store.bucket, Key=store.content_key(owner, file_id))["Body"]
+    body = store.client.get_object(Bucket=store.bucket, Key=key)["Body"]
     try:
         models = models_in(body.iter_lines())
     finally:

@@ -84,3 +84,16 @@ def test_without_a_signing_key_no_batch_is_created(api, monkeypatch):
     answer = client.post("/batches", json={"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"})
     assert answer.status_code == 503 and "openai_signing_key" in answer.json()["error"]["message"]
     assert triggered == []
+
+
+def test_a_create_that_fails_to_trigger_leaves_no_copy_and_no_record(api, monkeypatch):
+    client, store, _ = api
+    file_id = _upload(client)
+
+    def not_deployed(*args):
+        raise app_module.OpenAIError(503, "the batch DAG is not deployed")
+
+    monkeypatch.setattr(app_module, "_trigger", not_deployed)
+    answer = client.post("/batches", json={"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"})
+    assert answer.status_code == 503
+    assert store.client.list_objects_v2(Bucket=store.bucket, Prefix="p/batches/").get("KeyCount", 0) == 0

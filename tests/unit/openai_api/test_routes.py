@@ -82,6 +82,9 @@ class Bucket:
     def put_object(self, *, Bucket, Key, Body, **kw):
         self.objects[Key] = Body
 
+    def delete_object(self, *, Bucket, Key):
+        self.objects.pop(Key, None)
+
 
 @pytest.fixture
 def create(monkeypatch):
@@ -102,6 +105,7 @@ def create(monkeypatch):
         body = {"input_file_id": "file-0123456789", "endpoint": "/v1/chat/completions", "completion_window": "24h"}
         return TestClient(app_module.app).post("/batches", json=body)
 
+    post.objects = objects
     yield post, triggered
     app_module.app.dependency_overrides.clear()
 
@@ -111,7 +115,7 @@ def test_creating_a_batch_for_an_unknown_model_answers_400_and_starts_nothing(cr
     answer = post(line("gpt-4o"), line("gpt-4o", "b"))
     assert answer.status_code == 400 and answer.json()["error"]["param"] == "model"
     assert "'gpt-4o' is not served here: the configured models are llama/70b, qwen" in answer.json()["error"]["message"]
-    assert triggered == []
+    assert triggered == [] and not [key for key in post.objects if "/batches/" in key]
 
 
 def test_a_batch_of_a_configured_model_runs_on_its_task(create):

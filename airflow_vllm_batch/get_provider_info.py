@@ -82,6 +82,28 @@ def get_provider_info() -> dict[str, Any]:
                         "example": "aws_default",
                         "default": "aws_default",
                     },
+                    "openai_completion_windows": {
+                        "description": "The completion_window values POST /batches accepts, comma-separated (e.g. "
+                        "24h,72h); any other is refused with 400 listing these. A batch expires at created_at plus its "
+                        "window. Empty: 24h, OpenAI's only window.",
+                        "version_added": "0.1.0",
+                        "type": "string",
+                        "example": "24h,72h",
+                        "default": "",
+                    },
+                    "openai_signing_key": {
+                        "description": "The key the OpenAI API signs each batch run's conf with (HMAC-SHA256) and the "
+                        "batch task verifies it with: a run the API did not make, or whose conf was edited, fails before "
+                        "it reads or writes anything. Set the same random value (32 characters or more) on the API server "
+                        "and on every worker that runs the batch DAG; as a sensitive option it may also come from the "
+                        "secrets backend (AIRFLOW__VLLM_BATCH__OPENAI_SIGNING_KEY_SECRET) or a command (..._CMD). Empty: "
+                        "POST /batches answers 503 and batch runs fail.",
+                        "version_added": "0.1.0",
+                        "type": "string",
+                        "sensitive": True,
+                        "example": None,
+                        "default": "",
+                    },
                     "openai_models": {
                         "description": "JSON mapping each model name the OpenAI API serves to its engine: a warm "
                         "fleet's vllm connection ({\"vllm_conn_id\": ...}) or the runner on a queue ({\"queue\": "

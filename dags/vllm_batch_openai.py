@@ -2,7 +2,8 @@
 
 Copy this file into your DAGs folder (or point ``[vllm_batch] openai_batch_dag_id`` at a
 DAG of your own built the same way). Each batch an OpenAI SDK creates is one run of it;
-the run's conf holds the input, output and error URIs the API chose. ``model`` is what
+the run's conf is the batch's spec, signed by the API, from which the task derives its
+locations (``[vllm_batch] openai_files_uri`` and ``openai_signing_key`` on the workers too). ``model`` is what
 every line's ``body.model`` must name; the example settings (``vllm_batch_examples.py``)
 read it, the engine arguments and an optional warm server's connection from the
 environment.

@@ -11,19 +11,21 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from functools import lru_cache
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from airflow.api_fastapi.core_api.security import GetUserDep
 
 from airflow_vllm_batch.exceptions import ConfigurationError
 from airflow_vllm_batch.openai_api.access import may, owner_key, owns
+from airflow_vllm_batch.openai_api.batch_spec import BatchSpec, ForgedBatchError, signing_key
 from airflow_vllm_batch.openai_api.files import (
     BATCH_ID,
     PART_BYTES,
@@ -46,7 +48,12 @@ log = logging.getLogger(__name__)
 
 #: The endpoints a batch may name (the engines' batch URLs).
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+#: OpenAI's limits on a batch's metadata.
 MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
+#: Parameters of OpenAI's that this API refuses rather than ignore (it keeps files until they are deleted).
+REFUSED_FILE_FIELDS = ("expires_after[anchor]", "expires_after[seconds]", "expires_after")
 #: ``GET /batches/{id}`` of a running batch reads at most this much of its checkpoint parts.
 LIVE_COUNT_BYTES = 64 * 1024 * 1024
 
@@ -65,7 +72,9 @@ class OpenAIError(HTTPException):
 
 
 class BatchCreate(BaseModel):
-    """The body of ``POST /batches``."""
+    """The body of ``POST /batches``; a parameter it does not know is refused (400 naming it), not ignored."""
+
+    model_config = ConfigDict(extra="forbid")
 
     input_file_id: str
     endpoint: str
@@ -74,6 +83,39 @@ class BatchCreate(BaseModel):
 
 
 app = FastAPI(title="OpenAI Files and Batches API (airflow-vllm-batch)", version="1")
+
+
+class RequestIdMiddleware:
+    """Give every response an ``x-request-id`` (``req_<hex>``), as OpenAI's do: the SDK shows it as ``_request_id``.
+
+    Pure ASGI, so that uploads and downloads stream through it untouched.
+
+    :param app: the ASGI app it wraps.
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = new_request_id()
+
+        async def send_with_id(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", request_id.encode())]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+def new_request_id() -> str:
+    return f"req_{uuid.uuid4().hex}"
+
+
+app.add_middleware(RequestIdMiddleware)
 
 
 def _error_body(message: str, status_code: int, param: str | None = None, code: str | None = None) -> dict[str, Any]:
@@ -86,15 +128,32 @@ def _error_body(message: str, status_code: int, param: str | None = None, code: 
 @app.exception_handler(HTTPException)
 async def _http_error(request: Request, err: HTTPException) -> JSONResponse:
     detail = err.detail if isinstance(err.detail, str) else str(err.detail)
-    body = _error_body(detail, err.status_code, getattr(err, "param", None), getattr(err, "code", None))
-    return JSONResponse(body, status_code=err.status_code, headers=getattr(err, "headers", None))
+    status_code, headers = err.status_code, getattr(err, "headers", None)
+    if status_code in (401, 403) and not isinstance(err, OpenAIError):
+        # Airflow's token check (the only other source of these) answers 403 for a wrong token:
+        # to OpenAI's clients any token that does not authenticate is a 401 (AuthenticationError).
+        status_code, headers = 401, {"WWW-Authenticate": "Bearer"}
+        detail = f"The API key (an Airflow API token) was not accepted ({detail}): get a new one with POST /auth/token and pass it as api_key."
+    body = _error_body(detail, status_code, getattr(err, "param", None), getattr(err, "code", None))
+    return JSONResponse(body, status_code=status_code, headers=headers)
+
+
+@app.exception_handler(Exception)
+async def _server_error(request: Request, err: Exception) -> JSONResponse:
+    # Outside the middleware stack (Starlette's last resort): the request id is given here.
+    log.exception("The OpenAI API failed on %s %s", request.method, request.url.path)
+    body = _error_body("The server failed on this request; its log says why. Try again later.", 500)
+    return JSONResponse(body, status_code=500, headers={"x-request-id": new_request_id()})
 
 
 @app.exception_handler(RequestValidationError)
 async def _validation_error(request: Request, err: RequestValidationError) -> JSONResponse:
     first = err.errors()[0] if err.errors() else {}
     param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-    return JSONResponse(_error_body(f"{param}: {first.get('msg', 'invalid request')}", 400, param), status_code=400)
+    message = f"{param}: {first.get('msg', 'invalid request')}"
+    if first.get("type") == "extra_forbidden":
+        message = f"{param} is not a parameter this API takes: leave it out (a batch's files are kept until they are deleted)"
+    return JSONResponse(_error_body(message, 400, param), status_code=400)
 
 
 def _settings() -> OpenAIApiSettings:
@@ -150,6 +209,7 @@ async def create_file(request: Request, user: GetUserDep) -> dict[str, Any]:
             if not data:
                 continue
             _check_purpose(reader.fields.get("purpose", "batch"))
+            _check_no_expiry(reader.fields)
             counter.add(data)
             if counter.bytes > settings.max_file_bytes:
                 raise UploadError(
@@ -164,10 +224,11 @@ async def create_file(request: Request, user: GetUserDep) -> dict[str, Any]:
                 await run_in_threadpool(writer.write_part, part)
         reader.finish()
         _check_purpose(reader.fields.get("purpose"))
+        _check_no_expiry(reader.fields)
         await run_in_threadpool(writer.finish, bytes(pending))
     except UploadError as err:
         await run_in_threadpool(writer.abort)
-        raise OpenAIError(err.status, str(err), "file" if err.status == 413 else None) from None
+        raise OpenAIError(err.status, str(err), err.param or ("file" if err.status == 413 else None)) from None
     except BaseException:
         await run_in_threadpool(writer.abort)
         raise
@@ -181,6 +242,11 @@ async def create_file(request: Request, user: GetUserDep) -> dict[str, Any]:
     }
     await run_in_threadpool(store.save_record, owner, record)
     return file_object_from_record(record)
+
+
+def _check_no_expiry(fields: dict[str, str]) -> None:
+    if any(name in fields for name in REFUSED_FILE_FIELDS):
+        raise UploadError("expires_after is not supported: this API keeps a file until it is deleted (DELETE /files/{id}); leave it out", param="expires_after")
 
 
 def _check_purpose(purpose: str | None) -> None:
@@ -239,48 +305,109 @@ def _no_file(file_id: str) -> OpenAIError:
 
 @app.post("/batches")
 def create_batch(body: BatchCreate, user: GetUserDep) -> dict[str, Any]:
-    """Start a batch: a run of the batch DAG over the input file."""
+    """Start a batch: pin its input, sign what its run may do, trigger a run of the batch DAG."""
     settings = _settings()
     dag_id = settings.batch_dag_id
     if not may(user, "POST", dag_id):
         raise OpenAIError(403, f"you may not trigger runs of the batch DAG {dag_id!r}: ask for permission to trigger it")
     if body.endpoint not in ENDPOINTS:
         raise OpenAIError(400, f"endpoint {body.endpoint!r} is not one of {', '.join(ENDPOINTS)}", "endpoint")
-    try:
-        window_seconds(body.completion_window)
-    except ValueError as err:
-        raise OpenAIError(400, str(err), "completion_window") from None
-    if body.metadata and len(body.metadata) > MAX_METADATA_PAIRS:
-        raise OpenAIError(400, f"metadata has {len(body.metadata)} keys: at most {MAX_METADATA_PAIRS}", "metadata")
+    if body.completion_window not in settings.completion_windows:
+        accepted = ", ".join(repr(w) for w in settings.completion_windows)
+        raise OpenAIError(
+            400, f"completion_window {body.completion_window!r} is not offered here: use {accepted} ([vllm_batch] openai_completion_windows)", "completion_window"
+        )
+    window_s = window_seconds(body.completion_window)
+    _check_metadata(body.metadata)
+    key = _signing_key()
     store = _store(settings)
     owner = owner_key(user.get_id())
     record = store.get_json(store.record_key(owner, body.input_file_id)) if body.input_file_id.startswith("file-") else None
     if record is None:
-        raise OpenAIError(400, f"input_file_id {body.input_file_id!r} names none of your uploaded files: upload it with purpose='batch'", "input_file_id")
-    route = _route(store, owner, body.input_file_id)
+        raise _not_an_input(body.input_file_id)
     batch_id = new_batch_id()
+    # The batch runs this copy (its ETag is signed): deleting or replacing the file later changes nothing of it.
+    version = store.pin_input(owner, body.input_file_id, batch_id)
+    if version is None:
+        raise _not_an_input(body.input_file_id)
+    try:
+        route = _route(store, store.batch_input_key(batch_id))  # the models of the copy the batch runs
+    except BaseException:
+        _forget_batch(store, batch_id)
+        raise
+    spec = BatchSpec(
+        batch_id=batch_id,
+        owner=user.get_id(),
+        input_file_id=body.input_file_id,
+        input_version=version,
+        endpoint=body.endpoint,
+        route=route.get("route", ""),
+        created_at=int(time.time()),
+        window_s=window_s,
+    )
     output_file_id, error_file_id = result_file_ids(batch_id)
+    # What everyone who may read the batch DAG's runs sees: the signed spec and what the status shows,
+    # no S3 location and no metadata (those stay in the API's own record).
     conf = {
-        "owner": user.get_id(),
-        "input_file_id": body.input_file_id,
-        "endpoint": body.endpoint,
+        **spec.sign(key),
         "completion_window": body.completion_window,
-        "metadata": body.metadata or {},
-        "created_at": int(time.time()),
         "total": int(record.get("lines") or 0),
         "output_file_id": output_file_id,
         "error_file_id": error_file_id,
-        "input_uri": store.uri(store.content_key(owner, body.input_file_id)),
-        "output_uri": store.uri(store.content_key(owner, output_file_id)),
-        "error_uri": store.uri(store.content_key(owner, error_file_id)),
-        "failure_uri": store.uri(store.failure_key(batch_id)),
-        **route,
+        **({"model": route["model"]} if "model" in route else {}),
     }
-    _trigger(dag_id, batch_id, conf, user.get_name())
-    return batch_object(batch_id, BatchRun(conf=conf, run_state="queued"), time.time())
+    metadata = body.metadata or {}
+    try:
+        store.put_json(store.batch_record_key(batch_id), {"metadata": metadata})
+        _trigger(dag_id, batch_id, conf, user.get_name())
+    except BaseException:
+        _forget_batch(store, batch_id)
+        raise
+    return batch_object(batch_id, BatchRun(conf={**conf, "metadata": metadata}, run_state="queued"), time.time())
 
 
-def _route(store: FileStore, owner: str, file_id: str) -> dict[str, str]:
+def _forget_batch(store: FileStore, batch_id: str) -> None:
+    """Remove what a create that failed made (the input copy, the record): no run will ever read them."""
+    for key in (store.batch_input_key(batch_id), store.batch_record_key(batch_id)):
+        try:
+            store.client.delete_object(Bucket=store.bucket, Key=key)
+        except Exception as err:  # the create's own error is the one to answer
+            log.warning("Could not remove %s of a batch that was not created: %s", key, err)
+
+
+def _check_metadata(metadata: dict[str, str] | None) -> None:
+    """Refuse metadata over OpenAI's limits: 16 pairs, keys of 64 characters, values of 512."""
+    if not metadata:
+        return
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise OpenAIError(400, f"metadata has {len(metadata)} keys: give at most {MAX_METADATA_PAIRS}", "metadata")
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY_CHARS:
+            raise OpenAIError(400, f"metadata key {key[:20]!r}... has {len(key)} characters: give at most {MAX_METADATA_KEY_CHARS}", "metadata")
+        if len(value) > MAX_METADATA_VALUE_CHARS:
+            raise OpenAIError(400, f"metadata[{key!r}] has {len(value)} characters: give at most {MAX_METADATA_VALUE_CHARS}", "metadata")
+
+
+def _not_an_input(file_id: str) -> OpenAIError:
+    return OpenAIError(400, f"input_file_id {file_id!r} names none of your uploaded files: upload it with purpose='batch'", "input_file_id")
+
+
+def _signing_key() -> str:
+    try:
+        return signing_key()
+    except ConfigurationError as err:
+        raise OpenAIError(503, str(err)) from None
+
+
+def _batch_spec(run: Any) -> BatchSpec | None:
+    """The verified spec of a batch run; None for a run the API did not make (triggered by hand, or edited)."""
+    try:
+        return BatchSpec.verified(run.conf, run.run_id, signing_key())
+    except (ForgedBatchError, ConfigurationError):
+        return None
+
+
+def _route(store: FileStore, key: str) -> dict[str, str]:
     """The model and batch task of a file's batch, when ``openai_models`` is configured: its lines must name one of them.
 
     Reads the file's lines for their ``body.model`` (streamed; it stops at the tenth model).
@@ -291,7 +418,7 @@ def _route(store: FileStore, owner: str, file_id: str) -> dict[str, str]:
         raise OpenAIError(503, str(err)) from None
     if not routes:
         return {}
-    body = store.client.get_object(Bucket=store.bucket, Key=store.content_key(owner, file_id))["Body"]
+    body = store.client.get_object(Bucket=store.bucket, Key=key)["Body"]
     try:
         models = models_in(body.iter_lines())
     finally:
@@ -378,7 +505,7 @@ def _mark_failed(dag_id: str, run_id: str) -> None:
 
 
 def _own_run(settings: OpenAIApiSettings, batch_id: str, user: Any) -> tuple[Any, list[Any]]:
-    """The DAG run of one of the caller's batches, and its task instances; 404 for anyone else's."""
+    """The DAG run of one of the caller's batches, and its task instances; 404 for anyone else's, and for a run the API did not make."""
     from sqlalchemy import select
 
     from airflow.models.dagrun import DagRun
@@ -390,15 +517,24 @@ def _own_run(settings: OpenAIApiSettings, batch_id: str, user: Any) -> tuple[Any
         raise missing
     with create_session() as session:
         run = session.scalar(select(DagRun).where(DagRun.dag_id == settings.batch_dag_id, DagRun.run_id == batch_id))
-        if run is None or not owns(run.conf, user.get_id()):
+        if run is None or not owns(run.conf, user.get_id()) or _batch_spec(run) is None:
             raise missing
         tis = list(session.scalars(select(TaskInstance).where(TaskInstance.dag_id == run.dag_id, TaskInstance.run_id == run.run_id)))
         session.expunge_all()
     return run, tis
 
 
+#: How many DAG runs ``GET /batches`` reads per query while it looks for the caller's.
+RUNS_PER_QUERY = 200
+
+
 def _runs(dag_id: str, user_id: str, user_name: str, after: str | None, limit: int) -> list[tuple[Any, list[Any]]]:
-    """The caller's batch runs, newest first, after the run ``after``: ``limit`` of them at most."""
+    """The caller's batch runs, newest first, after the run ``after``: ``limit`` of them at most.
+
+    Each query's rows are all read before the next query is sent (pages by primary key, the
+    task instances of a page in one query): MySQL's driver refuses a query while another's
+    rows are still streaming, and PostgreSQL's named cursors would hold a transaction open.
+    """
     from sqlalchemy import select
 
     from airflow.models.dagrun import DagRun
@@ -413,13 +549,17 @@ def _runs(dag_id: str, user_id: str, user_name: str, after: str | None, limit: i
                 return []
             query = query.where(DagRun.id < after_pk)
         found: list[tuple[Any, list[Any]]] = []
-        for run in session.scalars(query.execution_options(yield_per=200)):
-            if not owns(run.conf, user_id):
-                continue
-            tis = list(session.scalars(select(TaskInstance).where(TaskInstance.dag_id == dag_id, TaskInstance.run_id == run.run_id)))
-            found.append((run, tis))
-            if len(found) >= limit:
+        while len(found) < limit:
+            runs = list(session.scalars(query.limit(RUNS_PER_QUERY)))
+            mine = [run for run in runs if owns(run.conf, user_id) and _batch_spec(run) is not None][: limit - len(found)]
+            if mine:
+                tis: dict[str, list[Any]] = {run.run_id: [] for run in mine}
+                for ti in session.scalars(select(TaskInstance).where(TaskInstance.dag_id == dag_id, TaskInstance.run_id.in_(list(tis)))):
+                    tis[ti.run_id].append(ti)
+                found.extend((run, tis[run.run_id]) for run in mine)
+            if len(runs) < RUNS_PER_QUERY:
                 break
+            query = query.where(DagRun.id < runs[-1].id)
         session.expunge_all()
     return found
 
@@ -433,7 +573,13 @@ def _batch_from_run(store: FileStore, run: Any, tis: list[Any], live: bool = Fal
     from airflow_vllm_batch.manifest import is_tombstone
     from airflow_vllm_batch.storage import manifest_uri
 
-    conf = run.conf
+    spec = _batch_spec(run)
+    if spec is None:
+        raise OpenAIError(404, f"No such Batch object: {run.run_id}", "batch_id")
+    where = spec.locations(store.uri(store.prefix))
+    record = store.get_json(store.batch_record_key(run.run_id)) or {}
+    # The run's conf holds no location and no metadata: the derived locations and the API's record add them.
+    conf = {**run.conf, "output_uri": where.output_uri, "metadata": record.get("metadata") or {}}
     state = _state_name(run.state)
     # The batch task (with openai_models, the route's): the route task and the routes not taken do not count.
     tis = [ti for ti in tis if ti.task_id.startswith(TASK_ID) and _state_name(ti.state) != "skipped"]

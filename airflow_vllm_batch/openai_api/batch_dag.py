@@ -1,9 +1,11 @@
 """The task of the batch DAG that runs the OpenAI API's batches, and the DAG itself.
 
 A batch created with ``POST /batches`` is a run of the DAG named by ``[vllm_batch]
-openai_batch_dag_id`` (default ``vllm_batch_openai``), its conf holding the input, output
-and error URIs the API chose. :func:`openai_batch_dag` builds that DAG; a one-line DAG file
-in the DAGs folder calls it (the repo's ``dags/vllm_batch_openai.py``).
+openai_batch_dag_id`` (default ``vllm_batch_openai``), its conf the :class:`~.batch_spec.BatchSpec`
+the API signed. The task verifies it and derives every location from it and ``[vllm_batch]
+openai_files_uri``; a run triggered by hand or with an edited conf fails before it reads or
+writes anything. :func:`openai_batch_dag` builds that DAG; a one-line DAG file in the DAGs
+folder calls it (the repo's ``dags/vllm_batch_openai.py``).
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from airflow_vllm_batch.exceptions import ConfigurationError, PreflightError, VLLMBatchError
+from airflow_vllm_batch.exceptions import ConfigurationError, InputNotFoundError, PreflightError, VLLMBatchError
+from airflow_vllm_batch.openai_api.batch_spec import BatchSpec, ForgedBatchError, signing_key
 from airflow_vllm_batch.openai_api.progress import newest_run_parts, part_lines, split_expired
 from airflow_vllm_batch.openai_api.routes import TASK_ID, ModelRoute, load_routes
-from airflow_vllm_batch.openai_api.settings import DEFAULT_BATCH_DAG_ID
+from airflow_vllm_batch.openai_api.settings import DEFAULT_BATCH_DAG_ID, load_settings
 from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
 from airflow_vllm_batch.storage import RunStaging, open_uri_lines, upload_file
 from airflow_vllm_batch.version_compat import AirflowFailException, AirflowTaskTimeout
@@ -36,7 +39,8 @@ def failure_record(err: VLLMBatchError) -> dict[str, Any]:
     """
     report = getattr(err, "report", None) if isinstance(err, PreflightError) else None
     if report is not None and (report.problems or report.file_problems):
-        problems = [*report.file_problems, *report.problems]
+        # A problem of the whole file is in both lists (problems keeps the first ones listed): told once.
+        problems = [*report.file_problems, *(p for p in report.problems if p not in report.file_problems)]
         errors = [
             {
                 "code": "invalid_request",
@@ -51,29 +55,94 @@ def failure_record(err: VLLMBatchError) -> dict[str, Any]:
     return {"stage": "preflight" if isinstance(err, PreflightError) else "run", "errors": [{"code": code, "line": None, "param": None, "message": str(err)}]}
 
 
+#: What the batch task's locations are until :meth:`OpenAIBatchOperator._bind_batch` derives them:
+#: not an ``s3://`` URI, so that nothing can read or write through it.
+UNBOUND = "unbound: derived from the run's signed batch spec when the task starts"
+_BOUND = ("input_uri", "output_uri", "error_uri")
+
+
 class OpenAIBatchOperator(VLLMBatchOperator):
     """Run one batch of the OpenAI API; when it fails, leave why at ``failure_uri`` for ``GET /batches/{id}``.
+
+    The batch is the run's signed :class:`~.batch_spec.BatchSpec`: the task verifies it with
+    ``[vllm_batch] openai_signing_key`` and derives its input, output, error, failure, cancel
+    and progress locations from it and ``[vllm_batch] openai_files_uri``; none is an argument
+    or a template, and a run whose conf the API did not sign fails before any read or write.
 
     When its ``execution_timeout`` (the batch's completion window) passes, the batch expires as
     OpenAI's do: the engine is stopped, the answers its checkpoint parts hold are published to
     the batch's output file (completed) and error file (failed, and every unanswered request as
     ``batch_expired``), an expiry record with the counts goes to ``failure_uri``, and the task
     fails without a retry.
-
-    :param failure_uri: ``s3://`` URI of the failure record. (templated)
     """
 
-    template_fields: Sequence[str] = (*VLLMBatchOperator.template_fields, "failure_uri")
+    # The locations are derived from the signed spec, not rendered from anything a user gives.
+    template_fields: Sequence[str] = tuple(f for f in VLLMBatchOperator.template_fields if f not in _BOUND)
 
-    def __init__(self, *, failure_uri: str, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.failure_uri = failure_uri
+    def __init__(self, **kwargs: Any) -> None:
+        given = sorted(set(kwargs) & {*_BOUND, "failure_uri", "requests"})
+        if given:
+            raise ConfigurationError(
+                f"OpenAIBatchOperator takes no {', '.join(given)}: each batch's locations are derived from its signed conf "
+                "and [vllm_batch] openai_files_uri. Remove the argument."
+            )
+        super().__init__(input_uri=UNBOUND, output_uri=UNBOUND, error_uri=UNBOUND, **kwargs)
+        self.failure_uri = self.cancel_uri = self.progress_uri = UNBOUND
+        self.batch: BatchSpec | None = None
+
+    def _bind_batch(self, context: Context) -> None:
+        """Verify the run's signed batch spec and derive every location from it; nothing is read or written before.
+
+        Sets ``batch`` and ``input_uri``, ``output_uri``, ``error_uri``, ``failure_uri``,
+        ``cancel_uri``, ``progress_uri``, and accepts only lines whose url is the batch's endpoint.
+
+        :raises AirflowFailException: the conf is not one the API signed for this run (not retried).
+        """
+        dag_run = context.get("dag_run")
+        try:
+            files_uri = load_settings().files_uri
+            spec = BatchSpec.verified(getattr(dag_run, "conf", None), str(getattr(dag_run, "run_id", "")), signing_key())
+            if spec.route and spec.route != self.task_id:
+                raise ForgedBatchError(
+                    f"This batch runs on the task {spec.route!r}, not on {self.task_id!r}: nothing was read or written. "
+                    "Do not mark the route task's branches by hand; create the batch again with POST /batches."
+                )
+        except (ForgedBatchError, ConfigurationError) as err:
+            raise AirflowFailException(str(err)) from None
+        where = spec.locations(files_uri)
+        self.batch = spec
+        self.input_uri, self.output_uri, self.error_uri = where.input_uri, where.output_uri, where.error_uri
+        self.failure_uri, self.cancel_uri, self.progress_uri = where.failure_uri, where.cancel_uri, where.progress_uri
+        # As OpenAI: every line's url is the batch's endpoint; preflight fails the others, naming their lines.
+        self.supported_urls = [spec.endpoint]
+
+    def _check_pinned_input(self) -> None:
+        """Fail when the batch's copy of its input is not the one made at create (its ETag is signed).
+
+        :raises InputNotFoundError: it is gone or was replaced (not retried: the batch cannot run as created).
+        """
+        assert self.batch is not None
+        bucket, _, key = self.input_uri.removeprefix("s3://").partition("/")
+        try:
+            etag = self.hook.get_conn().head_object(Bucket=bucket, Key=key)["ETag"].strip('"')
+        except Exception as err:
+            code = str(getattr(err, "response", {}).get("Error", {}).get("Code", ""))
+            if code not in ("404", "NoSuchKey", "NotFound"):
+                raise
+            etag = None
+        if etag != self.batch.input_version:
+            raise InputNotFoundError(
+                f"The batch's copy of its input file ({self.batch.input_file_id}) is {'gone' if etag is None else 'not the one made at create'}: "
+                "nothing was run. Create the batch again."
+            )
 
     def execute(self, context: Context) -> dict[str, Any]:
-        dag_run = context.get("dag_run")
-        if endpoint := ((getattr(dag_run, "conf", None) or {}).get("endpoint")):
-            # As OpenAI: every line's url is the batch's endpoint; preflight fails the others, naming their lines.
-            self.supported_urls = [endpoint]
+        self._bind_batch(context)
+        try:
+            self._check_pinned_input()
+        except InputNotFoundError as err:
+            self.record_failure(err)
+            raise AirflowFailException(str(err)) from None
         try:
             return super().execute(context)
         except AirflowTaskTimeout as timeout:
@@ -174,14 +243,8 @@ def openai_batch_dag(
         tags=["vllm-batch", "openai-api"],
         doc_md="Runs the batches of the OpenAI Batches API (`POST /vllm-batch/openai/v1/batches`): one run per batch.",
     ) as dag:
-        uris = {
-            "input_uri": "{{ dag_run.conf['input_uri'] }}",
-            "output_uri": "{{ dag_run.conf['output_uri'] }}",
-            "error_uri": "{{ dag_run.conf['error_uri'] }}",
-            "failure_uri": "{{ dag_run.conf['failure_uri'] }}",
-        }
         if not routes:
-            OpenAIBatchOperator(task_id=TASK_ID, model=model, execution_timeout=completion_window, **uris, **operator_kwargs)
+            OpenAIBatchOperator(task_id=TASK_ID, model=model, execution_timeout=completion_window, **operator_kwargs)
             return dag
         from airflow.providers.standard.operators.python import BranchPythonOperator
 
@@ -191,14 +254,17 @@ def openai_batch_dag(
             if served.queue:
                 kwargs["queue"] = served.queue
             route >> OpenAIBatchOperator(
-                task_id=served.task_id, model=served.model, execution_timeout=completion_window, **uris, **kwargs
+                task_id=served.task_id, model=served.model, execution_timeout=completion_window, **kwargs
             )
     return dag
 
 
 def _chosen_route(dag_run: Any, **_: Any) -> str:
-    """The batch task ``POST /batches`` chose (``conf["route"]``); a run without one fails here, before any engine."""
-    chosen = dag_run.conf.get("route")
-    if not chosen:
-        raise AirflowFailException("this batch's conf names no route: [vllm_batch] openai_models was set after it was created; create it again")
-    return chosen
+    """The batch task ``POST /batches`` chose, from the run's verified spec; any other run fails here, before any engine."""
+    try:
+        spec = BatchSpec.verified(dag_run.conf, dag_run.run_id, signing_key())
+    except (ForgedBatchError, ConfigurationError) as err:
+        raise AirflowFailException(str(err)) from None
+    if not spec.route:
+        raise AirflowFailException("this batch names no route: [vllm_batch] openai_models was set after it was created; create it again")
+    return spec.route

@@ -4,8 +4,13 @@ Layout under ``[vllm_batch] openai_files_uri`` (``<root>``)::
 
     <root>files/<owner key>/<file id>.jsonl     the file's bytes (uploads and batch results)
     <root>files/<owner key>/<file id>.json      an upload's record: name, purpose, bytes, lines
+    <root>batches/<batch id>.json               the API's record of a batch: its metadata (read by the API only)
+    <root>batches/<batch id>.input.jsonl        the batch's copy of its input file, made at create (the file it runs)
     <root>batches/<batch id>.failure.json       why a batch failed (written by its task)
     <root>batches/<batch id>.cancel.json        a cancel was asked, and when
+    <root>batches/<batch id>.progress.json      the live counts of a running batch (written by its task)
+
+The batch task derives these from its signed spec (:meth:`.batch_spec.BatchSpec.locations`).
 
 A user's files are under their own key (:func:`~airflow_vllm_batch.openai_api.access.owner_key`):
 a file id is only ever looked up under the caller's key, so another user's file is not found.
@@ -38,11 +43,12 @@ class UploadError(ValueError):
     """The upload is not acceptable; the message says why and what to send instead.
 
     :param status: the HTTP status to answer with.
+    :param param: the request parameter at fault, if one is.
     """
 
-    def __init__(self, message: str, status: int = 400) -> None:
+    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
         super().__init__(message)
-        self.status = status
+        self.status, self.param = status, param
 
 
 def new_file_id() -> str:
@@ -230,6 +236,34 @@ class FileStore:
 
     def cancel_key(self, batch_id: str) -> str:
         return f"{self.prefix}batches/{batch_id}.cancel.json"
+
+    def progress_key(self, batch_id: str) -> str:
+        return f"{self.prefix}batches/{batch_id}.progress.json"
+
+    def batch_record_key(self, batch_id: str) -> str:
+        return f"{self.prefix}batches/{batch_id}.json"
+
+    def batch_input_key(self, batch_id: str) -> str:
+        return f"{self.prefix}batches/{batch_id}.input.jsonl"
+
+    def pin_input(self, owner: str, file_id: str, batch_id: str) -> str | None:
+        """Copy one of ``owner``'s files to the batch's own key, server-side; return the copy's ETag (None: no such file).
+
+        The batch runs this copy: deleting or replacing the file afterwards changes nothing of it.
+        """
+        try:
+            answer = self.client.copy_object(
+                Bucket=self.bucket,
+                Key=self.batch_input_key(batch_id),
+                CopySource={"Bucket": self.bucket, "Key": self.content_key(owner, file_id)},
+                ContentType="application/jsonl",
+                MetadataDirective="REPLACE",
+            )
+        except self.client.exceptions.ClientError as err:
+            if _not_found(err):
+                return None
+            raise
+        return str(answer["CopyObjectResult"]["ETag"]).strip('"')
 
     # -- files -----------------------------------------------------------------------
 

@@ -121,6 +121,21 @@ def test_airflow_on_the_floor_lists_the_provider(floor, tmp_path):
     assert [line for line in done.stdout.splitlines() if "airflow-vllm-batch" in line and "0.1.0" in line]
 
 
+PLUGINS = """
+import json
+from airflow import plugins_manager
+plugins_manager.ensure_plugins_loaded()
+found = [p for p in plugins_manager.plugins or [] if p.name == "vllm_batch_openai_api"]
+print(json.dumps({"loaded": len(found), "apps": [len(p.fastapi_apps) for p in found]}))
+"""
+
+
+def test_airflow_on_the_floor_loads_the_plugin_which_mounts_no_api_below_3_1(floor, tmp_path):
+    done = _run([str(floor / "python"), "-c", PLUGINS], env=_env(tmp_path), cwd=tmp_path, timeout=300)
+    # The API needs Airflow 3.1 (docs/openai-api.md): on the floor's 3.0 the plugin loads and mounts nothing.
+    assert json.loads(done.stdout.splitlines()[-1]) == {"loaded": 1, "apps": [0]}
+
+
 PARSE = """
 import json, sys
 sys.path.append(sys.argv[1])  # as the dag processor puts the bundle's root on sys.path

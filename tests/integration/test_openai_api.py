@@ -13,10 +13,13 @@ cancelled before their task starts an engine.
 
 from __future__ import annotations
 
+import asyncio
 import importlib.metadata
 import json
+import os
 import threading
 import time
+import uuid
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -26,10 +29,17 @@ from pathlib import Path
 import psutil
 import pytest
 
-from openai import NotFoundError, OpenAI, PermissionDeniedError
+from openai import AuthenticationError, NotFoundError, OpenAI, PermissionDeniedError
 from openai.types import Batch, FileObject
 from openai.types.chat import ChatCompletion
 
+from airflow_vllm_batch.openai_api.access import owner_key
+from airflow_vllm_batch.version_compat import AIRFLOW_V_3_2_PLUS
+
+if AIRFLOW_V_3_2_PLUS:
+    from airflow.sdk.exceptions import TaskDeferred
+else:
+    from airflow.exceptions import TaskDeferred
 from airflow_vllm_batch.openai_api.settings import DEFAULT_BATCH_DAG_ID, URL_PREFIX
 from tests.integration.dagrun import REPO
 from tests.integration.deployment import Deployment, local_executor_deployment, wait_until
@@ -40,6 +50,7 @@ BUCKET = "openai"
 N_REQUESTS = 3
 #: One engine start on two shared cores, with the scheduler's own pace: generous.
 BATCH_TIMEOUT_S = 420
+SIGNING_KEY = "integration-signing-key-" + "0" * 16
 PLUGIN_SHIM = "from airflow_vllm_batch.openai_api.plugin import VLLMBatchOpenAIPlugin  # noqa: F401\n"
 
 
@@ -70,6 +81,8 @@ def api(seaweed, tiny_model: Path, tmp_path_factory) -> Iterator[Api]:
     env = {
         "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin,alice:user,bob:user,vera:viewer",
         "AIRFLOW__VLLM_BATCH__OPENAI_FILES_URI": f"s3://{BUCKET}/api/",
+        # The API server and the workers share it (the LocalExecutor's workers inherit the scheduler's environment).
+        "AIRFLOW__VLLM_BATCH__OPENAI_SIGNING_KEY": SIGNING_KEY,
     }
     dag_files = {"vllm_batch_openai.py": (REPO / "dags" / "vllm_batch_openai.py").read_text()}
     with local_executor_deployment(seaweed, tiny_model, home, dag_files, extra_env=env) as dep:
@@ -108,6 +121,8 @@ def completed(api: Api) -> tuple[FileObject, Batch, list[Batch]]:
     uploaded = alice.files.create(file=("requests.jsonl", _lines(api.model)), purpose="batch")
     batch = alice.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h", metadata={"test": "good"})
     seen = [batch]
+    # The batch runs its input as it was when created: deleting the file now changes nothing (issue 33, item 8).
+    alice.files.delete(uploaded.id)
 
     def ended():
         seen.append(alice.batches.retrieve(batch.id))
@@ -126,6 +141,16 @@ def test_without_a_token_the_api_answers_401(api: Api):
         urllib.request.urlopen(api.base_url + "/batches", timeout=30)  # loopback only
     assert err.value.code == 401
     assert "error" in json.loads(err.value.read())
+
+
+def test_a_wrong_token_is_the_sdks_authentication_error_and_every_answer_has_a_request_id(api: Api):
+    wrong = OpenAI(base_url=api.base_url, api_key="not-an-airflow-token", max_retries=0, timeout=60)
+    with pytest.raises(AuthenticationError) as refused:
+        wrong.batches.list()
+    assert refused.value.status_code == 401 and (refused.value.request_id or "").startswith("req_")
+    uploaded = api.clients["alice"].files.create(file=("id.jsonl", _lines(api.model, 1)), purpose="batch")
+    assert (uploaded._request_id or "").startswith("req_")
+    api.clients["alice"].files.delete(uploaded.id)
 
 
 def test_an_uploaded_file_is_listed_retrieved_and_read_back_by_its_owner_only(api: Api):
@@ -181,6 +206,59 @@ def test_a_bad_file_fails_in_preflight_with_line_numbered_errors(api: Api):
     log = api.dep.task_log(DEFAULT_BATCH_DAG_ID, batch.id, "vllm_batch", 1)
     # Told once, as the task's failure (the PreflightError's own traceback is at DEBUG).
     assert "failed preflight" in log and "AirflowFailException" in log and "Starting the vLLM engine" not in log
+
+
+def _objects(seaweed) -> dict[str, str]:
+    """Every object under the API's prefix, with its ETag."""
+    listed = seaweed.client().list_objects_v2(Bucket=BUCKET, Prefix="api/").get("Contents", [])
+    return {o["Key"]: o["ETag"] for o in listed}
+
+
+def _forged_confs(api: Api, batch: Batch) -> dict[str, dict]:
+    """Confs of runs the API did not make: another user's locations as the old conf took them, an edited conf, a replayed one."""
+    where = f"s3://{BUCKET}/api/files/{owner_key('alice')}"
+    real = api.dep.dag_run(DEFAULT_BATCH_DAG_ID, batch.id)["conf"]  # readable by whoever may read the DAG's runs
+    return {
+        "locations": {
+            "input_uri": f"{where}/{batch.input_file_id}.jsonl",
+            "output_uri": f"{where}/{batch.output_file_id}.jsonl",
+            "error_uri": f"{where}/{batch.output_file_id}.jsonl",
+            "failure_uri": f"s3://{BUCKET}/api/batches/{batch.id}.failure.json",
+            "endpoint": "/v1/chat/completions",
+            "owner": "bob",
+        },
+        "edited": {**real, "owner": "bob"},
+        "replayed": real,
+    }
+
+
+def test_runs_triggered_by_hand_fail_before_any_read_or_write_and_are_no_ones_batches(api: Api, completed, seaweed):
+    """Bob triggers the batch DAG through Airflow's REST API with confs the API did not sign (issue 33, item 2)."""
+    _, batch, _ = completed
+    before = _objects(seaweed)
+    run_ids = {name: f"batch_{uuid.uuid4().hex}" for name in ("locations", "edited", "replayed")}
+    api.dep.token = api.clients["bob"].api_key
+    try:
+        confs = _forged_confs(api, batch)
+        for name, conf in confs.items():
+            api.dep.request("POST", f"/api/v2/dags/{DEFAULT_BATCH_DAG_ID}/dagRuns", {"dag_run_id": run_ids[name], "conf": conf, "logical_date": None})
+        states = {name: api.dep.wait_for_run(DEFAULT_BATCH_DAG_ID, run_id, BATCH_TIMEOUT_S) for name, run_id in run_ids.items()}
+    finally:
+        api.dep.token = api.clients["vera"].api_key
+    assert set(states.values()) == {"failed"}, states
+    why = {"locations": "not a batch of the OpenAI API", "edited": "signature does not match", "replayed": f"signed for the batch '{batch.id}'"}
+    for name, run_id in run_ids.items():
+        log = api.dep.task_log(DEFAULT_BATCH_DAG_ID, run_id, "vllm_batch", 1)
+        assert why[name] in log and "nothing was read or written" in log, (name, log[-3000:])
+        # Not read: the task names its input when it pins it.
+        assert "Starting the vLLM engine" not in log and ".input.jsonl" not in log and f"{batch.input_file_id}.jsonl" not in log
+    # Nothing under the API's prefix was written, replaced or deleted; alice's output is hers as published.
+    assert _objects(seaweed) == before
+    bob = api.clients["bob"]
+    assert not set(run_ids.values()) & {b.id for b in bob.batches.list(limit=100).data}
+    for run_id in run_ids.values():
+        with pytest.raises(NotFoundError):
+            bob.batches.retrieve(run_id)
 
 
 def test_another_user_neither_sees_nor_cancels_a_users_batch(api: Api, completed):
@@ -305,7 +383,8 @@ def test_a_batch_cancelled_while_its_engine_runs_stops_the_engine(api: Api):
 
 def test_batches_are_listed_newest_first_in_pages(api: Api, completed):
     alice = api.clients["alice"]
-    alice.batches.create(input_file_id=completed[0].id, endpoint="/v1/chat/completions", completion_window="24h")
+    uploaded = alice.files.create(file=("listed.jsonl", _lines(api.model)), purpose="batch")
+    alice.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
     everything = [b.id for b in alice.batches.list(limit=100).data]
     assert len(everything) >= 2 and completed[1].id in everything
     first = alice.batches.list(limit=1)
@@ -315,3 +394,91 @@ def test_batches_are_listed_newest_first_in_pages(api: Api, completed):
     assert [b.id for b in alice.batches.list(limit=100, after=everything[-1]).data] == []
     # The extra batch is cancelled so that it does not start an engine after the module.
     alice.batches.cancel(everything[0])
+
+
+# -- Airflow's own OpenAI provider against the plugin ------------------------------------
+
+PROVIDER_CONN_ID = "openai_plugin"
+
+
+@pytest.fixture(scope="module")
+def provider(api: Api) -> Iterator[str]:
+    """An ``openai`` connection of Airflow's OpenAI provider to the plugin, as alice (her API token is the key)."""
+    pytest.importorskip("airflow.providers.openai", reason="apache-airflow-providers-openai is not installed")
+    name = f"AIRFLOW_CONN_{PROVIDER_CONN_ID.upper()}"
+    saved = os.environ.get(name)
+    os.environ[name] = json.dumps({"conn_type": "openai", "host": api.base_url, "password": api.clients["alice"].api_key})
+    yield PROVIDER_CONN_ID
+    if saved is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = saved
+
+
+def _uploaded_with_the_providers_hook(api: Api, tmp_path: Path, conn_id: str) -> str:
+    from airflow.providers.openai.hooks.openai import OpenAIHook
+
+    path = tmp_path / "requests.jsonl"
+    path.write_bytes(_lines(api.model))
+    uploaded = OpenAIHook(conn_id=conn_id).upload_file(str(path), purpose="batch")
+    assert uploaded.bytes == path.stat().st_size and uploaded.purpose == "batch"
+    return uploaded.id
+
+
+def _trigger_event(trigger) -> dict:
+    """The first event of a trigger, run here as the triggerer would run it."""
+
+    async def first():
+        async for event in trigger.run():
+            return event.payload
+
+    return asyncio.run(first())
+
+
+def test_the_providers_batch_operator_waits_for_a_batch_to_complete(api: Api, provider: str, tmp_path: Path):
+    from airflow.providers.openai.operators.openai import OpenAITriggerBatchOperator
+
+    file_id = _uploaded_with_the_providers_hook(api, tmp_path, provider)
+    operator = OpenAITriggerBatchOperator(
+        task_id="openai_batch", file_id=file_id, endpoint="/v1/chat/completions", conn_id=provider,
+        deferrable=False, wait_seconds=2, timeout=BATCH_TIMEOUT_S, metadata={"via": "provider"},
+    )
+    batch_id = operator.execute({})
+    batch = api.clients["alice"].batches.retrieve(batch_id)
+    assert batch.status == "completed" and batch.metadata == {"via": "provider"} and batch.request_counts.completed == N_REQUESTS
+
+
+def test_the_providers_deferrable_batch_operator_completes_through_its_trigger(api: Api, provider: str, tmp_path: Path):
+    from airflow.providers.openai.operators.openai import OpenAITriggerBatchOperator
+
+    file_id = _uploaded_with_the_providers_hook(api, tmp_path, provider)
+    operator = OpenAITriggerBatchOperator(
+        task_id="openai_batch", file_id=file_id, endpoint="/v1/chat/completions", conn_id=provider,
+        deferrable=True, poll_interval=2, timeout=BATCH_TIMEOUT_S,
+    )
+    with pytest.raises(TaskDeferred) as deferred:
+        operator.execute({})
+    event = _trigger_event(deferred.value.trigger)
+    assert event["status"] == "success", event
+    assert operator.execute_complete({}, event) == operator.batch_id
+    assert api.clients["alice"].batches.retrieve(operator.batch_id).status == "completed"
+
+
+def test_the_providers_deferrable_operator_cancels_the_batch_on_its_timeout(api: Api, provider: str, tmp_path: Path):
+    from airflow.providers.openai.exceptions import OpenAIBatchTimeout
+    from airflow.providers.openai.operators.openai import OpenAITriggerBatchOperator
+
+    file_id = _uploaded_with_the_providers_hook(api, tmp_path, provider)
+    operator = OpenAITriggerBatchOperator(
+        task_id="openai_batch", file_id=file_id, endpoint="/v1/chat/completions", conn_id=provider,
+        deferrable=True, poll_interval=1, timeout=0,
+    )
+    with pytest.raises(TaskDeferred) as deferred:
+        operator.execute({})
+    event = _trigger_event(deferred.value.trigger)
+    assert event["termination_reason"] == "timeout", event
+    with pytest.raises(OpenAIBatchTimeout):
+        operator.execute_complete({}, event)
+    alice = api.clients["alice"]
+    assert alice.batches.retrieve(operator.batch_id).status in ("cancelling", "cancelled")
+    assert _wait(api, alice, operator.batch_id, ("cancelled", "completed", "failed")).status == "cancelled"

@@ -86,17 +86,18 @@ def expiring(monkeypatch):
     def times_out(self, context):
         raise AirflowTaskTimeout("Timeout")
 
+    def bind(self, context):
+        # What _bind_batch derives from a signed spec (its own tests: test_batch_spec.py).
+        self.input_uri, self.output_uri = "s3://b/files/u/file-in.jsonl", f"s3://b/{OUT}"
+        self.error_uri, self.failure_uri = "s3://b/files/u/file-err.jsonl", "s3://b/batches/batch_x.failure.json"
+        if endpoint := (getattr(context.get("dag_run"), "conf", None) or {}).get("endpoint"):
+            self.supported_urls = [endpoint]
+
     monkeypatch.setattr(VLLMBatchOperator, "execute", times_out)
     monkeypatch.setattr(OpenAIBatchOperator, "hook", property(lambda self: bucket))
-    operator = OpenAIBatchOperator(
-        task_id="vllm_batch",
-        input_uri="s3://b/files/u/file-in.jsonl",
-        output_uri=f"s3://b/{OUT}",
-        error_uri="s3://b/files/u/file-err.jsonl",
-        failure_uri="s3://b/batches/batch_x.failure.json",
-        model="m",
-        execution_timeout=timedelta(hours=24),
-    )
+    monkeypatch.setattr(OpenAIBatchOperator, "_bind_batch", bind)
+    monkeypatch.setattr(OpenAIBatchOperator, "_check_pinned_input", lambda self: None)
+    operator = OpenAIBatchOperator(task_id="vllm_batch", model="m", execution_timeout=timedelta(hours=24))
     return operator, bucket
 
 

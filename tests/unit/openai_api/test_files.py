@@ -127,7 +127,9 @@ def test_the_batch_task_records_a_mistake_it_fails_without_retries(monkeypatch):
     monkeypatch.setattr(VLLMBatchOperator, "execute", fail)
     recorded = []
     monkeypatch.setattr(OpenAIBatchOperator, "record_failure", lambda self, err: recorded.append(err))
-    op = OpenAIBatchOperator(task_id="t", input_uri="s3://b/i.jsonl", output_uri="s3://b/o.jsonl", model="m", failure_uri="s3://b/f.json")
+    monkeypatch.setattr(OpenAIBatchOperator, "_bind_batch", lambda self, context: None)
+    monkeypatch.setattr(OpenAIBatchOperator, "_check_pinned_input", lambda self: None)
+    op = OpenAIBatchOperator(task_id="t", model="m")
     with pytest.raises(AirflowFailException):
         op.execute({})
     assert [type(e) for e in recorded] == [PreflightError]

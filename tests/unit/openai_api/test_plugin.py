@@ -7,6 +7,7 @@ import tomllib
 import importlib
 
 from airflow_vllm_batch.openai_api.settings import URL_PREFIX
+from airflow_vllm_batch.version_compat import AIRFLOW_V_3_1_PLUS
 from tests.conftest import REPO
 
 
@@ -15,8 +16,24 @@ def test_the_entry_point_names_a_plugin_that_mounts_the_api_at_its_prefix():
     (path,) = entry_points.values()
     module, _, name = path.partition(":")
     plugin = getattr(importlib.import_module(module), name)
+    assert plugin.name in entry_points
+    if not AIRFLOW_V_3_1_PLUS:
+        # The API needs 3.1: on 3.0 (the floor) the plugin loads and mounts nothing.
+        assert plugin.fastapi_apps == []
+        return
     (app,) = plugin.fastapi_apps
-    assert app["url_prefix"] == URL_PREFIX and plugin.name in entry_points
+    assert app["url_prefix"] == URL_PREFIX
+
+
+def test_the_api_is_mounted_only_on_the_airflow_it_needs(monkeypatch):
+    import airflow_vllm_batch.openai_api.plugin as plugin_module
+    import airflow_vllm_batch.version_compat as compat
+
+    for flag, mounted in ((False, 0), (True, 1)):
+        monkeypatch.setattr(compat, "AIRFLOW_V_3_1_PLUS", flag)
+        assert len(importlib.reload(plugin_module).VLLMBatchOpenAIPlugin.fastapi_apps) == mounted
+    monkeypatch.undo()
+    importlib.reload(plugin_module)
 
 
 def test_loading_the_plugin_does_not_import_the_api_server():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 
@@ -17,7 +18,10 @@ from airflow_vllm_batch.openai_api.batch_dag import openai_batch_dag
 from airflow_vllm_batch.openai_api.files import FileStore
 from airflow_vllm_batch.openai_api.routes import ModelRoute, models_in, parse_routes, route_of
 from airflow_vllm_batch.openai_api.settings import OpenAIApiSettings
+from airflow_vllm_batch.storage import manifest_uri
+from tests.unit.openai_api.conftest import KEY
 from tests.unit.openai_api.test_app import User
+from tests.unit.openai_api.test_batch_spec import SPEC
 
 ROUTES = '{"qwen": {"vllm_conn_id": "vllm_fleet"}, "llama/70b": {"queue": "gpu", "engine_args": ["--tensor-parallel-size", "2"]}}'
 
@@ -71,6 +75,16 @@ class Bucket:
         body.iter_lines = lambda: iter(body.getvalue().splitlines())
         return {"Body": body}
 
+    def copy_object(self, *, Bucket, Key, CopySource, **kw):
+        self.objects[Key] = self.objects[CopySource["Key"]]
+        return {"CopyObjectResult": {"ETag": '"copied"'}}
+
+    def put_object(self, *, Bucket, Key, Body, **kw):
+        self.objects[Key] = Body
+
+    def delete_object(self, *, Bucket, Key):
+        self.objects.pop(Key, None)
+
 
 @pytest.fixture
 def create(monkeypatch):
@@ -91,6 +105,7 @@ def create(monkeypatch):
         body = {"input_file_id": "file-0123456789", "endpoint": "/v1/chat/completions", "completion_window": "24h"}
         return TestClient(app_module.app).post("/batches", json=body)
 
+    post.objects = objects
     yield post, triggered
     app_module.app.dependency_overrides.clear()
 
@@ -100,7 +115,7 @@ def test_creating_a_batch_for_an_unknown_model_answers_400_and_starts_nothing(cr
     answer = post(line("gpt-4o"), line("gpt-4o", "b"))
     assert answer.status_code == 400 and answer.json()["error"]["param"] == "model"
     assert "'gpt-4o' is not served here: the configured models are llama/70b, qwen" in answer.json()["error"]["message"]
-    assert triggered == []
+    assert triggered == [] and not [key for key in post.objects if "/batches/" in key]
 
 
 def test_a_batch_of_a_configured_model_runs_on_its_task(create):
@@ -109,6 +124,7 @@ def test_a_batch_of_a_configured_model_runs_on_its_task(create):
     assert answer.status_code == 200, answer.text
     assert answer.json()["model"] == "llama/70b"
     assert (triggered[0]["model"], triggered[0]["route"]) == ("llama/70b", "vllm_batch__llama_70b")
+    assert app_module.BatchSpec.verified(triggered[0], answer.json()["id"], KEY).route == "vllm_batch__llama_70b"
 
 
 def test_a_routed_batch_is_validating_until_its_model_task_runs_whatever_the_route_task_did():
@@ -116,7 +132,7 @@ def test_a_routed_batch_is_validating_until_its_model_task_runs_whatever_the_rou
 
     store = FileStore(None, "b", "p/")
     store.get_json = lambda key: None
-    conf = {"input_file_id": "file-0123456789", "endpoint": "/v1/chat/completions", "created_at": 1_800_000_000, "output_uri": "s3://b/o.jsonl"}
+    conf = dataclasses.replace(SPEC, route="vllm_batch__qwen").sign(KEY)
     run = NS(run_id="batch_abcdefab", conf=conf, state="running", end_date=None)
     routed = [NS(task_id="route", state="success", start_date=None, end_date=None), NS(task_id="vllm_batch__qwen", state="scheduled", start_date=None, end_date=None)]
     skipped = NS(task_id="vllm_batch__llama_70b", state="skipped", start_date=None, end_date=None)
@@ -130,12 +146,14 @@ def test_a_publishs_tombstone_at_the_manifest_key_is_no_published_output():
 
     from airflow_vllm_batch.manifest import Tombstone
 
-    tombstone = json.loads(Tombstone("0" * 32, "s3://b/o.jsonl", "f" * 64).to_json())
+    output_uri = SPEC.locations("s3://b/p/").output_uri
+    tombstone = json.loads(Tombstone("0" * 32, output_uri, "f" * 64).to_json())
     store = FileStore(None, "b", "p/")
-    store.get_json = lambda key: tombstone if key == "o.manifest.json" else None
+    manifest_key = manifest_uri(output_uri).split("/", 3)[3]
+    store.get_json = lambda key: tombstone if key == manifest_key else None
     conf = {
-        "input_file_id": "file-0123456789", "endpoint": "/v1/chat/completions", "created_at": 1_800_000_000,
-        "output_uri": "s3://b/o.jsonl", "output_file_id": "file-out", "error_file_id": "file-err", "model": "qwen",
+        **dataclasses.replace(SPEC, route="vllm_batch__qwen").sign(KEY),
+        "output_file_id": "file-out", "error_file_id": "file-err", "model": "qwen",
     }
     run = NS(run_id="batch_abcdefab", conf=conf, state="running", end_date=None)
     tis = [NS(task_id="vllm_batch__qwen", state="success", start_date=None, end_date=None)]

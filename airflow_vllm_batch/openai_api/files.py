@@ -231,6 +231,10 @@ class FileStore:
     def cancel_key(self, batch_id: str) -> str:
         return f"{self.prefix}batches/{batch_id}.cancel.json"
 
+    def progress_key(self, batch_id: str) -> str:
+        """The live counts the batch task writes at each checkpoint."""
+        return f"{self.prefix}batches/{batch_id}.progress.json"
+
     # -- files -----------------------------------------------------------------------
 
     def save_record(self, owner: str, record: dict[str, Any]) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from airflow_vllm_batch.exceptions import PreflightError
@@ -126,8 +128,10 @@ def test_the_batch_task_records_a_mistake_it_fails_without_retries(monkeypatch):
 
     monkeypatch.setattr(VLLMBatchOperator, "execute", fail)
     recorded = []
-    monkeypatch.setattr(OpenAIBatchOperator, "record_failure", lambda self, err: recorded.append(err))
+    monkeypatch.setattr(OpenAIBatchOperator, "record_failure", lambda self, record: recorded.append(record))
     op = OpenAIBatchOperator(task_id="t", input_uri="s3://b/i.jsonl", output_uri="s3://b/o.jsonl", model="m", failure_uri="s3://b/f.json")
+    conf = {"created_at": 1, "endpoint": "/v1/chat/completions", "input_uri": "s3://b/i.jsonl", "output_uri": "s3://b/o.jsonl",
+            "error_uri": "s3://b/e.jsonl", "failure_uri": "s3://b/batches/x.failure.json"}
     with pytest.raises(AirflowFailException):
-        op.execute({})
-    assert [type(e) for e in recorded] == [PreflightError]
+        op.execute({"dag_run": SimpleNamespace(run_id="x", conf=conf), "ti": SimpleNamespace(try_number=1, max_tries=0)})
+    assert [r["errors"][0]["code"] for r in recorded] == ["invalid_file"]

@@ -162,6 +162,7 @@ class _Streaming(Engine):
                     on_progress=progress,
                     progress_every_s=PROGRESS_EVERY_S,
                     processes=self.options.client_processes,
+                    stop=stop,
                 )
             progress.summary(stats)
             if stop.reason is not None:

@@ -175,7 +175,8 @@ def batch_object(batch_id: str, run: BatchRun, now: float) -> dict[str, Any]:
         "input_file_id": conf["input_file_id"],
         "completion_window": conf.get("completion_window", "24h"),
         "status": status,
-        "output_file_id": conf.get("output_file_id") if published else None,
+        # As OpenAI's: a batch stopped (or failed) before any request completed has no output file.
+        "output_file_id": conf.get("output_file_id") if published and (status == "completed" or request_counts(run)["completed"]) else None,
         "error_file_id": conf.get("error_file_id") if published and run.manifest.get("error_uri") else None,
         "created_at": int(conf["created_at"]),
         "in_progress_at": _ts(run.task_start) if started else None,

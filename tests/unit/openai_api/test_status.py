@@ -103,3 +103,9 @@ def test_a_stopped_batch_keeps_its_counts_and_files(status):
     assert batch.status == status and (batch.request_counts.completed, batch.request_counts.failed) == (2, 1)
     assert (batch.output_file_id, batch.error_file_id) == (CONF["output_file_id"], CONF["error_file_id"])
     assert getattr(batch, f"{status}_at") == int(T.timestamp()) and batch.errors is None
+
+
+def test_a_batch_stopped_before_any_request_completed_has_no_output_file():
+    manifest = {**MANIFEST, "status": "cancelled", "request_counts": {"total": 3, "completed": 0, "failed": 3}}
+    batch = Batch.model_validate(batch_object("batch_abcdefab", BatchRun(CONF, "success", ["success"], T, T, T, manifest), NOW))
+    assert batch.status == "cancelled" and batch.output_file_id is None and batch.error_file_id == CONF["error_file_id"]

@@ -168,3 +168,19 @@ class ShardingError(VLLMBatchError):
 
 class AdapterNotFoundError(EngineConfigurationError):
     """A LoRA adapter of ``--lora-modules`` is missing, or its directory has no ``adapter_config.json``."""
+
+
+class BatchStopped(VLLMBatchError):
+    """The run was told to stop (its batch's deadline passed, or its batch was cancelled) while it held the lease.
+
+    Not a failure: the run layer catches it and publishes what is answered so far, with a
+    manifest whose ``status`` is :attr:`reason` (:meth:`airflow_vllm_batch.run.BatchRun.publish_stopped`).
+
+    :param reason: ``"expired"`` or ``"cancelled"``.
+    """
+
+    retryable = False
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"The batch was stopped: {reason}")
+        self.reason = reason

@@ -89,6 +89,9 @@ class Manifest(msgspec.Struct, omit_defaults=True):
     :param output_etag: the ETag the results got when this manifest's run published them: an
         output whose results have another ETag is not this manifest's (absent in older manifests).
     :param error_etag: the same for the error file, when there is one.
+    :param status: how the batch ended when it did not run to its end: ``"expired"`` (its deadline
+        passed) or ``"cancelled"``; the answers finished by then are published, every other request
+        is in the error file as ``batch_expired`` / ``batch_cancelled``. Absent for a batch run to its end.
     :param shards: (merge only) how many shards were merged; the other shard fields too.
     """
 
@@ -118,6 +121,7 @@ class Manifest(msgspec.Struct, omit_defaults=True):
     from_cache: int | None = None
     output_etag: str | None = None
     error_etag: str | None = None
+    status: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The manifest as plain JSON types, what goes to XCom (fields left at their default are omitted)."""

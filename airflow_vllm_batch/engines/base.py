@@ -113,6 +113,46 @@ class EngineInput(Protocol):
     def confirm_unchanged(self) -> None: ...
 
 
+#: Seconds between two polls of a run's stop condition inside an engine (a cancel is one S3 read).
+STOP_POLL_S = 5.0
+
+
+class StopPoll:
+    """A run's stop condition, polled at most every ``every_s`` seconds; once it says stop, it keeps saying so.
+
+    :param stop: the run's stop condition (:attr:`EngineJob.stop`); None never stops.
+    :param every_s: seconds between two real polls. Default :data:`STOP_POLL_S` (read when made).
+    :param clock: the monotonic clock (a test's virtual one).
+    """
+
+    def __init__(self, stop: Callable[[], str | None] | None, every_s: float | None = None, clock: Callable[[], float] | None = None) -> None:
+        import time
+
+        self._stop = stop
+        self.every_s = STOP_POLL_S if every_s is None else every_s
+        self._clock = clock or time.monotonic
+        self._next = float("-inf")
+        #: Why the run stops, once the condition said so.
+        self.reason: str | None = None
+
+    def __call__(self) -> str | None:
+        """Why the run must stop, or None (polling the condition only when ``every_s`` passed since the last poll)."""
+        if self.reason is not None or self._stop is None:
+            return self.reason
+        now = self._clock()
+        if now >= self._next:
+            self._next = now + self.every_s
+            self.reason = self._stop()
+        return self.reason
+
+    def lines(self, lines: Iterator[Any]) -> Iterator[Any]:
+        """``lines`` until the run must stop: an engine fed by it sends nothing after the stop, and ends normally."""
+        for line in lines:
+            if self() is not None:
+                return
+            yield line
+
+
 #: Opens the engine's results as lines, again and again (the check reads them twice on a mismatch).
 OpenResults = Callable[[], contextlib.AbstractContextManager[Iterator[bytes]]]
 
@@ -131,6 +171,11 @@ class EngineJob:
     :param kept_results: where this worker keeps the run's finished results while S3 cannot take them.
     :param last_try: whether Airflow retries the task if this try fails. On the last try an engine
         publishes what it could not answer as failed lines rather than leave it to a retry. Default True.
+    :param stop: polled by the engine between requests and checkpoints: ``"expired"`` or ``"cancelled"``
+        when the run must stop (the engine then stops sending, makes what it answered durable, and
+        raises :class:`~airflow_vllm_batch.exceptions.BatchStopped`); None to go on. Default: never.
+    :param on_checkpoint: called after each checkpoint part is durable, with the counts of the
+        run's answers so far (``{"completed": n, "failed": m}``). Default: nothing.
     """
 
     input: EngineInput
@@ -142,6 +187,19 @@ class EngineJob:
     holder: Mapping[str, Any]
     kept_results: Path
     last_try: bool = True
+    stop: Callable[[], str | None] | None = None
+    on_checkpoint: Callable[[Mapping[str, int]], None] | None = None
+
+    def stop_reason(self) -> str | None:
+        """Why the run must stop now (``"expired"``, ``"cancelled"``), or None."""
+        return self.stop() if self.stop is not None else None
+
+    def raise_if_stopped(self) -> None:
+        """Raise :class:`~airflow_vllm_batch.exceptions.BatchStopped` when the run must stop."""
+        from airflow_vllm_batch.exceptions import BatchStopped
+
+        if (reason := self.stop_reason()) is not None:
+            raise BatchStopped(reason)
 
     @contextlib.contextmanager
     def request_lines(self) -> Iterator[Iterator[bytes]]:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import threading
 import uuid
+from collections.abc import Iterator
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -16,7 +18,7 @@ from airflow_vllm_batch.batchfile import CustomIdIndex, open_lines, redact_urls
 from airflow_vllm_batch.batchfile.preflight import RUNNER_URL_ADVICE
 from airflow_vllm_batch.batchfile.models import decode_custom_id
 from airflow_vllm_batch.redaction import redact_engine_args
-from airflow_vllm_batch.engines.base import EngineJob, EngineResults
+from airflow_vllm_batch.engines.base import EngineJob, EngineResults, StopPoll
 from airflow_vllm_batch.engines.local import LAUNCH_REPORT, LocalEngine
 from airflow_vllm_batch.engines.runner_deaths import (
     DEFAULT_SUSPECTS,
@@ -31,7 +33,7 @@ from airflow_vllm_batch.engines.runner_deaths import (
     unanswered,
 )
 from airflow_vllm_batch.engines.server import answered_ids
-from airflow_vllm_batch.exceptions import EngineError, InputChangedError, PublishError, StorageUnavailableError
+from airflow_vllm_batch.exceptions import BatchStopped, EngineError, InputChangedError, PublishError, StorageUnavailableError
 from airflow_vllm_batch.engines.base import EngineInfo, EngineRun
 from airflow_vllm_batch.engines.vllm.command import build_engine_argv, conceal_arguments
 from airflow_vllm_batch.hooks.vllm import VLLMEngineHook
@@ -39,7 +41,6 @@ from airflow_vllm_batch.hooks.vllm import VLLMEngineHook
 from airflow_vllm_batch.serving.journal import part_name
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
 
     from airflow_vllm_batch.batchfile import ResultsReport
 
@@ -385,13 +386,47 @@ class RunnerEngine(LocalEngine):
         # try paused before its engine starts (a zombie) does not answer again what its successor
         # answered (Durability, Fencing).
         job.lease.ensure_held(verify=True)
-        with self.leased_gpus(env, job.holder) as pass_fds:
+        job.raise_if_stopped()
+        with self.leased_gpus(env, job.holder) as pass_fds, self.stopped_by(job) as stop:
             run = self.hook.run(argv, env=env, pass_fds=pass_fds)
+        if stop.reason is not None:
+            # The runner writes its answers only when it ends: a stopped runner made none durable. The run
+            # layer publishes what earlier tries and deaths staged (Durability), the rest as unanswered.
+            self.log.info("The vLLM engine was stopped: the batch %s.", stop.reason)
+            raise BatchStopped(stop.reason)
         run.vllm_version = run.vllm_version or info.vllm_version
         self.log.info("vLLM engine exited with code %s after %.1fs", run.returncode, run.duration_s)
         # A refused flag stopped the engine before it loaded the model: the check's own error, not retried.
         self.settle_launch(report)
         return run
+
+    @contextlib.contextmanager
+    def stopped_by(self, job: EngineJob) -> Iterator[StopPoll]:
+        """While the engine runs, poll the run's stop condition in a thread; stop the engine when it says so."""
+        stop = StopPoll(job.stop)
+        if job.stop is None:
+            yield stop
+            return
+        done = threading.Event()
+
+        def watch() -> None:
+            while not done.wait(stop.every_s):
+                try:
+                    reason = stop()
+                except Exception as err:  # a failing poll is no reason to stop
+                    self.log.warning("Could not read whether the batch must stop: %s", err)
+                    continue
+                if reason is not None:
+                    self.hook.terminate()
+                    return
+
+        watcher = threading.Thread(target=watch, name="vllm-batch-stop", daemon=True)
+        watcher.start()
+        try:
+            yield stop
+        finally:
+            done.set()
+            watcher.join()
 
     def engine_failed(self, run: EngineRun) -> EngineError:
         """The try's failure for an engine that exited non-zero."""

@@ -34,10 +34,10 @@ from airflow_vllm_batch.batchfile import CustomIdIndex
 from airflow_vllm_batch.batchfile.models import decode_custom_id
 from airflow_vllm_batch.batchfile.cache_keys import reported_models
 from airflow_vllm_batch.batchfile.models import GENERATE_URLS
-from airflow_vllm_batch.engines.base import Engine, EngineJob, EngineResults
+from airflow_vllm_batch.engines.base import Engine, EngineJob, EngineResults, StopPoll
 from airflow_vllm_batch.engines.local import LAUNCH_REPORT, LocalEngine
 from airflow_vllm_batch.engines.sizing import SchedulerSizes, api_server_count, connection_in_flight, started_server_in_flight
-from airflow_vllm_batch.exceptions import ConfigurationError, RequestsUnansweredError, StorageUnavailableError
+from airflow_vllm_batch.exceptions import BatchStopped, ConfigurationError, RequestsUnansweredError, StorageUnavailableError
 from airflow_vllm_batch.engines.vllm.checks import check_reserved_options
 from airflow_vllm_batch.engines.vllm.model_names import ServedModels, served_models_of_server
 from airflow_vllm_batch.engines.base import EngineInfo, EngineRun
@@ -118,11 +118,15 @@ class _Streaming(Engine):
             )
         if done >= total:
             return results
+        job.raise_if_stopped()
         self.before_stream(info, job)
         token = uuid.uuid4().hex[:8]
+        counts = _CheckpointCounts(job, staging, parts) if job.on_checkpoint is not None else None
 
         def upload(path: Path, index: int) -> None:
             staging.put_part(path, token)
+            if counts is not None:
+                counts.add(path)
 
         journal = Journal(
             job.work / "journal",
@@ -132,6 +136,9 @@ class _Streaming(Engine):
             first_index=len(parts),
         )
         progress = _Progress(self.log, total=total, resumed=done)
+        # Between requests: a stopped run sends nothing more; the answers in flight are journaled and
+        # checkpointed as usual before the stream ends (Durability), then BatchStopped reaches the run layer.
+        stop = StopPoll(job.stop)
         skip = (lambda custom_id: answered.line_of(custom_id) is not None) if answered else None
         # The skip is what this try read of the parts; a part written since was written under another
         # holder of the lease. Read the lease after the parts, so a try paused between its reads and its
@@ -148,15 +155,19 @@ class _Streaming(Engine):
             with job.request_lines() as lines, self.gpus_for(job) as fds:
                 self.server.pass_fds = fds
                 stats = self.server.run(
-                    enumerate(lines, start=1),
+                    stop.lines(enumerate(lines, start=1)),
                     journal=journal,
                     max_in_flight=self.options.max_in_flight,
                     skip=skip,
                     on_progress=progress,
                     progress_every_s=PROGRESS_EVERY_S,
                     processes=self.options.client_processes,
+                    stop=stop,
                 )
             progress.summary(stats)
+            if stop.reason is not None:
+                # What was answered is checkpointed; what was set aside is no final answer, left unanswered.
+                raise BatchStopped(stop.reason)
             if stats.unanswered:
                 self.settle_unanswered(stats, journal, job, results.staged_uri)
         except (BotoCoreError, ClientError) as err:
@@ -361,6 +372,43 @@ def _valid_answer(raw: bytes, wanted: CustomIdIndex | None) -> bool:
     if "response" not in line and "error" not in line:
         return False
     return wanted is None or wanted.line_of(line["custom_id"]) is not None
+
+
+class _CheckpointCounts:
+    """The run's answers so far, completed and failed, counted as each checkpoint part goes up (:attr:`EngineJob.on_checkpoint`).
+
+    The parts earlier tries left are counted once, when the stream starts; each new part is
+    counted from its local file, so no part is read back from S3.
+    """
+
+    def __init__(self, job: EngineJob, staging: RunStaging, parts: list[str]) -> None:
+        self.job = job
+        self.seen: dict[str, bool] = {}
+        if parts:
+            with staging.open_parts(parts) as lines:
+                for raw in lines:
+                    self._count(raw)
+
+    def _count(self, raw: bytes) -> None:
+        from airflow_vllm_batch.batchfile.openai_lines import answer_outcome
+
+        found = answer_outcome(raw)
+        if found is not None and found[0] not in self.seen:  # the first answer of a custom_id is the one published
+            self.seen[found[0]] = found[1]
+
+    def add(self, path: Path) -> None:
+        """Count one sealed part and report the totals; a failing report never fails the run."""
+        with open(path, "rb") as part:
+            for raw in part:
+                self._count(raw)
+        completed = sum(self.seen.values())
+        try:
+            assert self.job.on_checkpoint is not None
+            self.job.on_checkpoint({"completed": completed, "failed": len(self.seen) - completed})
+        except Exception as err:  # the live counts are worth less than the run
+            import logging
+
+            logging.getLogger(__name__).warning("Could not report the run's progress: %s", err)
 
 
 class _Progress:

@@ -211,6 +211,7 @@ class VLLMServerHook(BaseHook):
         progress_every_s: float = 15.0,
         processes: int = 1,
         request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+        stop: Callable[[], object] | None = None,
     ) -> StreamStats:
         """Stream request lines through this server into ``journal``; see :func:`~airflow_vllm_batch.serving.run_stream`.
 
@@ -220,9 +221,11 @@ class VLLMServerHook(BaseHook):
             :func:`~airflow_vllm_batch.serving.processes.run_stream_processes`. Default 1.
         :param request_timeout_s: seconds one request may take, its retries included (a server
             that answers nothing for this long ends the stream). Default 1800.
+        :param stop: asked before each request is sent in this process (see ``run_stream``); with several
+            client processes the feed they read from stops instead. Default: never.
         """
         stream = run_stream_processes if processes > 1 else run_stream
-        extra: dict[str, Any] = {"processes": processes} if processes > 1 else {}
+        extra: dict[str, Any] = {"processes": processes} if processes > 1 else {"stop": stop}
         return stream(
             requests,
             base_url=self.base_url,

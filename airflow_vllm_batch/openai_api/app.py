@@ -39,7 +39,6 @@ from airflow_vllm_batch.openai_api.files import (
     new_file_id,
     result_file_ids,
 )
-from airflow_vllm_batch.openai_api.progress import staged_progress
 from airflow_vllm_batch.openai_api.routes import TASK_ID, load_routes, models_in, route_of
 from airflow_vllm_batch.openai_api.settings import OpenAIApiSettings, load_settings
 from airflow_vllm_batch.openai_api.status import BatchRun, batch_object, batch_status, window_seconds
@@ -54,8 +53,6 @@ MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
 #: Parameters of OpenAI's that this API refuses rather than ignore (it keeps files until they are deleted).
 REFUSED_FILE_FIELDS = ("expires_after[anchor]", "expires_after[seconds]", "expires_after")
-#: ``GET /batches/{id}`` of a running batch reads at most this much of its checkpoint parts.
-LIVE_COUNT_BYTES = 64 * 1024 * 1024
 
 
 class OpenAIError(HTTPException):
@@ -473,35 +470,27 @@ def retrieve_batch(batch_id: str, user: GetUserDep) -> dict[str, Any]:
 
 @app.post("/batches/{batch_id}/cancel")
 def cancel_batch(batch_id: str, user: GetUserDep) -> dict[str, Any]:
-    """Cancel one of the caller's batches: its DAG run is marked failed, which stops its task and the engine with it."""
+    """Cancel one of the caller's batches: ask its run to stop; the run publishes what it answered and ends ``cancelled``.
+
+    Nothing here stops a task or changes the DAG run: the batch task polls the cancel request
+    under its lease, stops sending, and publishes its finished answers (the rest as
+    ``batch_cancelled``) through the run protocol. A batch whose task has not started stays
+    ``cancelling`` until it does; it then publishes without starting an engine. An ended batch
+    (cancelled included) answers 409.
+    """
     settings = _settings()
     run, tis = _own_run(settings, batch_id, user)
     if not may(user, "PUT", settings.batch_dag_id):
         raise OpenAIError(403, f"you may not change runs of the batch DAG {settings.batch_dag_id!r}: ask for permission to edit it")
     store = _store(settings)
     before = _batch_from_run(store, run, tis)
-    if before["status"] in ("cancelling", "cancelled"):
+    if before["status"] == "cancelling":
         return before
-    if before["status"] in ("completed", "failed", "expired"):
-        raise OpenAIError(409, f"Cannot cancel a batch with status {before['status']!r}")
-    store.put_json(store.cancel_key(batch_id), {"cancelling_at": int(time.time()), "by": user.get_name()})
-    _mark_failed(settings.batch_dag_id, batch_id)
-    return {**before, "status": "cancelling", "cancelling_at": int(time.time())}
-
-
-def _mark_failed(dag_id: str, run_id: str) -> None:
-    """Mark the run failed as the UI does: the running task is failed too, and its supervisor kills it."""
-    from sqlalchemy import select
-
-    from airflow.api.common.mark_tasks import set_dag_run_state_to_failed
-    from airflow.models.dagbag import DBDagBag
-    from airflow.models.dagrun import DagRun
-    from airflow.utils.session import create_session
-
-    with create_session() as session:
-        run = session.scalar(select(DagRun).where(DagRun.dag_id == dag_id, DagRun.run_id == run_id))
-        dag = DBDagBag().get_dag_for_run(run, session=session)
-        set_dag_run_state_to_failed(dag=dag, run_id=run_id, commit=True, session=session)
+    if before["status"] in ("completed", "failed", "expired", "cancelled"):
+        raise OpenAIError(409, f"Cannot cancel a batch with status {before['status']!r}: it has ended")
+    now = int(time.time())
+    store.put_json(store.cancel_key(batch_id), {"cancelling_at": now, "by": user.get_name()})
+    return {**before, "status": "cancelling", "cancelling_at": now}
 
 
 def _own_run(settings: OpenAIApiSettings, batch_id: str, user: Any) -> tuple[Any, list[Any]]:
@@ -567,12 +556,8 @@ def _runs(dag_id: str, user_id: str, user_name: str, after: str | None, limit: i
 def _batch_from_run(store: FileStore, run: Any, tis: list[Any], live: bool = False) -> dict[str, Any]:
     """The Batch object of a DAG run, with what its task left in S3.
 
-    :param live: count what a running batch answered so far from its checkpoints (one batch's
-        retrieve; a list does not, to stay cheap).
+    :param live: read a running batch's live counts (its progress record, one small object).
     """
-    from airflow_vllm_batch.manifest import is_tombstone
-    from airflow_vllm_batch.storage import manifest_uri
-
     spec = _batch_spec(run)
     if spec is None:
         raise OpenAIError(404, f"No such Batch object: {run.run_id}", "batch_id")
@@ -586,14 +571,11 @@ def _batch_from_run(store: FileStore, run: Any, tis: list[Any], live: bool = Fal
     task_states = [_state_name(ti.state) for ti in tis]
     starts = [ti.start_date for ti in tis if ti.start_date is not None]
     ends = [ti.end_date for ti in tis if ti.end_date is not None]
-    manifest = failure = None
-    if state == "success" or "success" in task_states:
-        manifest = store.get_json(manifest_uri(conf["output_uri"]).split("/", 3)[3])
-        if is_tombstone(manifest):
-            manifest = None  # a try is publishing (or was stopped publishing): nothing is published yet
+    failure = None
+    manifest = _published_manifest(store, conf["output_uri"])
     if state == "failed" or "failed" in task_states:
         failure = store.get_json(store.failure_key(run.run_id))
-    cancel = store.get_json(store.cancel_key(run.run_id)) if state != "success" else None
+    cancel = store.get_json(store.cancel_key(run.run_id)) if manifest is None and state != "success" else None
     view = BatchRun(
         conf=conf,
         run_state=state,
@@ -606,23 +588,47 @@ def _batch_from_run(store: FileStore, run: Any, tis: list[Any], live: bool = Fal
         cancelling_at=(cancel or {}).get("cancelling_at"),
     )
     now = time.time()
-    if live and batch_status(view, now) == "in_progress":
-        view.progress = _live_progress(store, conf["output_uri"])
+    if live and batch_status(view, now) in ("in_progress", "cancelling"):
+        view.progress = _live_progress(store, run.run_id)
     return batch_object(run.run_id, view, now)
 
 
-def _live_progress(store: FileStore, output_uri: str) -> dict[str, int] | None:
-    """What a running batch answered so far, from the server engine's checkpoints; None when unknown.
+def _published_manifest(store: FileStore, output_uri: str) -> dict[str, Any] | None:
+    """The manifest beside a batch's output, if one is published and its files still have the ETags it names.
 
-    Never fails the status call: a batch whose parts cannot be read reports 0 so far.
+    A tombstone (a try publishing, or stopped while it did) and a manifest whose files were
+    replaced since are no published output (the rule of ``OutputStore.completed``).
     """
-    bucket, _, key = output_uri.removeprefix("s3://").partition("/")
-    try:
-        progress = staged_progress(store.client, bucket, key, LIVE_COUNT_BYTES)
-    except Exception as err:  # the status is worth more than the count
-        log.warning("Could not count the checkpointed answers under %s.staging/: %s", output_uri, err)
+    from airflow_vllm_batch.manifest import is_tombstone
+    from airflow_vllm_batch.storage import bare_etag, head_etag, manifest_uri
+
+    manifest = store.get_json(manifest_uri(output_uri).split("/", 3)[3])
+    if not isinstance(manifest, dict) or is_tombstone(manifest):
         return None
-    return None if progress is None else {"completed": progress.completed, "failed": progress.failed}
+    for uri_field, etag_field in (("output_uri", "output_etag"), ("error_uri", "error_etag")):
+        uri, etag = manifest.get(uri_field), manifest.get(etag_field)
+        if not uri:
+            continue
+        bucket, _, key = uri.removeprefix("s3://").partition("/")
+        found = head_etag(store.client, bucket, key)
+        if found is None or (etag is not None and found != bare_etag(etag)):
+            return None
+    return manifest
+
+
+def _live_progress(store: FileStore, batch_id: str) -> dict[str, int] | None:
+    """What a running batch answered so far: the progress record its task writes at each checkpoint; None when unknown.
+
+    Never fails the status call: a record that cannot be read reports 0 so far.
+    """
+    try:
+        record = store.get_json(store.progress_key(batch_id))
+    except Exception as err:  # the status is worth more than the count
+        log.warning("Could not read the progress of batch %s: %s", batch_id, err)
+        return None
+    if not isinstance(record, dict):
+        return None
+    return {"completed": int(record.get("completed") or 0), "failed": int(record.get("failed") or 0)}
 
 
 def _state_name(state: Any) -> str | None:

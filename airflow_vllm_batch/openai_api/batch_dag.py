@@ -11,25 +11,49 @@ folder calls it (the repo's ``dags/vllm_batch_openai.py``).
 from __future__ import annotations
 
 import json
-import tempfile
-from collections.abc import Sequence
+import re
+import time
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from airflow_vllm_batch.exceptions import ConfigurationError, InputNotFoundError, PreflightError, VLLMBatchError
+from airflow_vllm_batch.exceptions import ConfigurationError, EngineError, InputNotFoundError, PreflightError, VLLMBatchError
 from airflow_vllm_batch.openai_api.batch_spec import BatchSpec, ForgedBatchError, signing_key
-from airflow_vllm_batch.openai_api.progress import newest_run_parts, part_lines, split_expired
 from airflow_vllm_batch.openai_api.routes import TASK_ID, ModelRoute, load_routes
 from airflow_vllm_batch.openai_api.settings import DEFAULT_BATCH_DAG_ID, load_settings
+from airflow_vllm_batch.operators.task_try import task_try
 from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
-from airflow_vllm_batch.storage import RunStaging, open_uri_lines, upload_file
-from airflow_vllm_batch.version_compat import AirflowFailException, AirflowTaskTimeout
+from airflow_vllm_batch.storage import open_uri_lines
+from airflow_vllm_batch.version_compat import AirflowFailException
 
 if TYPE_CHECKING:
     from airflow.sdk import DAG, Context
 
+    from airflow_vllm_batch.manifest import Manifest
+
 __all__ = ["TASK_ID", "OpenAIBatchOperator", "failure_record", "openai_batch_dag"]
+
+
+#: The engine's root-cause line in its log tail: ``SomeError: what happened``.
+_ROOT_CAUSE = re.compile(r"\b([A-Z]\w*(?:Error|Exception)): \S.*$")
+#: Left between the completion window and the task's ``execution_timeout``: the run stops itself at
+#: ``expires_at`` and publishes under its lease; the timeout is only the backstop of a try that cannot.
+EXPIRY_GRACE = timedelta(hours=1)
+
+
+def public_message(message: str) -> str:
+    """A failure's message as a batch's user may read it: no storage locations, no Airflow internals.
+
+    Sentences naming XCom are dropped, S3 URIs become "the batch's files", and an engine's
+    log tail is cut to its root-cause line (the last ``...Error: ...`` line).
+
+    :param message: the error's message.
+    """
+    head, _, tail = message.partition("Last lines of its log:")
+    cause = next((m.group(0) for line in reversed(tail.splitlines()) if (m := _ROOT_CAUSE.search(line))), None)
+    sentences = [s for s in re.split(r"(?<=[.;])\s+", head.strip()) if "XCom" not in s]
+    text = re.sub(r"s3://\S+?(?=[\s,;)]|\.(?:\s|$)|$)", "the batch's files", " ".join(sentences)).strip()
+    return f"{text} Cause: {cause}" if cause else text
 
 
 def failure_record(err: VLLMBatchError) -> dict[str, Any]:
@@ -46,13 +70,16 @@ def failure_record(err: VLLMBatchError) -> dict[str, Any]:
                 "code": "invalid_request",
                 "line": problem.line or None,
                 "param": None,
-                "message": problem.message + (f" (custom_id {problem.custom_id!r})" if problem.custom_id else ""),
+                "message": public_message(problem.message) + (f" (custom_id {problem.custom_id!r})" if problem.custom_id else ""),
             }
             for problem in problems
         ]
         return {"stage": "preflight", "errors": errors}
-    code = "invalid_file" if isinstance(err, PreflightError) else type(err).__name__
-    return {"stage": "preflight" if isinstance(err, PreflightError) else "run", "errors": [{"code": code, "line": None, "param": None, "message": str(err)}]}
+    if isinstance(err, PreflightError):
+        stage, code = "preflight", "invalid_file"
+    else:
+        stage, code = "run", "engine_error" if isinstance(err, EngineError) else "batch_failed"
+    return {"stage": stage, "errors": [{"code": code, "line": None, "param": None, "message": public_message(str(err))}]}
 
 
 #: What the batch task's locations are until :meth:`OpenAIBatchOperator._bind_batch` derives them:
@@ -62,22 +89,33 @@ _BOUND = ("input_uri", "output_uri", "error_uri")
 
 
 class OpenAIBatchOperator(VLLMBatchOperator):
-    """Run one batch of the OpenAI API; when it fails, leave why at ``failure_uri`` for ``GET /batches/{id}``.
+    """Run one batch of the OpenAI API; publish it as OpenAI's batches end: completed, expired or cancelled.
 
     The batch is the run's signed :class:`~.batch_spec.BatchSpec`: the task verifies it with
     ``[vllm_batch] openai_signing_key`` and derives its input, output, error, failure, cancel
     and progress locations from it and ``[vllm_batch] openai_files_uri``; none is an argument
     or a template, and a run whose conf the API did not sign fails before any read or write.
 
-    When its ``execution_timeout`` (the batch's completion window) passes, the batch expires as
-    OpenAI's do: the engine is stopped, the answers its checkpoint parts hold are published to
-    the batch's output file (completed) and error file (failed, and every unanswered request as
-    ``batch_expired``), an expiry record with the counts goes to ``failure_uri``, and the task
-    fails without a retry.
+    Per-request failures never fail the batch (no ``max_failed_ratio``): they are in its error
+    file. The run stops itself, under the output's lease, when the batch's deadline
+    (``expires_at``, from the signed ``created_at``: the same on every try) passes or a cancel
+    was asked (the object at ``cancel_uri``, written by ``POST /batches/{id}/cancel``): the
+    engine stops sending, and the answers made durable so far are published through the run
+    protocol with a manifest whose ``status`` is ``expired`` or ``cancelled``, every other
+    request in the error file as ``batch_expired`` / ``batch_cancelled``. The task then
+    **succeeds**, returning that manifest: the batch ended as its user asked (or as its window
+    allowed), nothing is left to retry, and the API maps the manifest's ``status``. A failure of
+    the batch itself (a file preflight refuses, an engine that cannot start, a model that does
+    not serve the endpoint) fails the task and leaves why at ``failure_uri``, worded for the
+    batch's user.
+
+    The published lines take OpenAI's shape (``result_shape="openai"``): ids ``batch_req_…``,
+    HTTP failures in ``response.body.error``; the operator's own outputs keep vLLM's.
     """
 
     # The locations are derived from the signed spec, not rendered from anything a user gives.
     template_fields: Sequence[str] = tuple(f for f in VLLMBatchOperator.template_fields if f not in _BOUND)
+    result_shape = "openai"
 
     def __init__(self, **kwargs: Any) -> None:
         given = sorted(set(kwargs) & {*_BOUND, "failure_uri", "requests"})
@@ -141,67 +179,86 @@ class OpenAIBatchOperator(VLLMBatchOperator):
         try:
             self._check_pinned_input()
         except InputNotFoundError as err:
-            self.record_failure(err)
+            self.record_failure(failure_record(err))
             raise AirflowFailException(str(err)) from None
         try:
-            return super().execute(context)
-        except AirflowTaskTimeout as timeout:
-            # The task runner calls on_kill only for a timeout it sees; it sees AirflowFailException instead.
-            self.on_kill()
-            try:
-                counts = self.publish_expired()
-            except Exception as err:  # still expired, without files: a retry would run another window
-                self.log.warning("Could not publish the expired batch's answers: %s", err)
-                raise AirflowFailException(f"The batch's completion window ({self.execution_timeout}) passed: it expired") from timeout
-            raise AirflowFailException(
-                f"The batch's completion window ({self.execution_timeout}) passed: it expired. The answers "
-                f"finished so far are published ({counts['completed']} completed, {counts['failed']} failed or "
-                "unanswered, in the output and error files)"
-            ) from timeout
+            manifest = super().execute(context)
         except Exception as err:
             # A mistake arrives as AirflowFailException raised in the handling of the VLLMBatchError
             # (no retries), ``from None`` so that the task log tells it once: the error is its context.
             cause = err if isinstance(err, VLLMBatchError) else (err.__cause__ or err.__context__)
-            if isinstance(cause, VLLMBatchError):
-                self.record_failure(cause)
+            if isinstance(cause, VLLMBatchError) and (not cause.retryable or task_try(context, self.retries)["last_try"]):
+                self.record_failure(failure_record(cause))
             raise
+        self.refuse_unserved_endpoint(manifest)
+        return manifest
 
-    def publish_expired(self) -> dict[str, int]:
-        """Publish the answers the newest run checkpointed, and the rest as ``batch_expired``; return the counts.
+    def run_callbacks(self) -> dict[str, Any]:
+        return {"stop": self.stop_condition, "on_checkpoint": self.write_progress}
 
-        Exactly once: each custom_id is written once, its first answer or ``batch_expired``.
-        No run writes the output after this: the output file is the batch's own, and the task
-        fails without a retry. The run's staging is removed once the files are written.
+    def stop_condition(self) -> str | None:
+        """``"cancelled"`` once a cancel was asked, ``"expired"`` once ``expires_at`` passed, else None."""
+        assert self.batch is not None
+        bucket, _, key = self.cancel_uri.removeprefix("s3://").partition("/")
+        try:
+            if self.hook.head_object(key, bucket_name=bucket) is not None:
+                return "cancelled"
+        except Exception as err:  # S3 failing for a moment is no reason to stop, nor to fail: the next poll asks again
+            self.log.warning("Could not read whether batch %s was cancelled: %s", self.batch.batch_id, err)
+        if time.time() >= self.batch.expires_at:
+            return "expired"
+        return None
+
+    def write_progress(self, counts: Mapping[str, int]) -> None:
+        """Write the batch's live counts (``progress_uri``) for ``GET /batches/{id}``: one small object per checkpoint.
+
+        Advisory: the status reads it only while no manifest is published, and a failure to write it is
+        only logged (the run's checkpoints, not this record, are what a retry resumes from).
         """
-        hook = self.hook
-        client = hook.get_conn()
-        bucket, _, output_key = self.output_uri.removeprefix("s3://").partition("/")
-        parts = [key for key, _ in newest_run_parts(client, bucket, output_key)]
-        with tempfile.TemporaryDirectory(prefix="vllm-batch-expired-") as scratch:
-            out_path, err_path = Path(scratch, "output.jsonl"), Path(scratch, "errors.jsonl")
-            with open(out_path, "wb") as output, open(err_path, "wb") as errors, open_uri_lines(hook, self.input_uri) as input_lines:
-                counts = split_expired(part_lines(client, bucket, parts), input_lines, output, errors)
-            record: dict[str, Any] = {"stage": "expired", "request_counts": counts, "output": False, "error": False}
-            for path, uri, name in ((out_path, self.output_uri, "output"), (err_path, self.resolved_error_uri, "error")):
-                if path.stat().st_size:
-                    target_bucket, _, key = uri.removeprefix("s3://").partition("/")
-                    upload_file(client, path, target_bucket, key)
-                    record[name] = True
-        failure_bucket, _, failure_key = self.failure_uri.removeprefix("s3://").partition("/")
-        hook.load_bytes(json.dumps(record).encode(), key=failure_key, bucket_name=failure_bucket, replace=True)
-        for prefix in {key.rsplit("/parts/", 1)[0] + "/" for key in parts}:
-            try:
-                RunStaging(hook, bucket, prefix).remove()
-            except Exception as err:  # published already: a leftover staging only costs storage
-                self.log.warning("Could not remove the expired batch's staging %s: %s", prefix, err)
-        self.log.info("The batch expired: published %s", counts)
-        return counts
+        bucket, _, key = self.progress_uri.removeprefix("s3://").partition("/")
+        body = {"completed": int(counts["completed"]), "failed": int(counts["failed"]), "updated_at": int(time.time())}
+        self.hook.load_bytes(json.dumps(body).encode(), key=key, bucket_name=bucket, replace=True)
 
-    def record_failure(self, err: VLLMBatchError) -> None:
+    def fail_on_too_many_failures(self, manifest: Manifest, max_failed_ratio: float, context: Context) -> None:
+        """Never: as OpenAI's, a batch's failed requests are in its error file, and the batch completes."""
+
+    def refuse_unserved_endpoint(self, manifest: Mapping[str, Any]) -> None:
+        """Fail the batch whose every request the server answered 404: its model does not serve the endpoint.
+
+        That is the batch's failure, not its requests' (an embeddings batch sent to a chat model):
+        its status says so, with the server's own words; the files stay published.
+        """
+        counts = manifest.get("request_counts") or {}
+        total = int(counts.get("total") or 0)
+        if not total or counts.get("completed") or (manifest.get("failed_by_reason") or {}) != {"not_found": total}:
+            return
+        assert self.batch is not None
+        said = self.first_error_message(manifest.get("error_uri"))
+        message = (
+            f"Every one of the batch's {total} requests was answered HTTP 404 by the model's server at {self.batch.endpoint}"
+            + (f" ({said})" if said else "")
+            + f": the model does not serve {self.batch.endpoint}. Send these requests to a model that serves it."
+        )
+        self.record_failure({"stage": "run", "errors": [{"code": "endpoint_not_served", "line": None, "param": "endpoint", "message": message}]})
+        raise AirflowFailException(message)
+
+    def first_error_message(self, error_uri: str | None) -> str | None:
+        """The message of the error file's first line, or None."""
+        if not error_uri:
+            return None
+        try:
+            with open_uri_lines(self.hook, error_uri) as lines:
+                line = json.loads(next(iter(lines)))
+        except Exception:  # the failure is told without the example
+            return None
+        body = ((line.get("response") or {}).get("body") or {}).get("error") or line.get("error") or {}
+        return body.get("message") if isinstance(body, dict) else None
+
+    def record_failure(self, record: Mapping[str, Any]) -> None:
         """Write the failure record; a failure to write it is logged, not raised over the task's own error."""
         bucket, _, key = self.failure_uri.removeprefix("s3://").partition("/")
         try:
-            self.hook.load_bytes(json.dumps(failure_record(err)).encode(), key=key, bucket_name=bucket, replace=True)
+            self.hook.load_bytes(json.dumps(record).encode(), key=key, bucket_name=bucket, replace=True)
         except Exception as write_err:  # the batch's own error is the one to raise
             self.log.warning("Could not write the batch's failure record to %s: %s", self.failure_uri, write_err)
 
@@ -223,8 +280,9 @@ def openai_batch_dag(
 
     :param model: the model every line's ``body.model`` names, when no routes are configured.
     :param dag_id: the DAG id: ``[vllm_batch] openai_batch_dag_id`` must name it. Default ``vllm_batch_openai``.
-    :param completion_window: the task's ``execution_timeout``: a batch still running then expires,
-        publishing the answers finished so far. Default 24 hours (OpenAI's only window).
+    :param completion_window: the longest window a batch may ask for: the task's ``execution_timeout`` is
+        this plus :data:`EXPIRY_GRACE`, a backstop only (a batch expires at its own ``expires_at``,
+        checked by the run itself, which then publishes what is answered). Default 24 hours (OpenAI's only window).
     :param routes: the served models (default: ``[vllm_batch] openai_models``, read when the DAG file is parsed).
     :param operator_kwargs: more ``VLLMBatchOperator`` arguments (``engine=VLLMRunner(args=[...])``, ...);
         a route's engine (its ``vllm_conn_id``, or ``engine_args`` for the runner) and ``queue`` replace them for its task.
@@ -244,7 +302,7 @@ def openai_batch_dag(
         doc_md="Runs the batches of the OpenAI Batches API (`POST /vllm-batch/openai/v1/batches`): one run per batch.",
     ) as dag:
         if not routes:
-            OpenAIBatchOperator(task_id=TASK_ID, model=model, execution_timeout=completion_window, **operator_kwargs)
+            OpenAIBatchOperator(task_id=TASK_ID, model=model, execution_timeout=completion_window + EXPIRY_GRACE, **operator_kwargs)
             return dag
         from airflow.providers.standard.operators.python import BranchPythonOperator
 
@@ -254,7 +312,7 @@ def openai_batch_dag(
             if served.queue:
                 kwargs["queue"] = served.queue
             route >> OpenAIBatchOperator(
-                task_id=served.task_id, model=served.model, execution_timeout=completion_window, **kwargs
+                task_id=served.task_id, model=served.model, execution_timeout=completion_window + EXPIRY_GRACE, **kwargs
             )
     return dag
 

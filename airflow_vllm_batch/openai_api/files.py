@@ -238,6 +238,7 @@ class FileStore:
         return f"{self.prefix}batches/{batch_id}.cancel.json"
 
     def progress_key(self, batch_id: str) -> str:
+        """The live counts the batch task writes at each checkpoint."""
         return f"{self.prefix}batches/{batch_id}.progress.json"
 
     def batch_record_key(self, batch_id: str) -> str:

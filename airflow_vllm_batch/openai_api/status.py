@@ -7,15 +7,22 @@ fields of OpenAI's Batch object.
 ============================================  =====================================
 DAG run / task                                 OpenAI status
 ============================================  =====================================
+task failed, its failure record, no cancel     ``failed`` with ``errors.data``
+a published manifest (its files' ETags hold)   its ``status``: ``completed``, ``expired``
+                                               or ``cancelled`` (whatever the run's state)
+run succeeded                                  ``completed``
+cancel asked, run not ended                    ``cancelling``
+cancel asked, run ended                        ``cancelled``
+run failed after ``expires_at``, no record     ``expired`` (no files: the try could not publish)
+run failed                                     ``failed``
 run queued, task not started                   ``validating``
 task running (preflight, then the engine)      ``in_progress``
-task succeeded, run not yet ended              ``finalizing``
-run succeeded (manifest published)             ``completed``
-run failed, a failure record (preflight...)    ``failed`` with ``errors.data``
-run failed after ``expires_at``, or expired    ``expired`` (the answers so far published)
-cancel asked, run not ended                    ``cancelling``
-cancel asked, run ended failed                 ``cancelled``
+task ended, run not yet ended                  ``finalizing``
 ============================================  =====================================
+
+The rows are tried in order. A batch stops itself at ``expires_at`` or on a cancel, under
+its lease, and publishes a manifest saying so; its task succeeds
+(:class:`~airflow_vllm_batch.openai_api.batch_dag.OpenAIBatchOperator`).
 """
 
 from __future__ import annotations
@@ -56,10 +63,10 @@ class BatchRun:
     :param task_start: when the first task started.
     :param task_end: when the last task ended.
     :param run_end: when the DAG run ended.
-    :param manifest: the published manifest (a dict), when there is one.
-    :param failure: the failure record the batch task wrote (``{"errors": [...], "stage": ...}``).
+    :param manifest: the published manifest (a dict), when there is one whose files still have its ETags.
+    :param failure: the failure record the batch task wrote when it failed for good (``{"errors": [...], "stage": ...}``).
     :param cancelling_at: when a cancel was asked (seconds since the epoch), if one was.
-    :param progress: ``{"completed": n, "failed": m}`` answered so far, from the run's checkpoints, while it runs.
+    :param progress: ``{"completed": n, "failed": m}`` answered so far: the progress record the task writes at each checkpoint.
     """
 
     conf: Mapping[str, Any]
@@ -77,29 +84,32 @@ class BatchRun:
 def batch_status(run: BatchRun, now: float) -> str:
     """The OpenAI status of a batch.
 
+    A published manifest decides, whatever the run's state (``status`` ``expired`` or
+    ``cancelled``, else ``completed``), unless the batch task failed after it and said why
+    (a model that does not serve the endpoint). Per-request failures never fail a batch.
+
     :param run: the batch's run.
     :param now: the current time, seconds since the epoch.
     """
     ended = run.run_state in ("success", "failed")
+    task_failed = run.run_state == "failed" or "failed" in run.task_states
+    if task_failed and run.failure is not None and run.cancelling_at is None:
+        return "failed"
+    if run.manifest is not None:
+        return str(run.manifest.get("status") or "completed")
     if run.run_state == "success":
         return "completed"
     if run.cancelling_at is not None:
         return "cancelled" if ended else "cancelling"
     if run.run_state == "failed":
-        if expiry(run) is not None or (run.failure is None and now >= expires_at(run.conf)):
-            return "expired"
-        return "failed"
+        # A try stopped without publishing (killed past its backstop timeout, say): no files, the window passed.
+        return "expired" if run.failure is None and now >= expires_at(run.conf) else "failed"
     states = [str(s) if s is not None else None for s in run.task_states]
     if not states or all(s in _NOT_STARTED for s in states):
         return "validating"
     if all(s in ("success", "skipped", "failed", "upstream_failed") for s in states):
         return "finalizing"
     return "in_progress"
-
-
-def expiry(run: BatchRun) -> Mapping[str, Any] | None:
-    """The record the batch task wrote when the completion window passed (``stage`` ``expired``), if it did."""
-    return run.failure if (run.failure or {}).get("stage") == "expired" else None
 
 
 def expires_at(conf: Mapping[str, Any]) -> int:
@@ -110,12 +120,11 @@ def expires_at(conf: Mapping[str, Any]) -> int:
 def request_counts(run: BatchRun) -> dict[str, int]:
     """Total, completed and failed requests.
 
-    The manifest's once published (or the expiry record's); while the run goes, the input's
-    line count and what the checkpoints answered so far.
+    The published manifest's; while the run goes, the input's line count and the progress
+    record the batch task writes at each checkpoint.
     """
-    published = run.manifest if run.manifest is not None else expiry(run)
-    if published is not None:
-        counts = published.get("request_counts") or {}
+    if run.manifest is not None:
+        counts = run.manifest.get("request_counts") or {}
         return {"total": int(counts.get("total", 0)), "completed": int(counts.get("completed", 0)), "failed": int(counts.get("failed", 0))}
     progress = run.progress or {}
     return {"total": int(run.conf.get("total") or 0), "completed": int(progress.get("completed", 0)), "failed": int(progress.get("failed", 0))}
@@ -153,11 +162,11 @@ def batch_object(batch_id: str, run: BatchRun, now: float) -> dict[str, Any]:
     """
     status = batch_status(run, now)
     conf = run.conf
-    ended_at = _ts(run.run_end)
+    # The run ends a moment after its task: until then the task's end is the batch's.
+    ended_at = _ts(run.run_end) or (_ts(run.task_end) if run.manifest is not None else None)
     preflight_failed = (run.failure or {}).get("stage") == "preflight"
     started = run.task_start is not None and not preflight_failed
     published = run.manifest is not None
-    expired = expiry(run) or {}
     return {
         "id": batch_id,
         "object": "batch",
@@ -166,12 +175,13 @@ def batch_object(batch_id: str, run: BatchRun, now: float) -> dict[str, Any]:
         "input_file_id": conf["input_file_id"],
         "completion_window": conf.get("completion_window", "24h"),
         "status": status,
-        "output_file_id": conf.get("output_file_id") if published or expired.get("output") else None,
-        "error_file_id": conf.get("error_file_id") if (published and run.manifest.get("error_uri")) or expired.get("error") else None,
+        # As OpenAI's: a batch stopped (or failed) before any request completed has no output file.
+        "output_file_id": conf.get("output_file_id") if published and (status == "completed" or request_counts(run)["completed"]) else None,
+        "error_file_id": conf.get("error_file_id") if published and run.manifest.get("error_uri") else None,
         "created_at": int(conf["created_at"]),
         "in_progress_at": _ts(run.task_start) if started else None,
         "expires_at": expires_at(conf),
-        "finalizing_at": _ts(run.task_end) if status in ("finalizing", "completed") else None,
+        "finalizing_at": _ts(run.task_end) if status in ("finalizing", "completed") or published else None,
         "completed_at": ended_at if status == "completed" else None,
         "failed_at": ended_at if status == "failed" else None,
         "expired_at": ended_at if status == "expired" else None,

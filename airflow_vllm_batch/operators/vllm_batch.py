@@ -110,6 +110,8 @@ class VLLMBatchOperator(AwsBaseOperator[S3Hook]):
     template_fields_renderers = {"engine": "json", "default_body": "json", "requests": "json"}
     operator_extra_links = (VLLMBatchOutputLink(),)
     ui_color = "#e8f0fe"
+    #: The shape of the published lines (``BatchSettings.result_shape``): vLLM's, for the operator's own outputs.
+    result_shape = "vllm"
 
     def __init__(
         self,
@@ -175,7 +177,9 @@ class VLLMBatchOperator(AwsBaseOperator[S3Hook]):
         try:
             settings = self.settings()
             self._engine = make_engine(settings, self.log)
-            run = BatchRun(settings, s3_hook=self.hook, engine=self._engine, task=task_try(context, self.retries), log=self.log)
+            run = BatchRun(
+                settings, s3_hook=self.hook, engine=self._engine, task=task_try(context, self.retries), log=self.log, **self.run_callbacks()
+            )
             outcome = run.execute()
             self.input_uri = run.input.uri if run.input is not None else self.input_uri
             manifest = outcome.manifest
@@ -193,6 +197,10 @@ class VLLMBatchOperator(AwsBaseOperator[S3Hook]):
                 raise AirflowFailException(str(err)) from None
             raise
         return manifest.to_dict()
+
+    def run_callbacks(self) -> dict[str, Any]:
+        """What a subclass tells the run besides its settings (a ``stop`` condition, ``on_checkpoint``); none here."""
+        return {}
 
     def settings(self) -> BatchSettings:
         """The rendered arguments, checked once (:class:`~airflow_vllm_batch.run.BatchSettings`)."""

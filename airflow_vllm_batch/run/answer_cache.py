@@ -60,6 +60,10 @@ if TYPE_CHECKING:
 _HEX = frozenset(b"0123456789abcdef")
 
 
+#: The cache's hits staged under the run's staging prefix before the engine starts.
+CACHED_RESULTS = "cached-results.jsonl"
+
+
 def split_cache_uri(uri: str) -> tuple[str, str]:
     """``(bucket, prefix)`` of ``s3://bucket/prefix/`` (the prefix ends with ``/``, or is empty).
 
@@ -175,8 +179,8 @@ class AnswerCache:
         self.run_short = job.identity.short
         db = self.db = _open_db(job.work / "answer-cache.sqlite")
         cacheable = self.index_requests(job, db)
-        cached_path = job.work / "cached-results.jsonl"
-        hits_key = f"{job.staging.prefix}cached-results.jsonl"
+        cached_path = job.work / CACHED_RESULTS
+        hits_key = f"{job.staging.prefix}{CACHED_RESULTS}"
         staging = job.staging
         if self.resume and staging.hook.head_object(hits_key, bucket_name=staging.bucket) is not None:
             self.log.info("Answer cache: taking the hits an earlier try of this run staged at %s.", staging.uri(hits_key))

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import time
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -37,16 +39,17 @@ from airflow_vllm_batch.batchfile.cache_keys import model_identity
 from airflow_vllm_batch.batchfile.per_model import count_per_model
 from airflow_vllm_batch.engines import EngineJob, EngineResults
 from airflow_vllm_batch.engines.server import invalid_parts
-from airflow_vllm_batch.exceptions import PreflightError, PublishError, StorageUnavailableError
+from airflow_vllm_batch.batchfile.openai_lines import request_ids, split_stopped, to_openai_line
+from airflow_vllm_batch.exceptions import BatchStopped, PreflightError, PublishError, StorageUnavailableError
 from airflow_vllm_batch.engines.base import EngineRun
 from airflow_vllm_batch.identity import RunIdentity
 from airflow_vllm_batch.lease import LeaseHolder
 from airflow_vllm_batch.manifest import Manifest, RequestCounts, Usage
-from airflow_vllm_batch.run.answer_cache import AnswerCache
+from airflow_vllm_batch.run.answer_cache import CACHED_RESULTS, AnswerCache
 from airflow_vllm_batch.run.cost import run_cost, split_cost
 from airflow_vllm_batch.run.inputs import BatchInput, write_requests
 from airflow_vllm_batch.scratch import concat, kept_results, maybe_open, scratch
-from airflow_vllm_batch.storage import OutputStore
+from airflow_vllm_batch.storage import OutputStore, RunStaging, s3_lines
 from airflow_vllm_batch.summary import FailureTally, tally_failures
 
 if TYPE_CHECKING:
@@ -78,12 +81,26 @@ class BatchRun:
     :param task: who this try is: ``dag_id``, ``run_id``, ``task_id``, ``map_index``, ``try_number``,
         and ``last_try`` (whether Airflow retries it on failure; default True).
     :param log: the task's logger.
+    :param stop: the run's stop condition, polled under the lease before preflight and by the engine
+        between requests: ``"expired"`` or ``"cancelled"`` stops the run, which then publishes what
+        is answered so far (:meth:`publish_stopped`); None goes on. Default: never stops.
+    :param on_checkpoint: called with the answers so far (``{"completed", "failed"}``) after each checkpoint.
     """
 
     def __init__(
-        self, settings: BatchSettings, *, s3_hook: S3Hook, engine: Engine, task: dict[str, Any], log: logging.Logger
+        self,
+        settings: BatchSettings,
+        *,
+        s3_hook: S3Hook,
+        engine: Engine,
+        task: dict[str, Any],
+        log: logging.Logger,
+        stop: Callable[[], str | None] | None = None,
+        on_checkpoint: Callable[[Mapping[str, int]], None] | None = None,
     ) -> None:
         self.settings = settings
+        self.stop = stop
+        self.on_checkpoint = on_checkpoint
         self.s3_hook = s3_hook
         self.engine = engine
         self.task = task
@@ -161,6 +178,8 @@ class BatchRun:
                 **({"output_type": s.output_schema.identity()} if s.output_schema is not None else {}),
                 # Only when set: the identities of runs without the cache stay as they were.
                 **({"answer_cache": {"uri": s.answer_cache_uri, "sampled": s.answer_cache_sampled}} if s.answer_cache_uri else {}),
+                # Only when set: the operator's identities stay as they were.
+                **({"result_shape": s.result_shape} if s.result_shape != "vllm" else {}),
             }
         )
 
@@ -189,18 +208,34 @@ class BatchRun:
         """Who this try is, for the output's lease."""
         return LeaseHolder.of_try(self.task, identity.fingerprint)
 
+    def stop_reason(self) -> str | None:
+        """Why the run must stop now (``"expired"``, ``"cancelled"``: the ``stop`` condition), or None."""
+        return self.stop() if self.stop is not None else None
+
     def run_batch(self, info: EngineInfo, identity: RunIdentity, lease: OutputLease, started: float) -> BatchOutcome:
-        """Preflight, have the engine make its answers durable, check and publish."""
+        """Preflight, have the engine make its answers durable, check and publish; or publish a stopped run's answers."""
         staging = self.store.staging(identity)
         kept = kept_results(self.settings.results_dir, identity.short)
         with scratch(self.settings.results_dir, identity.short) as work:
-            report = self.preflight(info, work)
-            job = EngineJob(self.input, report, work, staging, identity, lease, self.task, kept, self.task.get("last_try", True))
-            cache = self.answer_cache(info)
-            split = cache.split(job) if cache is not None else None
-            if split is not None:
-                job = split.job  # the misses only, when some hit
-            engine_results = self.produce(info, job)
+            # Under the lease, before preflight: a batch stopped before its task ran publishes without an engine.
+            stopped = self.stop_reason()
+            if stopped is None:
+                try:
+                    report = self.preflight(info, work)
+                    job = EngineJob(
+                        self.input, report, work, staging, identity, lease, self.task, kept, self.task.get("last_try", True),
+                        stop=self.stop, on_checkpoint=self.on_checkpoint,
+                    )
+                    cache = self.answer_cache(info)
+                    split = cache.split(job) if cache is not None else None
+                    if split is not None:
+                        job = split.job  # the misses only, when some hit
+                    job.raise_if_stopped()
+                    engine_results = self.produce(info, job)
+                except BatchStopped as stop:
+                    stopped = stop.reason
+            if stopped is not None:
+                return self.publish_stopped(stopped, identity, lease, staging, work, kept, started)
             try:
                 # Inside the try: the results are staged by now, so S3 failing here is a publish
                 # failure that a retry recovers without the engine (not a bare connection error).
@@ -217,14 +252,14 @@ class BatchRun:
                 manifest.per_model = self.per_model(report, results, work)
                 self.price(manifest, engine_results, started, engine_tokens)
                 # With no failed line (and no cached answer added) a staged results file is the output byte for
-                # byte: copy it server side.
-                copy_staged = not results.request_counts["failed"] and engine_results.staged_results and not manifest.from_cache
-                self.store.publish(
-                    manifest,
-                    staging=staging,
-                    results_path=None if copy_staged else work / "results.jsonl",
-                    errors_path=errors_path,
+                # byte: copy it server side (not when the lines are reshaped).
+                copy_staged = (
+                    not results.request_counts["failed"]
+                    and engine_results.staged_results
+                    and not manifest.from_cache
+                    and self.settings.result_shape == "vllm"
                 )
+                self.publish_files(manifest, staging, None if copy_staged else work / "results.jsonl", errors_path)
                 kept.unlink(missing_ok=True)
             except (BotoCoreError, ClientError) as err:
                 raise PublishError(
@@ -240,6 +275,79 @@ class BatchRun:
             manifest.request_counts.failed,
         )
         return BatchOutcome(manifest, resumed=False, failure_examples=failures.examples)
+
+    def publish_files(self, manifest: Manifest, staging: RunStaging, results_path: Path | None, errors_path: Path | None) -> None:
+        """Publish through :meth:`OutputStore.publish`, the lines first put in ``result_shape`` (OpenAI's, for the API).
+
+        The shape is changed here, on the checked local files right before they go up: the
+        results check saw vLLM's lines (exactly once is a matter of custom_ids, which the shape
+        keeps), and the manifest's ETags name the very bytes a reader downloads.
+        """
+        if self.settings.result_shape == "openai":
+            results_path = _reshaped(results_path) if results_path is not None else None
+            errors_path = _reshaped(errors_path) if errors_path is not None else None
+        self.store.publish(manifest, staging=staging, results_path=results_path, errors_path=errors_path)
+
+    def durable_answers(self, staging: RunStaging, kept: Path) -> list[contextlib.AbstractContextManager[Iterator[bytes]]]:
+        """Every source of this run's durable answers: staged results, checkpoint parts, cached hits, results kept on this worker."""
+        sources: list[contextlib.AbstractContextManager[Iterator[bytes]]] = []
+        if staging.has_results():
+            sources.append(staging.open_results())
+        sources.append(staging.open_parts())
+        hits_key = f"{staging.prefix}{CACHED_RESULTS}"
+        if self.s3_hook.head_object(hits_key, bucket_name=staging.bucket) is not None:
+            sources.append(s3_lines(self.s3_hook, staging.bucket, hits_key))
+        if kept.exists():
+            sources.append(open_lines(str(kept)))
+        return sources
+
+    def publish_stopped(
+        self, reason: str, identity: RunIdentity, lease: OutputLease, staging: RunStaging, work: Path, kept: Path, started: float
+    ) -> BatchOutcome:
+        """Publish what a stopped run answered, the rest as ``batch_<reason>`` lines, with a manifest whose status is ``reason``.
+
+        Through :meth:`OutputStore.publish` under the lease, as any output (tombstone, conditional
+        writes, the manifest last, the staging removed fenced): Exactly once (each of the input's
+        custom_ids once, its first durable answer or its ``batch_<reason>`` line), Fencing, and
+        Durability (every durable answer of the run is read: staged results, checkpoint parts, the
+        answer cache's staged hits, results kept on this worker).
+        """
+        assert self.input is not None
+        self.log.info("The batch is %s: publishing the answers made durable so far, the rest as unanswered.", reason)
+        results_path, errors_path = work / "stopped-results.jsonl", work / "stopped-errors.jsonl"
+        try:
+            lease.ensure_held(verify=True)
+            with contextlib.ExitStack() as stack:
+                answers = itertools.chain.from_iterable(stack.enter_context(source) for source in self.durable_answers(staging, kept))
+                requests = request_ids(stack.enter_context(self.input.open()))
+                with open(results_path, "wb") as results, open(errors_path, "wb") as errors:
+                    counts = split_stopped(answers, requests, results, errors, reason)
+            usage = _usage_of(results_path)
+            manifest = Manifest(
+                output_uri=self.settings.output_uri,
+                error_uri=self.store.error_uri if counts["failed"] else None,
+                input_uri=self.input.display_uri,
+                input_etag=self.input.pinned.etag,
+                model=self.settings.model,
+                request_counts=RequestCounts(**counts),
+                usage=Usage(**usage),
+                duration_s=round(time.monotonic() - started, 3),
+                vllm_version=None,
+                fingerprint=identity.fingerprint,
+                identity=dict(identity.components),
+                manifest_uri=self.store.manifest_uri,
+                status=reason,
+            )
+            self.publish_files(manifest, staging, results_path, errors_path if counts["failed"] else None)
+            kept.unlink(missing_ok=True)
+        except (BotoCoreError, ClientError) as err:
+            raise PublishError(
+                f"S3 failed while publishing the {reason} batch's answers ({err}). They stay staged: a retry publishes them."
+            ) from err
+        self.log.info(
+            "Published the %s batch %s (%d completed, %d failed or unanswered)", reason, self.settings.output_uri, counts["completed"], counts["failed"]
+        )
+        return BatchOutcome(manifest, resumed=False)
 
     def answer_cache(self, info: EngineInfo) -> AnswerCache | None:
         """The answer cache of ``answer_cache_uri``, keyed to this engine's model identity; None when off."""
@@ -450,3 +558,26 @@ class BatchRun:
 
     def skipped(self, report: PreflightReport) -> int:
         return report.invalid_lines if self.settings.skips_invalid_lines else 0
+
+
+def _reshaped(path: Path) -> Path:
+    """A copy of a results or error file with every line in OpenAI's shape (:func:`to_openai_line`)."""
+    target = path.with_name(path.stem + ".openai.jsonl")
+    with open(path, "rb") as lines, open(target, "wb") as out:
+        for raw in lines:
+            if raw.strip():
+                out.write(to_openai_line(raw))
+    return target
+
+
+def _usage_of(results_path: Path) -> dict[str, int]:
+    """The tokens the completed answers of a results file report."""
+    import msgspec
+
+    usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    with open(results_path, "rb") as lines:
+        for raw in lines:
+            body = (msgspec.json.decode(raw).get("response") or {}).get("body") or {}
+            for key in usage:
+                usage[key] += int((body.get("usage") or {}).get(key) or 0)
+    return usage

@@ -36,7 +36,7 @@ PRESIGN_MARGIN_SECONDS = 15 * 60
 #: and results kept after an S3 failure (:func:`airflow_vllm_batch.scratch.owned_dir`).
 DEFAULT_RESULTS_DIR = tempfile.gettempdir()
 
-_MODES = {"invalid_lines": ("fail", "skip")}
+_MODES = {"invalid_lines": ("fail", "skip"), "result_shape": ("vllm", "openai")}
 
 
 @dataclass(kw_only=True)
@@ -99,6 +99,9 @@ class BatchSettings:
     answer_cache_uri: str | None = None
     answer_cache_sampled: bool = False
     execution_timeout: timedelta | None = None
+    #: The shape of the published lines: ``"vllm"`` (the operator's) or ``"openai"`` (the OpenAI API's
+    #: batches: ``batch_req_`` ids, HTTP failures in ``response.body.error``; :mod:`airflow_vllm_batch.batchfile.openai_lines`).
+    result_shape: str = "vllm"
 
     @classmethod
     def from_rendered(cls, **values: Any) -> BatchSettings:

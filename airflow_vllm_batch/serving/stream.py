@@ -218,6 +218,7 @@ def run_stream(
     progress_every_s: float = 15.0,
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
     backoff_s: float = DEFAULT_BACKOFF_S,
+    stop: Callable[[], object] | None = None,
 ) -> StreamStats:
     """Send every request line to the server and journal one vLLM batch output line per answer.
 
@@ -245,6 +246,9 @@ def run_stream(
         to be wedged (:class:`ServerUnavailableError`). Default 1800.
     :param backoff_s: the first retry's delay; doubled per retry, at most 30 s. Default 0.5.
         An answer's ``Retry-After`` replaces it.
+    :param stop: asked before each request is sent (keep it quick: it runs on the event loop); once it
+        answers true, nothing more is sent, the requests in flight are answered and journaled, and the
+        stream ends normally (the requests not sent are neither answered nor set aside). Default: never.
     :raises ServerUnavailableError: the server stayed unreachable through the retries.
     :raises ServerAuthError: the server refused the API key.
     :raises BadRequestLineError: a line is not a request line.
@@ -260,6 +264,7 @@ def run_stream(
         retries=retries,
         request_timeout_s=request_timeout_s,
         backoff_s=backoff_s,
+        stop=stop,
     )
     return asyncio.run(stream.run(iter(requests), on_progress, progress_every_s))
 
@@ -367,8 +372,10 @@ class _Stream:
         retries: int,
         request_timeout_s: float,
         backoff_s: float,
+        stop: Callable[[], object] | None = None,
     ) -> None:
         self.base_url = base_url
+        self.stop = stop
         self.headers = {"Content-Type": "application/json"}
         if api_key:
             self.headers["Authorization"] = f"Bearer {api_key}"
@@ -440,6 +447,8 @@ class _Stream:
         journal = self.journal
         stats = self.stats
         while (request := feed.take()) is not None or (request := await feed.next()) is not None:
+            if self.stop is not None and self.stop():
+                return  # stopped: this sender sends nothing more; what it had in flight is journaled already
             stats.in_flight += 1
             try:
                 line, failed, usage, unanswered = await self._answer(session, request)

@@ -7,8 +7,10 @@ dag-processor on 127.0.0.1, SQLite, SeaweedFS as S3) with the provider's plugin 
 and ``bob`` (role ``user``: may trigger), ``vera`` (``viewer``: may only read). The SDK's
 ``api_key`` is each user's Airflow API token from ``POST /auth/token``.
 
-One real engine run (alice's good batch); the other batches fail in preflight or are
-cancelled before their task starts an engine.
+Two real runner runs (alice's good batch, and one whose lines the engine refuses in part); the
+other batches fail in preflight or are cancelled before their task starts an engine. A second
+deployment, whose batch DAG streams through a warm vLLM server (``warm_api``), shows a cancel
+mid-run keeping the answers finished so far.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from openai import AuthenticationError, NotFoundError, OpenAI, PermissionDeniedError
+from openai import AuthenticationError, ConflictError, NotFoundError, OpenAI, PermissionDeniedError
 from openai.types import Batch, FileObject
 from openai.types.chat import ChatCompletion
 
@@ -41,8 +43,10 @@ if AIRFLOW_V_3_2_PLUS:
 else:
     from airflow.exceptions import TaskDeferred
 from airflow_vllm_batch.openai_api.settings import DEFAULT_BATCH_DAG_ID, URL_PREFIX
+from airflow_vllm_batch.engines.vllm.server_process import VLLMServerProcess
 from tests.integration.dagrun import REPO
 from tests.integration.deployment import Deployment, local_executor_deployment, wait_until
+from vllm_batch_embedded.demo import CPU_ENGINE_ARGS, CPU_ENGINE_ENV
 
 pytestmark = [pytest.mark.integration, pytest.mark.engine]
 
@@ -288,6 +292,14 @@ def test_a_batch_cancelled_before_it_runs_ends_cancelled(api: Api):
     assert cancelling.status == "cancelling" and cancelling.cancelling_at
     cancelled = _wait(api, alice, batch.id, ("cancelled", "completed", "failed"))
     assert cancelled.status == "cancelled" and cancelled.cancelled_at and cancelled.output_file_id is None
+    # Published through the run protocol without an engine: every request is in the error file, batch_cancelled.
+    assert (cancelled.request_counts.total, cancelled.request_counts.completed, cancelled.request_counts.failed) == (N_REQUESTS, 0, N_REQUESTS)
+    errors = [json.loads(line) for line in alice.files.content(cancelled.error_file_id).text.splitlines()]
+    assert sorted(e["custom_id"] for e in errors) == [f"req-{i}" for i in range(N_REQUESTS)]
+    assert all(e["error"]["code"] == "batch_cancelled" and e["response"] is None and e["id"].startswith("batch_req_") for e in errors)
+    # A cancelled batch has ended: cancelling it again is 409.
+    with pytest.raises(ConflictError):
+        alice.batches.cancel(batch.id)
 
 
 class PeakRss:
@@ -482,3 +494,94 @@ def test_the_providers_deferrable_operator_cancels_the_batch_on_its_timeout(api:
     alice = api.clients["alice"]
     assert alice.batches.retrieve(operator.batch_id).status in ("cancelling", "cancelled")
     assert _wait(api, alice, operator.batch_id, ("cancelled", "completed", "failed")).status == "cancelled"
+
+
+def test_a_batch_whose_engine_refuses_some_lines_completes_with_both_files(api: Api):
+    """Per-request failures never fail a batch: 2 lines the engine refuses, 2 it answers: completed, 2/2/4, both files."""
+    alice = api.clients["alice"]
+    good = _lines(api.model, 2).splitlines(keepends=True)
+    over_context = {"model": api.model, "messages": [{"role": "user", "content": "word " * 4000}], "max_completion_tokens": 4}
+    over_length = {"model": api.model, "messages": [{"role": "user", "content": "Say 9."}], "max_completion_tokens": 100_000}
+    refused = [
+        json.dumps({"custom_id": f"refused-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}).encode() + b"\n"
+        for i, body in enumerate((over_context, over_length))
+    ]
+    uploaded = alice.files.create(file=("mixed.jsonl", b"".join([good[0], refused[0], good[1], refused[1]])), purpose="batch")
+    batch = alice.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    ended = _wait(api, alice, batch.id, ("completed", "failed", "cancelled", "expired"))
+    assert ended.status == "completed", ended
+    assert (ended.request_counts.total, ended.request_counts.completed, ended.request_counts.failed) == (4, 2, 2)
+    assert ended.output_file_id and ended.error_file_id and ended.errors is None
+    output = [json.loads(line) for line in alice.files.content(ended.output_file_id).text.splitlines()]
+    assert sorted(o["custom_id"] for o in output) == ["req-0", "req-1"] and all(o["id"].startswith("batch_req_") for o in output)
+    errors = [json.loads(line) for line in alice.files.content(ended.error_file_id).text.splitlines()]
+    assert sorted(e["custom_id"] for e in errors) == ["refused-0", "refused-1"]
+    for e in errors:
+        # OpenAI's shape: the HTTP failure is the response, its error in the body; no top-level error.
+        assert e["error"] is None and e["response"]["status_code"] >= 400 and e["id"].startswith("batch_req_")
+        assert isinstance(e["response"]["body"]["error"]["message"], str) and e["response"]["body"]["error"]["message"]
+
+
+#: Requests of the warm server's batch: enough that a cancel lands while it runs (the tiny model answers
+#: hundreds a second on two cores: 400 were all answered before a cancel 8 s into the run took effect).
+N_WARM = 5000
+WARM_CONN_ID = "vllm_warm"
+
+
+@pytest.fixture(scope="module")
+def warm_api(seaweed, tiny_model: Path, tmp_path_factory) -> Iterator[tuple[Api, VLLMServerProcess]]:
+    """A second deployment whose batch DAG streams through a warm vLLM server (the server engine: checkpoints)."""
+    import os
+
+    with VLLMServerProcess(
+        str(tiny_model), engine_args=CPU_ENGINE_ARGS.split(), env={**os.environ, **CPU_ENGINE_ENV}, startup_timeout_s=300
+    ) as server:
+        assert server.hook is not None
+        host, port = server.hook.base_url.removeprefix("http://").split(":")
+        home = tmp_path_factory.mktemp("openai-api-warm-home")
+        if not _entry_point_installed():
+            (home / "plugins").mkdir()
+            (home / "plugins" / "vllm_batch_openai_api.py").write_text(PLUGIN_SHIM)
+        env = {
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin,alice:user",
+            "AIRFLOW__VLLM_BATCH__OPENAI_FILES_URI": f"s3://{BUCKET}/warm/",
+            "AIRFLOW__VLLM_BATCH__OPENAI_SIGNING_KEY": SIGNING_KEY,
+            "AIRFLOW_VLLM_BATCH_VLLM_CONN_ID": WARM_CONN_ID,
+            f"AIRFLOW_CONN_{WARM_CONN_ID.upper()}": json.dumps({"conn_type": "vllm", "host": host, "port": int(port), "password": server.hook.api_key}),
+        }
+        dag_files = {"vllm_batch_openai.py": (REPO / "dags" / "vllm_batch_openai.py").read_text()}
+        with local_executor_deployment(seaweed, tiny_model, home, dag_files, extra_env=env) as dep:
+            dep.wait_for_dag(DEFAULT_BATCH_DAG_ID)
+            dep.log_in("alice")
+            client = OpenAI(base_url=dep.api_url + URL_PREFIX, api_key=dep.token, max_retries=0, timeout=60)
+            yield Api(dep, {"alice": client}, str(tiny_model)), server
+
+
+def test_a_cancel_mid_run_keeps_and_publishes_the_answers_finished_so_far(warm_api):
+    api, _ = warm_api
+    alice = api.clients["alice"]
+    body = lambda i: {"model": api.model, "messages": [{"role": "user", "content": f"Count to {i}."}], "max_completion_tokens": 32, "temperature": 0}
+    data = b"".join(
+        json.dumps({"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body(i)}).encode() + b"\n" for i in range(N_WARM)
+    )
+    uploaded = alice.files.create(file=("long.jsonl", data), purpose="batch")
+    batch = alice.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    wait_until("the batch to run", lambda: alice.batches.retrieve(batch.id).status == "in_progress", BATCH_TIMEOUT_S, api.dep, interval=1)
+    time.sleep(3)  # some requests answered, most not
+    assert alice.batches.cancel(batch.id).status == "cancelling"
+    cancelled = _wait(api, alice, batch.id, ("cancelled", "completed", "failed", "expired"))
+    assert cancelled.status == "cancelled", (cancelled.status, cancelled.request_counts)
+    counts = cancelled.request_counts
+    assert counts.total == N_WARM and 0 < counts.completed < N_WARM and counts.completed + counts.failed == N_WARM, counts
+    output = [json.loads(line) for line in alice.files.content(cancelled.output_file_id).text.splitlines()]
+    errors = [json.loads(line) for line in alice.files.content(cancelled.error_file_id).text.splitlines()]
+    assert len(output) == counts.completed and len(errors) == counts.failed
+    assert len({line["custom_id"] for line in output + errors}) == N_WARM  # each request once
+    for line in output:
+        ChatCompletion.model_validate(line["response"]["body"])
+    assert {e["error"]["code"] for e in errors if e["response"] is None} == {"batch_cancelled"}
+    # The run stopped itself: the task succeeded with the cancelled manifest (no DAG run marked failed).
+    log = api.dep.task_log(DEFAULT_BATCH_DAG_ID, batch.id, "vllm_batch", 1)
+    assert "The batch is cancelled" in log
+    with pytest.raises(ConflictError):
+        alice.batches.cancel(batch.id)

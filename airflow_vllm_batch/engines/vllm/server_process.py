@@ -399,10 +399,12 @@ class VLLMServerEngine:
         on_progress: Callable[[StreamStats], None] | None = None,
         progress_every_s: float = 15.0,
         processes: int = 1,
+        stop: Callable[[], object] | None = None,
     ) -> StreamStats:
         """Stream the batch through the server (starting and stopping one when there is no connection).
 
         :param processes: client processes (see :meth:`VLLMServerHook.stream_batch`). Default 1.
+        :param stop: asked before each request is sent (see :meth:`VLLMServerHook.stream_batch`). Default: never.
         """
         stream: dict[str, Any] = {
             "processes": processes,
@@ -411,6 +413,7 @@ class VLLMServerEngine:
             "on_progress": on_progress,
             "progress_every_s": progress_every_s,
             "request_timeout_s": self.request_timeout_s,
+            "stop": stop,
         }
         if self.vllm_conn_id is not None:
             return self.warm_hook.stream_batch(requests, max_in_flight=max_in_flight or self.max_in_flight, **stream)

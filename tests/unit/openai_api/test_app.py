@@ -70,7 +70,7 @@ def test_without_a_token_the_app_answers_401_in_openais_shape():
 
 def test_live_counts_that_cannot_be_read_leave_the_status_call_answering():
     class Broken:
-        def get_paginator(self, name):
+        def get_object(self, **kw):
             raise ConnectionError("S3 is down")
 
-    assert app_module._live_progress(FileStore(Broken(), "b", "p/"), "s3://b/p/files/u/file-out.jsonl") is None
+    assert app_module._live_progress(FileStore(Broken(), "b", "p/"), "batch_0123456789abcdef") is None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from airflow_vllm_batch.exceptions import PreflightError
@@ -126,10 +128,10 @@ def test_the_batch_task_records_a_mistake_it_fails_without_retries(monkeypatch):
 
     monkeypatch.setattr(VLLMBatchOperator, "execute", fail)
     recorded = []
-    monkeypatch.setattr(OpenAIBatchOperator, "record_failure", lambda self, err: recorded.append(err))
+    monkeypatch.setattr(OpenAIBatchOperator, "record_failure", lambda self, record: recorded.append(record))
     monkeypatch.setattr(OpenAIBatchOperator, "_bind_batch", lambda self, context: None)
     monkeypatch.setattr(OpenAIBatchOperator, "_check_pinned_input", lambda self: None)
     op = OpenAIBatchOperator(task_id="t", model="m")
     with pytest.raises(AirflowFailException):
-        op.execute({})
-    assert [type(e) for e in recorded] == [PreflightError]
+        op.execute({"dag_run": SimpleNamespace(run_id="x", conf={}), "ti": SimpleNamespace(try_number=1, max_tries=0)})
+    assert [r["errors"][0]["code"] for r in recorded] == ["invalid_file"]

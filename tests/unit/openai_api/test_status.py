@@ -39,6 +39,14 @@ NOW = CREATED + 60
         (BatchRun(CONF, "failed", ["failed"], failure={"stage": "preflight", "errors": []}), "failed"),
         (BatchRun(CONF, "running", ["running"], cancelling_at=CREATED + 20), "cancelling"),
         (BatchRun(CONF, "failed", ["failed"], run_end=T, cancelling_at=CREATED + 20), "cancelled"),
+        # A published manifest decides, whatever the run's state.
+        (BatchRun(CONF, "running", ["success"], task_start=T, task_end=T, manifest=MANIFEST), "completed"),
+        (BatchRun(CONF, "running", ["running"], task_start=T, manifest=MANIFEST), "completed"),
+        (BatchRun(CONF, "success", ["success"], manifest={**MANIFEST, "status": "cancelled"}, cancelling_at=CREATED + 20), "cancelled"),
+        (BatchRun(CONF, "success", ["success"], manifest={**MANIFEST, "status": "expired"}), "expired"),
+        (BatchRun(CONF, "failed", ["failed"], manifest=MANIFEST), "completed"),
+        # The task failed after publishing and said why (a model that does not serve the endpoint).
+        (BatchRun(CONF, "failed", ["failed"], manifest=MANIFEST, failure={"stage": "run", "errors": []}), "failed"),
     ],
 )
 def test_status_follows_the_run(run, status):
@@ -86,3 +94,18 @@ def test_a_running_batch_reports_what_its_checkpoints_answered_so_far():
     run = BatchRun(CONF, "running", ["running"], task_start=T, progress={"completed": 2, "failed": 1})
     batch = Batch.model_validate(batch_object("batch_abcdefab", run, NOW))
     assert batch.status == "in_progress" and (batch.request_counts.completed, batch.request_counts.failed) == (2, 1)
+
+
+@pytest.mark.parametrize("status", ["expired", "cancelled"])
+def test_a_stopped_batch_keeps_its_counts_and_files(status):
+    run = BatchRun(CONF, "success", ["success"], T, T, T, manifest={**MANIFEST, "status": status})
+    batch = Batch.model_validate(batch_object("batch_abcdefab", run, NOW))
+    assert batch.status == status and (batch.request_counts.completed, batch.request_counts.failed) == (2, 1)
+    assert (batch.output_file_id, batch.error_file_id) == (CONF["output_file_id"], CONF["error_file_id"])
+    assert getattr(batch, f"{status}_at") == int(T.timestamp()) and batch.errors is None
+
+
+def test_a_batch_stopped_before_any_request_completed_has_no_output_file():
+    manifest = {**MANIFEST, "status": "cancelled", "request_counts": {"total": 3, "completed": 0, "failed": 3}}
+    batch = Batch.model_validate(batch_object("batch_abcdefab", BatchRun(CONF, "success", ["success"], T, T, T, manifest), NOW))
+    assert batch.status == "cancelled" and batch.output_file_id is None and batch.error_file_id == CONF["error_file_id"]

@@ -368,3 +368,17 @@ def test_a_request_retried_after_errors_still_ends_by_its_request_timeout(stand_
     assert time.monotonic() - started < 0.6 + 2.0
     assert [r["custom_id"] for r in results] == ["r1"]
     assert stats.unanswered_reasons == {"timeout": 1} and stand_in.attempts["r0"] == 2
+
+
+def test_a_stopped_stream_sends_nothing_more_and_journals_what_was_answered(stand_in, tmp_path):
+    sent: list[str] = []
+
+    def stop() -> bool:
+        sent.append("asked")
+        return len(stand_in.attempts) >= 10
+
+    # 200 lines fit in one chunk of the feed: the stop is asked before each send, not only when reading.
+    stats, results, _ = _stream(stand_in, tmp_path, request_lines(200), max_in_flight=2, stop=stop)
+    assert 10 <= len(stand_in.attempts) <= 12 and len(sent) >= 10
+    assert {r["custom_id"] for r in results} == set(stand_in.attempts) and stats.done == len(results)
+    assert stats.unanswered == 0

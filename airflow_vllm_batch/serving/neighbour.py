@@ -18,7 +18,9 @@ Two things, both off unless the warm server's options ask for them
   waiting while others than the batch are on the server), when the KV cache is nearly
   full or the server's steps slow down with others on it, or on a 429/503; grown back
   by a fixed step while others are on the server and none of that happens, and doubled
-  once nobody else has been on the server for a few checks. The requests over a lowered
+  once nobody else has been on the server for a few checks. It starts at the floor, since
+  a request sent cannot be called back: started at its maximum, a batch would have queued
+  all of it before the first check. The requests over a lowered
   bound are not cancelled: they finish, and no new one starts until the batch is under
   it. The floor always stays in flight, so the batch always progresses.
 
@@ -39,8 +41,9 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-#: Seconds between two reads of the server's load.
-CHECK_EVERY_S = 1.0
+#: Seconds between two reads of the server's load: the bound doubles at most this often, so an idle
+#: server gets the batch's maximum within a few seconds.
+CHECK_EVERY_S = 0.5
 #: The batch's priority when none is given: vLLM serves lower values first; interactive requests carry 0.
 DEFAULT_PRIORITY = 10
 #: The fewest requests the batch keeps in flight, whatever the server reports: it always progresses.
@@ -236,7 +239,10 @@ class InFlightController:
         self._previous: ServerLoad | None = None
 
     def start(self, load: ServerLoad | None) -> Move:
-        """The first bound, before the batch sends anything: the maximum on an idle server, else the floor."""
+        """The first bound, before the batch sends anything: the floor (a request sent cannot be called back).
+
+        On an idle server it doubles from the first check on; on a busy one it grows a step at a time.
+        """
         if load is None:
             why = "the server's /metrics could not be read: the bound follows 429/503 answers only"
             return self._set(self.floor, why)
@@ -245,7 +251,7 @@ class InFlightController:
         if others:
             return self._set(self.floor, f"{others} requests of others on the server")
         self.quiet_checks = QUIET_CHECKS
-        return self._set(self.ceiling, "the server is idle")
+        return self._set(self.floor, "the server is idle: doubling from the floor")
 
     def update(self, reading: Reading) -> Move:
         """Decide the bound from one check's reading; see the module's description for the rules."""

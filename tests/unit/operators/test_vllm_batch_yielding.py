@@ -125,7 +125,7 @@ def test_each_progress_line_says_the_bound_and_why_it_last_moved(batch, shared, 
     shared.behaviour = slow
     batch.run(yield_to_interactive=YieldToInteractive(min_in_flight=1))
     out = capfd.readouterr().out
-    assert "in flight between 1 and 4 requests, following every 1s the load read at http://127.0.0.1:" in out
+    assert "in flight between 1 and 4 requests, following every 0.5s the load read at http://127.0.0.1:" in out
     line = next(line for line in out.splitlines() if "Progress: " in line)
     assert " in flight (bound 1: lowered 0x, raised 0x since the last line; last " not in line  # nothing moved: no "last"
     assert " in flight (bound 1: lowered 0x, raised 0x since the last line)" in line

@@ -100,10 +100,11 @@ def test_an_empty_body_gets_only_the_priority():
 # -- the first bound --------------------------------------------------------------------
 
 
-def test_an_idle_server_starts_the_batch_at_its_maximum():
+def test_an_idle_server_starts_the_batch_at_the_floor_and_doubles_it_from_the_first_check():
     c = InFlightController(64, 4)
     move = c.start(load())
-    assert (move.bound, move.why) == (64, "the server is idle")
+    assert (move.bound, move.why) == (4, "the server is idle: doubling from the floor")
+    assert [c.update(Reading(load(running=c.bound), in_flight=c.bound)).bound for _ in range(5)] == [8, 16, 32, 64, 64]
 
 
 def test_a_server_busy_with_others_starts_the_batch_at_the_floor():

@@ -187,6 +187,68 @@ def _ratio(top: float | None, bottom: float | None) -> float | None:
     return round(top / bottom, 2) if top is not None and bottom else None
 
 
+# -- one warm server with priority scheduling, its batches through the operator ----------------------------
+
+
+def measure(
+    model: str,
+    engine_args: list[str],
+    env: dict[str, str],
+    *,
+    input_uri: str,
+    requests: int,
+    results_dir: str,
+    probe_every_s: float = 0.3,
+    probe_tokens: int = 8,
+    alone_s: float = 30.0,
+    startup_timeout_s: float = 600.0,
+) -> dict:
+    """Start one vLLM server with ``--scheduling-policy priority`` and run :func:`compare` on it.
+
+    :param engine_args: the server's other arguments (the CPU's ``--enforce-eager``, a GPU's ``--max-model-len``...).
+    :param input_uri: the batch (``requests`` lines), already in S3 (``aws_default``).
+    """
+    from airflow_vllm_batch.engines import WarmVLLMServer, YieldToInteractive
+    from airflow_vllm_batch.engines.vllm.server_process import VLLMServerProcess
+    from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
+
+    class TI:
+        dag_id, task_id, run_id, try_number, map_index = "bench", "vllm_batch", "bench", 1, -1
+
+        def xcom_push(self, key, value):
+            pass
+
+    bucket = input_uri.removeprefix("s3://").split("/", 1)[0]
+    with VLLMServerProcess(model, engine_args=[*engine_args, "--scheduling-policy", "priority"], env=env, startup_timeout_s=startup_timeout_s) as server:
+        assert server.hook is not None
+        host, port = server.hook.base_url.removeprefix("http://").split(":")
+        os.environ[f"AIRFLOW_CONN_{CONN_ID.upper()}"] = json.dumps(
+            {"conn_type": "vllm", "host": host, "port": int(port), "password": server.hook.api_key, "extra": {"scheduling_policy": "priority"}}
+        )
+
+        def run_batch(yielding: bool) -> dict:
+            TI.run_id = f"bench-{time.time_ns()}"
+            engine = WarmVLLMServer(conn_id=CONN_ID, yield_to_interactive=YieldToInteractive() if yielding else False)
+            op = VLLMBatchOperator(
+                task_id="vllm_batch",
+                input_uri=input_uri,
+                output_uri=f"s3://{bucket}/out/{TI.run_id}/results.jsonl",
+                model=model,
+                engine=engine,
+                results_dir=results_dir,
+                resume=False,
+            )
+            manifest = op.execute({"ti": TI(), "outlet_events": {}})
+            assert manifest["request_counts"]["completed"] == requests, manifest["request_counts"]
+            return manifest
+
+        return compare(
+            run_batch,
+            lambda: Probe(server.hook.base_url, server.hook.api_key, model, probe_every_s, probe_tokens),
+            alone_s=alone_s,
+        )
+
+
 # -- this CPU ---------------------------------------------------------------------------------------
 
 
@@ -206,62 +268,33 @@ def main() -> None:
     import logging
 
     import vllm_batch_examples as examples
-    from airflow_vllm_batch.engines import WarmVLLMServer, YieldToInteractive
-    from airflow_vllm_batch.engines.vllm.server_process import VLLMServerProcess
-    from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
     from vllm_batch_embedded.demo import CPU_ENGINE_ARGS, CPU_ENGINE_ENV
     from vllm_batch_embedded.seaweedfs import SeaweedFS
     from vllm_batch_embedded.tiny_model import build_tiny_chat_model
 
-    # The yielding batch's progress lines (its bound and why it moved) go to stderr.
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(message)s")
-    logging.getLogger("airflow.task.operators").setLevel(logging.INFO)
-
-    class TI:
-        dag_id, task_id, run_id, try_number, map_index = "bench", "vllm_batch", "bench", 1, -1
-
-        def xcom_push(self, key, value):
-            pass
 
     model = str(build_tiny_chat_model(REPO / ".cache" / "models" / "tiny-llama-chat"))
     work = Path(tempfile.mkdtemp(prefix="vllm-batch-neighbour-bench-"))
     env = {**os.environ, **CPU_ENGINE_ENV}
     os.environ.update(CPU_ENGINE_ENV)
     load_before = os.getloadavg()
+    started = time.monotonic()
     with SeaweedFS(work / "s3") as s3:
         s3.create_bucket(BUCKET)
         os.environ["AIRFLOW_CONN_AWS_DEFAULT"] = s3.airflow_connection_json()
         s3.client().put_object(Bucket=BUCKET, Key="in/input.jsonl", Body=examples.chat_requests(args.requests, model, args.max_tokens, 0.0))
-        engine_args = [*CPU_ENGINE_ARGS.split(), "--scheduling-policy", "priority"]
-        with VLLMServerProcess(model, engine_args=engine_args, env=env, startup_timeout_s=600) as server:
-            assert server.hook is not None
-            host, port = server.hook.base_url.removeprefix("http://").split(":")
-            os.environ[f"AIRFLOW_CONN_{CONN_ID.upper()}"] = json.dumps(
-                {"conn_type": "vllm", "host": host, "port": int(port), "password": server.hook.api_key, "extra": {"scheduling_policy": "priority"}}
-            )
-
-            def run_batch(yielding: bool) -> dict:
-                TI.run_id = f"bench-{time.time_ns()}"
-                engine = WarmVLLMServer(conn_id=CONN_ID, yield_to_interactive=YieldToInteractive() if yielding else False)
-                op = VLLMBatchOperator(
-                    task_id="vllm_batch",
-                    input_uri=f"s3://{BUCKET}/in/input.jsonl",
-                    output_uri=f"s3://{BUCKET}/out/{TI.run_id}/results.jsonl",
-                    model=model,
-                    engine=engine,
-                    results_dir=str(work / "results"),
-                    resume=False,
-                )
-                manifest = op.execute({"ti": TI(), "outlet_events": {}})
-                assert manifest["request_counts"]["completed"] == args.requests, manifest["request_counts"]
-                return manifest
-
-            started = time.monotonic()
-            figures = compare(
-                run_batch,
-                lambda: Probe(server.hook.base_url, server.hook.api_key, model, args.probe_every, args.probe_tokens),
-                alone_s=args.alone_s,
-            )
+        figures = measure(
+            model,
+            CPU_ENGINE_ARGS.split(),
+            env,
+            input_uri=f"s3://{BUCKET}/in/input.jsonl",
+            requests=args.requests,
+            results_dir=str(work / "results"),
+            probe_every_s=args.probe_every,
+            probe_tokens=args.probe_tokens,
+            alone_s=args.alone_s,
+        )
     print(
         json.dumps(
             {

@@ -59,10 +59,13 @@ QUEUE_TIME_HIGH_S = 0.25
 SLOW_STEPS = 1.5
 #: Output tokens a check must have seen for its mean time per token to count.
 MIN_TOKENS_FOR_STEPS = 16
-#: Checks without others on the server before the bound grows by doubling rather than by a step.
-QUIET_CHECKS = 3
-#: The additive step is the maximum divided by this (at least 1): floor to maximum in about as many checks.
-GROWTH_PARTS = 16
+#: Checks without others on the server before the bound grows by doubling rather than by a step: 5 s.
+#: Interactive users come and go between checks (a user's request every few hundred ms is not on
+#: the server at every instant): a shorter quiet spell doubled a CPU benchmark's bound to its
+#: maximum between two of the probe's requests, and the batch queued hundreds of requests.
+QUIET_CHECKS = 10
+#: The additive step is the maximum divided by this (at least 1): 8 for a maximum of 512, every check.
+GROWTH_PARTS = 64
 
 
 @dataclass(frozen=True)

@@ -191,7 +191,8 @@ def test_with_others_on_the_server_and_none_waiting_the_bound_grows_by_a_step():
 def test_without_others_the_bound_steps_then_doubles_once_they_have_been_gone_a_while():
     c = controller(ceiling=64, bound=8)
     bounds = [c.update(Reading(load(running=c.bound), in_flight=c.bound)).bound for _ in range(QUIET_CHECKS + 1)]
-    assert bounds[: QUIET_CHECKS - 1] == [8 + 4 * (i + 1) for i in range(QUIET_CHECKS - 1)]
+    step = 64 // GROWTH_PARTS
+    assert bounds[: QUIET_CHECKS - 1] == [8 + step * (i + 1) for i in range(QUIET_CHECKS - 1)]
     assert bounds[QUIET_CHECKS - 1] == 2 * bounds[QUIET_CHECKS - 2]
 
 
@@ -211,8 +212,8 @@ def test_unreadable_metrics_hold_the_bound():
 
 def test_without_metrics_the_bound_grows_a_step_per_check_without_429_or_503():
     c = controller(ceiling=64, bound=8, metrics=False)
-    assert c.update(Reading(None, in_flight=8)).bound == 12
-    assert c.update(Reading(None, in_flight=8, rejections=1)).bound == 6
+    assert c.update(Reading(None, in_flight=8)).bound == 8 + 64 // GROWTH_PARTS
+    assert c.update(Reading(None, in_flight=8, rejections=1)).bound == (8 + 64 // GROWTH_PARTS) // 2
 
 
 def test_servers_that_did_not_answer_are_named_in_the_reason():

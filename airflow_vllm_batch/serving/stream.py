@@ -45,6 +45,13 @@ answered no request at all is taken as a wedged server: the stream stops as for 
 one. So a silent server holds the try at most ``request_timeout_s``, never
 ``retries + 1`` timeouts in a row.
 
+**A yielding stream** (``neighbour``, see :mod:`~airflow_vllm_batch.serving.neighbour`) adds a
+``priority`` to each body (only for a server known to run priority scheduling) and lets a
+controller move the bound between a floor and ``max_in_flight`` from the server's ``/metrics``
+and its 429/503 answers. It changes only *when* a request is sent and that key of its body:
+answers are journaled, set aside and retried exactly as above, and a lowered bound cancels
+no request in flight.
+
 This module has no Airflow imports.
 """
 

@@ -15,6 +15,12 @@ scheduler's "Chunked prefill is enabled with max_num_batched_tokens=N"), the in-
 bound of the server's stream, the GPU utilisation sampled from ``nvidia-smi`` every
 second while the engine runs ("n/a" without it), and the ratio server ÷ runner.
 
+With ``--neighbour`` it then measures a batch beside interactive users on one warm server
+run with ``--scheduling-policy priority`` (``benchmarks/neighbour.py``'s comparison, on this
+model and these engine arguments): an interactive probe's TTFT p50/p95 alone, beside an ungated
+batch and beside a yielding one (``WarmVLLMServer(yield_to_interactive=True)``), and the two
+batches' wall times alone, printed as JSON after the table.
+
 On a machine without a GPU it runs on the CPU (``tests/integration/test_gpu_acceptance.py``
 runs it with the tiny model), so it keeps working.
 """
@@ -172,6 +178,9 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--model", required=True, help="a local model directory")
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--neighbour", action="store_true", help="also measure a batch beside interactive users (benchmarks/neighbour.py)")
+    parser.add_argument("--probe-every", type=float, default=0.3, help="with --neighbour: seconds between interactive requests")
+    parser.add_argument("--alone-s", type=float, default=30.0, help="with --neighbour: seconds the probe runs alone")
     parser.add_argument(
         "--engine-args", nargs=argparse.REMAINDER, default=[], help="further engine arguments, the rest of the line: --engine-args --max-model-len 4096"
     )
@@ -191,8 +200,23 @@ def main(argv: list[str] | None = None) -> str:
             "resume": False,
         }
         rows = [run_engine(engine, common) for engine in ("runner", "server")]
-    shown = table(rows)
-    print(shown, flush=True)
+        shown = table(rows)
+        print(shown, flush=True)
+        if args.neighbour:
+            sys.path.insert(0, str(REPO / "benchmarks"))
+            import neighbour
+
+            figures = neighbour.measure(
+                args.model,
+                list(args.engine_args),
+                dict(os.environ),
+                input_uri=common["input_uri"],
+                requests=args.requests,
+                results_dir=common["results_dir"],
+                probe_every_s=args.probe_every,
+                alone_s=args.alone_s,
+            )
+            print("beside interactive users: " + json.dumps(figures), flush=True)
     return shown
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from airflow_vllm_batch.engines.base import Engine, EngineJob, EngineResults
-from airflow_vllm_batch.engines.options import EngineOptions, VLLMRunner, VLLMServer, WarmVLLMServer
+from airflow_vllm_batch.engines.options import EngineOptions, VLLMRunner, VLLMServer, WarmVLLMServer, YieldToInteractive
 
 if TYPE_CHECKING:
     import logging
@@ -36,5 +36,6 @@ __all__ = [
     "VLLMRunner",
     "VLLMServer",
     "WarmVLLMServer",
+    "YieldToInteractive",
     "make_engine",
 ]

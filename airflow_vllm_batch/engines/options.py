@@ -169,6 +169,8 @@ class EngineOptions:
         def shown(value: Any) -> Any:
             if isinstance(value, timedelta):
                 return str(value)
+            if dataclasses.is_dataclass(value) and not isinstance(value, type):
+                return shown(dataclasses.asdict(value))
             if isinstance(value, str):
                 return redact_secrets(value)
             if isinstance(value, Mapping):
@@ -338,6 +340,55 @@ class VLLMServer(_Streaming, _LocalVLLM):
         return seconds_of("startup_timeout", self.startup_timeout)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class YieldToInteractive:
+    """How a batch on a warm server shared with interactive users gives way to them (``WarmVLLMServer(yield_to_interactive=...)``).
+
+    The batch's requests carry a low ``priority`` when the server runs ``--scheduling-policy
+    priority``, and the requests it keeps in flight follow the load the server reports (its
+    ``/metrics``, and 429/503 answers): fewer when interactive requests queue, more when they
+    do not, between ``min_in_flight`` and ``max_in_flight``. See ``docs/gpu-workers.md``.
+
+    :param priority_scheduling: whether the server runs ``--scheduling-policy priority``. Default
+        None: what the server says (its ``/server_info``, served only in vLLM's dev mode), else the
+        connection's ``scheduling_policy`` extra, else no priority is sent (only the bound gives way).
+        A server that says it runs another policy is never sent a priority, whatever this says.
+    :param priority: the priority of the batch's requests, > 0 (vLLM serves lower values first;
+        interactive requests carry 0 unless they set one). Default 10.
+    :param min_in_flight: the fewest requests the batch keeps in flight, whatever the server
+        reports (so it always progresses); at most ``max_in_flight``. Default 4.
+    :param metrics_urls: the ``/metrics`` URLs of every server behind the connection's endpoint
+        (a load-balanced deployment: one per replica). Default: the connection's own ``/metrics``,
+        which behind a load balancer is whichever replica answers each read.
+    """
+
+    priority_scheduling: bool | None = None
+    priority: int = 10
+    min_in_flight: int = 4
+    metrics_urls: Sequence[str] = ()
+
+    def check(self) -> None:
+        """Refuse values that cannot work, naming the parameter."""
+        if self.priority_scheduling not in (None, True, False):
+            raise ConfigurationError(
+                f"YieldToInteractive(priority_scheduling=...) must be True, False or None (ask the server), got {self.priority_scheduling!r}."
+            )
+        if not isinstance(self.priority, int) or isinstance(self.priority, bool) or self.priority < 1:
+            raise ConfigurationError(
+                f"YieldToInteractive(priority=...) must be a whole number >= 1 (vLLM serves lower values first and "
+                f"interactive requests carry 0), got {self.priority!r}."
+            )
+        _whole("YieldToInteractive(min_in_flight=...)", self.min_in_flight, minimum=1)
+        if self.min_in_flight is None:
+            raise ConfigurationError("YieldToInteractive(min_in_flight=...) must be a whole number >= 1, got None.")
+        urls = self.metrics_urls
+        if isinstance(urls, str) or not all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in urls):
+            raise ConfigurationError(
+                "YieldToInteractive(metrics_urls=...) must be a list of http(s) URLs, e.g. "
+                f"['http://vllm-0:8000/metrics', 'http://vllm-1:8000/metrics'], got {urls!r}."
+            )
+
+
 @dataclasses.dataclass(kw_only=True)
 class WarmVLLMServer(_Streaming):
     """A running vLLM server (or a load-balanced deployment) behind a ``vllm`` connection: nothing is started.
@@ -355,12 +406,40 @@ class WarmVLLMServer(_Streaming):
     :param request_timeout: how long one request may take, its retries included. Default 30 minutes.
     :param gpu_hour_cost: the price of one hour of the server's time (it may serve other tasks
         meanwhile: the manifest's note says so). (templated)
+    :param yield_to_interactive: share the server with interactive users: True, or a
+        :class:`YieldToInteractive` to tune it. The batch's requests carry a low priority (on a
+        server that runs ``--scheduling-policy priority``) and the requests in flight follow the
+        server's load, from ``YieldToInteractive.min_in_flight`` up to ``max_in_flight``; each
+        progress line says the bound and why it last moved. Default False: a fixed bound, no priority.
     """
 
     template_fields: ClassVar[Sequence[str]] = ("conn_id", "gpu_hour_cost")
     engine_path: ClassVar[str] = "airflow_vllm_batch.engines.server.ConnectionEngine"
 
     conn_id: str = "vllm_default"
+    yield_to_interactive: bool | YieldToInteractive = False
+
+    @property
+    def yielding(self) -> YieldToInteractive | None:
+        """The :class:`YieldToInteractive` in force, or None when the batch does not yield."""
+        if isinstance(self.yield_to_interactive, YieldToInteractive):
+            return self.yield_to_interactive
+        return YieldToInteractive() if self.yield_to_interactive is True else None
+
+    def check(self, values: Mapping[str, Any]) -> None:
+        if not isinstance(self.yield_to_interactive, (bool, YieldToInteractive)):
+            raise ConfigurationError(
+                "yield_to_interactive must be True, False or a YieldToInteractive(...), got "
+                f"{type(self.yield_to_interactive).__name__} {self.yield_to_interactive!r}."
+            )
+        if (yielding := self.yielding) is not None:
+            yielding.check()
+            if self.client_processes != 1:
+                raise ConfigurationError(
+                    f"yield_to_interactive needs client_processes=1 (got {self.client_processes!r}): one client steers "
+                    "the bound from the server's load, and a batch that yields to others never needs a second core to send."
+                )
+        super().check(values)
 
     @property
     def label(self) -> str:
@@ -374,4 +453,12 @@ class WarmVLLMServer(_Streaming):
         return rendered
 
 
-__all__ = ["EngineOptions", "VLLMRunner", "VLLMServer", "WarmVLLMServer", "check_gpu_hour_cost", "seconds_of"]
+__all__ = [
+    "EngineOptions",
+    "VLLMRunner",
+    "VLLMServer",
+    "WarmVLLMServer",
+    "YieldToInteractive",
+    "check_gpu_hour_cost",
+    "seconds_of",
+]

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from botocore.exceptions import BotoCoreError, ClientError
 
-from airflow_vllm_batch.batchfile import CustomIdIndex
+from airflow_vllm_batch.batchfile import CustomIdIndex, redact_urls
 from airflow_vllm_batch.batchfile.models import decode_custom_id
 from airflow_vllm_batch.batchfile.cache_keys import reported_models
 from airflow_vllm_batch.batchfile.models import GENERATE_URLS
@@ -45,9 +45,11 @@ from airflow_vllm_batch.engines.vllm.command import FALLBACK_SUPPORTED_URLS
 from airflow_vllm_batch.engines.vllm.server_process import SERVER_MODULE, VLLMServerEngine
 from airflow_vllm_batch.serving import SERVED_URLS, Journal, StreamStats
 from airflow_vllm_batch.serving.journal import DEFAULT_MAX_PART_BYTES
+from airflow_vllm_batch.serving.neighbour import NeighbourPlan
 from airflow_vllm_batch.serving.processes import terminate_workers
 
 if TYPE_CHECKING:
+    from airflow_vllm_batch.engines.options import YieldToInteractive
     from airflow_vllm_batch.storage import RunStaging
 
 #: The server's batch routes when they cannot be read from its vLLM (a warm server behind a
@@ -316,6 +318,51 @@ class ConnectionEngine(_Streaming):
     def before_stream(self, info: EngineInfo, job: EngineJob) -> None:
         self.server.max_in_flight, why = connection_in_flight(self.options.max_in_flight, self.server.warm_hook.max_in_flight)
         self.log.info("In flight: at most %d requests (%s)", self.server.max_in_flight, why)
+        if (yielding := self.options.yielding) is not None:
+            self.server.neighbour = self.neighbour_plan(yielding)
+
+    def neighbour_plan(self, yielding: YieldToInteractive) -> NeighbourPlan:
+        """How the batch yields to the server's other users: its priority (when the server takes one), its floor, what it reads."""
+        hook = self.server.warm_hook
+        said = hook.scheduling_policy()
+        if said is not None:
+            priority_ok, source = said == "priority", f"its /server_info says --scheduling-policy {said}"
+            if yielding.priority_scheduling and not priority_ok:
+                self.log.warning(
+                    "YieldToInteractive(priority_scheduling=True), but the server says it runs --scheduling-policy %s: "
+                    "its requests carry no priority. Start the server with --scheduling-policy priority.",
+                    said,
+                )
+        elif yielding.priority_scheduling is not None:
+            priority_ok, source = yielding.priority_scheduling, f"YieldToInteractive(priority_scheduling={yielding.priority_scheduling})"
+        elif hook.stated_scheduling_policy is not None:
+            priority_ok = hook.stated_scheduling_policy == "priority"
+            source = f"the connection's scheduling_policy extra is {hook.stated_scheduling_policy!r}"
+        else:
+            priority_ok, source = False, (
+                "the server does not say its scheduling policy (vLLM tells it only in its dev mode); if it runs "
+                "--scheduling-policy priority, set the connection's scheduling_policy extra to \"priority\" or "
+                "YieldToInteractive(priority_scheduling=True)"
+            )
+        urls = tuple(yielding.metrics_urls)
+        plan = NeighbourPlan(priority=yielding.priority if priority_ok else None, min_in_flight=yielding.min_in_flight, metrics_urls=urls)
+        carried = f"carry priority {yielding.priority}" if priority_ok else "carry no priority"
+        self.log.info("Yielding to interactive users: the batch's requests %s (%s).", carried, source)
+        watched = (
+            f"the /metrics of {len(urls)} servers"
+            if urls
+            else f"{redact_urls(hook.base_url)}/metrics (behind a load balancer, whichever replica answers each read: list "
+            "every replica's in YieldToInteractive(metrics_urls=...))"
+        )
+        self.log.info(
+            "Yielding to interactive users: in flight between %d and %d requests, following every %gs the load read at %s "
+            "and the 429/503 answers; each progress line says the bound and why it last moved.",
+            min(plan.min_in_flight, self.server.max_in_flight or plan.min_in_flight),
+            self.server.max_in_flight,
+            plan.check_every_s,
+            watched,
+        )
+        return plan
 
 
 def answered_ids(staging: RunStaging, parts: list[str]) -> CustomIdIndex:
@@ -423,13 +470,15 @@ class _Progress:
         self.log = log
         self.total = total
         self.resumed = resumed
+        self._lowered = 0
+        self._raised = 0
 
     def __call__(self, stats: StreamStats) -> None:
         done = self.resumed + stats.done
         rate = stats.requests_per_s
         eta = (self.total - done) / rate if rate > 0 else None
         self.log.info(
-            "Progress: %d/%d requests (%.1f%%), %.1f requests/s, %.0f output tokens/s, %d failed, %d in flight, "
+            "Progress: %d/%d requests (%.1f%%), %.1f requests/s, %.0f output tokens/s, %d failed, %d in flight%s, "
             "%d checkpointed, ETA %s",
             done,
             self.total,
@@ -438,9 +487,19 @@ class _Progress:
             stats.output_tokens_per_s,
             stats.failed,
             stats.in_flight,
+            self.bound_note(stats),
             self.resumed + stats.durable,
             _duration(eta) if eta is not None else "unknown",
         )
+
+    def bound_note(self, stats: StreamStats) -> str:
+        """A yielding stream's bound: where it is, how often it moved since the last line, and why it last moved."""
+        if stats.bound is None:
+            return ""
+        lowered, raised = stats.bound_lowered - self._lowered, stats.bound_raised - self._raised
+        self._lowered, self._raised = stats.bound_lowered, stats.bound_raised
+        last = f"; last {stats.bound_last_move}" if stats.bound_last_move else ""
+        return f" (bound {stats.bound}: lowered {lowered}x, raised {raised}x since the last line{last})"
 
     def summary(self, stats: StreamStats) -> None:
         self.log.info(

@@ -52,6 +52,7 @@ from airflow_vllm_batch.exceptions import ModelNotServedError, ServerAuthError, 
 from airflow_vllm_batch.log_groups import log_engine_line, log_group
 from airflow_vllm_batch.redaction import redact_secrets
 from airflow_vllm_batch.serving import DEFAULT_MAX_IN_FLIGHT, Journal, StreamStats, run_stream
+from airflow_vllm_batch.serving.neighbour import NeighbourPlan
 from airflow_vllm_batch.serving.processes import run_stream_processes
 from airflow_vllm_batch.serving.stream import DEFAULT_REQUEST_TIMEOUT_S
 from airflow_vllm_batch.version_compat import BaseHook
@@ -134,6 +135,30 @@ class VLLMServerHook(BaseHook):
         value = self.get_connection(self.vllm_conn_id).extra_dejson.get("max_in_flight")
         return int(value) if value is not None else None
 
+    @cached_property
+    def stated_scheduling_policy(self) -> str | None:
+        """The connection's ``scheduling_policy`` extra (``"priority"`` or ``"fcfs"``): what its admin says the server runs."""
+        if self._base_url is not None:
+            return None
+        value = self.get_connection(self.vllm_conn_id).extra_dejson.get("scheduling_policy")
+        return str(value).strip().lower() if value else None
+
+    def scheduling_policy(self) -> str | None:
+        """The scheduler policy the server says it runs (``"priority"``, ``"fcfs"``), or None when it does not say.
+
+        vLLM 0.32 says it only at ``/server_info``, which it serves only in its development mode
+        (``VLLM_SERVER_DEV_MODE=1``); neither ``/metrics``, ``/version`` nor ``/v1/models`` hold it.
+        """
+        try:
+            with self._open("/server_info?config_format=json", timeout=self.timeout_s) as response:
+                info = json.load(response)
+        except (urllib.error.URLError, OSError, ValueError):
+            return None
+        config = info.get("vllm_config") if isinstance(info, dict) else None
+        scheduler = config.get("scheduler_config") if isinstance(config, dict) else None
+        policy = scheduler.get("policy") if isinstance(scheduler, dict) else None
+        return str(policy).lower() if isinstance(policy, str) and policy else None
+
     def _url_from_connection(self) -> str:
         conn = self.get_connection(self.vllm_conn_id)
         if not conn.host:
@@ -212,6 +237,7 @@ class VLLMServerHook(BaseHook):
         processes: int = 1,
         request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
         stop: Callable[[], object] | None = None,
+        neighbour: NeighbourPlan | None = None,
     ) -> StreamStats:
         """Stream request lines through this server into ``journal``; see :func:`~airflow_vllm_batch.serving.run_stream`.
 
@@ -223,9 +249,12 @@ class VLLMServerHook(BaseHook):
             that answers nothing for this long ends the stream). Default 1800.
         :param stop: asked before each request is sent in this process (see ``run_stream``); with several
             client processes the feed they read from stops instead. Default: never.
+        :param neighbour: yield to the server's other users (one client process only). Default None.
         """
+        if neighbour is not None and processes > 1:
+            raise ValueError("A stream that yields to interactive users runs in one client process.")
         stream = run_stream_processes if processes > 1 else run_stream
-        extra: dict[str, Any] = {"processes": processes} if processes > 1 else {"stop": stop}
+        extra: dict[str, Any] = {"processes": processes} if processes > 1 else {"stop": stop, "neighbour": neighbour}
         return stream(
             requests,
             base_url=self.base_url,

@@ -45,6 +45,13 @@ answered no request at all is taken as a wedged server: the stream stops as for 
 one. So a silent server holds the try at most ``request_timeout_s``, never
 ``retries + 1`` timeouts in a row.
 
+**A yielding stream** (``neighbour``, see :mod:`~airflow_vllm_batch.serving.neighbour`) adds a
+``priority`` to each body (only for a server known to run priority scheduling) and lets a
+controller move the bound between a floor and ``max_in_flight`` from the server's ``/metrics``
+and its 429/503 answers. It changes only *when* a request is sent and that key of its body:
+answers are journaled, set aside and retried exactly as above, and a lowered bound cancels
+no request in flight.
+
 This module has no Airflow imports.
 """
 
@@ -71,6 +78,7 @@ from airflow_vllm_batch.exceptions import (
     ServerUnavailableError,
 )
 from airflow_vllm_batch.serving.journal import Journal
+from airflow_vllm_batch.serving.neighbour import InFlightController, NeighbourPlan, Reading, ServerLoad, combine, parse_metrics, with_priority
 
 if TYPE_CHECKING:
     # Imported where a stream runs: only a worker that streams to a vLLM server needs it
@@ -118,6 +126,10 @@ _GONE_STATUSES = frozenset({502, 503})
 _AUTH_STATUSES = frozenset({401, 403})
 #: 4xx answers that are the server's state, not the request's fault: retried, never final.
 _TRANSIENT_4XX = frozenset({408, 429})
+#: Answers that say the server (or its balancer) is full: a neighbourly batch backs off on them.
+_FULL_STATUSES = frozenset({429, 503})
+#: Seconds one read of a server's ``/metrics`` may take (a neighbourly batch's check).
+_METRICS_TIMEOUT_S = 2.0
 
 
 class _RequestLine(msgspec.Struct, gc=False):
@@ -178,6 +190,10 @@ class StreamStats:
     :param completion_tokens: output tokens of the answers, from their ``usage``.
     :param durable: answers in parts that ``on_part`` accepted (safe from a kill).
     :param elapsed_s: seconds since the stream started.
+    :param bound: a neighbourly stream's bound on requests in flight now (None: the fixed ``max_in_flight``).
+    :param bound_lowered: times that bound was lowered so far.
+    :param bound_raised: times it was raised so far.
+    :param bound_last_move: the last change of the bound and why (``lowered 64 -> 32: ...``).
     """
 
     read: int = 0
@@ -193,6 +209,10 @@ class StreamStats:
     completion_tokens: int = 0
     durable: int = 0
     elapsed_s: float = 0.0
+    bound: int | None = None
+    bound_lowered: int = 0
+    bound_raised: int = 0
+    bound_last_move: str = ""
 
     @property
     def requests_per_s(self) -> float:
@@ -219,6 +239,7 @@ def run_stream(
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
     backoff_s: float = DEFAULT_BACKOFF_S,
     stop: Callable[[], object] | None = None,
+    neighbour: NeighbourPlan | None = None,
 ) -> StreamStats:
     """Send every request line to the server and journal one vLLM batch output line per answer.
 
@@ -249,6 +270,9 @@ def run_stream(
     :param stop: asked before each request is sent (keep it quick: it runs on the event loop); once it
         answers true, nothing more is sent, the requests in flight are answered and journaled, and the
         stream ends normally (the requests not sent are neither answered nor set aside). Default: never.
+    :param neighbour: be a good neighbour on a shared server (see
+        :mod:`~airflow_vllm_batch.serving.neighbour`): ``max_in_flight`` is then the most the bound
+        grows to. Default None: a fixed bound.
     :raises ServerUnavailableError: the server stayed unreachable through the retries.
     :raises ServerAuthError: the server refused the API key.
     :raises BadRequestLineError: a line is not a request line.
@@ -265,6 +289,7 @@ def run_stream(
         request_timeout_s=request_timeout_s,
         backoff_s=backoff_s,
         stop=stop,
+        neighbour=neighbour,
     )
     return asyncio.run(stream.run(iter(requests), on_progress, progress_every_s))
 
@@ -373,6 +398,7 @@ class _Stream:
         request_timeout_s: float,
         backoff_s: float,
         stop: Callable[[], object] | None = None,
+        neighbour: NeighbourPlan | None = None,
     ) -> None:
         self.base_url = base_url
         self.stop = stop
@@ -389,6 +415,13 @@ class _Stream:
         self._started = 0.0
         #: When the server last answered any request (headers received): a timeout with no answer since is a wedged server.
         self._last_answer_at = 0.0
+        self.neighbour = neighbour
+        #: The priority every body carries (a neighbourly batch on a server that runs priority scheduling).
+        self.priority = neighbour.priority if neighbour is not None else None
+        #: A neighbourly stream's bound on requests in flight (None: ``max_in_flight`` senders are the bound).
+        self.gate: _Gate | None = None
+        #: 429/503 answers since the last check of a neighbourly stream.
+        self.rejections = 0
 
     async def run(
         self,
@@ -412,14 +445,73 @@ class _Stream:
         connector = aiohttp.TCPConnector(limit=self.max_in_flight, limit_per_host=0)
         timeout = aiohttp.ClientTimeout(total=self.request_timeout_s, sock_connect=30)
         progress = asyncio.create_task(self._report_progress(on_progress, progress_every_s)) if on_progress else None
+        steering: asyncio.Task[None] | None = None
         try:
             async with self.journal, aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+                if self.neighbour is not None:
+                    steering = await self._start_steering()
                 await _all_or_first_error([self._send_loop(session, feed) for _ in range(self.max_in_flight)])
         finally:
             feed.close()
             if progress is not None:
                 progress.cancel()
+            if steering is not None:
+                steering.cancel()
+                await asyncio.gather(steering, return_exceptions=True)
         return self._snapshot()
+
+    async def _start_steering(self) -> asyncio.Task[None]:
+        """Read the server's load once, set the first bound, and start the checks that move it (a neighbourly stream)."""
+        import aiohttp
+
+        assert self.neighbour is not None
+        # A session of its own: the requests' connector is sized for them, and a check must not wait behind them.
+        metrics = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=_METRICS_TIMEOUT_S))
+        load = await self._read_load(metrics)
+        controller = InFlightController(self.max_in_flight, self.neighbour.min_in_flight, metrics=load is not None)
+        self.gate = _Gate(controller.start(load).bound)
+        self._note_bound(controller)
+        return asyncio.create_task(self._steer(controller, metrics))
+
+    async def _steer(self, controller: InFlightController, metrics: aiohttp.ClientSession) -> None:
+        """Every check: read the load and the 429/503s since the last, move the bound (until cancelled)."""
+        assert self.neighbour is not None and self.gate is not None
+        try:
+            while True:
+                await asyncio.sleep(self.neighbour.check_every_s)
+                before = self.stats.in_flight
+                load = await self._read_load(metrics)
+                rejections, self.rejections = self.rejections, 0
+                move = controller.update(Reading(load, max(before, self.stats.in_flight), rejections))
+                self.gate.set_limit(move.bound)
+                self._note_bound(controller)
+        finally:
+            await metrics.close()
+
+    def _note_bound(self, controller: InFlightController) -> None:
+        self.stats.bound = controller.bound
+        self.stats.bound_lowered = controller.lowered
+        self.stats.bound_raised = controller.raised
+        self.stats.bound_last_move = controller.last_change.describe() if controller.last_change else ""
+
+    async def _read_load(self, session: aiohttp.ClientSession) -> ServerLoad | None:
+        """The load of the servers behind the metrics URLs (None when none could be read)."""
+        assert self.neighbour is not None
+        urls = self.neighbour.metrics_urls or (self.base_url + "/metrics",)
+        return combine(await asyncio.gather(*(self._read_metrics(session, url) for url in urls)))
+
+    async def _read_metrics(self, session: aiohttp.ClientSession, url: str) -> ServerLoad | None:
+        import aiohttp
+
+        # The API key goes only to the server it is for, not to another URL a user listed.
+        headers = {"Authorization": self.headers["Authorization"]} if "Authorization" in self.headers and url.startswith(self.base_url + "/") else {}
+        try:
+            async with session.get(url, headers=headers) as response:
+                if response.status != 200:
+                    return None
+                return parse_metrics(await response.text())
+        except (asyncio.TimeoutError, ValueError, UnicodeDecodeError, aiohttp.ClientError):
+            return None
 
     def _read_chunk(self, requests: Iterator[tuple[int, bytes]], size: int) -> list[_RequestLine] | None:
         """Return the next requests to send (skipped lines left out), or None at the end of the input."""
@@ -446,14 +538,26 @@ class _Stream:
         """Send requests from the feed one at a time until there are no more."""
         journal = self.journal
         stats = self.stats
-        while (request := feed.take()) is not None or (request := await feed.next()) is not None:
-            if self.stop is not None and self.stop():
-                return  # stopped: this sender sends nothing more; what it had in flight is journaled already
+        gate = self.gate
+        while True:
+            if gate is not None:
+                # A sender waits for room under the bound before it takes a request: the feed keeps the order.
+                await gate.acquire()
+            request = feed.take()
+            if request is None:
+                request = await feed.next()
+            if request is None or (self.stop is not None and self.stop()):
+                # No more requests, or stopped: this sender sends nothing more; what it had in flight is journaled already.
+                if gate is not None:
+                    gate.release()
+                return
             stats.in_flight += 1
             try:
                 line, failed, usage, unanswered = await self._answer(session, request)
             finally:
                 stats.in_flight -= 1
+                if gate is not None:
+                    gate.release()
             # No await between the answer and the journal: an answer is written whole, in order.
             if unanswered is None:
                 journal.write(line)
@@ -484,6 +588,8 @@ class _Stream:
         """
         url = self.base_url + request.url
         body = bytes(request.body)
+        if self.priority is not None:
+            body = with_priority(body, self.priority)
         sent_at = time.monotonic()
         # Bounded: the request's attempts and the waits between them all end by this deadline.
         deadline = sent_at + self.request_timeout_s
@@ -559,6 +665,8 @@ class _Stream:
                 "Check the API key (the password of the vllm connection, or the server's --api-key)."
             )
         if not _is_final(status):
+            if status in _FULL_STATUSES:
+                self.rejections += 1
             raise _Transient(
                 gone=status in _GONE_STATUSES,
                 detail=f"HTTP {status} from {url}",
@@ -599,6 +707,51 @@ class _Stream:
         self.stats.elapsed_s = time.monotonic() - self._started
         self.stats.durable = self.journal.lines_durable
         return dataclasses.replace(self.stats, unanswered_reasons=dict(self.stats.unanswered_reasons))
+
+
+class _Gate:
+    """A bound on requests in flight that can move while they are (a neighbourly stream's).
+
+    Lowering it cancels nothing: the requests over it finish, and no sender starts another
+    until the count is under it.
+
+    :param limit: the first bound.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.active = 0
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    async def acquire(self) -> None:
+        """Wait until a request may start under the bound, and count it."""
+        while self.active >= self.limit:
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            try:
+                await waiter
+            finally:
+                if not waiter.done():
+                    waiter.cancel()
+        self.active += 1
+
+    def release(self) -> None:
+        """A request ended."""
+        self.active -= 1
+        self._wake()
+
+    def set_limit(self, limit: int) -> None:
+        """Move the bound (the senders it lets start are woken)."""
+        self.limit = limit
+        self._wake()
+
+    def _wake(self) -> None:
+        room = self.limit - self.active
+        while room > 0 and self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                room -= 1
 
 
 class _Feed:

@@ -156,3 +156,15 @@ def test_the_readme_builds_each_engine_with_its_own_options():
     assert isinstance(runner, VLLMRunner) and runner.args == ["--max-model-len", "8192"]
     assert isinstance(server, VLLMServer)
     assert isinstance(warm, WarmVLLMServer) and warm.conn_id == "vllm_default" and warm.checkpoint_interval_s == 60
+
+
+def test_the_yield_to_interactive_snippet_builds_an_operator_whose_engine_yields():
+    from airflow.sdk import DAG
+
+    from airflow_vllm_batch.engines import YieldToInteractive
+
+    with DAG("readme_yield", schedule=None, start_date=datetime(2026, 1, 1, tzinfo=timezone.utc)) as dag:
+        exec(_section_snippet("### Beside interactive users"), {})  # noqa: S102 - our own README
+    (task,) = dag.tasks
+    assert task.engine.yielding == YieldToInteractive(min_in_flight=8)
+    assert task.engine.max_in_flight == 256

@@ -46,6 +46,7 @@ from airflow_vllm_batch.engines.vllm.process import (
 )
 from airflow_vllm_batch.hooks.vllm import VLLMServerHook
 from airflow_vllm_batch.serving import Journal, StreamStats
+from airflow_vllm_batch.serving.neighbour import NeighbourPlan
 from airflow_vllm_batch.serving.stream import DEFAULT_REQUEST_TIMEOUT_S
 
 #: The server module. ``python -m`` because the ``vllm`` console script is broken in the
@@ -370,6 +371,8 @@ class VLLMServerEngine:
         self.python = python
         self.grace_s = grace_s
         self.process: VLLMServerProcess | None = None
+        #: How a warm server's batch yields to its other users (set by the engine before :meth:`run`); None: it does not.
+        self.neighbour: NeighbourPlan | None = None
 
     @cached_property
     def warm_hook(self) -> VLLMServerHook:
@@ -416,7 +419,9 @@ class VLLMServerEngine:
             "stop": stop,
         }
         if self.vllm_conn_id is not None:
-            return self.warm_hook.stream_batch(requests, max_in_flight=max_in_flight or self.max_in_flight, **stream)
+            return self.warm_hook.stream_batch(
+                requests, max_in_flight=max_in_flight or self.max_in_flight, neighbour=self.neighbour, **stream
+            )
         self.process = server = VLLMServerProcess(
             self.model,
             engine_args=self.engine_args,

@@ -8,7 +8,9 @@ either run is overwritten or deleted. A lease never outlives a killed task for l
 * the *same task instance* (same DAG, run, task and map index: a retry, or a clear) takes
   the lease over at once, because Airflow never runs two tries of one task instance at
   the same time; so request-level resume after a SIGKILL is never blocked by the dead
-  try's own lease;
+  try's own lease. A take-over never goes to an *older* try: a zombie (a try Airflow gave
+  up on, still running beside its successor) finding its successor's lease stops, however
+  long that lease has been silent;
 * anyone else takes it over once its heartbeat is older than ``stale_after_s``, measured
   on the S3 server's clock (the object's ``LastModified`` against the response's ``Date``),
   so workers' clocks do not matter.
@@ -165,6 +167,13 @@ class OutputLease:
             self._write(IfNoneMatch="*")
         else:
             other, etag, age, _ = current
+            if other is not None and other.same_task_instance(self.holder) and other.try_number > self.holder.try_number:
+                # A take-over never goes to an older try: this try is a zombie whose successor took the
+                # lease (Airflow started it after giving up on this one), live or stale, and owns the output.
+                raise OutputBusyError(
+                    f"A later try of this task, {other.describe()}, holds {self.uri}: this try (try "
+                    f"{self.holder.try_number}) was given up by Airflow and stops here. Nothing was run by it."
+                )
             if other is not None and not other.same_task_instance(self.holder) and age < self.stale_after_s:
                 raise OutputBusyError(
                     f"Another run is writing this output: {other.describe()} holds {self.uri} "

@@ -45,6 +45,20 @@ def test_the_same_task_instance_takes_its_own_lease_over_at_once(s3, bucket):
     first._stop.set()
 
 
+@pytest.mark.parametrize("stale_after_s", [120.0, 0.0])
+def test_a_zombie_try_never_takes_the_lease_back_from_its_newer_successor(s3, bucket, stale_after_s):
+    # Try 1 paused before taking the lease (Airflow gave up on it and started try 2); try 2 holds it.
+    successor = lease(s3, bucket, holder(try_number=2), heartbeat_s=3600)
+    successor.acquire()
+    zombie = lease(s3, bucket, holder(try_number=1), stale_after_s=stale_after_s)
+    with pytest.raises(OutputBusyError, match=r"A later try of this task, .*\(try 2, on worker-a\), holds"):
+        zombie.acquire()
+    # Try 2 still holds it (live, or silent past stale_after_s: a take-over never goes to an older try).
+    assert json.loads(s3.client().get_object(Bucket=bucket, Key=KEY)["Body"].read())["try_number"] == 2
+    successor.ensure_held(verify=True)
+    successor.release()
+
+
 def test_a_lease_silent_for_stale_after_s_is_taken_over_by_another_run(s3, bucket):
     dead = lease(s3, bucket, holder("run-1"), heartbeat_s=3600)
     dead.acquire()

@@ -52,6 +52,10 @@ log = logging.getLogger(__name__)
 DEFAULT_HEARTBEAT_S = 30.0
 #: Seconds after the last heartbeat at which another run may take the lease over.
 DEFAULT_STALE_AFTER_S = 120.0
+#: Reads of the lease one acquisition makes at most (a lease given back meanwhile is read again).
+ACQUIRE_ROUNDS = 3
+#: What a conditional write answers when its object is gone (S3: 404 NoSuchKey; SeaweedFS: 412).
+_GONE_CODES = frozenset({"NoSuchKey", "404", "PreconditionFailed", "412"})
 
 
 @dataclass(frozen=True)
@@ -161,8 +165,28 @@ class OutputLease:
         self.release()
 
     def acquire(self) -> None:
-        """Take the lease, or raise :class:`OutputBusyError` naming the run that holds it."""
-        current = self._read()
+        """Take the lease, or raise :class:`OutputBusyError` naming the run that holds it.
+
+        A lease given back between this try's read of it and its take-over write (its holder
+        ended; the write's ``If-Match`` then finds no object) is free: it is taken again from a
+        fresh read, up to :data:`ACQUIRE_ROUNDS` reads, rather than failing the try (Liveness).
+        """
+        for round_ in range(1, ACQUIRE_ROUNDS + 1):
+            try:
+                self._take(self._read())
+                break
+            except (ClientError, OutputBusyError) as err:
+                if round_ == ACQUIRE_ROUNDS or isinstance(err, ClientError) and _code(err) not in _GONE_CODES:
+                    raise
+                if self._read() is not None:
+                    raise  # someone holds it: not a lease given back
+                log.info("The lease %s was given back while this try took it over; taking it again.", self.uri)
+        self._verify()
+        self._thread = threading.Thread(target=self._heartbeat, name="vllm-batch-lease", daemon=True)
+        self._thread.start()
+
+    def _take(self, current: LeaseState | None) -> None:
+        """Create the lease (``current`` None), or take it over from the holder ``current`` names, if the rules allow."""
         if current is None:
             self._write(IfNoneMatch="*")
         else:
@@ -186,9 +210,6 @@ class OutputLease:
             elif other is not None:
                 log.info("Taking over the lease of an earlier try of this task (try %s)", other.try_number)
             self._write(IfMatch=etag)
-        self._verify()
-        self._thread = threading.Thread(target=self._heartbeat, name="vllm-batch-lease", daemon=True)
-        self._thread.start()
 
     def ensure_held(self, verify: bool = False) -> None:
         """Raise :class:`OutputBusyError` when another run took the lease over meanwhile.

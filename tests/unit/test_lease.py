@@ -59,6 +59,36 @@ def test_a_zombie_try_never_takes_the_lease_back_from_its_newer_successor(s3, bu
     successor.release()
 
 
+class ReleasedBeforeTheTakeOver:
+    """A client on which the lease's holder gives it back right between a take-over's read and its write."""
+
+    def __init__(self, client) -> None:
+        self.client = client
+        self.released = False
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+    def put_object(self, **kwargs):
+        if "IfMatch" in kwargs and not self.released:
+            self.released = True
+            self.client.delete_object(Bucket=kwargs["Bucket"], Key=kwargs["Key"])  # the holder's release
+        return self.client.put_object(**kwargs)
+
+
+def test_a_lease_given_back_during_its_take_over_is_taken_again_not_a_failure(s3, bucket):
+    # Simulator seed 120: the last try read its zombie predecessor's lease, the predecessor published and
+    # released it, and the take-over's If-Match met no object: the last try failed, and with it the task.
+    earlier = lease(s3, bucket, holder(try_number=1), heartbeat_s=3600)
+    earlier.acquire()
+    client = ReleasedBeforeTheTakeOver(s3.client())
+    with OutputLease(client, bucket, KEY, holder(try_number=2), heartbeat_s=3600) as taken:
+        assert client.released
+        taken.ensure_held(verify=True)
+        assert json.loads(s3.client().get_object(Bucket=bucket, Key=KEY)["Body"].read())["try_number"] == 2
+    earlier._stop.set()
+
+
 def test_a_lease_silent_for_stale_after_s_is_taken_over_by_another_run(s3, bucket):
     dead = lease(s3, bucket, holder("run-1"), heartbeat_s=3600)
     dead.acquire()

@@ -168,8 +168,9 @@ class OutputLease:
         """Take the lease, or raise :class:`OutputBusyError` naming the run that holds it.
 
         A lease given back between this try's read of it and its take-over write (its holder
-        ended; the write's ``If-Match`` then finds no object) is free: it is taken again from a
-        fresh read, up to :data:`ACQUIRE_ROUNDS` reads, rather than failing the try (Liveness).
+        ended; the write's ``If-Match`` then finds no object), or taken meanwhile by an older try
+        of this task instance (a zombie racing it: simulator seed 2335 at fdc20fc), is read and
+        taken again, up to :data:`ACQUIRE_ROUNDS` reads, rather than failing the try (Liveness).
         """
         for round_ in range(1, ACQUIRE_ROUNDS + 1):
             try:
@@ -178,9 +179,11 @@ class OutputLease:
             except (ClientError, OutputBusyError) as err:
                 if round_ == ACQUIRE_ROUNDS or isinstance(err, ClientError) and _code(err) not in _GONE_CODES:
                     raise
-                if self._read() is not None:
-                    raise  # someone holds it: not a lease given back
-                log.info("The lease %s was given back while this try took it over; taking it again.", self.uri)
+                now = self._read()
+                older = now is not None and now.holder is not None and now.holder.same_task_instance(self.holder)
+                if now is not None and not (older and now.holder.try_number < self.holder.try_number):
+                    raise  # someone the rules let hold it: not a lease given back, nor one an older try took meanwhile
+                log.info("The lease %s was given back (or taken by an older try) while this try took it over; taking it again.", self.uri)
         self._verify()
         self._thread = threading.Thread(target=self._heartbeat, name="vllm-batch-lease", daemon=True)
         self._thread.start()

@@ -41,6 +41,7 @@ def main() -> int:
     parser.add_argument("--start", type=int, default=0, help="the first seed")
     parser.add_argument("--jobs", type=int, default=1, help="mutants run at once")
     parser.add_argument("--unit", action="store_true", help="also run each mutant's module's unit tests")
+    parser.add_argument("--no-simulator", action="store_true", help="with --unit: the unit tests only")
     parser.add_argument("--only", nargs="*", help="these mutants only")
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
     parser.add_argument("--seed", type=int, default=None, help="with one --only mutant: replay this seed on it (benchmarks/simulate.py --seed)")
@@ -66,12 +67,17 @@ def main() -> int:
                 print(err, file=sys.stderr)
                 return 2
     started = time.perf_counter()
+    if args.no_simulator:
+        args.schedules = 0
     baseline = run_simulator(None, args.schedules, args.start)
     print(f"real code: {baseline['schedules']} schedules, " + (f"VIOLATION {baseline['checks']} at seed {baseline.get('seed')}" if baseline["caught"] else "clean"))
 
     def one(m):
-        sim = run_simulator(m, args.schedules, args.start)
+        sim = run_simulator(m, args.schedules, args.start) if args.schedules else {"caught": False, "schedules": 0}
         unit = run_unit_tests(m) if args.unit else None
+        # As it comes (the table below sums up): a long campaign shows where it is.
+        print(f"  {m.name}: " + (f"caught by {', '.join(sim['checks'])} after {sim['schedules']}" if sim["caught"] else "survived")
+              + ("" if unit is None else f"; unit tests {'caught' if unit['caught'] else 'survived'}"), flush=True)
         return m, sim, unit
 
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:

@@ -166,6 +166,19 @@ class StepChecks:
                 f"{new['run_id']} took {old['run_id']}'s lease {m.at - last.at:.0f}s after its last write (stale after {DEFAULT_STALE_AFTER_S:.0f}s)",
             )
 
+    def engine_starts(self, label: str) -> None:
+        """An engine's first request: the try read the lease after its last read of the staging (docs/protocol.md, Durability).
+
+        What the engine is given was decided by those reads; a try paused between them and its
+        first request, whose successor took over and answered meanwhile, must find out first.
+        """
+        world = self.world
+        if world.plan.collision or not label.startswith(("run-1/", "run-2/")):
+            return
+        staging, lease = world.last_staging_read.get(label, -1), world.last_lease_read.get(label, -1)
+        if staging > lease:
+            self.flag("Durability/engine-started-without-lease-read", f"{label}'s engine began with no read of the lease since its last read of the staging")
+
     def unleased_change(self, m: Mutation) -> None:
         """A try that does not hold the lease changes at most one thing under the output: the write its last fence let through.
 
@@ -294,11 +307,22 @@ def stale_answers(inputs: dict[str, str], results: bytes) -> list[str]:
 
 
 def one_identity(o: Outcome) -> list[Violation]:
-    m = o.complete
-    if m is None or o.world.plan.collision:
+    if o.world.plan.collision:
         return []
-    stale = stale_answers(o.world.inputs.get(m.input_etag or "", {}), o.body(m.output_uri) or b"")
-    return [Violation("One identity/stale-answer", f"answers to another input than the manifest's: {stale}")] if stale else []
+    found = []
+    for t in o.world.tries:
+        # What a try returns (its XCom) answers the input as it was while the try ran, never an earlier one.
+        if t.outcome is not None and t.label.startswith(("run-1/", "run-2/")) and t.outcome.manifest.input_etag not in t.inputs_seen:
+            found.append(
+                Violation("One identity/stale-manifest-returned", f"{t.label} returned the manifest of input {t.outcome.manifest.input_etag}, not of the input it ran on")
+            )
+            break
+    m = o.complete
+    if m is not None:
+        stale = stale_answers(o.world.inputs.get(m.input_etag or "", {}), o.body(m.output_uri) or b"")
+        if stale:
+            found.append(Violation("One identity/stale-answer", f"answers to another input than the manifest's: {stale}"))
+    return found
 
 
 # -- Fencing ----------------------------------------------------------------------------

@@ -121,9 +121,15 @@ MUTANTS: tuple[Mutant, ...] = (
     M("zombie-retakes-lease", "lease.py", "an older try takes the lease back from its newer successor (the bug fixed with issue 34)",
       """other.same_task_instance(self.holder) and other.try_number > self.holder.try_number:""",
       """other.same_task_instance(self.holder) and False:"""),
+    M("given-back-lease-not-retaken", "lease.py", "a take-over whose lease was given back meanwhile fails the try (seed 120, fixed with issue 34)",
+      """if round_ == ACQUIRE_ROUNDS or isinstance(err, ClientError) and _code(err) not in _GONE_CODES:""",
+      """if True:"""),
+    M("older-try-race-fails", "lease.py", "a take-over raced by an older try of the same task fails the newer try (seed 2335 at fdc20fc, fixed with issue 34)",
+      """if now is not None and not (older and now.holder.try_number < self.holder.try_number):""",
+      """if now is not None:"""),
     M("lease-read-back-removed", "lease.py", "the lease is not read back after it was taken",
-      """            self._write(IfMatch=etag)\n        self._verify()""",
-      """            self._write(IfMatch=etag)"""),
+      """        self._verify()\n        self._thread = threading.Thread(""",
+      """        self._thread = threading.Thread("""),
     M("fence-accepts-any-lease", "lease.py", "the fence passes whoever holds the lease",
       """if current is None or (current.etag != self._etag and not self._is_ours(current)):""",
       """if current is None:"""),
@@ -182,6 +188,9 @@ MUTANTS: tuple[Mutant, ...] = (
     M("dead-engine-lines-staged", "engines/runner_deaths.py", "the dead engine's lines are staged as answers",
       """            split.dead_lines += 1\n            continue""",
       """            split.dead_lines += 1"""),
+    M("runner-duplicates-counted-twice", "engines/runner.py", "on resume, the runner counts answers, not requests, in the parts (seed 2169 at fdc20fc, fixed with issue 34)",
+      """if parts and answered_requests(job.report.custom_ids, answered, total) >= total:""",
+      """if parts and len(answered) >= total:"""),
     M("no-lease-read-before-engine", "engines/runner.py", "no lease read between reading the staging and starting the engine",
       """        job.lease.ensure_held(verify=True)\n        with self.leased_gpus(env, job.holder) as pass_fds:""",
       """        with self.leased_gpus(env, job.holder) as pass_fds:"""),
@@ -226,6 +235,9 @@ def mutated_tree(mutant: Mutant | None, into: Path) -> Path:
     # A copy, not a link: the tests in the worktree may change while a campaign runs.
     shutil.copytree(REPO / "tests", into / "tests", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(REPO / "pyproject.toml", into / "pyproject.toml")
+    # What the unit tests import beside the package: the embedded SeaweedFS, the example DAGs' settings.
+    for extra in ("vllm_batch_embedded", "dags"):
+        shutil.copytree(REPO / extra, into / extra, ignore=shutil.ignore_patterns("__pycache__"))
     (into / "benchmarks").mkdir()
     shutil.copy(REPO / "benchmarks" / "simulate.py", into / "benchmarks" / "simulate.py")
     if mutant is not None:
@@ -310,7 +322,10 @@ def run_unit_tests(mutant: Mutant, timeout_s: float = 1800) -> dict:
             cwd=root, env=env, capture_output=True, text=True, timeout=timeout_s, check=False,
         )
     failed = [line.split(" ")[1] for line in done.stdout.splitlines() if line.startswith("FAILED ") or line.startswith("ERROR ")]
-    return {"caught": done.returncode != 0, "failed": failed[:3], "seconds": time.perf_counter() - started, "tail": done.stdout[-300:]}
+    if done.returncode not in (0, 1):
+        # 2-5: interrupted, internal error, usage error, nothing collected: the harness failed, not the mutant.
+        raise RuntimeError(f"the unit tests could not run against mutant {mutant.name} (pytest exit {done.returncode}):\n{done.stdout[-1500:]}{done.stderr[-1500:]}")
+    return {"caught": done.returncode == 1, "failed": failed[:3], "seconds": time.perf_counter() - started, "tail": done.stdout[-300:]}
 
 
 def replay(mutant: Mutant | None, seed: int, trace: bool = False) -> str:

@@ -51,6 +51,8 @@ class TryState:
     ended: bool = False
     #: Faults met by this try's calls and engine requests (S3 faults, engine faults); kills and zombies aside.
     faults: int = 0
+    #: The input's ETags while it ran (what a manifest it returns may pin).
+    inputs_seen: set = field(default_factory=set)
 
     @property
     def run(self) -> str:

@@ -154,9 +154,14 @@ def make_plan(seed: int) -> Plan:
         kind = "pause" if pause else rng.choice([k for k in site_kinds(site) if k != "pause"])
         nth = rng.choice((1, 2)) if site == "put manifest" else rng.choices((1, 2, 3), weights=(8, 1, 1))[0]
         plan.target = (site, kind, nth, rng.choices((1, 2, 3), weights=(6, 3, 1))[0])
+        # The targeted try meets its target: no random kill or zombie of its own comes first.
+        plan.kill_at.pop(plan.target[3], None)
+        plan.zombie_at.pop(plan.target[3], None)
         if kind == "pause":
             # Often only once the successor ended: a try paused right after its lease check then writes over a finished output.
-            resume = "end" if rng.random() < 0.5 else rng.choice(RESUME_SITES)
+            roll = rng.random()
+            # Once the successor ended; or at the very step the paused try is at (two tries at one step); or elsewhere.
+            resume = "end" if roll < 0.45 else site if roll < 0.65 else rng.choice(RESUME_SITES)
             plan.resume_at = (resume, rng.choices((1, 2), weights=(3, 1))[0])
     if rng.random() < 0.12:
         plan.second_run_at = rng.randint(1, 120)
@@ -316,6 +321,11 @@ class World:
         self.s3.shuffle_lists = plan.shuffle_lists
         #: ``(try label, site) -> calls`` of each try at each site (targets and pauses count them).
         self.site_calls: dict[tuple[str, str], int] = {}
+        #: try label -> the global step of its last read of the lease, and of its staging.
+        self.last_lease_read: dict[str, int] = {}
+        self.last_staging_read: dict[str, int] = {}
+        #: Tries whose engine began answering.
+        self.engine_started: set[str] = set()
         #: The outcome of each task instance (``run-1``, and ``run-2`` when the plan has one).
         self.finals: dict[str, str] = {}
         #: Violations the per-step checks found while the schedule ran (:mod:`tests.simulation.invariants`).
@@ -403,6 +413,10 @@ class World:
         self.inputs[etag] = {json.loads(line)["custom_id"]: json.loads(line)["body"]["messages"][-1]["content"] for line in data.splitlines()}
         self.s3.buckets[BUCKET][INPUT_KEY].writer = "user"
         self.input_bytes = data
+        for t in getattr(self, "tries", []):
+            if not t.ended:
+                t.inputs_seen.add(etag)
+        self.input_etag = etag
 
     # -- the task instance -----------------------------------------------------------
 
@@ -427,6 +441,7 @@ class World:
         def body() -> None:
             if delay_s:
                 self.scheduler.sleep(delay_s)  # Airflow's retry_delay
+            state.inputs_seen.add(self.input_etag)
             self.run_try(state)
 
         self.scheduler.spawn(state.label, body, state, on_exit=self.try_ended)
@@ -476,6 +491,10 @@ class World:
         if state.label.startswith("prior/"):
             return
         site = self.s3.current_site
+        if site == "get lease":
+            self.last_lease_read[state.label] = self.global_steps
+        elif site is not None and site.split(" ")[0] in ("list", "get", "head") and " staging" in site:
+            self.last_staging_read[state.label] = self.global_steps
         if site is not None:
             calls = self.site_calls[(state.label, site)] = self.site_calls.get((state.label, site), 0) + 1
             target = self.plan.target
@@ -522,8 +541,11 @@ class World:
     def engine_fate(self, runner: bool) -> str:
         """One request's step: maybe killed or preempted here; then what the engine does with it."""
         self.s3.current_site = "engine request"
-        self.scheduler.step("engine.request")
         actor = self.scheduler.current_actor()
+        if actor is not None and actor.owner is not None and actor.try_label not in self.engine_started:
+            self.engine_started.add(actor.try_label)
+            self.step_checks.engine_starts(actor.try_label)
+        self.scheduler.step("engine.request")
         if actor is not None and actor.try_label not in self.seen_at_engine_start:
             # What the try knew of staging: what its reads of it returned before the engine began.
             self.seen_at_engine_start[actor.try_label] = dict(self.s3.staging_seen.get(actor.try_label, {}))
@@ -534,7 +556,9 @@ class World:
                 fate = kind
                 break
         self.engine_events[fate] = self.engine_events.get(fate, 0) + 1
-        if fate not in ("ok", "stall") and actor is not None and actor.owner is not None:
+        if fate in ("die", "crash") and actor is not None and actor.owner is not None:
+            # Failed (400), repeated and transient (429/5xx) answers are the protocol's to settle: a last try with
+            # only those publishes (its set-aside lines as failed lines). A dying engine is a fault.
             actor.owner.faults += 1
         if actor is not None and actor.try_label and actor.try_label.startswith("run-1/"):
             self.task_engine_steps += 1

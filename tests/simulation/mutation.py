@@ -129,7 +129,12 @@ MUTANTS: tuple[Mutant, ...] = (
       """if now is not None:"""),
     M("lease-read-back-removed", "lease.py", "the lease is not read back after it was taken",
       """        self._verify()\n        self._thread = threading.Thread(""",
-      """        self._thread = threading.Thread("""),
+      """        self._thread = threading.Thread(""",
+      equivalent=(
+          "every lease write is conditional (If-None-Match: * to create, If-Match to take over) and S3, SeaweedFS and "
+          "the fake honour conditions (tests/integration/test_s3_fake_contract.py), so a write that returned 200 holds "
+          "the lease when it returns; the read-back only narrows the race on a store that ignores conditions"
+      )),
     M("fence-accepts-any-lease", "lease.py", "the fence passes whoever holds the lease",
       """if current is None or (current.etag != self._etag and not self._is_ours(current)):""",
       """if current is None:"""),
@@ -145,7 +150,12 @@ MUTANTS: tuple[Mutant, ...] = (
       """manifest = None"""),
     M("no-lease-check-before-check", "run/batch.py", "no lease read between the engine and the results check",
       """                lease.ensure_held(verify=True)\n                results = self.check(job, engine_results)""",
-      """                results = self.check(job, engine_results)"""),
+      """                results = self.check(job, engine_results)""",
+      equivalent=(
+          "every S3 change after it is fenced (the drops through RunStaging's fence, publishing through OutputStore's), so "
+          "a try that lost its lease changes nothing either way; only the error that ends it differs (OutputBusyError at "
+          "its first fenced write instead of before the check), retryable both, and a zombie's ending is ignored"
+      )),
     M("cached-answers-not-added", "run/batch.py", "the cached answers are not appended to the results",
       """                    split.add_to(results, work / "results.jsonl")""",
       """                    pass"""),

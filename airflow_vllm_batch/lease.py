@@ -8,7 +8,9 @@ either run is overwritten or deleted. A lease never outlives a killed task for l
 * the *same task instance* (same DAG, run, task and map index: a retry, or a clear) takes
   the lease over at once, because Airflow never runs two tries of one task instance at
   the same time; so request-level resume after a SIGKILL is never blocked by the dead
-  try's own lease;
+  try's own lease. A take-over never goes to an *older* try: a zombie (a try Airflow gave
+  up on, still running beside its successor) finding its successor's lease stops, however
+  long that lease has been silent;
 * anyone else takes it over once its heartbeat is older than ``stale_after_s``, measured
   on the S3 server's clock (the object's ``LastModified`` against the response's ``Date``),
   so workers' clocks do not matter.
@@ -50,6 +52,10 @@ log = logging.getLogger(__name__)
 DEFAULT_HEARTBEAT_S = 30.0
 #: Seconds after the last heartbeat at which another run may take the lease over.
 DEFAULT_STALE_AFTER_S = 120.0
+#: Reads of the lease one acquisition makes at most (a lease given back meanwhile is read again).
+ACQUIRE_ROUNDS = 3
+#: What a conditional write answers when its object is gone (S3: 404 NoSuchKey; SeaweedFS: 412).
+_GONE_CODES = frozenset({"NoSuchKey", "404", "PreconditionFailed", "412"})
 
 
 @dataclass(frozen=True)
@@ -159,12 +165,42 @@ class OutputLease:
         self.release()
 
     def acquire(self) -> None:
-        """Take the lease, or raise :class:`OutputBusyError` naming the run that holds it."""
-        current = self._read()
+        """Take the lease, or raise :class:`OutputBusyError` naming the run that holds it.
+
+        A lease given back between this try's read of it and its take-over write (its holder
+        ended; the write's ``If-Match`` then finds no object), or taken meanwhile by an older try
+        of this task instance (a zombie racing it: simulator seed 2335 at fdc20fc), is read and
+        taken again, up to :data:`ACQUIRE_ROUNDS` reads, rather than failing the try (Liveness).
+        """
+        for round_ in range(1, ACQUIRE_ROUNDS + 1):
+            try:
+                self._take(self._read())
+                break
+            except (ClientError, OutputBusyError) as err:
+                if round_ == ACQUIRE_ROUNDS or isinstance(err, ClientError) and _code(err) not in _GONE_CODES:
+                    raise
+                now = self._read()
+                older = now is not None and now.holder is not None and now.holder.same_task_instance(self.holder)
+                if now is not None and not (older and now.holder.try_number < self.holder.try_number):
+                    raise  # someone the rules let hold it: not a lease given back, nor one an older try took meanwhile
+                log.info("The lease %s was given back (or taken by an older try) while this try took it over; taking it again.", self.uri)
+        self._verify()
+        self._thread = threading.Thread(target=self._heartbeat, name="vllm-batch-lease", daemon=True)
+        self._thread.start()
+
+    def _take(self, current: LeaseState | None) -> None:
+        """Create the lease (``current`` None), or take it over from the holder ``current`` names, if the rules allow."""
         if current is None:
             self._write(IfNoneMatch="*")
         else:
             other, etag, age, _ = current
+            if other is not None and other.same_task_instance(self.holder) and other.try_number > self.holder.try_number:
+                # A take-over never goes to an older try: this try is a zombie whose successor took the
+                # lease (Airflow started it after giving up on this one), live or stale, and owns the output.
+                raise OutputBusyError(
+                    f"A later try of this task, {other.describe()}, holds {self.uri}: this try (try "
+                    f"{self.holder.try_number}) was given up by Airflow and stops here. Nothing was run by it."
+                )
             if other is not None and not other.same_task_instance(self.holder) and age < self.stale_after_s:
                 raise OutputBusyError(
                     f"Another run is writing this output: {other.describe()} holds {self.uri} "
@@ -177,9 +213,6 @@ class OutputLease:
             elif other is not None:
                 log.info("Taking over the lease of an earlier try of this task (try %s)", other.try_number)
             self._write(IfMatch=etag)
-        self._verify()
-        self._thread = threading.Thread(target=self._heartbeat, name="vllm-batch-lease", daemon=True)
-        self._thread.start()
 
     def ensure_held(self, verify: bool = False) -> None:
         """Raise :class:`OutputBusyError` when another run took the lease over meanwhile.

@@ -202,12 +202,34 @@ def bare_etag(etag: str) -> str:
     return etag.strip('"')
 
 
+#: Requests of one :func:`delete_keys` for the keys S3 answered with a per-key error.
+DELETE_ROUNDS = 3
+
+
 def delete_keys(client: Any, bucket: str, keys: Sequence[str]) -> None:
-    """Delete ``keys`` (1,000 to a request, S3's limit)."""
+    """Delete ``keys`` (1,000 to a request, S3's limit); the keys S3 failed to delete are sent again.
+
+    ``DeleteObjects`` answers 200 even when it deletes only some keys: the others come back
+    under ``Errors`` (``InternalError``, ``SlowDown``, ``AccessDenied``). They are sent again,
+    up to :data:`DELETE_ROUNDS` requests in all; a key still not deleted then raises, so that
+    no caller takes a key for gone that is still there (a dropped part would be resumed from).
+
+    :raises StorageUnavailableError: S3 kept refusing to delete some keys.
+    """
     keys = list(keys)
     for start in range(0, len(keys), 1000):
         chunk = keys[start : start + 1000]
-        client.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": k} for k in chunk], "Quiet": True})
+        for _ in range(DELETE_ROUNDS):
+            response = client.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": k} for k in chunk], "Quiet": True})
+            errors = [e for e in (response or {}).get("Errors", []) if e.get("Key")]
+            if not errors:
+                break
+            chunk = [e["Key"] for e in errors]
+        else:
+            raise StorageUnavailableError(
+                f"S3 did not delete {len(chunk)} object(s) in s3://{bucket}/ after {DELETE_ROUNDS} requests "
+                f"(e.g. {chunk[0]}: {errors[0].get('Code')}). The task is retried."
+            )
 
 
 def head_etag(client: Any, bucket: str, key: str) -> str | None:

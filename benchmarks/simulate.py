@@ -46,6 +46,7 @@ def main() -> int:
     parser.add_argument(
         "--trace", action="store_true", help="with --seed: print every S3 call attempt (who, conditions, fault, outcome), engine answer and log line"
     )
+    parser.add_argument("--coverage", action="store_true", help="print the (call site x fault kind) coverage table")
     args = parser.parse_args()
     if args.seed is not None:
         from tests.simulation.world import make_plan
@@ -72,10 +73,14 @@ def main() -> int:
                 report.violations[check] = sorted(report.violations.get(check, []) + found)
             report.details.update(other.details)
             report.crashes.update(other.crashes)
+            report.coverage = Counter(report.coverage) + Counter(other.coverage)
+            report.clean_last_tries += other.clean_last_tries
     else:
         report = _run(seeds)
     report.seconds = time.perf_counter() - started
     print(report.format(first=args.first))
+    if args.coverage:
+        print(report.coverage_table())
     return 1 if report.failing_seeds else 0
 
 

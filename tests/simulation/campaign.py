@@ -25,6 +25,10 @@ class CampaignReport:
     violations: dict[str, list[int]] = field(default_factory=dict)
     details: dict[int, list[Violation]] = field(default_factory=dict)
     crashes: dict[int, str] = field(default_factory=dict)
+    #: ``(site, fault kind) -> faults injected there`` (S3 faults, kills, zombies, pauses; see world.SITES).
+    coverage: Counter = field(default_factory=Counter)
+    #: Schedules whose last try met no fault (the ones the Liveness check applies to).
+    clean_last_tries: int = 0
 
     @property
     def failing_seeds(self) -> list[int]:
@@ -37,9 +41,28 @@ class CampaignReport:
                 counts[invariant] += 1
         return counts
 
+    def coverage_table(self) -> str:
+        """The (site x fault kind) counts, one row per site; ``-`` where the kind does not exist at the site, ``0`` where it was never reached."""
+        from tests.simulation.world import SITES, site_kinds
+
+        kinds = ("error", "lost_response", "slow", "outage", "conflict", "partial", "kill", "zombie", "pause")
+        short = {"lost_response": "lost"}
+        lines = [f"{'site':<26}" + "".join(f"{short.get(k, k):>9}" for k in kinds)]
+        for site in SITES:
+            cells = [f"{self.coverage.get((site, k), 0) if k in site_kinds(site) else '-':>9}" for k in kinds]
+            lines.append(f"{site:<26}" + "".join(cells))
+        pairs = [(site, k) for site in SITES for k in site_kinds(site)]
+        reached = sum(1 for p in pairs if self.coverage.get(p))
+        lines.append(f"(site, fault kind) pairs reached: {reached} of {len(pairs)}")
+        missing = [f"{s}/{k}" for s, k in pairs if not self.coverage.get((s, k))]
+        if missing:
+            lines.append("not reached: " + ", ".join(missing))
+        return "\n".join(lines)
+
     def format(self, first: int = 5) -> str:
         lines = [f"schedules run: {self.schedules} in {self.seconds:.1f}s ({self.schedules / max(self.seconds, 1e-9):.0f}/s)"]
         lines.append("faults injected by kind: " + (", ".join(f"{k} {n}" for k, n in sorted(self.faults.items())) or "none"))
+        lines.append(f"schedules whose last try met no fault (Liveness applies): {self.clean_last_tries}")
         lines.append("schedules violating each invariant: " + ", ".join(f"{k} {n}" for k, n in self.by_invariant().items()))
         for check, seeds in sorted(self.violations.items()):
             lines.append(f"  {check}: {len(seeds)} schedule(s), first seeds {seeds[:first]}")
@@ -70,6 +93,10 @@ def run_campaign(seeds: Iterable[int], workdir: Path) -> CampaignReport:
         report.faults["try killed"] += world.kills
         report.faults["zombie try"] += world.zombies
         report.faults["input rewritten"] += world.input_version - 1
+        report.faults["second task instance"] += any(t.run == "run-2" for t in world.tries)
+        report.coverage.update(world.s3.coverage)
+        last = world.final_try
+        report.clean_last_tries += bool(last is not None and not last.dead and not last.faults and world.input_version == 1 and not world.plan.second_run_at and not world.plan.collision)
         if found:
             report.details[seed] = found
             for check in dict.fromkeys(v.check for v in found):

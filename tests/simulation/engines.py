@@ -45,9 +45,14 @@ if TYPE_CHECKING:
 SIM_VLLM_VERSION = "0.32.0+sim"
 
 
-def answer_line(request: dict, status: int = 200, *, dead: bool = False) -> bytes:
-    """vLLM's batch output line for ``request``: an answer echoing its last message, or an error."""
+def answer_line(request: dict, status: int = 200, *, dead: bool = False, tag: str = "") -> bytes:
+    """vLLM's batch output line for ``request``: an answer echoing its last message, or an error.
+
+    :param tag: who answered (the try): in the line's ids, as vLLM's request ids differ from run to run,
+        so two tries' results are never byte for byte the same (a racing conditional write then shows).
+    """
     cid = request["custom_id"]
+    rid = f"r-{cid}-{tag}" if tag else f"r-{cid}"
     if status == 200:
         content = request["body"]["messages"][-1]["content"]
         body = {
@@ -57,13 +62,13 @@ def answer_line(request: dict, status: int = 200, *, dead: bool = False) -> byte
             "choices": [{"index": 0, "message": {"role": "assistant", "content": f"echo:{content}"}, "finish_reason": "stop"}],
             "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
         }
-        line = {"id": f"vllm-{cid}", "custom_id": cid, "response": {"status_code": 200, "request_id": f"r-{cid}", "body": body}, "error": None}
+        line = {"id": f"vllm-{cid}", "custom_id": cid, "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
     else:
         message = "EngineCore encountered an issue. See stack trace (above) for the root cause." if dead else f"HTTP {status}"
         line = {
             "id": f"vllm-{cid}",
             "custom_id": cid,
-            "response": {"status_code": status, "request_id": f"r-{cid}", "body": None},
+            "response": {"status_code": status, "request_id": rid, "body": None},
             "error": {"message": message, "type": "BadRequestError" if status < 500 else "InternalServerError", "code": status},
         }
     return json.dumps(line).encode()
@@ -88,11 +93,13 @@ class SimRunnerProcess:
         yield f"INFO 01-01 00:00:00 [api_server.py:1] vLLM API server version {SIM_VLLM_VERSION}".encode()
         yield ("INFO 01-01 00:00:00 [run_batch.py:1] args: Namespace(" + ", ".join(_namespace(argv)) + ")").encode()
         requests = world.read_engine_input(source)
+        actor = world.scheduler.current_actor()
+        tag = actor.try_label if actor is not None and actor.try_label else ""
         out: list[bytes] = []
         dead = False
         for request in requests:
             if dead:
-                out.append(answer_line(request, 500, dead=True))
+                out.append(answer_line(request, 500, dead=True, tag=tag))
                 continue
             fate = world.engine_fate(runner=True)
             if fate == "crash":
@@ -102,9 +109,9 @@ class SimRunnerProcess:
             if fate == "die":
                 dead = True
                 yield b"ERROR [core.py:1] EngineCore encountered a fatal error."
-                out.append(answer_line(request, 500, dead=True))
+                out.append(answer_line(request, 500, dead=True, tag=tag))
                 continue
-            out.append(answer_line(request, 400 if fate == "fail" else 200))
+            out.append(answer_line(request, 400 if fate == "fail" else 200, tag=tag))
             world.note_sent(request["custom_id"], Path(target).parent)
         text = b"\n".join(out) + (b"\n" if out and world.rng.random() < 0.8 else b"")
         with open(target, "wb") as f:
@@ -182,6 +189,8 @@ class SimServer:
         stats = StreamStats()
         chunk: list[bytes] = []
         checkpoint_every = world.rng.randint(1, 4)
+        actor = world.scheduler.current_actor()
+        tag = actor.try_label if actor is not None and actor.try_label else ""
         for _number, raw in requests:
             if not raw.strip():
                 continue
@@ -196,12 +205,12 @@ class SimServer:
                 raise ServerUnavailableError("The vLLM server stopped answering (simulated death); the task's retry resumes.")
             if fate == "transient":
                 # 429/5xx through every retry: not a final answer, set aside (never in a checkpoint).
-                journal.set_aside(answer_line(request, 503))
+                journal.set_aside(answer_line(request, 503, tag=tag))
                 stats.unanswered += 1
                 stats.unanswered_reasons["HTTP 503"] = stats.unanswered_reasons.get("HTTP 503", 0) + 1
                 stats.unanswered_example = stats.unanswered_example or request["custom_id"]
                 continue
-            line = answer_line(request, 400 if fate == "fail" else 200)
+            line = answer_line(request, 400 if fate == "fail" else 200, tag=tag)
             world.note_sent(request["custom_id"], journal.directory.parent)
             chunk.append(line)
             if fate == "twice":

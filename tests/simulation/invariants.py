@@ -1,9 +1,14 @@
-"""The run protocol's seven invariants (docs/protocol.md), as predicates over one finished schedule.
+"""The run protocol's invariants (docs/protocol.md), as predicates over one schedule: after every step, and at its end.
 
-Each check reads only what a user or an operator could look at afterwards: the fake S3's
-objects and its mutation log (who changed what, and who held the lease then), the worker's
-disk, the captured task log, the tries' outcomes (XCom) and exceptions. A check returns
+Each check reads only what a user or an operator could look at: the fake S3's objects and
+its mutation log (who changed what, and who held the lease then), the worker's disk, the
+captured task log, the tries' outcomes (XCom) and exceptions. A check returns
 :class:`Violation` records named ``"<Invariant>/<check>"``.
+
+:class:`StepChecks` runs after every change S3 applies, while the schedule runs: a reader
+looks at the output (a reader must never see a complete-looking output that is not), every
+staging object deleted must leave its final answers somewhere, and every lease write must
+follow the take-over rule. The other checks read the final state.
 """
 
 from __future__ import annotations
@@ -12,15 +17,18 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import hashlib
+
 from airflow_vllm_batch.identity import RunIdentity
+from airflow_vllm_batch.lease import DEFAULT_STALE_AFTER_S
 from airflow_vllm_batch.manifest import Manifest
 from airflow_vllm_batch.storage import OutputStore, default_error_uri, manifest_uri, split_s3_uri
-from tests.simulation.s3 import FakeS3Client, FakeS3Hook
+from tests.simulation.s3 import FakeS3Client, FakeS3Hook, Mutation
 
 if TYPE_CHECKING:
     from tests.simulation.world import World
 
-INVARIANTS = ("Exactly once", "One identity", "Fencing", "Durability", "No strangers", "No secrets", "Bounded")
+INVARIANTS = ("Exactly once", "One identity", "Fencing", "Durability", "No strangers", "No secrets", "Bounded", "Liveness")
 
 
 @dataclass(frozen=True)
@@ -90,10 +98,148 @@ class Outcome:
 
 def check_all(world: World) -> list[Violation]:
     outcome = Outcome(world)
-    found: list[Violation] = []
-    for check in (exactly_once, one_identity, fencing, durability, no_strangers, no_secrets, bounded):
+    found: list[Violation] = list(world.step_violations)
+    for check in (exactly_once, one_identity, fencing, durability, no_strangers, no_secrets, bounded, liveness):
         found.extend(check(outcome))
     return found
+
+
+# -- after every step ---------------------------------------------------------------------
+
+
+class StepChecks:
+    """The checks made after every change S3 applies while a schedule runs (see the module docs)."""
+
+    def __init__(self, world: World) -> None:
+        from tests.simulation.s3 import FakeS3
+
+        self.world = world
+        # A second view of the same objects: what a reader reads, with no step, fault or log of its own.
+        view = FakeS3()
+        view.buckets = world.s3.buckets
+        self.store = OutputStore(FakeS3Hook(FakeS3Client(view)), world.output_uri, world.error_uri)
+        self.output_keys = {
+            split_s3_uri(manifest_uri(world.output_uri), "output_uri")[1],
+            split_s3_uri(world.output_uri, "output_uri")[1],
+            split_s3_uri(world.error_uri or default_error_uri(world.output_uri), "error_uri")[1],
+        }
+        self.staging_root = split_s3_uri(world.output_uri, "output_uri")[1] + ".staging/"
+        self.seen: set[str] = set()
+        self.last_lease: Mutation | None = None
+        #: try label -> the S3 calls with which it changed the output or its staging while not holding the lease.
+        self.unleased: dict[str, set[int]] = {}
+
+    def flag(self, check: str, detail: str) -> None:
+        if check not in self.seen:  # the first time each check fails is enough to replay it
+            self.seen.add(check)
+            self.world.step_violations.append(Violation(check, f"at S3 call {self.world.s3.calls}: {detail}"))
+
+    def after_change(self, changes: list[Mutation]) -> None:
+        if self.world.plan.collision:
+            return
+        for m in changes:
+            if m.key == self.world.lease_key[1] and m.body is not None:
+                self.lease_rule(m)
+            elif m.try_label and (m.key in self.output_keys or m.key.startswith(self.staging_root)) and m.lease_holder != m.try_label:
+                self.unleased_change(m)
+        if any(m.key in self.output_keys for m in changes):
+            self.reader()
+        dropped = [m for m in changes if m.key.startswith(self.staging_root) and m.before and m.op.startswith("delete")]
+        if dropped and self.world.input_version == 1:
+            self.staging_dropped(dropped)
+
+    def lease_rule(self, m: Mutation) -> None:
+        """A take-over never goes to an older try; another task instance's lease only once stale."""
+        last, self.last_lease = self.last_lease, m
+        try:
+            new = json.loads(m.body or b"")
+            old = json.loads(m.before) if m.before else None
+        except ValueError:
+            return
+        if not old or (old["run_id"], old["try_number"]) == (new["run_id"], new["try_number"]):
+            return
+        if old["run_id"] == new["run_id"] and old["try_number"] > new["try_number"]:
+            self.flag("Fencing/lease-taken-by-older-try", f"try {new['try_number']} took the lease of its successor, try {old['try_number']}")
+        elif old["run_id"] != new["run_id"] and last is not None and m.at - last.at < DEFAULT_STALE_AFTER_S - 2:
+            self.flag(
+                "Fencing/live-lease-taken-over",
+                f"{new['run_id']} took {old['run_id']}'s lease {m.at - last.at:.0f}s after its last write (stale after {DEFAULT_STALE_AFTER_S:.0f}s)",
+            )
+
+    def engine_starts(self, label: str) -> None:
+        """An engine's first request: the try read the lease after its last read of the staging (docs/protocol.md, Durability).
+
+        What the engine is given was decided by those reads; a try paused between them and its
+        first request, whose successor took over and answered meanwhile, must find out first.
+        """
+        world = self.world
+        if world.plan.collision or not label.startswith(("run-1/", "run-2/")):
+            return
+        staging, lease = world.last_staging_read.get(label, -1), world.last_lease_read.get(label, -1)
+        if staging > lease:
+            self.flag("Durability/engine-started-without-lease-read", f"{label}'s engine began with no read of the lease since its last read of the staging")
+
+    def unleased_change(self, m: Mutation) -> None:
+        """A try that does not hold the lease changes at most one thing under the output: the write its last fence let through.
+
+        A fence is a read before the write, and a try may pause between the two while another
+        takes the lease over (docs/protocol.md, step 9); but its next fence fails, so a second
+        change (another S3 call) without the lease is a write no fence checked.
+        """
+        calls = self.unleased.setdefault(m.try_label or "-", set())
+        calls.add(m.step)
+        if len(calls) > 1:
+            self.flag(
+                "Fencing/writes-after-lease-lost",
+                f"{m.try_label} changed {m.key} ({m.op}) while {m.lease_holder or 'nobody'} held the lease, its second change without it",
+            )
+
+    def reader(self) -> None:
+        """What a reader sees now: if it takes the output as complete, the output must be complete and right."""
+        raw = self.world.s3.buckets.get("sim", {}).get(self.store.manifest_key)
+        if raw is None:
+            return
+        try:
+            manifest = Manifest.from_json(raw.body)
+        except Exception:  # noqa: BLE001 - a tombstone or an unreadable manifest: no complete output
+            return
+        if not manifest.identity or RunIdentity(dict(manifest.identity)).fingerprint != manifest.fingerprint:
+            return
+        complete, _ = self.store.completed(RunIdentity(dict(manifest.identity)))
+        if complete is None:
+            return
+        body = lambda uri: Outcome.get(self.world.s3, *split_s3_uri(uri, "uri")) if uri else None  # noqa: E731
+        for check, detail in output_problems(self.world, complete, body(complete.output_uri) or b"", body(complete.error_uri) or b""):
+            self.flag(check.replace("/", "/reader-saw-", 1), detail)
+
+    def staging_dropped(self, dropped: list[Mutation]) -> None:
+        """A staging object's final answers, when it is deleted, are in the rest of its staging or in a complete output of its run."""
+        wanted = set(self.world.inputs.get(next(iter(self.world.inputs)), {}))
+        for m in dropped:
+            short = m.key[len(self.staging_root) :].split("/")[0]
+            answers = final_answers(m.before or b"") & wanted
+            if not answers:
+                continue
+            prefix = f"{self.staging_root}{short}/"
+            for key, obj in self.world.s3.buckets["sim"].items():
+                if key.startswith(prefix):
+                    answers -= final_answers(obj.body)
+            raw = self.world.s3.buckets["sim"].get(self.store.manifest_key)
+            if answers and raw is not None:
+                try:
+                    manifest = Manifest.from_json(raw.body)
+                    complete = manifest if manifest.fingerprint[:16] == short else None
+                except Exception:  # noqa: BLE001
+                    complete = None
+                if complete is not None:
+                    for uri in (complete.output_uri, complete.error_uri):
+                        if uri:
+                            answers -= final_answers(Outcome.get(self.world.s3, *split_s3_uri(uri, "uri")) or b"")
+            if answers:
+                self.flag(
+                    "Durability/staged-answer-dropped",
+                    f"{m.try_label} deleted {m.key} whose final answers {sorted(answers)} are in no other staging object and no complete output",
+                )
 
 
 # -- Exactly once -----------------------------------------------------------------------
@@ -107,11 +253,17 @@ def exactly_once(o: Outcome) -> list[Violation]:
     m = o.complete
     if m is None or world.plan.collision:
         return found
-    inputs = world.inputs.get(m.input_etag or "")
-    if inputs is None:
-        return [*found, Violation("Exactly once/unknown-input", f"the manifest names input ETag {m.input_etag}")]
     results = o.body(m.output_uri) or b""
     errors = o.body(m.error_uri) if m.error_uri else b""
+    return found + [Violation(check, detail) for check, detail in output_problems(world, m, results, errors) if check.startswith("Exactly once")]
+
+
+def output_problems(world: World, m: Manifest, results: bytes, errors: bytes) -> list[tuple[str, str]]:
+    """What is wrong with a complete output (its manifest, results and error file): Exactly once and One identity."""
+    found: list[tuple[str, str]] = []
+    inputs = world.inputs.get(m.input_etag or "")
+    if inputs is None:
+        return [("Exactly once/unknown-input", f"the manifest names input ETag {m.input_etag}")]
     seen: dict[str, int] = {}
     bad_lines = 0
     for part in (results, errors or b""):
@@ -121,29 +273,26 @@ def exactly_once(o: Outcome) -> list[Violation]:
             except (ValueError, KeyError, TypeError):
                 bad_lines += 1
     if bad_lines:
-        found.append(Violation("Exactly once/unreadable-line", f"{bad_lines} published line(s) are not one JSON answer"))
+        found.append(("Exactly once/unreadable-line", f"{bad_lines} published line(s) are not one JSON answer"))
     twice = sorted(c for c, n in seen.items() if n > 1)
     missing = sorted(set(inputs) - set(seen))
     strangers = sorted(set(seen) - set(inputs))
     if twice or missing or strangers:
-        found.append(Violation("Exactly once/answers", f"twice={twice} missing={missing} not in input={strangers}"))
+        found.append(("Exactly once/answers", f"twice={twice} missing={missing} not in input={strangers}"))
     counts = m.request_counts
     lines = (len(results.splitlines()), len((errors or b"").splitlines()))
     if (counts.completed, counts.failed, counts.total) != (lines[0], lines[1], len(inputs)):
-        found.append(Violation("Exactly once/counts", f"manifest {counts} vs results/errors lines {lines}, {len(inputs)} inputs"))
+        found.append(("Exactly once/counts", f"manifest {counts} vs results/errors lines {lines}, {len(inputs)} inputs"))
+    stale = stale_answers(inputs, results)
+    if stale:
+        found.append(("One identity/stale-answer", f"answers to another input than the manifest's: {stale}"))
     return found
 
 
-# -- One identity -----------------------------------------------------------------------
-
-
-def one_identity(o: Outcome) -> list[Violation]:
-    m = o.complete
-    if m is None or o.world.plan.collision:
-        return []
-    inputs = o.world.inputs.get(m.input_etag or "", {})
+def stale_answers(inputs: dict[str, str], results: bytes) -> list[str]:
+    """The custom_ids whose answer does not echo the request the manifest's input holds."""
     stale = []
-    for raw in (o.body(m.output_uri) or b"").splitlines():
+    for raw in results.splitlines():
         try:
             line = json.loads(raw)
             content = line["response"]["body"]["choices"][0]["message"]["content"]
@@ -151,7 +300,29 @@ def one_identity(o: Outcome) -> list[Violation]:
             continue
         if content != f"echo:{inputs.get(line['custom_id'])}":
             stale.append(line["custom_id"])
-    return [Violation("One identity/stale-answer", f"answers to another input than the manifest's: {stale}")] if stale else []
+    return stale
+
+
+# -- One identity -----------------------------------------------------------------------
+
+
+def one_identity(o: Outcome) -> list[Violation]:
+    if o.world.plan.collision:
+        return []
+    found = []
+    for t in o.world.tries:
+        # What a try returns (its XCom) answers the input as it was while the try ran, never an earlier one.
+        if t.outcome is not None and t.label.startswith(("run-1/", "run-2/")) and t.outcome.manifest.input_etag not in t.inputs_seen:
+            found.append(
+                Violation("One identity/stale-manifest-returned", f"{t.label} returned the manifest of input {t.outcome.manifest.input_etag}, not of the input it ran on")
+            )
+            break
+    m = o.complete
+    if m is not None:
+        stale = stale_answers(o.world.inputs.get(m.input_etag or "", {}), o.body(m.output_uri) or b"")
+        if stale:
+            found.append(Violation("One identity/stale-answer", f"answers to another input than the manifest's: {stale}"))
+    return found
 
 
 # -- Fencing ----------------------------------------------------------------------------
@@ -190,9 +361,12 @@ def fencing(o: Outcome) -> list[Violation]:
         def same_bytes_as_writers(key: str, change) -> bool:
             # A paused try whose If-Match held because its successor wrote the very same bytes
             # (same identity, same answers: the same MD5 ETag, seed 5260) changes nothing a
-            # reader can see: no condition can tell the two writes apart, and none needs to.
-            own = [m for m in world.s3.mutations if m.key == key and m.try_label == writer and m.body is not None]
-            return change.body is not None and bool(own) and own[-1].body == change.body
+            # reader can see: no condition can tell the two writes apart, and none needs to. The
+            # writer may have no landed write of its own there: its write met 412 and it adopted the
+            # identical bytes it found (the MD5 check); what it *asked* to write is what counts.
+            if change.body is None:
+                return False
+            return hashlib.md5(change.body).hexdigest() in world.s3.attempted.get((writer, key), set())
 
         mixed = {
             k: m.try_label
@@ -207,7 +381,12 @@ def fencing(o: Outcome) -> list[Violation]:
         win = o.winner.label
         wrote = [i for i, m in enumerate(world.s3.mutations) if m.key == mkey and m.try_label == win and m in manifest_puts]
         if wrote:
-            after = [m for m in world.s3.mutations[wrote[-1] + 1 :] if m.key in (okey, ekey, mkey) and m.try_label != win]
+            # A try that holds the lease may replace the output (a later run of another identity, legitimately).
+            after = [
+                m
+                for m in world.s3.mutations[wrote[-1] + 1 :]
+                if m.key in (okey, ekey, mkey) and m.try_label != win and m.lease_holder != m.try_label
+            ]
             if after:
                 found.append(
                     Violation(
@@ -355,6 +534,8 @@ def bounded(o: Outcome) -> list[Violation]:
         found.append(Violation("Bounded/try-did-not-end", why))
     if world.final is None:
         found.append(Violation("Bounded/task-did-not-end", "no try ended the task instance"))
+    if world.plan.second_run_at and any(t.run == "run-2" for t in world.tries) and "run-2" not in world.finals:
+        found.append(Violation("Bounded/task-did-not-end", "no try ended run-2's task instance"))
     last = next((t for t in reversed(world.tries) if not t.zombie), None)
     if world.final == "failed" and not world.plan.collision and last is not None and last.error is not None:
         from tests.simulation.world import retryable
@@ -375,3 +556,24 @@ def bounded(o: Outcome) -> list[Violation]:
             found.append(Violation("Bounded/lease-lost-to-nobody", f"{line.try_label} declared its lease lost while the lease named it"))
             break
     return found
+
+
+# -- Liveness -----------------------------------------------------------------------------
+
+
+def liveness(o: Outcome) -> list[Violation]:
+    """A task instance whose last try met no fault succeeds.
+
+    The last try met no fault when it was not killed, none of its S3 calls or engine requests
+    met an injected fault, the input was never rewritten, and no other task instance used the
+    output (its lease may legitimately keep this one off). Earlier tries' faults, zombies
+    included, do not excuse it: whatever they left, a clean try must finish the batch.
+    """
+    world = o.world
+    last = world.final_try
+    if world.plan.collision or last is None or world.final != "failed" or last.dead or last.faults:
+        return []
+    if world.input_version != 1 or world.plan.second_run_at or world.scheduler.out_of_time:
+        return []
+    error = last.error
+    return [Violation("Liveness/clean-last-try-failed", f"{last.label}: {type(error).__name__}: {str(error)[:200]}")]

@@ -21,7 +21,18 @@ modelled the way botocore meets them, with its retries (legacy mode: 5 attempts)
   timeout): botocore sends it again, with the same conditions (so an ``IfMatch`` retry of
   a write that landed meets its own new ETag and gets 412);
 * ``slow``: the call takes tens of virtual seconds (leases age meanwhile);
-* ``outage``: every attempt fails, so the call raises to the code.
+* ``outage``: every attempt fails, so the call raises to the code;
+* ``conflict``: a conditional write answered 409 ``ConditionalRequestConflict`` (S3's answer
+  to a conditional write racing another write of the same key; not retried, nothing applied);
+* ``partial``: a ``DeleteObjects`` whose answer lists some keys under ``Errors`` (S3 answers
+  200 and leaves those keys in place).
+
+Besides the faults drawn at the plan's rate, a schedule may *target* one call site (an
+operation on one kind of object, :meth:`FakeS3.site`): the world forces a fault of a chosen
+kind on the n-th call there (:attr:`FakeS3.forced`), so every (site, fault kind) pair is
+reached by construction rather than by chance, and :attr:`FakeS3.coverage` counts them.
+The fake's own nondeterminism is drawn from the seed too: a schedule may list keys in
+another order than S3's (``shuffle_lists``; the code must not depend on it).
 """
 
 from __future__ import annotations
@@ -29,6 +40,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import io
+import os
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -67,6 +79,10 @@ class Mutation:
     conditional: bool
     lease_holder: str | None
     body: bytes | None = None
+    #: Virtual seconds at which it applied.
+    at: float = 0.0
+    #: The object's body before the change (None: there was none).
+    before: bytes | None = None
 
 
 def client_error(code: str, status: int, operation: str, message: str = "") -> ClientError:
@@ -83,17 +99,22 @@ class FaultPlan:
     """
 
     KINDS = ("error", "lost_response", "slow", "outage")
+    #: Kinds only a targeted fault injects (they exist only at some calls).
+    TARGETED_ONLY = ("conflict", "partial")
 
     def __init__(self, rng: Any, rate: float) -> None:
         self.rng = rng
         self.rate = rate
         self.injected: dict[str, int] = {}
 
+    def count(self, kind: str) -> None:
+        self.injected[kind] = self.injected.get(kind, 0) + 1
+
     def draw(self) -> str | None:
         if self.rate <= 0 or self.rng.random() >= self.rate:
             return None
         kind = self.rng.choices(self.KINDS, weights=(4, 3, 3, 1))[0]
-        self.injected[kind] = self.injected.get(kind, 0) + 1
+        self.count(kind)
         return kind
 
 
@@ -121,6 +142,20 @@ class FakeS3:
         #: run code's log lines (:meth:`note`), in order: ``benchmarks/simulate.py --seed N --trace``.
         self.trace: list[str] = []
         self._local_now = 0.0
+        #: ``(op, bucket, key) -> site name``: which call site a call is (set by the world); None: no sites.
+        self.site_of: Callable[[str, str, str], str] | None = None
+        #: The site of the call being made (what the world's step hook sees).
+        self.current_site: str | None = None
+        #: A fault the world forces on the next attempt of the current call (a targeted fault).
+        self.forced: str | None = None
+        #: ``(site, fault kind) -> count`` of faults injected at each site.
+        self.coverage: dict[tuple[str, str], int] = {}
+        #: ``(try label, key) -> MD5s`` of every body a try asked to write there (landed or not).
+        self.attempted: dict[tuple[str | None, str], set[str]] = {}
+        #: Called after every applied mutation with its :class:`Mutation` records (the per-step checks).
+        self.on_change: Callable[[list[Mutation]], None] | None = None
+        #: List keys in a seeded random order instead of S3's (lexicographic) one.
+        self.shuffle_lists = False
 
     # -- the clock -----------------------------------------------------------------
 
@@ -180,11 +215,29 @@ class FakeS3:
         """
         self.calls += 1
         scheduler = self.scheduler
+        # A DeleteObjects of several keys is the removal of a prefix: its site is their common prefix's.
+        where = os.path.commonprefix(keys) if keys and len(keys) > 1 else key
+        if where is not key and ".staging/" in where:
+            head, rest = where.split(".staging/", 1)
+            where = f"{head}.staging/{rest.split('/', 1)[0]}/"
+        self.current_site = self.site_of(op, bucket, where) if self.site_of is not None else None
         if scheduler is not None:
             scheduler.step(f"s3.{op}")
         last_error: Exception | None = None
+        # Local to this call: other actors' calls run while this one waits (a slow attempt).
+        before: dict[tuple[str, str], bytes | None] = {}
         for attempt in range(BOTO_ATTEMPTS):
             fault = self.faults.draw() if self.faults is not None else None
+            if attempt == 0 and self.forced is not None:
+                fault, self.forced = self.forced, None
+                if self.faults is not None:
+                    self.faults.count(fault)
+            if fault == "conflict" and not conditional:
+                fault = "error"
+            if fault == "partial" and op != "delete_objects":
+                fault = "error"
+            if fault is not None:
+                self.note_fault(fault)
             if scheduler is not None:
                 scheduler.sleep(30.0 + scheduler.rng.random() * 60 if fault == "slow" else 0.05)
             if fault == "error":
@@ -194,10 +247,17 @@ class FakeS3:
             if fault == "outage":
                 self._trace(op, key, attempt, fault, "raises EndpointConnectionError", conditions)
                 raise EndpointConnectionError(endpoint_url=f"http://s3.sim/{bucket}")
+            if fault == "conflict":
+                self._trace(op, key, attempt, fault, "raises ConditionalRequestConflict (409)", conditions)
+                raise client_error("ConditionalRequestConflict", 409, op, "A conflicting conditional operation is in progress")
             if bucket not in self.buckets and op != "head_bucket":
                 raise client_error("NoSuchBucket", 404, op)
+            if op in MUTATIONS:
+                for changed in keys or [key]:
+                    obj = self.buckets.get(bucket, {}).get(changed)
+                    before.setdefault((bucket, changed), obj.body if obj is not None else None)
             try:
-                result = apply()
+                result = apply() if fault != "partial" else self._partial(apply, bucket, keys or [key])
             except ClientError as err:
                 # A 4xx is final: botocore does not retry it.
                 self._trace(op, key, attempt, fault, f"raises {err.response['Error']['Code']}", conditions)
@@ -209,8 +269,13 @@ class FakeS3:
                 conditions,
             )
             if op in MUTATIONS:
+                applied = []
+                failed = {e["Key"] for e in result.get("Errors", [])} if isinstance(result, dict) else set()
                 for changed in keys or [key]:
-                    self.note_mutation(op, bucket, changed, conditional)
+                    if changed not in failed:
+                        applied.append(self.note_mutation(op, bucket, changed, conditional, before.get((bucket, changed))))
+                if self.on_change is not None and applied:
+                    self.on_change(applied)
             elif ".staging/" in key and scheduler is not None and (actor := scheduler.current_actor()) is not None:
                 seen = self.staging_seen.setdefault(actor.try_label or "-", {})
                 listed = [item["Key"] for item in result.get("Contents", [])] if op == "list_objects_v2" else [key]
@@ -224,7 +289,26 @@ class FakeS3:
         assert last_error is not None
         raise last_error
 
-    def note_mutation(self, op: str, bucket: str, key: str, conditional: bool) -> None:
+    def note_fault(self, kind: str) -> None:
+        """Count a fault at the current site, and against the try whose call met it."""
+        actor = self.scheduler.current_actor() if self.scheduler is not None else None
+        if actor is not None and actor.owner is not None:
+            actor.owner.faults += 1
+        if self.current_site is not None:
+            self.coverage[(self.current_site, kind)] = self.coverage.get((self.current_site, kind), 0) + 1
+
+    def _partial(self, apply: Callable[[], Any], bucket: str, keys: list[str]) -> dict:
+        """A DeleteObjects that deletes some keys and answers the others under ``Errors`` (S3's per-key failures)."""
+        rng = self.scheduler.rng if self.scheduler is not None else None
+        failing = [k for k in keys if rng is None or rng.random() < 0.5] or keys[:1]
+        kept = {k: self.buckets[bucket][k] for k in failing if k in self.buckets[bucket]}
+        result = apply()
+        self.buckets[bucket].update(kept)
+        result["Deleted"] = [{"Key": k} for k in keys if k not in failing]
+        result["Errors"] = [{"Key": k, "Code": "InternalError", "Message": "We encountered an internal error. Please try again."} for k in failing]
+        return result
+
+    def note_mutation(self, op: str, bucket: str, key: str, conditional: bool, before: bytes | None = None) -> Mutation:
         actor = self.scheduler.current_actor() if self.scheduler is not None else None
         obj = self.buckets.get(bucket, {}).get(key)
         self.mutations.append(
@@ -238,8 +322,11 @@ class FakeS3:
                 conditional=conditional,
                 lease_holder=self.lease_holder(),
                 body=obj.body if obj is not None and op != "delete_object" else None,
+                at=self.scheduler.now if self.scheduler is not None else self._local_now,
+                before=before,
             )
         )
+        return self.mutations[-1]
 
     # -- the operations, applied -----------------------------------------------------
 
@@ -257,6 +344,8 @@ class FakeS3:
                 raise client_error("PreconditionFailed", 412, op, "At least one of the pre-conditions you specified did not hold")
 
     def put(self, bucket: str, key: str, body: bytes, if_match: str | None = None, if_none_match: str | None = None) -> dict:
+        actor = self.scheduler.current_actor() if self.scheduler is not None else None
+        self.attempted.setdefault((actor.try_label if actor is not None else None, key), set()).add(hashlib.md5(body).hexdigest())
         self.check_conditions("PutObject", self.buckets[bucket].get(key), if_match, if_none_match)
         etag = f'"{hashlib.md5(body).hexdigest()}"'
         self.buckets[bucket][key] = StoredObject(body, etag, self.now.replace(microsecond=0), self.writer())
@@ -446,6 +535,8 @@ class FakeS3Client:
                 for k, o in sorted(self.s3.buckets[Bucket].items())
                 if k.startswith(Prefix)
             ]
+            if self.s3.shuffle_lists and self.s3.scheduler is not None:
+                self.s3.scheduler.rng.shuffle(contents)
             page: dict[str, Any] = {"KeyCount": len(contents), "ResponseMetadata": self.s3.metadata(200)}
             if contents:
                 page["Contents"] = contents

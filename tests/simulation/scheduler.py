@@ -49,6 +49,15 @@ class TryState:
     zombie_at: int | None = None
     engine_steps: int = 0
     ended: bool = False
+    #: Faults met by this try's calls and engine requests (S3 faults, engine faults); kills and zombies aside.
+    faults: int = 0
+    #: The input's ETags while it ran (what a manifest it returns may pin).
+    inputs_seen: set = field(default_factory=set)
+
+    @property
+    def run(self) -> str:
+        """The task instance (DAG run) of this try: ``run-1``, ``run-2``, ``prior``."""
+        return self.label.split("/")[0]
 
 
 @dataclass(eq=False)
@@ -81,10 +90,15 @@ class Scheduler:
     :param rng: the schedule's random generator.
     :param on_step: called at every step of a try's actor, before it yields (kills, zombies, input rewrites).
     :param time_limit_s: virtual seconds after which every try still running is stopped (a Bounded violation).
+    :param stay: the chance that the running actor keeps running at a step (swarm testing: each
+        schedule draws its own, from long bursts to a switch at almost every step).
     """
 
-    def __init__(self, rng: random.Random, on_step: Callable[[Actor], None] | None = None, time_limit_s: float = 6 * 3600) -> None:
+    def __init__(
+        self, rng: random.Random, on_step: Callable[[Actor], None] | None = None, time_limit_s: float = 6 * 3600, stay: float = 0.5
+    ) -> None:
         self.rng = rng
+        self.stay = stay
         self.now = 0.0
         self.actors: list[Actor] = []
         self.on_step = on_step
@@ -203,7 +217,7 @@ class Scheduler:
             runnable = [a for a in live if a.runnable(self.now)]
             if runnable:
                 # Mostly keep running who runs (a try's steps come in bursts), else anyone.
-                if current in runnable and self.rng.random() < 0.5:
+                if current in runnable and self.rng.random() < self.stay:
                     return current
                 return self.rng.choice(runnable)
             wakes = [a.wake_at for a in live if a.wake_at is not None]

@@ -184,6 +184,9 @@ def run_lifecycle(seed: int, workdir: Path, monkeypatch: pytest.MonkeyPatch) -> 
     workdir.mkdir(parents=True)
     plan = make_plan(seed)
     plan.collision = None  # the API makes every location: no colliding configuration reaches the task
+    # A batch is one DAG run (its run_id is the batch id); any other run of its conf fails BatchSpec.verified
+    # before it reads or writes, so no second task instance ever shares a batch's output.
+    plan.second_run_at = None
     world = LifecycleWorld(plan, workdir, make_lifecycle(seed))
     with monkeypatch.context() as patch:
         # The virtual clock, for the deadline and the engines' polls (every request, not every 5 s of a clock that does not pass).

@@ -62,6 +62,20 @@ class Plan:
     #: With the answer cache: an earlier DAG run answered the first ``cache_prior`` requests (into the cache).
     cache_prior: int = 0
     engine_faults: dict[str, float] = field(default_factory=dict)
+    #: The scheduler's chance to keep the running actor at a step (swarm testing).
+    stay: float = 0.5
+    #: A targeted fault: ``(site, kind, n, try)``: the ``n``-th call of try ``try`` at ``site`` meets ``kind``
+    #: (an S3 fault, or ``kill``, ``zombie``, ``pause``: the try is given up there and its successor starts).
+    target: tuple[str, str, int, int] | None = None
+    #: With a ``pause`` target: the paused try goes on once its successor made its ``n``-th call at this site
+    #: (``end``: once every later try ended).
+    resume_at: tuple[str, int] | None = None
+    #: A second DAG run's task instance writing the same output starts at this global step (None: none).
+    second_run_at: int | None = None
+    #: The fake S3 lists keys in a random order.
+    shuffle_lists: bool = False
+    #: The second run's input is re-uploaded first (a new identity).
+    second_run_new_input: bool = False
 
     def describe(self) -> str:
         bits = [f"engine={self.engine}", f"requests={self.requests}", f"s3_fault_rate={self.fault_rate}"]
@@ -79,6 +93,17 @@ class Plan:
             bits.append(f"input rewritten at step {self.rewrite_input_at}")
         if self.cache_prior:
             bits.append(f"answer cache (an earlier run answered {self.cache_prior})")
+        if self.stay != 0.5:
+            bits.append(f"scheduler stay={self.stay}")
+        if self.target:
+            site, kind, n, number = self.target
+            bits.append(f"target: {kind} at call {n} of try {number} to {site!r}")
+            if self.resume_at:
+                bits.append(f"paused until its successor's call {self.resume_at[1]} to {self.resume_at[0]!r}")
+        if self.second_run_at:
+            bits.append(f"run-2 starts at step {self.second_run_at}" + (" on a re-uploaded input" if self.second_run_new_input else ""))
+        if self.shuffle_lists:
+            bits.append("listings in random order")
         return ", ".join(bits)
 
 
@@ -117,18 +142,137 @@ def make_plan(seed: int) -> Plan:
             "fail": rng.choice((0, 0.1)),
             "stall": 0.02,
         }
+    # Drawn after the rest, so that the fields above stay what they were for every seed.
+    plan.stay = rng.choice((0.1, 0.5, 0.5, 0.9))
+    # Biased search: a third of the schedules pause one try at one call site until its successor reaches
+    # another (the narrow windows of two tries around a step), a third target one fault at one site.
+    mode = rng.random()
+    if mode < 0.75:
+        sites = [s for s in SITES if s not in ENGINE_NEVER[engine] and (plan.cache_prior or "cached" not in s and "cache" not in s)]
+        pause = mode < 0.45
+        site = rng.choice([s for s in PUBLISH_SITES if s in sites] if pause and rng.random() < 0.6 else sites)
+        kind = "pause" if pause else rng.choice([k for k in site_kinds(site) if k != "pause"])
+        nth = rng.choice((1, 2)) if site == "put manifest" else rng.choices((1, 2, 3), weights=(8, 1, 1))[0]
+        plan.target = (site, kind, nth, rng.choices((1, 2, 3), weights=(6, 3, 1))[0])
+        # The targeted try meets its target: no random kill or zombie of its own comes first.
+        plan.kill_at.pop(plan.target[3], None)
+        plan.zombie_at.pop(plan.target[3], None)
+        if kind == "pause":
+            # Often only once the successor ended: a try paused right after its lease check then writes over a finished output.
+            roll = rng.random()
+            # Once the successor ended; or at the very step the paused try is at (two tries at one step); or elsewhere.
+            resume = "end" if roll < 0.45 else site if roll < 0.65 else rng.choice(RESUME_SITES)
+            plan.resume_at = (resume, rng.choices((1, 2), weights=(3, 1))[0])
+    if rng.random() < 0.12:
+        plan.second_run_at = rng.randint(1, 120)
+        # Half of them run on a re-uploaded input: another identity, which legitimately replaces the output.
+        plan.second_run_new_input = rng.random() < 0.5
+    plan.shuffle_lists = rng.random() < 0.3
     return plan
 
 
+#: The S3 call sites of a run (operation, object), as :func:`site_of` names them; the heartbeat's lease
+#: writes and the engine's requests included. Every one is a step boundary of docs/protocol.md.
+SITES: tuple[str, ...] = (
+    "head bucket",
+    "put probe", "delete probe",
+    "head input", "get input",
+    "get manifest", "head manifest", "put manifest",
+    "head results", "put results", "copy results",
+    "head errors", "put errors", "delete errors",
+    "get lease", "put lease", "delete lease",
+    "list staging parts", "get staging parts", "put staging parts",
+    "head staging results", "get staging results", "put staging results", "delete staging results",
+    "head staging cached", "get staging cached", "put staging cached",
+    "list staging deaths", "put staging deaths",
+    "list staging", "delete staging",
+    "list cache", "get cache", "put cache",
+    "engine request",
+)
+#: The sites one engine never reaches (its staging is parts, or one results file).
+ENGINE_NEVER = {
+    "sim-server": frozenset({"copy results", "head staging results", "get staging results", "put staging results",
+                             "delete staging results", "list staging deaths", "put staging deaths"}),
+    "sim-runner": frozenset(),
+}
+#: Publishing's steps (and the lease read of each one's fence): half the pauses are at one of these.
+PUBLISH_SITES: tuple[str, ...] = (
+    "head manifest", "put manifest", "head results", "put results", "copy results", "head errors", "put errors",
+    "delete errors", "list staging", "delete staging",
+)
+#: Where a paused try may go on: its successor at a step of taking the lease, staging or publishing.
+RESUME_SITES: tuple[str, ...] = (
+    "put lease", "list staging parts", "put staging parts", "put staging results", "head manifest", "put manifest",
+    "put results", "copy results", "put errors", "delete errors", "delete staging", "engine request",
+)
+#: The fault kinds of a try: killed at the call, given up there (a zombie beside its successor), paused there.
+TRY_KINDS = ("kill", "zombie", "pause")
+#: The sites whose writes are conditional (409 there is S3's answer to a racing conditional write).
+CONDITIONAL_SITES = frozenset({"put manifest", "put results", "copy results", "put errors", "delete errors", "put lease", "delete lease"})
+
+
+def site_kinds(site: str) -> tuple[str, ...]:
+    """The fault kinds that exist at ``site``."""
+    if site == "engine request":
+        return TRY_KINDS
+    kinds = ("error", "lost_response", "slow", "outage", *TRY_KINDS)
+    if site in CONDITIONAL_SITES:
+        kinds += ("conflict",)
+    if site in ("delete staging", "delete staging results"):
+        kinds += ("partial",)
+    return kinds
+
+
+def site_of(op: str, key: str, output_key: str, input_key: str) -> str:
+    """The call site of an S3 call: its operation and the kind of object (see :data:`SITES`)."""
+    verb = {
+        "get_object": "get", "head_object": "head", "put_object": "put", "upload_file": "put", "upload_fileobj": "put",
+        "copy_object": "copy", "copy": "copy", "delete_object": "delete", "delete_objects": "delete",
+        "list_objects_v2": "list", "head_bucket": "head",
+    }.get(op, op)
+    stem = output_key.removesuffix(".jsonl")
+    if op == "head_bucket":
+        what = "bucket"
+    elif ".probe-" in key:
+        what = "probe"
+    elif key.startswith("cache/"):
+        what = "cache"
+    elif ".staging/" in key:
+        rest = key.split(".staging/", 1)[1].split("/", 1)[1] if "/" in key.split(".staging/", 1)[1] else ""
+        what = "staging" + (
+            " parts" if rest.startswith("parts/") else " deaths" if rest.startswith("deaths/") else
+            " results" if rest == "results.jsonl" else " cached" if rest.startswith("cached-") else
+            " input" if rest == "input.jsonl" else ""
+        )
+    elif key == input_key:
+        what = "input"
+    elif key.endswith(".lease.json"):
+        what = "lease"
+    elif key.endswith(".manifest.json"):
+        what = "manifest"
+    elif key == output_key:
+        what = "results"
+    elif key.endswith(".errors.jsonl") or key == f"{stem}.errors.jsonl":
+        what = "errors"
+    elif ".requests/" in key:
+        what = "requests"
+    else:
+        what = "other"
+    return f"{verb} {what}"
+
+
 def request_lines(n: int, version: int) -> bytes:
-    """The batch file: ``n`` chat requests; ``version`` changes their content (a user re-uploading the input)."""
+    """The batch file: ``n`` chat requests; ``version`` changes their content (a user re-uploading the input).
+
+    Two of every three are greedy (``temperature: 0``): the answer cache keeps those (a sampling request is not cacheable).
+    """
     return b"".join(
         json.dumps(
             {
                 "custom_id": f"r{i}",
                 "method": "POST",
                 "url": "/v1/chat/completions",
-                "body": {"model": "m", "messages": [{"role": "user", "content": f"hi {i} v{version}"}]},
+                "body": {"model": "m", "messages": [{"role": "user", "content": f"hi {i} v{version}"}], **({"temperature": 0} if i % 3 != 2 else {})},
             }
         ).encode()
         + b"\n"
@@ -170,15 +314,29 @@ class World:
     def __init__(self, plan: Plan, workdir: Path) -> None:
         self.plan = plan
         self.rng = random.Random(plan.seed)
-        self.scheduler = Scheduler(self.rng, on_step=self.on_step)
+        self.scheduler = Scheduler(self.rng, on_step=self.on_step, stay=plan.stay)
         self.faults = FaultPlan(self.rng, plan.fault_rate)
         self.lease_key = (BUCKET, OUTPUT_KEY.removesuffix(".jsonl") + ".lease.json")
         self.s3 = FakeS3(self.scheduler, self.faults, lease_key=self.lease_key)
+        self.s3.shuffle_lists = plan.shuffle_lists
+        #: ``(try label, site) -> calls`` of each try at each site (targets and pauses count them).
+        self.site_calls: dict[tuple[str, str], int] = {}
+        #: try label -> the global step of its last read of the lease, and of its staging.
+        self.last_lease_read: dict[str, int] = {}
+        self.last_staging_read: dict[str, int] = {}
+        #: Tries whose engine began answering.
+        self.engine_started: set[str] = set()
+        #: The outcome of each task instance (``run-1``, and ``run-2`` when the plan has one).
+        self.finals: dict[str, str] = {}
+        #: Violations the per-step checks found while the schedule ran (:mod:`tests.simulation.invariants`).
+        self.step_violations: list[Any] = []
         self.hook = FakeS3Hook(FakeS3Client(self.s3))
         self.workdir = workdir
         self.tries: list[TryState] = []
         self.logs: list[LogLine] = []
         self.final: str | None = None
+        #: The try whose ending ended the task instance (run-1).
+        self.final_try: TryState | None = None
         self.global_steps = 0
         self.input_version = 1
         #: The input's content by ETag (what each manifest's input_etag names).
@@ -194,6 +352,12 @@ class World:
         self.seen_at_engine_start: dict[str, dict[str, bytes]] = {}
         self.user_files: dict[Path, bytes] = {}
         self.settings_values = self._settings_values()
+        output_key, input_key = self.output_uri.split("/", 3)[3], INPUT_KEY
+        self.s3.site_of = lambda op, bucket, key: site_of(op, key, output_key, input_key)
+        from tests.simulation.invariants import StepChecks
+
+        self.step_checks = StepChecks(self)
+        self.s3.on_change = self.step_checks.after_change
 
     # -- set-up -------------------------------------------------------------------
 
@@ -249,6 +413,10 @@ class World:
         self.inputs[etag] = {json.loads(line)["custom_id"]: json.loads(line)["body"]["messages"][-1]["content"] for line in data.splitlines()}
         self.s3.buckets[BUCKET][INPUT_KEY].writer = "user"
         self.input_bytes = data
+        for t in getattr(self, "tries", []):
+            if not t.ended:
+                t.inputs_seen.add(etag)
+        self.input_etag = etag
 
     # -- the task instance -----------------------------------------------------------
 
@@ -262,11 +430,21 @@ class World:
             self.start_try(1)
         self.scheduler.run()
 
-    def start_try(self, number: int) -> None:
+    def start_try(self, number: int, run: str = "run-1", delay_s: float = 0.0) -> None:
         plan = self.plan
-        state = TryState(number, f"run-1/try-{number}", kill_at=plan.kill_at.get(number), zombie_at=plan.zombie_at.get(number))
+        if run == "run-1":
+            state = TryState(number, f"run-1/try-{number}", kill_at=plan.kill_at.get(number), zombie_at=plan.zombie_at.get(number))
+        else:
+            state = TryState(number, f"{run}/try-{number}")
         self.tries.append(state)
-        self.scheduler.spawn(state.label, lambda: self.run_try(state), state, on_exit=self.try_ended)
+
+        def body() -> None:
+            if delay_s:
+                self.scheduler.sleep(delay_s)  # Airflow's retry_delay
+            state.inputs_seen.add(self.input_etag)
+            self.run_try(state)
+
+        self.scheduler.spawn(state.label, body, state, on_exit=self.try_ended)
 
     def run_try(self, state: TryState) -> None:
         log = logging.getLogger("sim.task")
@@ -278,8 +456,7 @@ class World:
         engine.world = self  # type: ignore[attr-defined]
         task = {
             "dag_id": "sim",
-            "run_id": "run-1",
-            "task_id": "batch",
+            "run_id": state.run if state.run != "prior" else "run-1",
             "map_index": -1,
             "task_id": "batch" if not state.label.startswith("prior/") else "earlier_batch",
             "try_number": state.number,
@@ -293,18 +470,36 @@ class World:
         if state.zombie:
             return  # Airflow gave up on it and started its successor already; its ending is ignored.
         if error is None:
-            self.final = "success"
+            self.finals[state.run] = "success"
         elif retryable(error) and state.number < self.plan.max_tries:
-            self.start_try(state.number + 1)
+            self.start_try(state.number + 1, state.run, delay_s=0.0 if state.run == "run-1" else 60.0 + self.rng.random() * 240)
         else:
-            self.final = "failed"
+            self.finals[state.run] = "failed"
+        if state.run == "run-1":
+            self.final = self.finals.get("run-1")
+            self.final_try = state
 
     def on_step(self, actor: Any) -> None:
-        """Kills, zombies and input rewrites happen at steps."""
+        """Kills, zombies, pauses, targeted faults and input rewrites happen at steps."""
         self.global_steps += 1
         state: TryState = actor.owner
+        if self.plan.second_run_at == self.global_steps and not any(t.run == "run-2" for t in self.tries):
+            if self.plan.second_run_new_input and self.plan.collision is None:
+                self.input_version += 1
+                self.write_input()
+            self.start_try(1, "run-2")
         if state.label.startswith("prior/"):
             return
+        site = self.s3.current_site
+        if site == "get lease":
+            self.last_lease_read[state.label] = self.global_steps
+        elif site is not None and site.split(" ")[0] in ("list", "get", "head") and " staging" in site:
+            self.last_staging_read[state.label] = self.global_steps
+        if site is not None:
+            calls = self.site_calls[(state.label, site)] = self.site_calls.get((state.label, site), 0) + 1
+            target = self.plan.target
+            if target is not None and state.run == "run-1" and (site, calls, state.number) == (target[0], target[2], target[3]) and not state.zombie:
+                self.targeted(actor, state, site, target[1])
         if state.kill_at is not None and state.steps >= state.kill_at and not state.dead and not state.ended:
             state.dead = True
             self.kills += 1
@@ -316,12 +511,41 @@ class World:
             self.input_version += 1
             self.write_input()
 
+    def targeted(self, actor: Any, state: TryState, site: str, kind: str) -> None:
+        """The plan's targeted fault, at this call of this try."""
+        self.s3.coverage[(site, kind)] = self.s3.coverage.get((site, kind), 0) + 1
+        if kind == "kill":
+            state.dead = True
+            self.kills += 1
+        elif kind in ("zombie", "pause"):
+            state.zombie = True
+            self.zombies += 1
+            self.start_try(state.number + 1)
+            if kind == "pause" and self.plan.resume_at is not None:
+                resume_site, n = self.plan.resume_at
+                successor = f"run-1/try-{state.number + 1}"
+
+                def resumed() -> bool:
+                    later = [t for t in self.tries if t.run == "run-1" and t.number > state.number]
+                    if resume_site != "end" and self.site_calls.get((successor, resume_site), 0) >= n:
+                        return True
+                    return all(t.ended for t in later)
+
+                # Paused right before this call, until the successor reaches its step: the narrow window between them.
+                self.scheduler.wait_until(resumed, 4 * 3600)
+        elif site != "engine request":
+            self.s3.forced = kind
+
     # -- what the engine stand-ins ask -------------------------------------------------
 
     def engine_fate(self, runner: bool) -> str:
         """One request's step: maybe killed or preempted here; then what the engine does with it."""
-        self.scheduler.step("engine.request")
+        self.s3.current_site = "engine request"
         actor = self.scheduler.current_actor()
+        if actor is not None and actor.owner is not None and actor.try_label not in self.engine_started:
+            self.engine_started.add(actor.try_label)
+            self.step_checks.engine_starts(actor.try_label)
+        self.scheduler.step("engine.request")
         if actor is not None and actor.try_label not in self.seen_at_engine_start:
             # What the try knew of staging: what its reads of it returned before the engine began.
             self.seen_at_engine_start[actor.try_label] = dict(self.s3.staging_seen.get(actor.try_label, {}))
@@ -332,6 +556,10 @@ class World:
                 fate = kind
                 break
         self.engine_events[fate] = self.engine_events.get(fate, 0) + 1
+        if fate in ("die", "crash") and actor is not None and actor.owner is not None:
+            # Failed (400), repeated and transient (429/5xx) answers are the protocol's to settle: a last try with
+            # only those publishes (its set-aside lines as failed lines). A dying engine is a fault.
+            actor.owner.faults += 1
         if actor is not None and actor.try_label and actor.try_label.startswith("run-1/"):
             self.task_engine_steps += 1
         if fate == "stall":

@@ -6,6 +6,7 @@ thread with :meth:`OutputLease.wait_for_beats`, so a loaded machine only makes t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -43,6 +44,87 @@ def test_the_same_task_instance_takes_its_own_lease_over_at_once(s3, bucket):
     with lease(s3, bucket, holder(try_number=2)):
         pass
     first._stop.set()
+
+
+@pytest.mark.parametrize("stale_after_s", [120.0, 0.0])
+def test_a_zombie_try_never_takes_the_lease_back_from_its_newer_successor(s3, bucket, stale_after_s):
+    # Try 1 paused before taking the lease (Airflow gave up on it and started try 2); try 2 holds it.
+    successor = lease(s3, bucket, holder(try_number=2), heartbeat_s=3600)
+    successor.acquire()
+    zombie = lease(s3, bucket, holder(try_number=1), stale_after_s=stale_after_s)
+    with pytest.raises(OutputBusyError, match=r"A later try of this task, .*\(try 2, on worker-a\), holds"):
+        zombie.acquire()
+    # Try 2 still holds it (live, or silent past stale_after_s: a take-over never goes to an older try).
+    assert json.loads(s3.client().get_object(Bucket=bucket, Key=KEY)["Body"].read())["try_number"] == 2
+    successor.ensure_held(verify=True)
+    successor.release()
+
+
+class ReleasedBeforeTheTakeOver:
+    """A client on which the lease's holder gives it back right between a take-over's read and its write."""
+
+    def __init__(self, client) -> None:
+        self.client = client
+        self.released = False
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+    def put_object(self, **kwargs):
+        if "IfMatch" in kwargs and not self.released:
+            self.released = True
+            self.client.delete_object(Bucket=kwargs["Bucket"], Key=kwargs["Key"])  # the holder's release
+        return self.client.put_object(**kwargs)
+
+
+def test_a_lease_given_back_during_its_take_over_is_taken_again_not_a_failure(s3, bucket):
+    # Simulator seed 120: the last try read its zombie predecessor's lease, the predecessor published and
+    # released it, and the take-over's If-Match met no object: the last try failed, and with it the task.
+    earlier = lease(s3, bucket, holder(try_number=1), heartbeat_s=3600)
+    earlier.acquire()
+    client = ReleasedBeforeTheTakeOver(s3.client())
+    with OutputLease(client, bucket, KEY, holder(try_number=2), heartbeat_s=3600) as taken:
+        assert client.released
+        taken.ensure_held(verify=True)
+        assert json.loads(s3.client().get_object(Bucket=bucket, Key=KEY)["Body"].read())["try_number"] == 2
+    earlier._stop.set()
+
+
+class OlderTryTakesItFirst:
+    """A client on which an older try of the same task takes the lease over between a take-over's read and its write."""
+
+    def __init__(self, client, older: LeaseHolder) -> None:
+        self.client = client
+        self.older = older
+        self.raced = False
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+    def put_object(self, **kwargs):
+        if "IfMatch" in kwargs and not self.raced:
+            self.raced = True
+            body = json.dumps({**dataclasses.asdict(self.older), "written_at": 0, "nonce": "older"}).encode()
+            self.client.put_object(Bucket=kwargs["Bucket"], Key=kwargs["Key"], Body=body)
+        return self.client.put_object(**kwargs)
+
+
+def test_a_take_over_raced_by_an_older_try_of_the_task_takes_the_lease_from_it(s3, bucket):
+    # Simulator seed 2335 (at fdc20fc): tries 3 (a zombie) and 4 both took over try 2's lease; try 3's write
+    # won, and try 4, the task's last, failed with OutputBusyError although a newer try may take an older's lease.
+    lease(s3, bucket, holder(try_number=2), heartbeat_s=3600).acquire()
+    client = OlderTryTakesItFirst(s3.client(), holder(try_number=3))
+    with OutputLease(client, bucket, KEY, holder(try_number=4), heartbeat_s=3600) as taken:
+        assert client.raced
+        taken.ensure_held(verify=True)
+        assert json.loads(s3.client().get_object(Bucket=bucket, Key=KEY)["Body"].read())["try_number"] == 4
+
+
+def test_a_take_over_raced_by_another_run_still_fails_naming_it(s3, bucket):
+    lease(s3, bucket, holder("run-1"), heartbeat_s=3600).acquire()
+    client = OlderTryTakesItFirst(s3.client(), holder("run-3"))
+    with pytest.raises(OutputBusyError, match="run-3"):
+        OutputLease(client, bucket, KEY, holder("run-2"), stale_after_s=0).acquire()
 
 
 def test_a_lease_silent_for_stale_after_s_is_taken_over_by_another_run(s3, bucket):

@@ -388,3 +388,35 @@ def test_a_large_file_goes_up_in_parts_under_its_condition_and_a_refused_one_lea
     copied = storage.copy_object(client, bucket, "r.jsonl", bucket, "copy.jsonl", IfNoneMatch="*")
     assert copied == head_etag(client, bucket, "copy.jsonl")
     assert client.get_object(Bucket=bucket, Key="copy.jsonl")["Body"].read() == big.read_bytes()
+
+
+class PartialDeletes:
+    """A DeleteObjects that answers 200 but lists the first ``failing`` requests' keys under ``Errors``, as S3 does."""
+
+    def __init__(self, failing: int) -> None:
+        self.failing = failing
+        self.requests: list[list[str]] = []
+
+    def delete_objects(self, Bucket, Delete, **_):
+        keys = [o["Key"] for o in Delete["Objects"]]
+        self.requests.append(keys)
+        if len(self.requests) <= self.failing:
+            return {"Errors": [{"Key": keys[0], "Code": "InternalError", "Message": "We encountered an internal error."}]}
+        return {}
+
+
+def test_keys_deleteobjects_failed_to_delete_are_sent_again():
+    from airflow_vllm_batch.storage import delete_keys
+
+    client = PartialDeletes(failing=1)
+    delete_keys(client, "b", ["k/a", "k/b"])
+    assert client.requests == [["k/a", "k/b"], ["k/a"]]
+
+
+def test_a_key_deleteobjects_keeps_failing_to_delete_raises_instead_of_being_taken_for_gone():
+    from airflow_vllm_batch.exceptions import StorageUnavailableError
+    from airflow_vllm_batch.storage import DELETE_ROUNDS, delete_keys
+
+    client = PartialDeletes(failing=DELETE_ROUNDS)
+    with pytest.raises(StorageUnavailableError, match=r"did not delete 1 object\(s\) in s3://b/ .*k/a: InternalError"):
+        delete_keys(client, "b", ["k/a", "k/b"])

@@ -86,6 +86,22 @@ def test_a_retry_after_a_death_sends_only_what_no_checkpoint_answers(batch, vers
 
 
 @pytest.mark.parametrize("version", VERSIONS)
+def test_a_retry_counts_requests_not_answers_when_two_tries_parts_answer_the_same_requests(batch, version, monkeypatch):
+    # Simulator seed 2169 (at fdc20fc): 13 answers of 7 requests in the parts were taken for all 10 requests;
+    # every try then published nothing and skipped the engine, so the task could never finish (fix 5, in the runner).
+    monkeypatch.setattr(runner_module, "MAX_STARTS_PER_TRY", 1)
+    with pytest.raises(EngineError):
+        run(batch, version, FAKE_ENGINE_DIES_AFTER="3")
+    (part,) = staged(batch, "parts")
+    token = part.rsplit("-", 1)[1].removesuffix(".jsonl")
+    for other in ("0000aaaa", "0000bbbb"):  # zombies' parts that answered the same three requests
+        batch.put(part.replace(token, other), batch.get(part))
+    manifest = run(batch, version, FakeTI(try_number=2))
+    assert manifest["request_counts"] == {"total": 5, "completed": 5, "failed": 0}
+    assert sent(batch)[1] == ids(3, 4)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
 def test_a_request_that_kills_the_engine_is_answered_as_engine_crash_and_the_rest_completes(batch, version):
     batch.put("in/input.jsonl", chat_lines(12))
     manifest = run(batch, version, FAKE_ENGINE_KILLER="r5")

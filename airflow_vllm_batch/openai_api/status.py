@@ -162,11 +162,16 @@ def batch_object(batch_id: str, run: BatchRun, now: float) -> dict[str, Any]:
     """
     status = batch_status(run, now)
     conf = run.conf
+    published = run.manifest is not None
     # The run ends a moment after its task: until then the task's end is the batch's.
-    ended_at = _ts(run.run_end) or (_ts(run.task_end) if run.manifest is not None else None)
+    ended_at = _ts(run.run_end) or (_ts(run.task_end) if published else None)
+    if ended_at is None and published:
+        # The manifest decides the ending a moment before the task's end is recorded: the batch
+        # ended when it published, its try's start plus the manifest's duration.
+        start = _ts(run.task_start)
+        ended_at = start + int(float(run.manifest.get("duration_s") or 0)) if start is not None else int(now)
     preflight_failed = (run.failure or {}).get("stage") == "preflight"
     started = run.task_start is not None and not preflight_failed
-    published = run.manifest is not None
     return {
         "id": batch_id,
         "object": "batch",

@@ -109,3 +109,10 @@ def test_a_batch_stopped_before_any_request_completed_has_no_output_file():
     manifest = {**MANIFEST, "status": "cancelled", "request_counts": {"total": 3, "completed": 0, "failed": 3}}
     batch = Batch.model_validate(batch_object("batch_abcdefab", BatchRun(CONF, "success", ["success"], T, T, T, manifest), NOW))
     assert batch.status == "cancelled" and batch.output_file_id is None and batch.error_file_id == CONF["error_file_id"]
+
+
+def test_a_batch_published_before_its_task_ended_has_its_ending_time_in_order():
+    # The manifest is out, the task is still returning: completed, and completed_at is not missing.
+    batch = Batch.model_validate(batch_object("batch_abcdefab", BatchRun(CONF, "running", ["running"], task_start=T, manifest=MANIFEST), NOW))
+    assert batch.status == "completed"
+    assert batch.created_at <= batch.in_progress_at <= batch.completed_at

@@ -29,11 +29,11 @@ from typing import Any
 from airflow_vllm_batch.batchfile import (
     DEFAULT_MAX_LINE_BYTES,
     DEFAULT_SUPPORTED_URLS,
+    RUNNER_URL_ADVICE,
     Lines,
     PreflightOptions,
     PreflightReport,
     ResultsReport,
-    RUNNER_URL_ADVICE,
     check_results,
     describe_source,
     line_kind,
@@ -75,13 +75,19 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--json", action="store_true", help="print the report as JSON (for scripts)")
     common.add_argument("--aws-conn-id", default="aws_default", help="Airflow connection for s3:// URIs")
     progress = common.add_mutually_exclusive_group()
-    progress.add_argument("--progress", dest="progress", action="store_true", default=None, help="always show a progress bar")
-    progress.add_argument("--no-progress", dest="progress", action="store_false", help="never show a progress bar")
+    progress.add_argument(
+        "--progress", dest="progress", action="store_true", default=None, help="always show a progress bar"
+    )
+    progress.add_argument(
+        "--no-progress", dest="progress", action="store_false", help="never show a progress bar"
+    )
 
     validate = sub.add_parser("validate", parents=[common], help="preflight-check a batch input file")
     validate.add_argument("source", help="path, http(s) URL, s3://bucket/key or - for stdin")
     validate.add_argument("--model", help="model every request must name in body.model")
-    validate.add_argument("--rewrite-model", action="store_true", help="accept other models (the operator would rewrite them)")
+    validate.add_argument(
+        "--rewrite-model", action="store_true", help="accept other models (the operator would rewrite them)"
+    )
     validate.add_argument(
         "--supported-url",
         action="append",
@@ -102,9 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("--max-problems", type=int, default=50, help="problems listed (all are counted)")
     validate.set_defaults(func=run_validate)
 
-    stats = sub.add_parser("stats", parents=[common], help="summarise a results file (and check it against its input)")
+    stats = sub.add_parser(
+        "stats", parents=[common], help="summarise a results file (and check it against its input)"
+    )
     stats.add_argument("source", help="results: path, http(s) URL, s3://bucket/key or - for stdin")
-    stats.add_argument("--input", dest="input_source", help="the input file, to check every request is answered once")
+    stats.add_argument(
+        "--input", dest="input_source", help="the input file, to check every request is answered once"
+    )
     stats.set_defaults(func=run_stats)
     return parser
 
@@ -135,7 +145,9 @@ def run_validate(args: argparse.Namespace) -> int:
         if args.source == "-":
             # stdin is copied to disk as it is read, so that repeated custom_ids can be
             # named by a second pass, as they are for a file.
-            again = os.path.join(stack.enter_context(tempfile.TemporaryDirectory(prefix="airflow-vllm-batch-")), "stdin")
+            again = os.path.join(
+                stack.enter_context(tempfile.TemporaryDirectory(prefix="airflow-vllm-batch-")), "stdin"
+            )
             copy = stack.enter_context(open(again, "wb"))
 
         def reread() -> contextlib.AbstractContextManager[Iterator[bytes]]:
@@ -143,11 +155,16 @@ def run_validate(args: argparse.Namespace) -> int:
                 copy.flush()
             return reading(again, args.aws_conn_id, False)
 
-        lines = stack.enter_context(reading(args.source, args.aws_conn_id, args.progress, options.max_line_bytes, copy))
+        lines = stack.enter_context(
+            reading(args.source, args.aws_conn_id, args.progress, options.max_line_bytes, copy)
+        )
         lines, kind = peek_kind(lines)
         if kind == "result":
             # Anything else is validated line by line: the messages say what each line lacks.
-            print(f"error: {name} is {_FOUND[kind]}, not {_FOUND['request']}{_hint(kind, 'request')}", file=sys.stderr)
+            print(
+                f"error: {name} is {_FOUND[kind]}, not {_FOUND['request']}{_hint(kind, 'request')}",
+                file=sys.stderr,
+            )
             return 2
         report = preflight(lines, options, source=name, reread=reread)
     if args.json:
@@ -173,8 +190,12 @@ def run_stats(args: argparse.Namespace) -> int:
         report = check_results(
             results,
             inputs,
-            reread_input=(lambda: reading(args.input_source, args.aws_conn_id, False)) if args.input_source else None,
-            reread_results=None if args.source == "-" else (lambda: reading(args.source, args.aws_conn_id, False)),
+            reread_input=(lambda: reading(args.input_source, args.aws_conn_id, False))
+            if args.input_source
+            else None,
+            reread_results=None
+            if args.source == "-"
+            else (lambda: reading(args.source, args.aws_conn_id, False)),
             source=name,
             input_source=display_name(args.input_source) if args.input_source else None,
         )
@@ -187,7 +208,6 @@ def run_stats(args: argparse.Namespace) -> int:
 
 #: How a message names the URL list when ``--supported-url`` is not given.
 URLS_FROM_DEFAULT = "engine=VLLMRunner(), the operator's default"
-
 
 
 # -- kinds of file ---------------------------------------------------------------------
@@ -214,7 +234,10 @@ def expect_kind(lines: Iterable[bytes], name: str, wanted: str) -> tuple[Lines, 
     if kind == wanted:
         return lines, None
     if kind == "blank":
-        return lines, f"{name} is empty (no lines), not {_FOUND[wanted]} — check that the right file was given"
+        return (
+            lines,
+            f"{name} is empty (no lines), not {_FOUND[wanted]} — check that the right file was given",
+        )
     return lines, f"{name} is {_FOUND[kind]}, not {_FOUND[wanted]}{_hint(kind, wanted)}"
 
 
@@ -296,7 +319,11 @@ def reading(
             stack.callback(target.close)
         else:
             target, size = source, source_size(source)
-        show = progress if progress is not None else (sys.stderr.isatty() and (size is None or size >= PROGRESS_MIN_BYTES))
+        show = (
+            progress
+            if progress is not None
+            else (sys.stderr.isatty() and (size is None or size >= PROGRESS_MIN_BYTES))
+        )
         if show:
             kwargs["on_bytes"] = stack.enter_context(progress_bar(display_name(source), size))
         yield stack.enter_context(open_lines(target, **kwargs))
@@ -373,7 +400,13 @@ def progress_bar(name: str, size: int | None) -> Iterator[Any]:
         TransferSpeedColumn,
     )
 
-    columns = [TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn()]
+    columns = [
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+    ]
     with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task(name, total=size)
         yield lambda n: bar.advance(task, n)

@@ -106,8 +106,8 @@ def get_provider_info() -> dict[str, Any]:
                     },
                     "openai_models": {
                         "description": "JSON mapping each model name the OpenAI API serves to its engine: a warm "
-                        "fleet's vllm connection ({\"vllm_conn_id\": ...}) or the runner on a queue ({\"queue\": "
-                        "\"gpu\", \"engine_args\": [...]}). Read by the API server (a batch naming another model is "
+                        'fleet\'s vllm connection ({"vllm_conn_id": ...}) or the runner on a queue ({"queue": '
+                        '"gpu", "engine_args": [...]}). Read by the API server (a batch naming another model is '
                         "refused) and by the batch DAG file (one task per model). Empty: one model, the batch DAG's.",
                         "version_added": "0.1.0",
                         "type": "string",

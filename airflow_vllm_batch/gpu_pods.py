@@ -85,6 +85,10 @@ def gpu_pod_override(
         node_selector=dict(node_selector) if node_selector else None,
         tolerations=[k8s.V1Toleration(**t) for t in tolerations] if tolerations else None,
         service_account_name=service_account_name,
-        volumes=[k8s.V1Volume(name="dshm", empty_dir=k8s.V1EmptyDirVolumeSource(medium="Memory", size_limit=shm_size))],
+        volumes=[
+            k8s.V1Volume(
+                name="dshm", empty_dir=k8s.V1EmptyDirVolumeSource(medium="Memory", size_limit=shm_size)
+            )
+        ],
     )
     return {"pod_override": k8s.V1Pod(spec=spec)}

@@ -133,7 +133,9 @@ def parallel_sizes(engine_args: Sequence[str], *, engine: str = "VLLMRunner") ->
         except ValueError:
             value = 0
         if value < 1:
-            raise ConfigurationError(f"{engine}(args=...): {flag} must be a positive whole number, got {raw!r}.")
+            raise ConfigurationError(
+                f"{engine}(args=...): {flag} must be a positive whole number, got {raw!r}."
+            )
         sizes[name] = value
     return sizes
 
@@ -146,7 +148,12 @@ def devices_needed(engine_args: Sequence[str], *, engine: str = "VLLMRunner") ->
 
 
 def gpus_to_lease(
-    gpus: int | None, engine_args: Sequence[str], devices: Sequence[str], source: str, *, engine: str = "VLLMRunner"
+    gpus: int | None,
+    engine_args: Sequence[str],
+    devices: Sequence[str],
+    source: str,
+    *,
+    engine: str = "VLLMRunner",
 ) -> int:
     """How many devices to lease for one engine; fail fast when the settings cannot fit.
 
@@ -247,7 +254,9 @@ def holder_of(directory: str, device: str) -> str:
         return ""
 
 
-def try_lease(devices: Sequence[str], count: int, directory: str, holder: Mapping[str, object]) -> GPULease | None:
+def try_lease(
+    devices: Sequence[str], count: int, directory: str, holder: Mapping[str, object]
+) -> GPULease | None:
     """Lease ``count`` of ``devices`` at once, or none of them: never a partial set.
 
     :param holder: who asks (task, try, pid), written into each lock file for the others' logs.
@@ -264,7 +273,9 @@ def try_lease(devices: Sequence[str], count: int, directory: str, holder: Mappin
     if len(lease.devices) < count:
         lease.release()
         return None
-    note = json.dumps({**holder, "pid": os.getpid(), "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    note = json.dumps(
+        {**holder, "pid": os.getpid(), "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    )
     for fd in lease.fds:
         # Only for the waiting tasks' log lines: the lock itself is the flock.
         os.ftruncate(fd, 0)
@@ -333,7 +344,11 @@ class GPUPlan:
 
 
 def plan_gpus(
-    gpus: int | None, engine_args: Sequence[str], engine_env: Mapping[str, str] | None, *, engine: str = "VLLMRunner"
+    gpus: int | None,
+    engine_args: Sequence[str],
+    engine_env: Mapping[str, str] | None,
+    *,
+    engine: str = "VLLMRunner",
 ) -> GPUPlan:
     """Decide the lease of one task before anything runs; fail fast when it cannot fit.
 
@@ -371,7 +386,12 @@ def engine_gpus(
     env["CUDA_VISIBLE_DEVICES"] = lease.cuda_visible_devices
     # Device numbers as nvidia-smi shows them, not CUDA's default "fastest first" order.
     env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
-    log("Leased GPU(s) %s of %s (from %s) for the engine", lease.cuda_visible_devices, ",".join(plan.devices), plan.source)
+    log(
+        "Leased GPU(s) %s of %s (from %s) for the engine",
+        lease.cuda_visible_devices,
+        ",".join(plan.devices),
+        plan.source,
+    )
     with lease:
         yield tuple(lease.fds)
     log("Released GPU(s) %s", ",".join(lease.devices))

@@ -82,7 +82,10 @@ class LeaseHolder:
     @classmethod
     def of_try(cls, task: Mapping[str, Any], fingerprint: str) -> LeaseHolder:
         """The holder for one task try (:func:`airflow_vllm_batch.operators.task_try.task_try`; other keys are ignored)."""
-        return cls(**{k: task[k] for k in ("dag_id", "run_id", "task_id", "map_index", "try_number")}, fingerprint=fingerprint)
+        return cls(
+            **{k: task[k] for k in ("dag_id", "run_id", "task_id", "map_index", "try_number")},
+            fingerprint=fingerprint,
+        )
 
     def same_task_instance(self, other: LeaseHolder) -> bool:
         """Whether ``other`` is another try of the same task instance."""
@@ -180,10 +183,15 @@ class OutputLease:
                 if round_ == ACQUIRE_ROUNDS or isinstance(err, ClientError) and _code(err) not in _GONE_CODES:
                     raise
                 now = self._read()
-                older = now is not None and now.holder is not None and now.holder.same_task_instance(self.holder)
+                older = (
+                    now is not None and now.holder is not None and now.holder.same_task_instance(self.holder)
+                )
                 if now is not None and not (older and now.holder.try_number < self.holder.try_number):
                     raise  # someone the rules let hold it: not a lease given back, nor one an older try took meanwhile
-                log.info("The lease %s was given back (or taken by an older try) while this try took it over; taking it again.", self.uri)
+                log.info(
+                    "The lease %s was given back (or taken by an older try) while this try took it over; taking it again.",
+                    self.uri,
+                )
         self._verify()
         self._thread = threading.Thread(target=self._heartbeat, name="vllm-batch-lease", daemon=True)
         self._thread.start()
@@ -194,7 +202,11 @@ class OutputLease:
             self._write(IfNoneMatch="*")
         else:
             other, etag, age, _ = current
-            if other is not None and other.same_task_instance(self.holder) and other.try_number > self.holder.try_number:
+            if (
+                other is not None
+                and other.same_task_instance(self.holder)
+                and other.try_number > self.holder.try_number
+            ):
                 # A take-over never goes to an older try: this try is a zombie whose successor took the
                 # lease (Airflow started it after giving up on this one), live or stale, and owns the output.
                 raise OutputBusyError(
@@ -323,10 +335,18 @@ class OutputLease:
                 raise err from None
             if current is not None and current.nonce == nonce and current.holder == self.holder:
                 # The PUT landed and its response was lost (botocore's retry of it got 412, or gave up).
-                log.info("The lease write to %s landed although its response was lost; the lease is held.", self.uri)
+                log.info(
+                    "The lease write to %s landed although its response was lost; the lease is held.",
+                    self.uri,
+                )
                 self._etag = current.etag
                 return
-            if isinstance(err, ClientError) and _code(err) in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409"):
+            if isinstance(err, ClientError) and _code(err) in (
+                "PreconditionFailed",
+                "412",
+                "ConditionalRequestConflict",
+                "409",
+            ):
                 if current is not None and self._is_ours(current):
                     # An earlier write of ours whose response was lost: the lease is still ours; renew it from there.
                     self._etag = current.etag

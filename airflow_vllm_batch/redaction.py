@@ -21,7 +21,9 @@ import threading
 from collections.abc import Iterable, Mapping, Sequence
 
 #: Words that make a flag's or a variable's name say it holds a secret.
-SECRET_WORDS = frozenset({"token", "key", "secret", "password", "passwd", "credential", "credentials", "apikey"})
+SECRET_WORDS = frozenset(
+    {"token", "key", "secret", "password", "passwd", "credential", "credentials", "apikey"}
+)
 #: What stands for a secret value in the run identity and cache keys.
 IDENTITY_PLACEHOLDER = "<secret>"
 #: What stands for a secret value in log lines and messages (Airflow's masker writes the same).
@@ -49,7 +51,11 @@ def _secret_positions(args: Sequence[str]) -> Iterable[tuple[int, str, str | Non
         if eq:
             if value:
                 yield index, flag, value
-        elif index + 1 < len(args) and isinstance(args[index + 1], str) and not args[index + 1].startswith("--"):
+        elif (
+            index + 1 < len(args)
+            and isinstance(args[index + 1], str)
+            and not args[index + 1].startswith("--")
+        ):
             # vLLM's --hf-token may stand alone (use the token of `huggingface-cli login`): a next flag is no value.
             yield index + 1, flag, None
 
@@ -72,7 +78,9 @@ def secret_env_values(env: Mapping[str, str] | None) -> list[str]:
     return [str(value) for name, value in (env or {}).items() if is_secret_name(name) and value]
 
 
-def register_engine_secrets(engine_args: Sequence[str] | None, engine_env: Mapping[str, str] | None = None) -> None:
+def register_engine_secrets(
+    engine_args: Sequence[str] | None, engine_env: Mapping[str, str] | None = None
+) -> None:
     """Register the secrets of an engine's ``args`` and ``env`` with Airflow's masker and :func:`redact_secrets`."""
     values = [*secret_values(list(engine_args or ())), *secret_env_values(engine_env)]
     if not values:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import stat
 import shutil
+import stat
 import tempfile
 import time
 from collections.abc import Iterator
@@ -32,7 +32,9 @@ OWNED_DIR_NAME = "airflow-vllm-batch"
 #: A run's directory, a try's, and the flags an engine's parser knows (``engine-options-<digest>.json``,
 #: :meth:`~airflow_vllm_batch.engines.local.LocalEngine.options_file`, and the temporary file it is
 #: written through, left behind by a kill between the write and the rename).
-_OWN_ENTRY = re.compile(r"^(?:[0-9a-f]{16}(?:-try-[A-Za-z0-9_]+)?|engine-options-[0-9a-f]{16}\.json(?:\.[0-9]+\.tmp)?)$")
+_OWN_ENTRY = re.compile(
+    r"^(?:[0-9a-f]{16}(?:-try-[A-Za-z0-9_]+)?|engine-options-[0-9a-f]{16}\.json(?:\.[0-9]+\.tmp)?)$"
+)
 
 
 def owned_dir(results_dir: str) -> Path:
@@ -57,7 +59,11 @@ def ensure_owned_dir(results_dir: str) -> Path:
         pass
     info = os.lstat(root)
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
-        owner = "is not a directory" if not stat.S_ISDIR(info.st_mode) else f"belongs to uid {info.st_uid}, not this worker's uid {os.getuid()}"
+        owner = (
+            "is not a directory"
+            if not stat.S_ISDIR(info.st_mode)
+            else f"belongs to uid {info.st_uid}, not this worker's uid {os.getuid()}"
+        )
         raise ConfigurationError(
             f"results_dir: {root} {owner}. Remove it, or set results_dir to a directory of the worker's own user."
         )

@@ -137,7 +137,9 @@ def split_lines(
             writer.abandon()
 
 
-def merge_results(sources: Iterable[Any], out: IO[bytes], *, max_line_bytes: int = MAX_LINE_BYTES) -> list[int]:
+def merge_results(
+    sources: Iterable[Any], out: IO[bytes], *, max_line_bytes: int = MAX_LINE_BYTES
+) -> list[int]:
     """Concatenate result files into ``out`` in the order given; return the lines written from each.
 
     Each line's bytes are copied exactly and newline-terminated (vLLM's uploaded
@@ -249,7 +251,9 @@ def sum_manifests(manifests: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     :param manifests: the shards' manifests as returned by ``VLLMBatchOperator``, in shard order.
     """
     if not manifests:
-        raise ShardingError("No shard manifests to merge: the split produced no shard, or the mapped task returned nothing.")
+        raise ShardingError(
+            "No shard manifests to merge: the split produced no shard, or the mapped task returned nothing."
+        )
     counts = _sum_fields(manifests, "request_counts", ("total", "completed", "failed"))
     usage = _sum_fields(manifests, "usage", ("prompt_tokens", "completion_tokens", "total_tokens"))
     durations = [float(m.get("duration_s") or 0.0) for m in manifests]

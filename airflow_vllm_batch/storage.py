@@ -148,12 +148,16 @@ def upload_file(client: Any, path: Path, bucket: str, key: str, **condition: str
         with open(path, "rb") as body:
             while chunk := body.read(UPLOAD_PART_BYTES):
                 number = len(parts.done) + 1
-                etag = client.upload_part(Bucket=bucket, Key=key, UploadId=parts.upload_id, PartNumber=number, Body=chunk)["ETag"]
+                etag = client.upload_part(
+                    Bucket=bucket, Key=key, UploadId=parts.upload_id, PartNumber=number, Body=chunk
+                )["ETag"]
                 parts.done.append({"ETag": etag, "PartNumber": number})
     return parts.etag
 
 
-def copy_object(client: Any, source_bucket: str, source_key: str, bucket: str, key: str, **condition: str) -> str:
+def copy_object(
+    client: Any, source_bucket: str, source_key: str, bucket: str, key: str, **condition: str
+) -> str:
     """Copy an object server side (no byte through the worker; in parts above 5 GiB); return the copy's ETag.
 
     :param condition: ``IfMatch`` or ``IfNoneMatch`` on the destination.
@@ -161,12 +165,21 @@ def copy_object(client: Any, source_bucket: str, source_key: str, bucket: str, k
     source = {"Bucket": source_bucket, "Key": source_key}
     size = client.head_object(**source)["ContentLength"]
     if size <= COPY_OBJECT_MAX:
-        return bare_etag(client.copy_object(Bucket=bucket, Key=key, CopySource=source, **condition)["CopyObjectResult"]["ETag"])
+        return bare_etag(
+            client.copy_object(Bucket=bucket, Key=key, CopySource=source, **condition)["CopyObjectResult"][
+                "ETag"
+            ]
+        )
     with _multipart(client, bucket, key, condition) as parts:
         for number, start in enumerate(range(0, size, 8 * UPLOAD_PART_BYTES), start=1):
             end = min(start + 8 * UPLOAD_PART_BYTES, size) - 1
             result = client.upload_part_copy(
-                Bucket=bucket, Key=key, UploadId=parts.upload_id, PartNumber=number, CopySource=source, CopySourceRange=f"bytes={start}-{end}"
+                Bucket=bucket,
+                Key=key,
+                UploadId=parts.upload_id,
+                PartNumber=number,
+                CopySource=source,
+                CopySourceRange=f"bytes={start}-{end}",
             )
             parts.done.append({"ETag": result["CopyPartResult"]["ETag"], "PartNumber": number})
     return parts.etag
@@ -188,7 +201,11 @@ def _multipart(client: Any, bucket: str, key: str, condition: Mapping[str, str])
     try:
         yield parts
         done = client.complete_multipart_upload(
-            Bucket=bucket, Key=key, UploadId=parts.upload_id, MultipartUpload={"Parts": parts.done}, **condition
+            Bucket=bucket,
+            Key=key,
+            UploadId=parts.upload_id,
+            MultipartUpload={"Parts": parts.done},
+            **condition,
         )
         parts.etag = bare_etag(done["ETag"])
     except BaseException:
@@ -220,7 +237,9 @@ def delete_keys(client: Any, bucket: str, keys: Sequence[str]) -> None:
     for start in range(0, len(keys), 1000):
         chunk = keys[start : start + 1000]
         for _ in range(DELETE_ROUNDS):
-            response = client.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": k} for k in chunk], "Quiet": True})
+            response = client.delete_objects(
+                Bucket=bucket, Delete={"Objects": [{"Key": k} for k in chunk], "Quiet": True}
+            )
             errors = [e for e in (response or {}).get("Errors", []) if e.get("Key")]
             if not errors:
                 break
@@ -248,7 +267,9 @@ def error_code(err: ClientError) -> str:
 
 
 @contextlib.contextmanager
-def s3_body(hook: S3Hook, bucket: str, key: str, *, if_match: str | None = None, version_id: str | None = None) -> Iterator[Any]:
+def s3_body(
+    hook: S3Hook, bucket: str, key: str, *, if_match: str | None = None, version_id: str | None = None
+) -> Iterator[Any]:
     """Open an object's streaming body; close it on exit.
 
     :param if_match: the ETag the object must still have (the pinned input).
@@ -337,7 +358,9 @@ def read_answers(
         for uri_field, etag_field in (("output_uri", "output_etag"), ("error_uri", "error_etag")):
             if source.get(uri_field) and source.get(etag_field):
                 etags[source[uri_field]] = source[etag_field]
-    open_uri = functools.partial(_published_lines, hook, etags) if etags else functools.partial(open_uri_lines, hook)
+    open_uri = (
+        functools.partial(_published_lines, hook, etags) if etags else functools.partial(open_uri_lines, hook)
+    )
     yield from answers.read_answers(source, open_uri=open_uri, errors=errors, output_type=output_type)
 
 
@@ -358,7 +381,9 @@ class RunStaging:
     :param fence: called right before every mutation; raises when this try may no longer write.
     """
 
-    def __init__(self, hook: S3Hook, bucket: str, prefix: str, fence: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self, hook: S3Hook, bucket: str, prefix: str, fence: Callable[[], None] | None = None
+    ) -> None:
         self.hook = hook
         self.bucket = bucket
         self.prefix = prefix
@@ -504,7 +529,13 @@ class OutputStore:
         to the lease's check, so a try that lost the lease changes nothing more.
     """
 
-    def __init__(self, hook: S3Hook, output_uri: str, error_uri: str | None = None, fence: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        hook: S3Hook,
+        output_uri: str,
+        error_uri: str | None = None,
+        fence: Callable[[], None] | None = None,
+    ) -> None:
         self.hook = hook
         self.fence = fence
         self.output_uri = output_uri
@@ -533,7 +564,9 @@ class OutputStore:
                 client.put_object(Bucket=bucket, Key=probe, Body=b"")
                 client.delete_object(Bucket=bucket, Key=probe)
             except ClientError as err:
-                raise LocationError(_location_message(parameter, bucket, err, self.hook.aws_conn_id)) from None
+                raise LocationError(
+                    _location_message(parameter, bucket, err, self.hook.aws_conn_id)
+                ) from None
 
     def read_manifest(self) -> Manifest | None:
         """The manifest beside the output, or None when there is none (or a publish's tombstone, or it is unreadable)."""
@@ -542,13 +575,19 @@ class OutputStore:
     def _manifest_body(self) -> bytes | None:
         """What the manifest key holds (a manifest, or a publish's tombstone), or None when nothing."""
         try:
-            return self.hook.get_conn().get_object(Bucket=self.manifest_bucket, Key=self.manifest_key)["Body"].read()
+            return (
+                self.hook.get_conn()
+                .get_object(Bucket=self.manifest_bucket, Key=self.manifest_key)["Body"]
+                .read()
+            )
         except ClientError as err:
             code = error_code(err)
             if code in ("NoSuchKey", "404"):
                 return None
             if code in ("NoSuchBucket", "AccessDenied", "403"):
-                raise LocationError(_location_message("output_uri", self.manifest_bucket, err, self.hook.aws_conn_id)) from None
+                raise LocationError(
+                    _location_message("output_uri", self.manifest_bucket, err, self.hook.aws_conn_id)
+                ) from None
             raise
 
     def completed(self, identity: RunIdentity) -> tuple[Manifest | None, str]:
@@ -568,7 +607,10 @@ class OutputStore:
         if manifest.fingerprint != identity.fingerprint:
             changed = ", ".join(identity.changes_from(manifest.identity)) or "the fingerprint"
             return None, f"the output at {self.output_uri} was made by a different run (changed: {changed})"
-        for uri, published in ((manifest.output_uri, manifest.output_etag), (manifest.error_uri, manifest.error_etag)):
+        for uri, published in (
+            (manifest.output_uri, manifest.output_etag),
+            (manifest.error_uri, manifest.error_etag),
+        ):
             if not uri:
                 continue
             bucket, key = split_s3_uri(uri, "output_uri")
@@ -577,7 +619,10 @@ class OutputStore:
                 return None, f"the manifest names {uri}, which is gone"
             if published is not None and etag != bare_etag(published):
                 # A writer that lost the lease landed a write after its last check (see the module docstring).
-                return None, f"{uri} was overwritten after its manifest was written (ETag {etag}, published {published})"
+                return (
+                    None,
+                    f"{uri} was overwritten after its manifest was written (ETag {etag}, published {published})",
+                )
         return manifest, f"the output at {self.output_uri} is complete for this very run"
 
     def lease(self, holder: LeaseHolder, **kwargs: Any) -> OutputLease:
@@ -585,7 +630,9 @@ class OutputStore:
 
         From here on every mutation under the output (and its staging) checks the lease first.
         """
-        lease = OutputLease(self.hook.get_conn(), self.bucket, f"{output_stem(self.key)}.lease.json", holder, **kwargs)
+        lease = OutputLease(
+            self.hook.get_conn(), self.bucket, f"{output_stem(self.key)}.lease.json", holder, **kwargs
+        )
         self.fence = functools.partial(lease.ensure_held, verify=True)
         return lease
 
@@ -632,24 +679,36 @@ class OutputStore:
         tombstone = self.mark_publishing(seen_manifest, manifest.fingerprint)
         if results_path is not None:
             manifest.output_etag = self._conditional_write(
-                lambda: upload_file(self._fenced(), results_path, self.bucket, self.key, **_condition(seen_results)),
+                lambda: upload_file(
+                    self._fenced(), results_path, self.bucket, self.key, **_condition(seen_results)
+                ),
                 self.output_uri,
                 landed=lambda: head_etag(client, self.bucket, self.key) == _file_md5(results_path),
             )
         elif staging is not None:
             manifest.output_etag = self._conditional_write(
                 lambda: copy_object(
-                    self._fenced(), staging.bucket, staging.results_key, self.bucket, self.key, **_condition(seen_results)
+                    self._fenced(),
+                    staging.bucket,
+                    staging.results_key,
+                    self.bucket,
+                    self.key,
+                    **_condition(seen_results),
                 ),
                 self.output_uri,
-                landed=lambda: head_etag(client, self.bucket, self.key) == head_etag(client, staging.bucket, staging.results_key),
+                landed=lambda: (
+                    head_etag(client, self.bucket, self.key)
+                    == head_etag(client, staging.bucket, staging.results_key)
+                ),
             )
         else:
             raise ValueError("publish needs staging or results_path")
         manifest.error_etag = None
         if errors_path is not None:
             manifest.error_etag = self._conditional_write(
-                lambda: upload_file(self._fenced(), errors_path, self.error_bucket, self.error_key, **_condition(seen_errors)),
+                lambda: upload_file(
+                    self._fenced(), errors_path, self.error_bucket, self.error_key, **_condition(seen_errors)
+                ),
                 self.error_uri,
                 landed=lambda: head_etag(client, self.error_bucket, self.error_key) == _file_md5(errors_path),
             )
@@ -685,18 +744,27 @@ class OutputStore:
         :return: the manifest's ETag.
         :raises OutputBusyError: the tombstone was replaced (or a manifest appeared): another writer published.
         """
-        return self._put_manifest_key(manifest.to_json(), {"IfMatch": f'"{over}"'} if over is not None else {"IfNoneMatch": "*"})
+        return self._put_manifest_key(
+            manifest.to_json(), {"IfMatch": f'"{over}"'} if over is not None else {"IfNoneMatch": "*"}
+        )
 
     def _put_manifest_key(self, body: bytes, condition: Mapping[str, str]) -> str:
         """A fenced conditional PUT at the manifest key; return the ETag it got."""
         response = self._conditional_write(
             lambda: self._fenced().put_object(
-                Bucket=self.manifest_bucket, Key=self.manifest_key, Body=body, ContentType="application/json", **condition
+                Bucket=self.manifest_bucket,
+                Key=self.manifest_key,
+                Body=body,
+                ContentType="application/json",
+                **condition,
             ),
             self.manifest_uri,
             # A tombstone's bytes are unique (its id): finding them there means this very write landed. A
             # manifest byte for byte like this one (another try's) names the very same files: the same output.
-            landed=lambda: head_etag(self.hook.get_conn(), self.manifest_bucket, self.manifest_key) == hashlib.md5(body).hexdigest(),
+            landed=lambda: (
+                head_etag(self.hook.get_conn(), self.manifest_bucket, self.manifest_key)
+                == hashlib.md5(body).hexdigest()
+            ),
         )
         return response if isinstance(response, str) else bare_etag(response["ETag"])
 
@@ -723,7 +791,9 @@ class OutputStore:
             code = error_code(err)
             # A missing object answers 404 on S3 and 412 on SeaweedFS: either way, gone is deleted (our own
             # delete whose answer was lost, or another's: nothing of it is left to undo).
-            if code in ("NoSuchKey", "404") or (code in _PRECONDITION_CODES and head_etag(self.hook.get_conn(), bucket, key) is None):
+            if code in ("NoSuchKey", "404") or (
+                code in _PRECONDITION_CODES and head_etag(self.hook.get_conn(), bucket, key) is None
+            ):
                 return
             if code in _PRECONDITION_CODES:
                 raise self._changed_meanwhile(uri) from None
@@ -763,7 +833,9 @@ def _file_md5(path: Path) -> str | None:
 
 
 #: S3 error codes that say the location itself is wrong: the same call fails the same way on a retry.
-_LOCATION_CODES = frozenset({"NoSuchBucket", "404", "AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch"})
+_LOCATION_CODES = frozenset(
+    {"NoSuchBucket", "404", "AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch"}
+)
 
 
 def location_error(parameter: str, bucket: str, err: ClientError, conn_id: str | None) -> VLLMBatchError:
@@ -771,13 +843,17 @@ def location_error(parameter: str, bucket: str, err: ClientError, conn_id: str |
     denied, else :class:`StorageUnavailableError` (retried: S3 slowing down or failing for a moment)."""
     if error_code(err) in _LOCATION_CODES:
         return LocationError(_location_message(parameter, bucket, err, conn_id))
-    return StorageUnavailableError(f"{parameter}: S3 failed on bucket {bucket!r} ({err}). The task is retried.")
+    return StorageUnavailableError(
+        f"{parameter}: S3 failed on bucket {bucket!r} ({err}). The task is retried."
+    )
 
 
 def _location_message(parameter: str, bucket: str, err: ClientError, conn_id: str | None) -> str:
     code = error_code(err)
     if code in ("NoSuchBucket", "404"):
-        return f"{parameter}: bucket {bucket!r} does not exist. Create it, or fix {parameter}. Nothing was run."
+        return (
+            f"{parameter}: bucket {bucket!r} does not exist. Create it, or fix {parameter}. Nothing was run."
+        )
     if code in ("AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
         return (
             f"{parameter}: connection {conn_id!r} may not use bucket {bucket!r} ({code}). "

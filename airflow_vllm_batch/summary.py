@@ -87,8 +87,12 @@ def tally_failures(error_lines: Iterable[bytes]) -> FailureTally:
         counts[reason] = counts.get(reason, 0) + 1
         if reason not in examples:
             message = error.get("message")
-            examples[reason] = FailureExample(line.custom_id, short_message(message if isinstance(message, str) else ""))
-    return FailureTally(counts=dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))), examples=examples)
+            examples[reason] = FailureExample(
+                line.custom_id, short_message(message if isinstance(message, str) else "")
+            )
+    return FailureTally(
+        counts=dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))), examples=examples
+    )
 
 
 def short_message(message: str, limit: int = MAX_EXAMPLE_CHARS) -> str:
@@ -119,23 +123,37 @@ def render_summary(
         title += " (reused: no engine ran in this try)"
     rows = [("requests", f"{counts.total} total, {counts.completed} completed, {counts.failed} failed")]
     if manifest.from_cache is not None:
-        rows.append(("from cache", f"{manifest.from_cache} of {counts.total} requests answered from the answer cache"))
+        rows.append(
+            ("from cache", f"{manifest.from_cache} of {counts.total} requests answered from the answer cache")
+        )
     for reason, count in (manifest.failed_by_reason or {}).items():
         example = (examples or {}).get(reason)
-        rows.append((f"failed: {reason}", f"{count}, e.g. {example}" if example else f"{count} (see the error file)"))
+        rows.append(
+            (f"failed: {reason}", f"{count}, e.g. {example}" if example else f"{count} (see the error file)")
+        )
     if manifest.invalid_output:
         rows.append(
-            ("invalid output", f"{manifest.invalid_output} answer(s) did not fit output_type (raw text in the error file)")
+            (
+                "invalid output",
+                f"{manifest.invalid_output} answer(s) did not fit output_type (raw text in the error file)",
+            )
         )
     rows += [
-        ("tokens", f"{usage.prompt_tokens} prompt + {usage.completion_tokens} completion = {usage.total_tokens} total"),
+        (
+            "tokens",
+            f"{usage.prompt_tokens} prompt + {usage.completion_tokens} completion = {usage.total_tokens} total",
+        ),
         ("time", _time_row(manifest, task_s, resumed)),
     ]
     if manifest.cost is not None and not resumed:
         rows.append(("engine time", _cost_row(manifest.cost)))
-        priced = {name: entry["cost"] for name, entry in (manifest.per_model or {}).items() if "cost" in entry}
+        priced = {
+            name: entry["cost"] for name, entry in (manifest.per_model or {}).items() if "cost" in entry
+        }
         if len(priced) > 1:
-            rows.append(("cost per model", ", ".join(f"{name} {value:.4g}" for name, value in priced.items())))
+            rows.append(
+                ("cost per model", ", ".join(f"{name} {value:.4g}" for name, value in priced.items()))
+            )
     rows += [
         ("results", manifest.output_uri),
         ("errors", manifest.error_uri or "none (no request failed)"),
@@ -161,7 +179,9 @@ def _time_row(manifest: Manifest, task_s: float | None, resumed: bool) -> str:
     task = manifest.duration_s if task_s is None else task_s
     engine = manifest.engine_duration_s
     share = f" ({100 * engine / task:.0f} %)" if task > 0 else ""
-    return f"engine {engine:.1f} s of task {task:.1f} s{share}; outside the engine {max(task - engine, 0):.1f} s"
+    return (
+        f"engine {engine:.1f} s of task {task:.1f} s{share}; outside the engine {max(task - engine, 0):.1f} s"
+    )
 
 
 def _cost_row(cost: Cost) -> str:
@@ -173,7 +193,9 @@ def _cost_row(cost: Cost) -> str:
         text = f"cpu: {cost.engine_s:.1f} engine-s (no GPU leased)"
         rate, unit, hour = cost.tokens_per_engine_s, "engine-s", "engine-hour"
     else:
-        text = f"vllm connection: {cost.engine_s:.1f} s of the task (the server may be shared with other tasks)"
+        text = (
+            f"vllm connection: {cost.engine_s:.1f} s of the task (the server may be shared with other tasks)"
+        )
         rate, unit, hour = cost.tokens_per_engine_s, "s", "server-hour"
     if rate is not None:
         text += f"; {rate:,.1f} tokens/{unit}"

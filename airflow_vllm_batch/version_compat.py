@@ -30,9 +30,8 @@ from typing import TYPE_CHECKING
 @functools.cache
 def get_base_airflow_version_tuple() -> tuple[int, int, int]:
     """Return the running Airflow's ``(major, minor, micro)``, pre-release and local parts dropped."""
-    from packaging.version import Version
-
     from airflow import __version__
+    from packaging.version import Version
 
     version = Version(__version__)
     return version.major, version.minor, version.micro

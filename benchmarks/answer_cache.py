@@ -44,10 +44,10 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 os.environ.setdefault("AIRFLOW_HOME", tempfile.mkdtemp(prefix="vllm-batch-bench-airflow-"))
 
+from server_engine import BUCKET, run_task, stand_in_server, vm_kb  # noqa: E402
+
 from airflow_vllm_batch.engines import WarmVLLMServer  # noqa: E402
 from airflow_vllm_batch.run import AnswerCacheOptions  # noqa: E402
-from server_engine import BUCKET, stand_in_server, vm_kb, run_task  # noqa: E402
-
 from tests.integration.vllm_metrics import requests_answered  # noqa: E402
 from vllm_batch_embedded.demo import CPU_ENGINE_ARGS, CPU_ENGINE_ENV  # noqa: E402
 from vllm_batch_embedded.seaweedfs import SeaweedFS  # noqa: E402
@@ -65,8 +65,17 @@ def rows(n: int, model: str, max_tokens: int, changed: frozenset[int] = frozense
         text = f"Ticket {i}: the printer on floor {i % 7} says paper jam; summarise in one line."
         if i in changed:
             text += " Update: it is on fire now."
-        body = {"model": model, "messages": [{"role": "user", "content": text}], "max_completion_tokens": max_tokens, "temperature": 0}
-        lines.append(json.dumps({"custom_id": f"row-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}))
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": text}],
+            "max_completion_tokens": max_tokens,
+            "temperature": 0,
+        }
+        lines.append(
+            json.dumps(
+                {"custom_id": f"row-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}
+            )
+        )
     return ("\n".join(lines) + "\n").encode()
 
 
@@ -91,7 +100,12 @@ def vllm_server(url: str | None, model: str) -> Iterator[str]:
         return
     from airflow_vllm_batch.engines.vllm.server_process import VLLMServerProcess
 
-    with VLLMServerProcess(model, engine_args=CPU_ENGINE_ARGS.split(), env={**os.environ, **CPU_ENGINE_ENV}, startup_timeout_s=300) as server:
+    with VLLMServerProcess(
+        model,
+        engine_args=CPU_ENGINE_ARGS.split(),
+        env={**os.environ, **CPU_ENGINE_ENV},
+        startup_timeout_s=300,
+    ) as server:
         assert server.hook is not None
         _connect(server.hook.base_url, server.hook.api_key)
         yield server.hook.base_url
@@ -99,7 +113,12 @@ def vllm_server(url: str | None, model: str) -> Iterator[str]:
 
 def _connect(url: str, api_key: str | None) -> None:
     host, port = url.removeprefix("http://").split(":")
-    conn = {"conn_type": "vllm", "host": host, "port": int(port), **({"password": api_key} if api_key else {})}
+    conn = {
+        "conn_type": "vllm",
+        "host": host,
+        "port": int(port),
+        **({"password": api_key} if api_key else {}),
+    }
     os.environ[f"AIRFLOW_CONN_{CONN_ID.upper()}"] = json.dumps(conn)
 
 
@@ -109,8 +128,14 @@ def nightly(args: argparse.Namespace, s3: SeaweedFS, work: Path) -> int:
     stamp = time.time_ns()
     cache = f"s3://{BUCKET}/cache-{stamp}/"
     client = s3.client()
-    client.put_object(Bucket=BUCKET, Key=f"nightly-{stamp}/night1.jsonl", Body=rows(args.rows, model, args.max_tokens))
-    client.put_object(Bucket=BUCKET, Key=f"nightly-{stamp}/night2.jsonl", Body=rows(args.rows, model, args.max_tokens, changed))
+    client.put_object(
+        Bucket=BUCKET, Key=f"nightly-{stamp}/night1.jsonl", Body=rows(args.rows, model, args.max_tokens)
+    )
+    client.put_object(
+        Bucket=BUCKET,
+        Key=f"nightly-{stamp}/night2.jsonl",
+        Body=rows(args.rows, model, args.max_tokens, changed),
+    )
     nights = {}
     with vllm_server(args.server_url, model) as url:
         for night in (1, 2):
@@ -126,8 +151,15 @@ def nightly(args: argparse.Namespace, s3: SeaweedFS, work: Path) -> int:
                 results_dir=str(work / "results"),
             )
             wall = time.monotonic() - started
-            nights[night] = {"manifest": manifest, "wall_s": wall, "sent": round(requests_answered(url) - before)}
-            print(f"night {night}: sent {nights[night]['sent']}, from cache {manifest.get('from_cache', 0)}, {wall:.1f}s", flush=True)
+            nights[night] = {
+                "manifest": manifest,
+                "wall_s": wall,
+                "sent": round(requests_answered(url) - before),
+            }
+            print(
+                f"night {night}: sent {nights[night]['sent']}, from cache {manifest.get('from_cache', 0)}, {wall:.1f}s",
+                flush=True,
+            )
     first = result_lines(s3, nights[1]["manifest"]["output_uri"])
     second = result_lines(s3, nights[2]["manifest"]["output_uri"])
     unchanged = [f"row-{i}" for i in range(args.rows) if i not in changed]
@@ -149,7 +181,9 @@ def nightly(args: argparse.Namespace, s3: SeaweedFS, work: Path) -> int:
     }
     print(json.dumps(figures))
     if differing:
-        print(f"{len(differing)} unchanged row(s) differ, e.g. {differing[0]}:\n{first[differing[0]]!r}\n{second[differing[0]]!r}")
+        print(
+            f"{len(differing)} unchanged row(s) differ, e.g. {differing[0]}:\n{first[differing[0]]!r}\n{second[differing[0]]!r}"
+        )
     missed = []
     if args.check:
         if nights[2]["sent"] > TARGETS["night2_sent_at_most"] * args.rows / 20000:
@@ -167,7 +201,9 @@ def overhead(args: argparse.Namespace, s3: SeaweedFS, work: Path) -> int:
     model = "m"
     if args.engine == "vllm":
         model = str(build_tiny_chat_model(REPO / ".cache" / "models" / "tiny-llama-chat"))
-    s3.client().put_object(Bucket=BUCKET, Key="overhead/input.jsonl", Body=rows(args.requests, model, args.max_tokens))
+    s3.client().put_object(
+        Bucket=BUCKET, Key="overhead/input.jsonl", Body=rows(args.requests, model, args.max_tokens)
+    )
     runs: dict[str, list[dict]] = {"without": [], "with": []}
     with contextlib.ExitStack() as stack:
         if args.engine == "vllm":
@@ -181,7 +217,10 @@ def overhead(args: argparse.Namespace, s3: SeaweedFS, work: Path) -> int:
                 cache = f"s3://{BUCKET}/overhead-cache-{time.time_ns()}/" if variant == "with" else ""
                 child = subprocess.run(  # noqa: S603
                     [sys.executable, __file__, "_one", model, str(work / "results"), cache],
-                    env=os.environ.copy(), check=True, stdout=subprocess.PIPE, text=True,
+                    env=os.environ.copy(),
+                    check=True,
+                    stdout=subprocess.PIPE,
+                    text=True,
                 )
                 figures = json.loads(child.stdout.splitlines()[-1])
                 runs[variant].append(figures)
@@ -214,10 +253,18 @@ def _one(model: str, results_dir: str, cache: str) -> None:
     started = time.monotonic()
     extra = {"answer_cache": AnswerCacheOptions(uri=cache)} if cache else {}
     manifest = run_task(
-        0, input_uri=f"s3://{BUCKET}/overhead/input.jsonl", model=model, engine=WarmVLLMServer(conn_id=CONN_ID), results_dir=results_dir, resume=False, **extra
+        0,
+        input_uri=f"s3://{BUCKET}/overhead/input.jsonl",
+        model=model,
+        engine=WarmVLLMServer(conn_id=CONN_ID),
+        results_dir=results_dir,
+        resume=False,
+        **extra,
     )
     wall = time.monotonic() - started
-    assert manifest["request_counts"]["completed"] == manifest["request_counts"]["total"], manifest["request_counts"]
+    assert manifest["request_counts"]["completed"] == manifest["request_counts"]["total"], manifest[
+        "request_counts"
+    ]
     assert not manifest.get("from_cache"), "nothing may hit in the overhead runs"
     print(json.dumps({"wall_s": round(wall, 3), "peak_rss_mb": round(vm_kb("VmHWM") / 1024, 1)}), flush=True)
 
@@ -234,7 +281,9 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--engine", choices=("stand-in", "vllm"), default="stand-in")
-    parser.add_argument("--server-url", help="a running vLLM server (nightly only); its key in BENCH_VLLM_API_KEY")
+    parser.add_argument(
+        "--server-url", help="a running vLLM server (nightly only); its key in BENCH_VLLM_API_KEY"
+    )
     parser.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="vllm-batch-cache-bench-"))

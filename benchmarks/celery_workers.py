@@ -34,9 +34,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from vllm_batch_embedded.demo import BUCKET
-from vllm_batch_embedded.seaweedfs import SeaweedFS, _free_ports
-from vllm_batch_embedded.tiny_model import build_tiny_chat_model
 from tests.integration.deployment import (
     LOOPBACK,
     Deployment,
@@ -44,6 +41,9 @@ from tests.integration.deployment import (
     signal_group,
     wait_until,
 )
+from vllm_batch_embedded.demo import BUCKET
+from vllm_batch_embedded.seaweedfs import SeaweedFS, _free_ports
+from vllm_batch_embedded.tiny_model import build_tiny_chat_model
 
 DAG_ID = "vllm_batch_sharded"
 
@@ -74,9 +74,28 @@ def start_deployment(work: Path, s3: SeaweedFS, model: Path) -> Deployment:
     )
     airflow = str(Path(sys.executable).with_name("airflow"))
     dep = Deployment(home=home, api_url=f"http://{LOOPBACK}:{api_port}", env=env)
-    subprocess.run([airflow, "db", "migrate"], env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    dep.start("redis", [redis, "--bind", LOOPBACK, "--port", str(redis_port), "--save", "", "--appendonly", "no", "--dir", str(home)])
-    dep.start("api-server", [airflow, "api-server", "--host", LOOPBACK, "--port", str(api_port), "--workers", "1"])
+    subprocess.run(
+        [airflow, "db", "migrate"], env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    dep.start(
+        "redis",
+        [
+            redis,
+            "--bind",
+            LOOPBACK,
+            "--port",
+            str(redis_port),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(home),
+        ],
+    )
+    dep.start(
+        "api-server", [airflow, "api-server", "--host", LOOPBACK, "--port", str(api_port), "--workers", "1"]
+    )
     dep.start("scheduler", [airflow, "scheduler"])
     dep.start("dag-processor", [airflow, "dag-processor"])
     start_worker(dep, "default", "default")
@@ -90,7 +109,10 @@ def start_worker(dep: Deployment, name: str, queue: str) -> None:
     """Start one Celery worker (concurrency 1) on ``queue`` and wait until it consumes."""
     airflow = str(Path(sys.executable).with_name("airflow"))
     # --skip-serve-logs: several workers on one host would all bind the log server's port.
-    dep.start(f"worker-{name}", [airflow, "celery", "worker", "-q", queue, "-c", "1", "-H", f"{name}@%h", "--skip-serve-logs"])
+    dep.start(
+        f"worker-{name}",
+        [airflow, "celery", "worker", "-q", queue, "-c", "1", "-H", f"{name}@%h", "--skip-serve-logs"],
+    )
     wait_until(f"Celery worker {name}", lambda: " ready." in dep.log(f"worker-{name}"), 180, dep)
 
 
@@ -125,13 +147,20 @@ def run_phase(dep: Deployment, workers: int, conf: dict, timeout: float) -> dict
     if state != "success":
         raise SystemExit(f"run {run_id} ended {state}:\n{dep.diagnose(DAG_ID, run_id, 'vllm_batch')}")
     shards = [ti for ti in tis if ti["task_id"] == "vllm_batch"]
-    per_worker = {n.removeprefix("worker-"): dep.log(n)[size:].count("task_id='vllm_batch'") for n, size in logs_before.items()}
+    per_worker = {
+        n.removeprefix("worker-"): dep.log(n)[size:].count("task_id='vllm_batch'")
+        for n, size in logs_before.items()
+    }
     return {
         "workers": workers,
         "run_id": run_id,
         "wall_s": _when(run["end_date"]) - _when(run["start_date"]),
-        "inference_s": max(_when(t["end_date"]) for t in shards) - min(_when(t["start_date"]) for t in shards),
-        "shard_s": [round(_when(t["end_date"]) - _when(t["start_date"]), 1) for t in sorted(shards, key=lambda t: t["map_index"])],
+        "inference_s": max(_when(t["end_date"]) for t in shards)
+        - min(_when(t["start_date"]) for t in shards),
+        "shard_s": [
+            round(_when(t["end_date"]) - _when(t["start_date"]), 1)
+            for t in sorted(shards, key=lambda t: t["map_index"])
+        ],
         "shards": len(shards),
         "per_worker": per_worker,
     }
@@ -143,21 +172,28 @@ def speedup_table(results: list[dict]) -> str:
     Pairing each phase with the one just before keeps a change of the machine's load (other
     jobs come and go) out of the ratio as far as one run each allows.
     """
-    rows = ["| gpu workers | DAG run | inference span | speed-up (run) | speed-up (inference) |", "|---:|---:|---:|---:|---:|"]
+    rows = [
+        "| gpu workers | DAG run | inference span | speed-up (run) | speed-up (inference) |",
+        "|---:|---:|---:|---:|---:|",
+    ]
     base = None
     for r in results:
         if r["workers"] == 1:
             base = r
         run_x = f"{base['wall_s'] / r['wall_s']:.2f}" if base else "-"
         inf_x = f"{base['inference_s'] / r['inference_s']:.2f}" if base else "-"
-        rows.append(f"| {r['workers']} | {r['wall_s']:.1f} s | {r['inference_s']:.1f} s | {run_x} | {inf_x} |")
+        rows.append(
+            f"| {r['workers']} | {r['wall_s']:.1f} s | {r['inference_s']:.1f} s | {run_x} | {inf_x} |"
+        )
     return "\n".join(rows)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=400, help="chat requests in the batch (default 400)")
-    parser.add_argument("--shard-size", type=int, default=100, help="requests per shard (default 100: 4 shards)")
+    parser.add_argument(
+        "--shard-size", type=int, default=100, help="requests per shard (default 100: 4 shards)"
+    )
     parser.add_argument("--max-tokens", type=int, default=16, help="max_completion_tokens (default 16)")
     parser.add_argument("--phases", default="1,2", help="gpu workers in each phase, in order (default 1,2)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds a phase's run may take")
@@ -187,7 +223,9 @@ def main() -> None:
                 shutil.rmtree(work)
             if leftover:
                 print(f"warning: processes left alive: {leftover}", file=sys.stderr)
-    print(f"\n{args.requests} requests, {results[0]['shards']} shards of {args.shard_size}, max_tokens {args.max_tokens}")
+    print(
+        f"\n{args.requests} requests, {results[0]['shards']} shards of {args.shard_size}, max_tokens {args.max_tokens}"
+    )
     print(speedup_table(results))
     print(json.dumps(results))
 

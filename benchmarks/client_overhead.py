@@ -62,7 +62,11 @@ ANSWER = json.dumps(
         "created": 1764000000,
         "model": "m",
         "choices": [
-            {"index": 0, "message": {"role": "assistant", "content": "Hi! How can I help?"}, "finish_reason": "stop"}
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "Hi! How can I help?"},
+                "finish_reason": "stop",
+            }
         ],
         "usage": {"prompt_tokens": 12, "completion_tokens": 7, "total_tokens": 19},
     },
@@ -81,7 +85,13 @@ EMBEDDING = json.dumps(
         "object": "list",
         "created": 1764000000,
         "model": "m",
-        "data": [{"index": 0, "object": "embedding", "embedding": [round(0.001 * ((i * 7919) % 2000) - 1, 6) for i in range(384)]}],
+        "data": [
+            {
+                "index": 0,
+                "object": "embedding",
+                "embedding": [round(0.001 * ((i * 7919) % 2000) - 1, 6) for i in range(384)],
+            }
+        ],
         "usage": {"prompt_tokens": 9, "total_tokens": 9, "completion_tokens": 0},
     },
     separators=(",", ":"),
@@ -96,7 +106,8 @@ class _Instant(asyncio.Protocol):
     """
 
     response = (
-        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(ANSWER) + ANSWER
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(ANSWER)
+        + ANSWER
     )
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -112,7 +123,11 @@ class _Instant(asyncio.Protocol):
                 break
             head = self.buffer[:end].lower()
             at = head.find(b"content-length:")
-            length = int(head[at + 15 : head.find(b"\r\n", at) if head.find(b"\r\n", at) > 0 else None]) if at >= 0 else 0
+            length = (
+                int(head[at + 15 : head.find(b"\r\n", at) if head.find(b"\r\n", at) > 0 else None])
+                if at >= 0
+                else 0
+            )
             if len(self.buffer) < end + 4 + length:
                 break
             self.buffer = self.buffer[end + 4 + length :]
@@ -125,7 +140,9 @@ def serve(port: int, answer: str = "chat") -> None:
     """Run the instant server on 127.0.0.1:``port`` until killed, answering ``answer`` (chat or embedding)."""
     if answer == "embedding":
         _Instant.response = (
-            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(EMBEDDING) + EMBEDDING
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+            % len(EMBEDDING)
+            + EMBEDDING
         )
 
     async def main() -> None:
@@ -145,7 +162,8 @@ def request_lines(n: int) -> list[tuple[int, bytes]]:
         (
             i + 1,
             b'{"custom_id":"request-%d","method":"POST","url":"/v1/chat/completions","body":'
-            b'{"model":"m","messages":[{"role":"user","content":"Say hello to number %d."}],"max_tokens":8}}' % (i, i),
+            b'{"model":"m","messages":[{"role":"user","content":"Say hello to number %d."}],"max_tokens":8}}'
+            % (i, i),
         )
         for i in range(n)
     ]
@@ -155,7 +173,9 @@ def _stream_worker(base_url: str, lines: list[tuple[int, bytes]], in_flight: int
     from airflow_vllm_batch.serving import Journal, run_stream
 
     journal = Journal(Path(work))
-    stats = run_stream(lines, base_url=base_url, api_key="bench-key", journal=journal, max_in_flight=in_flight)
+    stats = run_stream(
+        lines, base_url=base_url, api_key="bench-key", journal=journal, max_in_flight=in_flight
+    )
     return stats.done
 
 
@@ -185,7 +205,9 @@ def _bare_worker(base_url: str, lines: list[tuple[int, bytes]], in_flight: int, 
     return asyncio.run(main())
 
 
-def _engine_client(base_url: str, lines: list[tuple[int, bytes]], in_flight: int, work: str, processes: int) -> int:
+def _engine_client(
+    base_url: str, lines: list[tuple[int, bytes]], in_flight: int, work: str, processes: int
+) -> int:
     """The server engine's stream as ``client_processes=processes`` runs it (checkpoint parts kept locally)."""
     from airflow_vllm_batch.serving import Journal, run_stream
     from airflow_vllm_batch.serving.processes import run_stream_processes
@@ -200,7 +222,9 @@ def _engine_client(base_url: str, lines: list[tuple[int, bytes]], in_flight: int
 _WORKERS = {"stream": _stream_worker, "stream@base": _stream_worker, "bare": _bare_worker}
 
 
-def _slice_worker(client: str, base_url: str, lines: list, in_flight: int, work: str, out: multiprocessing.Queue) -> None:
+def _slice_worker(
+    client: str, base_url: str, lines: list, in_flight: int, work: str, out: multiprocessing.Queue
+) -> None:
     out.put(_WORKERS[client](base_url, lines, in_flight, work))
 
 
@@ -227,7 +251,14 @@ def client_run(client: str, port: int, requests: int, in_flight: int, processes:
             workers = [
                 context.Process(
                     target=_slice_worker,
-                    args=(client, base_url, [line for line in lines if line[0] % processes == k], in_flight // processes, f"{work}/{k}", out),
+                    args=(
+                        client,
+                        base_url,
+                        [line for line in lines if line[0] % processes == k],
+                        in_flight // processes,
+                        f"{work}/{k}",
+                        out,
+                    ),
                 )
                 for k in range(processes)
             ]
@@ -256,7 +287,16 @@ def _free_port() -> int:
 def _run_client(client: str, port: int, args: argparse.Namespace, processes: int) -> dict[str, float]:
     tree = args.baseline if client == "stream@base" else str(REPO)
     env = {**os.environ, "PYTHONPATH": tree}
-    argv = [sys.executable, __file__, "--client", client, "--port", str(port), "--requests", str(args.requests)]
+    argv = [
+        sys.executable,
+        __file__,
+        "--client",
+        client,
+        "--port",
+        str(port),
+        "--requests",
+        str(args.requests),
+    ]
     argv += ["--in-flight", str(args.in_flight), "--processes", str(processes)]
     done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False, cwd=tree)  # noqa: S603
     if done.returncode != 0:
@@ -271,10 +311,16 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--processes", default="1", help="client process counts to compare, e.g. 1,2")
     parser.add_argument("--baseline", help="another checkout whose stream to time too (stream@base)")
-    parser.add_argument("--clients", default="stream,bare", help="clients to time: stream, bare, engine (the engine's multi-process path)")
+    parser.add_argument(
+        "--clients",
+        default="stream,bare",
+        help="clients to time: stream, bare, engine (the engine's multi-process path)",
+    )
     parser.add_argument("--client", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--answer", default="chat", choices=("chat", "embedding"), help="what the instant server answers")
+    parser.add_argument(
+        "--answer", default="chat", choices=("chat", "embedding"), help="what the instant server answers"
+    )
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -284,14 +330,18 @@ def main() -> None:
     if args.client:
         # A client run: import the stream from the tree the driver chose (PYTHONPATH), not from the venv.
         sys.path.insert(0, os.environ["PYTHONPATH"])
-        print(json.dumps(client_run(args.client, args.port, args.requests, args.in_flight, int(args.processes))))
+        print(
+            json.dumps(client_run(args.client, args.port, args.requests, args.in_flight, int(args.processes)))
+        )
         return
 
     counts = [int(n) for n in args.processes.split(",")]
     clients = args.clients.split(",") + (["stream@base"] if args.baseline else [])
     port = _free_port()
     server = subprocess.Popen(  # noqa: S603
-        [sys.executable, __file__, "--serve", "--port", str(port), "--answer", args.answer], stdout=subprocess.PIPE, text=True
+        [sys.executable, __file__, "--serve", "--port", str(port), "--answer", args.answer],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert server.stdout is not None and server.stdout.readline().strip() == "ready"
@@ -307,7 +357,9 @@ def main() -> None:
     def median(client: str, n: int, key: str) -> float:
         return statistics.median(run[key] for run in runs[client, n])
 
-    print(f"{args.requests} short requests, {args.answer} answers, {args.in_flight} in flight, instant local server; median of {args.runs} alternating run(s)")
+    print(
+        f"{args.requests} short requests, {args.answer} answers, {args.in_flight} in flight, instant local server; median of {args.runs} alternating run(s)"
+    )
     # The least CPU of the runs too: on a shared machine, other processes only ever add to a run's CPU time.
     print(f"{'client':<12}{'processes':>10}{'CPU µs/request':>16}{'requests/s':>12}{'least µs/request':>18}")
     for n in counts:

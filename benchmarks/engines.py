@@ -34,6 +34,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "dags"))  # the example settings live beside the example DAGs
 
 import vllm_batch_examples as examples  # noqa: E402
+
 from vllm_batch_embedded.demo import CPU_ENGINE_ARGS, CPU_ENGINE_ENV  # noqa: E402
 from vllm_batch_embedded.tiny_model import build_tiny_chat_model  # noqa: E402
 
@@ -50,7 +51,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=5000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--sweep", default="64,128,256", help="other in-flight bounds to time once each ('' for none)")
+    parser.add_argument(
+        "--sweep", default="64,128,256", help="other in-flight bounds to time once each ('' for none)"
+    )
     parser.add_argument(
         "--engine-multiprocessing",
         action="store_true",
@@ -75,7 +78,10 @@ def main() -> None:
         runner_after_start.append(after)
         runner_to_exit.append(to_exit)
         runner_total.append(total)
-        print(f"runner {rep + 1}: {after:.2f}s after its start to its output ({to_exit:.2f}s to its exit, {total:.1f}s in all)", flush=True)
+        print(
+            f"runner {rep + 1}: {after:.2f}s after its start to its output ({to_exit:.2f}s to its exit, {total:.1f}s in all)",
+            flush=True,
+        )
 
     server_times, sweep, ready_s = run_server(local_input, work, model, engine_args, env, args)
     runner, server = statistics.median(runner_after_start), statistics.median(server_times)
@@ -102,13 +108,26 @@ def main() -> None:
     )
 
 
-def run_runner(local_input: Path, output: Path, model: str, engine_args: list[str], env: dict[str, str]) -> tuple[float, float, float]:
+def run_runner(
+    local_input: Path, output: Path, model: str, engine_args: list[str], env: dict[str, str]
+) -> tuple[float, float, float]:
     """Run vLLM's runner once; return seconds from its batch phase to its output written, to its exit, and in all.
 
     The output's modification time marks when the runner finished writing it; after that
     it only tears its engine down, which the server engine also pays, once, at the end.
     """
-    argv = [sys.executable, "-m", RUNNER_MODULE, "-i", str(local_input), "-o", str(output), "--model", model, *engine_args]
+    argv = [
+        sys.executable,
+        "-m",
+        RUNNER_MODULE,
+        "-i",
+        str(local_input),
+        "-o",
+        str(output),
+        "--model",
+        model,
+        *engine_args,
+    ]
     started = time.monotonic()
     batch_phase_wall = None
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # noqa: S603
@@ -123,7 +142,12 @@ def run_runner(local_input: Path, output: Path, model: str, engine_args: list[st
 
 
 def run_server(
-    local_input: Path, work: Path, model: str, engine_args: list[str], env: dict[str, str], args: argparse.Namespace
+    local_input: Path,
+    work: Path,
+    model: str,
+    engine_args: list[str],
+    env: dict[str, str],
+    args: argparse.Namespace,
 ) -> tuple[list[float], dict[str, float], float]:
     """Start one server; stream the file ``repeats`` times, then once per sweep bound."""
     from airflow_vllm_batch.engines.vllm.server_process import VLLMServerProcess
@@ -135,10 +159,14 @@ def run_server(
         hook = server.hook
         hook.check_serves(model)
         for rep in range(args.repeats):
-            times.append(stream_once(local_input, work / f"server-{rep}", hook, DEFAULT_MAX_IN_FLIGHT, args.requests))
+            times.append(
+                stream_once(local_input, work / f"server-{rep}", hook, DEFAULT_MAX_IN_FLIGHT, args.requests)
+            )
             print(f"server {rep + 1}: {times[-1]:.2f}s (max_in_flight {DEFAULT_MAX_IN_FLIGHT})", flush=True)
         for bound in filter(None, args.sweep.split(",")):
-            sweep[bound] = round(stream_once(local_input, work / f"sweep-{bound}", hook, int(bound), args.requests), 2)
+            sweep[bound] = round(
+                stream_once(local_input, work / f"sweep-{bound}", hook, int(bound), args.requests), 2
+            )
             print(f"server at max_in_flight {bound}: {sweep[bound]:.2f}s", flush=True)
         ready_s = server.time_to_ready_s or 0.0
     sweep[str(DEFAULT_MAX_IN_FLIGHT)] = round(statistics.median(times), 2)
@@ -152,7 +180,13 @@ def stream_once(local_input: Path, directory: Path, hook, max_in_flight: int, ex
     journal = Journal(directory)
     with open(local_input, "rb") as lines:
         started, cpu = time.monotonic(), time.process_time()
-        stats = run_stream(enumerate(lines, 1), base_url=hook.base_url, api_key=hook.api_key, journal=journal, max_in_flight=max_in_flight)
+        stats = run_stream(
+            enumerate(lines, 1),
+            base_url=hook.base_url,
+            api_key=hook.api_key,
+            journal=journal,
+            max_in_flight=max_in_flight,
+        )
         elapsed, cpu = time.monotonic() - started, time.process_time() - cpu
     if stats.done != expected or stats.failed:
         raise SystemExit(f"the server answered {stats.done} of {expected} requests, {stats.failed} failed")
@@ -168,7 +202,9 @@ def _shape(line: dict) -> dict:
         "response_keys": list(response),
         "body_keys": sorted(response.get("body") or {}),
         "choice_keys": sorted(((response.get("body") or {}).get("choices") or [{}])[0]),
-        "message_keys": sorted((((response.get("body") or {}).get("choices") or [{}])[0]).get("message") or {}),
+        "message_keys": sorted(
+            (((response.get("body") or {}).get("choices") or [{}])[0]).get("message") or {}
+        ),
     }
 
 
@@ -181,7 +217,9 @@ def compare_shapes(runner_output: Path, server_journal: Path) -> str:
         server = _shape(json.loads(f.readline()))
     if runner == server:
         return "identical keys (line, response, body, choice, message)"
-    return "differs: " + json.dumps({k: {"runner": runner[k], "server": server[k]} for k in runner if runner[k] != server[k]})
+    return "differs: " + json.dumps(
+        {k: {"runner": runner[k], "server": server[k]} for k in runner if runner[k] != server[k]}
+    )
 
 
 if __name__ == "__main__":

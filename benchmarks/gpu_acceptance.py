@@ -45,10 +45,20 @@ sys.path.insert(0, str(REPO / "dags"))  # the example settings live beside the e
 os.environ.setdefault("AIRFLOW_HOME", tempfile.mkdtemp(prefix="vllm-batch-acceptance-airflow-"))
 
 import vllm_batch_examples as examples  # noqa: E402
+
 from vllm_batch_embedded.seaweedfs import SeaweedFS  # noqa: E402
 
 BUCKET = "acceptance"
-COLUMNS = ("engine", "requests", "requests/s", "output tokens/s", "max_num_seqs", "max_num_batched_tokens", "in flight", "GPU util %")
+COLUMNS = (
+    "engine",
+    "requests",
+    "requests/s",
+    "output tokens/s",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "in flight",
+    "GPU util %",
+)
 
 
 class _TI:
@@ -83,7 +93,10 @@ class GPUSampler:
             try:
                 out = subprocess.run(  # noqa: S603, S607
                     ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits"],
-                    capture_output=True, text=True, timeout=10, check=True,
+                    capture_output=True,
+                    text=True,
+                    timeout=10,
+                    check=True,
                 ).stdout
             except (OSError, subprocess.SubprocessError):
                 continue
@@ -123,7 +136,10 @@ def run_engine(engine: str, common: dict) -> dict:
     with GPUSampler() as gpu:
         child = subprocess.run(  # noqa: S603
             [sys.executable, __file__, "_task", engine, json.dumps(common)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            check=False,
         )
     lines = child.stdout.splitlines()
     if child.returncode != 0 or not lines or not lines[-1].startswith("{"):
@@ -155,7 +171,12 @@ def _task(engine: str, common: str) -> None:
     settings = json.loads(common)
     args = settings.pop("engine_args")
     options = VLLMRunner(args=args) if engine == "runner" else VLLMServer(args=args)
-    op = VLLMBatchOperator(task_id="vllm_batch", output_uri=f"s3://{BUCKET}/out/{_TI.run_id}/results.jsonl", engine=options, **settings)
+    op = VLLMBatchOperator(
+        task_id="vllm_batch",
+        output_uri=f"s3://{BUCKET}/out/{_TI.run_id}/results.jsonl",
+        engine=options,
+        **settings,
+    )
     manifest = op.execute({"ti": _TI(), "outlet_events": {}})
     sys.stderr.flush()
     print("\n" + json.dumps(manifest), flush=True)
@@ -168,7 +189,11 @@ def table(rows: list[dict]) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(COLUMNS, widths)), "  ".join("-" * w for w in widths)]
     lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in cells]
     by = {row["engine"]: row for row in rows}
-    ratio = [f"{c} {by['server'][c] / by['runner'][c]:.2f}" for c in ("requests/s", "output tokens/s") if by["runner"][c]]
+    ratio = [
+        f"{c} {by['server'][c] / by['runner'][c]:.2f}"
+        for c in ("requests/s", "output tokens/s")
+        if by["runner"][c]
+    ]
     lines.append("ratio server ÷ runner: " + ", ".join(ratio))
     return "\n".join(lines)
 
@@ -178,11 +203,25 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--model", required=True, help="a local model directory")
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--neighbour", action="store_true", help="also measure a batch beside interactive users (benchmarks/neighbour.py)")
-    parser.add_argument("--probe-every", type=float, default=0.3, help="with --neighbour: seconds between interactive requests")
-    parser.add_argument("--alone-s", type=float, default=30.0, help="with --neighbour: seconds the probe runs alone")
     parser.add_argument(
-        "--engine-args", nargs=argparse.REMAINDER, default=[], help="further engine arguments, the rest of the line: --engine-args --max-model-len 4096"
+        "--neighbour",
+        action="store_true",
+        help="also measure a batch beside interactive users (benchmarks/neighbour.py)",
+    )
+    parser.add_argument(
+        "--probe-every",
+        type=float,
+        default=0.3,
+        help="with --neighbour: seconds between interactive requests",
+    )
+    parser.add_argument(
+        "--alone-s", type=float, default=30.0, help="with --neighbour: seconds the probe runs alone"
+    )
+    parser.add_argument(
+        "--engine-args",
+        nargs=argparse.REMAINDER,
+        default=[],
+        help="further engine arguments, the rest of the line: --engine-args --max-model-len 4096",
     )
     args = parser.parse_args(argv)
 

@@ -32,19 +32,37 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.simulation.mutation import MUTANTS, MutantNotAnchored, by_name, mutated_tree, replay, run_simulator, run_unit_tests  # noqa: E402
+from tests.simulation.mutation import (
+    MUTANTS,
+    MutantNotAnchored,
+    by_name,
+    mutated_tree,
+    replay,
+    run_simulator,
+    run_unit_tests,
+)  # noqa: E402
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--schedules", type=int, default=2000, help="schedules per mutant at most (it stops at the first violation)")
+    parser.add_argument(
+        "--schedules",
+        type=int,
+        default=2000,
+        help="schedules per mutant at most (it stops at the first violation)",
+    )
     parser.add_argument("--start", type=int, default=0, help="the first seed")
     parser.add_argument("--jobs", type=int, default=1, help="mutants run at once")
     parser.add_argument("--unit", action="store_true", help="also run each mutant's module's unit tests")
     parser.add_argument("--no-simulator", action="store_true", help="with --unit: the unit tests only")
     parser.add_argument("--only", nargs="*", help="these mutants only")
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
-    parser.add_argument("--seed", type=int, default=None, help="with one --only mutant: replay this seed on it (benchmarks/simulate.py --seed)")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="with one --only mutant: replay this seed on it (benchmarks/simulate.py --seed)",
+    )
     parser.add_argument("--trace", action="store_true", help="with --seed: print every S3 call attempt too")
     args = parser.parse_args()
     mutants = by_name(args.only)
@@ -70,14 +88,33 @@ def main() -> int:
     if args.no_simulator:
         args.schedules = 0
     baseline = run_simulator(None, args.schedules, args.start)
-    print(f"real code: {baseline['schedules']} schedules, " + (f"VIOLATION {baseline['checks']} at seed {baseline.get('seed')}" if baseline["caught"] else "clean"))
+    print(
+        f"real code: {baseline['schedules']} schedules, "
+        + (
+            f"VIOLATION {baseline['checks']} at seed {baseline.get('seed')}"
+            if baseline["caught"]
+            else "clean"
+        )
+    )
 
     def one(m):
-        sim = run_simulator(m, args.schedules, args.start) if args.schedules else {"caught": False, "schedules": 0}
+        sim = (
+            run_simulator(m, args.schedules, args.start)
+            if args.schedules
+            else {"caught": False, "schedules": 0}
+        )
         unit = run_unit_tests(m) if args.unit else None
         # As it comes (the table below sums up): a long campaign shows where it is.
-        print(f"  {m.name}: " + (f"caught by {', '.join(sim['checks'])} after {sim['schedules']}" if sim["caught"] else "survived")
-              + ("" if unit is None else f"; unit tests {'caught' if unit['caught'] else 'survived'}"), flush=True)
+        print(
+            f"  {m.name}: "
+            + (
+                f"caught by {', '.join(sim['checks'])} after {sim['schedules']}"
+                if sim["caught"]
+                else "survived"
+            )
+            + ("" if unit is None else f"; unit tests {'caught' if unit['caught'] else 'survived'}"),
+            flush=True,
+        )
         return m, sim, unit
 
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
@@ -91,11 +128,21 @@ def main() -> int:
             verdict = f"SURVIVED {sim['schedules']} schedules"
         if m.equivalent:
             verdict = "equivalent; " + verdict
-        u = "" if unit is None else ("caught: " + (unit["failed"][0] if unit["failed"] else "failed") if unit["caught"] else "SURVIVED")
+        u = (
+            ""
+            if unit is None
+            else (
+                "caught: " + (unit["failed"][0] if unit["failed"] else "failed")
+                if unit["caught"]
+                else "SURVIVED"
+            )
+        )
         print(f"{m.name:<36} {m.module:<26} {verdict:<50} {u}")
     caught = sum(s["caught"] for _, s, _ in scored)
-    print(f"\nsimulator: {caught} of {len(scored)} non-equivalent mutants caught ({100 * caught / max(len(scored), 1):.0f}%), "
-          f"at most {args.schedules} schedules each")
+    print(
+        f"\nsimulator: {caught} of {len(scored)} non-equivalent mutants caught ({100 * caught / max(len(scored), 1):.0f}%), "
+        f"at most {args.schedules} schedules each"
+    )
     if args.unit:
         ucaught = sum(u["caught"] for _, _, u in scored)
         print(f"unit tests: {ucaught} of {len(scored)} caught ({100 * ucaught / max(len(scored), 1):.0f}%)")

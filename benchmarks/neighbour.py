@@ -64,12 +64,17 @@ def probe(base_url: str, api_key: str, model: str, every_s: float, max_tokens: i
         }
         first = None
         try:
-            async with session.post(f"{base_url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {api_key}"}) as response:
+            async with session.post(
+                f"{base_url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {api_key}"}
+            ) as response:
                 async for raw in response.content:
                     if first is None and raw.startswith(b"data: {") and b'"content"' in raw:
                         first = time.monotonic() - sent_at
             done = time.monotonic() - sent_at
-            print(json.dumps({"at": sent_at, "status": response.status, "ttft_s": first, "total_s": done}), flush=True)
+            print(
+                json.dumps({"at": sent_at, "status": response.status, "ttft_s": first, "total_s": done}),
+                flush=True,
+            )
         except aiohttp.ClientError as err:
             print(json.dumps({"at": sent_at, "error": str(err)}), flush=True)
 
@@ -96,7 +101,16 @@ class Probe:
     """The probe process, started with ``with``; :attr:`samples` holds its answers once it stopped."""
 
     def __init__(self, base_url: str, api_key: str, model: str, every_s: float, max_tokens: int) -> None:
-        self.argv = [sys.executable, __file__, "_probe", base_url, api_key, model, str(every_s), str(max_tokens)]
+        self.argv = [
+            sys.executable,
+            __file__,
+            "_probe",
+            base_url,
+            api_key,
+            model,
+            str(every_s),
+            str(max_tokens),
+        ]
         self.samples: list[dict] = []
 
     def __enter__(self) -> Probe:
@@ -116,7 +130,11 @@ def percentiles(samples: list[dict]) -> dict:
     total = sorted(s["total_s"] * 1000 for s in ok)
 
     def pct(values: list[float], q: float) -> float | None:
-        return round(statistics.quantiles(values, n=100, method="inclusive")[q - 1], 1) if len(values) >= 2 else None
+        return (
+            round(statistics.quantiles(values, n=100, method="inclusive")[q - 1], 1)
+            if len(values) >= 2
+            else None
+        )
 
     return {
         "n": len(ok),
@@ -219,16 +237,29 @@ def measure(
             pass
 
     bucket = input_uri.removeprefix("s3://").split("/", 1)[0]
-    with VLLMServerProcess(model, engine_args=[*engine_args, "--scheduling-policy", "priority"], env=env, startup_timeout_s=startup_timeout_s) as server:
+    with VLLMServerProcess(
+        model,
+        engine_args=[*engine_args, "--scheduling-policy", "priority"],
+        env=env,
+        startup_timeout_s=startup_timeout_s,
+    ) as server:
         assert server.hook is not None
         host, port = server.hook.base_url.removeprefix("http://").split(":")
         os.environ[f"AIRFLOW_CONN_{CONN_ID.upper()}"] = json.dumps(
-            {"conn_type": "vllm", "host": host, "port": int(port), "password": server.hook.api_key, "extra": {"scheduling_policy": "priority"}}
+            {
+                "conn_type": "vllm",
+                "host": host,
+                "port": int(port),
+                "password": server.hook.api_key,
+                "extra": {"scheduling_policy": "priority"},
+            }
         )
 
         def run_batch(yielding: bool) -> dict:
             TI.run_id = f"bench-{time.time_ns()}"
-            engine = WarmVLLMServer(conn_id=CONN_ID, yield_to_interactive=YieldToInteractive() if yielding else False)
+            engine = WarmVLLMServer(
+                conn_id=CONN_ID, yield_to_interactive=YieldToInteractive() if yielding else False
+            )
             op = VLLMBatchOperator(
                 task_id="vllm_batch",
                 input_uri=input_uri,
@@ -268,6 +299,7 @@ def main() -> None:
     import logging
 
     import vllm_batch_examples as examples
+
     from vllm_batch_embedded.demo import CPU_ENGINE_ARGS, CPU_ENGINE_ENV
     from vllm_batch_embedded.seaweedfs import SeaweedFS
     from vllm_batch_embedded.tiny_model import build_tiny_chat_model
@@ -283,7 +315,11 @@ def main() -> None:
     with SeaweedFS(work / "s3") as s3:
         s3.create_bucket(BUCKET)
         os.environ["AIRFLOW_CONN_AWS_DEFAULT"] = s3.airflow_connection_json()
-        s3.client().put_object(Bucket=BUCKET, Key="in/input.jsonl", Body=examples.chat_requests(args.requests, model, args.max_tokens, 0.0))
+        s3.client().put_object(
+            Bucket=BUCKET,
+            Key="in/input.jsonl",
+            Body=examples.chat_requests(args.requests, model, args.max_tokens, 0.0),
+        )
         figures = measure(
             model,
             CPU_ENGINE_ARGS.split(),

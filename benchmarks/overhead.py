@@ -79,9 +79,13 @@ def main() -> None:
             raw_times.append(run_raw(local_input, work / f"raw-{rep}.jsonl", model, engine_args))
             for kind in ("warm", "fresh") if rep % 2 == 0 else ("fresh", "warm"):
                 results_dir = warm_dir if kind == "warm" else work / f"fresh-worker-{rep}"
-                op_times[kind].append(run_operator(DAG, VLLMBatchOperator, f"{kind}-{rep}", model, engine_args, results_dir))
+                op_times[kind].append(
+                    run_operator(DAG, VLLMBatchOperator, f"{kind}-{rep}", model, engine_args, results_dir)
+                )
                 manifest = json.loads(
-                    s3.client().get_object(Bucket=BUCKET, Key=f"bench/out-{kind}-{rep}/results.manifest.json")["Body"].read()
+                    s3.client()
+                    .get_object(Bucket=BUCKET, Key=f"bench/out-{kind}-{rep}/results.manifest.json")["Body"]
+                    .read()
                 )
                 engine_in_op[kind].append(manifest["engine_duration_s"])
             print(
@@ -95,7 +99,9 @@ def main() -> None:
             )
 
     raw, op = statistics.median(raw_times), statistics.median(op_times["warm"])
-    outside = {kind: [o - e for o, e in zip(op_times[kind], engine_in_op[kind])] for kind in ("warm", "fresh")}
+    outside = {
+        kind: [o - e for o, e in zip(op_times[kind], engine_in_op[kind])] for kind in ("warm", "fresh")
+    }
     print(
         json.dumps(
             {
@@ -121,21 +127,37 @@ def main() -> None:
 
 def run_raw(local_input: Path, output: Path, model: Path, engine_args: list[str]) -> float:
     """Time vLLM's runner alone on local files."""
-    argv = [sys.executable, "-m", "vllm.entrypoints.launchers.run_batch", "-i", str(local_input), "-o", str(output)]
+    argv = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.launchers.run_batch",
+        "-i",
+        str(local_input),
+        "-o",
+        str(output),
+    ]
     started = time.monotonic()
-    subprocess.run([*argv, "--model", str(model), *engine_args], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(
+        [*argv, "--model", str(model), *engine_args],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     return time.monotonic() - started
 
 
-def run_operator(dag_cls, operator_cls, name: str, model: Path, engine_args: list[str], results_dir: Path) -> float:
+def run_operator(
+    dag_cls, operator_cls, name: str, model: Path, engine_args: list[str], results_dir: Path
+) -> float:
     """Time one VLLMBatchOperator task (its task-instance duration) in ``dag.test()``, on the worker of ``results_dir``."""
     from airflow.utils.session import create_session
 
     from airflow_vllm_batch.engines import VLLMRunner
-
     from tests.integration.dagrun import register_dag
 
-    with dag_cls(f"bench_overhead_{name}", schedule=None, start_date=datetime(2026, 1, 1, tzinfo=timezone.utc)) as dag:
+    with dag_cls(
+        f"bench_overhead_{name}", schedule=None, start_date=datetime(2026, 1, 1, tzinfo=timezone.utc)
+    ) as dag:
         operator_cls(
             task_id="vllm_batch",
             input_uri="s3://vllm-batch/bench/input.jsonl",

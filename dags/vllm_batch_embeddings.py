@@ -11,9 +11,9 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 
+import vllm_batch_examples as examples
 from airflow.sdk import Param, dag, task
 
-import vllm_batch_examples as examples
 from airflow_vllm_batch.batchfile import Failed
 from airflow_vllm_batch.engines import VLLMRunner
 from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
@@ -30,8 +30,15 @@ PREFIX = "s3://" + examples.bucket() + "/vllm-batch/{{ dag.dag_id }}/{{ run_id |
     catchup=False,
     user_defined_filters={"key_safe": examples.key_safe},
     params={
-        "model": Param(examples.embed_model(), type="string", minLength=1, description="Embedding model name or directory."),
-        "n_requests": Param(6, type="integer", minimum=1, maximum=1_000_000, description="How many texts to embed."),
+        "model": Param(
+            examples.embed_model(),
+            type="string",
+            minLength=1,
+            description="Embedding model name or directory.",
+        ),
+        "n_requests": Param(
+            6, type="integer", minimum=1, maximum=1_000_000, description="How many texts to embed."
+        ),
     },
     tags=["vllm", "example"],
 )
@@ -68,7 +75,9 @@ def vllm_batch_embeddings():
             count += 1
         if len(dims) != 1:
             raise ValueError(f"Embeddings of different dimensions: {sorted(dims)}")
-        log.info("%d embeddings of dimension %d in %s", count, dims.pop() if dims else 0, manifest["output_uri"])
+        log.info(
+            "%d embeddings of dimension %d in %s", count, dims.pop() if dims else 0, manifest["output_uri"]
+        )
         return {"count": count}
 
     check_vectors(embed.output)

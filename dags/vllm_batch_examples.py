@@ -142,7 +142,11 @@ def chat_requests(n: int, model: str, max_tokens: int, temperature: float) -> by
             "max_completion_tokens": max_tokens,
             "temperature": temperature,
         }
-        lines.append(json.dumps({"custom_id": f"request-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}))
+        lines.append(
+            json.dumps(
+                {"custom_id": f"request-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}
+            )
+        )
     return ("\n".join(lines) + "\n").encode()
 
 

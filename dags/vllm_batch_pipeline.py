@@ -16,9 +16,9 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 
+import vllm_batch_examples as examples
 from airflow.sdk import Param, dag, task
 
-import vllm_batch_examples as examples
 from airflow_vllm_batch.batchfile import Failed
 from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
 from airflow_vllm_batch.storage import read_answers
@@ -40,11 +40,26 @@ PREFIX = "s3://" + examples.bucket() + "/vllm-batch/{{ dag.dag_id }}/{{ run_id |
     default_args={"retries": 1, "retry_delay": timedelta(minutes=2)},
     user_defined_filters={"key_safe": examples.key_safe},
     params={
-        "model": Param(examples.chat_model(), type="string", minLength=1, description="Model name or directory served by vLLM."),
-        "n_requests": Param(8, type="integer", minimum=1, maximum=1_000_000, description="How many chat requests to generate."),
-        "max_tokens": Param(16, type="integer", minimum=1, maximum=32768, description="max_completion_tokens of every request."),
+        "model": Param(
+            examples.chat_model(),
+            type="string",
+            minLength=1,
+            description="Model name or directory served by vLLM.",
+        ),
+        "n_requests": Param(
+            8, type="integer", minimum=1, maximum=1_000_000, description="How many chat requests to generate."
+        ),
+        "max_tokens": Param(
+            16,
+            type="integer",
+            minimum=1,
+            maximum=32768,
+            description="max_completion_tokens of every request.",
+        ),
         "temperature": Param(0.0, type="number", minimum=0, maximum=2, description="Sampling temperature."),
-        "max_failed_ratio": Param(0.0, type="number", minimum=0, maximum=1, description="Share of failed requests tolerated."),
+        "max_failed_ratio": Param(
+            0.0, type="number", minimum=0, maximum=1, description="Share of failed requests tolerated."
+        ),
     },
     tags=["vllm", "example"],
 )
@@ -52,7 +67,9 @@ def vllm_batch_pipeline():
     @task
     def upload(params: dict, run_id: str, dag=None) -> str:
         """Write the request file to S3 and return its URI."""
-        data = examples.chat_requests(params["n_requests"], params["model"], params["max_tokens"], params["temperature"])
+        data = examples.chat_requests(
+            params["n_requests"], params["model"], params["max_tokens"], params["temperature"]
+        )
         uri = examples.upload_requests(data, dag.dag_id, run_id)
         log.info("Uploaded %d requests (%d bytes) to %s", params["n_requests"], len(data), uri)
         return uri
@@ -86,7 +103,9 @@ def vllm_batch_pipeline():
             raise ValueError(f"Expected {params['n_requests']} answers, found {counts['total']}.")
         log.info("Validated %s: %s, usage %s", manifest["output_uri"], counts, manifest["usage"])
         if counts["failed"] / counts["total"] > float(params["max_failed_ratio"]):
-            raise ValueError(f"{counts['failed']} of {counts['total']} requests failed (max {params['max_failed_ratio']}).")
+            raise ValueError(
+                f"{counts['failed']} of {counts['total']} requests failed (max {params['max_failed_ratio']})."
+            )
         return {"request_counts": counts, "usage": manifest["usage"]}
 
     validate(inference.output)

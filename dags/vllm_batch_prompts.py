@@ -16,9 +16,9 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 
+import vllm_batch_examples as examples
 from airflow.sdk import Param, dag, task
 
-import vllm_batch_examples as examples
 from airflow_vllm_batch.batchfile import Failed
 from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
 from airflow_vllm_batch.storage import read_answers
@@ -41,7 +41,12 @@ REVIEWS = [
     catchup=False,
     user_defined_filters={"key_safe": examples.key_safe},
     params={
-        "model": Param(examples.chat_model(), type="string", minLength=1, description="Model name or directory served by vLLM."),
+        "model": Param(
+            examples.chat_model(),
+            type="string",
+            minLength=1,
+            description="Model name or directory served by vLLM.",
+        ),
     },
     tags=["vllm", "example"],
 )

@@ -21,10 +21,10 @@ import json
 import logging
 from datetime import timedelta
 
+import vllm_batch_examples as examples
 from airflow.providers.amazon.aws.hooks.s3 import S3Hook
 from airflow.sdk import Param, dag, task
 
-import vllm_batch_examples as examples
 from airflow_vllm_batch.batchfile import check_results, open_lines
 from airflow_vllm_batch.operators.shards import (
     VLLMBatchMergeOperator,
@@ -45,10 +45,33 @@ PREFIX = "s3://" + examples.bucket() + "/vllm-batch/{{ dag.dag_id }}/{{ run_id |
     default_args={"retries": 2, "retry_delay": timedelta(minutes=1)},
     user_defined_filters={"key_safe": examples.key_safe},
     params={
-        "model": Param(examples.chat_model(), type="string", minLength=1, description="Model name or directory served by vLLM."),
-        "n_requests": Param(300, type="integer", minimum=1, maximum=100_000_000, description="How many chat requests to generate."),
-        "shard_size": Param(100, type="integer", minimum=1, maximum=10_000_000, description="The most requests in one shard (one engine run)."),
-        "max_tokens": Param(16, type="integer", minimum=1, maximum=32768, description="max_completion_tokens of every request."),
+        "model": Param(
+            examples.chat_model(),
+            type="string",
+            minLength=1,
+            description="Model name or directory served by vLLM.",
+        ),
+        "n_requests": Param(
+            300,
+            type="integer",
+            minimum=1,
+            maximum=100_000_000,
+            description="How many chat requests to generate.",
+        ),
+        "shard_size": Param(
+            100,
+            type="integer",
+            minimum=1,
+            maximum=10_000_000,
+            description="The most requests in one shard (one engine run).",
+        ),
+        "max_tokens": Param(
+            16,
+            type="integer",
+            minimum=1,
+            maximum=32768,
+            description="max_completion_tokens of every request.",
+        ),
     },
     tags=["vllm", "example"],
 )
@@ -103,7 +126,9 @@ def vllm_batch_sharded():
         ):
             position = _first_out_of_order(results, inputs)
         if position is not None:
-            raise ValueError(f"Result line {position} is not the answer to input request {position}: the merge broke input order.")
+            raise ValueError(
+                f"Result line {position} is not the answer to input request {position}: the merge broke input order."
+            )
         counts = report.request_counts
         if counts["total"] != params["n_requests"] or counts["failed"]:
             raise ValueError(f"Expected {params['n_requests']} completed results, found {counts}.")

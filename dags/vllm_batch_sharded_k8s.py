@@ -35,9 +35,9 @@ import logging
 import os
 from datetime import timedelta
 
+import vllm_batch_examples as examples
 from airflow.sdk import Param, dag, task
 
-import vllm_batch_examples as examples
 from airflow_vllm_batch.engines import VLLMRunner
 from airflow_vllm_batch.gpu_pods import gpu_pod_override
 from airflow_vllm_batch.operators.shards import (
@@ -48,7 +48,9 @@ from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
 
 IMAGE = os.environ.get("AIRFLOW_VLLM_BATCH_K8S_IMAGE", "ghcr.io/example/airflow-vllm-batch-gpu-worker:0.1.0")
 GPUS = int(os.environ.get("AIRFLOW_VLLM_BATCH_K8S_GPUS", "1"))
-NODE_SELECTOR = json.loads(os.environ.get("AIRFLOW_VLLM_BATCH_K8S_NODE_SELECTOR", '{"nvidia.com/gpu.present": "true"}'))
+NODE_SELECTOR = json.loads(
+    os.environ.get("AIRFLOW_VLLM_BATCH_K8S_NODE_SELECTOR", '{"nvidia.com/gpu.present": "true"}')
+)
 SERVICE_ACCOUNT = os.environ.get("AIRFLOW_VLLM_BATCH_K8S_SERVICE_ACCOUNT") or None
 
 PREFIX = "s3://" + examples.bucket() + "/vllm-batch/{{ dag.dag_id }}/{{ run_id | key_safe }}"
@@ -62,10 +64,33 @@ PREFIX = "s3://" + examples.bucket() + "/vllm-batch/{{ dag.dag_id }}/{{ run_id |
     default_args={"retries": 2, "retry_delay": timedelta(minutes=1)},
     user_defined_filters={"key_safe": examples.key_safe},
     params={
-        "model": Param(examples.chat_model(), type="string", minLength=1, description="Model name or directory served by vLLM."),
-        "n_requests": Param(300, type="integer", minimum=1, maximum=100_000_000, description="How many chat requests to generate."),
-        "shard_size": Param(100, type="integer", minimum=1, maximum=10_000_000, description="The most requests in one shard (one pod)."),
-        "max_tokens": Param(16, type="integer", minimum=1, maximum=32768, description="max_completion_tokens of every request."),
+        "model": Param(
+            examples.chat_model(),
+            type="string",
+            minLength=1,
+            description="Model name or directory served by vLLM.",
+        ),
+        "n_requests": Param(
+            300,
+            type="integer",
+            minimum=1,
+            maximum=100_000_000,
+            description="How many chat requests to generate.",
+        ),
+        "shard_size": Param(
+            100,
+            type="integer",
+            minimum=1,
+            maximum=10_000_000,
+            description="The most requests in one shard (one pod).",
+        ),
+        "max_tokens": Param(
+            16,
+            type="integer",
+            minimum=1,
+            maximum=32768,
+            description="max_completion_tokens of every request.",
+        ),
     },
     tags=["vllm", "example", "kubernetes"],
 )

@@ -56,7 +56,11 @@ def _connection_form_rst(hook_path: str) -> list[str]:
         if field in hidden:
             continue
         example = placeholders.get(field, "")
-        lines += [f"   * - ``{field}``", f"     - {labels.get(field, field.capitalize())}", f"     - ``{example}``" if example else "     -"]
+        lines += [
+            f"   * - ``{field}``",
+            f"     - {labels.get(field, field.capitalize())}",
+            f"     - ``{example}``" if example else "     -",
+        ]
     return [*lines, "", f"Not shown: {', '.join(f'``{f}``' for f in sorted(hidden)) or 'none'}.", ""]
 
 

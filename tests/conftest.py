@@ -22,4 +22,3 @@ sys.path.append(str(REPO / "dags"))
 os.environ["AIRFLOW__CORE__LOAD_EXAMPLES"] = "False"
 os.environ["AIRFLOW__CORE__UNIT_TEST_MODE"] = "False"
 os.environ.setdefault("AIRFLOW__LOGGING__LOGGING_LEVEL", "INFO")
-

@@ -13,9 +13,25 @@ def test_the_docs_build_without_a_warning(tmp_path):
     # make docs' command, into a directory of this test's own.
     env = {**os.environ, "AIRFLOW_HOME": str(tmp_path / "airflow")}
     done = subprocess.run(
-        [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html", "-d", str(tmp_path / "doctrees"),
-         str(REPO / "docs"), str(tmp_path / "html")],
-        env=env, capture_output=True, text=True, timeout=600, check=False,
+        [
+            sys.executable,
+            "-m",
+            "sphinx",
+            "-W",
+            "--keep-going",
+            "-q",
+            "-b",
+            "html",
+            "-d",
+            str(tmp_path / "doctrees"),
+            str(REPO / "docs"),
+            str(tmp_path / "html"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
     assert done.returncode == 0, done.stderr[-6000:]
     # The reference is generated: the operator's page holds its docstring's parameters.

@@ -86,9 +86,13 @@ def latest_manifest(s3: SeaweedFS, dag_id: str) -> dict:
     """Return the newest manifest the DAG's runs wrote to the demo bucket."""
     client = s3.client()
     listed = client.list_objects_v2(Bucket=BUCKET, Prefix=f"vllm-batch/{dag_id}/").get("Contents", [])
-    manifests = sorted((o for o in listed if o["Key"].endswith(".manifest.json")), key=lambda o: o["LastModified"])
+    manifests = sorted(
+        (o for o in listed if o["Key"].endswith(".manifest.json")), key=lambda o: o["LastModified"]
+    )
     if not manifests:
-        raise SystemExit(f"No manifest under s3://{BUCKET}/vllm-batch/{dag_id}/: the DAG run did not publish.")
+        raise SystemExit(
+            f"No manifest under s3://{BUCKET}/vllm-batch/{dag_id}/: the DAG run did not publish."
+        )
     return json.loads(client.get_object(Bucket=BUCKET, Key=manifests[-1]["Key"])["Body"].read())
 
 

@@ -543,7 +543,8 @@ def _main(argv: list[str] | None = None) -> int:
     start.add_argument("--state", required=True, help="state file (JSON) to write")
     start.add_argument("--bucket", action="append", default=[], help="bucket to create (repeatable)")
     connection = commands.add_parser(
-        "connection", help="print the Airflow AWS connection (JSON, with its keys) of the server in a state file"
+        "connection",
+        help="print the Airflow AWS connection (JSON, with its keys) of the server in a state file",
     )
     connection.add_argument("--state", required=True, help="state file written by `start`")
     stop = commands.add_parser("stop", help="stop the server named in a state file")

@@ -71,7 +71,9 @@ def _adapter_weights(seed: int) -> dict[str, object]:
     return tensors
 
 
-def build_tiny_lora_adapter(target_dir: str | os.PathLike[str], *, seed: int, base_model: str = "tiny-llama-chat") -> Path:
+def build_tiny_lora_adapter(
+    target_dir: str | os.PathLike[str], *, seed: int, base_model: str = "tiny-llama-chat"
+) -> Path:
     """
     Build (once) a rank-8 LoRA adapter for the tiny chat model into ``target_dir``.
 
@@ -92,7 +94,9 @@ def build_tiny_lora_adapter(target_dir: str | os.PathLike[str], *, seed: int, ba
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
         (staging / "adapter_config.json").write_text(json.dumps(_adapter_config(base_model), indent=2) + "\n")
-        save_file(_adapter_weights(seed), str(staging / "adapter_model.safetensors"), metadata={"format": "pt"})
+        save_file(
+            _adapter_weights(seed), str(staging / "adapter_model.safetensors"), metadata={"format": "pt"}
+        )
         (staging / _STAMP_FILE).write_text(f"seed={seed}\n")
         shutil.rmtree(target, ignore_errors=True)
         os.replace(staging, target)

@@ -82,9 +82,9 @@ from airflow_vllm_batch.batchfile.models import (
 )
 from airflow_vllm_batch.batchfile.preflight import (
     DEFAULT_MAX_LINE_BYTES,
+    RUNNER_URL_ADVICE,
     PreflightOptions,
     PreflightReport,
-    RUNNER_URL_ADVICE,
     diagnose_line,
     error_line,
     preflight,
@@ -95,7 +95,6 @@ from airflow_vllm_batch.batchfile.results import (
     ResultsReport,
     check_results,
 )
-from airflow_vllm_batch.batchfile.structured import OutputSchema
 from airflow_vllm_batch.batchfile.sources import (
     Lines,
     describe_source,
@@ -107,6 +106,7 @@ from airflow_vllm_batch.batchfile.sources import (
     source_size,
     url_secrets,
 )
+from airflow_vllm_batch.batchfile.structured import OutputSchema
 
 __all__ = [
     "DEFAULT_MAX_LINE_BYTES",

@@ -141,7 +141,9 @@ _decode = msgspec.json.Decoder(_Line).decode
 Answer = Text | Parsed | Vector | Scores | Failed
 
 
-def iter_answers(lines: Iterable[bytes], *, source: str = "results", output_type: type | None = None) -> Iterator[Answer]:
+def iter_answers(
+    lines: Iterable[bytes], *, source: str = "results", output_type: type | None = None
+) -> Iterator[Answer]:
     """
     Yield one answer per result line (blank lines skipped).
 
@@ -236,7 +238,9 @@ def read_answers(
                     seen.add(key)
                 yield answer
     counts = source.get("request_counts") or {}
-    expected = {k: counts.get(k) for k in ("completed", "failed") if k in counts and (errors or k == "completed")}
+    expected = {
+        k: counts.get(k) for k in ("completed", "failed") if k in counts and (errors or k == "completed")
+    }
     if any(found[k] != v for k, v in expected.items()):
         raise ResultsCheckError(
             f"{source['output_uri']} does not match its manifest: {found} answers, the manifest says {expected}. "

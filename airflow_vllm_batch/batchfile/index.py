@@ -79,7 +79,10 @@ class CustomIdIndex:
             hs, ls = self.hashes[p], self.lines[p]
             # A stable sort keeps equal hashes in line order: bisect finds the first line.
             order = sorted(range(len(hs)), key=hs.__getitem__)
-            part = self._sorted[p] = (array("q", map(hs.__getitem__, order)), array(LINE_TYPECODE, map(ls.__getitem__, order)))
+            part = self._sorted[p] = (
+                array("q", map(hs.__getitem__, order)),
+                array(LINE_TYPECODE, map(ls.__getitem__, order)),
+            )
         hashes, lines = part
         i = bisect_left(hashes, h)
         return lines[i] if i < len(hashes) and hashes[i] == h else None

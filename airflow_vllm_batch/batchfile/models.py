@@ -117,8 +117,15 @@ NOT_NULLABLE = frozenset({"min_tokens"})
 #: and with ``logprobs`` a count of alternatives per token (OpenAI allows 0 to 5; vLLM more)
 #: rather than a switch; ``echo`` repeats the prompt in the answer.
 COMPLETION_SAMPLING_FIELDS: dict[str, tuple[Any, str]] = {
-    **{k: v for k, v in SAMPLING_FIELDS.items() if k not in ("max_completion_tokens", "top_logprobs", "logprobs")},
-    "logprobs": (Annotated[int, msgspec.Meta(ge=0)], "an integer >= 0 (log probabilities of that many alternatives per token)"),
+    **{
+        k: v
+        for k, v in SAMPLING_FIELDS.items()
+        if k not in ("max_completion_tokens", "top_logprobs", "logprobs")
+    },
+    "logprobs": (
+        Annotated[int, msgspec.Meta(ge=0)],
+        "an integer >= 0 (log probabilities of that many alternatives per token)",
+    ),
     "echo": (bool, "true or false"),
 }
 
@@ -141,7 +148,9 @@ ChatBody = msgspec.defstruct(
     gc=False,
     module=__name__,
 )
-ChatBody.__doc__ = """Body of ``/v1/chat/completions``: ``messages`` and the sampling fields of :data:`SAMPLING_FIELDS`."""
+ChatBody.__doc__ = (
+    """Body of ``/v1/chat/completions``: ``messages`` and the sampling fields of :data:`SAMPLING_FIELDS`."""
+)
 
 
 def sampling_problem(body: dict, fields: dict[str, tuple[Any, str]] = SAMPLING_FIELDS) -> str | None:
@@ -173,7 +182,10 @@ def sampling_problem(body: dict, fields: dict[str, tuple[Any, str]] = SAMPLING_F
 _TokenId = Annotated[int, msgspec.Meta(ge=0)]
 CompletionPrompt = (
     Annotated[str, msgspec.Meta(min_length=1)]
-    | Annotated[list[str | _TokenId | Annotated[list[_TokenId], msgspec.Meta(min_length=1)]], msgspec.Meta(min_length=1)]
+    | Annotated[
+        list[str | _TokenId | Annotated[list[_TokenId], msgspec.Meta(min_length=1)]],
+        msgspec.Meta(min_length=1),
+    ]
 )
 
 CompletionBody = msgspec.defstruct(
@@ -280,8 +292,7 @@ BODY_SPECS: dict[str, tuple[type[RequestBody], Any, str]] = {
     "/v1/score": (
         ScoreBody,
         score_body_complete,
-        '"text_1" and "text_2" (or "queries" and "documents", "queries" and "items", '
-        '"data_1" and "data_2")',
+        '"text_1" and "text_2" (or "queries" and "documents", "queries" and "items", "data_1" and "data_2")',
     ),
     "/v1/rerank": (
         RerankBody,
@@ -298,7 +309,9 @@ class LineKey(msgspec.Struct, gc=False):
     url: Any = None
 
 
-def request_struct(body: type[RequestBody], url: str | None = None, model: str | None = None) -> type[msgspec.Struct]:
+def request_struct(
+    body: type[RequestBody], url: str | None = None, model: str | None = None
+) -> type[msgspec.Struct]:
     """
     Return a request-line model whose ``body`` is decoded as ``body``.
 
@@ -517,9 +530,17 @@ def error_object(error: Any, status_code: int | None, line: int | None) -> dict[
     :param status_code: ``response.status_code``, when there is one.
     :param line: the input line of the request, when known.
     """
-    if isinstance(error, dict) and isinstance(error.get("code"), str) and isinstance(error.get("message"), str):
+    if (
+        isinstance(error, dict)
+        and isinstance(error.get("code"), str)
+        and isinstance(error.get("message"), str)
+    ):
         kept = error.get("line")
-        return {"code": error["code"], "message": error["message"], "line": kept if isinstance(kept, int) else line}
+        return {
+            "code": error["code"],
+            "message": error["message"],
+            "line": kept if isinstance(kept, int) else line,
+        }
     message = error_message(error) or f"the engine answered with HTTP status {status_code}"
     return {"code": error_code(status_code), "message": message, "line": line}
 

@@ -31,8 +31,14 @@ _decode_request = msgspec.json.Decoder(CustomIdOnly).decode
 
 #: The error of a request left unanswered when its batch stopped, by why it stopped (OpenAI's codes and words).
 STOPPED_ERRORS = {
-    "expired": {"code": "batch_expired", "message": "This request could not be executed before the completion window expired."},
-    "cancelled": {"code": "batch_cancelled", "message": "This request was not executed because the batch was cancelled."},
+    "expired": {
+        "code": "batch_expired",
+        "message": "This request could not be executed before the completion window expired.",
+    },
+    "cancelled": {
+        "code": "batch_cancelled",
+        "message": "This request was not executed because the batch was cancelled.",
+    },
 }
 
 
@@ -70,12 +76,21 @@ def request_ids(lines: Iterable[bytes]) -> Iterable[str]:
 
 def stopped_line(custom_id: str, reason: str) -> bytes:
     """The error line of a request a stopped batch left unanswered (no response exists: ``error`` only)."""
-    line = {"id": _line_id(custom_id, reason), "custom_id": custom_id, "response": None, "error": dict(STOPPED_ERRORS[reason])}
+    line = {
+        "id": _line_id(custom_id, reason),
+        "custom_id": custom_id,
+        "response": None,
+        "error": dict(STOPPED_ERRORS[reason]),
+    }
     return msgspec.json.encode(line) + b"\n"
 
 
 def split_stopped(
-    answers: Iterable[bytes], requests: Iterable[str], results_out: IO[bytes], errors_out: IO[bytes], reason: str
+    answers: Iterable[bytes],
+    requests: Iterable[str],
+    results_out: IO[bytes],
+    errors_out: IO[bytes],
+    reason: str,
 ) -> dict[str, int]:
     """Write the files of a stopped batch; return its ``request_counts``.
 
@@ -144,7 +159,10 @@ def to_openai_line(raw: bytes) -> bytes:
     elif error is not None:
         # No HTTP response exists (an engine crash, a line preflight refused, a stopped batch): ``error`` only.
         line["response"] = None
-        line["error"] = {"code": error.get("code") if isinstance(error, dict) else None, "message": error_message(error) or ""}
+        line["error"] = {
+            "code": error.get("code") if isinstance(error, dict) else None,
+            "message": error_message(error) or "",
+        }
     return msgspec.json.encode(line) + b"\n"
 
 

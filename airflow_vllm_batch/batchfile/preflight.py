@@ -87,8 +87,8 @@ import msgspec
 
 from airflow_vllm_batch.batchfile.index import CustomIdIndex, FirstN, repeated_hashes
 from airflow_vllm_batch.batchfile.models import (
-    DEFAULT_SUPPORTED_URLS,
     COMPLETION_SAMPLING_FIELDS,
+    DEFAULT_SUPPORTED_URLS,
     SAMPLING_FIELDS,
     ChatBody,
     CompletionBody,
@@ -263,7 +263,12 @@ class PreflightReport:
     @property
     def needs_rewrite(self) -> bool:
         """True when the engine must read the cleaned copy: lines skipped, rewritten or answered from the cache, or a compressed input."""
-        return self.invalid_lines > 0 or self.rewritten_lines > 0 or self.compression is not None or self.answered_from_cache > 0
+        return (
+            self.invalid_lines > 0
+            or self.rewritten_lines > 0
+            or self.compression is not None
+            or self.answered_from_cache > 0
+        )
 
     @property
     def runnable(self) -> bool:
@@ -303,9 +308,7 @@ class PreflightReport:
 
     def summary(self) -> str:
         """Return the one-line count summary."""
-        text = (
-            f"{self.total_lines} requests: {self.valid_lines} valid, {self.invalid_lines} invalid"
-        )
+        text = f"{self.total_lines} requests: {self.valid_lines} valid, {self.invalid_lines} invalid"
         if self.rewritten_lines:
             text += f", {self.rewritten_lines} rewritten"
         return text
@@ -407,7 +410,9 @@ class _Checker:
         # (only this URL, this model, no stream) once the model is known.
         # URLs the model cannot serve get no decoder: their lines go to diagnose_line.
         self.urls = [
-            url for url in opts.supported_urls if kind_problem(url, opts, None) is None and structured_problem(url, opts) is None
+            url
+            for url in opts.supported_urls
+            if kind_problem(url, opts, None) is None and structured_problem(url, opts) is None
         ]
         self.lenient = {url: self._line_decoder(url, None) for url in self.urls}
         # Built on first use, one per (URL, model name) a valid line uses.
@@ -491,8 +496,11 @@ class _Checker:
                 req = decode(raw)
             except _DECODE_ERRORS:
                 req = None
-            if req is None or lineno > limit or len(raw) > max_bytes or (
-                complete is not None and not complete(req.body)
+            if (
+                req is None
+                or lineno > limit
+                or len(raw) > max_bytes
+                or (complete is not None and not complete(req.body))
             ):
                 slow_line(raw, lineno)
                 if self.stopped:
@@ -635,7 +643,10 @@ class _Checker:
             )
         if self.other_engine_lines and opts.invalid_lines == "skip":
             urls = sorted(SERVER_ONLY_URLS)
-            advice = next((opts.url_advice[u] for u in urls if u in opts.url_advice), "run the file with an engine that serves them")
+            advice = next(
+                (opts.url_advice[u] for u in urls if u in opts.url_advice),
+                "run the file with an engine that serves them",
+            )
             self.file_problem(
                 f"{self.other_engine_lines} line(s) use {', '.join(urls)}, which {opts.urls_from} does not "
                 f"serve; they are not skipped — {advice}"
@@ -862,8 +873,7 @@ def diagnose_line(
         raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         return None, (
-            f"not valid UTF-8 (byte 0x{raw[exc.start]:02x} at offset {exc.start}) — "
-            "save the file as UTF-8"
+            f"not valid UTF-8 (byte 0x{raw[exc.start]:02x} at offset {exc.start}) — save the file as UTF-8"
         )
     try:
         obj = msgspec.json.decode(raw)
@@ -891,7 +901,10 @@ def diagnose_line(
     if method is None:
         return shown, 'missing "method" — add "method": "POST"'
     if method != "POST":
-        return shown, f'"method" is {msgspec.json.encode(method).decode()}, only "POST" is supported — set "method": "POST"'
+        return (
+            shown,
+            f'"method" is {msgspec.json.encode(method).decode()}, only "POST" is supported — set "method": "POST"',
+        )
 
     url = obj.get("url")
     supported = ", ".join(sorted(opts.supported_urls))
@@ -902,7 +915,10 @@ def diagnose_line(
     if url not in opts.supported_urls:
         if url in opts.url_advice:
             # The engine's own words: which engine serves it (preflight knows no engine).
-            return shown, f'"url" {url!r} is not served by {opts.urls_from} — {opts.url_advice[url]}; or use one of: {supported}'
+            return (
+                shown,
+                f'"url" {url!r} is not served by {opts.urls_from} — {opts.url_advice[url]}; or use one of: {supported}',
+            )
         return shown, f'"url" {url!r} is not served by {opts.urls_from} — use one of: {supported}'
     unstructured = structured_problem(url, opts)
     if unstructured:
@@ -917,11 +933,16 @@ def diagnose_line(
         return shown, f'missing "body" — add the request body for {url}'
     body = obj["body"]
     if not isinstance(body, dict):
-        return shown, f'"body" is a {_json_type(body)}, not an object — put the {url} request parameters in an object'
+        return (
+            shown,
+            f'"body" is a {_json_type(body)}, not an object — put the {url} request parameters in an object',
+        )
 
     struct, complete, needs = body_spec_for(url)
     if struct is ChatBody or struct is CompletionBody:
-        bad_field = sampling_problem(body, SAMPLING_FIELDS if struct is ChatBody else COMPLETION_SAMPLING_FIELDS)
+        bad_field = sampling_problem(
+            body, SAMPLING_FIELDS if struct is ChatBody else COMPLETION_SAMPLING_FIELDS
+        )
         if bad_field:
             return shown, bad_field
     try:
@@ -929,23 +950,40 @@ def diagnose_line(
     except msgspec.ValidationError as exc:
         where = str(exc).replace("`$.", "`body.").replace("`$`", "`body`")
         if " - at `body.model`" in where:
-            return shown, f'"body.model" is a {_json_type(body.get("model"))}, not a string — set it to the model name'
+            return (
+                shown,
+                f'"body.model" is a {_json_type(body.get("model"))}, not a string — set it to the model name',
+            )
         if " - at `body.stream`" in where:
             return shown, '"body.stream" must be a boolean — remove it (batch requests never stream)'
         return shown, f"body does not fit {url}: {where} — the body needs {needs}"
     if complete is not None and not complete(decoded):
         return shown, f"body does not fit {url}: it needs {needs}"
     if decoded.stream:
-        return shown, '"body.stream" is true, but batch requests cannot stream — remove "stream" or set it to false'
+        return (
+            shown,
+            '"body.stream" is true, but batch requests cannot stream — remove "stream" or set it to false',
+        )
 
     model = decoded.model
     if model is None:
         if opts.model_names:
-            return shown, f'"body.model" is missing — set it to one of: {_names(opts.model_names, opts.model)}'
+            return (
+                shown,
+                f'"body.model" is missing — set it to one of: {_names(opts.model_names, opts.model)}',
+            )
         if opts.model:
-            return shown, f'"body.model" is missing — set it to {opts.model!r} (or run with rewrite_model=True)'
+            return (
+                shown,
+                f'"body.model" is missing — set it to {opts.model!r} (or run with rewrite_model=True)',
+            )
         return shown, '"body.model" is missing — name the model in every request (the same on every line)'
-    if expected_model is not None and model != expected_model and model not in opts.model_names and not opts.rewrite_model:
+    if (
+        expected_model is not None
+        and model != expected_model
+        and model not in opts.model_names
+        and not opts.rewrite_model
+    ):
         if opts.model_names:
             return shown, (
                 f'"body.model" is {model!r}, which the engine does not serve — use one of: '

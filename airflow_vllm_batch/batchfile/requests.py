@@ -71,7 +71,9 @@ def build_batch_file(
     """
     items = _as_list(requests, parameter)
     if not items:
-        raise ConfigurationError(f"{parameter} is empty: there is nothing to run. Return at least one request upstream.")
+        raise ConfigurationError(
+            f"{parameter} is empty: there is nothing to run. Return at least one request upstream."
+        )
     if len(items) > MAX_REQUESTS:
         raise ConfigurationError(_too_big(parameter, f"{len(items):,} requests, more than {MAX_REQUESTS:,}"))
     defaults = dict(default_body or {})
@@ -94,7 +96,9 @@ def build_batch_file(
         line = encode({"custom_id": cid, "method": "POST", "url": url, "body": body}) + b"\n"
         size += len(line)
         if size > MAX_REQUESTS_BYTES:
-            raise ConfigurationError(_too_big(parameter, f"more than {MAX_REQUESTS_BYTES // (1024 * 1024)} MiB of requests"))
+            raise ConfigurationError(
+                _too_big(parameter, f"more than {MAX_REQUESTS_BYTES // (1024 * 1024)} MiB of requests")
+            )
         lines.append(line)
     return b"".join(lines)
 
@@ -113,11 +117,17 @@ def check_requests_options(url: str, custom_id: str, default_body: Mapping[str, 
     :raises ConfigurationError: naming the parameter.
     """
     if not isinstance(url, str) or not url.startswith("/"):
-        raise ConfigurationError(f"requests_url must be an endpoint path such as '/v1/chat/completions', got {url!r}.")
+        raise ConfigurationError(
+            f"requests_url must be an endpoint path such as '/v1/chat/completions', got {url!r}."
+        )
     if not isinstance(custom_id, str) or not custom_id:
-        raise ConfigurationError(f"requests_custom_id must be 'index' or the key of each item that holds its custom_id, got {custom_id!r}.")
+        raise ConfigurationError(
+            f"requests_custom_id must be 'index' or the key of each item that holds its custom_id, got {custom_id!r}."
+        )
     if isinstance(default_body, Mapping) and _RESERVED_DEFAULTS.intersection(default_body):
-        raise ConfigurationError(f"default_body may not set {sorted(_RESERVED_DEFAULTS.intersection(default_body))}.")
+        raise ConfigurationError(
+            f"default_body may not set {sorted(_RESERVED_DEFAULTS.intersection(default_body))}."
+        )
 
 
 def _as_list(requests: Any, parameter: str) -> list[Any]:
@@ -129,7 +139,9 @@ def _as_list(requests: Any, parameter: str) -> list[Any]:
     return list(requests)
 
 
-def _request_of(item: Any, index: int, *, url: str, custom_id: str, parameter: str) -> tuple[str, dict[str, Any]]:
+def _request_of(
+    item: Any, index: int, *, url: str, custom_id: str, parameter: str
+) -> tuple[str, dict[str, Any]]:
     """Return ``(custom_id, body)`` of one item."""
     where = f"{parameter}[{index}]"
     if isinstance(item, Mapping):
@@ -142,11 +154,20 @@ def _request_of(item: Any, index: int, *, url: str, custom_id: str, parameter: s
         elif url == "/v1/completions":
             body = {"prompt": item}
         else:
-            raise ConfigurationError(f"{where} is a string, but {url} needs a request body: give an object with its fields.")
-    elif isinstance(item, Sequence) and item and all(isinstance(m, Mapping) for m in item) and any("role" in m for m in item):
+            raise ConfigurationError(
+                f"{where} is a string, but {url} needs a request body: give an object with its fields."
+            )
+    elif (
+        isinstance(item, Sequence)
+        and item
+        and all(isinstance(m, Mapping) for m in item)
+        and any("role" in m for m in item)
+    ):
         # Messages have a role; a list of objects none of which has one is a list of bodies (a mapped upstream's).
         if url not in ("/v1/chat/completions", "/v1/embeddings"):
-            raise ConfigurationError(f"{where} is a list of messages, but {url} needs a request body: give an object.")
+            raise ConfigurationError(
+                f"{where} is a list of messages, but {url} needs a request body: give an object."
+            )
         body = {"messages": [dict(m) for m in item]}
     else:
         # A list of prompts or bodies as one item is what a mapped upstream task gives: one list per map index.

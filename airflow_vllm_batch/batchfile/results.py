@@ -58,7 +58,12 @@ from airflow_vllm_batch.batchfile.models import (
 from airflow_vllm_batch.batchfile.preflight import custom_ids_at
 from airflow_vllm_batch.batchfile.problems import Problem, format_problem_list
 from airflow_vllm_batch.batchfile.sources import redact_urls
-from airflow_vllm_batch.batchfile.structured import INVALID_OUTPUT, OutputSchema, answer_misfit, invalid_output_error
+from airflow_vllm_batch.batchfile.structured import (
+    INVALID_OUTPUT,
+    OutputSchema,
+    answer_misfit,
+    invalid_output_error,
+)
 from airflow_vllm_batch.exceptions import ResultsCheckError
 
 #: ``str(EngineDeadError())`` in vLLM 0.32 (and 0.33, whose runner exits non-zero instead):
@@ -192,7 +197,11 @@ class ResultsReport:
         out: list[str] = []
         groups = (
             ("input request(s) without a result (input line numbers)", self.missing, self.missing_count),
-            ("result(s) for a custom_id not in the input (result line numbers)", self.extra, self.extra_count),
+            (
+                "result(s) for a custom_id not in the input (result line numbers)",
+                self.extra,
+                self.extra_count,
+            ),
             ("repeated answer(s) (result line numbers)", self.duplicates, self.duplicate_count),
             ("result line(s) that could not be read", self.unparseable, self.unparseable_count),
         )
@@ -215,15 +224,25 @@ class ResultsReport:
         if self.input_checked:
             out.append(f"  input: {self.input_total} requests in {self.input_source or 'input'}")
         if self.status_counts:
-            out.append("  per status: " + ", ".join(f"{k}={v}" for k, v in sorted(self.status_counts.items())))
+            out.append(
+                "  per status: " + ", ".join(f"{k}={v}" for k, v in sorted(self.status_counts.items()))
+            )
         if self.object_counts:
-            out.append("  per endpoint: " + ", ".join(f"{k}={v}" for k, v in sorted(self.endpoint_counts.items())))
+            out.append(
+                "  per endpoint: " + ", ".join(f"{k}={v}" for k, v in sorted(self.endpoint_counts.items()))
+            )
         if self.invalid_output:
-            out.append(f"  answers that do not fit output_type (failed, code invalid_output): {self.invalid_output}")
+            out.append(
+                f"  answers that do not fit output_type (failed, code invalid_output): {self.invalid_output}"
+            )
         if self.dropped_duplicates:
-            out.append(f"  later answers of a custom_id answered already, left out: {self.dropped_duplicates}")
+            out.append(
+                f"  later answers of a custom_id answered already, left out: {self.dropped_duplicates}"
+            )
         if self.engine_failure:
-            out.append(f"  ENGINE FAILURE: vLLM reports its engine core died ({self.engine_dead_lines} lines)")
+            out.append(
+                f"  ENGINE FAILURE: vLLM reports its engine core died ({self.engine_dead_lines} lines)"
+            )
         for message in self.sample_errors:
             out.append(f"  error: {message}")
         out.extend(self.mismatch_lines())
@@ -305,7 +324,9 @@ def check_results(
     elif input_index is not None:
         _count_index(input_index, report)
     outputs = _Outputs(results_out, errors_out, input_index, output_schema)
-    results_index = _scan_results(result_lines, input_index is not None, report, outputs, max_listed, max_sample_errors)
+    results_index = _scan_results(
+        result_lines, input_index is not None, report, outputs, max_listed, max_sample_errors
+    )
     outputs.finish(getattr(result_lines, "ended_with_newline", None))
     if input_index is None or results_index is None:
         return report
@@ -315,12 +336,24 @@ def check_results(
             raise ValueError("duplicates='first' needs reread_results")
         # The repeats of any custom_id (one not in the input too: its first answer stays an extra).
         later = frozenset(line for line, _ in results_index.repeats())
-        input_figures = (report.input_checked, report.input_total, report.input_duplicate_count, report.input_unreadable_count)
+        input_figures = (
+            report.input_checked,
+            report.input_total,
+            report.input_duplicate_count,
+            report.input_unreadable_count,
+        )
         report = ResultsReport(source=source, input_source=input_source)
-        report.input_checked, report.input_total, report.input_duplicate_count, report.input_unreadable_count = input_figures
+        (
+            report.input_checked,
+            report.input_total,
+            report.input_duplicate_count,
+            report.input_unreadable_count,
+        ) = input_figures
         outputs = _Outputs(_rewound(results_out), _rewound(errors_out), input_index, output_schema)
         with reread_results() as again:
-            results_index = _scan_results(again, True, report, outputs, max_listed, max_sample_errors, leave_out=later)
+            results_index = _scan_results(
+                again, True, report, outputs, max_listed, max_sample_errors, leave_out=later
+            )
             outputs.finish(getattr(again, "ended_with_newline", None))
         report.dropped_duplicates = len(later)
         _match(input_index, results_index, report, reread_input, reread_results, max_listed)
@@ -395,7 +428,11 @@ class _Outputs:
         """Write an answer that does not fit as a failed line: the engine's response kept, its text in ``error.raw``."""
         if self.errors_write is None:
             return
-        line = self.input_index.line_of(custom_id) if self.input_index is not None and custom_id is not None else None
+        line = (
+            self.input_index.line_of(custom_id)
+            if self.input_index is not None and custom_id is not None
+            else None
+        )
         obj = msgspec.json.decode(raw)
         obj["error"] = invalid_output_error(message, text, line)
         self.errors_write(msgspec.json.encode(obj) + b"\n")
@@ -409,7 +446,11 @@ class _Outputs:
 
     def failure(self, raw: bytes, custom_id: str | None, status: int | None) -> None:
         """Write a failed line with its ``error`` in the one shape of the error file."""
-        line = self.input_index.line_of(custom_id) if self.input_index is not None and custom_id is not None else None
+        line = (
+            self.input_index.line_of(custom_id)
+            if self.input_index is not None and custom_id is not None
+            else None
+        )
         obj = msgspec.json.decode(raw)
         obj["error"] = error_object(obj.get("error"), status, line)
         self.errors_write(msgspec.json.encode(obj) + b"\n")
@@ -458,7 +499,9 @@ def _scan_results(
             report.unparseable_count += 1
             if len(report.unparseable) < max_listed:
                 report.unparseable.append(
-                    Problem(lineno, None, f"not a result line ({exc}) — the output is corrupt; rerun the batch")
+                    Problem(
+                        lineno, None, f"not a result line ({exc}) — the output is corrupt; rerun the batch"
+                    )
                 )
             continue
         response = result.response
@@ -479,7 +522,11 @@ def _scan_results(
                 body = response  # older shape: the response is the completion itself
             else:
                 body = response.body
-        wrong = misfit(raw) if misfit is not None and error is None and (status is None or status == 200) else None
+        wrong = (
+            misfit(raw)
+            if misfit is not None and error is None and (status is None or status == 200)
+            else None
+        )
         if wrong is not None:
             # The engine answered, but not in the shape asked for: a failed request, counted apart.
             failed += 1

@@ -110,7 +110,9 @@ def redact_url(url: str) -> str:
         parts = urllib.parse.urlsplit(url)
     except ValueError:  # e.g. an unclosed "[": nothing of it is safe to show but its scheme
         return url.partition(":")[0] + "://<a URL that cannot be parsed>"
-    return urllib.parse.urlunsplit((parts.scheme, _host_and_port(parts), parts.path, "", "")) + ("?<redacted>" if parts.query else "")
+    return urllib.parse.urlunsplit((parts.scheme, _host_and_port(parts), parts.path, "", "")) + (
+        "?<redacted>" if parts.query else ""
+    )
 
 
 def url_secrets(url: str) -> list[str]:
@@ -122,7 +124,12 @@ def url_secrets(url: str) -> list[str]:
         return []
     parts = urllib.parse.urlsplit(url)
     userinfo = parts.netloc.rpartition("@")[0]
-    found = [parts.query, userinfo, userinfo.partition(":")[2], urllib.parse.unquote(userinfo.partition(":")[2])]
+    found = [
+        parts.query,
+        userinfo,
+        userinfo.partition(":")[2],
+        urllib.parse.unquote(userinfo.partition(":")[2]),
+    ]
     return [url, *dict.fromkeys(value for value in found if value)] if any(found) else []
 
 
@@ -300,7 +307,9 @@ def open_lines(
             yield _decoded_lines(handle, name, on_bytes, kwargs)
         return
     if not hasattr(source, "read"):
-        raise TypeError(f"open_lines() needs a path, an http(s) URL or a binary file-like object, got {type(source).__name__}")
+        raise TypeError(
+            f"open_lines() needs a path, an http(s) URL or a binary file-like object, got {type(source).__name__}"
+        )
     yield _decoded_lines(source, name, on_bytes, kwargs)
 
 

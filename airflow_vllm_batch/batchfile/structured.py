@@ -41,7 +41,9 @@ INVALID_OUTPUT = "invalid_output"
 #: The longest validation message kept per failed answer (the raw text is kept whole).
 MAX_MESSAGE_CHARS = 300
 #: The engine flag that keeps structured decoding from padding JSON with whitespace until the token limit.
-COMPACT_JSON_FLAG = """--structured-outputs-config '{"backend": "xgrammar", "disable_any_whitespace": true}'"""
+COMPACT_JSON_FLAG = (
+    """--structured-outputs-config '{"backend": "xgrammar", "disable_any_whitespace": true}'"""
+)
 #: A trailing run of this much whitespace marks an answer padded by structured decoding.
 _PADDING_RUN = 16
 
@@ -137,7 +139,10 @@ class OutputSchema:
 
     def response_format(self) -> dict[str, Any]:
         """The ``response_format`` filled into chat and completions bodies that have none."""
-        return {"type": "json_schema", "json_schema": {"name": self.name, "schema": self.schema, "strict": True}}
+        return {
+            "type": "json_schema",
+            "json_schema": {"name": self.name, "schema": self.schema, "strict": True},
+        }
 
     def problem(self, text: str | None) -> str | None:
         """Why ``text`` does not fit the model (a short message), or None when it does."""

@@ -59,7 +59,11 @@ class _VLLMBatchDecoratedOperator(DecoratedOperator, VLLMBatchOperator):
                 "input_uri= from the decorator (a file in S3 goes to VLLMBatchOperator(input_uri=...) instead)."
             )
         super().__init__(
-            python_callable=python_callable, op_args=op_args, op_kwargs=op_kwargs, requests=SET_DURING_EXECUTION, **kwargs
+            python_callable=python_callable,
+            op_args=op_args,
+            op_kwargs=op_kwargs,
+            requests=SET_DURING_EXECUTION,
+            **kwargs,
         )
 
     @property
@@ -75,7 +79,9 @@ class _VLLMBatchDecoratedOperator(DecoratedOperator, VLLMBatchOperator):
         # The function's values are data, not templates: they are not rendered (a prompt may hold "{{").
         kwargs = determine_kwargs(self.python_callable, self.op_args, {**context, **self.op_kwargs})
         try:
-            self.requests = _checked_requests(self.python_callable(*self.op_args, **kwargs), self.python_callable)
+            self.requests = _checked_requests(
+                self.python_callable(*self.op_args, **kwargs), self.python_callable
+            )
         except ConfigurationError as err:
             raise AirflowFailException(str(err)) from err
         return super().execute(context)
@@ -90,7 +96,9 @@ def _checked_requests(value: Any, function: Callable) -> list[Any]:
             f"or request bodies, got {type(value).__name__} {str(value)[:80]!r}."
         )
     if not value:
-        raise ConfigurationError(f"@task.vllm_batch function {name!r} returned no requests: there is nothing to run.")
+        raise ConfigurationError(
+            f"@task.vllm_batch function {name!r} returned no requests: there is nothing to run."
+        )
     return list(value)
 
 
@@ -105,4 +113,6 @@ def vllm_batch_task(python_callable: Callable | None = None, **kwargs: Any) -> T
     """
     # The manifest is one XCom; the function's return annotation (the requests) says nothing of it.
     kwargs.setdefault("multiple_outputs", False)
-    return task_decorator_factory(python_callable=python_callable, decorated_operator_class=_VLLMBatchDecoratedOperator, **kwargs)
+    return task_decorator_factory(
+        python_callable=python_callable, decorated_operator_class=_VLLMBatchDecoratedOperator, **kwargs
+    )

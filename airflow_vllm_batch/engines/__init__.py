@@ -15,7 +15,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from airflow_vllm_batch.engines.base import Engine, EngineJob, EngineResults
-from airflow_vllm_batch.engines.options import EngineOptions, VLLMRunner, VLLMServer, WarmVLLMServer, YieldToInteractive
+from airflow_vllm_batch.engines.options import (
+    EngineOptions,
+    VLLMRunner,
+    VLLMServer,
+    WarmVLLMServer,
+    YieldToInteractive,
+)
 
 if TYPE_CHECKING:
     import logging

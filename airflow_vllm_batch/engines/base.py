@@ -92,6 +92,7 @@ class EngineSettings(Protocol):
 
     def presign_seconds(self, expires_in: timedelta | int | None = None) -> int: ...
 
+
 class EngineInput(Protocol):
     """The run's pinned input as an engine uses it; :class:`~airflow_vllm_batch.run.inputs.BatchInput` is one."""
 
@@ -125,7 +126,12 @@ class StopPoll:
     :param clock: the monotonic clock (a test's virtual one).
     """
 
-    def __init__(self, stop: Callable[[], str | None] | None, every_s: float | None = None, clock: Callable[[], float] | None = None) -> None:
+    def __init__(
+        self,
+        stop: Callable[[], str | None] | None,
+        every_s: float | None = None,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
         import time
 
         self._stop = stop
@@ -206,7 +212,9 @@ class EngineJob:
         """The lines the engine runs: preflight's cleaned copy, or the pinned input."""
         from airflow_vllm_batch.batchfile import open_lines
 
-        opened = open_lines(str(self.work / "input.jsonl")) if self.report.needs_rewrite else self.input.open()
+        opened = (
+            open_lines(str(self.work / "input.jsonl")) if self.report.needs_rewrite else self.input.open()
+        )
         with opened as lines:
             yield lines
 

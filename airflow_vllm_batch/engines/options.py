@@ -133,7 +133,9 @@ class EngineOptions:
     def engine_class(self) -> type:
         """The :class:`~airflow_vllm_batch.engines.base.Engine` subclass these options are for (:attr:`engine_path`)."""
         if not self.engine_path:
-            raise NotImplementedError(f"{type(self).__name__} names no engine: set engine_path (or define engine_class()).")
+            raise NotImplementedError(
+                f"{type(self).__name__} names no engine: set engine_path (or define engine_class())."
+            )
         module, _, name = self.engine_path.rpartition(".")
         return getattr(importlib.import_module(module), name)
 
@@ -179,7 +181,10 @@ class EngineOptions:
                 return [shown(v) for v in value]
             return value
 
-        return {"engine": type(self).__name__, **{f.name: shown(getattr(self, f.name)) for f in dataclasses.fields(self)}}
+        return {
+            "engine": type(self).__name__,
+            **{f.name: shown(getattr(self, f.name)) for f in dataclasses.fields(self)},
+        }
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -206,9 +211,13 @@ class _LocalVLLM(EngineOptions):
     def rendered(self) -> _LocalVLLM:
         _strings("args", self.args, "['--max-model-len', '4096']")
         if self.env is not None and not isinstance(self.env, Mapping):
-            raise ConfigurationError(f"env must be a mapping, got {type(self.env).__name__} {self.env!r} after rendering.")
+            raise ConfigurationError(
+                f"env must be a mapping, got {type(self.env).__name__} {self.env!r} after rendering."
+            )
         return dataclasses.replace(
-            super().rendered(), args=tuple(self.args or ()), env={k: str(v) for k, v in (self.env or {}).items()}
+            super().rendered(),
+            args=tuple(self.args or ()),
+            env={k: str(v) for k, v in (self.env or {}).items()},
         )
 
     def mask_secrets(self) -> None:
@@ -253,7 +262,11 @@ class VLLMRunner(_LocalVLLM):
         if self.output_mode not in _OUTPUT_MODES:
             raise ConfigurationError(f"output_mode must be one of {_OUTPUT_MODES}, got {self.output_mode!r}.")
         if not _templated(self.command):
-            _strings("command", self.command, "['docker', 'exec', 'vllm', 'python', '-m', 'vllm.entrypoints.openai.run_batch']")
+            _strings(
+                "command",
+                self.command,
+                "['docker', 'exec', 'vllm', 'python', '-m', 'vllm.entrypoints.openai.run_batch']",
+            )
         presign = self.presign_expires_in
         if presign is not None and not isinstance(presign, timedelta):
             # Seconds, as amazon's S3Hook.generate_presigned_url takes them; or a timedelta, as Airflow's durations.
@@ -265,7 +278,11 @@ class VLLMRunner(_LocalVLLM):
         super().check(values)
 
     def rendered(self) -> VLLMRunner:
-        _strings("command", self.command, "['docker', 'exec', 'vllm', 'python', '-m', 'vllm.entrypoints.openai.run_batch']")
+        _strings(
+            "command",
+            self.command,
+            "['docker', 'exec', 'vllm', 'python', '-m', 'vllm.entrypoints.openai.run_batch']",
+        )
         rendered = super().rendered()
         assert isinstance(rendered, VLLMRunner)
         return dataclasses.replace(rendered, command=tuple(self.command) if self.command else None)
@@ -282,7 +299,11 @@ class _Streaming(EngineOptions):
 
     def check(self, values: Mapping[str, Any]) -> None:
         _whole("max_in_flight", self.max_in_flight, minimum=1)
-        if not isinstance(self.client_processes, int) or isinstance(self.client_processes, bool) or self.client_processes < 1:
+        if (
+            not isinstance(self.client_processes, int)
+            or isinstance(self.client_processes, bool)
+            or self.client_processes < 1
+        ):
             raise ConfigurationError(
                 f"client_processes must be a positive whole number (1 unless the server answers more than one client "
                 f"core sends, ~3,400 requests/s), got {self.client_processes!r}."
@@ -380,9 +401,13 @@ class YieldToInteractive:
             )
         _whole("YieldToInteractive(min_in_flight=...)", self.min_in_flight, minimum=1)
         if self.min_in_flight is None:
-            raise ConfigurationError("YieldToInteractive(min_in_flight=...) must be a whole number >= 1, got None.")
+            raise ConfigurationError(
+                "YieldToInteractive(min_in_flight=...) must be a whole number >= 1, got None."
+            )
         urls = self.metrics_urls
-        if isinstance(urls, str) or not all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in urls):
+        if isinstance(urls, str) or not all(
+            isinstance(u, str) and u.startswith(("http://", "https://")) for u in urls
+        ):
             raise ConfigurationError(
                 "YieldToInteractive(metrics_urls=...) must be a list of http(s) URLs, e.g. "
                 f"['http://vllm-0:8000/metrics', 'http://vllm-1:8000/metrics'], got {urls!r}."
@@ -447,7 +472,9 @@ class WarmVLLMServer(_Streaming):
 
     def rendered(self) -> WarmVLLMServer:
         if not isinstance(self.conn_id, str) or not self.conn_id.strip():
-            raise ConfigurationError(f"conn_id must be the name of a vllm connection, got {self.conn_id!r} after rendering.")
+            raise ConfigurationError(
+                f"conn_id must be the name of a vllm connection, got {self.conn_id!r} after rendering."
+            )
         rendered = super().rendered()
         assert isinstance(rendered, WarmVLLMServer)
         return rendered

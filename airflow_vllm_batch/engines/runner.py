@@ -15,10 +15,9 @@ from typing import TYPE_CHECKING
 from botocore.exceptions import BotoCoreError, ClientError
 
 from airflow_vllm_batch.batchfile import CustomIdIndex, open_lines, redact_urls
-from airflow_vllm_batch.batchfile.preflight import RUNNER_URL_ADVICE
 from airflow_vllm_batch.batchfile.models import decode_custom_id
-from airflow_vllm_batch.redaction import redact_engine_args
-from airflow_vllm_batch.engines.base import EngineJob, EngineResults, StopPoll
+from airflow_vllm_batch.batchfile.preflight import RUNNER_URL_ADVICE
+from airflow_vllm_batch.engines.base import EngineInfo, EngineJob, EngineResults, EngineRun, StopPoll
 from airflow_vllm_batch.engines.local import LAUNCH_REPORT, LocalEngine
 from airflow_vllm_batch.engines.runner_deaths import (
     DEFAULT_SUSPECTS,
@@ -33,15 +32,19 @@ from airflow_vllm_batch.engines.runner_deaths import (
     unanswered,
 )
 from airflow_vllm_batch.engines.server import answered_ids, answered_requests
-from airflow_vllm_batch.exceptions import BatchStopped, EngineError, InputChangedError, PublishError, StorageUnavailableError
-from airflow_vllm_batch.engines.base import EngineInfo, EngineRun
 from airflow_vllm_batch.engines.vllm.command import build_engine_argv, conceal_arguments
+from airflow_vllm_batch.exceptions import (
+    BatchStopped,
+    EngineError,
+    InputChangedError,
+    PublishError,
+    StorageUnavailableError,
+)
 from airflow_vllm_batch.hooks.vllm import VLLMEngineHook
-
+from airflow_vllm_batch.redaction import redact_engine_args
 from airflow_vllm_batch.serving.journal import part_name
 
 if TYPE_CHECKING:
-
     from airflow_vllm_batch.batchfile import ResultsReport
 
 #: Engine starts in one try after deaths, before the try fails for Airflow's retry (which goes on from the parts).
@@ -52,7 +55,11 @@ def _how(run: EngineRun) -> str:
     """How an engine process ended, for messages."""
     if run.returncode == 0:
         return "exited 0"
-    how = f"was killed by signal {-run.returncode}" if run.returncode < 0 else f"exited with code {run.returncode}"
+    how = (
+        f"was killed by signal {-run.returncode}"
+        if run.returncode < 0
+        else f"exited with code {run.returncode}"
+    )
     if run.returncode in (-9, 137):
         how += " (SIGKILL: out of memory? see the kernel log)"
     return how
@@ -170,7 +177,9 @@ class RunnerEngine(LocalEngine):
         self.engine_arguments(info)  # malformed or reserved options fail before anything is uploaded
         engine_input = self.engine_input(job)
         if self.options.output_mode == "presigned":
-            output = job.input.presign("put_object", staging.bucket, staging.results_key, expires_in=self.presign_seconds)
+            output = job.input.presign(
+                "put_object", staging.bucket, staging.results_key, expires_in=self.presign_seconds
+            )
             self.log.info("The engine uploads its results to %s", staged.staged_uri)
         else:
             output = str(job.work / "engine-results.jsonl")
@@ -192,7 +201,12 @@ class RunnerEngine(LocalEngine):
         return run
 
     def run_rest(
-        self, info: EngineInfo, job: EngineJob, answered: CustomIdIndex, isolate: list[str], deaths: list[Death]
+        self,
+        info: EngineInfo,
+        job: EngineJob,
+        answered: CustomIdIndex,
+        isolate: list[str],
+        deaths: list[Death],
     ) -> tuple[EngineRun, bool]:
         """The engine over what no part answers (or over the last death's suspects, isolated); stage what it answers.
 
@@ -211,7 +225,9 @@ class RunnerEngine(LocalEngine):
         extra: list[str] = []
         if isolate:
             # One request in flight: the first unanswered request of a death is then the one in flight.
-            extra = ["--max-inflight", "1"] if "max_inflight" in info.runner_options else ["--max-num-seqs", "1"]
+            extra = (
+                ["--max-inflight", "1"] if "max_inflight" in info.runner_options else ["--max-num-seqs", "1"]
+            )
             self.log.warning(
                 "The engine runs the %d request(s) it may have had in flight at its last death alone, one at a time "
                 "(%s), to tell which one kills it.",
@@ -221,9 +237,13 @@ class RunnerEngine(LocalEngine):
         engine_input = str(subset)
         if self.options.output_mode == "presigned" and job.input.in_s3:
             staging.put_input(subset)
-            engine_input = job.input.presign("get_object", staging.bucket, staging.input_key, expires_in=self.presign_seconds)
+            engine_input = job.input.presign(
+                "get_object", staging.bucket, staging.input_key, expires_in=self.presign_seconds
+            )
         output = (
-            job.input.presign("put_object", staging.bucket, staging.results_key, expires_in=self.presign_seconds)
+            job.input.presign(
+                "put_object", staging.bucket, staging.results_key, expires_in=self.presign_seconds
+            )
             if self.options.output_mode == "presigned"
             else str(job.work / "engine-results.jsonl")
         )
@@ -283,7 +303,13 @@ class RunnerEngine(LocalEngine):
         return True
 
     def settle_death(
-        self, job: EngineJob, run: EngineRun, answered: CustomIdIndex, isolate: list[str], deaths: list[Death], run_input: Path | None = None
+        self,
+        job: EngineJob,
+        run: EngineRun,
+        answered: CustomIdIndex,
+        isolate: list[str],
+        deaths: list[Death],
+        run_input: Path | None = None,
     ) -> Death:
         """Record a death and its suspects; answer as failed the one request in flight at two deaths in a row."""
         if self._stopped:
@@ -298,7 +324,9 @@ class RunnerEngine(LocalEngine):
                 suspects = list(itertools.islice(left, 1))
             else:
                 sizes = self.scheduler_sizes
-                limit = (sizes.max_num_seqs if sizes is not None and sizes.max_num_seqs else None) or DEFAULT_SUSPECTS
+                limit = (
+                    sizes.max_num_seqs if sizes is not None and sizes.max_num_seqs else None
+                ) or DEFAULT_SUSPECTS
                 suspects = list(itertools.islice(left, limit))
         how = _how(run)
         self.log.warning(
@@ -313,7 +341,9 @@ class RunnerEngine(LocalEngine):
             crashed = suspects[0]
             part = job.work / "engine-crash.jsonl"
             part.write_bytes(crash_line(crashed, sum(d.died for d in deaths) + 1))
-            staging.put_part(part.rename(job.work / part_name(len(staging.list_parts()))), uuid.uuid4().hex[:8])
+            staging.put_part(
+                part.rename(job.work / part_name(len(staging.list_parts()))), uuid.uuid4().hex[:8]
+            )
             self.log.warning(
                 "custom_id %r was in flight at two engine deaths in a row, the second time alone: it is answered as "
                 "failed (error code %s); the rest of the batch goes on.",
@@ -352,18 +382,29 @@ class RunnerEngine(LocalEngine):
                 return str(cleaned)
             uri = job.staging.put_input(cleaned)
             self.log.info("The engine reads the cleaned copy %s", uri)
-            return job.input.presign("get_object", job.staging.bucket, job.staging.input_key, expires_in=self.presign_seconds)
+            return job.input.presign(
+                "get_object", job.staging.bucket, job.staging.input_key, expires_in=self.presign_seconds
+            )
         return job.input.presigned_get(expires_in=self.presign_seconds) if job.input.in_s3 else job.input.uri
 
     def start_engine(
-        self, info: EngineInfo, input_location: str, output_location: str, job: EngineJob, extra: list[str] | None = None
+        self,
+        info: EngineInfo,
+        input_location: str,
+        output_location: str,
+        job: EngineJob,
+        extra: list[str] | None = None,
     ) -> EngineRun:
         """Run the batch runner until it exits; what its exit means is :meth:`split`'s to say.
 
         :param extra: flags after the others (an isolated run's in-flight bound).
         """
         after = list(extra or ())
-        if not self.command and "output_tmp_dir" in info.runner_options and output_location.startswith("http"):
+        if (
+            not self.command
+            and "output_tmp_dir" in info.runner_options
+            and output_location.startswith("http")
+        ):
             # Without it vLLM holds a URL output in memory until its final PUT.
             after += ["--output-tmp-dir", str(job.work)]
         argv = build_engine_argv(
@@ -432,7 +473,10 @@ class RunnerEngine(LocalEngine):
 
     def engine_failed(self, run: EngineRun) -> EngineError:
         """The try's failure for an engine that exited non-zero."""
-        return EngineError(f"The vLLM engine {_how(run)}; nothing was published. Last lines of its log:\n" + "\n".join(run.tail[-15:]))
+        return EngineError(
+            f"The vLLM engine {_how(run)}; nothing was published. Last lines of its log:\n"
+            + "\n".join(run.tail[-15:])
+        )
 
     def stage(self, job: EngineJob, path: Path) -> None:
         """Upload finished results to the run's staging; keep them on this worker if S3 fails."""

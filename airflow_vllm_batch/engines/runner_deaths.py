@@ -170,12 +170,19 @@ class Death:
     exit: str = ""
 
     def to_json(self) -> bytes:
-        return msgspec.json.encode({"suspects": self.suspects, "isolated": self.isolated, "died": self.died, "exit": self.exit})
+        return msgspec.json.encode(
+            {"suspects": self.suspects, "isolated": self.isolated, "died": self.died, "exit": self.exit}
+        )
 
     @classmethod
     def from_json(cls, data: bytes) -> Death:
         raw = msgspec.json.decode(data)
-        return cls([str(s) for s in raw.get("suspects", [])], bool(raw.get("isolated")), bool(raw.get("died", True)), str(raw.get("exit", "")))
+        return cls(
+            [str(s) for s in raw.get("suspects", [])],
+            bool(raw.get("isolated")),
+            bool(raw.get("died", True)),
+            str(raw.get("exit", "")),
+        )
 
 
 def to_isolate(deaths: Sequence[Death], answered: CustomIdIndex) -> list[str]:
@@ -192,11 +199,14 @@ def crash_line(custom_id: str, deaths: int) -> bytes:
         "time with no other request in flight: it is answered as failed so that the rest of the batch completes. "
         "Look for the engine's crash in the task log (a request too large for the GPU's memory, say)."
     )
-    return msgspec.json.encode(
-        {
-            "id": f"vllm-engine-crash-{custom_id}",
-            "custom_id": custom_id,
-            "response": {"status_code": 500, "request_id": None, "body": None},
-            "error": {"code": ENGINE_CRASH, "message": message, "line": None},
-        }
-    ) + b"\n"
+    return (
+        msgspec.json.encode(
+            {
+                "id": f"vllm-engine-crash-{custom_id}",
+                "custom_id": custom_id,
+                "response": {"status_code": 500, "request_id": None, "body": None},
+                "error": {"code": ENGINE_CRASH, "message": message, "line": None},
+            }
+        )
+        + b"\n"
+    )

@@ -31,18 +31,26 @@ import msgspec
 from botocore.exceptions import BotoCoreError, ClientError
 
 from airflow_vllm_batch.batchfile import CustomIdIndex, redact_urls
-from airflow_vllm_batch.batchfile.models import decode_custom_id
 from airflow_vllm_batch.batchfile.cache_keys import reported_models
-from airflow_vllm_batch.batchfile.models import GENERATE_URLS
-from airflow_vllm_batch.engines.base import Engine, EngineJob, EngineResults, StopPoll
+from airflow_vllm_batch.batchfile.models import GENERATE_URLS, decode_custom_id
+from airflow_vllm_batch.engines.base import Engine, EngineInfo, EngineJob, EngineResults, EngineRun, StopPoll
 from airflow_vllm_batch.engines.local import LAUNCH_REPORT, LocalEngine
-from airflow_vllm_batch.engines.sizing import SchedulerSizes, api_server_count, connection_in_flight, started_server_in_flight
-from airflow_vllm_batch.exceptions import BatchStopped, ConfigurationError, RequestsUnansweredError, StorageUnavailableError
+from airflow_vllm_batch.engines.sizing import (
+    SchedulerSizes,
+    api_server_count,
+    connection_in_flight,
+    started_server_in_flight,
+)
 from airflow_vllm_batch.engines.vllm.checks import check_reserved_options
-from airflow_vllm_batch.engines.vllm.model_names import ServedModels, served_models_of_server
-from airflow_vllm_batch.engines.base import EngineInfo, EngineRun
 from airflow_vllm_batch.engines.vllm.command import FALLBACK_SUPPORTED_URLS
+from airflow_vllm_batch.engines.vllm.model_names import ServedModels, served_models_of_server
 from airflow_vllm_batch.engines.vllm.server_process import SERVER_MODULE, VLLMServerEngine
+from airflow_vllm_batch.exceptions import (
+    BatchStopped,
+    ConfigurationError,
+    RequestsUnansweredError,
+    StorageUnavailableError,
+)
 from airflow_vllm_batch.serving import SERVED_URLS, Journal, StreamStats
 from airflow_vllm_batch.serving.journal import DEFAULT_MAX_PART_BYTES
 from airflow_vllm_batch.serving.neighbour import NeighbourPlan
@@ -84,7 +92,9 @@ class _Streaming(Engine):
     @cached_property
     def server(self) -> VLLMServerEngine:
         """The server (a warm one, or one this task starts); kept so that :meth:`terminate` can stop it."""
-        return VLLMServerEngine(self.settings.model, request_timeout_s=self.options.request_timeout_s, **self.server_arguments())
+        return VLLMServerEngine(
+            self.settings.model, request_timeout_s=self.options.request_timeout_s, **self.server_arguments()
+        )
 
     def server_arguments(self) -> dict[str, Any]:
         """How :class:`VLLMServerEngine` reaches or starts the server."""
@@ -92,7 +102,9 @@ class _Streaming(Engine):
 
     def restrict(self, info: EngineInfo) -> EngineInfo:
         """The batch URLs of this engine: the server's routes (as the probe read them) that the stream can send."""
-        return dataclasses.replace(info, supported_urls=(info.server_urls or FALLBACK_SERVER_URLS) & SERVED_URLS)
+        return dataclasses.replace(
+            info, supported_urls=(info.server_urls or FALLBACK_SERVER_URLS) & SERVED_URLS
+        )
 
     def produce(self, info: EngineInfo, job: EngineJob) -> EngineResults:
         """Stream the requests no checkpoint answers yet through the server; checkpoint the answers as parts."""
@@ -178,15 +190,21 @@ class _Streaming(Engine):
                 f"The {journal.lines_durable + done} answers in parts uploaded before stay there; the task's "
                 "retry resumes from them."
             ) from err
-        results.run = EngineRun(returncode=0, duration_s=time.monotonic() - started, vllm_version=info.vllm_version)
+        results.run = EngineRun(
+            returncode=0, duration_s=time.monotonic() - started, vllm_version=info.vllm_version
+        )
         return results
 
-    def settle_unanswered(self, stats: StreamStats, journal: Journal, job: EngineJob, staged_uri: str) -> None:
+    def settle_unanswered(
+        self, stats: StreamStats, journal: Journal, job: EngineJob, staged_uri: str
+    ) -> None:
         """Fail the try for a retry that sends the requests left without a final answer; on the last try, journal them as failed.
 
         :raises RequestsUnansweredError: this is not the task's last try (nothing is published).
         """
-        reasons = ", ".join(f"{reason}: {count}" for reason, count in sorted(stats.unanswered_reasons.items()))
+        reasons = ", ".join(
+            f"{reason}: {count}" for reason, count in sorted(stats.unanswered_reasons.items())
+        )
         left = f"{stats.unanswered} request(s) got no final answer through every retry ({reasons}; e.g. custom_id {stats.unanswered_example!r})"
         if not job.last_try:
             raise RequestsUnansweredError(
@@ -194,7 +212,9 @@ class _Streaming(Engine):
                 "this task sends only the requests left; on the task's last try, those still without a final answer are "
                 "published as failed lines in the error file, and max_failed_ratio decides."
             )
-        self.log.warning("%s. This is the task's last try: they are published as failed lines in the error file.", left)
+        self.log.warning(
+            "%s. This is the task's last try: they are published as failed lines in the error file.", left
+        )
         journal.write_set_aside()
         journal.close()
 
@@ -259,7 +279,9 @@ class ServerEngine(_Streaming, LocalEngine):
         """Read what the server's launcher decided (a refused flag raises its error); bound the requests in flight by its sizes."""
         self.settle_launch(report)
         sizes = self.scheduler_sizes or SchedulerSizes([], None, None, "")
-        self.server.max_in_flight, why = started_server_in_flight(self.options.max_in_flight, sizes, self.server.engine_args)
+        self.server.max_in_flight, why = started_server_in_flight(
+            self.options.max_in_flight, sizes, self.server.engine_args
+        )
         self.log.info("In flight: at most %d requests (%s)", self.server.max_in_flight, why)
 
     def gpus_for(self, job: EngineJob) -> Any:
@@ -316,7 +338,9 @@ class ConnectionEngine(_Streaming):
         return {"engine_command": None, "engine_args": None, "engine": "vllm_connection"}
 
     def before_stream(self, info: EngineInfo, job: EngineJob) -> None:
-        self.server.max_in_flight, why = connection_in_flight(self.options.max_in_flight, self.server.warm_hook.max_in_flight)
+        self.server.max_in_flight, why = connection_in_flight(
+            self.options.max_in_flight, self.server.warm_hook.max_in_flight
+        )
         self.log.info("In flight: at most %d requests (%s)", self.server.max_in_flight, why)
         if (yielding := self.options.yielding) is not None:
             self.server.neighbour = self.neighbour_plan(yielding)
@@ -334,18 +358,28 @@ class ConnectionEngine(_Streaming):
                     said,
                 )
         elif yielding.priority_scheduling is not None:
-            priority_ok, source = yielding.priority_scheduling, f"YieldToInteractive(priority_scheduling={yielding.priority_scheduling})"
+            priority_ok, source = (
+                yielding.priority_scheduling,
+                f"YieldToInteractive(priority_scheduling={yielding.priority_scheduling})",
+            )
         elif hook.stated_scheduling_policy is not None:
             priority_ok = hook.stated_scheduling_policy == "priority"
             source = f"the connection's scheduling_policy extra is {hook.stated_scheduling_policy!r}"
         else:
-            priority_ok, source = False, (
-                "the server does not say its scheduling policy (vLLM tells it only in its dev mode); if it runs "
-                "--scheduling-policy priority, set the connection's scheduling_policy extra to \"priority\" or "
-                "YieldToInteractive(priority_scheduling=True)"
+            priority_ok, source = (
+                False,
+                (
+                    "the server does not say its scheduling policy (vLLM tells it only in its dev mode); if it runs "
+                    '--scheduling-policy priority, set the connection\'s scheduling_policy extra to "priority" or '
+                    "YieldToInteractive(priority_scheduling=True)"
+                ),
             )
         urls = tuple(yielding.metrics_urls)
-        plan = NeighbourPlan(priority=yielding.priority if priority_ok else None, min_in_flight=yielding.min_in_flight, metrics_urls=urls)
+        plan = NeighbourPlan(
+            priority=yielding.priority if priority_ok else None,
+            min_in_flight=yielding.min_in_flight,
+            metrics_urls=urls,
+        )
         carried = f"carry priority {yielding.priority}" if priority_ok else "carry no priority"
         self.log.info("Yielding to interactive users: the batch's requests %s (%s).", carried, source)
         watched = (
@@ -440,7 +474,9 @@ class _CheckpointCounts:
         from airflow_vllm_batch.batchfile.openai_lines import answer_outcome
 
         found = answer_outcome(raw)
-        if found is not None and found[0] not in self.seen:  # the first answer of a custom_id is the one published
+        if (
+            found is not None and found[0] not in self.seen
+        ):  # the first answer of a custom_id is the one published
             self.seen[found[0]] = found[1]
 
     def add(self, path: Path) -> None:

@@ -20,9 +20,9 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from airflow_vllm_batch.gpus import parallel_sizes
 from airflow_vllm_batch.engines.vllm.checks import OfflineDefaults, read_options, switch_setting
 from airflow_vllm_batch.engines.vllm.launcher import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, fill_sizes
+from airflow_vllm_batch.gpus import parallel_sizes
 from airflow_vllm_batch.serving import DEFAULT_MAX_IN_FLIGHT
 
 #: Requests in flight per sequence the server schedules at once: the second half waits in its
@@ -49,7 +49,12 @@ class SchedulerSizes:
     @classmethod
     def from_report(cls, sizes: dict) -> SchedulerSizes:
         """The sizes the engine's launcher chose (its report's ``sizes``)."""
-        return cls(list(sizes["flags"]), sizes.get("max_num_seqs"), sizes.get("max_num_batched_tokens"), str(sizes["note"]))
+        return cls(
+            list(sizes["flags"]),
+            sizes.get("max_num_seqs"),
+            sizes.get("max_num_batched_tokens"),
+            str(sizes["note"]),
+        )
 
 
 def world_size(engine_args: Sequence[str]) -> int:
@@ -96,12 +101,15 @@ def sizing_plan(engine_args: Sequence[str], *, model_kind: str | None) -> dict:
         "max_num_batched_tokens": _int_option(options, MAX_NUM_BATCHED_TOKENS),
         "max_num_batched_tokens_set": MAX_NUM_BATCHED_TOKENS in options,
         "factor": 2 if (options.get("--performance-mode") or [""])[-1] == "throughput" else 1,
-        "whole_prompts": model_kind == "pooling" or switch_setting(engine_args, "--enable-chunked-prefill") is False,
+        "whole_prompts": model_kind == "pooling"
+        or switch_setting(engine_args, "--enable-chunked-prefill") is False,
         "max_model_len": _int_option(options, "--max-model-len"),
     }
 
 
-def scheduler_sizes(engine_args: Sequence[str], defaults: OfflineDefaults | None, *, model_kind: str | None) -> SchedulerSizes:
+def scheduler_sizes(
+    engine_args: Sequence[str], defaults: OfflineDefaults | None, *, model_kind: str | None
+) -> SchedulerSizes:
     """The offline scheduler sizes to add to ``engine_args``, for the flags the user did not set.
 
     Three of vLLM's own rules are kept, because an explicit flag skips them: throughput
@@ -116,11 +124,16 @@ def scheduler_sizes(engine_args: Sequence[str], defaults: OfflineDefaults | None
     :param defaults: the offline sizes of the engine's vLLM on its device; None when unknown.
     :param model_kind: ``"generate"`` or ``"pooling"``, when known.
     """
-    chosen = fill_sizes(sizing_plan(engine_args, model_kind=model_kind), None if defaults is None else dataclasses.asdict(defaults))
+    chosen = fill_sizes(
+        sizing_plan(engine_args, model_kind=model_kind),
+        None if defaults is None else dataclasses.asdict(defaults),
+    )
     return SchedulerSizes.from_report(chosen)
 
 
-def started_server_in_flight(user: int | None, sizes: SchedulerSizes, engine_args: Sequence[str]) -> tuple[int, str]:
+def started_server_in_flight(
+    user: int | None, sizes: SchedulerSizes, engine_args: Sequence[str]
+) -> tuple[int, str]:
     """Requests in flight to a server this task starts, and why.
 
     :param user: the options' ``max_in_flight``; always wins.

@@ -162,7 +162,9 @@ class VLLMServerHook(BaseHook):
     def _url_from_connection(self) -> str:
         conn = self.get_connection(self.vllm_conn_id)
         if not conn.host:
-            raise ValueError(f"Connection {self.vllm_conn_id!r} has no host; set it to the vLLM server's host name.")
+            raise ValueError(
+                f"Connection {self.vllm_conn_id!r} has no host; set it to the vLLM server's host name."
+            )
         host = conn.host if "://" in conn.host else f"{conn.schema or 'http'}://{conn.host}"
         return f"{host}:{conn.port}" if conn.port else host
 
@@ -199,8 +201,14 @@ class VLLMServerHook(BaseHook):
                 ) from None
             raise ServerUnavailableError(f"GET {self.base_url}/v1/models failed: HTTP {err.code}") from None
         except (urllib.error.URLError, OSError) as err:
-            raise ServerUnavailableError(f"Could not reach the vLLM server at {self.base_url}: {err}") from None
-        return [card for card in listing.get("data", []) if isinstance(card, dict) and isinstance(card.get("id"), str)]
+            raise ServerUnavailableError(
+                f"Could not reach the vLLM server at {self.base_url}: {err}"
+            ) from None
+        return [
+            card
+            for card in listing.get("data", [])
+            if isinstance(card, dict) and isinstance(card.get("id"), str)
+        ]
 
     def check_serves(self, model: str) -> None:
         """Raise unless the server serves ``model``, naming the models it does serve.
@@ -254,7 +262,9 @@ class VLLMServerHook(BaseHook):
         if neighbour is not None and processes > 1:
             raise ValueError("A stream that yields to interactive users runs in one client process.")
         stream = run_stream_processes if processes > 1 else run_stream
-        extra: dict[str, Any] = {"processes": processes} if processes > 1 else {"stop": stop, "neighbour": neighbour}
+        extra: dict[str, Any] = (
+            {"processes": processes} if processes > 1 else {"stop": stop, "neighbour": neighbour}
+        )
         return stream(
             requests,
             base_url=self.base_url,
@@ -289,7 +299,6 @@ def _normalize_base_url(url: str) -> str:
     return url.removesuffix("/v1")
 
 
-
 class VLLMEngineHook(BaseHook):
     """Run vLLM's batch runner in its own process group, bound to the task, and stream its log.
 
@@ -301,7 +310,9 @@ class VLLMEngineHook(BaseHook):
         group is killed (children that outlive it would hold the log pipe open forever).
     """
 
-    def __init__(self, kill_grace_s: float = DEFAULT_GRACE_S, tail_lines: int = 40, drain_s: float = 10.0, **kwargs) -> None:
+    def __init__(
+        self, kill_grace_s: float = DEFAULT_GRACE_S, tail_lines: int = 40, drain_s: float = 10.0, **kwargs
+    ) -> None:
         super().__init__(**kwargs)
         self.kill_grace_s = kill_grace_s
         self.drain_s = drain_s
@@ -399,4 +410,3 @@ class VLLMEngineHook(BaseHook):
         # The leader may be gone while EngineCore children live on: kill the group regardless.
         signal_group(pgid, signal.SIGKILL)
         reap(proc, timeout=self.kill_grace_s)
-

@@ -29,6 +29,7 @@ from airflow_vllm_batch.version_compat import conf
 
 if TYPE_CHECKING:
     from airflow.sdk import BaseOperator, Context
+
     from airflow_vllm_batch.version_compat import TaskInstanceKey
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,9 @@ def format_output_link(bucket: str, key: str, template: str | None = None) -> st
     :raises KeyError: if the template names a placeholder other than bucket and key.
     """
     # A key is free text (spaces, '+', '#', '?'); unencoded it would change the URL's meaning.
-    return (template or output_link_template()).format(bucket=quote(bucket, safe=""), key=quote(key, safe="/"))
+    return (template or output_link_template()).format(
+        bucket=quote(bucket, safe=""), key=quote(key, safe="/")
+    )
 
 
 class VLLMBatchOutputLink(BaseOperatorLink):

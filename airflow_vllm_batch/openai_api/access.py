@@ -36,4 +36,6 @@ def may(user: Any, method: Method, dag_id: str) -> bool:
     from airflow.api_fastapi.app import get_auth_manager
     from airflow.api_fastapi.auth.managers.models.resource_details import DagAccessEntity, DagDetails
 
-    return get_auth_manager().is_authorized_dag(method=method, access_entity=DagAccessEntity.RUN, details=DagDetails(id=dag_id), user=user)
+    return get_auth_manager().is_authorized_dag(
+        method=method, access_entity=DagAccessEntity.RUN, details=DagDetails(id=dag_id), user=user
+    )

@@ -15,13 +15,12 @@ import uuid
 from functools import lru_cache
 from typing import Any
 
+from airflow.api_fastapi.core_api.security import GetUserDep
 from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
-
-from airflow.api_fastapi.core_api.security import GetUserDep
 
 from airflow_vllm_batch.exceptions import ConfigurationError
 from airflow_vllm_batch.openai_api.access import may, owner_key, owns
@@ -34,8 +33,8 @@ from airflow_vllm_batch.openai_api.files import (
     LineCounter,
     S3Writer,
     UploadError,
-    new_batch_id,
     file_object_from_record,
+    new_batch_id,
     new_file_id,
     result_file_ids,
 )
@@ -63,7 +62,9 @@ class OpenAIError(HTTPException):
     :param param: the request parameter at fault, if one is.
     """
 
-    def __init__(self, status_code: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self, status_code: int, message: str, param: str | None = None, code: str | None = None
+    ) -> None:
         super().__init__(status_code=status_code, detail=message)
         self.param, self.code = param, code
 
@@ -115,7 +116,9 @@ def new_request_id() -> str:
 app.add_middleware(RequestIdMiddleware)
 
 
-def _error_body(message: str, status_code: int, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+def _error_body(
+    message: str, status_code: int, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
     kind = "invalid_request_error" if status_code < 500 else "server_error"
     if status_code == 401:
         kind = "authentication_error"
@@ -210,7 +213,8 @@ async def create_file(request: Request, user: GetUserDep) -> dict[str, Any]:
             counter.add(data)
             if counter.bytes > settings.max_file_bytes:
                 raise UploadError(
-                    f"the file is larger than {settings.max_file_bytes} bytes ([vllm_batch] openai_max_file_bytes): split it", 413
+                    f"the file is larger than {settings.max_file_bytes} bytes ([vllm_batch] openai_max_file_bytes): split it",
+                    413,
                 )
             pending += data
             while len(pending) >= PART_BYTES:
@@ -225,7 +229,9 @@ async def create_file(request: Request, user: GetUserDep) -> dict[str, Any]:
         await run_in_threadpool(writer.finish, bytes(pending))
     except UploadError as err:
         await run_in_threadpool(writer.abort)
-        raise OpenAIError(err.status, str(err), err.param or ("file" if err.status == 413 else None)) from None
+        raise OpenAIError(
+            err.status, str(err), err.param or ("file" if err.status == 413 else None)
+        ) from None
     except BaseException:
         await run_in_threadpool(writer.abort)
         raise
@@ -243,12 +249,17 @@ async def create_file(request: Request, user: GetUserDep) -> dict[str, Any]:
 
 def _check_no_expiry(fields: dict[str, str]) -> None:
     if any(name in fields for name in REFUSED_FILE_FIELDS):
-        raise UploadError("expires_after is not supported: this API keeps a file until it is deleted (DELETE /files/{id}); leave it out", param="expires_after")
+        raise UploadError(
+            "expires_after is not supported: this API keeps a file until it is deleted (DELETE /files/{id}); leave it out",
+            param="expires_after",
+        )
 
 
 def _check_purpose(purpose: str | None) -> None:
     if purpose != "batch":
-        raise UploadError(f"purpose is {purpose!r}: this API keeps batch input files only, send purpose='batch'")
+        raise UploadError(
+            f"purpose is {purpose!r}: this API keeps batch input files only, send purpose='batch'"
+        )
 
 
 @app.get("/files")
@@ -306,20 +317,28 @@ def create_batch(body: BatchCreate, user: GetUserDep) -> dict[str, Any]:
     settings = _settings()
     dag_id = settings.batch_dag_id
     if not may(user, "POST", dag_id):
-        raise OpenAIError(403, f"you may not trigger runs of the batch DAG {dag_id!r}: ask for permission to trigger it")
+        raise OpenAIError(
+            403, f"you may not trigger runs of the batch DAG {dag_id!r}: ask for permission to trigger it"
+        )
     if body.endpoint not in ENDPOINTS:
         raise OpenAIError(400, f"endpoint {body.endpoint!r} is not one of {', '.join(ENDPOINTS)}", "endpoint")
     if body.completion_window not in settings.completion_windows:
         accepted = ", ".join(repr(w) for w in settings.completion_windows)
         raise OpenAIError(
-            400, f"completion_window {body.completion_window!r} is not offered here: use {accepted} ([vllm_batch] openai_completion_windows)", "completion_window"
+            400,
+            f"completion_window {body.completion_window!r} is not offered here: use {accepted} ([vllm_batch] openai_completion_windows)",
+            "completion_window",
         )
     window_s = window_seconds(body.completion_window)
     _check_metadata(body.metadata)
     key = _signing_key()
     store = _store(settings)
     owner = owner_key(user.get_id())
-    record = store.get_json(store.record_key(owner, body.input_file_id)) if body.input_file_id.startswith("file-") else None
+    record = (
+        store.get_json(store.record_key(owner, body.input_file_id))
+        if body.input_file_id.startswith("file-")
+        else None
+    )
     if record is None:
         raise _not_an_input(body.input_file_id)
     batch_id = new_batch_id()
@@ -360,7 +379,9 @@ def create_batch(body: BatchCreate, user: GetUserDep) -> dict[str, Any]:
     except BaseException:
         _forget_batch(store, batch_id)
         raise
-    return batch_object(batch_id, BatchRun(conf={**conf, "metadata": metadata}, run_state="queued"), time.time())
+    return batch_object(
+        batch_id, BatchRun(conf={**conf, "metadata": metadata}, run_state="queued"), time.time()
+    )
 
 
 def _forget_batch(store: FileStore, batch_id: str) -> None:
@@ -377,16 +398,30 @@ def _check_metadata(metadata: dict[str, str] | None) -> None:
     if not metadata:
         return
     if len(metadata) > MAX_METADATA_PAIRS:
-        raise OpenAIError(400, f"metadata has {len(metadata)} keys: give at most {MAX_METADATA_PAIRS}", "metadata")
+        raise OpenAIError(
+            400, f"metadata has {len(metadata)} keys: give at most {MAX_METADATA_PAIRS}", "metadata"
+        )
     for key, value in metadata.items():
         if len(key) > MAX_METADATA_KEY_CHARS:
-            raise OpenAIError(400, f"metadata key {key[:20]!r}... has {len(key)} characters: give at most {MAX_METADATA_KEY_CHARS}", "metadata")
+            raise OpenAIError(
+                400,
+                f"metadata key {key[:20]!r}... has {len(key)} characters: give at most {MAX_METADATA_KEY_CHARS}",
+                "metadata",
+            )
         if len(value) > MAX_METADATA_VALUE_CHARS:
-            raise OpenAIError(400, f"metadata[{key!r}] has {len(value)} characters: give at most {MAX_METADATA_VALUE_CHARS}", "metadata")
+            raise OpenAIError(
+                400,
+                f"metadata[{key!r}] has {len(value)} characters: give at most {MAX_METADATA_VALUE_CHARS}",
+                "metadata",
+            )
 
 
 def _not_an_input(file_id: str) -> OpenAIError:
-    return OpenAIError(400, f"input_file_id {file_id!r} names none of your uploaded files: upload it with purpose='batch'", "input_file_id")
+    return OpenAIError(
+        400,
+        f"input_file_id {file_id!r} names none of your uploaded files: upload it with purpose='batch'",
+        "input_file_id",
+    )
 
 
 def _signing_key() -> str:
@@ -433,7 +468,13 @@ def _trigger(dag_id: str, batch_id: str, conf: dict[str, Any], user_name: str) -
     from airflow.utils.types import DagRunTriggeredByType
 
     try:
-        trigger_dag(dag_id, triggered_by=DagRunTriggeredByType.REST_API, run_id=batch_id, conf=conf, triggering_user_name=user_name)
+        trigger_dag(
+            dag_id,
+            triggered_by=DagRunTriggeredByType.REST_API,
+            run_id=batch_id,
+            conf=conf,
+            triggering_user_name=user_name,
+        )
     except DagNotFound:
         raise OpenAIError(
             503,
@@ -443,7 +484,9 @@ def _trigger(dag_id: str, batch_id: str, conf: dict[str, Any], user_name: str) -
 
 
 @app.get("/batches")
-def list_batches(user: GetUserDep, after: str | None = None, limit: int = Query(20, ge=1, le=100)) -> dict[str, Any]:
+def list_batches(
+    user: GetUserDep, after: str | None = None, limit: int = Query(20, ge=1, le=100)
+) -> dict[str, Any]:
     """The caller's batches, newest first, paged by ``after`` (a batch id) and ``limit``."""
     settings = _settings()
     if not may(user, "GET", settings.batch_dag_id):
@@ -455,7 +498,7 @@ def list_batches(user: GetUserDep, after: str | None = None, limit: int = Query(
         "object": "list",
         "data": objects[:limit],
         "first_id": objects[0]["id"] if objects else None,
-        "last_id": objects[: limit][-1]["id"] if objects else None,
+        "last_id": objects[:limit][-1]["id"] if objects else None,
         "has_more": len(objects) > limit,
     }
 
@@ -481,7 +524,10 @@ def cancel_batch(batch_id: str, user: GetUserDep) -> dict[str, Any]:
     settings = _settings()
     run, tis = _own_run(settings, batch_id, user)
     if not may(user, "PUT", settings.batch_dag_id):
-        raise OpenAIError(403, f"you may not change runs of the batch DAG {settings.batch_dag_id!r}: ask for permission to edit it")
+        raise OpenAIError(
+            403,
+            f"you may not change runs of the batch DAG {settings.batch_dag_id!r}: ask for permission to edit it",
+        )
     store = _store(settings)
     before = _batch_from_run(store, run, tis)
     if before["status"] == "cancelling":
@@ -495,20 +541,27 @@ def cancel_batch(batch_id: str, user: GetUserDep) -> dict[str, Any]:
 
 def _own_run(settings: OpenAIApiSettings, batch_id: str, user: Any) -> tuple[Any, list[Any]]:
     """The DAG run of one of the caller's batches, and its task instances; 404 for anyone else's, and for a run the API did not make."""
-    from sqlalchemy import select
-
     from airflow.models.dagrun import DagRun
     from airflow.models.taskinstance import TaskInstance
     from airflow.utils.session import create_session
+    from sqlalchemy import select
 
     missing = OpenAIError(404, f"No such Batch object: {batch_id}", "batch_id")
     if not BATCH_ID.match(batch_id) or not may(user, "GET", settings.batch_dag_id):
         raise missing
     with create_session() as session:
-        run = session.scalar(select(DagRun).where(DagRun.dag_id == settings.batch_dag_id, DagRun.run_id == batch_id))
+        run = session.scalar(
+            select(DagRun).where(DagRun.dag_id == settings.batch_dag_id, DagRun.run_id == batch_id)
+        )
         if run is None or not owns(run.conf, user.get_id()) or _batch_spec(run) is None:
             raise missing
-        tis = list(session.scalars(select(TaskInstance).where(TaskInstance.dag_id == run.dag_id, TaskInstance.run_id == run.run_id)))
+        tis = list(
+            session.scalars(
+                select(TaskInstance).where(
+                    TaskInstance.dag_id == run.dag_id, TaskInstance.run_id == run.run_id
+                )
+            )
+        )
         session.expunge_all()
     return run, tis
 
@@ -517,33 +570,46 @@ def _own_run(settings: OpenAIApiSettings, batch_id: str, user: Any) -> tuple[Any
 RUNS_PER_QUERY = 200
 
 
-def _runs(dag_id: str, user_id: str, user_name: str, after: str | None, limit: int) -> list[tuple[Any, list[Any]]]:
+def _runs(
+    dag_id: str, user_id: str, user_name: str, after: str | None, limit: int
+) -> list[tuple[Any, list[Any]]]:
     """The caller's batch runs, newest first, after the run ``after``: ``limit`` of them at most.
 
     Each query's rows are all read before the next query is sent (pages by primary key, the
     task instances of a page in one query): MySQL's driver refuses a query while another's
     rows are still streaming, and PostgreSQL's named cursors would hold a transaction open.
     """
-    from sqlalchemy import select
-
     from airflow.models.dagrun import DagRun
     from airflow.models.taskinstance import TaskInstance
     from airflow.utils.session import create_session
+    from sqlalchemy import select
 
     with create_session() as session:
-        query = select(DagRun).where(DagRun.dag_id == dag_id, DagRun.triggering_user_name == user_name).order_by(DagRun.id.desc())
+        query = (
+            select(DagRun)
+            .where(DagRun.dag_id == dag_id, DagRun.triggering_user_name == user_name)
+            .order_by(DagRun.id.desc())
+        )
         if after is not None:
-            after_pk = session.scalar(select(DagRun.id).where(DagRun.dag_id == dag_id, DagRun.run_id == after))
+            after_pk = session.scalar(
+                select(DagRun.id).where(DagRun.dag_id == dag_id, DagRun.run_id == after)
+            )
             if after_pk is None:
                 return []
             query = query.where(DagRun.id < after_pk)
         found: list[tuple[Any, list[Any]]] = []
         while len(found) < limit:
             runs = list(session.scalars(query.limit(RUNS_PER_QUERY)))
-            mine = [run for run in runs if owns(run.conf, user_id) and _batch_spec(run) is not None][: limit - len(found)]
+            mine = [run for run in runs if owns(run.conf, user_id) and _batch_spec(run) is not None][
+                : limit - len(found)
+            ]
             if mine:
                 tis: dict[str, list[Any]] = {run.run_id: [] for run in mine}
-                for ti in session.scalars(select(TaskInstance).where(TaskInstance.dag_id == dag_id, TaskInstance.run_id.in_(list(tis)))):
+                for ti in session.scalars(
+                    select(TaskInstance).where(
+                        TaskInstance.dag_id == dag_id, TaskInstance.run_id.in_(list(tis))
+                    )
+                ):
                     tis[ti.run_id].append(ti)
                 found.extend((run, tis[run.run_id]) for run in mine)
             if len(runs) < RUNS_PER_QUERY:

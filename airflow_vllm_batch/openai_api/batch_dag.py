@@ -17,7 +17,13 @@ from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from airflow_vllm_batch.exceptions import ConfigurationError, EngineError, InputNotFoundError, PreflightError, VLLMBatchError
+from airflow_vllm_batch.exceptions import (
+    ConfigurationError,
+    EngineError,
+    InputNotFoundError,
+    PreflightError,
+    VLLMBatchError,
+)
 from airflow_vllm_batch.openai_api.batch_spec import BatchSpec, ForgedBatchError, signing_key
 from airflow_vllm_batch.openai_api.routes import TASK_ID, ModelRoute, load_routes
 from airflow_vllm_batch.openai_api.settings import DEFAULT_BATCH_DAG_ID, load_settings
@@ -50,7 +56,9 @@ def public_message(message: str) -> str:
     :param message: the error's message.
     """
     head, _, tail = message.partition("Last lines of its log:")
-    cause = next((m.group(0) for line in reversed(tail.splitlines()) if (m := _ROOT_CAUSE.search(line))), None)
+    cause = next(
+        (m.group(0) for line in reversed(tail.splitlines()) if (m := _ROOT_CAUSE.search(line))), None
+    )
     sentences = [s for s in re.split(r"(?<=[.;])\s+", head.strip()) if "XCom" not in s]
     text = re.sub(r"s3://\S+?(?=[\s,;)]|\.(?:\s|$)|$)", "the batch's files", " ".join(sentences)).strip()
     return f"{text} Cause: {cause}" if cause else text
@@ -70,7 +78,8 @@ def failure_record(err: VLLMBatchError) -> dict[str, Any]:
                 "code": "invalid_request",
                 "line": problem.line or None,
                 "param": None,
-                "message": public_message(problem.message) + (f" (custom_id {problem.custom_id!r})" if problem.custom_id else ""),
+                "message": public_message(problem.message)
+                + (f" (custom_id {problem.custom_id!r})" if problem.custom_id else ""),
             }
             for problem in problems
         ]
@@ -79,7 +88,10 @@ def failure_record(err: VLLMBatchError) -> dict[str, Any]:
         stage, code = "preflight", "invalid_file"
     else:
         stage, code = "run", "engine_error" if isinstance(err, EngineError) else "batch_failed"
-    return {"stage": stage, "errors": [{"code": code, "line": None, "param": None, "message": public_message(str(err))}]}
+    return {
+        "stage": stage,
+        "errors": [{"code": code, "line": None, "param": None, "message": public_message(str(err))}],
+    }
 
 
 #: What the batch task's locations are until :meth:`OpenAIBatchOperator._bind_batch` derives them:
@@ -139,7 +151,9 @@ class OpenAIBatchOperator(VLLMBatchOperator):
         dag_run = context.get("dag_run")
         try:
             files_uri = load_settings().files_uri
-            spec = BatchSpec.verified(getattr(dag_run, "conf", None), str(getattr(dag_run, "run_id", "")), signing_key())
+            spec = BatchSpec.verified(
+                getattr(dag_run, "conf", None), str(getattr(dag_run, "run_id", "")), signing_key()
+            )
             if spec.route and spec.route != self.task_id:
                 raise ForgedBatchError(
                     f"This batch runs on the task {spec.route!r}, not on {self.task_id!r}: nothing was read or written. "
@@ -150,7 +164,11 @@ class OpenAIBatchOperator(VLLMBatchOperator):
         where = spec.locations(files_uri)
         self.batch = spec
         self.input_uri, self.output_uri, self.error_uri = where.input_uri, where.output_uri, where.error_uri
-        self.failure_uri, self.cancel_uri, self.progress_uri = where.failure_uri, where.cancel_uri, where.progress_uri
+        self.failure_uri, self.cancel_uri, self.progress_uri = (
+            where.failure_uri,
+            where.cancel_uri,
+            where.progress_uri,
+        )
         # As OpenAI: every line's url is the batch's endpoint; preflight fails the others, naming their lines.
         self.supported_urls = [spec.endpoint]
 
@@ -187,7 +205,9 @@ class OpenAIBatchOperator(VLLMBatchOperator):
             # A mistake arrives as AirflowFailException raised in the handling of the VLLMBatchError
             # (no retries), ``from None`` so that the task log tells it once: the error is its context.
             cause = err if isinstance(err, VLLMBatchError) else (err.__cause__ or err.__context__)
-            if isinstance(cause, VLLMBatchError) and (not cause.retryable or task_try(context, self.retries)["last_try"]):
+            if isinstance(cause, VLLMBatchError) and (
+                not cause.retryable or task_try(context, self.retries)["last_try"]
+            ):
                 self.record_failure(failure_record(cause))
             raise
         self.refuse_unserved_endpoint(manifest)
@@ -203,7 +223,9 @@ class OpenAIBatchOperator(VLLMBatchOperator):
         try:
             if self.hook.head_object(key, bucket_name=bucket) is not None:
                 return "cancelled"
-        except Exception as err:  # S3 failing for a moment is no reason to stop, nor to fail: the next poll asks again
+        except (
+            Exception
+        ) as err:  # S3 failing for a moment is no reason to stop, nor to fail: the next poll asks again
             self.log.warning("Could not read whether batch %s was cancelled: %s", self.batch.batch_id, err)
         if time.time() >= self.batch.expires_at:
             return "expired"
@@ -216,10 +238,16 @@ class OpenAIBatchOperator(VLLMBatchOperator):
         only logged (the run's checkpoints, not this record, are what a retry resumes from).
         """
         bucket, _, key = self.progress_uri.removeprefix("s3://").partition("/")
-        body = {"completed": int(counts["completed"]), "failed": int(counts["failed"]), "updated_at": int(time.time())}
+        body = {
+            "completed": int(counts["completed"]),
+            "failed": int(counts["failed"]),
+            "updated_at": int(time.time()),
+        }
         self.hook.load_bytes(json.dumps(body).encode(), key=key, bucket_name=bucket, replace=True)
 
-    def fail_on_too_many_failures(self, manifest: Manifest, max_failed_ratio: float, context: Context) -> None:
+    def fail_on_too_many_failures(
+        self, manifest: Manifest, max_failed_ratio: float, context: Context
+    ) -> None:
         """Never: as OpenAI's, a batch's failed requests are in its error file, and the batch completes."""
 
     def refuse_unserved_endpoint(self, manifest: Mapping[str, Any]) -> None:
@@ -230,7 +258,11 @@ class OpenAIBatchOperator(VLLMBatchOperator):
         """
         counts = manifest.get("request_counts") or {}
         total = int(counts.get("total") or 0)
-        if not total or counts.get("completed") or (manifest.get("failed_by_reason") or {}) != {"not_found": total}:
+        if (
+            not total
+            or counts.get("completed")
+            or (manifest.get("failed_by_reason") or {}) != {"not_found": total}
+        ):
             return
         assert self.batch is not None
         said = self.first_error_message(manifest.get("error_uri"))
@@ -239,7 +271,14 @@ class OpenAIBatchOperator(VLLMBatchOperator):
             + (f" ({said})" if said else "")
             + f": the model does not serve {self.batch.endpoint}. Send these requests to a model that serves it."
         )
-        self.record_failure({"stage": "run", "errors": [{"code": "endpoint_not_served", "line": None, "param": "endpoint", "message": message}]})
+        self.record_failure(
+            {
+                "stage": "run",
+                "errors": [
+                    {"code": "endpoint_not_served", "line": None, "param": "endpoint", "message": message}
+                ],
+            }
+        )
         raise AirflowFailException(message)
 
     def first_error_message(self, error_uri: str | None) -> str | None:
@@ -260,7 +299,9 @@ class OpenAIBatchOperator(VLLMBatchOperator):
         try:
             self.hook.load_bytes(json.dumps(record).encode(), key=key, bucket_name=bucket, replace=True)
         except Exception as write_err:  # the batch's own error is the one to raise
-            self.log.warning("Could not write the batch's failure record to %s: %s", self.failure_uri, write_err)
+            self.log.warning(
+                "Could not write the batch's failure record to %s: %s", self.failure_uri, write_err
+            )
 
 
 def openai_batch_dag(
@@ -291,7 +332,9 @@ def openai_batch_dag(
 
     routes = load_routes() if routes is None else routes
     if not routes and not model:
-        raise ConfigurationError("openai_batch_dag needs model= or [vllm_batch] openai_models (the served models)")
+        raise ConfigurationError(
+            "openai_batch_dag needs model= or [vllm_batch] openai_models (the served models)"
+        )
     with DAG(
         dag_id=dag_id,
         schedule=None,
@@ -302,7 +345,12 @@ def openai_batch_dag(
         doc_md="Runs the batches of the OpenAI Batches API (`POST /vllm-batch/openai/v1/batches`): one run per batch.",
     ) as dag:
         if not routes:
-            OpenAIBatchOperator(task_id=TASK_ID, model=model, execution_timeout=completion_window + EXPIRY_GRACE, **operator_kwargs)
+            OpenAIBatchOperator(
+                task_id=TASK_ID,
+                model=model,
+                execution_timeout=completion_window + EXPIRY_GRACE,
+                **operator_kwargs,
+            )
             return dag
         from airflow.providers.standard.operators.python import BranchPythonOperator
 
@@ -312,7 +360,10 @@ def openai_batch_dag(
             if served.queue:
                 kwargs["queue"] = served.queue
             route >> OpenAIBatchOperator(
-                task_id=served.task_id, model=served.model, execution_timeout=completion_window + EXPIRY_GRACE, **kwargs
+                task_id=served.task_id,
+                model=served.model,
+                execution_timeout=completion_window + EXPIRY_GRACE,
+                **kwargs,
             )
     return dag
 
@@ -324,5 +375,7 @@ def _chosen_route(dag_run: Any, **_: Any) -> str:
     except (ForgedBatchError, ConfigurationError) as err:
         raise AirflowFailException(str(err)) from None
     if not spec.route:
-        raise AirflowFailException("this batch names no route: [vllm_batch] openai_models was set after it was created; create it again")
+        raise AirflowFailException(
+            "this batch names no route: [vllm_batch] openai_models was set after it was created; create it again"
+        )
     return spec.route

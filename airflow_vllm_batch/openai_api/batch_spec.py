@@ -110,19 +110,29 @@ class BatchSpec:
         """
         fix = "Create batches with POST /batches of the OpenAI API; a run triggered by hand or with an edited conf is refused."
         if not isinstance(conf, dict):
-            raise ForgedBatchError(f"This run of the batch DAG has no conf from the OpenAI API: nothing was read or written. {fix}")
+            raise ForgedBatchError(
+                f"This run of the batch DAG has no conf from the OpenAI API: nothing was read or written. {fix}"
+            )
         try:
             values = {f.name: conf[f.name] for f in fields(cls)}
             spec = cls(**values)
             ints = isinstance(spec.created_at, int) and isinstance(spec.window_s, int)
-            strings = all(isinstance(getattr(spec, f.name), str) for f in fields(cls) if f.name not in ("created_at", "window_s"))
+            strings = all(
+                isinstance(getattr(spec, f.name), str)
+                for f in fields(cls)
+                if f.name not in ("created_at", "window_s")
+            )
         except (KeyError, TypeError):
             ints = strings = False
         if not (ints and strings):
             names = ", ".join(f.name for f in fields(cls))
-            raise ForgedBatchError(f"This run's conf is not a batch of the OpenAI API (it needs {names} and a signature): nothing was read or written. {fix}")
+            raise ForgedBatchError(
+                f"This run's conf is not a batch of the OpenAI API (it needs {names} and a signature): nothing was read or written. {fix}"
+            )
         signature = conf.get(SIGNATURE)
-        if not isinstance(signature, str) or not hmac.compare_digest(signature.encode(), spec._signature(key).encode()):
+        if not isinstance(signature, str) or not hmac.compare_digest(
+            signature.encode(), spec._signature(key).encode()
+        ):
             raise ForgedBatchError(
                 f"This run's conf is not signed by the OpenAI API ({'no signature' if not signature else 'the signature does not match'}): "
                 f"nothing was read or written. {fix}"
@@ -132,7 +142,9 @@ class BatchSpec:
                 f"This run's conf was signed for the batch {spec.batch_id!r}, not for this run {run_id!r}: nothing was read or written. {fix}"
             )
         if not BATCH_ID.match(spec.batch_id) or not FILE_ID.match(spec.input_file_id):
-            raise ForgedBatchError(f"This run's conf names a malformed batch or file id: nothing was read or written. {fix}")
+            raise ForgedBatchError(
+                f"This run's conf names a malformed batch or file id: nothing was read or written. {fix}"
+            )
         return spec
 
     @property

@@ -165,15 +165,21 @@ class S3Writer:
     def write_part(self, data: bytes) -> None:
         """Upload one full part (``PART_BYTES``, but the last)."""
         if self._upload_id is None:
-            self._upload_id = self.client.create_multipart_upload(Bucket=self.bucket, Key=self.key, ContentType="application/jsonl")["UploadId"]
+            self._upload_id = self.client.create_multipart_upload(
+                Bucket=self.bucket, Key=self.key, ContentType="application/jsonl"
+            )["UploadId"]
         number = len(self._parts) + 1
-        etag = self.client.upload_part(Bucket=self.bucket, Key=self.key, UploadId=self._upload_id, PartNumber=number, Body=data)["ETag"]
+        etag = self.client.upload_part(
+            Bucket=self.bucket, Key=self.key, UploadId=self._upload_id, PartNumber=number, Body=data
+        )["ETag"]
         self._parts.append({"ETag": etag, "PartNumber": number})
 
     def finish(self, rest: bytes) -> None:
         """Upload the rest and complete the object."""
         if self._upload_id is None:
-            self.client.put_object(Bucket=self.bucket, Key=self.key, Body=rest, ContentType="application/jsonl")
+            self.client.put_object(
+                Bucket=self.bucket, Key=self.key, Body=rest, ContentType="application/jsonl"
+            )
             return
         if rest:
             self.write_part(rest)
@@ -330,7 +336,9 @@ class FileStore:
     # -- small JSON objects ----------------------------------------------------------
 
     def put_json(self, key: str, value: Any) -> None:
-        self.client.put_object(Bucket=self.bucket, Key=key, Body=json.dumps(value).encode(), ContentType="application/json")
+        self.client.put_object(
+            Bucket=self.bucket, Key=key, Body=json.dumps(value).encode(), ContentType="application/json"
+        )
 
     def get_json(self, key: str) -> Any:
         """The JSON object at ``key``, or None when there is none."""
@@ -370,4 +378,12 @@ def file_object_from_record(record: dict[str, Any]) -> dict[str, Any]:
 
 def _output_file_object(file_id: str, size: int, modified: Any) -> dict[str, Any]:
     created = int(modified.timestamp()) if hasattr(modified, "timestamp") else int(time.time())
-    return file_object_from_record({"id": file_id, "bytes": size, "created_at": created, "filename": f"{file_id}.jsonl", "purpose": "batch_output"})
+    return file_object_from_record(
+        {
+            "id": file_id,
+            "bytes": size,
+            "created_at": created,
+            "filename": f"{file_id}.jsonl",
+            "purpose": "batch_output",
+        }
+    )

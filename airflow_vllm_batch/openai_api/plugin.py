@@ -40,5 +40,7 @@ class VLLMBatchOpenAIPlugin(AirflowPlugin):
 
     name = "vllm_batch_openai_api"
     fastapi_apps = (
-        [{"app": LazyApp(), "url_prefix": URL_PREFIX, "name": "OpenAI Files and Batches API (vLLM batch)"}] if AIRFLOW_V_3_1_PLUS else []
+        [{"app": LazyApp(), "url_prefix": URL_PREFIX, "name": "OpenAI Files and Batches API (vLLM batch)"}]
+        if AIRFLOW_V_3_1_PLUS
+        else []
     )

@@ -69,20 +69,28 @@ def parse_routes(raw: str | None) -> dict[str, ModelRoute]:
     try:
         data = json.loads(raw)
     except ValueError as err:
-        raise ConfigurationError(f"{where} is not JSON ({err}): give {{\"served-name\": {{\"vllm_conn_id\": \"...\"}}}}") from None
+        raise ConfigurationError(
+            f'{where} is not JSON ({err}): give {{"served-name": {{"vllm_conn_id": "..."}}}}'
+        ) from None
     if not isinstance(data, dict):
-        raise ConfigurationError(f"{where} must be a JSON object mapping served model names to an object with vllm_conn_id or queue")
+        raise ConfigurationError(
+            f"{where} must be a JSON object mapping served model names to an object with vllm_conn_id or queue"
+        )
     routes: dict[str, ModelRoute] = {}
     for model, entry in data.items():
         if not isinstance(entry, dict) or not set(entry) <= _KEYS:
-            raise ConfigurationError(f"{where}: the entry of {model!r} must be an object with keys among {sorted(_KEYS)}")
+            raise ConfigurationError(
+                f"{where}: the entry of {model!r} must be an object with keys among {sorted(_KEYS)}"
+            )
         args = entry.get("engine_args") or []
         if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
             raise ConfigurationError(f"{where}: engine_args of {model!r} must be a list of strings")
         route = ModelRoute(model, entry.get("vllm_conn_id") or None, entry.get("queue") or None, tuple(args))
         taken = [r.model for r in routes.values() if r.task_id == route.task_id]
         if taken:
-            raise ConfigurationError(f"{where}: {model!r} and {taken[0]!r} make the same task id {route.task_id!r}: rename one")
+            raise ConfigurationError(
+                f"{where}: {model!r} and {taken[0]!r} make the same task id {route.task_id!r}: rename one"
+            )
         routes[model] = route
     return routes
 
@@ -131,10 +139,14 @@ def route_of(models: list[str | None], routes: Mapping[str, ModelRoute]) -> Mode
     configured = ", ".join(sorted(routes))
     named = [m for m in models if m is not None]
     if not named:
-        raise ValueError(f"the file's lines name no body.model: name one of the models served here ({configured})")
+        raise ValueError(
+            f"the file's lines name no body.model: name one of the models served here ({configured})"
+        )
     if len(named) > 1:
         shown = ", ".join(repr(m) for m in named)
-        raise ValueError(f"the file's lines name several models ({shown}): a batch runs one model, split the file by model")
+        raise ValueError(
+            f"the file's lines name several models ({shown}): a batch runs one model, split the file by model"
+        )
     if named[0] not in routes:
         raise ValueError(f"The model {named[0]!r} is not served here: the configured models are {configured}")
     return routes[named[0]]

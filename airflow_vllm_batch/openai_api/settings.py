@@ -64,12 +64,15 @@ def load_settings() -> OpenAIApiSettings:
     except ValueError:
         max_file_bytes = 0
     if max_file_bytes <= 0:
-        raise ConfigurationError(f"[{SECTION}] openai_max_file_bytes is {raw_max!r}: give a positive number of bytes")
+        raise ConfigurationError(
+            f"[{SECTION}] openai_max_file_bytes is {raw_max!r}: give a positive number of bytes"
+        )
     return OpenAIApiSettings(
         files_uri=files_uri,
         completion_windows=parse_windows(conf.get(SECTION, "openai_completion_windows", fallback="") or ""),
         max_file_bytes=max_file_bytes,
-        batch_dag_id=conf.get(SECTION, "openai_batch_dag_id", fallback=DEFAULT_BATCH_DAG_ID) or DEFAULT_BATCH_DAG_ID,
+        batch_dag_id=conf.get(SECTION, "openai_batch_dag_id", fallback=DEFAULT_BATCH_DAG_ID)
+        or DEFAULT_BATCH_DAG_ID,
         aws_conn_id=conf.get(SECTION, "openai_aws_conn_id", fallback="aws_default") or "aws_default",
     )
 

@@ -125,9 +125,17 @@ def request_counts(run: BatchRun) -> dict[str, int]:
     """
     if run.manifest is not None:
         counts = run.manifest.get("request_counts") or {}
-        return {"total": int(counts.get("total", 0)), "completed": int(counts.get("completed", 0)), "failed": int(counts.get("failed", 0))}
+        return {
+            "total": int(counts.get("total", 0)),
+            "completed": int(counts.get("completed", 0)),
+            "failed": int(counts.get("failed", 0)),
+        }
     progress = run.progress or {}
-    return {"total": int(run.conf.get("total") or 0), "completed": int(progress.get("completed", 0)), "failed": int(progress.get("failed", 0))}
+    return {
+        "total": int(run.conf.get("total") or 0),
+        "completed": int(progress.get("completed", 0)),
+        "failed": int(progress.get("failed", 0)),
+    }
 
 
 def _usage(manifest: Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -149,7 +157,14 @@ def _errors(run: BatchRun, status: str) -> dict[str, Any] | None:
         return None
     data = list((run.failure or {}).get("errors") or [])
     if not data:
-        data = [{"code": "batch_failed", "line": None, "param": None, "message": "The batch's DAG run failed; its task log says why."}]
+        data = [
+            {
+                "code": "batch_failed",
+                "line": None,
+                "param": None,
+                "message": "The batch's DAG run failed; its task log says why.",
+            }
+        ]
     return {"object": "list", "data": data}
 
 
@@ -181,7 +196,9 @@ def batch_object(batch_id: str, run: BatchRun, now: float) -> dict[str, Any]:
         "completion_window": conf.get("completion_window", "24h"),
         "status": status,
         # As OpenAI's: a batch stopped (or failed) before any request completed has no output file.
-        "output_file_id": conf.get("output_file_id") if published and (status == "completed" or request_counts(run)["completed"]) else None,
+        "output_file_id": conf.get("output_file_id")
+        if published and (status == "completed" or request_counts(run)["completed"])
+        else None,
         "error_file_id": conf.get("error_file_id") if published and run.manifest.get("error_uri") else None,
         "created_at": int(conf["created_at"]),
         "in_progress_at": _ts(run.task_start) if started else None,

@@ -95,7 +95,9 @@ class VLLMBatchSplitOperator(AwsBaseOperator[S3Hook]):
     """
 
     aws_hook_class = S3Hook
-    template_fields: Sequence[str] = aws_template_fields("input_uri", "shard_prefix", "max_requests", "max_bytes")
+    template_fields: Sequence[str] = aws_template_fields(
+        "input_uri", "shard_prefix", "max_requests", "max_bytes"
+    )
     ui_color = "#e8f0fe"
 
     def __init__(
@@ -122,7 +124,14 @@ class VLLMBatchSplitOperator(AwsBaseOperator[S3Hook]):
                 raise ShardingError(f"{self.input_uri} has no request line: nothing to split.")
             self.remove_stale_shards(bucket, prefix, len(shards))
         requests = sum(s.requests for s in shards)
-        self.log.info("Split %s into %d shard(s), %d requests, under s3://%s/%s", self.input_uri, len(shards), requests, bucket, prefix)
+        self.log.info(
+            "Split %s into %d shard(s), %d requests, under s3://%s/%s",
+            self.input_uri,
+            len(shards),
+            requests,
+            bucket,
+            prefix,
+        )
         return [self.shard_kwargs(bucket, prefix, shard) for shard in shards]
 
     def split_and_upload(self, scratch: Path, bucket: str, prefix: str) -> list[Shard]:
@@ -133,7 +142,9 @@ class VLLMBatchSplitOperator(AwsBaseOperator[S3Hook]):
 
         shards = []
         with self._open_input() as lines:
-            for shard in split_lines(lines, open_shard, max_requests=self.max_requests, max_bytes=self.max_bytes):
+            for shard in split_lines(
+                lines, open_shard, max_requests=self.max_requests, max_bytes=self.max_bytes
+            ):
                 self.upload_shard(scratch, bucket, prefix + shard_name(shard.index), shard)
                 shards.append(shard)
         return shards
@@ -141,8 +152,19 @@ class VLLMBatchSplitOperator(AwsBaseOperator[S3Hook]):
     def upload_shard(self, path: Path, bucket: str, key: str, shard: Shard) -> None:
         """Upload one shard, unless the same content is already there (keeping its ETag)."""
         head = self.hook.head_object(key, bucket_name=bucket)
-        if head and head.get("ContentLength") == shard.size and head.get("Metadata", {}).get(SHA256_METADATA) == shard.sha256:
-            self.log.info("Shard %d (%d requests, lines %d...) already in s3://%s/%s: kept", shard.index, shard.requests, shard.first_line, bucket, key)
+        if (
+            head
+            and head.get("ContentLength") == shard.size
+            and head.get("Metadata", {}).get(SHA256_METADATA) == shard.sha256
+        ):
+            self.log.info(
+                "Shard %d (%d requests, lines %d...) already in s3://%s/%s: kept",
+                shard.index,
+                shard.requests,
+                shard.first_line,
+                bucket,
+                key,
+            )
             return
         # S3Hook.load_file takes no per-object metadata; this is its own call with it added.
         self.hook.get_conn().upload_file(
@@ -152,7 +174,15 @@ class VLLMBatchSplitOperator(AwsBaseOperator[S3Hook]):
             ExtraArgs={**self.hook.extra_args, "Metadata": {SHA256_METADATA: shard.sha256}},
             Config=self.hook.transfer_config,
         )
-        self.log.info("Shard %d (%d requests, %d bytes, lines %d...) uploaded to s3://%s/%s", shard.index, shard.requests, shard.size, shard.first_line, bucket, key)
+        self.log.info(
+            "Shard %d (%d requests, %d bytes, lines %d...) uploaded to s3://%s/%s",
+            shard.index,
+            shard.requests,
+            shard.size,
+            shard.first_line,
+            bucket,
+            key,
+        )
 
     def remove_stale_shards(self, bucket: str, prefix: str, count: int) -> None:
         """Delete shards (and their results) numbered ``count`` or more, left by a split into more shards."""
@@ -175,7 +205,10 @@ class VLLMBatchSplitOperator(AwsBaseOperator[S3Hook]):
     def _open_input(self) -> Iterator[Iterator[bytes]]:
         if self.input_uri.startswith("s3://"):
             bucket, key = S3Hook.parse_s3_url(self.input_uri)
-            with s3_body(self.hook, bucket, key) as body, open_lines(body, max_line_bytes=MAX_LINE_BYTES) as lines:
+            with (
+                s3_body(self.hook, bucket, key) as body,
+                open_lines(body, max_line_bytes=MAX_LINE_BYTES) as lines,
+            ):
                 yield lines
         else:
             with open_lines(self.input_uri, max_line_bytes=MAX_LINE_BYTES) as lines:
@@ -221,7 +254,9 @@ class VLLMBatchMergeOperator(AwsBaseOperator[S3Hook]):
     """
 
     aws_hook_class = S3Hook
-    template_fields: Sequence[str] = aws_template_fields("shard_manifests", "output_uri", "error_uri", "input_uri")
+    template_fields: Sequence[str] = aws_template_fields(
+        "shard_manifests", "output_uri", "error_uri", "input_uri"
+    )
     ui_color = "#e8f0fe"
 
     def __init__(
@@ -252,7 +287,9 @@ class VLLMBatchMergeOperator(AwsBaseOperator[S3Hook]):
             summary = sum_manifests(manifests)
             with tempfile.TemporaryDirectory(prefix="vllm-batch-merge-") as tmp:
                 results, errors = self.merge_files(manifests, Path(tmp))
-                manifest = self.build_manifest(manifests, summary, errors is not None, time.monotonic() - started)
+                manifest = self.build_manifest(
+                    manifests, summary, errors is not None, time.monotonic() - started
+                )
                 self.publish(manifest, results, errors, context)
         self.log.info("Merged %d shard(s) into %s", len(manifests), self.output_uri)
         context["ti"].xcom_push(key="output_uri", value=self.output_uri)
@@ -287,7 +324,9 @@ class VLLMBatchMergeOperator(AwsBaseOperator[S3Hook]):
         """Fail when a shard the split made has no manifest (its mapped task pushed none, so it is not even None)."""
         inputs = [str(m.get("input_uri")) for m in manifests]
         folders = {uri.rsplit("/", 1)[0] + "/" for uri in inputs}
-        if len(folders) != 1 or any(shard_index(uri) is None or not uri.startswith("s3://") for uri in inputs):
+        if len(folders) != 1 or any(
+            shard_index(uri) is None or not uri.startswith("s3://") for uri in inputs
+        ):
             return  # not one split's shards: only the manifests given can be checked
         prefix = folders.pop()
         bucket, key_prefix = _parse_prefix(prefix)
@@ -312,7 +351,9 @@ class VLLMBatchMergeOperator(AwsBaseOperator[S3Hook]):
         error_lines = [0] * len(manifests)
         errors = None
         if with_errors:
-            error_files = [_ShardFile(i, manifests[i]["error_uri"], manifests[i].get("error_etag")) for i in with_errors]
+            error_files = [
+                _ShardFile(i, manifests[i]["error_uri"], manifests[i].get("error_etag")) for i in with_errors
+            ]
             errors, merged = self.concatenate(error_files, tmp / "errors.jsonl")
             for shard, lines in zip(with_errors, merged):
                 error_lines[shard] = lines
@@ -347,7 +388,9 @@ class VLLMBatchMergeOperator(AwsBaseOperator[S3Hook]):
         return Manifest(
             output_uri=self.output_uri,
             error_uri=self.store.error_uri if has_errors else None,
-            input_uri=redact_url(self.input_uri) if self.input_uri and self.input_uri.startswith("http") else self.input_uri,
+            input_uri=redact_url(self.input_uri)
+            if self.input_uri and self.input_uri.startswith("http")
+            else self.input_uri,
             input_etag=self._input_etag(),
             model=summary["model"],
             request_counts=RequestCounts(**summary["request_counts"]),

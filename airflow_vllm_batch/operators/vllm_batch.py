@@ -18,9 +18,15 @@ from airflow_vllm_batch.batchfile.requests import INDEX
 from airflow_vllm_batch.engines import Engine, EngineOptions, VLLMRunner, make_engine
 from airflow_vllm_batch.exceptions import ConfigurationError, TooManyFailedRequestsError, VLLMBatchError
 from airflow_vllm_batch.lineage import lineage_for
-from airflow_vllm_batch.operators.task_try import task_try
 from airflow_vllm_batch.links.output import VLLMBatchOutputLink
-from airflow_vllm_batch.run import AnswerCacheOptions, BatchRun, BatchSettings, InputLimits, check_static_settings
+from airflow_vllm_batch.operators.task_try import task_try
+from airflow_vllm_batch.run import (
+    AnswerCacheOptions,
+    BatchRun,
+    BatchSettings,
+    InputLimits,
+    check_static_settings,
+)
 from airflow_vllm_batch.storage import default_error_uri
 from airflow_vllm_batch.summary import render_summary
 from airflow_vllm_batch.version_compat import AirflowFailException
@@ -140,17 +146,29 @@ class VLLMBatchOperator(AwsBaseOperator[S3Hook]):
         self.output_uri, self.model, self.input_uri, self.requests = output_uri, model, input_uri, requests
         # A copy: Airflow renders the options in place, and one options object may be shared by several tasks.
         self.engine = copy.copy(engine) if engine is not None else VLLMRunner()
-        self.requests_url, self.requests_custom_id, self.error_uri = requests_url, requests_custom_id, error_uri
-        self.max_failed_ratio, self.invalid_lines, self.rewrite_model = max_failed_ratio, invalid_lines, rewrite_model
+        self.requests_url, self.requests_custom_id, self.error_uri = (
+            requests_url,
+            requests_custom_id,
+            error_uri,
+        )
+        self.max_failed_ratio, self.invalid_lines, self.rewrite_model = (
+            max_failed_ratio,
+            invalid_lines,
+            rewrite_model,
+        )
         self.default_body, self.limits = default_body, limits or InputLimits()
         self.supported_urls, self.resume, self.results_dir = supported_urls, resume, results_dir
         self.output_type = output_type
         # A copy, as the engine's: rendered in place.
         self.answer_cache = copy.copy(answer_cache)
         if not isinstance(self.limits, InputLimits):
-            raise ConfigurationError(f"limits must be InputLimits(max_lines=..., max_line_bytes=...), got {limits!r}.")
+            raise ConfigurationError(
+                f"limits must be InputLimits(max_lines=..., max_line_bytes=...), got {limits!r}."
+            )
         if self.answer_cache is not None and not isinstance(self.answer_cache, AnswerCacheOptions):
-            raise ConfigurationError(f'answer_cache must be AnswerCacheOptions(uri="s3://bucket/prefix/"), got {answer_cache!r}.')
+            raise ConfigurationError(
+                f'answer_cache must be AnswerCacheOptions(uri="s3://bucket/prefix/"), got {answer_cache!r}.'
+            )
         #: The engine of the running try; kept so that ``on_kill`` can stop it.
         self._engine: Engine | None = None
         self._published_error_uri: str | None = None
@@ -178,14 +196,22 @@ class VLLMBatchOperator(AwsBaseOperator[S3Hook]):
             settings = self.settings()
             self._engine = make_engine(settings, self.log)
             run = BatchRun(
-                settings, s3_hook=self.hook, engine=self._engine, task=task_try(context, self.retries), log=self.log, **self.run_callbacks()
+                settings,
+                s3_hook=self.hook,
+                engine=self._engine,
+                task=task_try(context, self.retries),
+                log=self.log,
+                **self.run_callbacks(),
             )
             outcome = run.execute()
             self.input_uri = run.input.uri if run.input is not None else self.input_uri
             manifest = outcome.manifest
             self.announce(manifest, context)
             task_s = time.monotonic() - started
-            self.log.info("%s", render_summary(manifest, outcome.failure_examples, task_s=task_s, resumed=outcome.resumed))
+            self.log.info(
+                "%s",
+                render_summary(manifest, outcome.failure_examples, task_s=task_s, resumed=outcome.resumed),
+            )
             self.fail_on_too_many_failures(manifest, settings.max_failed_ratio, context)
         except VLLMBatchError as err:
             if not err.retryable:
@@ -214,12 +240,17 @@ class VLLMBatchOperator(AwsBaseOperator[S3Hook]):
         )
         self._published_error_uri = manifest.error_uri
         data = manifest.to_dict()
-        extra = {k: data.get(k) for k in ("output_uri", "error_uri", "manifest_uri", "model", "request_counts", "usage")}
+        extra = {
+            k: data.get(k)
+            for k in ("output_uri", "error_uri", "manifest_uri", "model", "request_counts", "usage")
+        }
         for outlet in self.outlets or ():
             if isinstance(outlet, Asset):
                 context["outlet_events"][outlet].extra = extra
 
-    def fail_on_too_many_failures(self, manifest: Manifest, max_failed_ratio: float, context: Context) -> None:
+    def fail_on_too_many_failures(
+        self, manifest: Manifest, max_failed_ratio: float, context: Context
+    ) -> None:
         """Fail the task when the failed share exceeds ``max_failed_ratio`` (the files stay published)."""
         counts = manifest.request_counts
         if counts.total and counts.failed / counts.total > max_failed_ratio:
@@ -246,5 +277,9 @@ class VLLMBatchOperator(AwsBaseOperator[S3Hook]):
             "answer_cache_uri": self.answer_cache.uri if self.answer_cache is not None else None,
             "answer_cache_sampled": self.answer_cache.sampled if self.answer_cache is not None else False,
         }
-        own = {name: getattr(self, name) for name in BatchSettings.__dataclass_fields__ if name not in grouped and name != "execution_timeout"}
+        own = {
+            name: getattr(self, name)
+            for name in BatchSettings.__dataclass_fields__
+            if name not in grouped and name != "execution_timeout"
+        }
         return {**own, **grouped}

@@ -8,6 +8,18 @@ rendered settings and the task instance's identity, and turns its outcome into X
 from __future__ import annotations
 
 from airflow_vllm_batch.run.batch import BatchOutcome, BatchRun
-from airflow_vllm_batch.run.settings import AnswerCacheOptions, BatchSettings, InputLimits, check_static_settings
+from airflow_vllm_batch.run.settings import (
+    AnswerCacheOptions,
+    BatchSettings,
+    InputLimits,
+    check_static_settings,
+)
 
-__all__ = ["AnswerCacheOptions", "BatchOutcome", "BatchRun", "BatchSettings", "InputLimits", "check_static_settings"]
+__all__ = [
+    "AnswerCacheOptions",
+    "BatchOutcome",
+    "BatchRun",
+    "BatchSettings",
+    "InputLimits",
+    "check_static_settings",
+]

@@ -155,7 +155,9 @@ class AnswerCache:
     :param log: the task's logger.
     """
 
-    def __init__(self, hook: S3Hook, uri: str, *, model_digest: str, sampled: bool, resume: bool, log: logging.Logger) -> None:
+    def __init__(
+        self, hook: S3Hook, uri: str, *, model_digest: str, sampled: bool, resume: bool, log: logging.Logger
+    ) -> None:
         self.hook = hook
         self.uri = uri
         self.bucket, prefix = split_cache_uri(uri)
@@ -183,7 +185,10 @@ class AnswerCache:
         hits_key = f"{job.staging.prefix}{CACHED_RESULTS}"
         staging = job.staging
         if self.resume and staging.hook.head_object(hits_key, bucket_name=staging.bucket) is not None:
-            self.log.info("Answer cache: taking the hits an earlier try of this run staged at %s.", staging.uri(hits_key))
+            self.log.info(
+                "Answer cache: taking the hits an earlier try of this run staged at %s.",
+                staging.uri(hits_key),
+            )
             with s3_lines(staging.hook, staging.bucket, hits_key) as lines:
                 db.executemany(
                     "INSERT OR IGNORE INTO hit VALUES (?, ?)",
@@ -279,7 +284,10 @@ class AnswerCache:
                 unreadable += 1
                 continue
             for (custom_id,) in wanted:
-                db.execute("INSERT OR IGNORE INTO hit VALUES (?, ?)", (custom_id, _with_custom_id(line, answer.custom_id, custom_id)))
+                db.execute(
+                    "INSERT OR IGNORE INTO hit VALUES (?, ?)",
+                    (custom_id, _with_custom_id(line, answer.custom_id, custom_id)),
+                )
         return unreadable
 
     def misses_job(self, job: EngineJob, db: sqlite3.Connection, hits: int) -> EngineJob:
@@ -300,7 +308,12 @@ class AnswerCache:
                 misses.add(custom_id, count)
         os.replace(path, job.work / "input.jsonl")
         report = dataclasses.replace(
-            job.report, total_lines=count, valid_lines=count, blank_lines=0, custom_ids=misses, answered_from_cache=hits
+            job.report,
+            total_lines=count,
+            valid_lines=count,
+            blank_lines=0,
+            custom_ids=misses,
+            answered_from_cache=hits,
         )
         return dataclasses.replace(job, report=report)
 
@@ -320,7 +333,9 @@ class AnswerCache:
             for raw in lines:
                 if not raw.strip():
                     continue
-                row = self.db.execute("SELECT key FROM req WHERE custom_id = ?", (decode_custom_id(raw).custom_id,)).fetchone()
+                row = self.db.execute(
+                    "SELECT key FROM req WHERE custom_id = ?", (decode_custom_id(raw).custom_id,)
+                ).fetchone()
                 if row is None:
                     continue
                 key = row[0]

@@ -34,14 +34,21 @@ from typing import TYPE_CHECKING, Any
 
 from botocore.exceptions import BotoCoreError, ClientError
 
-from airflow_vllm_batch.batchfile import PreflightOptions, PreflightReport, ResultsReport, check_results, open_lines, preflight
+from airflow_vllm_batch.batchfile import (
+    PreflightOptions,
+    PreflightReport,
+    ResultsReport,
+    check_results,
+    open_lines,
+    preflight,
+)
 from airflow_vllm_batch.batchfile.cache_keys import model_identity
+from airflow_vllm_batch.batchfile.openai_lines import request_ids, split_stopped, to_openai_line
 from airflow_vllm_batch.batchfile.per_model import count_per_model
 from airflow_vllm_batch.engines import EngineJob, EngineResults
-from airflow_vllm_batch.engines.server import invalid_parts
-from airflow_vllm_batch.batchfile.openai_lines import request_ids, split_stopped, to_openai_line
-from airflow_vllm_batch.exceptions import BatchStopped, PreflightError, PublishError, StorageUnavailableError
 from airflow_vllm_batch.engines.base import EngineRun
+from airflow_vllm_batch.engines.server import invalid_parts
+from airflow_vllm_batch.exceptions import BatchStopped, PreflightError, PublishError, StorageUnavailableError
 from airflow_vllm_batch.identity import RunIdentity
 from airflow_vllm_batch.lease import LeaseHolder
 from airflow_vllm_batch.manifest import Manifest, RequestCounts, Usage
@@ -177,7 +184,11 @@ class BatchRun:
                 # Only when set: the identities of runs without a schema stay as they were.
                 **({"output_type": s.output_schema.identity()} if s.output_schema is not None else {}),
                 # Only when set: the identities of runs without the cache stay as they were.
-                **({"answer_cache": {"uri": s.answer_cache_uri, "sampled": s.answer_cache_sampled}} if s.answer_cache_uri else {}),
+                **(
+                    {"answer_cache": {"uri": s.answer_cache_uri, "sampled": s.answer_cache_sampled}}
+                    if s.answer_cache_uri
+                    else {}
+                ),
                 # Only when set: the operator's identities stay as they were.
                 **({"result_shape": s.result_shape} if s.result_shape != "vllm" else {}),
             }
@@ -212,7 +223,9 @@ class BatchRun:
         """Why the run must stop now (``"expired"``, ``"cancelled"``: the ``stop`` condition), or None."""
         return self.stop() if self.stop is not None else None
 
-    def run_batch(self, info: EngineInfo, identity: RunIdentity, lease: OutputLease, started: float) -> BatchOutcome:
+    def run_batch(
+        self, info: EngineInfo, identity: RunIdentity, lease: OutputLease, started: float
+    ) -> BatchOutcome:
         """Preflight, have the engine make its answers durable, check and publish; or publish a stopped run's answers."""
         staging = self.store.staging(identity)
         kept = kept_results(self.settings.results_dir, identity.short)
@@ -223,8 +236,17 @@ class BatchRun:
                 try:
                     report = self.preflight(info, work)
                     job = EngineJob(
-                        self.input, report, work, staging, identity, lease, self.task, kept, self.task.get("last_try", True),
-                        stop=self.stop, on_checkpoint=self.on_checkpoint,
+                        self.input,
+                        report,
+                        work,
+                        staging,
+                        identity,
+                        lease,
+                        self.task,
+                        kept,
+                        self.task.get("last_try", True),
+                        stop=self.stop,
+                        on_checkpoint=self.on_checkpoint,
                     )
                     cache = self.answer_cache(info)
                     split = cache.split(job) if cache is not None else None
@@ -259,7 +281,9 @@ class BatchRun:
                     and not manifest.from_cache
                     and self.settings.result_shape == "vllm"
                 )
-                self.publish_files(manifest, staging, None if copy_staged else work / "results.jsonl", errors_path)
+                self.publish_files(
+                    manifest, staging, None if copy_staged else work / "results.jsonl", errors_path
+                )
                 kept.unlink(missing_ok=True)
             except (BotoCoreError, ClientError) as err:
                 raise PublishError(
@@ -276,7 +300,9 @@ class BatchRun:
         )
         return BatchOutcome(manifest, resumed=False, failure_examples=failures.examples)
 
-    def publish_files(self, manifest: Manifest, staging: RunStaging, results_path: Path | None, errors_path: Path | None) -> None:
+    def publish_files(
+        self, manifest: Manifest, staging: RunStaging, results_path: Path | None, errors_path: Path | None
+    ) -> None:
         """Publish through :meth:`OutputStore.publish`, the lines first put in ``result_shape`` (OpenAI's, for the API).
 
         The shape is changed here, on the checked local files right before they go up: the
@@ -288,7 +314,9 @@ class BatchRun:
             errors_path = _reshaped(errors_path) if errors_path is not None else None
         self.store.publish(manifest, staging=staging, results_path=results_path, errors_path=errors_path)
 
-    def durable_answers(self, staging: RunStaging, kept: Path) -> list[contextlib.AbstractContextManager[Iterator[bytes]]]:
+    def durable_answers(
+        self, staging: RunStaging, kept: Path
+    ) -> list[contextlib.AbstractContextManager[Iterator[bytes]]]:
         """Every source of this run's durable answers: staged results, checkpoint parts, cached hits, results kept on this worker."""
         sources: list[contextlib.AbstractContextManager[Iterator[bytes]]] = []
         if staging.has_results():
@@ -302,7 +330,14 @@ class BatchRun:
         return sources
 
     def publish_stopped(
-        self, reason: str, identity: RunIdentity, lease: OutputLease, staging: RunStaging, work: Path, kept: Path, started: float
+        self,
+        reason: str,
+        identity: RunIdentity,
+        lease: OutputLease,
+        staging: RunStaging,
+        work: Path,
+        kept: Path,
+        started: float,
     ) -> BatchOutcome:
         """Publish what a stopped run answered, the rest as ``batch_<reason>`` lines, with a manifest whose status is ``reason``.
 
@@ -313,12 +348,16 @@ class BatchRun:
         answer cache's staged hits, results kept on this worker).
         """
         assert self.input is not None
-        self.log.info("The batch is %s: publishing the answers made durable so far, the rest as unanswered.", reason)
+        self.log.info(
+            "The batch is %s: publishing the answers made durable so far, the rest as unanswered.", reason
+        )
         results_path, errors_path = work / "stopped-results.jsonl", work / "stopped-errors.jsonl"
         try:
             lease.ensure_held(verify=True)
             with contextlib.ExitStack() as stack:
-                answers = itertools.chain.from_iterable(stack.enter_context(source) for source in self.durable_answers(staging, kept))
+                answers = itertools.chain.from_iterable(
+                    stack.enter_context(source) for source in self.durable_answers(staging, kept)
+                )
                 requests = request_ids(stack.enter_context(self.input.open()))
                 with open(results_path, "wb") as results, open(errors_path, "wb") as errors:
                     counts = split_stopped(answers, requests, results, errors, reason)
@@ -345,7 +384,11 @@ class BatchRun:
                 f"S3 failed while publishing the {reason} batch's answers ({err}). They stay staged: a retry publishes them."
             ) from err
         self.log.info(
-            "Published the %s batch %s (%d completed, %d failed or unanswered)", reason, self.settings.output_uri, counts["completed"], counts["failed"]
+            "Published the %s batch %s (%d completed, %d failed or unanswered)",
+            reason,
+            self.settings.output_uri,
+            counts["completed"],
+            counts["failed"],
         )
         return BatchOutcome(manifest, resumed=False)
 
@@ -364,7 +407,12 @@ class BatchRun:
             reported=self.engine.reported_identity(),  # a warm server's cards: restarted with other weights, a miss
         )
         return AnswerCache(
-            self.s3_hook, s.answer_cache_uri, model_digest=digest, sampled=s.answer_cache_sampled, resume=s.resume, log=self.log
+            self.s3_hook,
+            s.answer_cache_uri,
+            model_digest=digest,
+            sampled=s.answer_cache_sampled,
+            resume=s.resume,
+            log=self.log,
         )
 
     def produce(self, info: EngineInfo, job: EngineJob) -> EngineResults:
@@ -407,7 +455,9 @@ class BatchRun:
                 maybe_open(work / "input.jsonl", rewriting) as cleaned,
                 maybe_open(work / "preflight-errors.jsonl", rewriting) as errors,
             ):
-                report = preflight(lines, options, cleaned_out=cleaned, errors_out=errors, reread=batch_input.open)
+                report = preflight(
+                    lines, options, cleaned_out=cleaned, errors_out=errors, reread=batch_input.open
+                )
         report.source = batch_input.display_uri
         if not s.skips_invalid_lines or not report.runnable:
             # A file that cannot run is told once, by the error (the same lines as the report).
@@ -475,14 +525,20 @@ class BatchRun:
         if results.unparseable_count or results.extra_count:
             bad = invalid_parts(job.staging, job.report.custom_ids)
             if bad:
-                self.log.warning("Dropping %d checkpoint part(s) that hold answers this run cannot publish: %s", len(bad), ", ".join(bad))
+                self.log.warning(
+                    "Dropping %d checkpoint part(s) that hold answers this run cannot publish: %s",
+                    len(bad),
+                    ", ".join(bad),
+                )
                 job.staging.drop_parts(bad)
 
     def error_file(self, report: PreflightReport, work: Path, results: ResultsReport) -> Path | None:
         """The failed lines (preflight's, then the engine's) as one file, or None when none failed."""
         if not (results.request_counts["failed"] or self.skipped(report)):
             return None
-        return concat(work / "all-errors.jsonl", work / "preflight-errors.jsonl", work / "engine-errors.jsonl")
+        return concat(
+            work / "all-errors.jsonl", work / "preflight-errors.jsonl", work / "engine-errors.jsonl"
+        )
 
     def tally_failures(self, errors_path: Path | None) -> FailureTally:
         """Count the failed requests by reason; keep one example of each for the summary table."""
@@ -512,7 +568,9 @@ class BatchRun:
             input_uri=self.input.display_uri,
             input_etag=self.input.pinned.etag,
             model=self.settings.model,
-            request_counts=RequestCounts(total=counts["total"] + skipped, completed=counts["completed"], failed=failed),
+            request_counts=RequestCounts(
+                total=counts["total"] + skipped, completed=counts["completed"], failed=failed
+            ),
             usage=Usage(**results.usage),
             duration_s=round(time.monotonic() - started, 3),
             engine_duration_s=round(run.duration_s, 3),
@@ -524,7 +582,9 @@ class BatchRun:
             invalid_output=results.invalid_output or None,
         )
 
-    def price(self, manifest: Manifest, engine_results: EngineResults, started: float, engine_tokens: int) -> None:
+    def price(
+        self, manifest: Manifest, engine_results: EngineResults, started: float, engine_tokens: int
+    ) -> None:
         """Fill in the manifest's ``cost``, and each model's share of it when the run was priced.
 
         :param engine_tokens: the tokens the engine itself answered in this run (not the cached answers').
@@ -540,13 +600,19 @@ class BatchRun:
         if manifest.cost.cost is not None and manifest.per_model:
             manifest.per_model = split_cost(manifest.per_model, manifest.cost.cost)
 
-    def per_model(self, report: PreflightReport, results: ResultsReport, work: Path) -> dict[str, dict[str, int]]:
+    def per_model(
+        self, report: PreflightReport, results: ResultsReport, work: Path
+    ) -> dict[str, dict[str, int]]:
         """Requests and tokens per model name (one pass over the results when the engine serves several names)."""
         served = self.engine.served
         if len(served.names) == 1 and len(report.requests_per_model) <= 1:
             # One name: the totals are its counts, no second pass.
             counts = results.request_counts
-            entry = {"requests": counts["total"], "completed": counts["completed"], "failed": counts["failed"]}
+            entry = {
+                "requests": counts["total"],
+                "completed": counts["completed"],
+                "failed": counts["failed"],
+            }
             return {served.default_name: {**entry, **results.usage}}
         with open_lines(str(work / "results.jsonl")) as successes:
             return count_per_model(

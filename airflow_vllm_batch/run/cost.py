@@ -63,7 +63,12 @@ def run_cost(
         cost = Cost(device=device, engine_s=round(seconds, _SECONDS_DIGITS), note=_SHARED_NOTE)
     elif gpus > 0:
         seconds = gpus * engine_s
-        cost = Cost(device="gpu", gpus=gpus, engine_s=round(engine_s, _SECONDS_DIGITS), gpu_s=round(seconds, _SECONDS_DIGITS))
+        cost = Cost(
+            device="gpu",
+            gpus=gpus,
+            engine_s=round(engine_s, _SECONDS_DIGITS),
+            gpu_s=round(seconds, _SECONDS_DIGITS),
+        )
     else:
         seconds = engine_s
         cost = Cost(device="cpu", gpus=0, engine_s=round(engine_s, _SECONDS_DIGITS), note=_CPU_NOTE)
@@ -87,7 +92,11 @@ def split_cost(per_model: dict[str, dict[str, Any]], cost: float) -> dict[str, d
     :param per_model: the manifest's per-model counts (``total_tokens``, ``requests``).
     :param cost: the run's cost.
     """
-    key = "total_tokens" if sum(entry.get("total_tokens", 0) for entry in per_model.values()) > 0 else "requests"
+    key = (
+        "total_tokens"
+        if sum(entry.get("total_tokens", 0) for entry in per_model.values()) > 0
+        else "requests"
+    )
     whole = sum(entry.get(key, 0) for entry in per_model.values())
     return {
         name: {**entry, "cost": round(cost * entry.get(key, 0) / whole, _COST_DIGITS) if whole else 0.0}
@@ -117,12 +126,22 @@ def sum_costs(costs: list[dict[str, Any] | None], total_tokens: int) -> Cost | N
     money = round(sum(shard.cost or 0.0 for shard in shards), _COST_DIGITS) if priced else None
     price = prices.pop() if len(prices) == 1 else None
     if len(devices) > 1:
-        note = "the shards ran on different kinds of engine (" + ", ".join(sorted(devices)) + "): only the cost adds up"
+        note = (
+            "the shards ran on different kinds of engine ("
+            + ", ".join(sorted(devices))
+            + "): only the cost adds up"
+        )
         return Cost(device="mixed", engine_s=0.0, cost=money, gpu_hour_cost=price, note=note)
     device = devices.pop()
     engine_s = round(sum(shard.engine_s for shard in shards), _SECONDS_DIGITS)
     gpus = {shard.gpus for shard in shards}
-    cost = Cost(device=device, engine_s=engine_s, gpus=gpus.pop() if len(gpus) == 1 else None, cost=money, gpu_hour_cost=price)
+    cost = Cost(
+        device=device,
+        engine_s=engine_s,
+        gpus=gpus.pop() if len(gpus) == 1 else None,
+        cost=money,
+        gpu_hour_cost=price,
+    )
     if device == "gpu":
         cost.gpu_s = round(sum(shard.gpu_s or 0.0 for shard in shards), _SECONDS_DIGITS)
         cost.tokens_per_gpu_s = round(total_tokens / cost.gpu_s, _SECONDS_DIGITS) if cost.gpu_s else None

@@ -13,7 +13,12 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from airflow_vllm_batch.batchfile import open_lines
 from airflow_vllm_batch.batchfile.requests import batch_file_name, build_batch_file
-from airflow_vllm_batch.exceptions import InputChangedError, InputNotFoundError, PresignError, StorageUnavailableError
+from airflow_vllm_batch.exceptions import (
+    InputChangedError,
+    InputNotFoundError,
+    PresignError,
+    StorageUnavailableError,
+)
 from airflow_vllm_batch.identity import PinnedInput, local_file_tag
 from airflow_vllm_batch.storage import head_input, location_error, requests_uri, s3_lines, split_s3_uri
 
@@ -71,7 +76,9 @@ class BatchInput:
         """Pin ``uri``: its S3 ETag/VersionId, or a local file's size, mtime and hash."""
         if uri.startswith("s3://"):
             head = head_input(hook, uri)
-            pinned = PinnedInput(uri, head["ETag"].strip('"'), head.get("VersionId"), head.get("ContentLength"))
+            pinned = PinnedInput(
+                uri, head["ETag"].strip('"'), head.get("VersionId"), head.get("ContentLength")
+            )
         elif uri.startswith(("http://", "https://")):
             pinned = PinnedInput(uri)
         elif not os.path.isfile(uri):
@@ -101,13 +108,17 @@ class BatchInput:
         """Stream the input's lines; an S3 input is read at its pinned ETag (and VersionId)."""
         if self.in_s3:
             bucket, key = split_s3_uri(self.uri, "input_uri")
-            with s3_lines(self.hook, bucket, key, if_match=self.pinned.etag, version_id=self.pinned.version_id) as lines:
+            with s3_lines(
+                self.hook, bucket, key, if_match=self.pinned.etag, version_id=self.pinned.version_id
+            ) as lines:
                 yield lines
         else:
             with open_lines(self.uri) as lines:
                 yield lines
 
-    def presign(self, method: str, bucket: str, key: str, version_id: str | None = None, *, expires_in: int) -> str:
+    def presign(
+        self, method: str, bucket: str, key: str, version_id: str | None = None, *, expires_in: int
+    ) -> str:
         """A presigned URL for the engine, registered with the secrets masker before anything can log it.
 
         :param expires_in: seconds it stays valid (:meth:`~airflow_vllm_batch.run.BatchSettings.presign_seconds`).
@@ -115,9 +126,7 @@ class BatchInput:
         params = {"Bucket": bucket, "Key": key}
         if version_id:
             params["VersionId"] = version_id
-        url = self.hook.generate_presigned_url(
-            client_method=method, params=params, expires_in=expires_in
-        )
+        url = self.hook.generate_presigned_url(client_method=method, params=params, expires_in=expires_in)
         if not url:
             raise PresignError(
                 f"S3Hook could not presign {method} for s3://{bucket}/{key} (connection "
@@ -129,7 +138,9 @@ class BatchInput:
     def presigned_get(self, *, expires_in: int) -> str:
         """A presigned GET of the pinned input (its VersionId, when the bucket versions), valid ``expires_in`` seconds."""
         bucket, key = split_s3_uri(self.uri, "input_uri")
-        return self.presign("get_object", bucket, key, version_id=self.pinned.version_id, expires_in=expires_in)
+        return self.presign(
+            "get_object", bucket, key, version_id=self.pinned.version_id, expires_in=expires_in
+        )
 
     def confirm_unchanged(self) -> None:
         """Fail when an unversioned S3 input was overwritten while the engine read it by key.
@@ -139,7 +150,9 @@ class BatchInput:
         try:
             head = head_input(self.hook, self.uri)
         except (BotoCoreError, ClientError) as err:
-            raise StorageUnavailableError(f"S3 failed while checking that {self.uri} is unchanged ({err}).") from err
+            raise StorageUnavailableError(
+                f"S3 failed while checking that {self.uri} is unchanged ({err})."
+            ) from err
         etag = head["ETag"].strip('"')
         if etag != self.pinned.etag:
             raise InputChangedError(

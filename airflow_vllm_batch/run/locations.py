@@ -100,12 +100,18 @@ def _locations(values: Mapping[str, Any], *, rendered: bool) -> Iterator[Locatio
             ("output_uri", output),
             ("the manifest of output_uri", manifest_uri(output)),
             ("the lease of output_uri", lease_uri(output)),
-            *([] if error is not None else [("the default error file of output_uri", default_error_uri(output))]),
+            *(
+                []
+                if error is not None
+                else [("the default error file of output_uri", default_error_uri(output))]
+            ),
         ):
             yield from _object("output_uri", label, uri)
         yield from _prefix("output_uri", "the staging prefix of output_uri", staging_uri(output))
         if values.get("requests") is not None:
-            yield from _prefix("requests", "the prefix requests= are written under", f"{output_stem(output)}.requests/")
+            yield from _prefix(
+                "requests", "the prefix requests= are written under", f"{output_stem(output)}.requests/"
+            )
     error = _plain(values.get("error_uri"), rendered)
     if error is not None:
         yield from _object("error_uri", "error_uri", error)
@@ -116,7 +122,13 @@ def _locations(values: Mapping[str, Any], *, rendered: bool) -> Iterator[Locatio
     if cache is not None and cache.startswith("s3://"):
         bucket, _, key = cache.removeprefix("s3://").partition("/")
         if bucket:
-            yield Location("answer_cache_uri", "answer_cache_uri", bucket, key if not key or key.endswith("/") else key + "/", True)
+            yield Location(
+                "answer_cache_uri",
+                "answer_cache_uri",
+                bucket,
+                key if not key or key.endswith("/") else key + "/",
+                True,
+            )
 
 
 def _plain(value: Any, rendered: bool) -> str | None:

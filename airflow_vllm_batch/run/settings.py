@@ -13,8 +13,8 @@ from __future__ import annotations
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from functools import cached_property
 from datetime import timedelta
+from functools import cached_property
 from typing import Any, ClassVar
 
 from airflow_vllm_batch.batchfile import DEFAULT_MAX_LINE_BYTES, url_secrets
@@ -107,7 +107,11 @@ class BatchSettings:
     def from_rendered(cls, **values: Any) -> BatchSettings:
         """Check the rendered values (and the static ones again) and return the settings."""
         check_static_settings(values)
-        names = ("output_uri", "model") if values.get("requests") is not None else ("input_uri", "output_uri", "model")
+        names = (
+            ("output_uri", "model")
+            if values.get("requests") is not None
+            else ("input_uri", "output_uri", "model")
+        )
         for name in names:
             value = values.get(name)
             if not isinstance(value, str) or not value.strip():
@@ -117,7 +121,9 @@ class BatchSettings:
             split_s3_uri(values["error_uri"], "error_uri")
         default_body = values.get("default_body")
         if default_body is not None and not isinstance(default_body, Mapping):
-            raise ConfigurationError(f"default_body must be a mapping, got {type(default_body).__name__} {default_body!r}.")
+            raise ConfigurationError(
+                f"default_body must be a mapping, got {type(default_body).__name__} {default_body!r}."
+            )
         if values.get("answer_cache_uri") is not None:
             bucket, prefix = split_cache_uri(values["answer_cache_uri"])
             values = {**values, "answer_cache_uri": f"s3://{bucket}/{prefix}"}
@@ -182,7 +188,9 @@ def check_static_settings(values: Mapping[str, Any]) -> None:
             f"exactly one of them, got {'both' if values.get('requests') is not None else 'neither'}."
         )
     check_requests_options(
-        values.get("requests_url", "/v1/chat/completions"), values.get("requests_custom_id", INDEX), values.get("default_body")
+        values.get("requests_url", "/v1/chat/completions"),
+        values.get("requests_custom_id", INDEX),
+        values.get("default_body"),
     )
     for name, allowed in _MODES.items():
         if name in values and values[name] not in allowed:
@@ -193,7 +201,9 @@ def check_static_settings(values: Mapping[str, Any]) -> None:
             raise ConfigurationError(f"{name} must be a positive whole number or None, got {value!r}.")
     _check_output_type(values.get("output_type"), values.get("default_body"))
     if not isinstance(values.get("answer_cache_sampled", False), bool):
-        raise ConfigurationError(f"answer_cache_sampled must be True or False, got {values['answer_cache_sampled']!r}.")
+        raise ConfigurationError(
+            f"answer_cache_sampled must be True or False, got {values['answer_cache_sampled']!r}."
+        )
     cache_uri = values.get("answer_cache_uri")
     if cache_uri is not None and not (isinstance(cache_uri, str) and "{{" in cache_uri):
         # A string with a template is checked once rendered.
@@ -235,5 +245,7 @@ def _ratio(value: Any) -> float:
     except (TypeError, ValueError):
         ratio = -1.0
     if not 0 <= ratio <= 1:
-        raise ConfigurationError(f"max_failed_ratio must be a number from 0 to 1, got {value!r} after rendering.")
+        raise ConfigurationError(
+            f"max_failed_ratio must be a number from 0 to 1, got {value!r} after rendering."
+        )
     return ratio

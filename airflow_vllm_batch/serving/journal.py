@@ -234,7 +234,9 @@ class Journal:
                 self._reported(part)
             if self._closing:
                 return
-            timeout = self.checkpoint_interval_s - self._part_age() if self._file is not None else _IDLE_TICK_S
+            timeout = (
+                self.checkpoint_interval_s - self._part_age() if self._file is not None else _IDLE_TICK_S
+            )
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wakeup.wait(), max(timeout, 0.0))
             self._wakeup.clear()

@@ -267,16 +267,25 @@ class InFlightController:
             if self.metrics:
                 return self._set(self.bound, "the server's /metrics could not be read")
             return self._raise(self.bound + self.step, "no 429/503 since the last check")
-        partial = f" (read {load.servers_read} of {load.servers} servers)" if load.servers_read < load.servers else ""
+        partial = (
+            f" (read {load.servers_read} of {load.servers} servers)"
+            if load.servers_read < load.servers
+            else ""
+        )
         others = _others(load, reading.in_flight)
-        token_s = _mean_delta(load.token_time_s, previous.token_time_s if previous else None, MIN_TOKENS_FOR_STEPS)
+        token_s = _mean_delta(
+            load.token_time_s, previous.token_time_s if previous else None, MIN_TOKENS_FOR_STEPS
+        )
         if token_s is not None and (self.fastest_token_s is None or token_s < self.fastest_token_s):
             self.fastest_token_s = token_s
         if not others:
             self.quiet_checks += 1
             if self.quiet_checks >= QUIET_CHECKS:
                 return self._raise(self.bound * 2, f"no requests of others on the server{partial}")
-            return self._raise(self.bound + self.step, f"no requests of others on the server since {self.quiet_checks} check(s){partial}")
+            return self._raise(
+                self.bound + self.step,
+                f"no requests of others on the server since {self.quiet_checks} check(s){partial}",
+            )
         self.quiet_checks = 0
         with_others = f"with {others} requests of others on the server{partial}"
         if load.waiting >= 1:
@@ -288,7 +297,9 @@ class InFlightController:
             return self._lower(f"requests queued {queue_s:.2f}s on average {with_others}")
         fastest = self.fastest_token_s
         if token_s is not None and fastest is not None and token_s > SLOW_STEPS * fastest:
-            return self._lower(f"{token_s * 1000:.0f} ms per token, the fastest seen {fastest * 1000:.0f} ms, {with_others}")
+            return self._lower(
+                f"{token_s * 1000:.0f} ms per token, the fastest seen {fastest * 1000:.0f} ms, {with_others}"
+            )
         return self._raise(self.bound + self.step, f"none waiting {with_others}")
 
     def _lower(self, why: str) -> Move:
@@ -314,7 +325,9 @@ def _others(load: ServerLoad, in_flight: int) -> int:
     return max(0, math.floor(load.waiting + load.running) - in_flight)
 
 
-def _mean_delta(now: tuple[float, float] | None, before: tuple[float, float] | None, min_count: float) -> float | None:
+def _mean_delta(
+    now: tuple[float, float] | None, before: tuple[float, float] | None, min_count: float
+) -> float | None:
     """A histogram's mean over the last check (its sum's and count's growth), when enough was observed."""
     if now is None or before is None:
         return None

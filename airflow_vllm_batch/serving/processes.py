@@ -181,7 +181,9 @@ class _Parent:
         _RUNNING.add(self)
         for worker in self.workers:
             worker.start()
-        feeder = threading.Thread(target=self._feed, args=(requests, skip), name="vllm-batch-feed", daemon=True)
+        feeder = threading.Thread(
+            target=self._feed, args=(requests, skip), name="vllm-batch-feed", daemon=True
+        )
         feeder.start()
         try:
             self._serve()
@@ -305,7 +307,16 @@ class _Parent:
         """The workers' counts added up (their lines set aside too), with this run's wall time."""
         total = StreamStats(skipped=self.skipped, read=self.skipped)
         for stats in self.stats:
-            for field in ("read", "done", "failed", "retried", "unanswered", "in_flight", "prompt_tokens", "completion_tokens"):
+            for field in (
+                "read",
+                "done",
+                "failed",
+                "retried",
+                "unanswered",
+                "in_flight",
+                "prompt_tokens",
+                "completion_tokens",
+            ):
                 setattr(total, field, getattr(total, field) + getattr(stats, field))
             for reason, count in stats.unanswered_reasons.items():
                 total.unanswered_reasons[reason] = total.unanswered_reasons.get(reason, 0) + count
@@ -370,7 +381,14 @@ def _worker(index: int, config: dict[str, Any], directory: str, inputs: Any, eve
     except BaseException as err:  # noqa: BLE001 - the parent raises it
         events.put(("error", index, _picklable(err)))
         return
-    events.put(("done", index, dataclasses.replace(stats), str(journal.set_aside_path) if journal.lines_set_aside else None))
+    events.put(
+        (
+            "done",
+            index,
+            dataclasses.replace(stats),
+            str(journal.set_aside_path) if journal.lines_set_aside else None,
+        )
+    )
 
 
 def _picklable(err: BaseException) -> BaseException:

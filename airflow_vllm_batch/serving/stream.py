@@ -78,7 +78,15 @@ from airflow_vllm_batch.exceptions import (
     ServerUnavailableError,
 )
 from airflow_vllm_batch.serving.journal import Journal
-from airflow_vllm_batch.serving.neighbour import InFlightController, NeighbourPlan, Reading, ServerLoad, combine, parse_metrics, with_priority
+from airflow_vllm_batch.serving.neighbour import (
+    InFlightController,
+    NeighbourPlan,
+    Reading,
+    ServerLoad,
+    combine,
+    parse_metrics,
+    with_priority,
+)
 
 if TYPE_CHECKING:
     # Imported where a stream runs: only a worker that streams to a vLLM server needs it
@@ -113,7 +121,16 @@ DEFAULT_REQUEST_TIMEOUT_S = 1800.0
 #: upload, which only vLLM's batch runner does. ``/score`` and ``/rerank`` are the server's
 #: own routes for the URLs vLLM's runner matches by suffix.
 SERVED_URLS: frozenset[str] = frozenset(
-    {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank"}
+    {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/embeddings",
+        "/score",
+        "/v1/score",
+        "/rerank",
+        "/v1/rerank",
+        "/v2/rerank",
+    }
 )
 #: Lines read from the input per trip to the reader thread, at least. A trip waits for the GIL
 #: (the loop holds it while it answers), so a chunk is ``max(_READ_CHUNK, 2 * max_in_flight)``
@@ -350,7 +367,9 @@ def retry_after_s(value: str | None, now: float | None = None) -> float | None:
         except (TypeError, ValueError):
             return None
         # An HTTP date is GMT; a date without a zone is read as such rather than as local time.
-        timestamp = when.timestamp() if when.tzinfo is not None else when.replace(tzinfo=timezone.utc).timestamp()
+        timestamp = (
+            when.timestamp() if when.tzinfo is not None else when.replace(tzinfo=timezone.utc).timestamp()
+        )
         seconds = timestamp - (time.time() if now is None else now)
     if not math.isfinite(seconds):
         return None
@@ -373,7 +392,13 @@ class _Transient(Exception):
     """
 
     def __init__(
-        self, *, gone: bool, detail: str, reason: str = "", line: bytes | None = None, retry_after: float | None = None
+        self,
+        *,
+        gone: bool,
+        detail: str,
+        reason: str = "",
+        line: bytes | None = None,
+        retry_after: float | None = None,
     ) -> None:
         super().__init__(detail)
         self.gone = gone
@@ -440,11 +465,15 @@ class _Stream:
         #: What says the connection (so, likely, the server) failed, for :meth:`_answer`'s except clause.
         self._connection_errors = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)
         self._started = time.monotonic()
-        feed = _Feed(lambda size: self._read_chunk(requests, size), chunk=max(_READ_CHUNK, 2 * self.max_in_flight))
+        feed = _Feed(
+            lambda size: self._read_chunk(requests, size), chunk=max(_READ_CHUNK, 2 * self.max_in_flight)
+        )
         # The connector's own limit (100 by default) would silently cap concurrency below ours.
         connector = aiohttp.TCPConnector(limit=self.max_in_flight, limit_per_host=0)
         timeout = aiohttp.ClientTimeout(total=self.request_timeout_s, sock_connect=30)
-        progress = asyncio.create_task(self._report_progress(on_progress, progress_every_s)) if on_progress else None
+        progress = (
+            asyncio.create_task(self._report_progress(on_progress, progress_every_s)) if on_progress else None
+        )
         steering: asyncio.Task[None] | None = None
         try:
             async with self.journal, aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
@@ -468,7 +497,9 @@ class _Stream:
         # A session of its own: the requests' connector is sized for them, and a check must not wait behind them.
         metrics = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=_METRICS_TIMEOUT_S))
         load = await self._read_load(metrics)
-        controller = InFlightController(self.max_in_flight, self.neighbour.min_in_flight, metrics=load is not None)
+        controller = InFlightController(
+            self.max_in_flight, self.neighbour.min_in_flight, metrics=load is not None
+        )
         self.gate = _Gate(controller.start(load).bound)
         self._note_bound(controller)
         return asyncio.create_task(self._steer(controller, metrics))
@@ -504,7 +535,11 @@ class _Stream:
         import aiohttp
 
         # The API key goes only to the server it is for, not to another URL a user listed.
-        headers = {"Authorization": self.headers["Authorization"]} if "Authorization" in self.headers and url.startswith(self.base_url + "/") else {}
+        headers = (
+            {"Authorization": self.headers["Authorization"]}
+            if "Authorization" in self.headers and url.startswith(self.base_url + "/")
+            else {}
+        )
         try:
             async with session.get(url, headers=headers) as response:
                 if response.status != 200:
@@ -601,7 +636,9 @@ class _Stream:
                     if attempt == 0:  # the session's timeout: request_timeout_s
                         post = session.post(url, data=body, headers=self.headers)
                     else:
-                        post = session.post(url, data=body, headers=self.headers, timeout=self._time_left(deadline))
+                        post = session.post(
+                            url, data=body, headers=self.headers, timeout=self._time_left(deadline)
+                        )
                     async with post as response:
                         self._last_answer_at = time.monotonic()
                         payload = await response.read()
@@ -642,7 +679,9 @@ class _Stream:
 
         if isinstance(err, aiohttp.ConnectionTimeoutError):
             return _Transient(gone=True, detail=f"could not connect to {self.base_url} (timeout)")
-        return _Transient(gone=False, detail=f"no answer within {self.request_timeout_s:g}s", reason="timeout")
+        return _Transient(
+            gone=False, detail=f"no answer within {self.request_timeout_s:g}s", reason="timeout"
+        )
 
     def _final(
         self, request: _RequestLine, url: str, response: aiohttp.ClientResponse, payload: bytes
@@ -655,9 +694,13 @@ class _Stream:
                 usage = _decode_answer(payload).usage
             except msgspec.DecodeError:
                 # A body cut short or replaced on the way (a proxy's page): the answer is yet to come.
-                error = _encode(f"HTTP 200 from {request.url} with a body that is not JSON: {payload[:200]!r}")
+                error = _encode(
+                    f"HTTP 200 from {request.url} with a body that is not JSON: {payload[:200]!r}"
+                )
                 line = result_line(request.custom_id, 500, None, error)
-                raise _Transient(gone=False, detail=f"HTTP 200 from {url}, not JSON", reason="HTTP 200 not JSON", line=line) from None
+                raise _Transient(
+                    gone=False, detail=f"HTTP 200 from {url}, not JSON", reason="HTTP 200 not JSON", line=line
+                ) from None
             return result_line(request.custom_id, 200, _one_line(payload), None), False, usage, None
         if status in _AUTH_STATUSES:
             raise ServerAuthError(
@@ -676,13 +719,21 @@ class _Stream:
             )
         return (*self._to_line(request, status, payload), None)
 
-    def _to_line(self, request: _RequestLine, status: int, payload: bytes) -> tuple[bytes, bool, _Usage | None]:
+    def _to_line(
+        self, request: _RequestLine, status: int, payload: bytes
+    ) -> tuple[bytes, bool, _Usage | None]:
         """Turn the server's answer other than a 200 into the output line vLLM's runner would have written."""
         try:
             code = _decode_error(payload).error.code
         except msgspec.DecodeError:
             text = payload[:500].decode("utf-8", errors="replace")
-            return result_line(request.custom_id, status, None, _encode(f"HTTP {status} from {request.url}: {text}")), True, None
+            return (
+                result_line(
+                    request.custom_id, status, None, _encode(f"HTTP {status} from {request.url}: {text}")
+                ),
+                True,
+                None,
+            )
         return result_line(request.custom_id, code, None, _one_line(payload)), True, None
 
     def _gave_up(self, request: _RequestLine, transient: _Transient, attempts: int) -> bytes:
@@ -695,7 +746,9 @@ class _Stream:
         if transient.line is not None:
             return transient.line
         plural = "s" if attempts > 1 else ""
-        return result_line(request.custom_id, 504, None, _encode(f"{transient.detail}, {attempts} attempt{plural}"))
+        return result_line(
+            request.custom_id, 504, None, _encode(f"{transient.detail}, {attempts} attempt{plural}")
+        )
 
     async def _report_progress(self, on_progress: Callable[[StreamStats], None], every_s: float) -> None:
         """Call ``on_progress`` every ``every_s`` seconds until cancelled."""

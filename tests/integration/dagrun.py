@@ -118,7 +118,8 @@ def run_dag(dag, run_conf: dict | None = None, logical_date=None, run_after=None
             row.task_id: row.rendered_fields
             for row in session.scalars(
                 select(RenderedTaskInstanceFields).where(
-                    RenderedTaskInstanceFields.dag_id == dag.dag_id, RenderedTaskInstanceFields.run_id == dr.run_id
+                    RenderedTaskInstanceFields.dag_id == dag.dag_id,
+                    RenderedTaskInstanceFields.run_id == dr.run_id,
                 )
             )
         }
@@ -127,7 +128,11 @@ def run_dag(dag, run_conf: dict | None = None, logical_date=None, run_after=None
 
 def error_lines(output: str) -> list[str]:
     """The log lines at error level or above (structlog's ``[error    ]``, Airflow's ``ERROR -``)."""
-    return [line for line in output.splitlines() if re.search(r"\[(error|critical)\s*\]|\b(ERROR|CRITICAL) - ", line)]
+    return [
+        line
+        for line in output.splitlines()
+        if re.search(r"\[(error|critical)\s*\]|\b(ERROR|CRITICAL) - ", line)
+    ]
 
 
 def _xcom_value(value: Any) -> Any:

@@ -73,7 +73,13 @@ class Deployment:
         log = open(self.home / f"{name}.log", "ab")  # noqa: SIM115 - closed with the process
         # Its own session: stop() signals the whole group (executor workers, task supervisors).
         proc = subprocess.Popen(
-            argv, env=self.env, cwd=self.home, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            argv,
+            env=self.env,
+            cwd=self.home,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
         )
         log.close()
         self.processes[name] = proc
@@ -82,9 +88,18 @@ class Deployment:
     def migrate_db(self) -> None:
         """Create the metadata database (``airflow db migrate``); a failure is raised with its output."""
         airflow = str(Path(sys.executable).with_name("airflow"))
-        done = subprocess.run([airflow, "db", "migrate"], env=self.env, cwd=self.home, capture_output=True, text=True, check=False)
+        done = subprocess.run(
+            [airflow, "db", "migrate"],
+            env=self.env,
+            cwd=self.home,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         if done.returncode != 0:
-            raise DeploymentError(f"airflow db migrate exited with code {done.returncode}:\n{done.stderr[-3000:]}")
+            raise DeploymentError(
+                f"airflow db migrate exited with code {done.returncode}:\n{done.stderr[-3000:]}"
+            )
 
     def log(self, name: str) -> str:
         """The output of process ``name`` so far."""
@@ -146,21 +161,33 @@ class Deployment:
                 return json.loads(response.read() or b"null")
         except urllib.error.HTTPError as err:
             detail = err.read().decode(errors="replace")[:2000]
-            raise urllib.error.HTTPError(err.url, err.code, f"{err.reason}: {detail}", err.headers, None) from None
+            raise urllib.error.HTTPError(
+                err.url, err.code, f"{err.reason}: {detail}", err.headers, None
+            ) from None
 
     def log_in(self, username: str = "admin") -> None:
         """Get a JWT from ``/auth/token`` with the simple auth manager's generated password."""
         password = json.loads((self.home / "passwords.json").read_text())[username]
-        self.token = self.request("POST", "/auth/token", {"username": username, "password": password})["access_token"]
+        self.token = self.request("POST", "/auth/token", {"username": username, "password": password})[
+            "access_token"
+        ]
 
     def wait_for_dag(self, dag_id: str, timeout: float = 180) -> None:
         """Wait until the DAG processor has parsed ``dag_id``, then unpause it."""
-        wait_until(f"the DAG processor to parse {dag_id}", lambda: self.request("GET", f"/api/v2/dags/{dag_id}"), timeout, self, interval=1)
+        wait_until(
+            f"the DAG processor to parse {dag_id}",
+            lambda: self.request("GET", f"/api/v2/dags/{dag_id}"),
+            timeout,
+            self,
+            interval=1,
+        )
         self.request("PATCH", f"/api/v2/dags/{dag_id}", {"is_paused": False})
 
     def trigger(self, dag_id: str, conf: Mapping[str, Any] | None = None) -> str:
         """Trigger a DAG run through the REST API; return its run id."""
-        run = self.request("POST", f"/api/v2/dags/{dag_id}/dagRuns", {"logical_date": None, "conf": dict(conf or {})})
+        run = self.request(
+            "POST", f"/api/v2/dags/{dag_id}/dagRuns", {"logical_date": None, "conf": dict(conf or {})}
+        )
         return run["dag_run_id"]
 
     @staticmethod
@@ -175,11 +202,15 @@ class Deployment:
 
     def task_tries(self, dag_id: str, run_id: str, task_id: str) -> list[dict]:
         """Every try of a task instance (``/tries``): try number, state, start and end."""
-        return self.request("GET", f"{self.run_path(dag_id, run_id)}/taskInstances/{task_id}/tries")["task_instances"]
+        return self.request("GET", f"{self.run_path(dag_id, run_id)}/taskInstances/{task_id}/tries")[
+            "task_instances"
+        ]
 
     def set_task_state(self, dag_id: str, run_id: str, task_id: str, state: str) -> Any:
         """What "mark failed" (or success) in the UI does: ``PATCH .../taskInstances/{task_id}``."""
-        return self.request("PATCH", f"{self.run_path(dag_id, run_id)}/taskInstances/{task_id}", {"new_state": state})
+        return self.request(
+            "PATCH", f"{self.run_path(dag_id, run_id)}/taskInstances/{task_id}", {"new_state": state}
+        )
 
     def wait_for_run(self, dag_id: str, run_id: str, timeout: float) -> str:
         """Wait until the DAG run has ended; return its state."""
@@ -192,15 +223,30 @@ class Deployment:
 
     def task_log(self, dag_id: str, run_id: str, task_id: str, try_number: int) -> str:
         """The log of one try, from the deployment's log folder (JSON lines, one event each)."""
-        path = self.home / "logs" / f"dag_id={dag_id}" / f"run_id={run_id}" / f"task_id={task_id}" / f"attempt={try_number}.log"
+        path = (
+            self.home
+            / "logs"
+            / f"dag_id={dag_id}"
+            / f"run_id={run_id}"
+            / f"task_id={task_id}"
+            / f"attempt={try_number}.log"
+        )
         try:
             return path.read_text(errors="replace")
         except OSError:
             return ""
 
-    def diagnose(self, dag_id: str | None = None, run_id: str | None = None, task_id: str | None = None, tail: int = 4000) -> str:
+    def diagnose(
+        self,
+        dag_id: str | None = None,
+        run_id: str | None = None,
+        task_id: str | None = None,
+        tail: int = 4000,
+    ) -> str:
         """The tails of the scheduler's log and, given a run, of every try's task log."""
-        parts = [f"--- {name} ---\n{self.log(name)[-tail:]}" for name in ("scheduler",) if name in self.processes]
+        parts = [
+            f"--- {name} ---\n{self.log(name)[-tail:]}" for name in ("scheduler",) if name in self.processes
+        ]
         if dag_id and run_id and task_id:
             for attempt in (1, 2, 3):
                 if text := self.task_log(dag_id, run_id, task_id, attempt):
@@ -222,7 +268,13 @@ def is_alive(process: psutil.Process) -> bool:
         return False
 
 
-def wait_until(what: str, check: Callable[[], Any], timeout: float, deployment: Deployment | None = None, interval: float = 1.0) -> Any:
+def wait_until(
+    what: str,
+    check: Callable[[], Any],
+    timeout: float,
+    deployment: Deployment | None = None,
+    interval: float = 1.0,
+) -> Any:
     """Call ``check`` until it returns something true; raise after ``timeout`` seconds.
 
     The deployment's processes are checked alive on each round, so a crash fails at once
@@ -244,7 +296,13 @@ def wait_until(what: str, check: Callable[[], Any], timeout: float, deployment: 
 
 
 def deployment_env(
-    s3: SeaweedFS, tiny_model: Path, home: Path, dags: Path, api_port: int, executor: str, database_url: str | None = None
+    s3: SeaweedFS,
+    tiny_model: Path,
+    home: Path,
+    dags: Path,
+    api_port: int,
+    executor: str,
+    database_url: str | None = None,
 ) -> dict[str, str]:
     """The environment of every process of a deployment: Airflow on loopback, S3 and vLLM embedded.
 
@@ -321,7 +379,10 @@ def local_executor_deployment(
     dep = Deployment(home=home, api_url=f"http://{LOOPBACK}:{api_port}", env=env)
     dep.migrate_db()
     try:
-        dep.start("api-server", [airflow, "api-server", "--host", LOOPBACK, "--port", str(api_port), "--workers", "1"])
+        dep.start(
+            "api-server",
+            [airflow, "api-server", "--host", LOOPBACK, "--port", str(api_port), "--workers", "1"],
+        )
         dep.start("scheduler", [airflow, "scheduler"])
         dep.start("dag-processor", [airflow, "dag-processor"])
         wait_until("the API server", lambda: dep.request("GET", "/api/v2/monitor/health"), 180, dep)

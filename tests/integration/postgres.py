@@ -37,7 +37,9 @@ MISSING = "PostgreSQL's server binaries (initdb, postgres) are missing: run `mak
 
 def server_bin_dir() -> Path | None:
     """The newest ``/usr/lib/postgresql/<major>/bin`` with ``initdb`` in it, or None."""
-    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"), key=lambda p: int(Path(p).parent.parent.name))
+    found = sorted(
+        glob.glob("/usr/lib/postgresql/*/bin/initdb"), key=lambda p: int(Path(p).parent.parent.name)
+    )
     return Path(found[-1]).parent if found else None
 
 
@@ -67,7 +69,9 @@ class Postgres:
     def _run(self, *argv: str) -> None:
         done = subprocess.run(argv, check=False, user=self._user, capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(argv)} failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+            raise RuntimeError(
+                f"{' '.join(argv)} failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
+            )
 
     def start(self) -> Postgres:
         """Create the cluster, start the server and create the database."""
@@ -76,7 +80,17 @@ class Postgres:
         if self._user:
             entry = pwd.getpwnam(self._user)
             os.chown(self._root, entry.pw_uid, entry.pw_gid)
-        self._run(str(self.bin_dir / "initdb"), "-D", str(data), "-U", "airflow", "--auth=trust", "-E", "UTF8", "--no-sync")
+        self._run(
+            str(self.bin_dir / "initdb"),
+            "-D",
+            str(data),
+            "-U",
+            "airflow",
+            "--auth=trust",
+            "-E",
+            "UTF8",
+            "--no-sync",
+        )
         (self.port,) = _free_ports(1)
         settings = {
             "listen_addresses": LOOPBACK,
@@ -93,25 +107,41 @@ class Postgres:
             argv += ["-c", f"{name}={value}"]
         log = open(self._root / "postgres.log", "ab")  # noqa: SIM115 - closed once handed to the server
         try:
-            self._process = subprocess.Popen(argv, user=self._user, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+            self._process = subprocess.Popen(
+                argv,
+                user=self._user,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         finally:
             log.close()
         self._wait_ready()
-        self._run(str(self.bin_dir / "createdb"), "-h", LOOPBACK, "-p", str(self.port), "-U", "airflow", DATABASE)
+        self._run(
+            str(self.bin_dir / "createdb"), "-h", LOOPBACK, "-p", str(self.port), "-U", "airflow", DATABASE
+        )
         return self
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
-                raise RuntimeError(f"postgres exited with code {self._process.returncode}:\n{self.log()[-3000:]}")
+                raise RuntimeError(
+                    f"postgres exited with code {self._process.returncode}:\n{self.log()[-3000:]}"
+                )
             ready = subprocess.run(
-                [str(self.bin_dir / "pg_isready"), "-h", LOOPBACK, "-p", str(self.port), "-q"], check=False, capture_output=True, timeout=30
+                [str(self.bin_dir / "pg_isready"), "-h", LOOPBACK, "-p", str(self.port), "-q"],
+                check=False,
+                capture_output=True,
+                timeout=30,
             )
             if ready.returncode == 0:
                 return
             time.sleep(0.3)
-        raise RuntimeError(f"postgres did not accept connections within {self.startup_timeout_s:.0f}s:\n{self.log()[-3000:]}")
+        raise RuntimeError(
+            f"postgres did not accept connections within {self.startup_timeout_s:.0f}s:\n{self.log()[-3000:]}"
+        )
 
     def log(self) -> str:
         """The server's output so far."""

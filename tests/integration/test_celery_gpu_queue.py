@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.deployment import Deployment, dags_folder, deployment_env, wait_until
 from vllm_batch_embedded.demo import BUCKET
 from vllm_batch_embedded.seaweedfs import _free_ports
-from tests.integration.deployment import Deployment, dags_folder, deployment_env, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.engine, pytest.mark.celery]
 
@@ -63,16 +63,53 @@ def deployment(seaweed, tiny_model, tmp_path_factory) -> Iterator[Deployment]:
     dep = Deployment(home=home, api_url=f"http://{LOOPBACK}:{api_port}", env=env)
     dep.migrate_db()
     try:
-        dep.start("redis", [redis, "--bind", LOOPBACK, "--port", str(redis_port), "--save", "", "--appendonly", "no", "--dir", str(home)])
-        dep.start("api-server", [airflow, "api-server", "--host", LOOPBACK, "--port", str(api_port), "--workers", "1"])
+        dep.start(
+            "redis",
+            [
+                redis,
+                "--bind",
+                LOOPBACK,
+                "--port",
+                str(redis_port),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(home),
+            ],
+        )
+        dep.start(
+            "api-server",
+            [airflow, "api-server", "--host", LOOPBACK, "--port", str(api_port), "--workers", "1"],
+        )
         dep.start("scheduler", [airflow, "scheduler"])
         dep.start("dag-processor", [airflow, "dag-processor"])
         # --skip-serve-logs: two workers on one host would both bind the log server's port.
-        dep.start("worker-gpu", [airflow, "celery", "worker", "-q", "gpu", "-c", "1", "-H", "gpu@%h", "--skip-serve-logs"])
-        dep.start("worker-default", [airflow, "celery", "worker", "-q", "default", "-c", "1", "-H", "default@%h", "--skip-serve-logs"])
+        dep.start(
+            "worker-gpu",
+            [airflow, "celery", "worker", "-q", "gpu", "-c", "1", "-H", "gpu@%h", "--skip-serve-logs"],
+        )
+        dep.start(
+            "worker-default",
+            [
+                airflow,
+                "celery",
+                "worker",
+                "-q",
+                "default",
+                "-c",
+                "1",
+                "-H",
+                "default@%h",
+                "--skip-serve-logs",
+            ],
+        )
         wait_until("the API server", lambda: dep.request("GET", "/api/v2/monitor/health"), 180, dep)
         password = json.loads((home / "passwords.json").read_text())["admin"]
-        dep.token = dep.request("POST", "/auth/token", {"username": "admin", "password": password})["access_token"]
+        dep.token = dep.request("POST", "/auth/token", {"username": "admin", "password": password})[
+            "access_token"
+        ]
         yield dep
     finally:
         dep.stop()
@@ -82,7 +119,13 @@ def deployment(seaweed, tiny_model, tmp_path_factory) -> Iterator[Deployment]:
 def celery_run(deployment: Deployment) -> dict:
     """Trigger the sharded DAG through the REST API and wait for the run to end."""
     dep = deployment
-    wait_until(f"the DAG processor to parse {DAG_ID}", lambda: dep.request("GET", f"/api/v2/dags/{DAG_ID}"), 180, dep, interval=2)
+    wait_until(
+        f"the DAG processor to parse {DAG_ID}",
+        lambda: dep.request("GET", f"/api/v2/dags/{DAG_ID}"),
+        180,
+        dep,
+        interval=2,
+    )
     dep.request("PATCH", f"/api/v2/dags/{DAG_ID}", {"is_paused": False})
     conf = {"n_requests": N_REQUESTS, "shard_size": SHARD_SIZE, "max_tokens": 4}
     run = dep.request("POST", f"/api/v2/dags/{DAG_ID}/dagRuns", {"logical_date": None, "conf": conf})
@@ -98,11 +141,19 @@ def celery_run(deployment: Deployment) -> dict:
     merged = None
     if state == "success":
         merged = dep.request("GET", f"{run_path}/taskInstances/merge/xcomEntries/return_value")["value"]
-    return {"state": state, "task_instances": tis, "merged": merged, "duration_s": time.monotonic() - started, "run_id": run["dag_run_id"]}
+    return {
+        "state": state,
+        "task_instances": tis,
+        "merged": merged,
+        "duration_s": time.monotonic() - started,
+        "run_id": run["dag_run_id"],
+    }
 
 
 def _diagnose(dep: Deployment) -> str:
-    return "\n".join(f"--- {name} ---\n{dep.log(name)[-2500:]}" for name in ("scheduler", "worker-gpu", "worker-default"))
+    return "\n".join(
+        f"--- {name} ---\n{dep.log(name)[-2500:]}" for name in ("scheduler", "worker-gpu", "worker-default")
+    )
 
 
 def test_sharded_dag_triggered_through_the_rest_api_succeeds_on_celery(celery_run, deployment):
@@ -137,7 +188,9 @@ def test_merged_output_of_the_celery_run_answers_every_request_in_order(celery_r
     bucket, _, key = merged["output_uri"].removeprefix("s3://").partition("/")
     assert bucket == BUCKET
     body = seaweed.client().get_object(Bucket=bucket, Key=key)["Body"].read().decode()
-    assert [json.loads(line)["custom_id"] for line in body.splitlines()] == [f"request-{i}" for i in range(N_REQUESTS)]
+    assert [json.loads(line)["custom_id"] for line in body.splitlines()] == [
+        f"request-{i}" for i in range(N_REQUESTS)
+    ]
 
 
 def test_every_process_started_for_the_deployment_is_gone_after_teardown(deployment, celery_run):

@@ -12,8 +12,13 @@ import pytest
 pytestmark = pytest.mark.integration
 
 CLI = str(Path(sys.executable).with_name("airflow-vllm-batch"))
-GOOD = '{"custom_id": "a", "method": "POST", "url": "/v1/embeddings", "body": {"model": "m", "input": "hi"}}\n'
-BAD = GOOD + '{"custom_id": "b", "method": "GET", "url": "/v1/embeddings", "body": {"model": "m", "input": "x"}}\n'
+GOOD = (
+    '{"custom_id": "a", "method": "POST", "url": "/v1/embeddings", "body": {"model": "m", "input": "hi"}}\n'
+)
+BAD = (
+    GOOD
+    + '{"custom_id": "b", "method": "GET", "url": "/v1/embeddings", "body": {"model": "m", "input": "x"}}\n'
+)
 
 
 def _cli(env_s3, *args: str) -> subprocess.CompletedProcess:

@@ -30,7 +30,12 @@ from vllm_batch_embedded.seaweedfs import _free_ports
 # Cold, the images take minutes (timings.json); the build runs in the background from the
 # start of the session (conftest.py), so the test usually waits for less.
 IMAGES_TIMEOUT_S = 1800
-pytestmark = [pytest.mark.integration, pytest.mark.engine, pytest.mark.compose, pytest.mark.timeout(IMAGES_TIMEOUT_S + 1200)]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.engine,
+    pytest.mark.compose,
+    pytest.mark.timeout(IMAGES_TIMEOUT_S + 1200),
+]
 
 DAG_ID = "vllm_batch_pipeline"
 N_REQUESTS = 4
@@ -55,7 +60,9 @@ class RestAPI:
                 return json.loads(response.read() or b"null")
         except urllib.error.HTTPError as err:
             detail = err.read().decode(errors="replace")[:2000]
-            raise urllib.error.HTTPError(err.url, err.code, f"{err.reason}: {detail}", err.headers, None) from None
+            raise urllib.error.HTTPError(
+                err.url, err.code, f"{err.reason}: {detail}", err.headers, None
+            ) from None
 
 
 @pytest.fixture(scope="module")
@@ -81,11 +88,20 @@ def pipeline_run(stack) -> dict:
     api = RestAPI(compose.api_port)
     with timings.phase("pipeline run (trigger to end)"):
         wait_until("the API server", lambda: api.request("GET", "/api/v2/version"), 300, interval=2)
-        api.token = api.request("POST", "/auth/token", {"username": USER[0], "password": USER[1]})["access_token"]
-        wait_until(f"the DAG processor to parse {DAG_ID}", lambda: api.request("GET", f"/api/v2/dags/{DAG_ID}"), 300, interval=2)
+        api.token = api.request("POST", "/auth/token", {"username": USER[0], "password": USER[1]})[
+            "access_token"
+        ]
+        wait_until(
+            f"the DAG processor to parse {DAG_ID}",
+            lambda: api.request("GET", f"/api/v2/dags/{DAG_ID}"),
+            300,
+            interval=2,
+        )
         api.request("PATCH", f"/api/v2/dags/{DAG_ID}", {"is_paused": False})
         conf = {"n_requests": N_REQUESTS, "max_tokens": 4}
-        run_id = api.request("POST", f"/api/v2/dags/{DAG_ID}/dagRuns", {"logical_date": None, "conf": conf})["dag_run_id"]
+        run_id = api.request("POST", f"/api/v2/dags/{DAG_ID}/dagRuns", {"logical_date": None, "conf": conf})[
+            "dag_run_id"
+        ]
         run_path = f"/api/v2/dags/{DAG_ID}/dagRuns/{urllib.parse.quote(run_id, safe='')}"
 
         def ended():
@@ -111,8 +127,15 @@ def test_example_pipeline_triggered_through_the_rest_api_succeeds_on_the_compose
     assert states == {"upload": "success", "vllm_batch": "success", "validate": "success"}
     assert pipeline_run["task_instances"]["vllm_batch"]["queue"] == "gpu"
     # Run by the cpu profile's gpu-queue worker (its container), not by the default worker.
-    assert pipeline_run["task_instances"]["vllm_batch"]["hostname"] != pipeline_run["task_instances"]["upload"]["hostname"]
-    assert pipeline_run["validated"]["request_counts"] == {"total": N_REQUESTS, "completed": N_REQUESTS, "failed": 0}
+    assert (
+        pipeline_run["task_instances"]["vllm_batch"]["hostname"]
+        != pipeline_run["task_instances"]["upload"]["hostname"]
+    )
+    assert pipeline_run["validated"]["request_counts"] == {
+        "total": N_REQUESTS,
+        "completed": N_REQUESTS,
+        "failed": 0,
+    }
 
 
 def test_manifest_and_results_of_the_compose_run_are_in_the_stacks_s3(stack, pipeline_run):
@@ -127,6 +150,9 @@ def test_manifest_and_results_of_the_compose_run_are_in_the_stacks_s3(stack, pip
     assert manifest["request_counts"] == {"total": N_REQUESTS, "completed": N_REQUESTS, "failed": 0}
     bucket, _, key = manifest["output_uri"].removeprefix("s3://").partition("/")
     assert bucket == compose.bucket
-    lines = [json.loads(line) for line in s3.get_object(Bucket=bucket, Key=key)["Body"].read().decode().splitlines()]
+    lines = [
+        json.loads(line)
+        for line in s3.get_object(Bucket=bucket, Key=key)["Body"].read().decode().splitlines()
+    ]
     assert sorted(line["custom_id"] for line in lines) == sorted(f"request-{i}" for i in range(N_REQUESTS))
     assert all(line["response"]["status_code"] == 200 and line["error"] is None for line in lines)

@@ -21,15 +21,15 @@ from pathlib import Path
 
 import pytest
 
+from airflow_vllm_batch.engines.vllm.server_process import VLLMServerProcess
+from tests.integration.vllm_metrics import requests_answered
+from tests.processes import processes_with
 from vllm_batch_embedded.demo import (
     BUCKET,
     CPU_ENGINE_ARGS,
     CPU_ENGINE_ENV,
     embedded_env,
 )
-from airflow_vllm_batch.engines.vllm.server_process import VLLMServerProcess
-from tests.integration.vllm_metrics import requests_answered
-from tests.processes import processes_with
 
 pytestmark = [pytest.mark.integration, pytest.mark.engine]
 
@@ -45,12 +45,17 @@ def test_five_runs_with_different_logical_dates_at_once_write_distinct_complete_
     subprocess.run([airflow, "db", "migrate"], env=env, check=True, capture_output=True)
 
     with VLLMServerProcess(
-        str(tiny_model), engine_args=CPU_ENGINE_ARGS.split(), env={**os.environ, **CPU_ENGINE_ENV}, startup_timeout_s=300
+        str(tiny_model),
+        engine_args=CPU_ENGINE_ARGS.split(),
+        env={**os.environ, **CPU_ENGINE_ENV},
+        startup_timeout_s=300,
     ) as server:
         assert server.hook is not None
         host, port = server.hook.base_url.removeprefix("http://").split(":")
         warm = {
-            "AIRFLOW_CONN_VLLM_WARM": json.dumps({"conn_type": "vllm", "host": host, "port": int(port), "password": server.hook.api_key}),
+            "AIRFLOW_CONN_VLLM_WARM": json.dumps(
+                {"conn_type": "vllm", "host": host, "port": int(port), "password": server.hook.api_key}
+            ),
             "AIRFLOW_VLLM_BATCH_VLLM_CONN_ID": "vllm_warm",
         }
         procs = []
@@ -58,11 +63,18 @@ def test_five_runs_with_different_logical_dates_at_once_write_distinct_complete_
             home = tmp_path / f"home-{date}"
             shutil.copytree(template, home)
             # Spelled out: the airflow.cfg copied from the template names the template's database.
-            run_env = {**env, **warm, "AIRFLOW_HOME": str(home), "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home}/airflow.db"}
+            run_env = {
+                **env,
+                **warm,
+                "AIRFLOW_HOME": str(home),
+                "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home}/airflow.db",
+            }
             log = open(tmp_path / f"{date}.log", "wb")
             conf = json.dumps({"n_requests": 3, "max_tokens": 2})
             argv = [airflow, "dags", "test", "vllm_batch_pipeline", date, "--conf", conf]
-            procs.append((date, subprocess.Popen(argv, env=run_env, stdout=log, stderr=subprocess.STDOUT), log))
+            procs.append(
+                (date, subprocess.Popen(argv, env=run_env, stdout=log, stderr=subprocess.STDOUT), log)
+            )
         for date, proc, log in procs:
             proc.wait(timeout=900)
             log.close()
@@ -118,13 +130,30 @@ def test_a_second_run_on_an_output_in_use_fails_fast_naming_the_first_which_comp
     client = embedded.client()
     prefix = f"one-output-{first_mode}"
     lines = "".join(
-        json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions", "body": {"model": str(tiny_model), "messages": [{"role": "user", "content": f"hi {i}"}], "max_completion_tokens": 4}}) + "\n"
+        json.dumps(
+            {
+                "custom_id": f"r{i}",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {
+                    "model": str(tiny_model),
+                    "messages": [{"role": "user", "content": f"hi {i}"}],
+                    "max_completion_tokens": 4,
+                },
+            }
+        )
+        + "\n"
         for i in range(4)
     )
     client.put_object(Bucket=BUCKET, Key=f"{prefix}/input.jsonl", Body=lines.encode())
     template = tmp_path / "home-template"
     env = embedded_env(embedded, tiny_model, template)
-    subprocess.run([str(Path(sys.executable).with_name("airflow")), "db", "migrate"], env=env, check=True, capture_output=True)
+    subprocess.run(
+        [str(Path(sys.executable).with_name("airflow")), "db", "migrate"],
+        env=env,
+        check=True,
+        capture_output=True,
+    )
     marker = uuid.uuid4().hex
 
     def start(name: str, mode: str) -> tuple[subprocess.Popen, Path]:
@@ -133,19 +162,32 @@ def test_a_second_run_on_an_output_in_use_fails_fast_naming_the_first_which_comp
         script = tmp_path / f"{name}.py"
         script.write_text(
             ONE_OUTPUT_SCRIPT.format(
-                repo=str(REPO), dag_id=f"one_output_{name}", input_uri=f"s3://{BUCKET}/{prefix}/input.jsonl",
-                output_uri=f"s3://{BUCKET}/{prefix}/results.jsonl", model=str(tiny_model), marker=f"{marker}-{name}", mode=mode,
+                repo=str(REPO),
+                dag_id=f"one_output_{name}",
+                input_uri=f"s3://{BUCKET}/{prefix}/input.jsonl",
+                output_uri=f"s3://{BUCKET}/{prefix}/results.jsonl",
+                model=str(tiny_model),
+                marker=f"{marker}-{name}",
+                mode=mode,
             )
         )
         log_path = tmp_path / f"{name}.log"
-        run_env = {**env, "AIRFLOW_HOME": str(home), "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home}/airflow.db"}
+        run_env = {
+            **env,
+            "AIRFLOW_HOME": str(home),
+            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home}/airflow.db",
+        }
         with open(log_path, "wb") as log:
-            return subprocess.Popen([sys.executable, str(script)], env=run_env, stdout=log, stderr=subprocess.STDOUT), log_path
+            return subprocess.Popen(
+                [sys.executable, str(script)], env=run_env, stdout=log, stderr=subprocess.STDOUT
+            ), log_path
 
     first, first_log = start("first", first_mode)
     deadline = time.monotonic() + 300
     while not processes_with(f"{marker}-first"):
-        assert first.poll() is None and time.monotonic() < deadline, first_log.read_text(errors="replace")[-3000:]
+        assert first.poll() is None and time.monotonic() < deadline, first_log.read_text(errors="replace")[
+            -3000:
+        ]
         time.sleep(0.2)
     second, second_log = start("second", second_mode)
     second.wait(timeout=300)
@@ -159,4 +201,8 @@ def test_a_second_run_on_an_output_in_use_fails_fast_naming_the_first_which_comp
     body = client.get_object(Bucket=BUCKET, Key=f"{prefix}/results.jsonl")["Body"].read().decode()
     assert sorted(json.loads(line)["custom_id"] for line in body.splitlines()) == ["r0", "r1", "r2", "r3"]
     keys = [o["Key"] for o in client.list_objects_v2(Bucket=BUCKET, Prefix=prefix).get("Contents", [])]
-    assert sorted(keys) == [f"{prefix}/input.jsonl", f"{prefix}/results.jsonl", f"{prefix}/results.manifest.json"]
+    assert sorted(keys) == [
+        f"{prefix}/input.jsonl",
+        f"{prefix}/results.jsonl",
+        f"{prefix}/results.manifest.json",
+    ]

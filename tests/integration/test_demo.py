@@ -36,7 +36,9 @@ def demo_command() -> list[str]:
 
 def test_make_demo_publishes_the_pipeline_and_prints_its_manifest():
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "VLLM_"))}
-    done = subprocess.run(demo_command(), cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
+    done = subprocess.run(
+        demo_command(), cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False
+    )
     assert done.returncode == 0, (done.stdout[-4000:], done.stderr[-4000:])
     out = done.stdout.splitlines()
     manifest = json.loads(out[out.index("=== manifest ===") + 1])

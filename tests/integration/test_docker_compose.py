@@ -66,7 +66,15 @@ def test_compose_file_is_valid_for_docker_compose(profile):
 
 
 def test_airflow_3_services_are_all_there(services):
-    expected = {"airflow-apiserver", "airflow-scheduler", "airflow-dag-processor", "airflow-triggerer", "airflow-init", "postgres", "redis"}
+    expected = {
+        "airflow-apiserver",
+        "airflow-scheduler",
+        "airflow-dag-processor",
+        "airflow-triggerer",
+        "airflow-init",
+        "postgres",
+        "redis",
+    }
     assert expected <= set(services)
 
 
@@ -140,18 +148,25 @@ OFFICIAL_IMAGES = {
 
 
 @pytest.mark.parametrize("service", sorted(OFFICIAL_IMAGES))
-def test_each_pulled_image_is_overridable_by_an_environment_variable_defaulting_to_the_official_image(services, service):
+def test_each_pulled_image_is_overridable_by_an_environment_variable_defaulting_to_the_official_image(
+    services, service
+):
     variable, official = OFFICIAL_IMAGES[service]
     assert services[service]["image"] == f"${{{variable}:-{official}}}"
 
 
 def test_each_built_image_takes_its_base_from_airflow_image_defaulting_to_the_official_image(services):
     built = {name: svc["build"] for name, svc in services.items() if "build" in svc}
-    assert {b["dockerfile"] for b in built.values()} == {"docker/Dockerfile.airflow", "docker/Dockerfile.gpu-worker"}
+    assert {b["dockerfile"] for b in built.values()} == {
+        "docker/Dockerfile.airflow",
+        "docker/Dockerfile.gpu-worker",
+    }
     for name, build in built.items():
         assert build["args"]["AIRFLOW_IMAGE"] == "${AIRFLOW_IMAGE:-apache/airflow:3.3.2-python3.11}", name
         dockerfile = (REPO / build["dockerfile"]).read_text()
-        assert "ARG AIRFLOW_IMAGE=apache/airflow:3.3.2-python3.11\nFROM ${AIRFLOW_IMAGE}\n" in dockerfile, name
+        assert "ARG AIRFLOW_IMAGE=apache/airflow:3.3.2-python3.11\nFROM ${AIRFLOW_IMAGE}\n" in dockerfile, (
+            name
+        )
 
 
 @pytest.mark.parametrize("dockerfile", ["Dockerfile.airflow", "Dockerfile.gpu-worker"])

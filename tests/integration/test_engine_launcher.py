@@ -14,8 +14,8 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from vllm_batch_embedded.demo import BUCKET, CPU_ENGINE_ARGS
 from tests.integration.dagrun import DagRunResult, register_dag, run_dag
+from vllm_batch_embedded.demo import BUCKET, CPU_ENGINE_ARGS
 
 pytestmark = [pytest.mark.integration, pytest.mark.engine]
 
@@ -31,7 +31,16 @@ def _run(embedded, tiny_model, tmp_path, name: str, **op_kwargs) -> DagRunResult
     model = str(tiny_model)
     lines = b"".join(
         json.dumps(
-            {"custom_id": f"l{i}", "method": "POST", "url": "/v1/chat/completions", "body": {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 2}}
+            {
+                "custom_id": f"l{i}",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {
+                    "model": model,
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "max_completion_tokens": 2,
+                },
+            }
         ).encode()
         + b"\n"
         for i in range(N)
@@ -58,7 +67,11 @@ def _try_number(dag_id: str, result: DagRunResult) -> int:
     from sqlalchemy import select
 
     with create_session() as session:
-        return session.scalar(select(TaskInstance.try_number).where(TaskInstance.dag_id == dag_id, TaskInstance.run_id == result.run_id))
+        return session.scalar(
+            select(TaskInstance.try_number).where(
+                TaskInstance.dag_id == dag_id, TaskInstance.run_id == result.run_id
+            )
+        )
 
 
 def _model_loaded(output: str) -> bool:
@@ -66,14 +79,22 @@ def _model_loaded(output: str) -> bool:
 
 
 @pytest.mark.parametrize("engine", ["runner", "server"])
-def test_a_misspelled_flag_fails_once_before_the_model_loads_with_the_checks_message(embedded, airflow_db, tiny_model, tmp_path, engine):
+def test_a_misspelled_flag_fails_once_before_the_model_loads_with_the_checks_message(
+    embedded, airflow_db, tiny_model, tmp_path, engine
+):
     from airflow_vllm_batch.engines import VLLMRunner, VLLMServer
 
-    options = {"runner": VLLMRunner, "server": VLLMServer}[engine](args=[*CPU_ENGINE_ARGS.split(), "--max-modle-len", "64"])
+    options = {"runner": VLLMRunner, "server": VLLMServer}[engine](
+        args=[*CPU_ENGINE_ARGS.split(), "--max-modle-len", "64"]
+    )
     result = _run(embedded, tiny_model, tmp_path, f"bad_{engine}", engine=options)
     assert result.state == "failed"
     # The server's parser takes a bare word as its positional model tag, so it names the flag alone.
-    refused, help_command = ("--max-modle-len 64", RUNNER_HELP) if engine == "runner" else ("--max-modle-len", "vllm serve --help")
+    refused, help_command = (
+        ("--max-modle-len 64", RUNNER_HELP)
+        if engine == "runner"
+        else ("--max-modle-len", "vllm serve --help")
+    )
     # The separate check's message, word for word, now from the engine's own process.
     assert (
         f"{type(options).__name__}(args=...): unrecognized arguments: {refused} (did you mean --max-model-len for --max-modle-len?). "
@@ -83,13 +104,20 @@ def test_a_misspelled_flag_fails_once_before_the_model_loads_with_the_checks_mes
     assert _try_number(f"launcher_bad_{engine}", result) == 1  # not retried
 
 
-def test_a_runner_task_on_a_fresh_worker_starts_the_engine_with_its_offline_sizes_and_answers(embedded, airflow_db, tiny_model, tmp_path):
+def test_a_runner_task_on_a_fresh_worker_starts_the_engine_with_its_offline_sizes_and_answers(
+    embedded, airflow_db, tiny_model, tmp_path
+):
     from airflow_vllm_batch.engines import VLLMRunner
 
-    result = _run(embedded, tiny_model, tmp_path, "good_runner", engine=VLLMRunner(args=CPU_ENGINE_ARGS.split()))
+    result = _run(
+        embedded, tiny_model, tmp_path, "good_runner", engine=VLLMRunner(args=CPU_ENGINE_ARGS.split())
+    )
     assert result.state == "success", result.output[-4000:]
     assert result.xcom("vllm_batch")["request_counts"] == {"total": N, "completed": N, "failed": 0}
-    assert "Scheduler: --max-num-seqs 256 --max-num-batched-tokens 4096 (vLLM's offline defaults on cpu)" in result.output
+    assert (
+        "Scheduler: --max-num-seqs 256 --max-num-batched-tokens 4096 (vLLM's offline defaults on cpu)"
+        in result.output
+    )
     # The runner parsed the flags its launcher added (its own "args:" line).
     (namespace,) = re.findall(r"args: Namespace\((.*)\)", result.output)
     assert "max_num_seqs=256" in namespace and "max_num_batched_tokens=4096" in namespace
@@ -99,13 +127,23 @@ def test_a_runner_task_on_a_fresh_worker_starts_the_engine_with_its_offline_size
     assert [name for name in kept if not name.startswith("engine-options-")] == []
 
 
-def test_a_task_started_server_on_a_fresh_worker_starts_with_its_offline_sizes_and_answers(embedded, airflow_db, tiny_model, tmp_path):
+def test_a_task_started_server_on_a_fresh_worker_starts_with_its_offline_sizes_and_answers(
+    embedded, airflow_db, tiny_model, tmp_path
+):
     from airflow_vllm_batch.engines import VLLMServer
 
-    result = _run(embedded, tiny_model, tmp_path, "good_server", engine=VLLMServer(args=CPU_ENGINE_ARGS.split()))
+    result = _run(
+        embedded, tiny_model, tmp_path, "good_server", engine=VLLMServer(args=CPU_ENGINE_ARGS.split())
+    )
     assert result.state == "success", result.output[-4000:]
     assert result.xcom("vllm_batch")["request_counts"] == {"total": N, "completed": N, "failed": 0}
-    assert "Scheduler: --max-num-seqs 256 --max-num-batched-tokens 4096 (vLLM's offline defaults on cpu)" in result.output
-    assert "In flight: at most 512 requests (twice the server's max_num_seqs 256 times its data-parallel size 1)" in result.output
+    assert (
+        "Scheduler: --max-num-seqs 256 --max-num-batched-tokens 4096 (vLLM's offline defaults on cpu)"
+        in result.output
+    )
+    assert (
+        "In flight: at most 512 requests (twice the server's max_num_seqs 256 times its data-parallel size 1)"
+        in result.output
+    )
     (non_default,) = re.findall(r"non-default args: (\{.*\})", result.output)
     assert "'max_num_seqs': 256" in non_default and "'max_num_batched_tokens': 4096" in non_default

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from vllm_batch_embedded.demo import BUCKET
 from airflow_vllm_batch.engines import VLLMRunner
 from tests.integration.test_operator import _line, _put, _run_operator
+from vllm_batch_embedded.demo import BUCKET
 
 pytestmark = pytest.mark.integration
 
@@ -16,9 +16,15 @@ SECRET = "hf_dummyTokenThatMustNotBeLogged42"
 
 
 @pytest.mark.engine
-def test_an_hf_token_in_engine_args_is_masked_in_our_line_and_vllms_own_args_line(embedded, airflow_db, tiny_model):
+def test_an_hf_token_in_engine_args_is_masked_in_our_line_and_vllms_own_args_line(
+    embedded, airflow_db, tiny_model
+):
     model = str(tiny_model)
-    uri = _put(embedded, "secrets/input.jsonl", "".join(_line(f"s{i}", model, max_completion_tokens=2) + "\n" for i in range(2)))
+    uri = _put(
+        embedded,
+        "secrets/input.jsonl",
+        "".join(_line(f"s{i}", model, max_completion_tokens=2) + "\n" for i in range(2)),
+    )
     result = _run_operator(
         "hf_token",
         input_uri=uri,

@@ -19,9 +19,9 @@ from datetime import datetime, timezone
 
 import pytest
 
-from vllm_batch_embedded.demo import BUCKET, CPU_ENGINE_ARGS
 from airflow_vllm_batch.engines import VLLMServer
 from tests.integration.dagrun import DagRunResult, register_dag, run_dag
+from vllm_batch_embedded.demo import BUCKET, CPU_ENGINE_ARGS
 
 pytestmark = [pytest.mark.integration, pytest.mark.engine]
 
@@ -36,7 +36,16 @@ def _run(embedded, tiny_model, name: str, **op_kwargs) -> DagRunResult:
     model = str(tiny_model)
     lines = b"".join(
         json.dumps(
-            {"custom_id": f"z{i}", "method": "POST", "url": "/v1/chat/completions", "body": {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 2}}
+            {
+                "custom_id": f"z{i}",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {
+                    "model": model,
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "max_completion_tokens": 2,
+                },
+            }
         ).encode()
         + b"\n"
         for i in range(N)
@@ -64,9 +73,20 @@ def _scheduler_resolved(output: str) -> int:
 
 
 def test_a_users_max_num_seqs_is_what_the_server_resolves(embedded, airflow_db, tiny_model):
-    run = _run(embedded, tiny_model, "server_user", engine=VLLMServer(args=[*CPU_ENGINE_ARGS.split(), "--max-num-seqs=64"]))
-    assert "Scheduler: --max-num-batched-tokens 4096 (vLLM's offline defaults on cpu; --max-num-seqs from the engine's args)" in run.output
+    run = _run(
+        embedded,
+        tiny_model,
+        "server_user",
+        engine=VLLMServer(args=[*CPU_ENGINE_ARGS.split(), "--max-num-seqs=64"]),
+    )
+    assert (
+        "Scheduler: --max-num-batched-tokens 4096 (vLLM's offline defaults on cpu; --max-num-seqs from the engine's args)"
+        in run.output
+    )
     (non_default,) = re.findall(r"non-default args: (\{.*\})", run.output)
     assert "'max_num_seqs': 64" in non_default and "'max_num_batched_tokens': 4096" in non_default
     assert _scheduler_resolved(run.output) == 4096
-    assert "In flight: at most 128 requests (twice the server's max_num_seqs 64 times its data-parallel size 1)" in run.output
+    assert (
+        "In flight: at most 128 requests (twice the server's max_num_seqs 64 times its data-parallel size 1)"
+        in run.output
+    )

@@ -56,7 +56,10 @@ def test_pipeline_manifest_counts_match_the_uploaded_requests(pipeline_run):
     assert manifest["error_uri"] is None
     assert manifest["vllm_version"] == "0.32.0"
     assert manifest["usage"]["completion_tokens"] > 0
-    assert manifest["usage"]["total_tokens"] == manifest["usage"]["prompt_tokens"] + manifest["usage"]["completion_tokens"]
+    assert (
+        manifest["usage"]["total_tokens"]
+        == manifest["usage"]["prompt_tokens"] + manifest["usage"]["completion_tokens"]
+    )
     assert pipeline_run.xcom("vllm_batch", "output_uri") == manifest["output_uri"]
 
 
@@ -128,7 +131,10 @@ def test_every_published_result_body_parses_with_the_openai_sdk_types(pipeline_r
     from openai.types import CreateEmbeddingResponse
     from openai.types.chat import ChatCompletion
 
-    for run, task_id, sdk_type in ((pipeline_run, "vllm_batch", ChatCompletion), (embeddings_run, "vllm_embed", CreateEmbeddingResponse)):
+    for run, task_id, sdk_type in (
+        (pipeline_run, "vllm_batch", ChatCompletion),
+        (embeddings_run, "vllm_embed", CreateEmbeddingResponse),
+    ):
         lines = _s3_lines(seaweed, run.xcom(task_id)["output_uri"])
         assert lines
         for line in lines:
@@ -138,7 +144,10 @@ def test_every_published_result_body_parses_with_the_openai_sdk_types(pipeline_r
 def test_pipeline_output_link_points_at_the_results_on_the_connections_own_endpoint(pipeline_run, seaweed):
     bucket, _, key = pipeline_run.xcom("vllm_batch")["output_uri"].removeprefix("s3://").partition("/")
     # Not the AWS console: the connection has an endpoint_url of its own (SeaweedFS).
-    assert pipeline_run.xcom("vllm_batch", "_link_VLLMBatchOutputLink") == f"{seaweed.endpoint_url}/{bucket}/{key}"
+    assert (
+        pipeline_run.xcom("vllm_batch", "_link_VLLMBatchOutputLink")
+        == f"{seaweed.endpoint_url}/{bucket}/{key}"
+    )
 
 
 def test_pipeline_emits_the_results_asset_event_with_the_counts(pipeline_run):
@@ -150,7 +159,10 @@ def test_pipeline_emits_the_results_asset_event_with_the_counts(pipeline_run):
         event = session.scalars(
             select(AssetEvent)
             .join(AssetModel, AssetEvent.asset_id == AssetModel.id)
-            .where(AssetModel.name == "vllm_batch_pipeline_results", AssetEvent.source_run_id == pipeline_run.run_id)
+            .where(
+                AssetModel.name == "vllm_batch_pipeline_results",
+                AssetEvent.source_run_id == pipeline_run.run_id,
+            )
         ).one()
     assert event.extra["request_counts"] == {"total": N_CHAT, "completed": N_CHAT, "failed": 0}
     assert event.extra["output_uri"] == pipeline_run.xcom("vllm_batch")["output_uri"]
@@ -163,7 +175,9 @@ def test_prompts_dag_goes_from_a_list_of_prompts_to_a_task_that_gets_the_answers
     answers = prompts_run.xcom("use_answers")
     assert sorted(answers) == sorted(f"request-{i}" for i in range(N_PROMPTS))
     lines = _s3_lines(seaweed, manifest["output_uri"])
-    assert answers == {line["custom_id"]: line["response"]["body"]["choices"][0]["message"]["content"] for line in lines}
+    assert answers == {
+        line["custom_id"]: line["response"]["body"]["choices"][0]["message"]["content"] for line in lines
+    }
     assert all(isinstance(text, str) and text for text in answers.values())
 
 
@@ -180,7 +194,10 @@ def test_prompts_dag_writes_the_requests_beside_its_output(prompts_run, seaweed)
 def test_pipeline_logs_no_error_and_folds_the_engines_output_keeping_its_warnings(pipeline_run):
     out = pipeline_run.output
     assert error_lines(out) == []
-    start, end = out.index("::group::vLLM engine output"), out.index("::endgroup::", out.index("::group::vLLM engine output"))
+    start, end = (
+        out.index("::group::vLLM engine output"),
+        out.index("::endgroup::", out.index("::group::vLLM engine output")),
+    )
     assert "Reading batch from" in out[start:end]
     warnings = [line for line in out[start:end].splitlines() if re.search(r"\bWARNING \d\d-\d\d ", line)]
     assert warnings and all("[warning" in line for line in warnings)  # vLLM's own warnings, at warning level

@@ -19,10 +19,10 @@ from datetime import datetime, timezone
 
 import pytest
 
-from vllm_batch_embedded.seaweedfs import SeaweedFS
 from airflow_vllm_batch.engines import VLLMRunner
 from tests.integration.dagrun import REPO, DagRunResult, register_dag, run_dag
 from tests.processes import processes_with
+from vllm_batch_embedded.seaweedfs import SeaweedFS
 
 pytestmark = [pytest.mark.integration, pytest.mark.engine]
 
@@ -36,7 +36,11 @@ def _chat_lines(model: str, n: int, max_tokens: int = 4) -> str:
                 "custom_id": f"r{i}",
                 "method": "POST",
                 "url": "/v1/chat/completions",
-                "body": {"model": model, "messages": [{"role": "user", "content": f"Count to {i}"}], "max_completion_tokens": max_tokens},
+                "body": {
+                    "model": model,
+                    "messages": [{"role": "user", "content": f"Count to {i}"}],
+                    "max_completion_tokens": max_tokens,
+                },
             }
         )
         + "\n"
@@ -72,7 +76,9 @@ def own_s3(tmp_path, airflow_db):
     servers: list[SeaweedFS] = []
 
     def start(keys: tuple[str, str] | None = None) -> SeaweedFS:
-        s3 = SeaweedFS(tmp_path / "s3", access_key=keys[0] if keys else None, secret_key=keys[1] if keys else None)
+        s3 = SeaweedFS(
+            tmp_path / "s3", access_key=keys[0] if keys else None, secret_key=keys[1] if keys else None
+        )
         s3.start()
         s3.create_bucket(BUCKET)
         os.environ["AIRFLOW_CONN_S3_FAULT"] = s3.airflow_connection_json()
@@ -110,7 +116,11 @@ def test_s3_down_at_start_then_after_inference_loses_nothing_and_retries_publish
         model=model,
         aws_conn_id="s3_fault",
         results_dir=str(results_dir),
-        engine=VLLMRunner(command=[sys.executable, str(wrapper)], args=["--enforce-eager"], env={"FAULT_S3_PID": str(s3.pid)}),
+        engine=VLLMRunner(
+            command=[sys.executable, str(wrapper)],
+            args=["--enforce-eager"],
+            env={"FAULT_S3_PID": str(s3.pid)},
+        ),
         # A rewrite, so the engine reads a cleaned copy staged in S3 beside the output.
         default_body={"temperature": 0.0},
     )
@@ -148,18 +158,26 @@ def test_s3_down_at_start_then_after_inference_loses_nothing_and_retries_publish
     assert third.xcom("vllm_batch") == second.xcom("vllm_batch")
 
 
-def test_sigkill_of_the_real_engine_fails_the_task_and_leaves_no_engine_process(embedded, airflow_db, tiny_model):
+def test_sigkill_of_the_real_engine_fails_the_task_and_leaves_no_engine_process(
+    embedded, airflow_db, tiny_model
+):
     from vllm_batch_embedded.demo import BUCKET as DEMO_BUCKET
 
     model = str(tiny_model)
-    embedded.client().put_object(Bucket=DEMO_BUCKET, Key="sigkill/input.jsonl", Body=_chat_lines(model, 2).encode())
+    embedded.client().put_object(
+        Bucket=DEMO_BUCKET, Key="sigkill/input.jsonl", Body=_chat_lines(model, 2).encode()
+    )
     marker = f"BATCH_TEST_MARKER=sigkill-{uuid.uuid4().hex}"
     killed: list[int] = []
 
     def kill_engine_leader():
         # Wait for the engine and its EngineCore child, then kill only the leader, as the
         # kernel's OOM killer would: the child must not be left running.
-        pids = _wait_for(lambda: len(p := processes_with(marker, guards=False)) >= 2 and p, 120, "the engine and EngineCore")
+        pids = _wait_for(
+            lambda: len(p := processes_with(marker, guards=False)) >= 2 and p,
+            120,
+            "the engine and EngineCore",
+        )
         leader = min(pids)
         os.kill(leader, signal.SIGKILL)
         killed.append(leader)
@@ -209,7 +227,9 @@ def test_sigterm_of_the_task_stops_every_engine_process(embedded, airflow_db, ti
     from vllm_batch_embedded.demo import BUCKET as DEMO_BUCKET
 
     model = str(tiny_model)
-    embedded.client().put_object(Bucket=DEMO_BUCKET, Key="sigterm/input.jsonl", Body=_chat_lines(model, 2).encode())
+    embedded.client().put_object(
+        Bucket=DEMO_BUCKET, Key="sigterm/input.jsonl", Body=_chat_lines(model, 2).encode()
+    )
     marker = f"sigterm-{uuid.uuid4().hex}"
     script = tmp_path / "task.py"
     script.write_text(
@@ -223,7 +243,9 @@ def test_sigterm_of_the_task_stops_every_engine_process(embedded, airflow_db, ti
     )
     log = tmp_path / "task.log"
     with open(log, "wb") as out:
-        task = subprocess.Popen([sys.executable, str(script)], stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
+        task = subprocess.Popen(
+            [sys.executable, str(script)], stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ)
+        )
         try:
             _wait_for(lambda: len(processes_with(f"BATCH_TEST_MARKER={marker}")) >= 2, 120, "the engine")
             task.send_signal(signal.SIGTERM)  # what the supervisor does on a timeout, a clear, a deploy

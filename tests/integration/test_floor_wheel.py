@@ -54,7 +54,9 @@ def _floor_venv() -> Path:
         shutil.rmtree(path, ignore_errors=True)
         venv.create(path, with_pip=True)
         pip = [str(path / "bin" / "python"), "-m", "pip", "install", "-q"]
-        _run([*pip, "-r", str(FLOOR / "requirements.txt"), "-c", str(FLOOR / "constraints.txt")], timeout=1200)
+        _run(
+            [*pip, "-r", str(FLOOR / "requirements.txt"), "-c", str(FLOOR / "constraints.txt")], timeout=1200
+        )
         (path / ".complete").touch()
     return path
 
@@ -68,7 +70,16 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """
     out = tmp_path_factory.mktemp("dist")
     source = tmp_path_factory.mktemp("source")
-    tracked = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO, capture_output=True, check=True).stdout.decode().split("\0")
+    tracked = (
+        subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=REPO,
+            capture_output=True,
+            check=True,
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     for name in filter(None, tracked):
         if (REPO / name).is_file():
             (source / name).parent.mkdir(parents=True, exist_ok=True)
@@ -109,14 +120,23 @@ def _env(home: Path, **extra: str) -> dict[str, str]:
 def test_the_wheel_holds_the_provider_and_nothing_of_the_clone(wheel):
     tops = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
     assert tops == {"airflow_vllm_batch", "airflow_vllm_batch-0.1.0.dist-info"}
-    assert not [name for name in zipfile.ZipFile(wheel).namelist() if "embedded" in name or "examples" in name]
+    assert not [
+        name for name in zipfile.ZipFile(wheel).namelist() if "embedded" in name or "examples" in name
+    ]
     # Exactly the clone's modules: none that a move or a deletion left in an old build directory.
     shipped = {name for name in zipfile.ZipFile(wheel).namelist() if name.endswith(".py")}
-    assert shipped == {path.relative_to(REPO).as_posix() for path in (REPO / "airflow_vllm_batch").rglob("*.py")}
+    assert shipped == {
+        path.relative_to(REPO).as_posix() for path in (REPO / "airflow_vllm_batch").rglob("*.py")
+    }
 
 
 def test_airflow_on_the_floor_lists_the_provider(floor, tmp_path):
-    done = _run([str(floor / "airflow"), "providers", "list", "-o", "plain"], env=_env(tmp_path), cwd=tmp_path, timeout=300)
+    done = _run(
+        [str(floor / "airflow"), "providers", "list", "-o", "plain"],
+        env=_env(tmp_path),
+        cwd=tmp_path,
+        timeout=300,
+    )
     # Log lines may precede the table; the provider's row names the distribution and its version.
     assert [line for line in done.stdout.splitlines() if "airflow-vllm-batch" in line and "0.1.0" in line]
 
@@ -148,12 +168,18 @@ print(json.dumps({"errors": bag.import_errors, "dags": sorted(bag.dag_ids), "pro
 
 def test_the_example_dags_parse_with_only_the_wheel_installed(floor, clone_without_provider, tmp_path):
     dags = clone_without_provider / "dags"
-    done = _run([str(floor / "python"), "-c", PARSE, str(dags)], env=_env(tmp_path), cwd=tmp_path, timeout=300)
+    done = _run(
+        [str(floor / "python"), "-c", PARSE, str(dags)], env=_env(tmp_path), cwd=tmp_path, timeout=300
+    )
     parsed = json.loads(done.stdout.splitlines()[-1])
     assert parsed["errors"] == {}
     assert parsed["provider"].startswith(str(floor.parent))  # the wheel's, not the clone's
     # The Kubernetes example defines no DAG without the Kubernetes client (the cncf-kubernetes extra).
-    assert parsed["dags"] == sorted(p.stem for p in dags.glob("vllm_batch_*.py") if p.stem not in ("vllm_batch_examples", "vllm_batch_sharded_k8s"))
+    assert parsed["dags"] == sorted(
+        p.stem
+        for p in dags.glob("vllm_batch_*.py")
+        if p.stem not in ("vllm_batch_examples", "vllm_batch_sharded_k8s")
+    )
 
 
 IMPORT = """
@@ -182,7 +208,9 @@ def test_importing_the_operators_loads_no_engine_library_and_adds_at_most_0_3_s(
     assert runs[0]["modules"] == []
     cpu = statistics.median(run["cpu_s"] for run in runs)
     wall = statistics.median(run["wall_s"] for run in runs)
-    print(f"importing the operators after Airflow and amazon: median {cpu:.3f} s CPU ({wall:.3f} s wall) of 7 runs")
+    print(
+        f"importing the operators after Airflow and amazon: median {cpu:.3f} s CPU ({wall:.3f} s wall) of 7 runs"
+    )
     assert cpu <= MAX_IMPORT_OVERHEAD_S
 
 
@@ -192,8 +220,23 @@ def test_the_unit_tests_that_need_no_vllm_pass_on_the_floor(floor, clone_without
 
     env = _env(tmp_path, PATH=f"{Path(find_weed_binary()).parent}{os.pathsep}{os.environ['PATH']}")
     done = subprocess.run(
-        [str(floor / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/unit", "-m", "not vllm"],
-        env=env, cwd=clone_without_provider, capture_output=True, text=True, timeout=900, check=False,
+        [
+            str(floor / "python"),
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "tests/unit",
+            "-m",
+            "not vllm",
+        ],
+        env=env,
+        cwd=clone_without_provider,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
     )
     assert done.returncode == 0, done.stdout[-6000:]
     print(done.stdout.splitlines()[-1])
@@ -210,7 +253,9 @@ def test_an_example_dag_runs_end_to_end_on_the_floor_with_the_engine_from_the_ma
             "AIRFLOW__CORE__DAGS_FOLDER": str(clone_without_provider / "dags"),
             # The embedded default's modules from the copy, and the DAG folder, which Airflow
             # 3.0's `dags test` does not put on sys.path; never the clone's provider.
-            "PYTHONPATH": os.pathsep.join([str(clone_without_provider), str(clone_without_provider / "dags")]),
+            "PYTHONPATH": os.pathsep.join(
+                [str(clone_without_provider), str(clone_without_provider / "dags")]
+            ),
             "AIRFLOW_VLLM_BATCH_ENGINE_PYTHON": sys.executable,
         }
     )
@@ -218,7 +263,9 @@ def test_an_example_dag_runs_end_to_end_on_the_floor_with_the_engine_from_the_ma
     client = seaweed.client()
 
     def manifests() -> set[str]:
-        listed = client.list_objects_v2(Bucket=BUCKET, Prefix="vllm-batch/vllm_batch_prompts/").get("Contents", [])
+        listed = client.list_objects_v2(Bucket=BUCKET, Prefix="vllm-batch/vllm_batch_prompts/").get(
+            "Contents", []
+        )
         return {o["Key"] for o in listed if o["Key"].endswith(".manifest.json")}
 
     # The session's S3 is shared: test_example_dags may have run this DAG on it already.

@@ -16,11 +16,24 @@ pytestmark = [pytest.mark.integration, pytest.mark.engine]
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_acceptance_script_prints_both_engines_their_resolved_sizes_and_no_gpu_utilisation(tiny_model, tmp_path):
+def test_acceptance_script_prints_both_engines_their_resolved_sizes_and_no_gpu_utilisation(
+    tiny_model, tmp_path
+):
     env = {**os.environ, **CPU_ENGINE_ENV, "PYTHONPATH": str(REPO), "AIRFLOW_HOME": str(tmp_path / "airflow")}
     env.pop("AIRFLOW_CONN_AWS_DEFAULT", None)  # the script starts its own S3
     script = REPO / "benchmarks" / "gpu_acceptance.py"
-    argv = [sys.executable, str(script), "--model", str(tiny_model), "--requests", "8", "--max-tokens", "2", "--engine-args", *CPU_ENGINE_ARGS.split()]
+    argv = [
+        sys.executable,
+        str(script),
+        "--model",
+        str(tiny_model),
+        "--requests",
+        "8",
+        "--max-tokens",
+        "2",
+        "--engine-args",
+        *CPU_ENGINE_ARGS.split(),
+    ]
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, check=False)  # noqa: S603
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     lines = done.stdout.splitlines()

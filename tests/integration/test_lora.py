@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from airflow_vllm_batch.engines import VLLMRunner
 from airflow_vllm_batch.batchfile import Text
+from airflow_vllm_batch.engines import VLLMRunner
 from airflow_vllm_batch.storage import read_answers
+from tests.integration.test_operator import _keys, _run_operator
 from vllm_batch_embedded.demo import BUCKET
 from vllm_batch_embedded.tiny_lora import build_tiny_lora_adapter
-from tests.integration.test_operator import _keys, _run_operator
 
 pytestmark = pytest.mark.integration
 
@@ -34,7 +34,10 @@ NAMES = ("tiny", "sql", "poem")  # the base model's served name, then the two ad
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("adapters")
-    return {"sql": build_tiny_lora_adapter(root / "sql", seed=1), "poem": build_tiny_lora_adapter(root / "poem", seed=2)}
+    return {
+        "sql": build_tiny_lora_adapter(root / "sql", seed=1),
+        "poem": build_tiny_lora_adapter(root / "poem", seed=2),
+    }
 
 
 def lora_args(adapters: dict[str, Path], *more: str) -> list[str]:
@@ -58,7 +61,9 @@ def test_adapter_files_are_peft_rank_8(adapters):
 
 
 @pytest.mark.engine
-def test_one_batch_alternating_base_and_two_adapters_answers_each_through_its_own_weights(embedded, airflow_db, tiny_model, adapters):
+def test_one_batch_alternating_base_and_two_adapters_answers_each_through_its_own_weights(
+    embedded, airflow_db, tiny_model, adapters
+):
     requests = [
         {"id": f"{name}-{i}", "model": name, "messages": [{"role": "user", "content": prompt}]}
         for i, prompt in enumerate(PROMPTS)
@@ -77,7 +82,9 @@ def test_one_batch_alternating_base_and_two_adapters_answers_each_through_its_ow
     manifest = result.xcom("vllm_batch")
     assert manifest["request_counts"] == {"total": 9, "completed": 9, "failed": 0}
     per_model = manifest["per_model"]
-    assert {name: (c["requests"], c["completed"]) for name, c in per_model.items()} == {name: (3, 3) for name in NAMES}
+    assert {name: (c["requests"], c["completed"]) for name, c in per_model.items()} == {
+        name: (3, 3) for name in NAMES
+    }
     assert sum(c["total_tokens"] for c in per_model.values()) == manifest["usage"]["total_tokens"]
 
     answers = dict(read_answers(manifest))
@@ -92,20 +99,35 @@ def test_one_batch_alternating_base_and_two_adapters_answers_each_through_its_ow
 @pytest.mark.parametrize(
     ("case", "names", "extra", "expected"),
     [
-        ("path", ("tiny", "{model}"), (), "which the engine does not serve — use one of: 'tiny', 'poem', 'sql'"),
+        (
+            "path",
+            ("tiny", "{model}"),
+            (),
+            "which the engine does not serve — use one of: 'tiny', 'poem', 'sql'",
+        ),
         ("no_config", ("tiny",), ("--lora-modules", "sql={empty}"), "has no adapter_config.json"),
     ],
 )
-def test_a_wrong_name_or_adapter_fails_in_seconds_before_any_engine(embedded, airflow_db, tiny_model, adapters, tmp_path, case, names, extra, expected):
+def test_a_wrong_name_or_adapter_fails_in_seconds_before_any_engine(
+    embedded, airflow_db, tiny_model, adapters, tmp_path, case, names, extra, expected
+):
     empty = tmp_path / "empty-adapter"
     empty.mkdir()
     model = str(tiny_model)
-    requests = [{"model": name.format(model=model), "messages": [{"role": "user", "content": "hi"}]} for name in names]
+    requests = [
+        {"model": name.format(model=model), "messages": [{"role": "user", "content": "hi"}]} for name in names
+    ]
     args = lora_args(adapters)
     if extra:
         args = args[: args.index("--lora-modules")] + [a.format(empty=empty) for a in extra]
     started = time.monotonic()
-    result = _run_operator(f"lora_{case}", requests=requests, output_uri=f"s3://{BUCKET}/lora-{case}/results.jsonl", model=model, engine=VLLMRunner(args=args))
+    result = _run_operator(
+        f"lora_{case}",
+        requests=requests,
+        output_uri=f"s3://{BUCKET}/lora-{case}/results.jsonl",
+        model=model,
+        engine=VLLMRunner(args=args),
+    )
     assert result.state == "failed"
     assert expected in result.output
     assert "Starting the vLLM engine" not in result.output
@@ -113,13 +135,21 @@ def test_a_wrong_name_or_adapter_fails_in_seconds_before_any_engine(embedded, ai
     assert all(key.startswith("results.requests/") for key in _keys(embedded, f"lora-{case}/"))
 
 
-def test_on_cpu_a_mixed_batch_with_every_lora_slot_taken_fails_before_any_engine(embedded, airflow_db, tiny_model, adapters):
+def test_on_cpu_a_mixed_batch_with_every_lora_slot_taken_fails_before_any_engine(
+    embedded, airflow_db, tiny_model, adapters
+):
     # With --max-loras 2 this batch ran and its base-model lines came back answered by
     # the "poem" adapter (identical texts): the operator refuses it instead.
     args = lora_args(adapters)
     args[args.index("--max-loras") + 1] = "2"
     requests = [{"model": name, "messages": [{"role": "user", "content": "hi"}]} for name in NAMES]
-    result = _run_operator("lora_slots", requests=requests, output_uri=f"s3://{BUCKET}/lora-slots/results.jsonl", model=str(tiny_model), engine=VLLMRunner(args=args))
+    result = _run_operator(
+        "lora_slots",
+        requests=requests,
+        output_uri=f"s3://{BUCKET}/lora-slots/results.jsonl",
+        model=str(tiny_model),
+        engine=VLLMRunner(args=args),
+    )
     assert result.state == "failed"
     assert "Set --max-loras to at least 3" in result.output
     assert "Starting the vLLM engine" not in result.output

@@ -21,16 +21,15 @@ import json
 import os
 import threading
 import time
-import uuid
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 import pytest
-
 from openai import AuthenticationError, ConflictError, NotFoundError, OpenAI, PermissionDeniedError
 from openai.types import Batch, FileObject
 from openai.types.chat import ChatCompletion
@@ -42,8 +41,8 @@ if AIRFLOW_V_3_2_PLUS:
     from airflow.sdk.exceptions import TaskDeferred
 else:
     from airflow.exceptions import TaskDeferred
-from airflow_vllm_batch.openai_api.settings import DEFAULT_BATCH_DAG_ID, URL_PREFIX
 from airflow_vllm_batch.engines.vllm.server_process import VLLMServerProcess
+from airflow_vllm_batch.openai_api.settings import DEFAULT_BATCH_DAG_ID, URL_PREFIX
 from tests.integration.dagrun import REPO
 from tests.integration.deployment import Deployment, local_executor_deployment, wait_until
 from vllm_batch_embedded.demo import CPU_ENGINE_ARGS, CPU_ENGINE_ENV
@@ -59,7 +58,10 @@ PLUGIN_SHIM = "from airflow_vllm_batch.openai_api.plugin import VLLMBatchOpenAIP
 
 
 def _entry_point_installed() -> bool:
-    return any(ep.value.startswith("airflow_vllm_batch.openai_api.plugin") for ep in importlib.metadata.entry_points(group="airflow.plugins"))
+    return any(
+        ep.value.startswith("airflow_vllm_batch.openai_api.plugin")
+        for ep in importlib.metadata.entry_points(group="airflow.plugins")
+    )
 
 
 @dataclass
@@ -94,14 +96,25 @@ def api(seaweed, tiny_model: Path, tmp_path_factory) -> Iterator[Api]:
         clients = {}
         for user in ("alice", "bob", "vera"):
             dep.log_in(user)
-            clients[user] = OpenAI(base_url=dep.api_url + URL_PREFIX, api_key=dep.token, max_retries=0, timeout=60)
+            clients[user] = OpenAI(
+                base_url=dep.api_url + URL_PREFIX, api_key=dep.token, max_retries=0, timeout=60
+            )
         yield Api(dep, clients, str(tiny_model))
 
 
 def _lines(model: str, n: int = N_REQUESTS) -> bytes:
-    body = lambda i: {"model": model, "messages": [{"role": "user", "content": f"Say {i}."}], "max_completion_tokens": 4, "temperature": 0}
+    body = lambda i: {
+        "model": model,
+        "messages": [{"role": "user", "content": f"Say {i}."}],
+        "max_completion_tokens": 4,
+        "temperature": 0,
+    }
     return b"".join(
-        json.dumps({"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body(i)}).encode() + b"\n" for i in range(n)
+        json.dumps(
+            {"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body(i)}
+        ).encode()
+        + b"\n"
+        for i in range(n)
     )
 
 
@@ -123,7 +136,12 @@ def completed(api: Api) -> tuple[FileObject, Batch, list[Batch]]:
     """Alice's good batch, from upload to ``completed``, and every status it was seen in."""
     alice = api.clients["alice"]
     uploaded = alice.files.create(file=("requests.jsonl", _lines(api.model)), purpose="batch")
-    batch = alice.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h", metadata={"test": "good"})
+    batch = alice.batches.create(
+        input_file_id=uploaded.id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+        metadata={"test": "good"},
+    )
     seen = [batch]
     # The batch runs its input as it was when created: deleting the file now changes nothing (issue 33, item 8).
     alice.files.delete(uploaded.id)
@@ -179,11 +197,20 @@ def test_a_batch_runs_to_completed_and_its_output_parses_with_the_sdks_types(api
     uploaded, batch, seen = completed
     assert batch.status == "completed", batch
     assert batch.input_file_id == uploaded.id and batch.metadata == {"test": "good"}
-    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (N_REQUESTS, N_REQUESTS, 0)
+    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (
+        N_REQUESTS,
+        N_REQUESTS,
+        0,
+    )
     assert batch.error_file_id is None and batch.output_file_id
     assert batch.created_at <= batch.in_progress_at <= batch.completed_at
     statuses = [b.status for b in seen]
-    assert statuses[0] == "validating" and set(statuses) <= {"validating", "in_progress", "finalizing", "completed"}
+    assert statuses[0] == "validating" and set(statuses) <= {
+        "validating",
+        "in_progress",
+        "finalizing",
+        "completed",
+    }
     alice = api.clients["alice"]
     lines = alice.files.content(batch.output_file_id).text.splitlines()
     assert sorted(json.loads(line)["custom_id"] for line in lines) == [f"req-{i}" for i in range(N_REQUESTS)]
@@ -192,15 +219,24 @@ def test_a_batch_runs_to_completed_and_its_output_parses_with_the_sdks_types(api
         assert record["response"]["status_code"] == 200
         ChatCompletion.model_validate(record["response"]["body"])
     output = alice.files.retrieve(batch.output_file_id)
-    assert output.purpose == "batch_output" and output.bytes == len(alice.files.content(batch.output_file_id).content)
+    assert output.purpose == "batch_output" and output.bytes == len(
+        alice.files.content(batch.output_file_id).content
+    )
 
 
 def test_a_bad_file_fails_in_preflight_with_line_numbered_errors(api: Api):
     alice = api.clients["alice"]
     good = _lines(api.model, 3).splitlines(keepends=True)
-    bad = good[0] + b"{not json\n" + good[2] + b'{"custom_id": "req-9", "method": "POST", "url": "/v1/chat/completions"}\n'
+    bad = (
+        good[0]
+        + b"{not json\n"
+        + good[2]
+        + b'{"custom_id": "req-9", "method": "POST", "url": "/v1/chat/completions"}\n'
+    )
     uploaded = alice.files.create(file=("bad.jsonl", bad), purpose="batch")
-    batch = alice.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    batch = alice.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
     failed = _wait(api, alice, batch.id, ("completed", "failed", "cancelled", "expired"))
     assert failed.status == "failed", failed
     assert sorted(e.line for e in failed.errors.data) == [2, 4], failed.errors
@@ -209,7 +245,9 @@ def test_a_bad_file_fails_in_preflight_with_line_numbered_errors(api: Api):
     assert failed.output_file_id is None and failed.in_progress_at is None
     log = api.dep.task_log(DEFAULT_BATCH_DAG_ID, batch.id, "vllm_batch", 1)
     # Told once, as the task's failure (the PreflightError's own traceback is at DEBUG).
-    assert "failed preflight" in log and "AirflowFailException" in log and "Starting the vLLM engine" not in log
+    assert (
+        "failed preflight" in log and "AirflowFailException" in log and "Starting the vLLM engine" not in log
+    )
 
 
 def _objects(seaweed) -> dict[str, str]:
@@ -221,7 +259,9 @@ def _objects(seaweed) -> dict[str, str]:
 def _forged_confs(api: Api, batch: Batch) -> dict[str, dict]:
     """Confs of runs the API did not make: another user's locations as the old conf took them, an edited conf, a replayed one."""
     where = f"s3://{BUCKET}/api/files/{owner_key('alice')}"
-    real = api.dep.dag_run(DEFAULT_BATCH_DAG_ID, batch.id)["conf"]  # readable by whoever may read the DAG's runs
+    real = api.dep.dag_run(DEFAULT_BATCH_DAG_ID, batch.id)[
+        "conf"
+    ]  # readable by whoever may read the DAG's runs
     return {
         "locations": {
             "input_uri": f"{where}/{batch.input_file_id}.jsonl",
@@ -236,7 +276,9 @@ def _forged_confs(api: Api, batch: Batch) -> dict[str, dict]:
     }
 
 
-def test_runs_triggered_by_hand_fail_before_any_read_or_write_and_are_no_ones_batches(api: Api, completed, seaweed):
+def test_runs_triggered_by_hand_fail_before_any_read_or_write_and_are_no_ones_batches(
+    api: Api, completed, seaweed
+):
     """Bob triggers the batch DAG through Airflow's REST API with confs the API did not sign (issue 33, item 2)."""
     _, batch, _ = completed
     before = _objects(seaweed)
@@ -245,17 +287,32 @@ def test_runs_triggered_by_hand_fail_before_any_read_or_write_and_are_no_ones_ba
     try:
         confs = _forged_confs(api, batch)
         for name, conf in confs.items():
-            api.dep.request("POST", f"/api/v2/dags/{DEFAULT_BATCH_DAG_ID}/dagRuns", {"dag_run_id": run_ids[name], "conf": conf, "logical_date": None})
-        states = {name: api.dep.wait_for_run(DEFAULT_BATCH_DAG_ID, run_id, BATCH_TIMEOUT_S) for name, run_id in run_ids.items()}
+            api.dep.request(
+                "POST",
+                f"/api/v2/dags/{DEFAULT_BATCH_DAG_ID}/dagRuns",
+                {"dag_run_id": run_ids[name], "conf": conf, "logical_date": None},
+            )
+        states = {
+            name: api.dep.wait_for_run(DEFAULT_BATCH_DAG_ID, run_id, BATCH_TIMEOUT_S)
+            for name, run_id in run_ids.items()
+        }
     finally:
         api.dep.token = api.clients["vera"].api_key
     assert set(states.values()) == {"failed"}, states
-    why = {"locations": "not a batch of the OpenAI API", "edited": "signature does not match", "replayed": f"signed for the batch '{batch.id}'"}
+    why = {
+        "locations": "not a batch of the OpenAI API",
+        "edited": "signature does not match",
+        "replayed": f"signed for the batch '{batch.id}'",
+    }
     for name, run_id in run_ids.items():
         log = api.dep.task_log(DEFAULT_BATCH_DAG_ID, run_id, "vllm_batch", 1)
         assert why[name] in log and "nothing was read or written" in log, (name, log[-3000:])
         # Not read: the task names its input when it pins it.
-        assert "Starting the vLLM engine" not in log and ".input.jsonl" not in log and f"{batch.input_file_id}.jsonl" not in log
+        assert (
+            "Starting the vLLM engine" not in log
+            and ".input.jsonl" not in log
+            and f"{batch.input_file_id}.jsonl" not in log
+        )
     # Nothing under the API's prefix was written, replaced or deleted; alice's output is hers as published.
     assert _objects(seaweed) == before
     bob = api.clients["bob"]
@@ -281,22 +338,33 @@ def test_a_viewer_may_not_create_a_batch(api: Api):
     vera = api.clients["vera"]
     uploaded = vera.files.create(file=("v.jsonl", _lines(api.model, 1)), purpose="batch")
     with pytest.raises(PermissionDeniedError):
-        vera.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+        vera.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
 
 
 def test_a_batch_cancelled_before_it_runs_ends_cancelled(api: Api):
     alice = api.clients["alice"]
     uploaded = alice.files.create(file=("c.jsonl", _lines(api.model)), purpose="batch")
-    batch = alice.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    batch = alice.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
     cancelling = alice.batches.cancel(batch.id)
     assert cancelling.status == "cancelling" and cancelling.cancelling_at
     cancelled = _wait(api, alice, batch.id, ("cancelled", "completed", "failed"))
     assert cancelled.status == "cancelled" and cancelled.cancelled_at and cancelled.output_file_id is None
     # Published through the run protocol without an engine: every request is in the error file, batch_cancelled.
-    assert (cancelled.request_counts.total, cancelled.request_counts.completed, cancelled.request_counts.failed) == (N_REQUESTS, 0, N_REQUESTS)
+    assert (
+        cancelled.request_counts.total,
+        cancelled.request_counts.completed,
+        cancelled.request_counts.failed,
+    ) == (N_REQUESTS, 0, N_REQUESTS)
     errors = [json.loads(line) for line in alice.files.content(cancelled.error_file_id).text.splitlines()]
     assert sorted(e["custom_id"] for e in errors) == [f"req-{i}" for i in range(N_REQUESTS)]
-    assert all(e["error"]["code"] == "batch_cancelled" and e["response"] is None and e["id"].startswith("batch_req_") for e in errors)
+    assert all(
+        e["error"]["code"] == "batch_cancelled" and e["response"] is None and e["id"].startswith("batch_req_")
+        for e in errors
+    )
     # A cancelled batch has ended: cancelling it again is 409.
     with pytest.raises(ConflictError):
         alice.batches.cancel(batch.id)
@@ -383,8 +451,12 @@ def _cmdline(process) -> list[str]:
 def test_a_batch_cancelled_while_its_engine_runs_stops_the_engine(api: Api):
     alice = api.clients["alice"]
     uploaded = alice.files.create(file=("run.jsonl", _lines(api.model)), purpose="batch")
-    batch = alice.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
-    engines = wait_until("the batch's engine to start", lambda: _engines(api), BATCH_TIMEOUT_S, api.dep, interval=0.5)
+    batch = alice.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    engines = wait_until(
+        "the batch's engine to start", lambda: _engines(api), BATCH_TIMEOUT_S, api.dep, interval=0.5
+    )
     assert alice.batches.retrieve(batch.id).status == "in_progress"
     assert alice.batches.cancel(batch.id).status == "cancelling"
     cancelled = _wait(api, alice, batch.id, ("cancelled", "completed", "failed"))
@@ -419,7 +491,9 @@ def provider(api: Api) -> Iterator[str]:
     pytest.importorskip("airflow.providers.openai", reason="apache-airflow-providers-openai is not installed")
     name = f"AIRFLOW_CONN_{PROVIDER_CONN_ID.upper()}"
     saved = os.environ.get(name)
-    os.environ[name] = json.dumps({"conn_type": "openai", "host": api.base_url, "password": api.clients["alice"].api_key})
+    os.environ[name] = json.dumps(
+        {"conn_type": "openai", "host": api.base_url, "password": api.clients["alice"].api_key}
+    )
     yield PROVIDER_CONN_ID
     if saved is None:
         os.environ.pop(name, None)
@@ -452,21 +526,38 @@ def test_the_providers_batch_operator_waits_for_a_batch_to_complete(api: Api, pr
 
     file_id = _uploaded_with_the_providers_hook(api, tmp_path, provider)
     operator = OpenAITriggerBatchOperator(
-        task_id="openai_batch", file_id=file_id, endpoint="/v1/chat/completions", conn_id=provider,
-        deferrable=False, wait_seconds=2, timeout=BATCH_TIMEOUT_S, metadata={"via": "provider"},
+        task_id="openai_batch",
+        file_id=file_id,
+        endpoint="/v1/chat/completions",
+        conn_id=provider,
+        deferrable=False,
+        wait_seconds=2,
+        timeout=BATCH_TIMEOUT_S,
+        metadata={"via": "provider"},
     )
     batch_id = operator.execute({})
     batch = api.clients["alice"].batches.retrieve(batch_id)
-    assert batch.status == "completed" and batch.metadata == {"via": "provider"} and batch.request_counts.completed == N_REQUESTS
+    assert (
+        batch.status == "completed"
+        and batch.metadata == {"via": "provider"}
+        and batch.request_counts.completed == N_REQUESTS
+    )
 
 
-def test_the_providers_deferrable_batch_operator_completes_through_its_trigger(api: Api, provider: str, tmp_path: Path):
+def test_the_providers_deferrable_batch_operator_completes_through_its_trigger(
+    api: Api, provider: str, tmp_path: Path
+):
     from airflow.providers.openai.operators.openai import OpenAITriggerBatchOperator
 
     file_id = _uploaded_with_the_providers_hook(api, tmp_path, provider)
     operator = OpenAITriggerBatchOperator(
-        task_id="openai_batch", file_id=file_id, endpoint="/v1/chat/completions", conn_id=provider,
-        deferrable=True, poll_interval=2, timeout=BATCH_TIMEOUT_S,
+        task_id="openai_batch",
+        file_id=file_id,
+        endpoint="/v1/chat/completions",
+        conn_id=provider,
+        deferrable=True,
+        poll_interval=2,
+        timeout=BATCH_TIMEOUT_S,
     )
     with pytest.raises(TaskDeferred) as deferred:
         operator.execute({})
@@ -476,14 +567,21 @@ def test_the_providers_deferrable_batch_operator_completes_through_its_trigger(a
     assert api.clients["alice"].batches.retrieve(operator.batch_id).status == "completed"
 
 
-def test_the_providers_deferrable_operator_cancels_the_batch_on_its_timeout(api: Api, provider: str, tmp_path: Path):
+def test_the_providers_deferrable_operator_cancels_the_batch_on_its_timeout(
+    api: Api, provider: str, tmp_path: Path
+):
     from airflow.providers.openai.exceptions import OpenAIBatchTimeout
     from airflow.providers.openai.operators.openai import OpenAITriggerBatchOperator
 
     file_id = _uploaded_with_the_providers_hook(api, tmp_path, provider)
     operator = OpenAITriggerBatchOperator(
-        task_id="openai_batch", file_id=file_id, endpoint="/v1/chat/completions", conn_id=provider,
-        deferrable=True, poll_interval=1, timeout=0,
+        task_id="openai_batch",
+        file_id=file_id,
+        endpoint="/v1/chat/completions",
+        conn_id=provider,
+        deferrable=True,
+        poll_interval=1,
+        timeout=0,
     )
     with pytest.raises(TaskDeferred) as deferred:
         operator.execute({})
@@ -500,26 +598,50 @@ def test_a_batch_whose_engine_refuses_some_lines_completes_with_both_files(api: 
     """Per-request failures never fail a batch: 2 lines the engine refuses, 2 it answers: completed, 2/2/4, both files."""
     alice = api.clients["alice"]
     good = _lines(api.model, 2).splitlines(keepends=True)
-    over_context = {"model": api.model, "messages": [{"role": "user", "content": "word " * 4000}], "max_completion_tokens": 4}
-    over_length = {"model": api.model, "messages": [{"role": "user", "content": "Say 9."}], "max_completion_tokens": 100_000}
+    over_context = {
+        "model": api.model,
+        "messages": [{"role": "user", "content": "word " * 4000}],
+        "max_completion_tokens": 4,
+    }
+    over_length = {
+        "model": api.model,
+        "messages": [{"role": "user", "content": "Say 9."}],
+        "max_completion_tokens": 100_000,
+    }
     refused = [
-        json.dumps({"custom_id": f"refused-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}).encode() + b"\n"
+        json.dumps(
+            {"custom_id": f"refused-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}
+        ).encode()
+        + b"\n"
         for i, body in enumerate((over_context, over_length))
     ]
-    uploaded = alice.files.create(file=("mixed.jsonl", b"".join([good[0], refused[0], good[1], refused[1]])), purpose="batch")
-    batch = alice.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    uploaded = alice.files.create(
+        file=("mixed.jsonl", b"".join([good[0], refused[0], good[1], refused[1]])), purpose="batch"
+    )
+    batch = alice.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
     ended = _wait(api, alice, batch.id, ("completed", "failed", "cancelled", "expired"))
     assert ended.status == "completed", ended
-    assert (ended.request_counts.total, ended.request_counts.completed, ended.request_counts.failed) == (4, 2, 2)
+    assert (ended.request_counts.total, ended.request_counts.completed, ended.request_counts.failed) == (
+        4,
+        2,
+        2,
+    )
     assert ended.output_file_id and ended.error_file_id and ended.errors is None
     output = [json.loads(line) for line in alice.files.content(ended.output_file_id).text.splitlines()]
-    assert sorted(o["custom_id"] for o in output) == ["req-0", "req-1"] and all(o["id"].startswith("batch_req_") for o in output)
+    assert sorted(o["custom_id"] for o in output) == ["req-0", "req-1"] and all(
+        o["id"].startswith("batch_req_") for o in output
+    )
     errors = [json.loads(line) for line in alice.files.content(ended.error_file_id).text.splitlines()]
     assert sorted(e["custom_id"] for e in errors) == ["refused-0", "refused-1"]
     for e in errors:
         # OpenAI's shape: the HTTP failure is the response, its error in the body; no top-level error.
         assert e["error"] is None and e["response"]["status_code"] >= 400 and e["id"].startswith("batch_req_")
-        assert isinstance(e["response"]["body"]["error"]["message"], str) and e["response"]["body"]["error"]["message"]
+        assert (
+            isinstance(e["response"]["body"]["error"]["message"], str)
+            and e["response"]["body"]["error"]["message"]
+        )
 
 
 #: Requests of the warm server's batch: enough that a cancel lands while it runs (the tiny model answers
@@ -534,7 +656,10 @@ def warm_api(seaweed, tiny_model: Path, tmp_path_factory) -> Iterator[tuple[Api,
     import os
 
     with VLLMServerProcess(
-        str(tiny_model), engine_args=CPU_ENGINE_ARGS.split(), env={**os.environ, **CPU_ENGINE_ENV}, startup_timeout_s=300
+        str(tiny_model),
+        engine_args=CPU_ENGINE_ARGS.split(),
+        env={**os.environ, **CPU_ENGINE_ENV},
+        startup_timeout_s=300,
     ) as server:
         assert server.hook is not None
         host, port = server.hook.base_url.removeprefix("http://").split(":")
@@ -547,7 +672,9 @@ def warm_api(seaweed, tiny_model: Path, tmp_path_factory) -> Iterator[tuple[Api,
             "AIRFLOW__VLLM_BATCH__OPENAI_FILES_URI": f"s3://{BUCKET}/warm/",
             "AIRFLOW__VLLM_BATCH__OPENAI_SIGNING_KEY": SIGNING_KEY,
             "AIRFLOW_VLLM_BATCH_VLLM_CONN_ID": WARM_CONN_ID,
-            f"AIRFLOW_CONN_{WARM_CONN_ID.upper()}": json.dumps({"conn_type": "vllm", "host": host, "port": int(port), "password": server.hook.api_key}),
+            f"AIRFLOW_CONN_{WARM_CONN_ID.upper()}": json.dumps(
+                {"conn_type": "vllm", "host": host, "port": int(port), "password": server.hook.api_key}
+            ),
         }
         dag_files = {"vllm_batch_openai.py": (REPO / "dags" / "vllm_batch_openai.py").read_text()}
         with local_executor_deployment(seaweed, tiny_model, home, dag_files, extra_env=env) as dep:
@@ -560,19 +687,40 @@ def warm_api(seaweed, tiny_model: Path, tmp_path_factory) -> Iterator[tuple[Api,
 def test_a_cancel_mid_run_keeps_and_publishes_the_answers_finished_so_far(warm_api):
     api, _ = warm_api
     alice = api.clients["alice"]
-    body = lambda i: {"model": api.model, "messages": [{"role": "user", "content": f"Count to {i}."}], "max_completion_tokens": 32, "temperature": 0}
+    body = lambda i: {
+        "model": api.model,
+        "messages": [{"role": "user", "content": f"Count to {i}."}],
+        "max_completion_tokens": 32,
+        "temperature": 0,
+    }
     data = b"".join(
-        json.dumps({"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body(i)}).encode() + b"\n" for i in range(N_WARM)
+        json.dumps(
+            {"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body(i)}
+        ).encode()
+        + b"\n"
+        for i in range(N_WARM)
     )
     uploaded = alice.files.create(file=("long.jsonl", data), purpose="batch")
-    batch = alice.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
-    wait_until("the batch to run", lambda: alice.batches.retrieve(batch.id).status == "in_progress", BATCH_TIMEOUT_S, api.dep, interval=1)
+    batch = alice.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    wait_until(
+        "the batch to run",
+        lambda: alice.batches.retrieve(batch.id).status == "in_progress",
+        BATCH_TIMEOUT_S,
+        api.dep,
+        interval=1,
+    )
     time.sleep(3)  # some requests answered, most not
     assert alice.batches.cancel(batch.id).status == "cancelling"
     cancelled = _wait(api, alice, batch.id, ("cancelled", "completed", "failed", "expired"))
     assert cancelled.status == "cancelled", (cancelled.status, cancelled.request_counts)
     counts = cancelled.request_counts
-    assert counts.total == N_WARM and 0 < counts.completed < N_WARM and counts.completed + counts.failed == N_WARM, counts
+    assert (
+        counts.total == N_WARM
+        and 0 < counts.completed < N_WARM
+        and counts.completed + counts.failed == N_WARM
+    ), counts
     output = [json.loads(line) for line in alice.files.content(cancelled.output_file_id).text.splitlines()]
     errors = [json.loads(line) for line in alice.files.content(cancelled.error_file_id).text.splitlines()]
     assert len(output) == counts.completed and len(errors) == counts.failed

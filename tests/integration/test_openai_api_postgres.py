@@ -18,22 +18,22 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.postgres import Postgres, server_bin_dir, MISSING
+from tests.integration.postgres import MISSING, Postgres, server_bin_dir
 
 pytestmark = [pytest.mark.integration]
 
-DAG_FILE = '''
+DAG_FILE = """
 from datetime import datetime
 from airflow.sdk import DAG
 from airflow.providers.standard.operators.empty import EmptyOperator
 
 with DAG("vllm_batch_openai", schedule=None, start_date=datetime(2026, 1, 1)):
     EmptyOperator(task_id="vllm_batch")
-'''
+"""
 
 #: Makes runs through the API's trigger, then lists them as the API does, recording every statement.
 SCRIPT = textwrap.dedent(
-    '''
+    """
     import json, time
     from sqlalchemy import event
     from airflow import settings
@@ -63,7 +63,7 @@ SCRIPT = textwrap.dedent(
     rest = [run.run_id for run, tis in app._runs("vllm_batch_openai", "alice", "alice", first[-1], 100)]
     tis = [len(tis) for run, tis in app._runs("vllm_batch_openai", "alice", "alice", None, 100)]
     print(json.dumps({"made": made, "first": first, "rest": rest, "tis": tis, "statements": statements}))
-    '''
+    """
 )
 
 
@@ -75,7 +75,9 @@ def postgres():
         yield pg
 
 
-def test_the_batch_list_pages_the_callers_batches_on_postgresql_without_a_query_inside_a_stream(postgres, tmp_path: Path):
+def test_the_batch_list_pages_the_callers_batches_on_postgresql_without_a_query_inside_a_stream(
+    postgres, tmp_path: Path
+):
     (tmp_path / "dags").mkdir()
     (tmp_path / "dags" / "batch_dag.py").write_text(DAG_FILE)
     env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")}
@@ -90,7 +92,14 @@ def test_the_batch_list_pages_the_callers_batches_on_postgresql_without_a_query_
     for argv in ([airflow, "db", "migrate"], [airflow, "dags", "reserialize"]):
         done = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, (argv, done.stdout[-2000:], done.stderr[-3000:])
-    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT],
+        env=env,
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     seen = json.loads(done.stdout.splitlines()[-1])
     newest_first = list(reversed(seen["made"]["alice"]))

@@ -10,8 +10,8 @@ from datetime import datetime, timezone
 import pytest
 
 from airflow_vllm_batch.engines import VLLMRunner
-from vllm_batch_embedded.demo import BUCKET
 from tests.integration.dagrun import DagRunResult, register_dag, run_dag
+from vllm_batch_embedded.demo import BUCKET
 
 pytestmark = pytest.mark.integration
 
@@ -57,12 +57,24 @@ def _run_operator(name: str, **op_kwargs) -> DagRunResult:
     return run_dag(dag)
 
 
-def test_one_bad_line_fails_in_seconds_naming_the_line_and_starting_no_engine(embedded, airflow_db, tiny_model):
+def test_one_bad_line_fails_in_seconds_naming_the_line_and_starting_no_engine(
+    embedded, airflow_db, tiny_model
+):
     model = str(tiny_model)
-    text = "\n".join([_line("a", model), _line("b", model), '{"custom_id": "c", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "' + model + '"}}'])
+    text = "\n".join(
+        [
+            _line("a", model),
+            _line("b", model),
+            '{"custom_id": "c", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "'
+            + model
+            + '"}}',
+        ]
+    )
     uri = _put(embedded, "bad/input.jsonl", text + "\n")
     started = time.monotonic()
-    result = _run_operator("bad_line", input_uri=uri, output_uri=f"s3://{BUCKET}/bad/results.jsonl", model=model)
+    result = _run_operator(
+        "bad_line", input_uri=uri, output_uri=f"s3://{BUCKET}/bad/results.jsonl", model=model
+    )
     elapsed = time.monotonic() - started
     assert result.state == "failed"
     assert "line 3 (custom_id 'c')" in result.output
@@ -123,7 +135,11 @@ def test_skip_mode_on_a_local_file_runs_the_valid_lines_and_files_the_invalid_on
 
 def test_engine_killed_by_sigkill_fails_the_task_and_publishes_nothing(embedded, airflow_db, tiny_model):
     uri = _put(embedded, "killed/input.jsonl", _line("a", str(tiny_model)) + "\n")
-    suicide = [sys.executable, "-c", "import os, signal; print('engine up', flush=True); os.kill(os.getpid(), signal.SIGKILL)"]
+    suicide = [
+        sys.executable,
+        "-c",
+        "import os, signal; print('engine up', flush=True); os.kill(os.getpid(), signal.SIGKILL)",
+    ]
     result = _run_operator(
         "killed",
         input_uri=uri,
@@ -158,13 +174,17 @@ def _try_number(result: DagRunResult, dag_id: str, task_id: str = "vllm_batch") 
     with create_session() as session:
         return session.scalar(
             select(TaskInstance.try_number).where(
-                TaskInstance.dag_id == dag_id, TaskInstance.run_id == result.run_id, TaskInstance.task_id == task_id
+                TaskInstance.dag_id == dag_id,
+                TaskInstance.run_id == result.run_id,
+                TaskInstance.task_id == task_id,
             )
         )
 
 
 def _mixed_endpoints(model: str) -> str:
-    embed = json.dumps({"custom_id": "e", "method": "POST", "url": "/v1/embeddings", "body": {"model": model, "input": "x"}})
+    embed = json.dumps(
+        {"custom_id": "e", "method": "POST", "url": "/v1/embeddings", "body": {"model": model, "input": "x"}}
+    )
     return _line("c", model) + "\n" + embed + "\n"
 
 
@@ -172,22 +192,64 @@ def _mixed_endpoints(model: str) -> str:
 # engine environment (probe, model check, engine argument parser), so a case that slipped
 # past these checks would start an engine and be caught by the assertions.
 MISTAKES = [
-    ("runner_args_bad_value", {"engine": VLLMRunner(args=["--enforce-eager", "--max-model-len", "abc"])}, None, "VLLMRunner(args=...): argument --max-model-len"),
-    ("runner_args_unknown", {"engine": VLLMRunner(args=["--no-such-flag"])}, None, "VLLMRunner(args=...): unrecognized arguments: --no-such-flag. Fix args"),
-    ("model_dir_missing", {"model": "/nonexistent/model-dir"}, None, "model: the local model directory '/nonexistent/model-dir'"),
-    ("chat_and_embeddings_for_a_chat_model", {}, _mixed_endpoints, "is a generation model; /v1/embeddings needs a pooling model"),
+    (
+        "runner_args_bad_value",
+        {"engine": VLLMRunner(args=["--enforce-eager", "--max-model-len", "abc"])},
+        None,
+        "VLLMRunner(args=...): argument --max-model-len",
+    ),
+    (
+        "runner_args_unknown",
+        {"engine": VLLMRunner(args=["--no-such-flag"])},
+        None,
+        "VLLMRunner(args=...): unrecognized arguments: --no-such-flag. Fix args",
+    ),
+    (
+        "model_dir_missing",
+        {"model": "/nonexistent/model-dir"},
+        None,
+        "model: the local model directory '/nonexistent/model-dir'",
+    ),
+    (
+        "chat_and_embeddings_for_a_chat_model",
+        {},
+        _mixed_endpoints,
+        "is a generation model; /v1/embeddings needs a pooling model",
+    ),
     ("temperature_hot", {}, lambda m: _line("c", m, temperature="hot") + "\n", '"body.temperature"'),
-    ("max_completion_tokens_negative", {}, lambda m: _line("c", m, max_completion_tokens=-5) + "\n", '"body.max_completion_tokens" is -5'),
+    (
+        "max_completion_tokens_negative",
+        {},
+        lambda m: _line("c", m, max_completion_tokens=-5) + "\n",
+        '"body.max_completion_tokens" is -5',
+    ),
     ("missing_input_key", {"input_uri": f"s3://{BUCKET}/mistakes/typo.jsonl"}, None, "does not exist"),
-    ("error_uri_local_path", {"error_uri": "/tmp/errors.jsonl"}, None, "error_uri must be an s3://bucket/key URI"),
-    ("missing_output_bucket", {"output_uri": "s3://no-such-output-bucket/r.jsonl"}, None, "output_uri: bucket 'no-such-output-bucket' does not exist"),
-    ("max_failed_ratio_not_a_number", {"max_failed_ratio": "abc"}, None, "max_failed_ratio must be a number from 0 to 1"),
+    (
+        "error_uri_local_path",
+        {"error_uri": "/tmp/errors.jsonl"},
+        None,
+        "error_uri must be an s3://bucket/key URI",
+    ),
+    (
+        "missing_output_bucket",
+        {"output_uri": "s3://no-such-output-bucket/r.jsonl"},
+        None,
+        "output_uri: bucket 'no-such-output-bucket' does not exist",
+    ),
+    (
+        "max_failed_ratio_not_a_number",
+        {"max_failed_ratio": "abc"},
+        None,
+        "max_failed_ratio must be a number from 0 to 1",
+    ),
 ]
 
 
 @pytest.mark.engine
 @pytest.mark.parametrize(("name", "kwargs", "lines", "fragment"), MISTAKES, ids=[m[0] for m in MISTAKES])
-def test_a_mistake_fails_once_naming_the_fix_and_starts_no_engine(embedded, airflow_db, tiny_model, name, kwargs, lines, fragment):
+def test_a_mistake_fails_once_naming_the_fix_and_starts_no_engine(
+    embedded, airflow_db, tiny_model, name, kwargs, lines, fragment
+):
     from datetime import timedelta
 
     model = str(tiny_model)
@@ -209,8 +271,14 @@ def test_a_mistake_fails_once_naming_the_fix_and_starts_no_engine(embedded, airf
         # vLLM's parser checks them in the engine's own process (its one import of vLLM), which stops
         # before it loads the model (issue 26 item 2): no model, no GPU memory taken. Once an engine on
         # this worker kept its parser's flags, an unknown flag is refused before any engine starts.
-        assert "stopping before the model loads" in result.output or "Starting the vLLM engine" not in result.output
-        assert "Loading safetensors checkpoint shards" not in result.output and "Starting to load model" not in result.output
+        assert (
+            "stopping before the model loads" in result.output
+            or "Starting the vLLM engine" not in result.output
+        )
+        assert (
+            "Loading safetensors checkpoint shards" not in result.output
+            and "Starting to load model" not in result.output
+        )
     else:
         assert "Starting the vLLM engine" not in result.output
     assert _try_number(result, f"op_mistake_{name}") == 1
@@ -224,7 +292,9 @@ def test_requests_from_a_mapped_task_fail_once_saying_to_flatten_them(embedded, 
 
     from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
 
-    with DAG("op_mapped_requests", schedule=None, start_date=datetime(2026, 1, 1, tzinfo=timezone.utc)) as dag:
+    with DAG(
+        "op_mapped_requests", schedule=None, start_date=datetime(2026, 1, 1, tzinfo=timezone.utc)
+    ) as dag:
 
         @task
         def prompts(n: int) -> list[str]:
@@ -282,7 +352,11 @@ def test_the_runner_gets_only_the_requests_the_answer_cache_does_not_hold(embedd
     model = str(tiny_model)
     cache_uri = f"s3://{BUCKET}/answer-cache-runner/cache-{uuid.uuid4().hex[:8]}/"
     # a1..a3 share one body ("Say hi"), whose answer the cache holds; a0 (with a seed) is a miss.
-    text = "".join(_line(f"a{i}", model, temperature=0, max_completion_tokens=2, **({"seed": 5} if i == 0 else {})) + "\n" for i in range(4))
+    text = "".join(
+        _line(f"a{i}", model, temperature=0, max_completion_tokens=2, **({"seed": 5} if i == 0 else {}))
+        + "\n"
+        for i in range(4)
+    )
     kwargs = {
         "input_uri": _put(embedded, "answer-cache-runner/input.jsonl", text),
         "output_uri": f"s3://{BUCKET}/answer-cache-runner/results.jsonl",
@@ -293,21 +367,56 @@ def test_the_runner_gets_only_the_requests_the_answer_cache_does_not_hold(embedd
     settings = BatchSettings.from_rendered(**kwargs)
     log = logging.getLogger("test")
     engine = make_engine(settings, log)
-    cache = BatchRun(settings, s3_hook=S3Hook(), engine=engine, task={}, log=log).answer_cache(engine.inspect())
+    cache = BatchRun(settings, s3_hook=S3Hook(), engine=engine, task={}, log=log).answer_cache(
+        engine.inspect()
+    )
     assert cache is not None
     body = json.loads(_line("a1", model, temperature=0, max_completion_tokens=2))["body"]
     key = request_key(cache.model_digest, "/v1/chat/completions", json.dumps(body).encode())
     stored = json.dumps(
-        {"id": "cached-1", "custom_id": "a1", "response": {"status_code": 200, "request_id": "r", "body": {"id": "c", "object": "chat.completion", "choices": [{"index": 0, "message": {"role": "assistant", "content": "from the cache"}, "finish_reason": "length"}], "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}}}, "error": None},
+        {
+            "id": "cached-1",
+            "custom_id": "a1",
+            "response": {
+                "status_code": 200,
+                "request_id": "r",
+                "body": {
+                    "id": "c",
+                    "object": "chat.completion",
+                    "choices": [
+                        {
+                            "index": 0,
+                            "message": {"role": "assistant", "content": "from the cache"},
+                            "finish_reason": "length",
+                        }
+                    ],
+                    "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3},
+                },
+            },
+            "error": None,
+        },
         separators=(",", ":"),
     )
-    embedded.client().put_object(Bucket=BUCKET, Key=f"{cache_uri.removeprefix(f's3://{BUCKET}/')}{cache.model_digest}/{key[0]}/seed.tsv", Body=f"{key}\t{stored}\n".encode())
+    embedded.client().put_object(
+        Bucket=BUCKET,
+        Key=f"{cache_uri.removeprefix(f's3://{BUCKET}/')}{cache.model_digest}/{key[0]}/seed.tsv",
+        Body=f"{key}\t{stored}\n".encode(),
+    )
     operator_kwargs = {k: v for k, v in kwargs.items() if k != "answer_cache_uri"}
-    result = _run_operator("answer_cache_runner", **operator_kwargs, answer_cache=AnswerCacheOptions(uri=cache_uri))
+    result = _run_operator(
+        "answer_cache_runner", **operator_kwargs, answer_cache=AnswerCacheOptions(uri=cache_uri)
+    )
     assert result.state == "success", result.output[-3000:]
-    assert "3 of 4 requests answered from the cache" in result.output and "The engine reads the cleaned copy" in result.output
+    assert (
+        "3 of 4 requests answered from the cache" in result.output
+        and "The engine reads the cleaned copy" in result.output
+    )
     manifest = result.xcom("vllm_batch")
-    assert manifest["from_cache"] == 3 and manifest["request_counts"] == {"total": 4, "completed": 4, "failed": 0}
+    assert manifest["from_cache"] == 3 and manifest["request_counts"] == {
+        "total": 4,
+        "completed": 4,
+        "failed": 0,
+    }
     lines = {line["custom_id"]: line for line in _read(embedded, "answer-cache-runner/results.jsonl")}
     assert [lines[f"a{i}"]["id"] for i in (1, 2, 3)] == ["cached-1"] * 3
     assert lines["a0"]["id"] != "cached-1"  # the runner answered the miss
@@ -316,19 +425,40 @@ def test_the_runner_gets_only_the_requests_the_answer_cache_does_not_hold(embedd
 
 
 @pytest.mark.engine
-def test_a_misspelled_engine_flag_after_one_check_on_the_worker_fails_in_seconds_with_did_you_mean(embedded, airflow_db, tiny_model, tmp_path):
+def test_a_misspelled_engine_flag_after_one_check_on_the_worker_fails_in_seconds_with_did_you_mean(
+    embedded, airflow_db, tiny_model, tmp_path
+):
     model = str(tiny_model)
-    common = {"input_uri": _put(embedded, "misspelled/input.jsonl", _line("c", model) + "\n"), "model": model, "results_dir": str(tmp_path)}
+    common = {
+        "input_uri": _put(embedded, "misspelled/input.jsonl", _line("c", model) + "\n"),
+        "model": model,
+        "results_dir": str(tmp_path),
+    }
     # The first check on this worker imports vLLM's parser (seconds to tens of seconds) and keeps its flags.
-    first = _run_operator("misspelled_first", output_uri=f"s3://{BUCKET}/misspelled/a.jsonl", engine=VLLMRunner(args=["--max-model-len", "abc"]), **common)
+    first = _run_operator(
+        "misspelled_first",
+        output_uri=f"s3://{BUCKET}/misspelled/a.jsonl",
+        engine=VLLMRunner(args=["--max-model-len", "abc"]),
+        **common,
+    )
     assert first.state == "failed" and "VLLMRunner(args=...): argument --max-model-len" in first.output
-    second = _run_operator("misspelled_second", output_uri=f"s3://{BUCKET}/misspelled/b.jsonl", engine=VLLMRunner(args=["--max-modle-len", "64"]), **common)
+    second = _run_operator(
+        "misspelled_second",
+        output_uri=f"s3://{BUCKET}/misspelled/b.jsonl",
+        engine=VLLMRunner(args=["--max-modle-len", "64"]),
+        **common,
+    )
     assert second.state == "failed"
-    assert "unrecognized arguments: --max-modle-len (did you mean --max-model-len for --max-modle-len?)" in second.output
+    assert (
+        "unrecognized arguments: --max-modle-len (did you mean --max-model-len for --max-modle-len?)"
+        in second.output
+    )
     assert _seconds_between(second.output, "Task started", "Task failed with exception") < 5
 
 
-def test_the_engines_templated_options_render_in_a_real_dag_run_and_show_in_the_rendered_fields(embedded, airflow_db, tmp_path):
+def test_the_engines_templated_options_render_in_a_real_dag_run_and_show_in_the_rendered_fields(
+    embedded, airflow_db, tmp_path
+):
     """dag.test() renders the options' template_fields (a nested object of ``engine``); the stored view shows them, the secret masked."""
     from pathlib import Path
 

@@ -26,7 +26,9 @@ class PublishingOperator(BaseOperator):
 
 
 def test_task_runner_stores_the_formatted_link_for_the_ui(airflow_db, monkeypatch):
-    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__OUTPUT_LINK_TEMPLATE", "http://localhost:8888/buckets/{bucket}/{key}")
+    monkeypatch.setenv(
+        "AIRFLOW__VLLM_BATCH__OUTPUT_LINK_TEMPLATE", "http://localhost:8888/buckets/{bucket}/{key}"
+    )
     with DAG("vllm_batch_output_link_test", schedule=None) as dag:
         PublishingOperator(task_id="publish")
     register_dag(dag)

@@ -18,7 +18,10 @@ AIRFLOW = str(Path(sys.executable).with_name("airflow"))
 
 
 def _airflow(*args: str) -> str:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
     done = subprocess.run([AIRFLOW, *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     return done.stdout + done.stderr

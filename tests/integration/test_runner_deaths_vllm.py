@@ -94,7 +94,9 @@ sys.exit(proc.wait())
 
 @pytest.mark.integration
 @pytest.mark.engine
-def test_a_real_engine_core_killed_mid_run_is_read_as_a_death_and_the_batch_completes(embedded, airflow_db, tiny_model, tmp_path):
+def test_a_real_engine_core_killed_mid_run_is_read_as_a_death_and_the_batch_completes(
+    embedded, airflow_db, tiny_model, tmp_path
+):
     import sys
 
     from tests.integration.test_faults import _chat_lines, _run
@@ -102,7 +104,9 @@ def test_a_real_engine_core_killed_mid_run_is_read_as_a_death_and_the_batch_comp
 
     model = str(tiny_model)
     prefix = f"core-killed-{uuid.uuid4().hex[:8]}"
-    embedded.client().put_object(Bucket=DEMO_BUCKET, Key=f"{prefix}/input.jsonl", Body=_chat_lines(model, 12).encode())
+    embedded.client().put_object(
+        Bucket=DEMO_BUCKET, Key=f"{prefix}/input.jsonl", Body=_chat_lines(model, 12).encode()
+    )
     wrapper = tmp_path / "kill_engine_core_once.py"
     wrapper.write_text(KILL_ENGINE_CORE_ONCE)
     flag = tmp_path / "killed"
@@ -111,7 +115,11 @@ def test_a_real_engine_core_killed_mid_run_is_read_as_a_death_and_the_batch_comp
         input_uri=f"s3://{DEMO_BUCKET}/{prefix}/input.jsonl",
         output_uri=f"s3://{DEMO_BUCKET}/{prefix}/results.jsonl",
         model=model,
-        engine=VLLMRunner(command=[sys.executable, str(wrapper)], args=["--enforce-eager"], env={"KILL_ENGINE_CORE_FLAG": str(flag)}),
+        engine=VLLMRunner(
+            command=[sys.executable, str(wrapper)],
+            args=["--enforce-eager"],
+            env={"KILL_ENGINE_CORE_FLAG": str(flag)},
+        ),
     )
     assert flag.exists(), "the wrapper never saw the batch running"
     # vLLM 0.32 exits 0, the requests it had left answered with EngineDeadError's message.

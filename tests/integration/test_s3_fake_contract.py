@@ -42,21 +42,45 @@ def sequence(client, bucket: str) -> list[Any]:
     seen.append(outcome(lambda: client.get_object(Bucket=bucket, Key=lease)))  # free: NoSuchKey
     first = client.put_object(Bucket=bucket, Key=lease, Body=b'{"try": 1}', IfNoneMatch="*")
     seen.append(("ok", first["ETag"]))
-    seen.append(outcome(lambda: client.put_object(Bucket=bucket, Key=lease, Body=b'{"try": 2}', IfNoneMatch="*")))  # taken: 412
-    renewed = client.put_object(Bucket=bucket, Key=lease, Body=b'{"try": 1, "beat": 1}', IfMatch=first["ETag"])
+    seen.append(
+        outcome(lambda: client.put_object(Bucket=bucket, Key=lease, Body=b'{"try": 2}', IfNoneMatch="*"))
+    )  # taken: 412
+    renewed = client.put_object(
+        Bucket=bucket, Key=lease, Body=b'{"try": 1, "beat": 1}', IfMatch=first["ETag"]
+    )
     seen.append(("ok", renewed["ETag"]))
     # A renewal whose response was lost, sent again by botocore with the old ETag: 412.
-    seen.append(outcome(lambda: client.put_object(Bucket=bucket, Key=lease, Body=b'{"try": 1, "beat": 1}', IfMatch=first["ETag"])))
-    seen.append(outcome(lambda: client.get_object(Bucket=bucket, Key=lease, IfMatch=first["ETag"])))  # a pinned read of old content: 412
+    seen.append(
+        outcome(
+            lambda: client.put_object(
+                Bucket=bucket, Key=lease, Body=b'{"try": 1, "beat": 1}', IfMatch=first["ETag"]
+            )
+        )
+    )
+    seen.append(
+        outcome(lambda: client.get_object(Bucket=bucket, Key=lease, IfMatch=first["ETag"]))
+    )  # a pinned read of old content: 412
     seen.append(outcome(lambda: client.get_object(Bucket=bucket, Key=lease, IfMatch=renewed["ETag"])))
-    seen.append(outcome(lambda: client.head_object(Bucket=bucket, Key="k/missing")))  # S3Hook.head_object reads the 404
-    client.put_object(Bucket=bucket, Key="k/results.jsonl.staging/r/parts/part-000000-a.jsonl", Body=b'{"custom_id": "a"}\n')
-    client.put_object(Bucket=bucket, Key="k/results.jsonl.staging/r/parts/part-000001-a.jsonl", Body=b'{"custom_id": "b"}\n')
+    seen.append(
+        outcome(lambda: client.head_object(Bucket=bucket, Key="k/missing"))
+    )  # S3Hook.head_object reads the 404
+    client.put_object(
+        Bucket=bucket, Key="k/results.jsonl.staging/r/parts/part-000000-a.jsonl", Body=b'{"custom_id": "a"}\n'
+    )
+    client.put_object(
+        Bucket=bucket, Key="k/results.jsonl.staging/r/parts/part-000001-a.jsonl", Body=b'{"custom_id": "b"}\n'
+    )
     client.put_object(Bucket=bucket, Key="k/results.jsonl.staging/r/results.jsonl", Body=b"staged\n")
-    seen.append(outcome(lambda: client.list_objects_v2(Bucket=bucket, Prefix="k/results.jsonl.staging/r/parts/")))
+    seen.append(
+        outcome(lambda: client.list_objects_v2(Bucket=bucket, Prefix="k/results.jsonl.staging/r/parts/"))
+    )
     client.copy({"Bucket": bucket, "Key": "k/results.jsonl.staging/r/results.jsonl"}, bucket, out)
     seen.append(outcome(lambda: client.get_object(Bucket=bucket, Key=out)))
-    copied = client.copy_object(Bucket=bucket, Key=out, CopySource={"Bucket": bucket, "Key": "k/results.jsonl.staging/r/parts/part-000000-a.jsonl"})
+    copied = client.copy_object(
+        Bucket=bucket,
+        Key=out,
+        CopySource={"Bucket": bucket, "Key": "k/results.jsonl.staging/r/parts/part-000000-a.jsonl"},
+    )
     seen.append(("ok", copied["CopyObjectResult"]["ETag"]))
     seen.append(outcome(lambda: client.get_object(Bucket=bucket, Key=out)))
     client.upload_fileobj(io.BytesIO(b'{"manifest": 1}'), bucket, "k/results.manifest.json")
@@ -64,7 +88,10 @@ def sequence(client, bucket: str) -> list[Any]:
     seen.append(
         outcome(
             lambda: client.delete_objects(
-                Bucket=bucket, Delete={"Objects": [{"Key": "k/results.jsonl.staging/r/results.jsonl"}, {"Key": "k/never-there"}]}
+                Bucket=bucket,
+                Delete={
+                    "Objects": [{"Key": "k/results.jsonl.staging/r/results.jsonl"}, {"Key": "k/never-there"}]
+                },
             )
         )
     )
@@ -73,11 +100,37 @@ def sequence(client, bucket: str) -> list[Any]:
     # Publishing's conditional writes (storage.OutputStore.publish): a copy and a PUT over what was seen,
     # the same after another writer changed it, and a conditional delete of a key that is gone.
     source = {"Bucket": bucket, "Key": "k/results.jsonl.staging/r/parts/part-000001-a.jsonl"}
-    seen.append(outcome(lambda: client.copy_object(Bucket=bucket, Key=out, CopySource=source, IfMatch=copied["CopyObjectResult"]["ETag"])))
-    seen.append(outcome(lambda: client.copy_object(Bucket=bucket, Key=out, CopySource=source, IfMatch=copied["CopyObjectResult"]["ETag"])))
-    seen.append(outcome(lambda: client.copy_object(Bucket=bucket, Key=out, CopySource=source, IfNoneMatch="*")))
-    seen.append(outcome(lambda: client.put_object(Bucket=bucket, Key="k/results.errors.jsonl", Body=b"e\n", IfNoneMatch="*")))
-    seen.append(outcome(lambda: client.put_object(Bucket=bucket, Key="k/results.errors.jsonl", Body=b"f\n", IfMatch=first["ETag"])))
+    seen.append(
+        outcome(
+            lambda: client.copy_object(
+                Bucket=bucket, Key=out, CopySource=source, IfMatch=copied["CopyObjectResult"]["ETag"]
+            )
+        )
+    )
+    seen.append(
+        outcome(
+            lambda: client.copy_object(
+                Bucket=bucket, Key=out, CopySource=source, IfMatch=copied["CopyObjectResult"]["ETag"]
+            )
+        )
+    )
+    seen.append(
+        outcome(lambda: client.copy_object(Bucket=bucket, Key=out, CopySource=source, IfNoneMatch="*"))
+    )
+    seen.append(
+        outcome(
+            lambda: client.put_object(
+                Bucket=bucket, Key="k/results.errors.jsonl", Body=b"e\n", IfNoneMatch="*"
+            )
+        )
+    )
+    seen.append(
+        outcome(
+            lambda: client.put_object(
+                Bucket=bucket, Key="k/results.errors.jsonl", Body=b"f\n", IfMatch=first["ETag"]
+            )
+        )
+    )
     # The manifest's chain: a tombstone If-Match the manifest seen, a successor's tombstone over it, the
     # paused zombie's manifest If-Match its own (replaced) tombstone: 412; the successor's manifest lands,
     # and botocore sending it again (its answer lost) meets its own new ETag: 412.
@@ -85,13 +138,39 @@ def sequence(client, bucket: str) -> list[Any]:
     old = client.head_object(Bucket=bucket, Key=manifest)["ETag"]
     zombie = client.put_object(Bucket=bucket, Key=manifest, Body=b'{"tombstone": "z"}', IfMatch=old)
     seen.append(("ok", zombie["ETag"]))
-    successor = client.put_object(Bucket=bucket, Key=manifest, Body=b'{"tombstone": "s"}', IfMatch=zombie["ETag"])
+    successor = client.put_object(
+        Bucket=bucket, Key=manifest, Body=b'{"tombstone": "s"}', IfMatch=zombie["ETag"]
+    )
     seen.append(("ok", successor["ETag"]))
-    seen.append(outcome(lambda: client.put_object(Bucket=bucket, Key=manifest, Body=b'{"manifest": "z"}', IfMatch=zombie["ETag"])))
-    seen.append(outcome(lambda: client.put_object(Bucket=bucket, Key=manifest, Body=b'{"manifest": "s"}', IfMatch=successor["ETag"])))
-    seen.append(outcome(lambda: client.put_object(Bucket=bucket, Key=manifest, Body=b'{"manifest": "s"}', IfMatch=successor["ETag"])))
+    seen.append(
+        outcome(
+            lambda: client.put_object(
+                Bucket=bucket, Key=manifest, Body=b'{"manifest": "z"}', IfMatch=zombie["ETag"]
+            )
+        )
+    )
+    seen.append(
+        outcome(
+            lambda: client.put_object(
+                Bucket=bucket, Key=manifest, Body=b'{"manifest": "s"}', IfMatch=successor["ETag"]
+            )
+        )
+    )
+    seen.append(
+        outcome(
+            lambda: client.put_object(
+                Bucket=bucket, Key=manifest, Body=b'{"manifest": "s"}', IfMatch=successor["ETag"]
+            )
+        )
+    )
     seen.append(outcome(lambda: client.get_object(Bucket=bucket, Key=manifest)))
-    seen.append(outcome(lambda: client.put_object(Bucket=bucket, Key="k2/results.manifest.json", Body=b'{"tombstone": "n"}', IfNoneMatch="*")))
+    seen.append(
+        outcome(
+            lambda: client.put_object(
+                Bucket=bucket, Key="k2/results.manifest.json", Body=b'{"tombstone": "n"}', IfNoneMatch="*"
+            )
+        )
+    )
     seen.append(outcome(lambda: client.delete_object(Bucket=bucket, Key=lease, IfMatch=renewed["ETag"])))
     seen.append(outcome(lambda: client.head_bucket(Bucket=bucket)))
     seen.append(outcome(lambda: client.list_objects_v2(Bucket=bucket, Prefix="k/")))

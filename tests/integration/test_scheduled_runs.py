@@ -42,8 +42,6 @@ from pathlib import Path
 
 import pytest
 
-from vllm_batch_embedded.demo import CPU_ENGINE_ARGS, CPU_ENGINE_ENV
-from vllm_batch_embedded.seaweedfs import SeaweedFS
 from airflow_vllm_batch.engines.vllm.server_process import VLLMServerProcess
 from tests.integration.dagrun import REPO
 from tests.integration.deployment import (
@@ -55,6 +53,8 @@ from tests.integration.deployment import (
 from tests.integration.postgres import Postgres
 from tests.integration.ui_browser import Browser, missing_browser
 from tests.integration.vllm_metrics import requests_answered
+from vllm_batch_embedded.demo import CPU_ENGINE_ARGS, CPU_ENGINE_ENV
+from vllm_batch_embedded.seaweedfs import SeaweedFS
 
 pytestmark = [pytest.mark.integration, pytest.mark.engine]
 
@@ -88,8 +88,12 @@ class Scheduled:
         for another reason ("Another backfill is running").
         """
         airflow = str(Path(sys.executable).with_name("airflow"))
-        done = subprocess.run([airflow, *args], env=self.dep.env, cwd=self.dep.home, capture_output=True, text=True, timeout=180)
-        assert done.returncode == 0, f"airflow {' '.join(args)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+        done = subprocess.run(
+            [airflow, *args], env=self.dep.env, cwd=self.dep.home, capture_output=True, text=True, timeout=180
+        )
+        assert done.returncode == 0, (
+            f"airflow {' '.join(args)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+        )
         return done.stdout
 
     def runs(self, dag_id: str = PIPELINE) -> list[dict]:
@@ -107,7 +111,9 @@ class Scheduled:
         return {key: json.loads(client.get_object(Bucket=BUCKET, Key=key)["Body"].read()) for key in keys}
 
     def xcom(self, dag_id: str, run_id: str, task_id: str, key: str = "return_value"):
-        path = f"{self.dep.run_path(dag_id, run_id)}/taskInstances/{task_id}/xcomEntries/{key}?deserialize=true"
+        path = (
+            f"{self.dep.run_path(dag_id, run_id)}/taskInstances/{task_id}/xcomEntries/{key}?deserialize=true"
+        )
         value = self.dep.request("GET", path)["value"]
         return json.loads(value) if isinstance(value, str) else value
 
@@ -122,7 +128,10 @@ def scheduled(seaweed: SeaweedFS, tiny_model: Path, tmp_path_factory) -> Iterato
     seaweed.create_bucket(BUCKET)
     today = datetime.now(timezone.utc).replace(hour=0, minute=0, second=0, microsecond=0)
     server = VLLMServerProcess(
-        str(tiny_model), engine_args=CPU_ENGINE_ARGS.split(), env={**os.environ, **CPU_ENGINE_ENV}, startup_timeout_s=300
+        str(tiny_model),
+        engine_args=CPU_ENGINE_ARGS.split(),
+        env={**os.environ, **CPU_ENGINE_ENV},
+        startup_timeout_s=300,
     )
     extra_env = {
         "AIRFLOW_VLLM_BATCH_BUCKET": BUCKET,
@@ -138,7 +147,12 @@ def scheduled(seaweed: SeaweedFS, tiny_model: Path, tmp_path_factory) -> Iterato
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         starting = pool.submit(server.start)
         try:
-            with Postgres() as database, local_executor_deployment(seaweed, tiny_model, home, dag_files, extra_env, database.url) as dep:
+            with (
+                Postgres() as database,
+                local_executor_deployment(
+                    seaweed, tiny_model, home, dag_files, extra_env, database.url
+                ) as dep,
+            ):
                 # The consumer first: asset events of the first pipeline runs must find it unpaused.
                 dep.wait_for_dag(CONSUMER)
                 hook = starting.result(timeout=360)
@@ -146,7 +160,13 @@ def scheduled(seaweed: SeaweedFS, tiny_model: Path, tmp_path_factory) -> Iterato
                 dep.request(
                     "POST",
                     "/api/v2/connections",
-                    {"connection_id": CONN_ID, "conn_type": "vllm", "host": host, "port": int(port), "password": hook.api_key},
+                    {
+                        "connection_id": CONN_ID,
+                        "conn_type": "vllm",
+                        "host": host,
+                        "port": int(port),
+                        "password": hook.api_key,
+                    },
                 )
                 dep.wait_for_dag(PIPELINE)
                 assert not (home / "airflow.db").exists(), "the deployment fell back to SQLite"
@@ -156,7 +176,9 @@ def scheduled(seaweed: SeaweedFS, tiny_model: Path, tmp_path_factory) -> Iterato
             concurrent.futures.wait([starting])
             server.terminate()
     assert survivors == [], f"processes of the deployment still alive after stop: {survivors}"
-    assert server.process is not None and server.process.poll() is not None, "the vLLM server outlived the module"
+    assert server.process is not None and server.process.poll() is not None, (
+        "the vLLM server outlived the module"
+    )
 
 
 def _day(date: datetime) -> str:
@@ -183,8 +205,13 @@ def test_catchup_backfill_and_a_backfill_rerun_run_by_themselves(scheduled: Sche
         "backfill", "create", "--dag-id", PIPELINE,
         "--from-date", _day(today - timedelta(days=5)), "--to-date", _day(today - timedelta(days=3)),
     )  # fmt: skip
-    runs = wait_until("the 3 backfill runs to end", runs_done(("scheduled", "backfill"), 6), RUNS_TIMEOUT_S, dep, interval=2)
-    by_type = {kind: {r["logical_date"][:10]: r for r in runs if r["run_type"] == kind} for kind in ("scheduled", "backfill")}
+    runs = wait_until(
+        "the 3 backfill runs to end", runs_done(("scheduled", "backfill"), 6), RUNS_TIMEOUT_S, dep, interval=2
+    )
+    by_type = {
+        kind: {r["logical_date"][:10]: r for r in runs if r["run_type"] == kind}
+        for kind in ("scheduled", "backfill")
+    }
     assert set(by_type["scheduled"]) == catchup_dates, runs
     assert set(by_type["backfill"]) == backfill_dates, runs
     failed = [r["dag_run_id"] for r in runs if r["state"] != "success"]
@@ -210,12 +237,25 @@ def test_catchup_backfill_and_a_backfill_rerun_run_by_themselves(scheduled: Sche
     # One running backfill per DAG: the scheduler marks the first one complete a loop after its last run.
     wait_until(
         "the first backfill to be marked complete",
-        lambda: (backfills := dep.request("GET", f"/api/v2/backfills?dag_id={PIPELINE}")["backfills"])
-        and all(b["completed_at"] for b in backfills),
+        lambda: (
+            (backfills := dep.request("GET", f"/api/v2/backfills?dag_id={PIPELINE}")["backfills"])
+            and all(b["completed_at"] for b in backfills)
+        ),
         120,
         dep,
     )
-    scheduled.airflow("backfill", "create", "--dag-id", PIPELINE, "--from-date", day, "--to-date", day, "--reprocess-behavior", "completed")
+    scheduled.airflow(
+        "backfill",
+        "create",
+        "--dag-id",
+        PIPELINE,
+        "--from-date",
+        day,
+        "--to-date",
+        day,
+        "--reprocess-behavior",
+        "completed",
+    )
 
     def rerun_done() -> dict | None:
         ti = dep.task_instance(PIPELINE, rerun["dag_run_id"], TASK_ID)
@@ -223,7 +263,9 @@ def test_catchup_backfill_and_a_backfill_rerun_run_by_themselves(scheduled: Sche
         return ti if ti["try_number"] > tries_before and state in RUN_DONE else None
 
     ti = wait_until("the backfill re-run to end", rerun_done, RUNS_TIMEOUT_S, dep, interval=2)
-    assert dep.dag_run(PIPELINE, rerun["dag_run_id"])["state"] == "success", dep.diagnose(PIPELINE, rerun["dag_run_id"], TASK_ID)
+    assert dep.dag_run(PIPELINE, rerun["dag_run_id"])["state"] == "success", dep.diagnose(
+        PIPELINE, rerun["dag_run_id"], TASK_ID
+    )
     assert dep.dag_run(PIPELINE, rerun["dag_run_id"])["run_type"] == "backfill"
     assert scheduled.requests_answered() == before, "the re-run sent requests to the engine"
     log = dep.task_log(PIPELINE, rerun["dag_run_id"], TASK_ID, ti["try_number"])
@@ -242,10 +284,16 @@ def test_catchup_backfill_and_a_backfill_rerun_run_by_themselves(scheduled: Sche
         consumer_runs = scheduled.runs(CONSUMER)
         if not consumer_runs or any(r["state"] not in RUN_DONE for r in consumer_runs):
             return None
-        reports = [s for r in consumer_runs for s in scheduled.xcom(CONSUMER, r["dag_run_id"], "report_results") or []]
+        reports = [
+            s
+            for r in consumer_runs
+            for s in scheduled.xcom(CONSUMER, r["dag_run_id"], "report_results") or []
+        ]
         return reports if len(reports) >= len(events) else None
 
-    reports = wait_until("the consumer to report every asset event", every_event_reported, 180, dep, interval=2)
+    reports = wait_until(
+        "the consumer to report every asset event", every_event_reported, 180, dep, interval=2
+    )
     assert len(reports) == len(events)
     reported = [r["source"].removeprefix(f"{PIPELINE}/") for r in reports]
     assert sorted(reported) == sorted(e["source_run_id"] for e in events)
@@ -293,7 +341,8 @@ def test_the_trigger_form_in_a_real_browser(scheduled: Scheduled, browser: Brows
     browser.click("//button[normalize-space()='Trigger']")
     browser.click(f"{dialog}//button[normalize-space()='Advanced Options']")
     n_requests_value = browser.find(
-        f"{dialog}//div[contains(@class,'view-line')][.//span[contains(., '\"n_requests\"')]]//span[normalize-space()='8']", clickable=True
+        f"{dialog}//div[contains(@class,'view-line')][.//span[contains(., '\"n_requests\"')]]//span[normalize-space()='8']",
+        clickable=True,
     )
     browser.double_click_and_type(n_requests_value, "0")
     browser.click(f"{dialog}//button[normalize-space()='Trigger']")
@@ -317,7 +366,9 @@ def test_the_trigger_form_in_a_real_browser(scheduled: Scheduled, browser: Brows
     browser.click(f"{dialog}//button[normalize-space()='Trigger']")
     browser.wait(lambda d: "/runs/" in d.current_url)
     run_id = urllib.parse.unquote(browser.driver.current_url.split("/runs/", 1)[1].split("/")[0])
-    assert dep.wait_for_run(PIPELINE, run_id, RUNS_TIMEOUT_S) == "success", dep.diagnose(PIPELINE, run_id, TASK_ID)
+    assert dep.wait_for_run(PIPELINE, run_id, RUNS_TIMEOUT_S) == "success", dep.diagnose(
+        PIPELINE, run_id, TASK_ID
+    )
     conf = dep.dag_run(PIPELINE, run_id)["conf"]
     assert (conf["n_requests"], conf["max_tokens"]) == (5, 4)
     manifest = scheduled.xcom(PIPELINE, run_id, TASK_ID)
@@ -328,7 +379,9 @@ def test_the_trigger_form_in_a_real_browser(scheduled: Scheduled, browser: Brows
     browser.screenshot("run-success")
 
     # The inference task's details hold the "vLLM batch output" link; it opens the results object.
-    browser.driver.get(f"{api}/dags/{PIPELINE}/runs/{urllib.parse.quote(run_id, safe='')}/tasks/{TASK_ID}/details")
+    browser.driver.get(
+        f"{api}/dags/{PIPELINE}/runs/{urllib.parse.quote(run_id, safe='')}/tasks/{TASK_ID}/details"
+    )
     link = browser.find("//a[normalize-space()='vLLM batch output']", clickable=True)
     bucket, key = manifest["output_uri"].removeprefix("s3://").split("/", 1)
     assert link.get_attribute("href") == f"{scheduled.s3.filer_url}/buckets/{bucket}/{key}"

@@ -17,20 +17,18 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-
 from typing import Literal
 
 import pytest
 from openai.types.chat import ChatCompletion
 from pydantic import BaseModel
 
-from vllm_batch_embedded.demo import BUCKET, CPU_ENGINE_ARGS, CPU_ENGINE_ENV
 from airflow_vllm_batch.engines import VLLMRunner, WarmVLLMServer
-from airflow_vllm_batch.run import AnswerCacheOptions
 from airflow_vllm_batch.engines.vllm.server_process import VLLMServerProcess
-from tests.integration.dagrun import REPO, load_dag, run_dag
-from tests.integration.dagrun import error_lines as _error_lines
+from airflow_vllm_batch.run import AnswerCacheOptions
+from tests.integration.dagrun import REPO, error_lines as _error_lines, load_dag, run_dag
 from tests.integration.vllm_metrics import requests_answered
+from vllm_batch_embedded.demo import BUCKET, CPU_ENGINE_ARGS, CPU_ENGINE_ENV
 
 pytestmark = [pytest.mark.integration, pytest.mark.engine]
 
@@ -39,7 +37,10 @@ CONN_ID = "vllm_tiny"
 #: any whitespace, writes "{" and then whitespace until max_tokens (measured: 0 of 10 answers closed
 #: at 40 tokens); compact, every answer closes. Server-wide in vLLM 0.32 (xgrammar reads it from the
 #: engine's config, not per request), and it changes nothing for requests without a schema.
-STRUCTURED_ARGS = ["--structured-outputs-config", json.dumps({"backend": "xgrammar", "disable_any_whitespace": True})]
+STRUCTURED_ARGS = [
+    "--structured-outputs-config",
+    json.dumps({"backend": "xgrammar", "disable_any_whitespace": True}),
+]
 N_KILL = 2000
 MAX_IN_FLIGHT = 128
 INTERVAL_S = 2.0
@@ -49,7 +50,10 @@ INTERVAL_S = 2.0
 def warm(embedded, airflow_db, tiny_model: Path) -> Iterator[VLLMServerProcess]:
     """One vLLM server for the module, behind connection ``vllm_tiny``; the example DAGs use it."""
     with VLLMServerProcess(
-        str(tiny_model), engine_args=[*CPU_ENGINE_ARGS.split(), *STRUCTURED_ARGS], env={**os.environ, **CPU_ENGINE_ENV}, startup_timeout_s=300
+        str(tiny_model),
+        engine_args=[*CPU_ENGINE_ARGS.split(), *STRUCTURED_ARGS],
+        env={**os.environ, **CPU_ENGINE_ENV},
+        startup_timeout_s=300,
     ) as server:
         assert server.hook is not None
         host, port = server.hook.base_url.removeprefix("http://").split(":")
@@ -72,7 +76,9 @@ def _s3_lines(seaweed, uri: str) -> list[dict]:
 
 def test_the_pipeline_dag_runs_through_the_warm_server(warm, embedded):
     before = requests_answered(warm.hook.base_url)
-    run = run_dag(load_dag("vllm_batch_pipeline.py", "pipeline_dag"), run_conf={"n_requests": 12, "max_tokens": 8})
+    run = run_dag(
+        load_dag("vllm_batch_pipeline.py", "pipeline_dag"), run_conf={"n_requests": 12, "max_tokens": 8}
+    )
     assert run.state == "success", run.output[-4000:]
     manifest = run.xcom("vllm_batch")
     assert manifest["request_counts"] == {"total": 12, "completed": 12, "failed": 0}
@@ -87,7 +93,10 @@ def test_the_pipeline_dag_runs_through_the_warm_server(warm, embedded):
 
 def test_the_sharded_dag_runs_every_shard_through_one_warm_server(warm, embedded):
     before = requests_answered(warm.hook.base_url)
-    run = run_dag(load_dag("vllm_batch_sharded.py", "sharded_dag"), run_conf={"n_requests": 90, "shard_size": 30, "max_tokens": 4})
+    run = run_dag(
+        load_dag("vllm_batch_sharded.py", "sharded_dag"),
+        run_conf={"n_requests": 90, "shard_size": 30, "max_tokens": 4},
+    )
     assert run.state == "success", run.output[-4000:]
     assert run.output.count("Server engine done: 30 requests") == 3
     assert "Starting the vLLM" not in run.output
@@ -96,7 +105,6 @@ def test_the_sharded_dag_runs_every_shard_through_one_warm_server(warm, embedded
         ChatCompletion.model_validate(line["response"]["body"])
     assert requests_answered(warm.hook.base_url) - before == 90
     assert _error_lines(run.output) == []  # a successful split, shards and merge log no error
-
 
 
 def test_the_taskflow_dag_runs_its_decorated_task_through_the_warm_server(warm, embedded):
@@ -110,10 +118,14 @@ def test_the_taskflow_dag_runs_its_decorated_task_through_the_warm_server(warm, 
     requests = _s3_lines(embedded, manifest["input_uri"])
     assert [r["body"]["messages"][0]["role"] for r in requests] == ["system"] * 3
     answers = run.xcom("use_answers")
-    assert answers == {line["custom_id"]: line["response"]["body"]["choices"][0]["message"]["content"] for line in _s3_lines(embedded, manifest["output_uri"])}
+    assert answers == {
+        line["custom_id"]: line["response"]["body"]["choices"][0]["message"]["content"]
+        for line in _s3_lines(embedded, manifest["output_uri"])
+    }
     assert sorted(answers) == ["request-0", "request-1", "request-2"]
     assert requests_answered(warm.hook.base_url) - before == 3
     assert _error_lines(run.output) == []
+
 
 TASK_SCRIPT = """
 import sys
@@ -146,7 +158,12 @@ def _chat_lines(model: str, n: int, max_tokens: int) -> bytes:
                 "custom_id": f"k{i}",
                 "method": "POST",
                 "url": "/v1/chat/completions",
-                "body": {"model": model, "messages": [{"role": "user", "content": f"Count to {i}"}], "max_completion_tokens": max_tokens, "ignore_eos": True},
+                "body": {
+                    "model": model,
+                    "messages": [{"role": "user", "content": f"Count to {i}"}],
+                    "max_completion_tokens": max_tokens,
+                    "ignore_eos": True,
+                },
             }
         ).encode()
         + b"\n"
@@ -156,12 +173,20 @@ def _chat_lines(model: str, n: int, max_tokens: int) -> bytes:
 
 def _parts(client) -> list[str]:
     """The checkpoint parts the task has made durable in S3 so far."""
-    return [o["Key"] for o in client.list_objects_v2(Bucket=BUCKET, Prefix="server-kill/").get("Contents", []) if "/parts/" in o["Key"]]
+    return [
+        o["Key"]
+        for o in client.list_objects_v2(Bucket=BUCKET, Prefix="server-kill/").get("Contents", [])
+        if "/parts/" in o["Key"]
+    ]
 
 
-def test_sigkill_at_half_then_the_same_task_instance_again_answers_each_request_once(warm, embedded, tiny_model, tmp_path):
+def test_sigkill_at_half_then_the_same_task_instance_again_answers_each_request_once(
+    warm, embedded, tiny_model, tmp_path
+):
     client = embedded.client()
-    client.put_object(Bucket=BUCKET, Key="server-kill/input.jsonl", Body=_chat_lines(str(tiny_model), N_KILL, 24))
+    client.put_object(
+        Bucket=BUCKET, Key="server-kill/input.jsonl", Body=_chat_lines(str(tiny_model), N_KILL, 24)
+    )
     script = tmp_path / "task.py"
     script.write_text(
         TASK_SCRIPT.format(
@@ -182,7 +207,9 @@ def test_sigkill_at_half_then_the_same_task_instance_again_answers_each_request_
     def run_task(kill_at: int | None) -> str:
         log = tmp_path / f"task-{kill_at}.log"
         with open(log, "wb") as out:
-            task = subprocess.Popen([sys.executable, str(script)], stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
+            task = subprocess.Popen(
+                [sys.executable, str(script)], stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ)
+            )
             try:
                 while kill_at is not None and task.poll() is None:
                     answered = requests_answered(base) - before
@@ -211,7 +238,9 @@ def test_sigkill_at_half_then_the_same_task_instance_again_answers_each_request_
     time.sleep(1)  # requests the killed try left in the server finish or are aborted
     second = run_task(kill_at=None)
     assert "DAGRUN STATE success" in second, second[-3000:]
-    resumed = re.search(r"Resuming from \d+ checkpoint part\(s\) at \S+: (\d+) of 2000 requests are answered already", second)
+    resumed = re.search(
+        r"Resuming from \d+ checkpoint part\(s\) at \S+: (\d+) of 2000 requests are answered already", second
+    )
     assert resumed, second[-3000:]
     results = _s3_lines(embedded, f"s3://{BUCKET}/server-kill/results.jsonl")
     ids = [r["custom_id"] for r in results]
@@ -236,14 +265,42 @@ def test_sigkill_at_half_then_the_same_task_instance_again_answers_each_request_
 def _mixed_chat_and_completion_lines(model: str) -> bytes:
     """Chat lines, and completion lines with a prompt string and a token-id list (issue 21)."""
     lines = [
-        {"custom_id": "chat-0", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "Hello"}], "max_completion_tokens": 5}},
-        {"custom_id": "text-0", "url": "/v1/completions", "body": {"prompt": "Once upon a time", "max_tokens": 6, "temperature": 0}},
-        {"custom_id": "ids-0", "url": "/v1/completions", "body": {"prompt": [5, 6, 7, 8, 9], "max_tokens": 4}},
-        {"custom_id": "chat-1", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "Count"}], "max_completion_tokens": 3}},
-        {"custom_id": "text-1", "url": "/v1/completions", "body": {"prompt": "Count to three:", "max_tokens": 5, "echo": False}},
+        {
+            "custom_id": "chat-0",
+            "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": "Hello"}], "max_completion_tokens": 5},
+        },
+        {
+            "custom_id": "text-0",
+            "url": "/v1/completions",
+            "body": {"prompt": "Once upon a time", "max_tokens": 6, "temperature": 0},
+        },
+        {
+            "custom_id": "ids-0",
+            "url": "/v1/completions",
+            "body": {"prompt": [5, 6, 7, 8, 9], "max_tokens": 4},
+        },
+        {
+            "custom_id": "chat-1",
+            "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": "Count"}], "max_completion_tokens": 3},
+        },
+        {
+            "custom_id": "text-1",
+            "url": "/v1/completions",
+            "body": {"prompt": "Count to three:", "max_tokens": 5, "echo": False},
+        },
     ]
     return b"".join(
-        json.dumps({"custom_id": line["custom_id"], "method": "POST", "url": line["url"], "body": {"model": model, **line["body"]}}).encode() + b"\n"
+        json.dumps(
+            {
+                "custom_id": line["custom_id"],
+                "method": "POST",
+                "url": line["url"],
+                "body": {"model": model, **line["body"]},
+            }
+        ).encode()
+        + b"\n"
         for line in lines
     )
 
@@ -270,19 +327,29 @@ def _warm_dag(dag_id: str, model: str, input_key: str, output_key: str, **option
 
 
 def _completions_dag(dag_id: str, model: str, **engine):
-    return _warm_dag(dag_id, model, "completions/input.jsonl", f"completions/{dag_id}/results.jsonl", **engine)
+    return _warm_dag(
+        dag_id, model, "completions/input.jsonl", f"completions/{dag_id}/results.jsonl", **engine
+    )
 
 
-def test_chat_and_completion_lines_in_one_file_are_all_answered_through_the_server_engine(warm, embedded, tiny_model):
+def test_chat_and_completion_lines_in_one_file_are_all_answered_through_the_server_engine(
+    warm, embedded, tiny_model
+):
     from openai.types import Completion
 
     from airflow_vllm_batch.batchfile import Text
     from airflow_vllm_batch.storage import read_answers
 
     model = str(tiny_model)
-    embedded.client().put_object(Bucket=BUCKET, Key="completions/input.jsonl", Body=_mixed_chat_and_completion_lines(model))
+    embedded.client().put_object(
+        Bucket=BUCKET, Key="completions/input.jsonl", Body=_mixed_chat_and_completion_lines(model)
+    )
     before = requests_answered(warm.hook.base_url)
-    run = run_dag(_completions_dag("completions_server", model, engine=WarmVLLMServer(conn_id=CONN_ID, gpu_hour_cost=2.5)))
+    run = run_dag(
+        _completions_dag(
+            "completions_server", model, engine=WarmVLLMServer(conn_id=CONN_ID, gpu_hour_cost=2.5)
+        )
+    )
     assert run.state == "success", run.output[-4000:]
     manifest = run.xcom("vllm_batch")
     assert manifest["request_counts"] == {"total": 5, "completed": 5, "failed": 0}
@@ -306,28 +373,49 @@ def test_chat_and_completion_lines_in_one_file_are_all_answered_through_the_serv
 
 def test_a_real_runs_manifest_and_summary_carry_its_engine_time_and_cost(warm, embedded, tiny_model):
     model = str(tiny_model)
-    embedded.client().put_object(Bucket=BUCKET, Key="completions/input.jsonl", Body=_mixed_chat_and_completion_lines(model))
-    run = run_dag(_completions_dag("cost_connection", model, engine=WarmVLLMServer(conn_id=CONN_ID, gpu_hour_cost="2.5")))
+    embedded.client().put_object(
+        Bucket=BUCKET, Key="completions/input.jsonl", Body=_mixed_chat_and_completion_lines(model)
+    )
+    run = run_dag(
+        _completions_dag(
+            "cost_connection", model, engine=WarmVLLMServer(conn_id=CONN_ID, gpu_hour_cost="2.5")
+        )
+    )
     assert run.state == "success", run.output[-4000:]
     manifest = run.xcom("vllm_batch")
     cost = manifest["cost"]
     print(cost, manifest["per_model"])
     assert cost["device"] == "vllm_connection" and cost["gpu_hour_cost"] == 2.5
     assert 0 < cost["engine_s"] <= manifest["duration_s"] + 1
-    assert cost["tokens_per_engine_s"] == pytest.approx(manifest["usage"]["total_tokens"] / cost["engine_s"], rel=0.01)
+    assert cost["tokens_per_engine_s"] == pytest.approx(
+        manifest["usage"]["total_tokens"] / cost["engine_s"], rel=0.01
+    )
     assert cost["cost"] == pytest.approx(cost["engine_s"] / 3600 * 2.5, abs=1e-5)
     assert [entry["cost"] for entry in manifest["per_model"].values()] == [pytest.approx(cost["cost"])]
-    assert re.search(r"\| engine time +\| vllm connection: [\d.]+ s of the task .*tokens/s; cost [\d.e-]+ at 2.5/server-hour", run.output)
+    assert re.search(
+        r"\| engine time +\| vllm connection: [\d.]+ s of the task .*tokens/s; cost [\d.e-]+ at 2.5/server-hour",
+        run.output,
+    )
 
 
-def test_two_client_processes_answer_each_request_once_through_the_real_server_and_leave_no_worker(warm, embedded, tiny_model):
+def test_two_client_processes_answer_each_request_once_through_the_real_server_and_leave_no_worker(
+    warm, embedded, tiny_model
+):
     import psutil
 
     n = 60
     model = str(tiny_model)
-    embedded.client().put_object(Bucket=BUCKET, Key="completions/input.jsonl", Body=_chat_lines(model, n, max_tokens=3))
+    embedded.client().put_object(
+        Bucket=BUCKET, Key="completions/input.jsonl", Body=_chat_lines(model, n, max_tokens=3)
+    )
     before = requests_answered(warm.hook.base_url)
-    run = run_dag(_completions_dag("two_clients", model, engine=WarmVLLMServer(conn_id=CONN_ID, client_processes=2, checkpoint_interval=1.0)))
+    run = run_dag(
+        _completions_dag(
+            "two_clients",
+            model,
+            engine=WarmVLLMServer(conn_id=CONN_ID, client_processes=2, checkpoint_interval=1.0),
+        )
+    )
     assert run.state == "success", run.output[-4000:]
     assert "The client spreads the requests over 2 processes" in run.output
     manifest = run.xcom("vllm_batch")
@@ -340,15 +428,26 @@ def test_two_client_processes_answer_each_request_once_through_the_real_server_a
     assert workers == []
 
 
-def test_the_same_file_for_the_runner_fails_preflight_naming_the_server_engine_and_starts_no_engine(embedded, airflow_db, tiny_model):
+def test_the_same_file_for_the_runner_fails_preflight_naming_the_server_engine_and_starts_no_engine(
+    embedded, airflow_db, tiny_model
+):
     model = str(tiny_model)
-    embedded.client().put_object(Bucket=BUCKET, Key="completions/input.jsonl", Body=_mixed_chat_and_completion_lines(model))
+    embedded.client().put_object(
+        Bucket=BUCKET, Key="completions/input.jsonl", Body=_mixed_chat_and_completion_lines(model)
+    )
     # Retries allowed: a failed task (not up_for_retry) says preflight's error is not retried.
-    run = run_dag(_completions_dag("completions_runner", model, engine=VLLMRunner(args=CPU_ENGINE_ARGS.split()), retries=2))
+    run = run_dag(
+        _completions_dag(
+            "completions_runner", model, engine=VLLMRunner(args=CPU_ENGINE_ARGS.split()), retries=2
+        )
+    )
     assert run.state == "failed" and run.task_states["vllm_batch"] == "failed", run.output[-4000:]
     assert "failed preflight" in run.output and "AirflowFailException" in run.output, run.output[-4000:]
     for lineno, custom_id in ((2, "text-0"), (3, "ids-0"), (5, "text-1")):
-        assert re.search(rf"line {lineno} \(custom_id '{custom_id}'\): \"url\" '/v1/completions' is not served by this engine .*engine=VLLMServer", run.output), run.output[-4000:]
+        assert re.search(
+            rf"line {lineno} \(custom_id '{custom_id}'\): \"url\" '/v1/completions' is not served by this engine .*engine=VLLMServer",
+            run.output,
+        ), run.output[-4000:]
     assert "Starting the vLLM" not in run.output
 
 
@@ -361,15 +460,37 @@ class Mood(BaseModel):
 
 def _mood_lines(model: str) -> bytes:
     """8 chat and 2 completion requests, greedy, with room for the schema's JSON (about 20 tokens)."""
-    chat = [{"url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": f"Review {i}: fine food"}], "max_completion_tokens": 40}} for i in range(8)]
-    text = [{"url": "/v1/completions", "body": {"prompt": f"Review {i}: slow service", "max_tokens": 40}} for i in range(2)]
+    chat = [
+        {
+            "url": "/v1/chat/completions",
+            "body": {
+                "messages": [{"role": "user", "content": f"Review {i}: fine food"}],
+                "max_completion_tokens": 40,
+            },
+        }
+        for i in range(8)
+    ]
+    text = [
+        {"url": "/v1/completions", "body": {"prompt": f"Review {i}: slow service", "max_tokens": 40}}
+        for i in range(2)
+    ]
     return b"".join(
-        json.dumps({"custom_id": f"m{i}", "method": "POST", "url": line["url"], "body": {"model": model, "temperature": 0, **line["body"]}}).encode() + b"\n"
+        json.dumps(
+            {
+                "custom_id": f"m{i}",
+                "method": "POST",
+                "url": line["url"],
+                "body": {"model": model, "temperature": 0, **line["body"]},
+            }
+        ).encode()
+        + b"\n"
         for i, line in enumerate(chat + text)
     )
 
 
-def test_structured_outputs_through_the_real_engine_every_answer_fits_and_without_the_schema_none_does(warm, embedded, tiny_model):
+def test_structured_outputs_through_the_real_engine_every_answer_fits_and_without_the_schema_none_does(
+    warm, embedded, tiny_model
+):
     from airflow_vllm_batch.batchfile import Failed, Parsed
     from airflow_vllm_batch.storage import read_answers
 
@@ -377,7 +498,15 @@ def test_structured_outputs_through_the_real_engine_every_answer_fits_and_withou
     embedded.client().put_object(Bucket=BUCKET, Key="structured/input.jsonl", Body=_mood_lines(model))
     manifests = {}
     for name, output_type in (("with_schema", Mood), ("without_schema", None)):
-        run = run_dag(_warm_dag(f"structured_{name}", model, "structured/input.jsonl", f"structured/{name}/results.jsonl", output_type=output_type))
+        run = run_dag(
+            _warm_dag(
+                f"structured_{name}",
+                model,
+                "structured/input.jsonl",
+                f"structured/{name}/results.jsonl",
+                output_type=output_type,
+            )
+        )
         assert run.state == "success", run.output[-4000:]
         manifests[name] = run.xcom("vllm_batch")
     structured = manifests["with_schema"]
@@ -387,33 +516,68 @@ def test_structured_outputs_through_the_real_engine_every_answer_fits_and_withou
     assert len(parsed) == 10 and all(isinstance(a, Parsed) and isinstance(a.value, Mood) for a in parsed)
     # The same requests without the schema: the random model's text is no Mood.
     free = list(read_answers(manifests["without_schema"], output_type=Mood))
-    assert len(free) == 10 and all(isinstance(a, Failed) and a.error.startswith("invalid_output") for a in free)
+    assert len(free) == 10 and all(
+        isinstance(a, Failed) and a.error.startswith("invalid_output") for a in free
+    )
     print({a.custom_id: a.value.model_dump() for a in parsed[:3]}, free[0])
 
 
-
-def test_structured_answers_cut_off_at_the_token_limit_fail_saying_so_and_naming_the_requests_limit(warm, embedded, tiny_model):
+def test_structured_answers_cut_off_at_the_token_limit_fail_saying_so_and_naming_the_requests_limit(
+    warm, embedded, tiny_model
+):
     model = str(tiny_model)
-    chat = [{"url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": f"Review {i}"}], "max_completion_tokens": 3}} for i in range(3)]
+    chat = [
+        {
+            "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": f"Review {i}"}], "max_completion_tokens": 3},
+        }
+        for i in range(3)
+    ]
     text = [{"url": "/v1/completions", "body": {"prompt": "Review: slow", "max_tokens": 3}}]
     data = b"".join(
-        json.dumps({"custom_id": f"t{i}", "method": "POST", "url": line["url"], "body": {"model": model, "temperature": 0, **line["body"]}}).encode() + b"\n"
+        json.dumps(
+            {
+                "custom_id": f"t{i}",
+                "method": "POST",
+                "url": line["url"],
+                "body": {"model": model, "temperature": 0, **line["body"]},
+            }
+        ).encode()
+        + b"\n"
         for i, line in enumerate(chat + text)
     )
     embedded.client().put_object(Bucket=BUCKET, Key="structured/short.jsonl", Body=data)
-    run = run_dag(_warm_dag("structured_short", model, "structured/short.jsonl", "structured/short/results.jsonl", output_type=Mood, max_failed_ratio=1))
+    run = run_dag(
+        _warm_dag(
+            "structured_short",
+            model,
+            "structured/short.jsonl",
+            "structured/short/results.jsonl",
+            output_type=Mood,
+            max_failed_ratio=1,
+        )
+    )
     assert run.state == "success", run.output[-4000:]
     manifest = run.xcom("vllm_batch")
     assert manifest["request_counts"] == {"total": 4, "completed": 0, "failed": 4}
-    messages = {line["custom_id"]: line["error"]["message"] for line in _s3_lines(embedded, manifest["error_uri"])}
+    messages = {
+        line["custom_id"]: line["error"]["message"] for line in _s3_lines(embedded, manifest["error_uri"])
+    }
     print(messages)
     for custom_id, message in messages.items():
         assert 'cut off at the token limit (finish_reason "length", 3 tokens)' in message, message
         limit = "max_tokens," if custom_id == "t3" else "max_completion_tokens (or max_tokens)"
         assert f"raise the request's {limit}" in message, message
 
+
 def _cache_dag(dag_id: str, model: str, input_key: str, cache_uri: str):
-    return _warm_dag(dag_id, model, input_key, f"answer-cache-it/{dag_id}/results.jsonl", answer_cache=AnswerCacheOptions(uri=cache_uri))
+    return _warm_dag(
+        dag_id,
+        model,
+        input_key,
+        f"answer-cache-it/{dag_id}/results.jsonl",
+        answer_cache=AnswerCacheOptions(uri=cache_uri),
+    )
 
 
 def test_a_second_run_through_the_answer_cache_sends_only_the_changed_requests(warm, embedded, tiny_model):
@@ -429,7 +593,12 @@ def test_a_second_run_through_the_answer_cache_sends_only_the_changed_requests(w
                     "custom_id": f"c{i}",
                     "method": "POST",
                     "url": "/v1/chat/completions",
-                    "body": {"model": model, "temperature": 0, "max_tokens": 4, "messages": [{"role": "user", "content": f"{'New' if i in changed else 'Old'} {i}"}]},
+                    "body": {
+                        "model": model,
+                        "temperature": 0,
+                        "max_tokens": 4,
+                        "messages": [{"role": "user", "content": f"{'New' if i in changed else 'Old'} {i}"}],
+                    },
                 }
             ).encode()
             + b"\n"
@@ -448,7 +617,11 @@ def test_a_second_run_through_the_answer_cache_sends_only_the_changed_requests(w
     assert second.state == "success", second.output[-4000:]
     assert requests_answered(warm.hook.base_url) - before == 2
     manifest = second.xcom("vllm_batch")
-    assert manifest["from_cache"] == n - 2 and manifest["request_counts"] == {"total": n, "completed": n, "failed": 0}
+    assert manifest["from_cache"] == n - 2 and manifest["request_counts"] == {
+        "total": n,
+        "completed": n,
+        "failed": 0,
+    }
 
     def raw(uri: str) -> dict[str, bytes]:
         body = client.get_object(Bucket=BUCKET, Key=uri.removeprefix(f"s3://{BUCKET}/"))["Body"].read()
@@ -459,7 +632,9 @@ def test_a_second_run_through_the_answer_cache_sends_only_the_changed_requests(w
     assert {c for c in night1 if night1[c] != night2[c]} == {"c3", "c17"}  # the rest byte for byte
 
 
-def test_the_nightly_cache_benchmark_sends_only_the_changed_rows_and_keeps_the_unchanged_answers_byte_equal(warm):
+def test_the_nightly_cache_benchmark_sends_only_the_changed_rows_and_keeps_the_unchanged_answers_byte_equal(
+    warm,
+):
     """``benchmarks/answer_cache.py nightly`` runs here small against the warm server, so the script cannot rot.
 
     What is asserted is what does not depend on the machine's speed: night 2 sent exactly the
@@ -467,7 +642,15 @@ def test_the_nightly_cache_benchmark_sends_only_the_changed_rows_and_keeps_the_u
     its unchanged rows' result lines are night 1's bytes. The wall-time ratio is the
     benchmark's figure (docs/benchmarks.md), not asserted here.
     """
-    argv = [sys.executable, str(REPO / "benchmarks" / "answer_cache.py"), "nightly", "--rows", "400", "--changed", "0.05"]
+    argv = [
+        sys.executable,
+        str(REPO / "benchmarks" / "answer_cache.py"),
+        "nightly",
+        "--rows",
+        "400",
+        "--changed",
+        "0.05",
+    ]
     argv += ["--max-tokens", "8", "--server-url", warm.hook.base_url]
     env = {**os.environ, "PYTHONPATH": str(REPO), "BENCH_VLLM_API_KEY": warm.hook.api_key}
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, check=False)  # noqa: S603

@@ -18,16 +18,18 @@ from datetime import datetime, timezone
 import pytest
 from openai.types.chat import ChatCompletion
 
-from airflow_vllm_batch.engines import VLLMServer
 from airflow_vllm_batch import gpus
-from vllm_batch_embedded.demo import BUCKET, CPU_ENGINE_ARGS
+from airflow_vllm_batch.engines import VLLMServer
 from tests.integration.dagrun import error_lines, register_dag, run_dag
 from tests.processes import processes_with
+from vllm_batch_embedded.demo import BUCKET, CPU_ENGINE_ARGS
 
 pytestmark = [pytest.mark.integration, pytest.mark.engine]
 
 
-def test_a_task_started_server_answers_the_batch_and_is_stopped_with_the_task(embedded, airflow_db, tiny_model, monkeypatch, tmp_path):
+def test_a_task_started_server_answers_the_batch_and_is_stopped_with_the_task(
+    embedded, airflow_db, tiny_model, monkeypatch, tmp_path
+):
     from airflow.sdk import DAG
 
     from airflow_vllm_batch.engines import VLLMServer
@@ -36,7 +38,16 @@ def test_a_task_started_server_answers_the_batch_and_is_stopped_with_the_task(em
     model = str(tiny_model)
     lines = b"".join(
         json.dumps(
-            {"custom_id": f"s{i}", "method": "POST", "url": "/v1/chat/completions", "body": {"model": model, "messages": [{"role": "user", "content": f"Count to {i}"}], "max_completion_tokens": 4}}
+            {
+                "custom_id": f"s{i}",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {
+                    "model": model,
+                    "messages": [{"role": "user", "content": f"Count to {i}"}],
+                    "max_completion_tokens": 4,
+                },
+            }
         ).encode()
         + b"\n"
         for i in range(30)
@@ -45,7 +56,9 @@ def test_a_task_started_server_answers_the_batch_and_is_stopped_with_the_task(em
     marker = f"started-{uuid.uuid4().hex}"
     monkeypatch.setenv(gpus.GPUS_ENV, "0")
     monkeypatch.setenv(gpus.LOCK_DIR_ENV, str(tmp_path / "gpu-locks"))
-    with DAG("server_engine_started", schedule=None, start_date=datetime(2026, 1, 1, tzinfo=timezone.utc)) as dag:
+    with DAG(
+        "server_engine_started", schedule=None, start_date=datetime(2026, 1, 1, tzinfo=timezone.utc)
+    ) as dag:
         VLLMBatchOperator(
             task_id="vllm_batch",
             input_uri=f"s3://{BUCKET}/started-server/input.jsonl",
@@ -58,14 +71,19 @@ def test_a_task_started_server_answers_the_batch_and_is_stopped_with_the_task(em
     assert run.state == "success", run.output[-4000:]
     manifest = run.xcom("vllm_batch")
     assert manifest["request_counts"] == {"total": 30, "completed": 30, "failed": 0}
-    assert manifest["identity"]["engine"] == "server" and manifest["identity"]["engine_args"] == CPU_ENGINE_ARGS.split()
+    assert (
+        manifest["identity"]["engine"] == "server"
+        and manifest["identity"]["engine_args"] == CPU_ENGINE_ARGS.split()
+    )
     assert "The vLLM server is ready after" in run.output and "Stopping the vLLM server" in run.output
     assert "Leased GPU(s) 0 of 0 (from AIRFLOW_VLLM_BATCH_GPUS) for the engine" in run.output
     assert "Released GPU(s) 0" in run.output
     assert error_lines(run.output) == []  # starting, using and stopping the server logs no error
     # The leased GPU's seconds are the server's time, from its start to the last answer.
     cost = manifest["cost"]
-    assert (cost["device"], cost["gpus"]) == ("gpu", 1) and cost["gpu_s"] == pytest.approx(manifest["engine_duration_s"], abs=0.01)
+    assert (cost["device"], cost["gpus"]) == ("gpu", 1) and cost["gpu_s"] == pytest.approx(
+        manifest["engine_duration_s"], abs=0.01
+    )
     assert cost["tokens_per_gpu_s"] > 0 and "cost" not in cost
     body = embedded.client().get_object(Bucket=BUCKET, Key="started-server/results.jsonl")["Body"].read()
     results = [json.loads(line) for line in body.splitlines()]
@@ -92,9 +110,9 @@ def test_a_task_started_pooling_server_answers_embeddings_score_and_rerank_lines
     from openai.types import CreateEmbeddingResponse
     from vllm.entrypoints.pooling.scoring.protocol import RerankResponse, ScoreResponse
 
-    from vllm_batch_embedded.tiny_model import embedding_model_path
     from airflow_vllm_batch.engines import VLLMServer
     from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
+    from vllm_batch_embedded.tiny_model import embedding_model_path
 
     model = str(embedding_model_path())
     query, docs = "Where is Paris?", ["Paris is in France.", "A week has seven days."]
@@ -106,11 +124,16 @@ def test_a_task_started_pooling_server_answers_embeddings_score_and_rerank_lines
         "rerank-v1": ("/v1/rerank", {"query": query, "documents": docs, "top_n": 1}),
     }
     lines = b"".join(
-        json.dumps({"custom_id": cid, "method": "POST", "url": url, "body": {"model": model, **body}}).encode() + b"\n"
+        json.dumps(
+            {"custom_id": cid, "method": "POST", "url": url, "body": {"model": model, **body}}
+        ).encode()
+        + b"\n"
         for cid, (url, body) in bodies.items()
     )
     embedded.client().put_object(Bucket=BUCKET, Key="started-pooling/input.jsonl", Body=lines)
-    with DAG("server_engine_started_pooling", schedule=None, start_date=datetime(2026, 1, 1, tzinfo=timezone.utc)) as dag:
+    with DAG(
+        "server_engine_started_pooling", schedule=None, start_date=datetime(2026, 1, 1, tzinfo=timezone.utc)
+    ) as dag:
         VLLMBatchOperator(
             task_id="vllm_batch",
             input_uri=f"s3://{BUCKET}/started-pooling/input.jsonl",
@@ -133,5 +156,7 @@ def test_a_task_started_pooling_server_answers_embeddings_score_and_rerank_lines
     assert scores[0] > scores[1]  # the French sentence answers the question about Paris
     assert ScoreResponse.model_validate(answers["score-v1"]).data[0].score == pytest.approx(dot[0], abs=1e-3)
     ranked = RerankResponse.model_validate(answers["rerank"]).results
-    assert [r.index for r in ranked] == [0, 1] and [r.relevance_score for r in ranked] == pytest.approx(dot, abs=1e-3)
+    assert [r.index for r in ranked] == [0, 1] and [r.relevance_score for r in ranked] == pytest.approx(
+        dot, abs=1e-3
+    )
     assert [r.index for r in RerankResponse.model_validate(answers["rerank-v1"]).results] == [0]

@@ -19,9 +19,9 @@ import numpy as np
 import psutil
 import pytest
 
-from vllm_batch_embedded.demo import BUCKET
 from airflow_vllm_batch.engines import VLLMRunner
 from tests.integration.dagrun import DagRunResult, error_lines, load_dag, register_dag, run_dag
+from vllm_batch_embedded.demo import BUCKET
 
 pytestmark = [pytest.mark.integration, pytest.mark.engine]
 
@@ -103,7 +103,9 @@ def _mapped_states(run: DagRunResult, task_id: str, dag_id: str = "vllm_batch_sh
         tis = session.scalars(
             # By DAG too: another test's DAG may have a run of the same (fixed) run id.
             select(TaskInstance).where(
-                TaskInstance.dag_id == dag_id, TaskInstance.run_id == run.run_id, TaskInstance.task_id == task_id
+                TaskInstance.dag_id == dag_id,
+                TaskInstance.run_id == run.run_id,
+                TaskInstance.task_id == task_id,
             )
         ).all()
         return {ti.map_index: str(ti.state) for ti in tis}
@@ -114,7 +116,11 @@ def _mapped_xcoms(dag_id: str, run_id: str, task_id: str) -> dict[int, dict]:
     from airflow.utils.session import create_session
 
     with create_session() as session:
-        rows = session.scalars(XComModel.get_many(run_id=run_id, dag_ids=dag_id, task_ids=task_id, key="return_value", map_indexes=None)).all()
+        rows = session.scalars(
+            XComModel.get_many(
+                run_id=run_id, dag_ids=dag_id, task_ids=task_id, key="return_value", map_indexes=None
+            )
+        ).all()
         return {row.map_index: _json(row.value) for row in rows}
 
 
@@ -154,7 +160,9 @@ def killed_then_rerun(embedded, airflow_db) -> tuple[DagRunResult, DagRunResult,
         killer.stop()
     after_first = {
         "states": _mapped_states(first, "vllm_batch"),
-        "manifests": {i: _exists(embedded, _shard_uri(first.run_id, i, ".results.manifest.json")) for i in range(3)},
+        "manifests": {
+            i: _exists(embedded, _shard_uri(first.run_id, i, ".results.manifest.json")) for i in range(3)
+        },
         "killed_pid": killer.killed_pid,
     }
     second = run_dag(dag, run_conf=RUN_CONF, logical_date=LOGICAL_DATE)
@@ -198,7 +206,11 @@ def test_merged_output_answers_every_input_id_once_in_input_order(killed_then_re
     lines = _s3_lines(seaweed, merged["output_uri"])
     assert [line["custom_id"] for line in lines] == [f"request-{i}" for i in range(N_REQUESTS)]
     assert all(line["response"]["status_code"] == 200 for line in lines)
-    assert second.xcom("validate")["request_counts"] == {"total": N_REQUESTS, "completed": N_REQUESTS, "failed": 0}
+    assert second.xcom("validate")["request_counts"] == {
+        "total": N_REQUESTS,
+        "completed": N_REQUESTS,
+        "failed": 0,
+    }
 
 
 def test_merged_output_is_the_shard_outputs_byte_for_byte(killed_then_rerun, seaweed):
@@ -206,7 +218,9 @@ def test_merged_output_is_the_shard_outputs_byte_for_byte(killed_then_rerun, sea
     merged = second.xcom("merge")
     shards = [_s3_bytes(seaweed, _shard_uri(second.run_id, i, ".results.jsonl")) for i in range(3)]
     # Each shard's lines, newline-terminated whether or not its file ended with one.
-    assert _s3_bytes(seaweed, merged["output_uri"]) == b"".join(s if s.endswith(b"\n") else s + b"\n" for s in shards)
+    assert _s3_bytes(seaweed, merged["output_uri"]) == b"".join(
+        s if s.endswith(b"\n") else s + b"\n" for s in shards
+    )
 
 
 def test_merged_manifest_sums_the_shards_and_is_written_beside_the_output(killed_then_rerun, seaweed):
@@ -214,7 +228,9 @@ def test_merged_manifest_sums_the_shards_and_is_written_beside_the_output(killed
     merged = second.xcom("merge")
     shards = _mapped_xcoms("vllm_batch_sharded", second.run_id, "vllm_batch")
     assert merged["request_counts"] == {"total": N_REQUESTS, "completed": N_REQUESTS, "failed": 0}
-    assert merged["usage"]["completion_tokens"] == sum(m["usage"]["completion_tokens"] for m in shards.values())
+    assert merged["usage"]["completion_tokens"] == sum(
+        m["usage"]["completion_tokens"] for m in shards.values()
+    )
     assert merged["shards"] == 3
     assert merged["error_uri"] is None
     assert merged["shard_manifest_uris"] == [shards[i]["manifest_uri"] for i in range(3)]
@@ -231,28 +247,42 @@ N_TEXTS = 6
 @pytest.fixture(scope="module")
 def embeddings_sharded_and_whole(embedded, airflow_db) -> DagRunResult:
     """One DAG: the same texts embedded in 2 shards (split, map, merge) and in one run."""
+    import vllm_batch_examples as examples
     from airflow.sdk import DAG
 
-    import vllm_batch_examples as examples
-    from vllm_batch_embedded.tiny_model import embedding_model_path
+    from airflow_vllm_batch.engines import VLLMRunner
     from airflow_vllm_batch.operators.shards import (
         VLLMBatchMergeOperator,
         VLLMBatchSplitOperator,
     )
-    from airflow_vllm_batch.engines import VLLMRunner
     from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
+    from vllm_batch_embedded.tiny_model import embedding_model_path
 
     model = str(embedding_model_path())
-    embedded.client().put_object(Bucket=BUCKET, Key="embed-shards/input.jsonl", Body=examples.embedding_requests(N_TEXTS, model))
+    embedded.client().put_object(
+        Bucket=BUCKET, Key="embed-shards/input.jsonl", Body=examples.embedding_requests(N_TEXTS, model)
+    )
     common = {"model": model, "engine": VLLMRunner(args=["--runner", "pooling", "--enforce-eager"])}
-    with DAG("sharded_embeddings", schedule=None, start_date=datetime(2026, 1, 1, tzinfo=timezone.utc)) as dag:
+    with DAG(
+        "sharded_embeddings", schedule=None, start_date=datetime(2026, 1, 1, tzinfo=timezone.utc)
+    ) as dag:
         split = VLLMBatchSplitOperator(
-            task_id="split", input_uri=f"s3://{BUCKET}/embed-shards/input.jsonl", shard_prefix=f"s3://{BUCKET}/embed-shards/shards", max_requests=N_TEXTS // 2
+            task_id="split",
+            input_uri=f"s3://{BUCKET}/embed-shards/input.jsonl",
+            shard_prefix=f"s3://{BUCKET}/embed-shards/shards",
+            max_requests=N_TEXTS // 2,
         )
         mapped = VLLMBatchOperator.partial(task_id="embed", **common).expand_kwargs(split.output)
-        VLLMBatchMergeOperator(task_id="merge", shard_manifests=mapped.output, output_uri=f"s3://{BUCKET}/embed-shards/sharded.jsonl")
+        VLLMBatchMergeOperator(
+            task_id="merge",
+            shard_manifests=mapped.output,
+            output_uri=f"s3://{BUCKET}/embed-shards/sharded.jsonl",
+        )
         VLLMBatchOperator(
-            task_id="whole", input_uri=f"s3://{BUCKET}/embed-shards/input.jsonl", output_uri=f"s3://{BUCKET}/embed-shards/whole.jsonl", **common
+            task_id="whole",
+            input_uri=f"s3://{BUCKET}/embed-shards/input.jsonl",
+            output_uri=f"s3://{BUCKET}/embed-shards/whole.jsonl",
+            **common,
         )
     register_dag(dag)
     return run_dag(dag)
@@ -264,10 +294,15 @@ def test_a_successful_sharded_run_logs_no_line_at_error_level(embeddings_sharded
 
 
 def _vectors(seaweed, uri: str) -> dict[str, np.ndarray]:
-    return {line["custom_id"]: np.asarray(line["response"]["body"]["data"][0]["embedding"]) for line in _s3_lines(seaweed, uri)}
+    return {
+        line["custom_id"]: np.asarray(line["response"]["body"]["data"][0]["embedding"])
+        for line in _s3_lines(seaweed, uri)
+    }
 
 
-def test_every_vector_of_a_sharded_embedding_run_matches_the_unsharded_run(embeddings_sharded_and_whole, seaweed):
+def test_every_vector_of_a_sharded_embedding_run_matches_the_unsharded_run(
+    embeddings_sharded_and_whole, seaweed
+):
     run = embeddings_sharded_and_whole
     assert run.state == "success", run.output[-5000:]
     assert run.xcom("merge")["shards"] == 2

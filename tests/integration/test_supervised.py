@@ -34,7 +34,6 @@ from typing import Self
 import psutil
 import pytest
 
-from vllm_batch_embedded.seaweedfs import SeaweedFS
 from airflow_vllm_batch.engines.vllm.launcher import ARGV_ENV
 from airflow_vllm_batch.engines.vllm.process import GUARD_SCRIPT
 from tests.integration.deployment import (
@@ -44,6 +43,7 @@ from tests.integration.deployment import (
     wait_until,
 )
 from tests.integration.vllm_metrics import requests_answered
+from vllm_batch_embedded.seaweedfs import SeaweedFS
 
 pytestmark = [pytest.mark.integration, pytest.mark.engine]
 
@@ -151,7 +151,12 @@ class RestartableSeaweedFS(SeaweedFS):
         (self.data_dir / "s3.sock").unlink(missing_ok=True)
         with open(self.log_path, "ab") as log:
             self._process = subprocess.Popen(
-                self._argv(self._ports), cwd=self.data_dir, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                self._argv(self._ports),
+                cwd=self.data_dir,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
         self._pid = self._process.pid
 
@@ -201,7 +206,11 @@ class EngineTree:
 def engine_tree(marker: str) -> EngineTree | None:
     """The engine of the try whose engine carries ``marker``, once the engine has been exec'd."""
     marked = marked_processes(marker)
-    guards = [pid for pid, parent in marked.items() if parent not in marked and _cmdline(pid)[1:4] == ["-I", "-c", GUARD_SCRIPT]]
+    guards = [
+        pid
+        for pid, parent in marked.items()
+        if parent not in marked and _cmdline(pid)[1:4] == ["-I", "-c", GUARD_SCRIPT]
+    ]
     if len(guards) != 1:
         return None
     (guard,) = guards
@@ -251,7 +260,11 @@ def _chat_lines(model: str, n: int) -> bytes:
                 "custom_id": f"r{i}",
                 "method": "POST",
                 "url": "/v1/chat/completions",
-                "body": {"model": model, "messages": [{"role": "user", "content": f"Count to {i}"}], "max_completion_tokens": MAX_TOKENS},
+                "body": {
+                    "model": model,
+                    "messages": [{"role": "user", "content": f"Count to {i}"}],
+                    "max_completion_tokens": MAX_TOKENS,
+                },
             }
         )
         + "\n"
@@ -273,7 +286,13 @@ class Supervised:
         return self.dep.trigger(dag_id, {"case": case, "marker": marker}), marker
 
     def wait_for_engine(self, marker: str) -> EngineTree:
-        return wait_until("the task's vLLM engine to start", lambda: engine_tree(marker), ENGINE_START_TIMEOUT_S, self.dep, interval=0.2)
+        return wait_until(
+            "the task's vLLM engine to start",
+            lambda: engine_tree(marker),
+            ENGINE_START_TIMEOUT_S,
+            self.dep,
+            interval=0.2,
+        )
 
     def diagnose(self, dag_id: str, run_id: str) -> str:
         return self.dep.diagnose(dag_id, run_id, TASK_ID)
@@ -285,11 +304,16 @@ class Supervised:
         """The published results' custom_ids (in file order) and the manifest of ``case``."""
         client = self.s3.client()
         body = client.get_object(Bucket=BUCKET, Key=f"out/{case}/results.jsonl")["Body"].read().decode()
-        manifest = json.loads(client.get_object(Bucket=BUCKET, Key=f"out/{case}/results.manifest.json")["Body"].read())
+        manifest = json.loads(
+            client.get_object(Bucket=BUCKET, Key=f"out/{case}/results.manifest.json")["Body"].read()
+        )
         return [json.loads(line)["custom_id"] for line in body.splitlines()], manifest
 
     def keys(self, prefix: str) -> list[str]:
-        return [o["Key"] for o in self.s3.client().list_objects_v2(Bucket=BUCKET, Prefix=prefix).get("Contents", [])]
+        return [
+            o["Key"]
+            for o in self.s3.client().list_objects_v2(Bucket=BUCKET, Prefix=prefix).get("Contents", [])
+        ]
 
 
 @pytest.fixture(scope="module")
@@ -324,7 +348,13 @@ def supervised(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         home = root / "airflow"
         home.mkdir()
         with local_executor_deployment(s3, tiny_model, home, {"supervised_dags.py": source}) as dep:
-            for dag_id in ("supervised_no_retry", "supervised_retry", "supervised_retry_mismatch", "supervised_retry_s3", "supervised_server_retry"):
+            for dag_id in (
+                "supervised_no_retry",
+                "supervised_retry",
+                "supervised_retry_mismatch",
+                "supervised_retry_s3",
+                "supervised_server_retry",
+            ):
                 dep.wait_for_dag(dag_id)
             yield Supervised(dep=dep, s3=s3, wrapper_state=wrapper_state)
     finally:
@@ -341,7 +371,10 @@ def _fault_kills_the_engine_with_its_task(supervised: Supervised, fault: str) ->
     tree = supervised.wait_for_engine(marker)
     # The runner must be the real one: a descendant of the scheduler (LocalExecutor worker ->
     # supervisor -> task runner), not a process of this test.
-    assert tree.task_runner in {p.pid for p in dep.descendants("scheduler")}, (tree, _cmdline(tree.task_runner))
+    assert tree.task_runner in {p.pid for p in dep.descendants("scheduler")}, (
+        tree,
+        _cmdline(tree.task_runner),
+    )
     faulted = time.monotonic()
     if fault == "sigkill":
         os.kill(tree.task_runner, signal.SIGKILL)
@@ -354,7 +387,9 @@ def _fault_kills_the_engine_with_its_task(supervised: Supervised, fault: str) ->
     wait_until("the task runner to exit", lambda: not pid_alive(tree.task_runner), 30, dep, interval=0.1)
     runner_gone = time.monotonic()
     try:
-        wait_until("no engine process left", lambda: not marked_processes(marker), ENGINE_GONE_S, dep, interval=0.1)
+        wait_until(
+            "no engine process left", lambda: not marked_processes(marker), ENGINE_GONE_S, dep, interval=0.1
+        )
     except DeploymentError:
         left = {pid: _cmdline(pid)[:4] for pid in marked_processes(marker)}
         pytest.fail(
@@ -372,7 +407,9 @@ def _fault_kills_the_engine_with_its_task(supervised: Supervised, fault: str) ->
     # Nothing was published: the run died before its engine finished. (A killed try's lease
     # may stay behind: it goes stale by itself, and the task's own retry takes it over.)
     left = supervised.keys(f"out/no-retry-{fault}/")
-    assert not {f"out/no-retry-{fault}/results.jsonl", f"out/no-retry-{fault}/results.manifest.json"} & set(left), left
+    assert not {f"out/no-retry-{fault}/results.jsonl", f"out/no-retry-{fault}/results.manifest.json"} & set(
+        left
+    ), left
 
 
 def test_sigkill_of_the_task_runner_leaves_no_engine_process(supervised):
@@ -387,7 +424,7 @@ def test_sigterm_of_the_task_runner_leaves_no_engine_process(supervised):
 
 
 def test_mark_failed_through_the_rest_api_leaves_no_engine_process(supervised):
-    """"Mark failed" of the running task instance (``PATCH .../taskInstances/{task_id}``): the
+    """ "Mark failed" of the running task instance (``PATCH .../taskInstances/{task_id}``): the
     supervisor stops its runner and no vLLM process is left a few seconds later."""
     _fault_kills_the_engine_with_its_task(supervised, "mark_failed")
 
@@ -395,11 +432,15 @@ def test_mark_failed_through_the_rest_api_leaves_no_engine_process(supervised):
 # -- 2. Airflow's own retry finishes the job --------------------------------------
 
 
-def _assert_try_2_published_everything(supervised: Supervised, dag_id: str, run_id: str, case: str) -> tuple[str, str]:
+def _assert_try_2_published_everything(
+    supervised: Supervised, dag_id: str, run_id: str, case: str
+) -> tuple[str, str]:
     """The run succeeded on try 2 with a complete output and manifest; return both tries' logs."""
     state = supervised.dep.wait_for_run(dag_id, run_id, RUN_TIMEOUT_S)
     ti = supervised.dep.task_instance(dag_id, run_id, TASK_ID)
-    assert (state, ti["state"], ti["try_number"]) == ("success", "success", 2), supervised.diagnose(dag_id, run_id)
+    assert (state, ti["state"], ti["try_number"]) == ("success", "success", 2), supervised.diagnose(
+        dag_id, run_id
+    )
     tries = {t["try_number"]: t["state"] for t in supervised.dep.task_tries(dag_id, run_id, TASK_ID)}
     assert tries == {1: "failed", 2: "success"}, tries
     custom_ids, manifest = supervised.output(case)
@@ -407,7 +448,10 @@ def _assert_try_2_published_everything(supervised: Supervised, dag_id: str, run_
     assert manifest["request_counts"] == {"total": N_SMALL, "completed": N_SMALL, "failed": 0}
     assert manifest["output_uri"] == f"s3://{BUCKET}/out/{case}/results.jsonl"
     # The run's staging is removed once published; the lease is given back.
-    assert supervised.keys(f"out/{case}/") == [f"out/{case}/results.jsonl", f"out/{case}/results.manifest.json"]
+    assert supervised.keys(f"out/{case}/") == [
+        f"out/{case}/results.jsonl",
+        f"out/{case}/results.manifest.json",
+    ]
     return supervised.log(dag_id, run_id, 1), supervised.log(dag_id, run_id, 2)
 
 
@@ -460,14 +504,22 @@ def s3_down_at_publish(supervised: Supervised) -> dict:
         # S3 stays down until try 1 has failed: boto's own retries must not bridge the outage.
         ti_state = wait_until(
             "try 1 to fail while S3 is down",
-            lambda: (state := dep.task_instance(dag_id, run_id, TASK_ID)["state"]) not in ("running", "queued", "scheduled") and state,
+            lambda: (
+                (state := dep.task_instance(dag_id, run_id, TASK_ID)["state"])
+                not in ("running", "queued", "scheduled")
+                and state
+            ),
             120,
             dep,
             interval=0.5,
         )
-        print(f"s3: crashed at {crashed_at}; try 1 ended {ti_state!r} {time.monotonic() - crashed:.1f}s later")
+        print(
+            f"s3: crashed at {crashed_at}; try 1 ended {ti_state!r} {time.monotonic() - crashed:.1f}s later"
+        )
         if ti_state == "success":
-            pytest.fail(f"S3 crashed at {crashed_at}, too late: try 1 had published already (a race of this test).\n{supervised.diagnose(dag_id, run_id)}")
+            pytest.fail(
+                f"S3 crashed at {crashed_at}, too late: try 1 had published already (a race of this test).\n{supervised.diagnose(dag_id, run_id)}"
+            )
         s3.start()
         first, second = _assert_try_2_published_everything(supervised, dag_id, run_id, case)
     return {"first": first, "second": second, "guards": watch.guards}
@@ -493,7 +545,9 @@ def _failure(log: str) -> list[str]:
     return []
 
 
-def test_s3_down_at_publish_fails_try_1_with_the_publish_error_that_says_a_retry_publishes(s3_down_at_publish):
+def test_s3_down_at_publish_fails_try_1_with_the_publish_error_that_says_a_retry_publishes(
+    s3_down_at_publish,
+):
     """The failure a user reads first names the fault and the remedy (PublishError: "a retry
     publishes them without running the engine again"), not a lease clean-up error."""
     chain = _failure(s3_down_at_publish["first"])
@@ -513,11 +567,19 @@ def test_retry_after_s3_went_down_while_the_engine_ran_publishes_its_results_wit
     run_id, marker = supervised.trigger(dag_id, case)
     with EngineWatch(marker) as watch:
         # The engine reads its whole input first; from "Running batch" on it needs no S3 (local output).
-        wait_until("try 1's engine to run the batch", lambda: "Running batch" in supervised.log(dag_id, run_id, 1), ENGINE_START_TIMEOUT_S, dep, interval=0.1)
+        wait_until(
+            "try 1's engine to run the batch",
+            lambda: "Running batch" in supervised.log(dag_id, run_id, 1),
+            ENGINE_START_TIMEOUT_S,
+            dep,
+            interval=0.1,
+        )
         s3.crash()
         wait_until(
             "try 1 to fail while S3 is down",
-            lambda: dep.task_instance(dag_id, run_id, TASK_ID)["state"] not in ("running", "queued", "scheduled"),
+            lambda: (
+                dep.task_instance(dag_id, run_id, TASK_ID)["state"] not in ("running", "queued", "scheduled")
+            ),
             120,
             dep,
             interval=0.5,
@@ -559,14 +621,18 @@ def test_retry_after_the_task_started_server_was_killed_resumes_from_its_checkpo
 
     state = dep.wait_for_run(dag_id, run_id, RUN_TIMEOUT_S)
     ti = dep.task_instance(dag_id, run_id, TASK_ID)
-    assert (state, ti["state"], ti["try_number"]) == ("success", "success", 2), supervised.diagnose(dag_id, run_id)
+    assert (state, ti["state"], ti["try_number"]) == ("success", "success", 2), supervised.diagnose(
+        dag_id, run_id
+    )
     first, second = supervised.log(dag_id, run_id, 1), supervised.log(dag_id, run_id, 2)
     assert "ServerUnavailableError" in first and "checkpointed" in first, first[-3000:]
     resumed = re.search(r"(\d+) answered by earlier tries' checkpoints", second)
     sent = re.search(r"Server engine done: (\d+) requests sent", second)
     assert resumed and sent, second[-3000:]
     assert int(resumed.group(1)) > 0 and int(sent.group(1)) + int(resumed.group(1)) == N_SERVER
-    print(f"server killed: try 2 resumed {resumed.group(1)} answers from try 1's checkpoints and sent {sent.group(1)}")
+    print(
+        f"server killed: try 2 resumed {resumed.group(1)} answers from try 1's checkpoints and sent {sent.group(1)}"
+    )
     custom_ids, manifest = supervised.output(case)
     assert sorted(custom_ids) == sorted(f"r{i}" for i in range(N_SERVER))
     assert manifest["request_counts"] == {"total": N_SERVER, "completed": N_SERVER, "failed": 0}
@@ -598,14 +664,18 @@ def test_sigkill_of_a_server_task_at_half_then_airflows_retry_sends_only_the_una
         if first_answer is None and answered:
             first_answer = time.monotonic()
         if time.monotonic() > deadline:
-            pytest.fail(f"the server answered only {answered} in {RUN_TIMEOUT_S}s\n{supervised.diagnose(dag_id, run_id)}")
+            pytest.fail(
+                f"the server answered only {answered} in {RUN_TIMEOUT_S}s\n{supervised.diagnose(dag_id, run_id)}"
+            )
         time.sleep(0.05)
     os.kill(tree.task_runner, signal.SIGKILL)
     rate = answered / max(time.monotonic() - (first_answer or time.monotonic()), 1.0)
 
     state = dep.wait_for_run(dag_id, run_id, RUN_TIMEOUT_S)
     ti = dep.task_instance(dag_id, run_id, TASK_ID)
-    assert (state, ti["state"], ti["try_number"]) == ("success", "success", 2), supervised.diagnose(dag_id, run_id)
+    assert (state, ti["state"], ti["try_number"]) == ("success", "success", 2), supervised.diagnose(
+        dag_id, run_id
+    )
     second = supervised.log(dag_id, run_id, 2)
     resumed = re.search(r"(\d+) answered by earlier tries' checkpoints", second)
     sent = re.search(r"Server engine done: (\d+) requests sent", second)
@@ -615,7 +685,9 @@ def test_sigkill_of_a_server_task_at_half_then_airflows_retry_sends_only_the_una
     assert sorted(custom_ids) == sorted(f"r{i}" for i in range(N_SERVER))
     twice = answered - int(resumed.group(1))
     bound = 32 + 2 * SERVER_CHECKPOINT_S * rate
-    print(f"task killed at {answered:.0f} answered ({rate:.0f}/s): try 2 resumed {resumed.group(1)} and sent {sent.group(1)}; answered twice {twice:.0f}, bound {bound:.0f}")
+    print(
+        f"task killed at {answered:.0f} answered ({rate:.0f}/s): try 2 resumed {resumed.group(1)} and sent {sent.group(1)}; answered twice {twice:.0f}, bound {bound:.0f}"
+    )
     assert 0 <= twice <= bound
 
 

@@ -17,9 +17,15 @@ pytestmark = pytest.mark.integration
 
 def test_a_failed_preflight_is_reported_once_in_the_task_log(embedded, airflow_db, tiny_model):
     model = str(tiny_model)
-    bad = '{"custom_id": "c", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "' + model + '"}}'
+    bad = (
+        '{"custom_id": "c", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "'
+        + model
+        + '"}}'
+    )
     uri = _put(embedded, "tasklog/input.jsonl", _line("a", model) + "\n" + bad + "\n")
-    result = _run_operator("tasklog_bad_line", input_uri=uri, output_uri=f"s3://{BUCKET}/tasklog/results.jsonl", model=model)
+    result = _run_operator(
+        "tasklog_bad_line", input_uri=uri, output_uri=f"s3://{BUCKET}/tasklog/results.jsonl", model=model
+    )
     assert result.state == "failed"
     log = result.output
     assert log.count("line 2 (custom_id 'c'): body does not fit /v1/chat/completions") == 1, log[-4000:]

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 from openai.types.chat import ChatCompletion
 
-from vllm_batch_embedded.demo import CPU_ENGINE_ARGS, CPU_ENGINE_ENV
 from airflow_vllm_batch.engines.vllm.server_process import VLLMServerProcess
 from airflow_vllm_batch.hooks.vllm import VLLMServerHook
 from airflow_vllm_batch.serving import (
@@ -24,6 +23,7 @@ from airflow_vllm_batch.serving import (
     run_stream,
 )
 from tests.integration.vllm_metrics import requests_answered
+from vllm_batch_embedded.demo import CPU_ENGINE_ARGS, CPU_ENGINE_ENV
 
 pytestmark = [pytest.mark.integration, pytest.mark.engine]
 
@@ -31,7 +31,10 @@ pytestmark = [pytest.mark.integration, pytest.mark.engine]
 @pytest.fixture(scope="module")
 def server(tiny_model: Path) -> Iterator[VLLMServerProcess]:
     with VLLMServerProcess(
-        str(tiny_model), engine_args=CPU_ENGINE_ARGS.split(), env={**os.environ, **CPU_ENGINE_ENV}, startup_timeout_s=300
+        str(tiny_model),
+        engine_args=CPU_ENGINE_ARGS.split(),
+        env={**os.environ, **CPU_ENGINE_ENV},
+        startup_timeout_s=300,
     ) as process:
         print(f"vLLM server ready after {process.time_to_ready_s:.1f}s")
         yield process
@@ -39,7 +42,11 @@ def server(tiny_model: Path) -> Iterator[VLLMServerProcess]:
 
 def _lines(model: str, n: int, prefix: str = "chat") -> Iterator[tuple[int, bytes]]:
     for i in range(n):
-        body = {"model": model, "messages": [{"role": "user", "content": f"Count to {i}"}], "max_completion_tokens": 4}
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": f"Count to {i}"}],
+            "max_completion_tokens": 4,
+        }
         line = {"custom_id": f"{prefix}-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}
         yield i + 1, json.dumps(line).encode()
 
@@ -52,7 +59,11 @@ def test_200_chat_requests_are_answered_once_each_with_openai_chat_completions(s
     before = requests_answered(server.hook.base_url)
     journal = Journal(tmp_path / "journal", max_part_bytes=64 * 1024)
     stats = run_stream(
-        _lines(str(tiny_model), 200), base_url=server.hook.base_url, api_key=server.hook.api_key, journal=journal, max_in_flight=64
+        _lines(str(tiny_model), 200),
+        base_url=server.hook.base_url,
+        api_key=server.hook.api_key,
+        journal=journal,
+        max_in_flight=64,
     )
     results = _results(journal)
     assert sorted(r["custom_id"] for r in results) == sorted(f"chat-{i}" for i in range(200))
@@ -60,7 +71,9 @@ def test_200_chat_requests_are_answered_once_each_with_openai_chat_completions(s
         assert result["error"] is None and result["response"]["status_code"] == 200
         ChatCompletion.model_validate(result["response"]["body"])
     assert (stats.done, stats.failed, stats.durable) == (200, 0, 200)
-    assert stats.completion_tokens == sum(r["response"]["body"]["usage"]["completion_tokens"] for r in results)
+    assert stats.completion_tokens == sum(
+        r["response"]["body"]["usage"]["completion_tokens"] for r in results
+    )
     assert len(journal.parts) > 1
     assert requests_answered(server.hook.base_url) - before == 200
 
@@ -69,13 +82,22 @@ def test_a_request_for_another_model_gets_vllms_error_line(server, tmp_path):
     journal = Journal(tmp_path)
     run_stream(_lines("nope", 1), base_url=server.hook.base_url, api_key=server.hook.api_key, journal=journal)
     (result,) = _results(journal)
-    assert result["response"] == {"status_code": 404, "request_id": result["response"]["request_id"], "body": None}
+    assert result["response"] == {
+        "status_code": 404,
+        "request_id": result["response"]["request_id"],
+        "body": None,
+    }
     assert result["error"]["error"]["type"] == "NotFoundError" and result["error"]["error"]["code"] == 404
 
 
 def test_a_wrong_api_key_is_a_clear_error(server, tiny_model, tmp_path):
     with pytest.raises(ServerAuthError, match="refused the API key"):
-        run_stream(_lines(str(tiny_model), 3), base_url=server.hook.base_url, api_key="wrong-key", journal=Journal(tmp_path))
+        run_stream(
+            _lines(str(tiny_model), 3),
+            base_url=server.hook.base_url,
+            api_key="wrong-key",
+            journal=Journal(tmp_path),
+        )
     with pytest.raises(ServerAuthError, match="refused the API key"):
         VLLMServerHook(base_url=server.hook.base_url, api_key="wrong-key").served_models()
 

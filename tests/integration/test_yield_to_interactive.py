@@ -22,8 +22,7 @@ from pathlib import Path
 import pytest
 from aiohttp import ClientSession, web
 
-from airflow_vllm_batch.engines import WarmVLLMServer, YieldToInteractive
-from airflow_vllm_batch.engines import server as server_engines
+from airflow_vllm_batch.engines import WarmVLLMServer, YieldToInteractive, server as server_engines
 from airflow_vllm_batch.engines.vllm.server_process import VLLMServerProcess
 from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
 from vllm_batch_embedded.demo import BUCKET, CPU_ENGINE_ARGS, CPU_ENGINE_ENV
@@ -39,11 +38,19 @@ MAX_NUM_SEQS = 16
 def priority_server(embedded, tiny_model: Path) -> Iterator[VLLMServerProcess]:
     """One vLLM server run with ``--scheduling-policy priority``, behind connection ``vllm_priority`` (whose extra says so)."""
     args = [*CPU_ENGINE_ARGS.split(), "--scheduling-policy", "priority", "--max-num-seqs", str(MAX_NUM_SEQS)]
-    with VLLMServerProcess(str(tiny_model), engine_args=args, env={**os.environ, **CPU_ENGINE_ENV}, startup_timeout_s=600) as server:
+    with VLLMServerProcess(
+        str(tiny_model), engine_args=args, env={**os.environ, **CPU_ENGINE_ENV}, startup_timeout_s=600
+    ) as server:
         assert server.hook is not None
         host, port = server.hook.base_url.removeprefix("http://").split(":")
         os.environ[f"AIRFLOW_CONN_{CONN_ID.upper()}"] = json.dumps(
-            {"conn_type": "vllm", "host": host, "port": int(port), "password": server.hook.api_key, "extra": {"scheduling_policy": "priority"}}
+            {
+                "conn_type": "vllm",
+                "host": host,
+                "port": int(port),
+                "password": server.hook.api_key,
+                "extra": {"scheduling_policy": "priority"},
+            }
         )
         try:
             yield server
@@ -68,7 +75,13 @@ def _requests(n: int, model: str, max_tokens: int) -> bytes:
                 "custom_id": f"b{i}",
                 "method": "POST",
                 "url": "/v1/chat/completions",
-                "body": {"model": model, "messages": [{"role": "user", "content": f"Tell a story about {i}."}], "max_completion_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True},
+                "body": {
+                    "model": model,
+                    "messages": [{"role": "user", "content": f"Tell a story about {i}."}],
+                    "max_completion_tokens": max_tokens,
+                    "temperature": 0.0,
+                    "ignore_eos": True,
+                },
             }
         ).encode()
         + b"\n"
@@ -79,7 +92,9 @@ def _requests(n: int, model: str, max_tokens: int) -> bytes:
 def _run_batch(embedded, tmp_path: Path, model: str, n: int, max_tokens: int, **engine) -> dict:
     ti = _TI()
     key = f"yield/{ti.run_id}"
-    embedded.client().put_object(Bucket=BUCKET, Key=f"{key}/input.jsonl", Body=_requests(n, model, max_tokens))
+    embedded.client().put_object(
+        Bucket=BUCKET, Key=f"{key}/input.jsonl", Body=_requests(n, model, max_tokens)
+    )
     op = VLLMBatchOperator(
         task_id="vllm_batch",
         input_uri=f"s3://{BUCKET}/{key}/input.jsonl",
@@ -95,8 +110,15 @@ async def _chat_latency(base_url: str, api_key: str, model: str, max_tokens: int
     """One interactive request (priority 0, as a user's): its total latency."""
     started = time.monotonic()
     async with ClientSession() as session:
-        body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": max_tokens, "ignore_eos": True}
-        async with session.post(f"{base_url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {api_key}"}) as response:
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_completion_tokens": max_tokens,
+            "ignore_eos": True,
+        }
+        async with session.post(
+            f"{base_url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {api_key}"}
+        ) as response:
             assert response.status == 200, await response.text()
             await response.read()
     return time.monotonic() - started
@@ -107,10 +129,14 @@ def _waiting(base_url: str) -> float:
 
     with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as response:  # noqa: S310 - loopback
         text = response.read().decode()
-    return sum(float(v) for v in re.findall(r"^vllm:num_requests_waiting\{[^}]*\} (\S+)$", text, re.MULTILINE))
+    return sum(
+        float(v) for v in re.findall(r"^vllm:num_requests_waiting\{[^}]*\} (\S+)$", text, re.MULTILINE)
+    )
 
 
-def _interactive_latency_beside(embedded, tmp_path, server: VLLMServerProcess, model: str, *, priority: bool) -> tuple[float, float]:
+def _interactive_latency_beside(
+    embedded, tmp_path, server: VLLMServerProcess, model: str, *, priority: bool
+) -> tuple[float, float]:
     """An interactive request's latency while a batch of fixed bound 96 keeps ~80 requests waiting; and the waiting seen."""
     result: dict = {}
 
@@ -140,16 +166,24 @@ def _interactive_latency_beside(embedded, tmp_path, server: VLLMServerProcess, m
     return latency, waiting
 
 
-def test_the_batchs_priority_reaches_the_server_an_interactive_request_is_served_ahead_of_its_waiting_requests(embedded, priority_server, tiny_model, tmp_path):
+def test_the_batchs_priority_reaches_the_server_an_interactive_request_is_served_ahead_of_its_waiting_requests(
+    embedded, priority_server, tiny_model, tmp_path
+):
     model = str(tiny_model)
-    with_priority, waiting_a = _interactive_latency_beside(embedded, tmp_path, priority_server, model, priority=True)
-    without, waiting_b = _interactive_latency_beside(embedded, tmp_path, priority_server, model, priority=False)
+    with_priority, waiting_a = _interactive_latency_beside(
+        embedded, tmp_path, priority_server, model, priority=True
+    )
+    without, waiting_b = _interactive_latency_beside(
+        embedded, tmp_path, priority_server, model, priority=False
+    )
     # Without the batch's priority the interactive request waits behind the ~80 batch requests queued before it
     # (five rounds of 16 sequences); with it, for one sequence of the batch to end.
     assert with_priority * 2 < without, (with_priority, without, waiting_a, waiting_b)
 
 
-def test_the_bound_backs_off_under_an_interactive_burst_and_grows_back_after_it(embedded, priority_server, tiny_model, tmp_path, monkeypatch, capfd):
+def test_the_bound_backs_off_under_an_interactive_burst_and_grows_back_after_it(
+    embedded, priority_server, tiny_model, tmp_path, monkeypatch, capfd
+):
     monkeypatch.setattr(server_engines, "PROGRESS_EVERY_S", 0.5)
     assert priority_server.hook is not None
     base_url, key, model = priority_server.hook.base_url, priority_server.hook.api_key or "", str(tiny_model)
@@ -170,14 +204,27 @@ def test_the_bound_backs_off_under_an_interactive_burst_and_grows_back_after_it(
     thread = threading.Thread(target=interactive_burst)
     thread.start()
     started = time.monotonic()
-    manifest = _run_batch(embedded, tmp_path, model, 1200, 24, conn_id=CONN_ID, max_in_flight=64, yield_to_interactive=YieldToInteractive(min_in_flight=2))
+    manifest = _run_batch(
+        embedded,
+        tmp_path,
+        model,
+        1200,
+        24,
+        conn_id=CONN_ID,
+        max_in_flight=64,
+        yield_to_interactive=YieldToInteractive(min_in_flight=2),
+    )
     ended = time.monotonic()
     thread.join()
     assert manifest["request_counts"]["completed"] == 1200
     assert burst["to"] < ended, "the batch ended before the burst did: give it more requests"
     out = capfd.readouterr().out
     assert "requests carry priority 10 (the connection's scheduling_policy extra is 'priority')" in out
-    bounds = [(int(m.group(1)), line) for line in out.splitlines() if (m := re.search(r"in flight \(bound (\d+):", line))]
+    bounds = [
+        (int(m.group(1)), line)
+        for line in out.splitlines()
+        if (m := re.search(r"in flight \(bound (\d+):", line))
+    ]
     assert bounds, out[-3000:]
     # The progress lines are in time order; the burst is the middle third or so of the run.
     lowest = min(b for b, _ in bounds)
@@ -201,8 +248,12 @@ class _RecordingProxy:
         if request.method == "POST":
             self.bodies.append(json.loads(data))
         headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")}
-        async with self.session.request(request.method, self.upstream + request.path_qs, data=data or None, headers=headers) as upstream:
-            return web.Response(status=upstream.status, body=await upstream.read(), content_type=upstream.content_type)
+        async with self.session.request(
+            request.method, self.upstream + request.path_qs, data=data or None, headers=headers
+        ) as upstream:
+            return web.Response(
+                status=upstream.status, body=await upstream.read(), content_type=upstream.content_type
+            )
 
     async def _start(self) -> int:
         self.session = ClientSession()
@@ -228,14 +279,23 @@ class _RecordingProxy:
         self.loop.call_soon_threadsafe(self.loop.stop)
 
 
-def test_a_server_not_known_to_run_priority_scheduling_is_never_sent_a_priority(embedded, priority_server, tiny_model, tmp_path, capfd):
+def test_a_server_not_known_to_run_priority_scheduling_is_never_sent_a_priority(
+    embedded, priority_server, tiny_model, tmp_path, capfd
+):
     assert priority_server.hook is not None
     with _RecordingProxy(priority_server.hook.base_url) as proxy:
         os.environ[f"AIRFLOW_CONN_{PLAIN_CONN_ID.upper()}"] = json.dumps(
-            {"conn_type": "vllm", "host": "127.0.0.1", "port": proxy.port, "password": priority_server.hook.api_key}
+            {
+                "conn_type": "vllm",
+                "host": "127.0.0.1",
+                "port": proxy.port,
+                "password": priority_server.hook.api_key,
+            }
         )
         try:
-            manifest = _run_batch(embedded, tmp_path, str(tiny_model), 50, 4, conn_id=PLAIN_CONN_ID, yield_to_interactive=True)
+            manifest = _run_batch(
+                embedded, tmp_path, str(tiny_model), 50, 4, conn_id=PLAIN_CONN_ID, yield_to_interactive=True
+            )
         finally:
             os.environ.pop(f"AIRFLOW_CONN_{PLAIN_CONN_ID.upper()}", None)
     assert manifest["request_counts"]["completed"] == 50

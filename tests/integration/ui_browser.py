@@ -53,7 +53,13 @@ class Browser:
         options = webdriver.ChromeOptions()
         options.binary_location = CHROMIUM
         # Root in a container: Chromium's sandbox needs user namespaces it may not have.
-        for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--window-size=1400,1000"):
+        for argument in (
+            "--headless=new",
+            "--no-sandbox",
+            "--disable-dev-shm-usage",
+            "--disable-gpu",
+            "--window-size=1400,1000",
+        ):
             options.add_argument(argument)
         self.driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
 

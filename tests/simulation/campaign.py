@@ -60,14 +60,24 @@ class CampaignReport:
         return "\n".join(lines)
 
     def format(self, first: int = 5) -> str:
-        lines = [f"schedules run: {self.schedules} in {self.seconds:.1f}s ({self.schedules / max(self.seconds, 1e-9):.0f}/s)"]
-        lines.append("faults injected by kind: " + (", ".join(f"{k} {n}" for k, n in sorted(self.faults.items())) or "none"))
+        lines = [
+            f"schedules run: {self.schedules} in {self.seconds:.1f}s ({self.schedules / max(self.seconds, 1e-9):.0f}/s)"
+        ]
+        lines.append(
+            "faults injected by kind: "
+            + (", ".join(f"{k} {n}" for k, n in sorted(self.faults.items())) or "none")
+        )
         lines.append(f"schedules whose last try met no fault (Liveness applies): {self.clean_last_tries}")
-        lines.append("schedules violating each invariant: " + ", ".join(f"{k} {n}" for k, n in self.by_invariant().items()))
+        lines.append(
+            "schedules violating each invariant: "
+            + ", ".join(f"{k} {n}" for k, n in self.by_invariant().items())
+        )
         for check, seeds in sorted(self.violations.items()):
             lines.append(f"  {check}: {len(seeds)} schedule(s), first seeds {seeds[:first]}")
         for seed in self.failing_seeds[:first]:
-            lines.append(f"seed {seed}: " + "; ".join(f"{v.check}: {v.detail}" for v in self.details.get(seed, [])))
+            lines.append(
+                f"seed {seed}: " + "; ".join(f"{v.check}: {v.detail}" for v in self.details.get(seed, []))
+            )
             if seed in self.crashes:
                 lines.append(f"seed {seed}: the simulator itself failed: {self.crashes[seed]}")
             lines.append("  replay: " + REPLAY.format(seed=seed))
@@ -84,7 +94,9 @@ def run_campaign(seeds: Iterable[int], workdir: Path) -> CampaignReport:
             world = run_schedule(seed, workdir / "schedule")
             found = check_all(world)
             if world.s3.unsupported:
-                report.crashes[seed] = f"the run code called S3 methods the fake does not model: {sorted(world.s3.unsupported)}"
+                report.crashes[seed] = (
+                    f"the run code called S3 methods the fake does not model: {sorted(world.s3.unsupported)}"
+                )
         except Exception:  # noqa: BLE001 - a simulator failure is reported with its seed, not hidden
             report.crashes[seed] = traceback.format_exc(limit=-3)
             continue
@@ -96,7 +108,14 @@ def run_campaign(seeds: Iterable[int], workdir: Path) -> CampaignReport:
         report.faults["second task instance"] += any(t.run == "run-2" for t in world.tries)
         report.coverage.update(world.s3.coverage)
         last = world.final_try
-        report.clean_last_tries += bool(last is not None and not last.dead and not last.faults and world.input_version == 1 and not world.plan.second_run_at and not world.plan.collision)
+        report.clean_last_tries += bool(
+            last is not None
+            and not last.dead
+            and not last.faults
+            and world.input_version == 1
+            and not world.plan.second_run_at
+            and not world.plan.collision
+        )
         if found:
             report.details[seed] = found
             for check in dict.fromkeys(v.check for v in found):

@@ -8,7 +8,9 @@ import pytest
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--sim-seed", type=int, default=None, help="replay only this seed of the fault simulator")
+    parser.addoption(
+        "--sim-seed", type=int, default=None, help="replay only this seed of the fault simulator"
+    )
 
 
 @pytest.fixture

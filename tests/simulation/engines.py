@@ -27,15 +27,15 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from airflow_vllm_batch.engines.base import EngineInfo
 from airflow_vllm_batch.engines.local import LocalEngine
 from airflow_vllm_batch.engines.options import VLLMRunner, VLLMServer
 from airflow_vllm_batch.engines.runner import RunnerEngine
 from airflow_vllm_batch.engines.server import _Streaming
+from airflow_vllm_batch.engines.vllm.command import FALLBACK_SUPPORTED_URLS
+from airflow_vllm_batch.engines.vllm.model_names import ServedModels, served_models
 from airflow_vllm_batch.exceptions import ServerUnavailableError
 from airflow_vllm_batch.gpus import GPUPlan
-from airflow_vllm_batch.engines.vllm.model_names import ServedModels, served_models
-from airflow_vllm_batch.engines.base import EngineInfo
-from airflow_vllm_batch.engines.vllm.command import FALLBACK_SUPPORTED_URLS
 from airflow_vllm_batch.hooks.vllm import VLLMEngineHook
 from airflow_vllm_batch.serving import StreamStats
 
@@ -59,17 +59,36 @@ def answer_line(request: dict, status: int = 200, *, dead: bool = False, tag: st
             "id": f"chatcmpl-{cid}",
             "object": "chat.completion",
             "model": request["body"].get("model", "m"),
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": f"echo:{content}"}, "finish_reason": "stop"}],
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": f"echo:{content}"},
+                    "finish_reason": "stop",
+                }
+            ],
             "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
         }
-        line = {"id": f"vllm-{cid}", "custom_id": cid, "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
+        line = {
+            "id": f"vllm-{cid}",
+            "custom_id": cid,
+            "response": {"status_code": 200, "request_id": rid, "body": body},
+            "error": None,
+        }
     else:
-        message = "EngineCore encountered an issue. See stack trace (above) for the root cause." if dead else f"HTTP {status}"
+        message = (
+            "EngineCore encountered an issue. See stack trace (above) for the root cause."
+            if dead
+            else f"HTTP {status}"
+        )
         line = {
             "id": f"vllm-{cid}",
             "custom_id": cid,
             "response": {"status_code": status, "request_id": rid, "body": None},
-            "error": {"message": message, "type": "BadRequestError" if status < 500 else "InternalServerError", "code": status},
+            "error": {
+                "message": message,
+                "type": "BadRequestError" if status < 500 else "InternalServerError",
+                "code": status,
+            },
         }
     return json.dumps(line).encode()
 
@@ -91,7 +110,9 @@ class SimRunnerProcess:
         source, target = argv[argv.index("-i") + 1], argv[argv.index("-o") + 1]
         # vLLM prints its arguments at start: a secret flag's value is in this line (what the relay must hide).
         yield f"INFO 01-01 00:00:00 [api_server.py:1] vLLM API server version {SIM_VLLM_VERSION}".encode()
-        yield ("INFO 01-01 00:00:00 [run_batch.py:1] args: Namespace(" + ", ".join(_namespace(argv)) + ")").encode()
+        yield (
+            "INFO 01-01 00:00:00 [run_batch.py:1] args: Namespace(" + ", ".join(_namespace(argv)) + ")"
+        ).encode()
         requests = world.read_engine_input(source)
         actor = world.scheduler.current_actor()
         tag = actor.try_label if actor is not None and actor.try_label else ""
@@ -202,7 +223,9 @@ class SimServer:
             fate = world.engine_fate(runner=False)
             if fate == "die":
                 self._checkpoint(journal, chunk)
-                raise ServerUnavailableError("The vLLM server stopped answering (simulated death); the task's retry resumes.")
+                raise ServerUnavailableError(
+                    "The vLLM server stopped answering (simulated death); the task's retry resumes."
+                )
             if fate == "transient":
                 # 429/5xx through every retry: not a final answer, set aside (never in a checkpoint).
                 journal.set_aside(answer_line(request, 503, tag=tag))
@@ -249,7 +272,9 @@ class SimServerEngine(_Streaming):
         return served_models(self.settings.model, list(self.options.args))
 
     def inspect(self) -> EngineInfo:
-        return self.restrict(EngineInfo(vllm_version=SIM_VLLM_VERSION, supported_urls=FALLBACK_SUPPORTED_URLS))
+        return self.restrict(
+            EngineInfo(vllm_version=SIM_VLLM_VERSION, supported_urls=FALLBACK_SUPPORTED_URLS)
+        )
 
     def identity(self) -> dict[str, Any]:
         return {**LocalEngine.identity(self), "engine": "server"}  # type: ignore[arg-type]

@@ -13,11 +13,10 @@ follow the take-over rule. The other checks read the final state.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
-
-import hashlib
 
 from airflow_vllm_batch.identity import RunIdentity
 from airflow_vllm_batch.lease import DEFAULT_STALE_AFTER_S
@@ -28,7 +27,16 @@ from tests.simulation.s3 import FakeS3Client, FakeS3Hook, Mutation
 if TYPE_CHECKING:
     from tests.simulation.world import World
 
-INVARIANTS = ("Exactly once", "One identity", "Fencing", "Durability", "No strangers", "No secrets", "Bounded", "Liveness")
+INVARIANTS = (
+    "Exactly once",
+    "One identity",
+    "Fencing",
+    "Durability",
+    "No strangers",
+    "No secrets",
+    "Bounded",
+    "Liveness",
+)
 
 
 @dataclass(frozen=True)
@@ -82,7 +90,11 @@ class Outcome:
                 self.complete, _ = self.store.completed(identity)
             else:
                 self.complete = self.manifest
-        winners = [t for t in world.tries if t.error is None and t.ended and not t.zombie and t.label.startswith("run-1/")]
+        winners = [
+            t
+            for t in world.tries
+            if t.error is None and t.ended and not t.zombie and t.label.startswith("run-1/")
+        ]
         self.winner = winners[-1] if winners else None
 
     @staticmethod
@@ -99,7 +111,16 @@ class Outcome:
 def check_all(world: World) -> list[Violation]:
     outcome = Outcome(world)
     found: list[Violation] = list(world.step_violations)
-    for check in (exactly_once, one_identity, fencing, durability, no_strangers, no_secrets, bounded, liveness):
+    for check in (
+        exactly_once,
+        one_identity,
+        fencing,
+        durability,
+        no_strangers,
+        no_secrets,
+        bounded,
+        liveness,
+    ):
         found.extend(check(outcome))
     return found
 
@@ -140,11 +161,19 @@ class StepChecks:
         for m in changes:
             if m.key == self.world.lease_key[1] and m.body is not None:
                 self.lease_rule(m)
-            elif m.try_label and (m.key in self.output_keys or m.key.startswith(self.staging_root)) and m.lease_holder != m.try_label:
+            elif (
+                m.try_label
+                and (m.key in self.output_keys or m.key.startswith(self.staging_root))
+                and m.lease_holder != m.try_label
+            ):
                 self.unleased_change(m)
         if any(m.key in self.output_keys for m in changes):
             self.reader()
-        dropped = [m for m in changes if m.key.startswith(self.staging_root) and m.before and m.op.startswith("delete")]
+        dropped = [
+            m
+            for m in changes
+            if m.key.startswith(self.staging_root) and m.before and m.op.startswith("delete")
+        ]
         if dropped and self.world.input_version == 1:
             self.staging_dropped(dropped)
 
@@ -159,8 +188,13 @@ class StepChecks:
         if not old or (old["run_id"], old["try_number"]) == (new["run_id"], new["try_number"]):
             return
         if old["run_id"] == new["run_id"] and old["try_number"] > new["try_number"]:
-            self.flag("Fencing/lease-taken-by-older-try", f"try {new['try_number']} took the lease of its successor, try {old['try_number']}")
-        elif old["run_id"] != new["run_id"] and last is not None and m.at - last.at < DEFAULT_STALE_AFTER_S - 2:
+            self.flag(
+                "Fencing/lease-taken-by-older-try",
+                f"try {new['try_number']} took the lease of its successor, try {old['try_number']}",
+            )
+        elif (
+            old["run_id"] != new["run_id"] and last is not None and m.at - last.at < DEFAULT_STALE_AFTER_S - 2
+        ):
             self.flag(
                 "Fencing/live-lease-taken-over",
                 f"{new['run_id']} took {old['run_id']}'s lease {m.at - last.at:.0f}s after its last write (stale after {DEFAULT_STALE_AFTER_S:.0f}s)",
@@ -177,7 +211,10 @@ class StepChecks:
             return
         staging, lease = world.last_staging_read.get(label, -1), world.last_lease_read.get(label, -1)
         if staging > lease:
-            self.flag("Durability/engine-started-without-lease-read", f"{label}'s engine began with no read of the lease since its last read of the staging")
+            self.flag(
+                "Durability/engine-started-without-lease-read",
+                f"{label}'s engine began with no read of the lease since its last read of the staging",
+            )
 
     def unleased_change(self, m: Mutation) -> None:
         """A try that does not hold the lease changes at most one thing under the output: the write its last fence let through.
@@ -209,7 +246,9 @@ class StepChecks:
         if complete is None:
             return
         body = lambda uri: Outcome.get(self.world.s3, *split_s3_uri(uri, "uri")) if uri else None  # noqa: E731
-        for check, detail in output_problems(self.world, complete, body(complete.output_uri) or b"", body(complete.error_uri) or b""):
+        for check, detail in output_problems(
+            self.world, complete, body(complete.output_uri) or b"", body(complete.error_uri) or b""
+        ):
             self.flag(check.replace("/", "/reader-saw-", 1), detail)
 
     def staging_dropped(self, dropped: list[Mutation]) -> None:
@@ -234,7 +273,9 @@ class StepChecks:
                 if complete is not None:
                     for uri in (complete.output_uri, complete.error_uri):
                         if uri:
-                            answers -= final_answers(Outcome.get(self.world.s3, *split_s3_uri(uri, "uri")) or b"")
+                            answers -= final_answers(
+                                Outcome.get(self.world.s3, *split_s3_uri(uri, "uri")) or b""
+                            )
             if answers:
                 self.flag(
                     "Durability/staged-answer-dropped",
@@ -249,13 +290,22 @@ def exactly_once(o: Outcome) -> list[Violation]:
     found = []
     world = o.world
     if world.final == "success" and o.complete is None and not world.plan.collision:
-        found.append(Violation("Exactly once/success-without-complete-output", "the task succeeded but no complete output is published"))
+        found.append(
+            Violation(
+                "Exactly once/success-without-complete-output",
+                "the task succeeded but no complete output is published",
+            )
+        )
     m = o.complete
     if m is None or world.plan.collision:
         return found
     results = o.body(m.output_uri) or b""
     errors = o.body(m.error_uri) if m.error_uri else b""
-    return found + [Violation(check, detail) for check, detail in output_problems(world, m, results, errors) if check.startswith("Exactly once")]
+    return found + [
+        Violation(check, detail)
+        for check, detail in output_problems(world, m, results, errors)
+        if check.startswith("Exactly once")
+    ]
 
 
 def output_problems(world: World, m: Manifest, results: bytes, errors: bytes) -> list[tuple[str, str]]:
@@ -273,7 +323,9 @@ def output_problems(world: World, m: Manifest, results: bytes, errors: bytes) ->
             except (ValueError, KeyError, TypeError):
                 bad_lines += 1
     if bad_lines:
-        found.append(("Exactly once/unreadable-line", f"{bad_lines} published line(s) are not one JSON answer"))
+        found.append(
+            ("Exactly once/unreadable-line", f"{bad_lines} published line(s) are not one JSON answer")
+        )
     twice = sorted(c for c, n in seen.items() if n > 1)
     missing = sorted(set(inputs) - set(seen))
     strangers = sorted(set(seen) - set(inputs))
@@ -282,7 +334,12 @@ def output_problems(world: World, m: Manifest, results: bytes, errors: bytes) ->
     counts = m.request_counts
     lines = (len(results.splitlines()), len((errors or b"").splitlines()))
     if (counts.completed, counts.failed, counts.total) != (lines[0], lines[1], len(inputs)):
-        found.append(("Exactly once/counts", f"manifest {counts} vs results/errors lines {lines}, {len(inputs)} inputs"))
+        found.append(
+            (
+                "Exactly once/counts",
+                f"manifest {counts} vs results/errors lines {lines}, {len(inputs)} inputs",
+            )
+        )
     stale = stale_answers(inputs, results)
     if stale:
         found.append(("One identity/stale-answer", f"answers to another input than the manifest's: {stale}"))
@@ -312,16 +369,27 @@ def one_identity(o: Outcome) -> list[Violation]:
     found = []
     for t in o.world.tries:
         # What a try returns (its XCom) answers the input as it was while the try ran, never an earlier one.
-        if t.outcome is not None and t.label.startswith(("run-1/", "run-2/")) and t.outcome.manifest.input_etag not in t.inputs_seen:
+        if (
+            t.outcome is not None
+            and t.label.startswith(("run-1/", "run-2/"))
+            and t.outcome.manifest.input_etag not in t.inputs_seen
+        ):
             found.append(
-                Violation("One identity/stale-manifest-returned", f"{t.label} returned the manifest of input {t.outcome.manifest.input_etag}, not of the input it ran on")
+                Violation(
+                    "One identity/stale-manifest-returned",
+                    f"{t.label} returned the manifest of input {t.outcome.manifest.input_etag}, not of the input it ran on",
+                )
             )
             break
     m = o.complete
     if m is not None:
         stale = stale_answers(o.world.inputs.get(m.input_etag or "", {}), o.body(m.output_uri) or b"")
         if stale:
-            found.append(Violation("One identity/stale-answer", f"answers to another input than the manifest's: {stale}"))
+            found.append(
+                Violation(
+                    "One identity/stale-answer", f"answers to another input than the manifest's: {stale}"
+                )
+            )
     return found
 
 
@@ -336,10 +404,19 @@ def fencing(o: Outcome) -> list[Violation]:
     mkey = split_s3_uri(manifest_uri(world.output_uri), "output_uri")[1]
     okey = split_s3_uri(world.output_uri, "output_uri")[1]
     ekey = split_s3_uri(world.error_uri or default_error_uri(world.output_uri), "error_uri")[1]
-    manifest_puts = [m for m in world.s3.mutations if m.key == mkey and m.op != "delete_objects" and m.op != "delete_object"]
+    manifest_puts = [
+        m
+        for m in world.s3.mutations
+        if m.key == mkey and m.op != "delete_objects" and m.op != "delete_object"
+    ]
     unconditional = [m for m in manifest_puts if not m.conditional]
     if unconditional:
-        found.append(Violation("Fencing/unconditional-manifest-write", f"{len(unconditional)} manifest write(s) without IfMatch/IfNoneMatch"))
+        found.append(
+            Violation(
+                "Fencing/unconditional-manifest-write",
+                f"{len(unconditional)} manifest write(s) without IfMatch/IfNoneMatch",
+            )
+        )
     if o.complete is not None:
         last = {}
         for m in world.s3.mutations:
@@ -371,15 +448,24 @@ def fencing(o: Outcome) -> list[Violation]:
         mixed = {
             k: m.try_label
             for k, m in last.items()
-            if m.try_label != writer and not (k == ekey and absent_as_named) and not (k != mkey and same_bytes_as_writers(k, m))
+            if m.try_label != writer
+            and not (k == ekey and absent_as_named)
+            and not (k != mkey and same_bytes_as_writers(k, m))
         }
         if mixed:
             found.append(
-                Violation("Fencing/mixed-writers", f"the complete output's manifest is {writer}'s, but the last change of {mixed} is another try's")
+                Violation(
+                    "Fencing/mixed-writers",
+                    f"the complete output's manifest is {writer}'s, but the last change of {mixed} is another try's",
+                )
             )
     elif world.final == "success" and o.winner is not None:
         win = o.winner.label
-        wrote = [i for i, m in enumerate(world.s3.mutations) if m.key == mkey and m.try_label == win and m in manifest_puts]
+        wrote = [
+            i
+            for i, m in enumerate(world.s3.mutations)
+            if m.key == mkey and m.try_label == win and m in manifest_puts
+        ]
         if wrote:
             # A try that holds the lease may replace the output (a later run of another identity, legitimately).
             after = [
@@ -414,7 +500,11 @@ def durability(o: Outcome) -> list[Violation]:
             short = m.key[len(staging_root) :].split("/")[0]
             durable.setdefault(short, set()).update(final_answers(m.body))
             last_short = short
-    live = o.winner.outcome.manifest.fingerprint[:16] if o.winner is not None and o.winner.outcome else lease_identity(world) or last_short
+    live = (
+        o.winner.outcome.manifest.fingerprint[:16]
+        if o.winner is not None and o.winner.outcome
+        else lease_identity(world) or last_short
+    )
     if live in durable:
         prefix = f"{staging_root}{live}/"
         now = set()
@@ -423,13 +513,25 @@ def durability(o: Outcome) -> list[Violation]:
                 now |= final_answers(obj.body)
         published = set()
         if o.complete is not None and o.complete.fingerprint[:16] == live:
-            published = final_answers(o.body(o.complete.output_uri) or b"") | final_answers(o.body(o.complete.error_uri) or b"")
+            published = final_answers(o.body(o.complete.output_uri) or b"") | final_answers(
+                o.body(o.complete.error_uri) or b""
+            )
         lost = sorted(c for c in durable[live] - now - published if answers_current_input(world, c))
         if lost:
-            found.append(Violation("Durability/durable-answer-lost", f"final answers once staged under {live} and now nowhere: {lost}"))
+            found.append(
+                Violation(
+                    "Durability/durable-answer-lost",
+                    f"final answers once staged under {live} and now nowhere: {lost}",
+                )
+            )
     resent = sorted({(t, c) for t, s, c, before in world.sent if before and s == live})
     if resent:
-        found.append(Violation("Durability/durable-answer-resent", f"(try, custom_id) sent again although durable: {resent[:5]}"))
+        found.append(
+            Violation(
+                "Durability/durable-answer-resent",
+                f"(try, custom_id) sent again although durable: {resent[:5]}",
+            )
+        )
     return found
 
 
@@ -477,15 +579,24 @@ def no_strangers(o: Outcome) -> list[Violation]:
         }
     )
     if foreign:
-        found.append(Violation("No strangers/foreign-object", f"the run changed objects it does not own: {foreign}"))
-    gone = sorted(str(p.relative_to(world.workdir)) for p, data in world.user_files.items() if not p.exists() or p.read_bytes() != data)
+        found.append(
+            Violation("No strangers/foreign-object", f"the run changed objects it does not own: {foreign}")
+        )
+    gone = sorted(
+        str(p.relative_to(world.workdir))
+        for p, data in world.user_files.items()
+        if not p.exists() or p.read_bytes() != data
+    )
     if gone:
         found.append(Violation("No strangers/user-file-deleted", f"files beside results_dir removed: {gone}"))
     if world.plan.collision:
         engine_ran = world.task_engine_steps > 0
         if world.final == "success" or engine_ran:
             found.append(
-                Violation("No strangers/collision-not-refused", f"{world.plan.collision} was accepted (engine ran: {engine_ran}, task {world.final})")
+                Violation(
+                    "No strangers/collision-not-refused",
+                    f"{world.plan.collision} was accepted (engine ran: {engine_ran}, task {world.final})",
+                )
             )
     return found
 
@@ -504,9 +615,13 @@ def no_secrets(o: Outcome) -> list[Violation]:
     found = []
     leaked_logs = [line.message for line in world.logs if secret in masker.redact(line.message)]
     if leaked_logs:
-        found.append(Violation("No secrets/task-log", f"{len(leaked_logs)} log line(s), e.g. {leaked_logs[0][:120]!r}"))
+        found.append(
+            Violation("No secrets/task-log", f"{len(leaked_logs)} log line(s), e.g. {leaked_logs[0][:120]!r}")
+        )
     input_key = split_s3_uri(world.input_uri, "input_uri")[1]
-    in_s3 = sorted(k for k, obj in world.s3.buckets["sim"].items() if k != input_key and secret.encode() in obj.body)
+    in_s3 = sorted(
+        k for k, obj in world.s3.buckets["sim"].items() if k != input_key and secret.encode() in obj.body
+    )
     if in_s3:
         found.append(Violation("No secrets/s3", f"in {in_s3}"))
     for t in world.tries:
@@ -523,18 +638,35 @@ def no_secrets(o: Outcome) -> list[Violation]:
 # -- Bounded ----------------------------------------------------------------------------
 
 #: Exceptions no fault the simulator injects can cause: a try ending in one is a bug in the code under test.
-PROGRAMMING_ERRORS = (AttributeError, TypeError, NameError, KeyError, IndexError, AssertionError, ImportError, UnboundLocalError)
+PROGRAMMING_ERRORS = (
+    AttributeError,
+    TypeError,
+    NameError,
+    KeyError,
+    IndexError,
+    AssertionError,
+    ImportError,
+    UnboundLocalError,
+)
 
 
 def bounded(o: Outcome) -> list[Violation]:
     world = o.world
     found = []
     if world.scheduler.out_of_time or world.scheduler.deadlocked:
-        why = "deadlocked" if world.scheduler.deadlocked else f"still running after {world.scheduler.time_limit_s:.0f} virtual s"
+        why = (
+            "deadlocked"
+            if world.scheduler.deadlocked
+            else f"still running after {world.scheduler.time_limit_s:.0f} virtual s"
+        )
         found.append(Violation("Bounded/try-did-not-end", why))
     if world.final is None:
         found.append(Violation("Bounded/task-did-not-end", "no try ended the task instance"))
-    if world.plan.second_run_at and any(t.run == "run-2" for t in world.tries) and "run-2" not in world.finals:
+    if (
+        world.plan.second_run_at
+        and any(t.run == "run-2" for t in world.tries)
+        and "run-2" not in world.finals
+    ):
         found.append(Violation("Bounded/task-did-not-end", "no try ended run-2's task instance"))
     last = next((t for t in reversed(world.tries) if not t.zombie), None)
     if world.final == "failed" and not world.plan.collision and last is not None and last.error is not None:
@@ -542,18 +674,30 @@ def bounded(o: Outcome) -> list[Violation]:
 
         if not retryable(last.error):
             found.append(
-                Violation("Bounded/terminal-on-transient-faults", f"{last.label}: {type(last.error).__name__}: {str(last.error)[:160]}")
+                Violation(
+                    "Bounded/terminal-on-transient-faults",
+                    f"{last.label}: {type(last.error).__name__}: {str(last.error)[:160]}",
+                )
             )
     # A try that ends in a programming error ends the task no better than a bug would: Airflow
     # retries it, and the simulator would count a schedule where nothing ran as clean (the
     # server engine's schedules did, after a refactor, until this check).
     for t in world.tries:
         if isinstance(t.error, PROGRAMMING_ERRORS):
-            found.append(Violation("Bounded/programming-error", f"{t.label}: {type(t.error).__name__}: {str(t.error)[:160]}"))
+            found.append(
+                Violation(
+                    "Bounded/programming-error", f"{t.label}: {type(t.error).__name__}: {str(t.error)[:160]}"
+                )
+            )
             break
     for line in world.logs:
         if line.message.startswith("Lost the lease") and line.lease_holder == line.try_label:
-            found.append(Violation("Bounded/lease-lost-to-nobody", f"{line.try_label} declared its lease lost while the lease named it"))
+            found.append(
+                Violation(
+                    "Bounded/lease-lost-to-nobody",
+                    f"{line.try_label} declared its lease lost while the lease named it",
+                )
+            )
             break
     return found
 
@@ -576,4 +720,8 @@ def liveness(o: Outcome) -> list[Violation]:
     if world.input_version != 1 or world.plan.second_run_at or world.scheduler.out_of_time:
         return []
     error = last.error
-    return [Violation("Liveness/clean-last-try-failed", f"{last.label}: {type(error).__name__}: {str(error)[:200]}")]
+    return [
+        Violation(
+            "Liveness/clean-last-try-failed", f"{last.label}: {type(error).__name__}: {str(error)[:200]}"
+        )
+    ]

@@ -69,157 +69,342 @@ M = Mutant
 #: The catalogue. Keep each ``old`` as short as makes it unique, and name the protocol rule it breaks.
 MUTANTS: tuple[Mutant, ...] = (
     # -- storage.py: publishing -----------------------------------------------------------
-    M("manifest-if-match-dropped", "storage.py", "the manifest's write is unconditional (not If-Match the try's tombstone)",
-      """return self._put_manifest_key(manifest.to_json(), {"IfMatch": f'"{over}"'} if over is not None else {"IfNoneMatch": "*"})""",
-      """return self._put_manifest_key(manifest.to_json(), {})"""),
-    M("tombstone-if-match-dropped", "storage.py", "the tombstone replaces whatever manifest is there (no If-Match on what was seen)",
-      """return self._put_manifest_key(body, _condition(seen))""",
-      """return self._put_manifest_key(body, {})"""),
-    M("results-upload-if-match-dropped", "storage.py", "the results upload is unconditional",
-      """upload_file(self._fenced(), results_path, self.bucket, self.key, **_condition(seen_results))""",
-      """upload_file(self._fenced(), results_path, self.bucket, self.key)"""),
-    M("results-copy-if-match-dropped", "storage.py", "the server-side copy of the staged results is unconditional",
-      """staging.bucket, staging.results_key, self.bucket, self.key, **_condition(seen_results)""",
-      """staging.bucket, staging.results_key, self.bucket, self.key"""),
-    M("errors-if-match-dropped", "storage.py", "the error file's upload is unconditional",
-      """upload_file(self._fenced(), errors_path, self.error_bucket, self.error_key, **_condition(seen_errors))""",
-      """upload_file(self._fenced(), errors_path, self.error_bucket, self.error_key)"""),
-    M("old-errors-deleted-unconditionally", "storage.py", "an old error file is deleted without If-Match",
-      """self._conditional_delete(self.error_bucket, self.error_key, seen_errors, self.error_uri)""",
-      """self._fenced().delete_object(Bucket=self.error_bucket, Key=self.error_key)"""),
-    M("412-taken-as-own-write", "storage.py", "a 412 is taken as this try's own landed write without the MD5 check",
-      """if error_code(err) in _PRECONDITION_CODES and landed():""",
-      """if error_code(err) in _PRECONDITION_CODES:"""),
-    M("manifest-before-results", "storage.py", "the manifest is published right after the tombstone, before the results and error file",
-      """tombstone = self.mark_publishing(seen_manifest, manifest.fingerprint)\n""",
-      """tombstone = self.mark_publishing(seen_manifest, manifest.fingerprint)\n        tombstone = self.write_manifest(manifest, over=tombstone)\n"""),
-    M("staging-removed-before-manifest", "storage.py", "the run's staging is removed before the manifest is written",
-      """        self.write_manifest(manifest, over=tombstone)\n        if staging is not None:\n            staging.remove()""",
-      """        if staging is not None:\n            staging.remove()\n        self.write_manifest(manifest, over=tombstone)"""),
-    M("publish-unfenced", "storage.py", "no lease check before the publishing writes (OutputStore's fence skipped)",
-      """        self._fence()\n        return self.hook.get_conn()""",
-      """        return self.hook.get_conn()"""),
-    M("staging-unfenced", "storage.py", "no lease check before staging writes and deletes (RunStaging's fence skipped)",
-      """        if self.fence is not None:\n            self.fence()\n        return self.hook.get_conn()""",
-      """        return self.hook.get_conn()"""),
-    M("completed-ignores-etags", "storage.py", "a manifest is taken as complete although its files were overwritten since (fix 6)",
-      """if published is not None and etag != bare_etag(published):""",
-      """if False:"""),
-    M("completed-ignores-identity", "storage.py", "a manifest of another identity is taken as this run's complete output",
-      """        if manifest.fingerprint != identity.fingerprint:\n            changed""",
-      """        if False:\n            changed"""),
-    M("staging-shared-by-identities", "storage.py", "every identity stages under one prefix (the identity no longer names the staging)",
-      """f"{self.key}.staging/{identity.short}/\"""",
-      """f"{self.key}.staging/shared/\""""),
-    M("drop-results-every-part", "run/batch.py", "a failed results check drops every checkpoint part, not only the invalid ones (fix 5)",
-      """        if engine_results.duplicates != "first":\n            job.staging.drop_results()\n""",
-      """        if True:\n            job.staging.drop_results()\n"""),
+    M(
+        "manifest-if-match-dropped",
+        "storage.py",
+        "the manifest's write is unconditional (not If-Match the try's tombstone)",
+        """manifest.to_json(), {"IfMatch": f'"{over}"'} if over is not None else {"IfNoneMatch": "*"}""",
+        """manifest.to_json(), {}""",
+    ),
+    M(
+        "tombstone-if-match-dropped",
+        "storage.py",
+        "the tombstone replaces whatever manifest is there (no If-Match on what was seen)",
+        """return self._put_manifest_key(body, _condition(seen))""",
+        """return self._put_manifest_key(body, {})""",
+    ),
+    M(
+        "results-upload-if-match-dropped",
+        "storage.py",
+        "the results upload is unconditional",
+        """self._fenced(), results_path, self.bucket, self.key, **_condition(seen_results)""",
+        """self._fenced(), results_path, self.bucket, self.key""",
+    ),
+    M(
+        "results-copy-if-match-dropped",
+        "storage.py",
+        "the server-side copy of the staged results is unconditional",
+        """staging.results_key,
+                    self.bucket,
+                    self.key,
+                    **_condition(seen_results),""",
+        """staging.results_key,
+                    self.bucket,
+                    self.key,""",
+    ),
+    M(
+        "errors-if-match-dropped",
+        "storage.py",
+        "the error file's upload is unconditional",
+        """self._fenced(), errors_path, self.error_bucket, self.error_key, **_condition(seen_errors)""",
+        """self._fenced(), errors_path, self.error_bucket, self.error_key""",
+    ),
+    M(
+        "old-errors-deleted-unconditionally",
+        "storage.py",
+        "an old error file is deleted without If-Match",
+        """self._conditional_delete(self.error_bucket, self.error_key, seen_errors, self.error_uri)""",
+        """self._fenced().delete_object(Bucket=self.error_bucket, Key=self.error_key)""",
+    ),
+    M(
+        "412-taken-as-own-write",
+        "storage.py",
+        "a 412 is taken as this try's own landed write without the MD5 check",
+        """if error_code(err) in _PRECONDITION_CODES and landed():""",
+        """if error_code(err) in _PRECONDITION_CODES:""",
+    ),
+    M(
+        "manifest-before-results",
+        "storage.py",
+        "the manifest is published right after the tombstone, before the results and error file",
+        """tombstone = self.mark_publishing(seen_manifest, manifest.fingerprint)\n""",
+        """tombstone = self.mark_publishing(seen_manifest, manifest.fingerprint)\n        tombstone = self.write_manifest(manifest, over=tombstone)\n""",
+    ),
+    M(
+        "staging-removed-before-manifest",
+        "storage.py",
+        "the run's staging is removed before the manifest is written",
+        """        self.write_manifest(manifest, over=tombstone)\n        if staging is not None:\n            staging.remove()""",
+        """        if staging is not None:\n            staging.remove()\n        self.write_manifest(manifest, over=tombstone)""",
+    ),
+    M(
+        "publish-unfenced",
+        "storage.py",
+        "no lease check before the publishing writes (OutputStore's fence skipped)",
+        """        self._fence()\n        return self.hook.get_conn()""",
+        """        return self.hook.get_conn()""",
+    ),
+    M(
+        "staging-unfenced",
+        "storage.py",
+        "no lease check before staging writes and deletes (RunStaging's fence skipped)",
+        """        if self.fence is not None:\n            self.fence()\n        return self.hook.get_conn()""",
+        """        return self.hook.get_conn()""",
+    ),
+    M(
+        "completed-ignores-etags",
+        "storage.py",
+        "a manifest is taken as complete although its files were overwritten since (fix 6)",
+        """if published is not None and etag != bare_etag(published):""",
+        """if False:""",
+    ),
+    M(
+        "completed-ignores-identity",
+        "storage.py",
+        "a manifest of another identity is taken as this run's complete output",
+        """        if manifest.fingerprint != identity.fingerprint:\n            changed""",
+        """        if False:\n            changed""",
+    ),
+    M(
+        "staging-shared-by-identities",
+        "storage.py",
+        "every identity stages under one prefix (the identity no longer names the staging)",
+        """f"{self.key}.staging/{identity.short}/\"""",
+        """f"{self.key}.staging/shared/\"""",
+    ),
+    M(
+        "drop-results-every-part",
+        "run/batch.py",
+        "a failed results check drops every checkpoint part, not only the invalid ones (fix 5)",
+        """        if engine_results.duplicates != "first":\n            job.staging.drop_results()\n""",
+        """        if True:\n            job.staging.drop_results()\n""",
+    ),
     # -- lease.py ------------------------------------------------------------------------
-    M("staleness-inverted", "lease.py", "another run's lease is taken over while live, and refused once stale",
-      """not other.same_task_instance(self.holder) and age < self.stale_after_s:""",
-      """not other.same_task_instance(self.holder) and age >= self.stale_after_s:"""),
-    M("zombie-retakes-lease", "lease.py", "an older try takes the lease back from its newer successor (the bug fixed with issue 34)",
-      """other.same_task_instance(self.holder) and other.try_number > self.holder.try_number:""",
-      """other.same_task_instance(self.holder) and False:"""),
-    M("given-back-lease-not-retaken", "lease.py", "a take-over whose lease was given back meanwhile fails the try (seed 120, fixed with issue 34)",
-      """if round_ == ACQUIRE_ROUNDS or isinstance(err, ClientError) and _code(err) not in _GONE_CODES:""",
-      """if True:"""),
-    M("older-try-race-fails", "lease.py", "a take-over raced by an older try of the same task fails the newer try (seed 2335 at fdc20fc, fixed with issue 34)",
-      """if now is not None and not (older and now.holder.try_number < self.holder.try_number):""",
-      """if now is not None:"""),
-    M("lease-read-back-removed", "lease.py", "the lease is not read back after it was taken",
-      """        self._verify()\n        self._thread = threading.Thread(""",
-      """        self._thread = threading.Thread(""",
-      equivalent=(
-          "every lease write is conditional (If-None-Match: * to create, If-Match to take over) and S3, SeaweedFS and "
-          "the fake honour conditions (tests/integration/test_s3_fake_contract.py), so a write that returned 200 holds "
-          "the lease when it returns; the read-back only narrows the race on a store that ignores conditions"
-      )),
-    M("fence-accepts-any-lease", "lease.py", "the fence passes whoever holds the lease",
-      """if current is None or (current.etag != self._etag and not self._is_ours(current)):""",
-      """if current is None:"""),
-    M("heartbeat-renews-anyones-lease", "lease.py", "a renewal's 412 takes any lease found as its own and renews over it (a lost lease never noticed)",
-      """                if current is not None and self._is_ours(current):""",
-      """                if current is not None:"""),
-    M("release-unconditional", "lease.py", "the lease is released without If-Match (it may delete a successor's lease)",
-      """self.client.delete_object(Bucket=self.bucket, Key=self.key, IfMatch=self._etag)""",
-      """self.client.delete_object(Bucket=self.bucket, Key=self.key)"""),
+    M(
+        "staleness-inverted",
+        "lease.py",
+        "another run's lease is taken over while live, and refused once stale",
+        """not other.same_task_instance(self.holder) and age < self.stale_after_s:""",
+        """not other.same_task_instance(self.holder) and age >= self.stale_after_s:""",
+    ),
+    M(
+        "zombie-retakes-lease",
+        "lease.py",
+        "an older try takes the lease back from its newer successor (the bug fixed with issue 34)",
+        """and other.try_number > self.holder.try_number""",
+        """and False""",
+    ),
+    M(
+        "given-back-lease-not-retaken",
+        "lease.py",
+        "a take-over whose lease was given back meanwhile fails the try (seed 120, fixed with issue 34)",
+        """if round_ == ACQUIRE_ROUNDS or isinstance(err, ClientError) and _code(err) not in _GONE_CODES:""",
+        """if True:""",
+    ),
+    M(
+        "older-try-race-fails",
+        "lease.py",
+        "a take-over raced by an older try of the same task fails the newer try (seed 2335 at fdc20fc, fixed with issue 34)",
+        """if now is not None and not (older and now.holder.try_number < self.holder.try_number):""",
+        """if now is not None:""",
+    ),
+    M(
+        "lease-read-back-removed",
+        "lease.py",
+        "the lease is not read back after it was taken",
+        """        self._verify()\n        self._thread = threading.Thread(""",
+        """        self._thread = threading.Thread(""",
+        equivalent=(
+            "every lease write is conditional (If-None-Match: * to create, If-Match to take over) and S3, SeaweedFS and "
+            "the fake honour conditions (tests/integration/test_s3_fake_contract.py), so a write that returned 200 holds "
+            "the lease when it returns; the read-back only narrows the race on a store that ignores conditions"
+        ),
+    ),
+    M(
+        "fence-accepts-any-lease",
+        "lease.py",
+        "the fence passes whoever holds the lease",
+        """if current is None or (current.etag != self._etag and not self._is_ours(current)):""",
+        """if current is None:""",
+    ),
+    M(
+        "heartbeat-renews-anyones-lease",
+        "lease.py",
+        "a renewal's 412 takes any lease found as its own and renews over it (a lost lease never noticed)",
+        """                if current is not None and self._is_ours(current):""",
+        """                if current is not None:""",
+    ),
+    M(
+        "release-unconditional",
+        "lease.py",
+        "the lease is released without If-Match (it may delete a successor's lease)",
+        """self.client.delete_object(Bucket=self.bucket, Key=self.key, IfMatch=self._etag)""",
+        """self.client.delete_object(Bucket=self.bucket, Key=self.key)""",
+    ),
     # -- run/batch.py --------------------------------------------------------------------
-    M("resume-recheck-removed", "run/batch.py", "the resume check is not made again once the lease is taken",
-      """manifest = self.published(identity, again=True)""",
-      """manifest = None"""),
-    M("no-lease-check-before-check", "run/batch.py", "no lease read between the engine and the results check",
-      """                lease.ensure_held(verify=True)\n                results = self.check(job, engine_results)""",
-      """                results = self.check(job, engine_results)""",
-      equivalent=(
-          "every S3 change after it is fenced (the drops through RunStaging's fence, publishing through OutputStore's), so "
-          "a try that lost its lease changes nothing either way; only the error that ends it differs (OutputBusyError at "
-          "its first fenced write instead of before the check), retryable both, and a zombie's ending is ignored"
-      )),
-    M("cached-answers-not-added", "run/batch.py", "the cached answers are not appended to the results",
-      """                    split.add_to(results, work / "results.jsonl")""",
-      """                    pass"""),
-    M("copy-staged-with-cache-hits", "run/batch.py", "the staged results are copied as the output even when cached answers were added",
-      """                    and engine_results.staged_results\n                    and not manifest.from_cache\n""",
-      """                    and engine_results.staged_results\n"""),
-    M("failed-lines-not-published", "run/batch.py", "the engine's failed lines get no error file",
-      """if not (results.request_counts["failed"] or self.skipped(report)):""",
-      """if not self.skipped(report):"""),
+    M(
+        "resume-recheck-removed",
+        "run/batch.py",
+        "the resume check is not made again once the lease is taken",
+        """manifest = self.published(identity, again=True)""",
+        """manifest = None""",
+    ),
+    M(
+        "no-lease-check-before-check",
+        "run/batch.py",
+        "no lease read between the engine and the results check",
+        """                lease.ensure_held(verify=True)\n                results = self.check(job, engine_results)""",
+        """                results = self.check(job, engine_results)""",
+        equivalent=(
+            "every S3 change after it is fenced (the drops through RunStaging's fence, publishing through OutputStore's), so "
+            "a try that lost its lease changes nothing either way; only the error that ends it differs (OutputBusyError at "
+            "its first fenced write instead of before the check), retryable both, and a zombie's ending is ignored"
+        ),
+    ),
+    M(
+        "cached-answers-not-added",
+        "run/batch.py",
+        "the cached answers are not appended to the results",
+        """                    split.add_to(results, work / "results.jsonl")""",
+        """                    pass""",
+    ),
+    M(
+        "copy-staged-with-cache-hits",
+        "run/batch.py",
+        "the staged results are copied as the output even when cached answers were added",
+        """                    and engine_results.staged_results\n                    and not manifest.from_cache\n""",
+        """                    and engine_results.staged_results\n""",
+    ),
+    M(
+        "failed-lines-not-published",
+        "run/batch.py",
+        "the engine's failed lines get no error file",
+        """if not (results.request_counts["failed"] or self.skipped(report)):""",
+        """if not self.skipped(report):""",
+    ),
     # -- engines/server.py ---------------------------------------------------------------
-    M("skip-set-ignored", "engines/server.py", "a retry sends every request again, whatever the parts answer",
-      """skip = (lambda custom_id: answered.line_of(custom_id) is not None) if answered else None""",
-      """skip = None"""),
-    M("duplicates-counted-twice", "engines/server.py", "on resume, a request answered in two parts counts twice (fix 5)",
-      """done = answered_requests(job.report.custom_ids, answered, total)""",
-      """done = len(answered)"""),
-    M("no-lease-read-before-sending", "engines/server.py", "no lease read between reading the parts and the first request",
-      """        job.lease.ensure_held(verify=True)\n        started = time.monotonic()""",
-      """        started = time.monotonic()"""),
-    M("parts-without-try-token", "engines/server.py", "the parts are uploaded without the try's token (two tries write the same keys)",
-      """            staging.put_part(path, token)""",
-      """            staging.put_part(path)"""),
-    M("set-aside-never-journaled", "engines/server.py", "on the last try the set-aside lines are not journaled as failed",
-      """        journal.write_set_aside()\n        journal.close()""",
-      """        journal.close()"""),
+    M(
+        "skip-set-ignored",
+        "engines/server.py",
+        "a retry sends every request again, whatever the parts answer",
+        """skip = (lambda custom_id: answered.line_of(custom_id) is not None) if answered else None""",
+        """skip = None""",
+    ),
+    M(
+        "duplicates-counted-twice",
+        "engines/server.py",
+        "on resume, a request answered in two parts counts twice (fix 5)",
+        """done = answered_requests(job.report.custom_ids, answered, total)""",
+        """done = len(answered)""",
+    ),
+    M(
+        "no-lease-read-before-sending",
+        "engines/server.py",
+        "no lease read between reading the parts and the first request",
+        """        job.lease.ensure_held(verify=True)\n        started = time.monotonic()""",
+        """        started = time.monotonic()""",
+    ),
+    M(
+        "parts-without-try-token",
+        "engines/server.py",
+        "the parts are uploaded without the try's token (two tries write the same keys)",
+        """            staging.put_part(path, token)""",
+        """            staging.put_part(path)""",
+    ),
+    M(
+        "set-aside-never-journaled",
+        "engines/server.py",
+        "on the last try the set-aside lines are not journaled as failed",
+        """        journal.write_set_aside()\n        journal.close()""",
+        """        journal.close()""",
+    ),
     # -- serving/journal.py ---------------------------------------------------------------
-    M("journal-reuses-part-numbers", "serving/journal.py", "an adopted part does not advance the part number (the journal overwrites its own parts)",
-      """        part = SealedPart(target, self.next_index, data_lines, target.stat().st_size)\n        self.next_index += 1""",
-      """        part = SealedPart(target, self.next_index, data_lines, target.stat().st_size)"""),
-    M("adopted-part-not-reported", "serving/journal.py", "an adopted part is counted durable but never handed to on_part (never uploaded)",
-      """        if self.on_part is not None:\n            self.on_part(part.path, part.index)\n        self.parts.append(part)""",
-      """        self.parts.append(part)"""),
-    M("set-aside-lines-dropped", "serving/journal.py", "write_set_aside journals none of the lines it set aside",
-      """            for line in lines:\n                self.write(line)""",
-      """            for line in lines:\n                pass"""),
+    M(
+        "journal-reuses-part-numbers",
+        "serving/journal.py",
+        "an adopted part does not advance the part number (the journal overwrites its own parts)",
+        """        part = SealedPart(target, self.next_index, data_lines, target.stat().st_size)\n        self.next_index += 1""",
+        """        part = SealedPart(target, self.next_index, data_lines, target.stat().st_size)""",
+    ),
+    M(
+        "adopted-part-not-reported",
+        "serving/journal.py",
+        "an adopted part is counted durable but never handed to on_part (never uploaded)",
+        """        if self.on_part is not None:\n            self.on_part(part.path, part.index)\n        self.parts.append(part)""",
+        """        self.parts.append(part)""",
+    ),
+    M(
+        "set-aside-lines-dropped",
+        "serving/journal.py",
+        "write_set_aside journals none of the lines it set aside",
+        """            for line in lines:\n                self.write(line)""",
+        """            for line in lines:\n                pass""",
+    ),
     # -- engines/runner.py, engines/runner_deaths.py --------------------------------------
-    M("dying-runner-answers-not-staged", "engines/runner.py", "a dying runner's finished answers are not staged as a part (fix 10)",
-      """        if len(self._split.answered):\n            staging.put_part(part, uuid.uuid4().hex[:8])""",
-      """        pass"""),
-    M("dead-engine-lines-staged", "engines/runner_deaths.py", "the dead engine's lines are staged as answers",
-      """            split.dead_lines += 1\n            continue""",
-      """            split.dead_lines += 1"""),
-    M("runner-duplicates-counted-twice", "engines/runner.py", "on resume, the runner counts answers, not requests, in the parts (seed 2169 at fdc20fc, fixed with issue 34)",
-      """if parts and answered_requests(job.report.custom_ids, answered, total) >= total:""",
-      """if parts and len(answered) >= total:"""),
-    M("no-lease-read-before-engine", "engines/runner.py", "no lease read between reading the staging and starting the engine",
-      """        job.lease.ensure_held(verify=True)\n        job.raise_if_stopped()\n        with self.leased_gpus(""",
-      """        job.raise_if_stopped()\n        with self.leased_gpus("""),
-    M("staged-results-not-resumed", "engines/runner.py", "a retry runs the engine again although the results are staged",
-      """if self.settings.resume and not parts and staging.has_results():""",
-      """if False:"""),
+    M(
+        "dying-runner-answers-not-staged",
+        "engines/runner.py",
+        "a dying runner's finished answers are not staged as a part (fix 10)",
+        """        if len(self._split.answered):\n            staging.put_part(part, uuid.uuid4().hex[:8])""",
+        """        pass""",
+    ),
+    M(
+        "dead-engine-lines-staged",
+        "engines/runner_deaths.py",
+        "the dead engine's lines are staged as answers",
+        """            split.dead_lines += 1\n            continue""",
+        """            split.dead_lines += 1""",
+    ),
+    M(
+        "runner-duplicates-counted-twice",
+        "engines/runner.py",
+        "on resume, the runner counts answers, not requests, in the parts (seed 2169 at fdc20fc, fixed with issue 34)",
+        """if parts and answered_requests(job.report.custom_ids, answered, total) >= total:""",
+        """if parts and len(answered) >= total:""",
+    ),
+    M(
+        "no-lease-read-before-engine",
+        "engines/runner.py",
+        "no lease read between reading the staging and starting the engine",
+        """        job.lease.ensure_held(verify=True)\n        job.raise_if_stopped()\n        with self.leased_gpus(""",
+        """        job.raise_if_stopped()\n        with self.leased_gpus(""",
+    ),
+    M(
+        "staged-results-not-resumed",
+        "engines/runner.py",
+        "a retry runs the engine again although the results are staged",
+        """if self.settings.resume and not parts and staging.has_results():""",
+        """if False:""",
+    ),
     # -- run/answer_cache.py --------------------------------------------------------------
-    M("cache-newline-fix-removed", "run/answer_cache.py", "cached answers are appended without the newline fix (fix 7)",
-      """            if _lacks_final_newline(results_path):\n                out.write(b"\\n")""",
-      """            pass"""),
-    M("cache-hits-counted-twice", "run/answer_cache.py", "the cached hits are counted twice as completed",
-      """        results.completed += self.hits""",
-      """        results.completed += 2 * self.hits"""),
-    M("cache-hits-sent-too", "run/answer_cache.py", "the requests the cache answered are sent to the engine as well",
-      """                if db.execute("SELECT 1 FROM hit WHERE custom_id = ?", (custom_id,)).fetchone():\n                    continue""",
-      """                pass"""),
-    M("cache-hits-not-staged", "run/answer_cache.py", "the hits are not staged for a retry (it looks the cache up again)",
-      """        staging.put_file(cached_path, hits_key)""",
-      """        pass"""),
+    M(
+        "cache-newline-fix-removed",
+        "run/answer_cache.py",
+        "cached answers are appended without the newline fix (fix 7)",
+        """            if _lacks_final_newline(results_path):\n                out.write(b"\\n")""",
+        """            pass""",
+    ),
+    M(
+        "cache-hits-counted-twice",
+        "run/answer_cache.py",
+        "the cached hits are counted twice as completed",
+        """        results.completed += self.hits""",
+        """        results.completed += 2 * self.hits""",
+    ),
+    M(
+        "cache-hits-sent-too",
+        "run/answer_cache.py",
+        "the requests the cache answered are sent to the engine as well",
+        """                if db.execute("SELECT 1 FROM hit WHERE custom_id = ?", (custom_id,)).fetchone():\n                    continue""",
+        """                pass""",
+    ),
+    M(
+        "cache-hits-not-staged",
+        "run/answer_cache.py",
+        "the hits are not staged for a retry (it looks the cache up again)",
+        """        staging.put_file(cached_path, hits_key)""",
+        """        pass""",
+    ),
 )
 
 
@@ -279,9 +464,21 @@ def first_violation(seeds, workdir: Path) -> dict:
             world = run_schedule(seed, workdir / "schedule")
             found = check_all(world)
         except Exception:  # noqa: BLE001 - the simulator itself failed under the mutant
-            return {"caught": True, "schedules": ran, "seed": seed, "checks": ["simulator-crash"], "detail": traceback.format_exc(limit=-2)[-600:]}
+            return {
+                "caught": True,
+                "schedules": ran,
+                "seed": seed,
+                "checks": ["simulator-crash"],
+                "detail": traceback.format_exc(limit=-2)[-600:],
+            }
         if found:
-            return {"caught": True, "schedules": ran, "seed": seed, "checks": sorted({v.check for v in found}), "detail": found[0].detail[:300]}
+            return {
+                "caught": True,
+                "schedules": ran,
+                "seed": seed,
+                "checks": sorted({v.check for v in found}),
+                "detail": found[0].detail[:300],
+            }
     return {"caught": False, "schedules": ran}
 
 
@@ -293,12 +490,23 @@ def run_simulator(mutant: Mutant | None, schedules: int, start: int = 0, timeout
         started = time.perf_counter()
         done = subprocess.run(  # noqa: S603
             [sys.executable, "-c", _WORKER, str(start), str(schedules)],
-            cwd=root, env=env, capture_output=True, text=True, timeout=timeout_s, check=False,
+            cwd=root,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
         )
         seconds = time.perf_counter() - started
     if done.returncode != 0:
         # A mutant that breaks the import of the package is caught by anything that imports it.
-        return {"caught": True, "schedules": 0, "checks": ["import-error"], "detail": done.stderr[-600:], "seconds": seconds}
+        return {
+            "caught": True,
+            "schedules": 0,
+            "checks": ["import-error"],
+            "detail": done.stderr[-600:],
+            "seconds": seconds,
+        }
     return {**json.loads(done.stdout.strip().splitlines()[-1]), "seconds": seconds}
 
 
@@ -306,12 +514,29 @@ def run_simulator(mutant: Mutant | None, schedules: int, start: int = 0, timeout
 UNIT_TESTS: dict[str, list[str]] = {
     "storage.py": ["tests/unit/test_storage.py"],
     "lease.py": ["tests/unit/test_lease.py", "tests/unit/test_storage.py"],
-    "run/batch.py": ["tests/unit/operators/test_vllm_batch.py", "tests/unit/operators/test_vllm_batch_server.py", "tests/unit/operators/test_vllm_batch_cache.py"],
-    "engines/server.py": ["tests/unit/engines/test_lease_before_sending.py", "tests/unit/operators/test_vllm_batch_server.py"],
-    "serving/journal.py": ["tests/unit/serving/test_journal.py", "tests/unit/operators/test_vllm_batch_server.py"],
-    "engines/runner.py": ["tests/unit/engines/test_runner_deaths.py", "tests/unit/engines/test_lease_before_sending.py", "tests/unit/operators/test_vllm_batch.py"],
+    "run/batch.py": [
+        "tests/unit/operators/test_vllm_batch.py",
+        "tests/unit/operators/test_vllm_batch_server.py",
+        "tests/unit/operators/test_vllm_batch_cache.py",
+    ],
+    "engines/server.py": [
+        "tests/unit/engines/test_lease_before_sending.py",
+        "tests/unit/operators/test_vllm_batch_server.py",
+    ],
+    "serving/journal.py": [
+        "tests/unit/serving/test_journal.py",
+        "tests/unit/operators/test_vllm_batch_server.py",
+    ],
+    "engines/runner.py": [
+        "tests/unit/engines/test_runner_deaths.py",
+        "tests/unit/engines/test_lease_before_sending.py",
+        "tests/unit/operators/test_vllm_batch.py",
+    ],
     "engines/runner_deaths.py": ["tests/unit/engines/test_runner_deaths.py"],
-    "run/answer_cache.py": ["tests/unit/run/test_answer_cache.py", "tests/unit/operators/test_vllm_batch_cache.py"],
+    "run/answer_cache.py": [
+        "tests/unit/run/test_answer_cache.py",
+        "tests/unit/operators/test_vllm_batch_cache.py",
+    ],
 }
 
 
@@ -323,14 +548,41 @@ def run_unit_tests(mutant: Mutant, timeout_s: float = 1800) -> dict:
         env = {**os.environ, "PYTHONPATH": str(root), "PYTHONDONTWRITEBYTECODE": "1"}
         started = time.perf_counter()
         done = subprocess.run(  # noqa: S603
-            [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-m", "not engine and not integration", *files],
-            cwd=root, env=env, capture_output=True, text=True, timeout=timeout_s, check=False,
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-x",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "-m",
+                "not engine and not integration",
+                *files,
+            ],
+            cwd=root,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
         )
-    failed = [line.split(" ")[1] for line in done.stdout.splitlines() if line.startswith("FAILED ") or line.startswith("ERROR ")]
+    failed = [
+        line.split(" ")[1]
+        for line in done.stdout.splitlines()
+        if line.startswith("FAILED ") or line.startswith("ERROR ")
+    ]
     if done.returncode not in (0, 1):
         # 2-5: interrupted, internal error, usage error, nothing collected: the harness failed, not the mutant.
-        raise RuntimeError(f"the unit tests could not run against mutant {mutant.name} (pytest exit {done.returncode}):\n{done.stdout[-1500:]}{done.stderr[-1500:]}")
-    return {"caught": done.returncode == 1, "failed": failed[:3], "seconds": time.perf_counter() - started, "tail": done.stdout[-300:]}
+        raise RuntimeError(
+            f"the unit tests could not run against mutant {mutant.name} (pytest exit {done.returncode}):\n{done.stdout[-1500:]}{done.stderr[-1500:]}"
+        )
+    return {
+        "caught": done.returncode == 1,
+        "failed": failed[:3],
+        "seconds": time.perf_counter() - started,
+        "tail": done.stdout[-300:],
+    }
 
 
 def replay(mutant: Mutant | None, seed: int, trace: bool = False) -> str:
@@ -340,6 +592,10 @@ def replay(mutant: Mutant | None, seed: int, trace: bool = False) -> str:
         env = {**os.environ, "PYTHONPATH": str(root), "PYTHONDONTWRITEBYTECODE": "1"}
         done = subprocess.run(  # noqa: S603
             [sys.executable, "benchmarks/simulate.py", "--seed", str(seed), *(["--trace"] if trace else [])],
-            cwd=root, env=env, capture_output=True, text=True, check=False,
+            cwd=root,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
         )
     return done.stdout + done.stderr[-2000:]

@@ -40,8 +40,8 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import io
-import os
 import logging
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from email.utils import format_datetime
@@ -55,7 +55,9 @@ EPOCH = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
 #: Botocore's legacy retry mode: one call, four retries.
 BOTO_ATTEMPTS = 5
 #: The calls that change something (the ones the fencing and ownership checks look at).
-MUTATIONS = frozenset({"put_object", "delete_object", "delete_objects", "copy", "copy_object", "upload_file", "upload_fileobj"})
+MUTATIONS = frozenset(
+    {"put_object", "delete_object", "delete_objects", "copy", "copy_object", "upload_file", "upload_fileobj"}
+)
 
 
 @dataclass
@@ -87,7 +89,8 @@ class Mutation:
 
 def client_error(code: str, status: int, operation: str, message: str = "") -> ClientError:
     return ClientError(
-        {"Error": {"Code": code, "Message": message or code}, "ResponseMetadata": {"HTTPStatusCode": status}}, operation
+        {"Error": {"Code": code, "Message": message or code}, "ResponseMetadata": {"HTTPStatusCode": status}},
+        operation,
     )
 
 
@@ -126,7 +129,9 @@ class FakeS3:
     :param lease_key: ``(bucket, key)`` of the output's lease, to note its holder at each mutation.
     """
 
-    def __init__(self, scheduler: Any = None, faults: FaultPlan | None = None, lease_key: tuple[str, str] | None = None) -> None:
+    def __init__(
+        self, scheduler: Any = None, faults: FaultPlan | None = None, lease_key: tuple[str, str] | None = None
+    ) -> None:
         self.buckets: dict[str, dict[str, StoredObject]] = {}
         self.scheduler = scheduler
         self.faults = faults
@@ -189,7 +194,9 @@ class FakeS3:
         """Add a line to the trace at the current step (a log line of the run code)."""
         self.trace.append(f"{self.calls:5d}          {line}")
 
-    def _trace(self, op: str, key: str, attempt: int, fault: str | None, outcome: str, conditions: str) -> None:
+    def _trace(
+        self, op: str, key: str, attempt: int, fault: str | None, outcome: str, conditions: str
+    ) -> None:
         actor = self.scheduler.current_actor() if self.scheduler is not None else None
         who = (actor.try_label or actor.name) if actor is not None else "-"
         self.trace.append(
@@ -249,7 +256,12 @@ class FakeS3:
                 raise EndpointConnectionError(endpoint_url=f"http://s3.sim/{bucket}")
             if fault == "conflict":
                 self._trace(op, key, attempt, fault, "raises ConditionalRequestConflict (409)", conditions)
-                raise client_error("ConditionalRequestConflict", 409, op, "A conflicting conditional operation is in progress")
+                raise client_error(
+                    "ConditionalRequestConflict",
+                    409,
+                    op,
+                    "A conflicting conditional operation is in progress",
+                )
             if bucket not in self.buckets and op != "head_bucket":
                 raise client_error("NoSuchBucket", 404, op)
             if op in MUTATIONS:
@@ -264,8 +276,12 @@ class FakeS3:
                 raise err from None
             etag = result.get("ETag") if isinstance(result, dict) else None
             self._trace(
-                op, key, attempt, fault,
-                ("applied, response lost (retried)" if fault == "lost_response" else "ok") + (f" ETag {etag}" if etag else ""),
+                op,
+                key,
+                attempt,
+                fault,
+                ("applied, response lost (retried)" if fault == "lost_response" else "ok")
+                + (f" ETag {etag}" if etag else ""),
                 conditions,
             )
             if op in MUTATIONS:
@@ -273,12 +289,22 @@ class FakeS3:
                 failed = {e["Key"] for e in result.get("Errors", [])} if isinstance(result, dict) else set()
                 for changed in keys or [key]:
                     if changed not in failed:
-                        applied.append(self.note_mutation(op, bucket, changed, conditional, before.get((bucket, changed))))
+                        applied.append(
+                            self.note_mutation(
+                                op, bucket, changed, conditional, before.get((bucket, changed))
+                            )
+                        )
                 if self.on_change is not None and applied:
                     self.on_change(applied)
-            elif ".staging/" in key and scheduler is not None and (actor := scheduler.current_actor()) is not None:
+            elif (
+                ".staging/" in key
+                and scheduler is not None
+                and (actor := scheduler.current_actor()) is not None
+            ):
                 seen = self.staging_seen.setdefault(actor.try_label or "-", {})
-                listed = [item["Key"] for item in result.get("Contents", [])] if op == "list_objects_v2" else [key]
+                listed = (
+                    [item["Key"] for item in result.get("Contents", [])] if op == "list_objects_v2" else [key]
+                )
                 for read in listed:
                     if (obj := self.buckets[bucket].get(read)) is not None:
                         seen[read] = obj.body
@@ -305,10 +331,19 @@ class FakeS3:
         result = apply()
         self.buckets[bucket].update(kept)
         result["Deleted"] = [{"Key": k} for k in keys if k not in failing]
-        result["Errors"] = [{"Key": k, "Code": "InternalError", "Message": "We encountered an internal error. Please try again."} for k in failing]
+        result["Errors"] = [
+            {
+                "Key": k,
+                "Code": "InternalError",
+                "Message": "We encountered an internal error. Please try again.",
+            }
+            for k in failing
+        ]
         return result
 
-    def note_mutation(self, op: str, bucket: str, key: str, conditional: bool, before: bytes | None = None) -> Mutation:
+    def note_mutation(
+        self, op: str, bucket: str, key: str, conditional: bool, before: bytes | None = None
+    ) -> Mutation:
         actor = self.scheduler.current_actor() if self.scheduler is not None else None
         obj = self.buckets.get(bucket, {}).get(key)
         self.mutations.append(
@@ -334,18 +369,36 @@ class FakeS3:
         actor = self.scheduler.current_actor() if self.scheduler is not None else None
         return actor.try_label if actor is not None and actor.try_label else "-"
 
-    def check_conditions(self, op: str, current: StoredObject | None, if_match: str | None, if_none_match: str | None) -> None:
+    def check_conditions(
+        self, op: str, current: StoredObject | None, if_match: str | None, if_none_match: str | None
+    ) -> None:
         if if_none_match is not None and current is not None:
-            raise client_error("PreconditionFailed", 412, op, "At least one of the pre-conditions you specified did not hold")
+            raise client_error(
+                "PreconditionFailed", 412, op, "At least one of the pre-conditions you specified did not hold"
+            )
         if if_match is not None:
             if current is None:
                 raise client_error("NoSuchKey", 404, op)
             if _unquote(if_match) != _unquote(current.etag):
-                raise client_error("PreconditionFailed", 412, op, "At least one of the pre-conditions you specified did not hold")
+                raise client_error(
+                    "PreconditionFailed",
+                    412,
+                    op,
+                    "At least one of the pre-conditions you specified did not hold",
+                )
 
-    def put(self, bucket: str, key: str, body: bytes, if_match: str | None = None, if_none_match: str | None = None) -> dict:
+    def put(
+        self,
+        bucket: str,
+        key: str,
+        body: bytes,
+        if_match: str | None = None,
+        if_none_match: str | None = None,
+    ) -> dict:
         actor = self.scheduler.current_actor() if self.scheduler is not None else None
-        self.attempted.setdefault((actor.try_label if actor is not None else None, key), set()).add(hashlib.md5(body).hexdigest())
+        self.attempted.setdefault((actor.try_label if actor is not None else None, key), set()).add(
+            hashlib.md5(body).hexdigest()
+        )
         self.check_conditions("PutObject", self.buckets[bucket].get(key), if_match, if_none_match)
         etag = f'"{hashlib.md5(body).hexdigest()}"'
         self.buckets[bucket][key] = StoredObject(body, etag, self.now.replace(microsecond=0), self.writer())
@@ -357,7 +410,9 @@ class FakeS3:
 
 def _conditions(if_match: str | None, if_none_match: str | None) -> str:
     """A call's conditions as the trace shows them."""
-    return (f" IfMatch={if_match}" if if_match else "") + (f" IfNoneMatch={if_none_match}" if if_none_match else "")
+    return (f" IfMatch={if_match}" if if_match else "") + (
+        f" IfNoneMatch={if_none_match}" if if_none_match else ""
+    )
 
 
 def _unquote(etag: str) -> str:
@@ -386,7 +441,9 @@ class _Paginator:
     def __init__(self, client: FakeS3Client) -> None:
         self.client = client
 
-    def paginate(self, Bucket: str, Prefix: str = "", Delimiter: str = "", PaginationConfig: Any = None, **_: Any) -> Iterator[dict]:
+    def paginate(
+        self, Bucket: str, Prefix: str = "", Delimiter: str = "", PaginationConfig: Any = None, **_: Any
+    ) -> Iterator[dict]:
         yield self.client.list_objects_v2(Bucket=Bucket, Prefix=Prefix)
 
 
@@ -396,7 +453,9 @@ class FakeS3Client:
     def __init__(self, s3: FakeS3) -> None:
         self.s3 = s3
 
-    def get_object(self, Bucket: str, Key: str, IfMatch: str | None = None, VersionId: str | None = None, **_: Any) -> dict:
+    def get_object(
+        self, Bucket: str, Key: str, IfMatch: str | None = None, VersionId: str | None = None, **_: Any
+    ) -> dict:
         def apply() -> dict:
             obj = self.s3.buckets[Bucket].get(Key)
             if obj is None:
@@ -436,7 +495,13 @@ class FakeS3Client:
         return self.s3.call("head_bucket", Bucket, "", apply)
 
     def put_object(
-        self, Bucket: str, Key: str, Body: Any = b"", IfMatch: str | None = None, IfNoneMatch: str | None = None, **_: Any
+        self,
+        Bucket: str,
+        Key: str,
+        Body: Any = b"",
+        IfMatch: str | None = None,
+        IfNoneMatch: str | None = None,
+        **_: Any,
     ) -> dict:
         data = _read_body(Body)
         return self.s3.call(
@@ -448,18 +513,24 @@ class FakeS3Client:
             conditions=_conditions(IfMatch, IfNoneMatch),
         )
 
-    def upload_fileobj(self, Fileobj: Any, Bucket: str, Key: str, ExtraArgs: dict | None = None, **_: Any) -> None:
+    def upload_fileobj(
+        self, Fileobj: Any, Bucket: str, Key: str, ExtraArgs: dict | None = None, **_: Any
+    ) -> None:
         data = _read_body(Fileobj)
         extra = ExtraArgs or {}
         self.s3.call(
             "upload_fileobj",
             Bucket,
             Key,
-            lambda: self.s3.put(Bucket, Key, data, if_match=extra.get("IfMatch"), if_none_match=extra.get("IfNoneMatch")),
+            lambda: self.s3.put(
+                Bucket, Key, data, if_match=extra.get("IfMatch"), if_none_match=extra.get("IfNoneMatch")
+            ),
             conditional="IfMatch" in extra or "IfNoneMatch" in extra,
         )
 
-    def upload_file(self, Filename: str, Bucket: str, Key: str, ExtraArgs: dict | None = None, **_: Any) -> None:
+    def upload_file(
+        self, Filename: str, Bucket: str, Key: str, ExtraArgs: dict | None = None, **_: Any
+    ) -> None:
         with open(Filename, "rb") as f:
             data = f.read()
         extra = ExtraArgs or {}
@@ -467,7 +538,9 @@ class FakeS3Client:
             "upload_file",
             Bucket,
             Key,
-            lambda: self.s3.put(Bucket, Key, data, if_match=extra.get("IfMatch"), if_none_match=extra.get("IfNoneMatch")),
+            lambda: self.s3.put(
+                Bucket, Key, data, if_match=extra.get("IfMatch"), if_none_match=extra.get("IfNoneMatch")
+            ),
             conditional="IfMatch" in extra or "IfNoneMatch" in extra,
         )
 
@@ -482,7 +555,14 @@ class FakeS3Client:
             self.s3.buckets[Bucket].pop(Key, None)
             return {"ResponseMetadata": self.s3.metadata(204)}
 
-        return self.s3.call("delete_object", Bucket, Key, apply, conditional=IfMatch is not None, conditions=_conditions(IfMatch, None))
+        return self.s3.call(
+            "delete_object",
+            Bucket,
+            Key,
+            apply,
+            conditional=IfMatch is not None,
+            conditions=_conditions(IfMatch, None),
+        )
 
     def delete_objects(self, Bucket: str, Delete: dict, **_: Any) -> dict:
         keys = [o["Key"] for o in Delete.get("Objects", [])]
@@ -504,7 +584,15 @@ class FakeS3Client:
 
         self.s3.call("copy", Bucket, Key, apply)
 
-    def copy_object(self, Bucket: str, Key: str, CopySource: dict, IfMatch: str | None = None, IfNoneMatch: str | None = None, **_: Any) -> dict:
+    def copy_object(
+        self,
+        Bucket: str,
+        Key: str,
+        CopySource: dict,
+        IfMatch: str | None = None,
+        IfNoneMatch: str | None = None,
+        **_: Any,
+    ) -> dict:
         def apply() -> dict:
             source = self.s3.buckets[CopySource["Bucket"]].get(CopySource["Key"])
             if source is None:
@@ -567,5 +655,11 @@ class FakeS3Hook(S3Hook):
     def conn(self) -> FakeS3Client:  # type: ignore[override]
         return self._fake_client
 
-    def generate_presigned_url(self, client_method: str, params: dict | None = None, expires_in: int = 3600, http_method: str | None = None) -> str:  # type: ignore[override]
+    def generate_presigned_url(
+        self,
+        client_method: str,
+        params: dict | None = None,
+        expires_in: int = 3600,
+        http_method: str | None = None,
+    ) -> str:  # type: ignore[override]
         return self._fake_client.generate_presigned_url(client_method, params or {}, expires_in)

@@ -95,7 +95,11 @@ class Scheduler:
     """
 
     def __init__(
-        self, rng: random.Random, on_step: Callable[[Actor], None] | None = None, time_limit_s: float = 6 * 3600, stay: float = 0.5
+        self,
+        rng: random.Random,
+        on_step: Callable[[Actor], None] | None = None,
+        time_limit_s: float = 6 * 3600,
+        stay: float = 0.5,
     ) -> None:
         self.rng = rng
         self.stay = stay
@@ -114,7 +118,13 @@ class Scheduler:
 
     # -- actors ---------------------------------------------------------------------
 
-    def spawn(self, name: str, target: Callable[[], Any], owner: TryState | None, on_exit: Callable[[Actor, BaseException | None], None] | None = None) -> Actor:
+    def spawn(
+        self,
+        name: str,
+        target: Callable[[], Any],
+        owner: TryState | None,
+        on_exit: Callable[[Actor, BaseException | None], None] | None = None,
+    ) -> Actor:
         """Add an actor; it runs when the scheduler picks it."""
         actor = Actor(name, owner)
         self.actors.append(actor)
@@ -263,7 +273,15 @@ class VirtualEvent:
 class VirtualThread:
     """``threading.Thread`` run as an actor of the scheduler, owned by the try that starts it."""
 
-    def __init__(self, scheduler: Scheduler, target: Callable[[], Any] | None = None, name: str | None = None, daemon: bool | None = None, args: tuple = (), kwargs: dict | None = None) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        target: Callable[[], Any] | None = None,
+        name: str | None = None,
+        daemon: bool | None = None,
+        args: tuple = (),
+        kwargs: dict | None = None,
+    ) -> None:
         self.scheduler = scheduler
         self.target = target
         self.name = name or "thread"
@@ -274,7 +292,9 @@ class VirtualThread:
         current = self.scheduler.current_actor()
         owner = current.owner if current is not None else None
         label = f"{owner.label}/{self.name}" if owner is not None else self.name
-        self.actor = self.scheduler.spawn(label, lambda: self.target(*self.args, **self.kwargs) if self.target else None, owner)
+        self.actor = self.scheduler.spawn(
+            label, lambda: self.target(*self.args, **self.kwargs) if self.target else None, owner
+        )
 
     def join(self, timeout: float | None = None) -> None:
         actor = self.actor

@@ -25,7 +25,9 @@ SLICE = {
 
 def test_every_mutant_snippet_is_in_its_module_exactly_once():
     # A snippet that no longer anchors would silently stop being a mutant: re-anchor it (tests/simulation/mutation.py).
-    lost = [m.name for m in MUTANTS if (REPO / PACKAGE / m.module).read_text(encoding="utf-8").count(m.old) != 1]
+    lost = [
+        m.name for m in MUTANTS if (REPO / PACKAGE / m.module).read_text(encoding="utf-8").count(m.old) != 1
+    ]
     assert not lost, f"re-anchor these mutants: {lost}"
 
 

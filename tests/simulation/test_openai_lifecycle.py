@@ -41,14 +41,20 @@ from typing import Any
 
 import pytest
 
-from airflow_vllm_batch.engines import base as engine_base
-from airflow_vllm_batch.engines import runner as runner_module
+from airflow_vllm_batch.engines import base as engine_base, runner as runner_module
 from airflow_vllm_batch.exceptions import BatchStopped
 from airflow_vllm_batch.openai_api import batch_dag
 from airflow_vllm_batch.openai_api.batch_dag import OpenAIBatchOperator
 from airflow_vllm_batch.run.batch import BatchRun
 from airflow_vllm_batch.run.settings import BatchSettings
-from tests.simulation.engines import SimEngineHook, SimRunner, SimRunnerEngine, SimRunnerProcess, SIM_ENGINES, answer_line
+from tests.simulation.engines import (
+    SIM_ENGINES,
+    SimEngineHook,
+    SimRunner,
+    SimRunnerEngine,
+    SimRunnerProcess,
+    answer_line,
+)
 from tests.simulation.invariants import Outcome, Violation, check_all
 from tests.simulation.scheduler import TryState, VirtualThreading
 from tests.simulation.world import BUCKET, World, make_plan, simulation
@@ -148,7 +154,12 @@ class LifecycleWorld(World):
         operator = SimpleNamespace(
             hook=self.hook,
             cancel_uri=f"s3://{BUCKET}/{CANCEL_KEY}",
-            batch=SimpleNamespace(batch_id="batch_sim", expires_at=EPOCH + self.lifecycle.deadline_s if self.lifecycle.deadline_s is not None else float("inf")),
+            batch=SimpleNamespace(
+                batch_id="batch_sim",
+                expires_at=EPOCH + self.lifecycle.deadline_s
+                if self.lifecycle.deadline_s is not None
+                else float("inf"),
+            ),
             log=logging.getLogger("sim.task"),
         )
         return OpenAIBatchOperator.stop_condition(operator)  # type: ignore[arg-type]
@@ -168,7 +179,9 @@ class LifecycleWorld(World):
             "try_number": state.number,
             "last_try": state.number >= self.plan.max_tries,
         }
-        state.outcome = BatchRun(settings, s3_hook=self.hook, engine=engine, task=task, log=log, stop=self.stop_condition).execute()
+        state.outcome = BatchRun(
+            settings, s3_hook=self.hook, engine=engine, task=task, log=log, stop=self.stop_condition
+        ).execute()
 
     def on_step(self, actor: Any) -> None:
         super().on_step(actor)
@@ -206,16 +219,27 @@ def lifecycle_checks(world: LifecycleWorld) -> list[Violation]:
     m = outcome.complete
     status = m.status if m is not None else None
     if status == "cancelled" and world.cancel_asked_at is None:
-        found.append(Violation("Lifecycle/unasked-stop", "the manifest says cancelled, but no cancel was asked"))
-    if status == "expired" and (world.lifecycle.deadline_s is None or world.scheduler.now < world.lifecycle.deadline_s):
+        found.append(
+            Violation("Lifecycle/unasked-stop", "the manifest says cancelled, but no cancel was asked")
+        )
+    if status == "expired" and (
+        world.lifecycle.deadline_s is None or world.scheduler.now < world.lifecycle.deadline_s
+    ):
         found.append(Violation("Lifecycle/unasked-stop", "the manifest says expired before the deadline"))
     for t in world.tries:
         if isinstance(t.error, BatchStopped):
             found.append(Violation("Lifecycle/stop-failed-the-task", f"{t.label} ended in BatchStopped"))
             break
-    stop_asked = world.cancel_asked_at is not None or (world.lifecycle.deadline_s is not None and world.scheduler.now >= world.lifecycle.deadline_s)
+    stop_asked = world.cancel_asked_at is not None or (
+        world.lifecycle.deadline_s is not None and world.scheduler.now >= world.lifecycle.deadline_s
+    )
     if world.final == "success" and m is None and stop_asked:
-        found.append(Violation("Lifecycle/stopped-but-not-published", "the task succeeded after a stop with no complete manifest"))
+        found.append(
+            Violation(
+                "Lifecycle/stopped-but-not-published",
+                "the task succeeded after a stop with no complete manifest",
+            )
+        )
     if m is None:
         return found
     for uri in (m.output_uri, m.error_uri):
@@ -227,15 +251,34 @@ def lifecycle_checks(world: LifecycleWorld) -> list[Violation]:
             response, error = line.get("response"), line.get("error")
             if response is not None and response.get("status_code", 200) >= 400:
                 body_error = (response.get("body") or {}).get("error") or {}
-                if error is not None or not isinstance(body_error.get("message"), str) or set(body_error) != {"message", "type", "param", "code"}:
-                    found.append(Violation("Lifecycle/openai-shape", f"HTTP failure of {line['custom_id']} not in response.body.error: {raw[:200]!r}"))
+                if (
+                    error is not None
+                    or not isinstance(body_error.get("message"), str)
+                    or set(body_error) != {"message", "type", "param", "code"}
+                ):
+                    found.append(
+                        Violation(
+                            "Lifecycle/openai-shape",
+                            f"HTTP failure of {line['custom_id']} not in response.body.error: {raw[:200]!r}",
+                        )
+                    )
                     return found
             if response is None:
                 code = (error or {}).get("code")
                 if status is None and code in ("batch_cancelled", "batch_expired"):
-                    found.append(Violation("Lifecycle/stopped-lines", f"{line['custom_id']} is {code} in a batch run to its end"))
+                    found.append(
+                        Violation(
+                            "Lifecycle/stopped-lines",
+                            f"{line['custom_id']} is {code} in a batch run to its end",
+                        )
+                    )
                 elif status is not None and code not in (f"batch_{status}", "engine_crash"):
-                    found.append(Violation("Lifecycle/stopped-lines", f"{line['custom_id']} of a {status} batch has error {error}"))
+                    found.append(
+                        Violation(
+                            "Lifecycle/stopped-lines",
+                            f"{line['custom_id']} of a {status} batch has error {error}",
+                        )
+                    )
     return found
 
 
@@ -251,12 +294,18 @@ def test_no_lifecycle_schedule_violates_an_invariant(tmp_path, monkeypatch, sim_
         key = (complete.status or "completed") if complete is not None else None
         statuses[key] = statuses.get(key, 0) + 1
         if found or world.s3.unsupported:
-            failing[seed] = [f"{v.check}: {v.detail}" for v in found] + ([f"unsupported S3 calls {sorted(world.s3.unsupported)}"] if world.s3.unsupported else [])
+            failing[seed] = [f"{v.check}: {v.detail}" for v in found] + (
+                [f"unsupported S3 calls {sorted(world.s3.unsupported)}"] if world.s3.unsupported else []
+            )
     report = "\n".join(
-        f"seed {seed} ({make_plan(seed).describe()}; {make_lifecycle(seed).describe()}): " + "; ".join(v) + f"\n  replay: VLLM_BATCH_SIM_SEED={seed} python -m pytest -q {__file__}"
+        f"seed {seed} ({make_plan(seed).describe()}; {make_lifecycle(seed).describe()}): "
+        + "; ".join(v)
+        + f"\n  replay: VLLM_BATCH_SIM_SEED={seed} python -m pytest -q {__file__}"
         for seed, v in list(failing.items())[:10]
     )
-    assert not failing, f"{len(failing)} of {len(list(seeds))} schedules failed in {time.perf_counter() - started:.0f}s:\n{report}"
+    assert not failing, (
+        f"{len(failing)} of {len(list(seeds))} schedules failed in {time.perf_counter() - started:.0f}s:\n{report}"
+    )
     # The search reached every way a batch ends, or it proves nothing about them.
     if sim_seed is None and SCHEDULES >= 200:
         assert {"completed", "cancelled", "expired"} <= set(statuses), statuses

@@ -24,7 +24,10 @@ def test_no_yielding_schedule_violates_a_run_protocol_invariant(tmp_path, sim_se
             continue
         if found:
             failing[seed] = "; ".join(f"{v.check}: {v.detail}" for v in found)
-    report = "\n".join(f"seed {s}: {d}\n  replay: VLLM_BATCH_SIM_SEED={s} python -m pytest -q {__file__}" for s, d in sorted(failing.items())[:10])
+    report = "\n".join(
+        f"seed {s}: {d}\n  replay: VLLM_BATCH_SIM_SEED={s} python -m pytest -q {__file__}"
+        for s, d in sorted(failing.items())[:10]
+    )
     assert not failing, f"{len(failing)} of {len(list(seeds))} schedules failed\n{report}"
 
 
@@ -44,6 +47,6 @@ def test_the_yielding_schedules_cover_a_queue_that_fills_and_drains_and_every_po
     assert {s.warm_hook.said for s in seen} == {"priority", "fcfs", None}
     moved = [s.bounds for s in seen if len(set(s.bounds)) > 1]
     assert moved, "no schedule moved the bound"
-    assert any(min(b) < max(b) and b.index(min(b)) < len(b) - 1 and max(b[b.index(min(b)) :]) > min(b) for b in moved), (
-        "no schedule lowered the bound and grew it back"
-    )
+    assert any(
+        min(b) < max(b) and b.index(min(b)) < len(b) - 1 and max(b[b.index(min(b)) :]) > min(b) for b in moved
+    ), "no schedule lowered the bound and grew it back"

@@ -101,7 +101,10 @@ class Plan:
             if self.resume_at:
                 bits.append(f"paused until its successor's call {self.resume_at[1]} to {self.resume_at[0]!r}")
         if self.second_run_at:
-            bits.append(f"run-2 starts at step {self.second_run_at}" + (" on a re-uploaded input" if self.second_run_new_input else ""))
+            bits.append(
+                f"run-2 starts at step {self.second_run_at}"
+                + (" on a re-uploaded input" if self.second_run_new_input else "")
+            )
         if self.shuffle_lists:
             bits.append("listings in random order")
         return ", ".join(bits)
@@ -116,9 +119,13 @@ def make_plan(seed: int) -> Plan:
         seed=seed,
         engine=engine,
         requests=rng.randint(3, 12),
-        collision=rng.choice(("output=input", "error=input", "error=output")) if rng.random() < 0.08 else None,
+        collision=rng.choice(("output=input", "error=input", "error=output"))
+        if rng.random() < 0.08
+        else None,
         shared_results_dir=rng.random() < 0.15,
-        secret="hf_" + "".join(rng.choices(string.ascii_letters + string.digits, k=24)) if rng.random() < 0.2 else None,
+        secret="hf_" + "".join(rng.choices(string.ascii_letters + string.digits, k=24))
+        if rng.random() < 0.2
+        else None,
         fault_rate=rng.choice((0.0, 0.01, 0.03, 0.06)),
         max_tries=max_tries,
     )
@@ -133,7 +140,12 @@ def make_plan(seed: int) -> Plan:
     if rng.random() < 0.15:
         plan.cache_prior = rng.randint(1, plan.requests)
     if engine == "sim-runner":
-        plan.engine_faults = {"crash": rng.choice((0, 0.02)), "die": rng.choice((0, 0.03)), "fail": rng.choice((0, 0.1)), "stall": 0.02}
+        plan.engine_faults = {
+            "crash": rng.choice((0, 0.02)),
+            "die": rng.choice((0, 0.03)),
+            "fail": rng.choice((0, 0.1)),
+            "stall": 0.02,
+        }
     else:
         plan.engine_faults = {
             "die": rng.choice((0, 0.03)),
@@ -148,7 +160,11 @@ def make_plan(seed: int) -> Plan:
     # another (the narrow windows of two tries around a step), a third target one fault at one site.
     mode = rng.random()
     if mode < 0.75:
-        sites = [s for s in SITES if s not in ENGINE_NEVER[engine] and (plan.cache_prior or "cached" not in s and "cache" not in s)]
+        sites = [
+            s
+            for s in SITES
+            if s not in ENGINE_NEVER[engine] and (plan.cache_prior or "cached" not in s and "cache" not in s)
+        ]
         pause = mode < 0.45
         site = rng.choice([s for s in PUBLISH_SITES if s in sites] if pause and rng.random() < 0.6 else sites)
         kind = "pause" if pause else rng.choice([k for k in site_kinds(site) if k != "pause"])
@@ -175,40 +191,98 @@ def make_plan(seed: int) -> Plan:
 #: writes and the engine's requests included. Every one is a step boundary of docs/protocol.md.
 SITES: tuple[str, ...] = (
     "head bucket",
-    "put probe", "delete probe",
-    "head input", "get input",
-    "get manifest", "head manifest", "put manifest",
-    "head results", "put results", "copy results",
-    "head errors", "put errors", "delete errors",
-    "get lease", "put lease", "delete lease",
-    "list staging parts", "get staging parts", "put staging parts",
-    "head staging results", "get staging results", "put staging results", "delete staging results",
-    "head staging cached", "get staging cached", "put staging cached",
-    "list staging deaths", "put staging deaths",
-    "list staging", "delete staging",
-    "list cache", "get cache", "put cache",
+    "put probe",
+    "delete probe",
+    "head input",
+    "get input",
+    "get manifest",
+    "head manifest",
+    "put manifest",
+    "head results",
+    "put results",
+    "copy results",
+    "head errors",
+    "put errors",
+    "delete errors",
+    "get lease",
+    "put lease",
+    "delete lease",
+    "list staging parts",
+    "get staging parts",
+    "put staging parts",
+    "head staging results",
+    "get staging results",
+    "put staging results",
+    "delete staging results",
+    "head staging cached",
+    "get staging cached",
+    "put staging cached",
+    "list staging deaths",
+    "put staging deaths",
+    "list staging",
+    "delete staging",
+    "list cache",
+    "get cache",
+    "put cache",
     "engine request",
 )
 #: The sites one engine never reaches (its staging is parts, or one results file).
 ENGINE_NEVER = {
-    "sim-server": frozenset({"copy results", "head staging results", "get staging results", "put staging results",
-                             "delete staging results", "list staging deaths", "put staging deaths"}),
+    "sim-server": frozenset(
+        {
+            "copy results",
+            "head staging results",
+            "get staging results",
+            "put staging results",
+            "delete staging results",
+            "list staging deaths",
+            "put staging deaths",
+        }
+    ),
     "sim-runner": frozenset(),
 }
 #: Publishing's steps (and the lease read of each one's fence): half the pauses are at one of these.
 PUBLISH_SITES: tuple[str, ...] = (
-    "head manifest", "put manifest", "head results", "put results", "copy results", "head errors", "put errors",
-    "delete errors", "list staging", "delete staging",
+    "head manifest",
+    "put manifest",
+    "head results",
+    "put results",
+    "copy results",
+    "head errors",
+    "put errors",
+    "delete errors",
+    "list staging",
+    "delete staging",
 )
 #: Where a paused try may go on: its successor at a step of taking the lease, staging or publishing.
 RESUME_SITES: tuple[str, ...] = (
-    "put lease", "list staging parts", "put staging parts", "put staging results", "head manifest", "put manifest",
-    "put results", "copy results", "put errors", "delete errors", "delete staging", "engine request",
+    "put lease",
+    "list staging parts",
+    "put staging parts",
+    "put staging results",
+    "head manifest",
+    "put manifest",
+    "put results",
+    "copy results",
+    "put errors",
+    "delete errors",
+    "delete staging",
+    "engine request",
 )
 #: The fault kinds of a try: killed at the call, given up there (a zombie beside its successor), paused there.
 TRY_KINDS = ("kill", "zombie", "pause")
 #: The sites whose writes are conditional (409 there is S3's answer to a racing conditional write).
-CONDITIONAL_SITES = frozenset({"put manifest", "put results", "copy results", "put errors", "delete errors", "put lease", "delete lease"})
+CONDITIONAL_SITES = frozenset(
+    {
+        "put manifest",
+        "put results",
+        "copy results",
+        "put errors",
+        "delete errors",
+        "put lease",
+        "delete lease",
+    }
+)
 
 
 def site_kinds(site: str) -> tuple[str, ...]:
@@ -226,9 +300,17 @@ def site_kinds(site: str) -> tuple[str, ...]:
 def site_of(op: str, key: str, output_key: str, input_key: str) -> str:
     """The call site of an S3 call: its operation and the kind of object (see :data:`SITES`)."""
     verb = {
-        "get_object": "get", "head_object": "head", "put_object": "put", "upload_file": "put", "upload_fileobj": "put",
-        "copy_object": "copy", "copy": "copy", "delete_object": "delete", "delete_objects": "delete",
-        "list_objects_v2": "list", "head_bucket": "head",
+        "get_object": "get",
+        "head_object": "head",
+        "put_object": "put",
+        "upload_file": "put",
+        "upload_fileobj": "put",
+        "copy_object": "copy",
+        "copy": "copy",
+        "delete_object": "delete",
+        "delete_objects": "delete",
+        "list_objects_v2": "list",
+        "head_bucket": "head",
     }.get(op, op)
     stem = output_key.removesuffix(".jsonl")
     if op == "head_bucket":
@@ -240,9 +322,17 @@ def site_of(op: str, key: str, output_key: str, input_key: str) -> str:
     elif ".staging/" in key:
         rest = key.split(".staging/", 1)[1].split("/", 1)[1] if "/" in key.split(".staging/", 1)[1] else ""
         what = "staging" + (
-            " parts" if rest.startswith("parts/") else " deaths" if rest.startswith("deaths/") else
-            " results" if rest == "results.jsonl" else " cached" if rest.startswith("cached-") else
-            " input" if rest == "input.jsonl" else ""
+            " parts"
+            if rest.startswith("parts/")
+            else " deaths"
+            if rest.startswith("deaths/")
+            else " results"
+            if rest == "results.jsonl"
+            else " cached"
+            if rest.startswith("cached-")
+            else " input"
+            if rest == "input.jsonl"
+            else ""
         )
     elif key == input_key:
         what = "input"
@@ -272,7 +362,11 @@ def request_lines(n: int, version: int) -> bytes:
                 "custom_id": f"r{i}",
                 "method": "POST",
                 "url": "/v1/chat/completions",
-                "body": {"model": "m", "messages": [{"role": "user", "content": f"hi {i} v{version}"}], **({"temperature": 0} if i % 3 != 2 else {})},
+                "body": {
+                    "model": "m",
+                    "messages": [{"role": "user", "content": f"hi {i} v{version}"}],
+                    **({"temperature": 0} if i % 3 != 2 else {}),
+                },
             }
         ).encode()
         + b"\n"
@@ -300,8 +394,14 @@ class _Capture(logging.Handler):
             message = record.getMessage()
         except Exception:  # noqa: BLE001 - a bad format string is not the simulator's failure
             message = str(record.msg)
-        self.world.logs.append(LogLine(actor.try_label if actor else None, message, self.world.s3.lease_holder(), self.world.s3.calls))
-        self.world.s3.note(f"{(actor.try_label or actor.name) if actor else '-':<14} log {record.levelname}: {message[:300]}")
+        self.world.logs.append(
+            LogLine(
+                actor.try_label if actor else None, message, self.world.s3.lease_holder(), self.world.s3.calls
+            )
+        )
+        self.world.s3.note(
+            f"{(actor.try_label or actor.name) if actor else '-':<14} log {record.levelname}: {message[:300]}"
+        )
 
 
 class World:
@@ -393,7 +493,11 @@ class World:
             results_dir = self.workdir / "results"
         engine_args = ["--max-model-len", "512"] + (["--hf-token", plan.secret] if plan.secret else [])
         if plan.cache_prior:
-            self.s3.put(BUCKET, PRIOR_INPUT_KEY, b"".join(request_lines(plan.requests, 1).splitlines(keepends=True)[: plan.cache_prior]))
+            self.s3.put(
+                BUCKET,
+                PRIOR_INPUT_KEY,
+                b"".join(request_lines(plan.requests, 1).splitlines(keepends=True)[: plan.cache_prior]),
+            )
         return {
             "answer_cache_uri": f"s3://{BUCKET}/cache/" if plan.cache_prior else None,
             "input_uri": input_uri,
@@ -410,7 +514,10 @@ class World:
         data = request_lines(self.plan.requests, self.input_version)
         self.s3.put(BUCKET, INPUT_KEY, data)
         etag = self.s3.buckets[BUCKET][INPUT_KEY].etag.strip('"')
-        self.inputs[etag] = {json.loads(line)["custom_id"]: json.loads(line)["body"]["messages"][-1]["content"] for line in data.splitlines()}
+        self.inputs[etag] = {
+            json.loads(line)["custom_id"]: json.loads(line)["body"]["messages"][-1]["content"]
+            for line in data.splitlines()
+        }
         self.s3.buckets[BUCKET][INPUT_KEY].writer = "user"
         self.input_bytes = data
         for t in getattr(self, "tries", []):
@@ -425,7 +532,9 @@ class World:
         if self.plan.cache_prior:
             prior = TryState(1, "prior/try-1")
             self.tries.append(prior)
-            self.scheduler.spawn(prior.label, lambda: self.run_try(prior), prior, on_exit=lambda *_: self.start_try(1))
+            self.scheduler.spawn(
+                prior.label, lambda: self.run_try(prior), prior, on_exit=lambda *_: self.start_try(1)
+            )
         else:
             self.start_try(1)
         self.scheduler.run()
@@ -433,7 +542,12 @@ class World:
     def start_try(self, number: int, run: str = "run-1", delay_s: float = 0.0) -> None:
         plan = self.plan
         if run == "run-1":
-            state = TryState(number, f"run-1/try-{number}", kill_at=plan.kill_at.get(number), zombie_at=plan.zombie_at.get(number))
+            state = TryState(
+                number,
+                f"run-1/try-{number}",
+                kill_at=plan.kill_at.get(number),
+                zombie_at=plan.zombie_at.get(number),
+            )
         else:
             state = TryState(number, f"{run}/try-{number}")
         self.tries.append(state)
@@ -450,7 +564,12 @@ class World:
         log = logging.getLogger("sim.task")
         values = self.settings_values
         if state.label.startswith("prior/"):
-            values = {**values, "input_uri": f"s3://{BUCKET}/{PRIOR_INPUT_KEY}", "output_uri": f"s3://{BUCKET}/{PRIOR_OUTPUT_KEY}", "error_uri": None}
+            values = {
+                **values,
+                "input_uri": f"s3://{BUCKET}/{PRIOR_INPUT_KEY}",
+                "output_uri": f"s3://{BUCKET}/{PRIOR_OUTPUT_KEY}",
+                "error_uri": None,
+            }
         settings = BatchSettings.from_rendered(**values)
         engine = settings.engine.engine_class()(settings, log)
         engine.world = self  # type: ignore[attr-defined]
@@ -472,7 +591,11 @@ class World:
         if error is None:
             self.finals[state.run] = "success"
         elif retryable(error) and state.number < self.plan.max_tries:
-            self.start_try(state.number + 1, state.run, delay_s=0.0 if state.run == "run-1" else 60.0 + self.rng.random() * 240)
+            self.start_try(
+                state.number + 1,
+                state.run,
+                delay_s=0.0 if state.run == "run-1" else 60.0 + self.rng.random() * 240,
+            )
         else:
             self.finals[state.run] = "failed"
         if state.run == "run-1":
@@ -498,7 +621,12 @@ class World:
         if site is not None:
             calls = self.site_calls[(state.label, site)] = self.site_calls.get((state.label, site), 0) + 1
             target = self.plan.target
-            if target is not None and state.run == "run-1" and (site, calls, state.number) == (target[0], target[2], target[3]) and not state.zombie:
+            if (
+                target is not None
+                and state.run == "run-1"
+                and (site, calls, state.number) == (target[0], target[2], target[3])
+                and not state.zombie
+            ):
                 self.targeted(actor, state, site, target[1])
         if state.kill_at is not None and state.steps >= state.kill_at and not state.dead and not state.ended:
             state.dead = True
@@ -575,7 +703,9 @@ class World:
         seen = self.seen_at_engine_start.get(label, self.s3.staging_seen.get(label, {}))
         durable = self.durable_before(short, custom_id, seen)
         self.sent.append((label, short, custom_id, durable))
-        self.s3.trace.append(f"{self.s3.calls:5d} {label:<14} engine answered {custom_id}{' (durable in what it read)' if durable else ''}")
+        self.s3.trace.append(
+            f"{self.s3.calls:5d} {label:<14} engine answered {custom_id}{' (durable in what it read)' if durable else ''}"
+        )
 
     def durable_before(self, short: str, custom_id: str, seen: dict[str, bytes]) -> bool:
         """Whether a staging object the try read (``seen``: key -> body as read) holds a final answer to ``custom_id`` and is still there.
@@ -588,7 +718,12 @@ class World:
         prefix = staging_prefix(self.output_uri, short)
         for key, body in seen.items():
             obj = self.s3.buckets[BUCKET].get(key)
-            if key.startswith(prefix) and obj is not None and obj.body == body and custom_id in final_answers(body):
+            if (
+                key.startswith(prefix)
+                and obj is not None
+                and obj.body == body
+                and custom_id in final_answers(body)
+            ):
                 return True
         return False
 
@@ -625,7 +760,9 @@ def simulation(world: World) -> Iterator[None]:
     from airflow_vllm_batch.hooks import vllm as vllm_engine
 
     saved_start = vllm_engine.start_bound_process
-    vllm_engine.start_bound_process = lambda argv, env=None, **_: SimRunnerProcess(world, engine_argv(argv, env))  # type: ignore[assignment]
+    vllm_engine.start_bound_process = lambda argv, env=None, **_: SimRunnerProcess(
+        world, engine_argv(argv, env)
+    )  # type: ignore[assignment]
     # Object names the run code draws at random (probes, the parts' try tokens) come from the seed too.
     saved_uuid4 = uuid.uuid4
     uuid.uuid4 = lambda: uuid.UUID(int=world.rng.getrandbits(128), version=4)  # type: ignore[assignment]

@@ -65,7 +65,9 @@ class SimSharedServer(SimServer):
         plan = self.neighbour
         assert plan is not None, "the yielding engine set no plan before the stream"
         if self.warm_hook.said != "priority":
-            assert plan.priority is None, f"a server that says {self.warm_hook.said!r} was to be sent priority {plan.priority}"
+            assert plan.priority is None, (
+                f"a server that says {self.warm_hook.said!r} was to be sent priority {plan.priority}"
+            )
         return super().run(self._in_rounds(requests, plan), journal=journal, skip=skip, **kwargs)
 
     def _in_rounds(self, requests: Any, plan: NeighbourPlan) -> Iterator[tuple[int, bytes]]:
@@ -81,9 +83,17 @@ class SimSharedServer(SimServer):
                 world.scheduler.sleep(1.0)
                 others = max(0, others + rng.choice((-4, -2, -1, 0, 1, 2, 5)))
                 readable = controller.metrics and rng.random() < 0.9
-                reading = Reading(self._load(sent_in_round, others) if readable else None, sent_in_round, rejections=int(rng.random() < 0.05))
+                reading = Reading(
+                    self._load(sent_in_round, others) if readable else None,
+                    sent_in_round,
+                    rejections=int(rng.random() < 0.05),
+                )
                 bound = controller.update(reading).bound
-                assert controller.floor <= bound <= self.max_in_flight, (bound, controller.floor, self.max_in_flight)
+                assert controller.floor <= bound <= self.max_in_flight, (
+                    bound,
+                    controller.floor,
+                    self.max_in_flight,
+                )
                 self.bounds.append(bound)
                 sent_in_round = 0
             sent_in_round += 1
@@ -91,7 +101,11 @@ class SimSharedServer(SimServer):
 
     def _load(self, in_flight: int, others: int) -> ServerLoad:
         total = in_flight + others
-        return ServerLoad(waiting=max(0, total - SLOTS), running=min(total, SLOTS), kv_cache_usage=min(1.0, total / (4 * SLOTS)))
+        return ServerLoad(
+            waiting=max(0, total - SLOTS),
+            running=min(total, SLOTS),
+            kv_cache_usage=min(1.0, total / (4 * SLOTS)),
+        )
 
 
 class SimYieldingEngine(SimServerEngine):

@@ -15,8 +15,23 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_cache_overhead_runs_with_and_without_the_cache_side_by_side_and_prints_wall_and_peak_rss():
-    argv = [sys.executable, str(REPO / "benchmarks" / "answer_cache.py"), "overhead", "--requests", "2000", "--runs", "1"]
-    done = subprocess.run(argv, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=300, check=False)  # noqa: S603
+    argv = [
+        sys.executable,
+        str(REPO / "benchmarks" / "answer_cache.py"),
+        "overhead",
+        "--requests",
+        "2000",
+        "--runs",
+        "1",
+    ]
+    done = subprocess.run(
+        argv,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )  # noqa: S603
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     lines = done.stdout.splitlines()
     # One child run per variant; each asserted in the child that every request was answered and none came from the cache.

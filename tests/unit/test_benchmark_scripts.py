@@ -23,10 +23,18 @@ PAGE = REPO / "docs" / "benchmarks.md"
 @pytest.mark.parametrize("script", ["overhead.py", "scale.py"])
 def test_the_benchmark_starts_from_the_repository_root_as_the_page_runs_it(script):
     # The page's command, as written: `.venv/bin/python benchmarks/<script> ...` without PYTHONPATH.
-    assert re.search(rf"^\s*\.venv/bin/python benchmarks/{re.escape(script)}\b", PAGE.read_text(encoding="utf-8"), re.M)
+    assert re.search(
+        rf"^\s*\.venv/bin/python benchmarks/{re.escape(script)}\b", PAGE.read_text(encoding="utf-8"), re.M
+    )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     done = subprocess.run(  # noqa: S603
-        [sys.executable, f"benchmarks/{script}", "--help"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False
+        [sys.executable, f"benchmarks/{script}", "--help"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.startswith(f"usage: {script}")
@@ -49,7 +57,15 @@ print(json.dumps(sorted({name.split(".")[0] for name in names if importlib.util.
 def test_every_module_the_benchmark_imports_is_found_from_the_repository_root(script):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     done = subprocess.run(  # noqa: S603
-        [sys.executable, "-c", FIND_IMPORTS, f"benchmarks/{script}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False
+        [sys.executable, "-c", FIND_IMPORTS, f"benchmarks/{script}"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.splitlines()[-1] == "[]", f"benchmarks/{script} cannot find {done.stdout.splitlines()[-1]}"
+    assert done.stdout.splitlines()[-1] == "[]", (
+        f"benchmarks/{script} cannot find {done.stdout.splitlines()[-1]}"
+    )

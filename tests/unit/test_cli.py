@@ -113,8 +113,16 @@ def test_progress_bar_goes_to_stderr_when_forced(batch, capsys):
 @pytest.mark.parametrize(
     ("name", "content", "fragment"),
     [
-        ("request_file", REQUEST % "a" + REQUEST % "b", "is a request (input) file, not a results file — did you mean `airflow-vllm-batch validate`?"),
-        ("other_json_objects", '{"name": "x"}\n{"name": "y"}\n', "is a file of JSON objects that are neither requests nor results"),
+        (
+            "request_file",
+            REQUEST % "a" + REQUEST % "b",
+            "is a request (input) file, not a results file — did you mean `airflow-vllm-batch validate`?",
+        ),
+        (
+            "other_json_objects",
+            '{"name": "x"}\n{"name": "y"}\n',
+            "is a file of JSON objects that are neither requests nor results",
+        ),
         ("empty_file", "", "is empty (no lines), not a results file"),
         ("blank_lines_only", "\n  \n", "is empty (no lines)"),
         ("json_arrays", "[1, 2]\n", "is a JSON file whose lines are not objects"),
@@ -189,21 +197,28 @@ def test_validate_refuses_a_results_file(tmp_path, capsys):
     path = tmp_path / "results.jsonl"
     path.write_text(RESULT % "a")
     assert cli.main(["validate", str(path)]) == 2
-    assert "is a results file, not a request (input) file — did you mean `airflow-vllm-batch stats`?" in capsys.readouterr().err
+    assert (
+        "is a results file, not a request (input) file — did you mean `airflow-vllm-batch stats`?"
+        in capsys.readouterr().err
+    )
 
 
 def test_validate_checks_the_operators_default_urls_by_default(tmp_path, capsys):
     from airflow_vllm_batch.engines.vllm.command import FALLBACK_SUPPORTED_URLS
 
     path = tmp_path / "score.jsonl"
-    path.write_text('{"custom_id": "a", "method": "POST", "url": "/score", "body": {"model": "m", "text_1": "a", "text_2": "b"}}\n')
+    path.write_text(
+        '{"custom_id": "a", "method": "POST", "url": "/score", "body": {"model": "m", "text_1": "a", "text_2": "b"}}\n'
+    )
     assert cli.main(["validate", str(path), "--json"]) == 0
     assert cli.DEFAULT_SUPPORTED_URLS == FALLBACK_SUPPORTED_URLS
 
 
 def test_validate_names_the_default_engine_not_this_engine_for_an_unserved_url(tmp_path, capsys):
     path = tmp_path / "completions.jsonl"
-    path.write_text('{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"model": "m", "prompt": "hi"}}\n')
+    path.write_text(
+        '{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"model": "m", "prompt": "hi"}}\n'
+    )
     assert cli.main(["validate", str(path)]) == 1
     out = capsys.readouterr().out
     assert "this engine" not in out
@@ -216,7 +231,9 @@ def test_validate_with_supported_url_names_that_option_for_an_unserved_url(batch
     assert "this engine" not in out and "--supported-url" in out
 
 
-def test_validate_lists_repeated_custom_ids_read_from_stdin_without_sending_the_user_to_validate(monkeypatch, capsys):
+def test_validate_lists_repeated_custom_ids_read_from_stdin_without_sending_the_user_to_validate(
+    monkeypatch, capsys
+):
     data = (REQUEST % "a" + REQUEST % "b" + REQUEST % "a").encode()
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(data)))
     assert cli.main(["validate", "-"]) == 1

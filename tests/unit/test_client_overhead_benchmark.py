@@ -14,16 +14,36 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_client_overhead_prints_cpu_per_request_and_rate_of_stream_and_bare_loop_for_1_and_2_processes():
-    argv = [sys.executable, str(REPO / "benchmarks" / "client_overhead.py"), "--requests", "2000", "--runs", "1"]
+    argv = [
+        sys.executable,
+        str(REPO / "benchmarks" / "client_overhead.py"),
+        "--requests",
+        "2000",
+        "--runs",
+        "1",
+    ]
     argv += ["--in-flight", "64", "--processes", "1,2"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, check=False)  # noqa: S603
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     lines = done.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("client "))
-    assert lines[header].split() == ["client", "processes", "CPU", "µs/request", "requests/s", "least", "µs/request"]
+    assert lines[header].split() == [
+        "client",
+        "processes",
+        "CPU",
+        "µs/request",
+        "requests/s",
+        "least",
+        "µs/request",
+    ]
     rows = [line.split() for line in lines[header + 1 : header + 5]]
-    assert [(row[0], row[1]) for row in rows] == [("stream", "1"), ("bare", "1"), ("stream", "2"), ("bare", "2")]
+    assert [(row[0], row[1]) for row in rows] == [
+        ("stream", "1"),
+        ("bare", "1"),
+        ("stream", "2"),
+        ("bare", "2"),
+    ]
     assert all(float(row[2]) > 0 and float(row[3]) > 0 and float(row[4]) > 0 for row in rows)
     assert lines[header + 5].startswith("ratio stream ÷ bare, 1 process(es): CPU per request ")
     assert lines[header + 6].startswith("ratio stream ÷ bare, 2 process(es): CPU per request ")
@@ -31,7 +51,14 @@ def test_client_overhead_prints_cpu_per_request_and_rate_of_stream_and_bare_loop
 
 
 def test_client_overhead_times_the_engines_multi_process_stream_for_1_and_2_processes():
-    argv = [sys.executable, str(REPO / "benchmarks" / "client_overhead.py"), "--requests", "2000", "--runs", "1"]
+    argv = [
+        sys.executable,
+        str(REPO / "benchmarks" / "client_overhead.py"),
+        "--requests",
+        "2000",
+        "--runs",
+        "1",
+    ]
     argv += ["--in-flight", "64", "--processes", "1,2", "--clients", "engine", "--answer", "embedding"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, check=False)  # noqa: S603

@@ -14,9 +14,9 @@ import json
 import os
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
+import tomllib
 from packaging.requirements import Requirement
 from packaging.version import Version
 
@@ -48,7 +48,11 @@ def _names_used(module: str) -> set[str]:
     names = set()
     for path in PROVIDER.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == module:
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == module
+            ):
                 names.add(node.attr)
     return names
 
@@ -57,9 +61,22 @@ def _installed_at(name: str, version: Version) -> Path:
     """A directory holding ``name==version`` (the wheel only: its own requirements come from this venv)."""
     target = REPO / ".cache" / f"floor-{name}-{version}"
     if not (target / ".complete").exists():
-        argv = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--only-binary=:all:", "--target", str(target), f"{name}=={version}"]
+        argv = [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--target",
+            str(target),
+            f"{name}=={version}",
+        ]
         done = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False)
-        assert done.returncode == 0, f"could not install {name}=={version} to check the floor: {done.stderr[-2000:]}"
+        assert done.returncode == 0, (
+            f"could not install {name}=={version} to check the floor: {done.stderr[-2000:]}"
+        )
         (target / ".complete").touch()
     return target
 
@@ -83,9 +100,16 @@ def test_aiohttp_at_its_floor_has_every_name_the_provider_uses(tmp_path):
         env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
         done = subprocess.run(
             [sys.executable, "-c", ASK, "aiohttp", *sorted(names)],
-            env={**env, "PYTHONPATH": str(target)}, cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False,
+            env={**env, "PYTHONPATH": str(target)},
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
         )
         assert done.returncode == 0, done.stderr[-2000:]
         asked = json.loads(done.stdout.splitlines()[-1])
         assert asked["file"].startswith(str(target)) and Version(asked["version"]) == floor, asked
-        assert asked["missing"] == [], f"{requirement}: aiohttp {floor} lacks {asked['missing']}; raise the floor"
+        assert asked["missing"] == [], (
+            f"{requirement}: aiohttp {floor} lacks {asked['missing']}; raise the floor"
+        )

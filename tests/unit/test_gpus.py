@@ -53,7 +53,9 @@ TASK_WITH_ENGINE = textwrap.dedent(
 
 
 def _python(*args: str, **kwargs) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", *args], env={**os.environ, "PYTHONPATH": os.getcwd()}, **kwargs)
+    return subprocess.Popen(
+        [sys.executable, "-c", *args], env={**os.environ, "PYTHONPATH": os.getcwd()}, **kwargs
+    )
 
 
 def _is_free(lock_dir: Path, device: str) -> bool:
@@ -102,7 +104,9 @@ def test_the_engine_needs_tensor_times_pipeline_times_local_data_parallel_device
     assert gpus.devices_needed(engine_args) == needed
 
 
-@pytest.mark.parametrize("engine_args", [["-tp", "two"], ["--tensor-parallel-size=0"], ["--pipeline-parallel-size"]])
+@pytest.mark.parametrize(
+    "engine_args", [["-tp", "two"], ["--tensor-parallel-size=0"], ["--pipeline-parallel-size"]]
+)
 def test_a_parallel_size_that_is_not_a_positive_number_is_a_configuration_error(engine_args):
     with pytest.raises(ConfigurationError, match=r"^VLLMRunner\(args=\.\.\.\): "):
         gpus.devices_needed(engine_args)
@@ -116,12 +120,18 @@ def test_by_default_a_gpu_worker_leases_what_the_parallelism_needs_and_a_cpu_wor
 
 
 def test_parallel_sizes_larger_than_gpus_fail_fast_naming_the_fix():
-    with pytest.raises(ConfigurationError, match=r"^VLLMRunner\(args=\.\.\.\) ask for 4 GPUs \(tensor_parallel_size=2, pipeline_parallel_size=2\) but VLLMRunner\(gpus=2\)\. Set gpus=4"):
+    with pytest.raises(
+        ConfigurationError,
+        match=r"^VLLMRunner\(args=\.\.\.\) ask for 4 GPUs \(tensor_parallel_size=2, pipeline_parallel_size=2\) but VLLMRunner\(gpus=2\)\. Set gpus=4",
+    ):
         gpus.gpus_to_lease(2, ["-tp", "2", "-pp", "2"], ["0", "1", "2", "3"], "x")
 
 
 def test_more_gpus_than_the_worker_may_use_fail_fast_naming_the_devices_and_their_source():
-    with pytest.raises(ConfigurationError, match=r"needs 4 GPU\(s\), but this worker .* may use 2 \(0,1\), from CUDA_VISIBLE_DEVICES"):
+    with pytest.raises(
+        ConfigurationError,
+        match=r"needs 4 GPU\(s\), but this worker .* may use 2 \(0,1\), from CUDA_VISIBLE_DEVICES",
+    ):
         gpus.gpus_to_lease(4, [], ["0", "1"], "CUDA_VISIBLE_DEVICES")
     with pytest.raises(ConfigurationError, match="may use none"):
         gpus.gpus_to_lease(1, [], [], gpus.GPUS_ENV)
@@ -173,7 +183,14 @@ def test_a_waiting_task_says_so_and_gets_the_device_once_it_is_free(tmp_path):
     holder = gpus.try_lease(["0"], 1, str(tmp_path), {"task_id": "first"})
     proc_started = time.monotonic()
     threading.Timer(0.5, holder.release).start()
-    lease = gpus.lease_gpus(["0"], 1, directory=str(tmp_path), log=lambda *a: lines.append(a[0] % a[1:]), poll_s=0.05, log_every_s=60)
+    lease = gpus.lease_gpus(
+        ["0"],
+        1,
+        directory=str(tmp_path),
+        log=lambda *a: lines.append(a[0] % a[1:]),
+        poll_s=0.05,
+        log_every_s=60,
+    )
     assert lease.devices == ["0"] and time.monotonic() - proc_started >= 0.4
     lease.release()
     assert len(lines) == 1 and lines[0].startswith("Waiting for 1 free GPU(s) of 0 for 0s")

@@ -55,11 +55,24 @@ def test_a_local_file_is_pinned_by_its_content(tmp_path):
     ("options", "expected"),
     [
         (
-            {"engine": "VLLMRunner", "args": ["--hf-token", "hf_abcdefgh", "--max-model-len", "64"], "command": ["x", "y"]},
-            {"engine_args": ["--hf-token", "<secret>", "--max-model-len", "64"], "engine_command": ["x", "y"]},
+            {
+                "engine": "VLLMRunner",
+                "args": ["--hf-token", "hf_abcdefgh", "--max-model-len", "64"],
+                "command": ["x", "y"],
+            },
+            {
+                "engine_args": ["--hf-token", "<secret>", "--max-model-len", "64"],
+                "engine_command": ["x", "y"],
+            },
         ),
-        ({"engine": "VLLMServer", "args": ["--max-model-len", "64"]}, {"engine": "server", "engine_args": ["--max-model-len", "64"], "engine_command": []}),
-        ({"engine": "WarmVLLMServer", "conn_id": "c"}, {"engine": "vllm_connection", "engine_args": None, "engine_command": None}),
+        (
+            {"engine": "VLLMServer", "args": ["--max-model-len", "64"]},
+            {"engine": "server", "engine_args": ["--max-model-len", "64"], "engine_command": []},
+        ),
+        (
+            {"engine": "WarmVLLMServer", "conn_id": "c"},
+            {"engine": "vllm_connection", "engine_args": None, "engine_command": None},
+        ),
     ],
     ids=["runner", "server", "warm"],
 )
@@ -72,5 +85,7 @@ def test_each_engines_part_of_the_identity_is_what_it_was_before_engines_took_op
 
     options = dict(options)
     engine = getattr(engines, options.pop("engine"))(**options)
-    settings = BatchSettings.from_rendered(input_uri="s3://b/in.jsonl", output_uri="s3://b/out/r.jsonl", model="m", engine=engine)
+    settings = BatchSettings.from_rendered(
+        input_uri="s3://b/in.jsonl", output_uri="s3://b/out/r.jsonl", model="m", engine=engine
+    )
     assert engines.make_engine(settings, logging.getLogger(__name__)).identity() == expected

@@ -17,7 +17,11 @@ REPO = Path(__file__).resolve().parents[2]
 PACKAGE = Path(__import__("airflow_vllm_batch").__file__).parent
 
 #: Modules that a CLI or a test must be able to use without Airflow or boto3 installed.
-AIRFLOW_FREE = ("airflow_vllm_batch.batchfile", "airflow_vllm_batch.sharding", "airflow_vllm_batch.exceptions")
+AIRFLOW_FREE = (
+    "airflow_vllm_batch.batchfile",
+    "airflow_vllm_batch.sharding",
+    "airflow_vllm_batch.exceptions",
+)
 BLOCKED = ("airflow", "boto3", "botocore")
 
 _BLOCKING_PRELUDE = f"""
@@ -35,9 +39,17 @@ sys.meta_path.insert(0, BlockImports())
 
 def _run_blocked(code: str, tmp_path: Path) -> dict:
     """Run ``code`` in a fresh interpreter where importing Airflow, boto3 or botocore fails; return what it prints as JSON."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
     done = subprocess.run(
-        [sys.executable, "-c", _BLOCKING_PRELUDE + code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", _BLOCKING_PRELUDE + code],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -45,9 +57,18 @@ def _run_blocked(code: str, tmp_path: Path) -> dict:
 
 def test_the_batchfile_core_imports_and_reads_answers_with_airflow_and_boto3_blocked(tmp_path):
     results = tmp_path / "results.jsonl"
-    line = {"id": "v", "custom_id": "c", "response": {"status_code": 200, "body": {"choices": [{"message": {"content": "hi"}}]}}, "error": None}
+    line = {
+        "id": "v",
+        "custom_id": "c",
+        "response": {"status_code": 200, "body": {"choices": [{"message": {"content": "hi"}}]}},
+        "error": None,
+    }
     results.write_text(json.dumps(line) + "\n")
-    manifest = {"output_uri": str(results), "error_uri": None, "request_counts": {"total": 1, "completed": 1, "failed": 0}}
+    manifest = {
+        "output_uri": str(results),
+        "error_uri": None,
+        "request_counts": {"total": 1, "completed": 1, "failed": 0},
+    }
     seen = _run_blocked(
         f"""
 import json
@@ -202,7 +223,11 @@ def test_an_airflow_free_module_imports_only_the_standard_library_msgspec_and_th
     foreign = sorted(
         imported
         for imported in _imports(name)
-        if not (imported.partition(".")[0] in allowed_roots or imported.startswith(AIRFLOW_FREE) or imported == "airflow_vllm_batch")
+        if not (
+            imported.partition(".")[0] in allowed_roots
+            or imported.startswith(AIRFLOW_FREE)
+            or imported == "airflow_vllm_batch"
+        )
     )
     assert foreign == []
 
@@ -218,12 +243,18 @@ def _private_names_imported(source: str, name: str) -> list[str]:
                 anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 module = ".".join(anchor + ([node.module] if node.module else []))
             if module.startswith("airflow_vllm_batch") and module != name:
-                found.extend(f"{name} imports {module}.{alias.name}" for alias in node.names if alias.name.startswith("_"))
+                found.extend(
+                    f"{name} imports {module}.{alias.name}"
+                    for alias in node.names
+                    if alias.name.startswith("_")
+                )
     return found
 
 
 def test_no_module_imports_a_private_name_of_another():
-    assert [found for name, path in MODULES.items() for found in _private_names_imported(path.read_text(), name)] == []
+    assert [
+        found for name, path in MODULES.items() for found in _private_names_imported(path.read_text(), name)
+    ] == []
 
 
 def test_the_private_name_check_sees_one_imported_from_another_module():

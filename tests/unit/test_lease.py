@@ -34,7 +34,9 @@ def test_a_free_output_is_taken_and_given_back(s3, bucket):
 
 def test_another_run_is_refused_while_the_lease_is_live(s3, bucket):
     with lease(s3, bucket, holder("run-1")):
-        with pytest.raises(OutputBusyError, match=r"dag\.vllm_batch of run 'run-1' \(try 1, on worker-a\) holds"):
+        with pytest.raises(
+            OutputBusyError, match=r"dag\.vllm_batch of run 'run-1' \(try 1, on worker-a\) holds"
+        ):
             lease(s3, bucket, holder("run-2")).acquire()
 
 
@@ -148,7 +150,9 @@ def test_heartbeats_rewrite_the_lease_and_keep_it_held(s3, bucket):
         assert not live.lost
 
 
-def test_a_holder_whose_lease_was_taken_over_knows_it_at_its_next_heartbeat_and_does_not_delete_the_new_one(s3, bucket):
+def test_a_holder_whose_lease_was_taken_over_knows_it_at_its_next_heartbeat_and_does_not_delete_the_new_one(
+    s3, bucket
+):
     slow = lease(s3, bucket, holder("run-1"), heartbeat_s=3600)
     slow.acquire()
     # Another run decides the first is dead and takes over (as after a long network partition).

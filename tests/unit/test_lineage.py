@@ -21,10 +21,19 @@ ERR = "s3://results-bucket/batches/2026-01-01/results.errors.jsonl"
 @pytest.mark.parametrize(
     ("input_uri", "expected"),
     [
-        ("s3://in-bucket/batches/input.jsonl", Dataset(namespace="s3://in-bucket", name="batches/input.jsonl")),
+        (
+            "s3://in-bucket/batches/input.jsonl",
+            Dataset(namespace="s3://in-bucket", name="batches/input.jsonl"),
+        ),
         ("/data/batches/input.jsonl", Dataset(namespace="file", name="/data/batches/input.jsonl")),
-        ("https://files.example.com/batches/input.jsonl", Dataset(namespace="https://files.example.com", name="/batches/input.jsonl")),
-        ("http://10.0.0.5:8333/b/input.jsonl", Dataset(namespace="http://10.0.0.5:8333", name="/b/input.jsonl")),
+        (
+            "https://files.example.com/batches/input.jsonl",
+            Dataset(namespace="https://files.example.com", name="/batches/input.jsonl"),
+        ),
+        (
+            "http://10.0.0.5:8333/b/input.jsonl",
+            Dataset(namespace="http://10.0.0.5:8333", name="/b/input.jsonl"),
+        ),
     ],
     ids=["s3", "local", "https", "http-with-port"],
 )
@@ -38,14 +47,18 @@ def test_relative_local_input_is_named_by_its_absolute_path():
 
 
 def test_http_input_loses_query_string_and_user_info():
-    lineage = lineage_for("https://user:pw@s3.example.com/b/in.jsonl?X-Amz-Signature=abc&X-Amz-Credential=AK", OUT, None)
+    lineage = lineage_for(
+        "https://user:pw@s3.example.com/b/in.jsonl?X-Amz-Signature=abc&X-Amz-Credential=AK", OUT, None
+    )
     (dataset,) = lineage.inputs
     assert (dataset.namespace, dataset.name) == ("https://s3.example.com", "/b/in.jsonl")
 
 
 def test_outputs_are_only_the_results_when_no_error_file_was_published():
     lineage = lineage_for("s3://in/x.jsonl", OUT, None)
-    assert lineage.outputs == [Dataset(namespace="s3://results-bucket", name="batches/2026-01-01/results.jsonl")]
+    assert lineage.outputs == [
+        Dataset(namespace="s3://results-bucket", name="batches/2026-01-01/results.jsonl")
+    ]
 
 
 def test_error_file_is_an_output_when_it_was_published():

@@ -20,7 +20,11 @@ def _snippet() -> str:
 
 # Airflow 3 gives a logical date (and so ds) only to scheduled runs and backfills.
 RUNS = {
-    "scheduled": {"run_id": "scheduled__2026-11-21T00:00:00+00:00", "ds": "2026-11-21", "logical_date": datetime(2026, 11, 21, tzinfo=timezone.utc)},
+    "scheduled": {
+        "run_id": "scheduled__2026-11-21T00:00:00+00:00",
+        "ds": "2026-11-21",
+        "logical_date": datetime(2026, 11, 21, tzinfo=timezone.utc),
+    },
     "manual": {"run_id": "manual__2026-11-22T10:00:00+00:00"},
     "asset_triggered": {"run_id": "asset_triggered__2026-11-22T10:00:00+00:00"},
 }
@@ -60,15 +64,34 @@ def test_the_structured_outputs_snippet_builds_its_dag_and_its_error_message_is_
     namespace = {"task": task, "prompts": prompts, "VLLMBatchOperator": VLLMBatchOperator}
     with DAG("readme_structured", schedule=None, start_date=datetime(2026, 1, 1, tzinfo=timezone.utc)) as dag:
         # Compiled apart from this module's `from __future__ import annotations`, as a DAG file would be.
-        code = compile(_section_snippet("## Structured outputs: answers with a schema"), "README.md", "exec", dont_inherit=True)
+        code = compile(
+            _section_snippet("## Structured outputs: answers with a schema"),
+            "README.md",
+            "exec",
+            dont_inherit=True,
+        )
         exec(code, {**namespace, "__name__": "readme_dag"})  # noqa: S102 - our own README
     (op,) = [t for t in dag.tasks if isinstance(t, VLLMBatchOperator)]
     assert op.output_type.__name__ == "Review" and "stars" in op.output_type.model_fields
-    answer = {"custom_id": "a", "response": {"status_code": 200, "request_id": "r", "body": {
-        "choices": [{"index": 0, "message": {"content": '{"sentiment": "positive", "stars": "many"}'}}]}}, "error": None}
+    answer = {
+        "custom_id": "a",
+        "response": {
+            "status_code": 200,
+            "request_id": "r",
+            "body": {
+                "choices": [
+                    {"index": 0, "message": {"content": '{"sentiment": "positive", "stars": "many"}'}}
+                ]
+            },
+        },
+        "error": None,
+    }
     errors = []
-    check_results([json.dumps(answer).encode()], errors_out=type("W", (), {"write": staticmethod(errors.append)})(),
-                  output_schema=OutputSchema(op.output_type))
+    check_results(
+        [json.dumps(answer).encode()],
+        errors_out=type("W", (), {"write": staticmethod(errors.append)})(),
+        output_schema=OutputSchema(op.output_type),
+    )
     message = json.loads(errors[0])["error"]["message"]
     assert message.startswith("does not fit Review: stars: Input should be a valid integer")
     assert "does not fit Review: stars: Input should be a valid integer" in README.read_text()
@@ -85,7 +108,9 @@ def test_the_readme_answer_cache_snippet_builds_an_operator_with_the_cache():
     (task,) = dag.tasks
     task.render_template_fields({"ds": "2026-11-21", "run_id": "scheduled__2026-11-21T00:00:00+00:00"})
     settings = task.settings()
-    assert settings.answer_cache_uri == "s3://my-bucket/answer-cache/" and settings.answer_cache_sampled is False
+    assert (
+        settings.answer_cache_uri == "s3://my-bucket/answer-cache/" and settings.answer_cache_sampled is False
+    )
 
 
 def test_the_completions_snippet_builds_a_server_task_whose_lines_are_prompts():
@@ -96,15 +121,23 @@ def test_the_completions_snippet_builds_a_server_task_whose_lines_are_prompts():
     from airflow_vllm_batch.batchfile.requests import build_batch_file
     from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
 
-    with DAG("readme_completions", schedule=None, start_date=datetime(2026, 1, 1, tzinfo=timezone.utc)) as dag:
+    with DAG(
+        "readme_completions", schedule=None, start_date=datetime(2026, 1, 1, tzinfo=timezone.utc)
+    ) as dag:
         exec(_section_snippet("## Completions: `/v1/completions` lines"), {})  # noqa: S102 - our own README
     (op,) = [t for t in dag.tasks if isinstance(t, VLLMBatchOperator)]
     assert op.requests_url == "/v1/completions" and type(op.engine).__name__ == "VLLMServer"
     settings = op.settings()
-    data = build_batch_file(settings.requests, model=settings.model, url=settings.requests_url, default_body=settings.default_body)
+    data = build_batch_file(
+        settings.requests, model=settings.model, url=settings.requests_url, default_body=settings.default_body
+    )
     lines = [json.loads(line) for line in data.splitlines()]
     assert {line["url"] for line in lines} == {"/v1/completions"}
-    assert [line["body"]["prompt"] for line in lines] == ["Once upon a time", "The ship left the harbour", "Dear customer,"]
+    assert [line["body"]["prompt"] for line in lines] == [
+        "Once upon a time",
+        "The ship left the harbour",
+        "Dear customer,",
+    ]
     assert all(line["body"]["max_tokens"] == 32 for line in lines)
 
 
@@ -117,16 +150,23 @@ def test_the_taskflow_snippet_builds_a_decorated_task_whose_function_returns_con
     from airflow_vllm_batch.decorators.vllm_batch import _VLLMBatchDecoratedOperator
 
     with DAG("readme_taskflow", schedule=None, start_date=datetime(2026, 1, 1, tzinfo=timezone.utc)) as dag:
-        code = compile(_section_snippet("## TaskFlow: `@task.vllm_batch`"), "README.md", "exec", dont_inherit=True)
+        code = compile(
+            _section_snippet("## TaskFlow: `@task.vllm_batch`"), "README.md", "exec", dont_inherit=True
+        )
         exec(code, {"__name__": "readme_dag"})  # noqa: S102 - our own README
     op = dag.get_task("classify")
     assert isinstance(op, _VLLMBatchDecoratedOperator) and op.upstream_task_ids == {"reviews"}
     settings = op.settings()
     requests = op.python_callable(["great", "awful"])
-    data = build_batch_file(requests, model=settings.model, url=settings.requests_url, default_body=settings.default_body)
+    data = build_batch_file(
+        requests, model=settings.model, url=settings.requests_url, default_body=settings.default_body
+    )
     lines = [json.loads(line) for line in data.splitlines()]
     assert [line["body"]["messages"][1]["content"] for line in lines] == ["great", "awful"]
-    assert all(line["body"]["max_completion_tokens"] == 16 and line["body"]["model"] == "Qwen/Qwen2.5-7B-Instruct" for line in lines)
+    assert all(
+        line["body"]["max_completion_tokens"] == 16 and line["body"]["model"] == "Qwen/Qwen2.5-7B-Instruct"
+        for line in lines
+    )
     assert op.output_uri == "s3://my-bucket/batches/{{ run_id }}/answers.jsonl"
 
 
@@ -147,15 +187,25 @@ def test_the_readme_builds_each_engine_with_its_own_options():
 
     built = {}
     for title in ("## Use it", "## Completions: `/v1/completions` lines", "## Two engines"):
-        with DAG(f"readme_{len(built)}", schedule=None, start_date=datetime(2026, 1, 1, tzinfo=timezone.utc)) as dag:
-            snippet = _section_snippet(title) if title != "## Two engines" else _section_snippet("```bash\nexport AIRFLOW_CONN_VLLM_DEFAULT")
+        with DAG(
+            f"readme_{len(built)}", schedule=None, start_date=datetime(2026, 1, 1, tzinfo=timezone.utc)
+        ) as dag:
+            snippet = (
+                _section_snippet(title)
+                if title != "## Two engines"
+                else _section_snippet("```bash\nexport AIRFLOW_CONN_VLLM_DEFAULT")
+            )
             exec(compile(snippet, "README.md", "exec", dont_inherit=True), {"__name__": "readme_dag"})  # noqa: S102 - our own README
         (task,) = dag.tasks
         built[title] = task.engine
     runner, server, warm = built.values()
     assert isinstance(runner, VLLMRunner) and runner.args == ["--max-model-len", "8192"]
     assert isinstance(server, VLLMServer)
-    assert isinstance(warm, WarmVLLMServer) and warm.conn_id == "vllm_default" and warm.checkpoint_interval_s == 60
+    assert (
+        isinstance(warm, WarmVLLMServer)
+        and warm.conn_id == "vllm_default"
+        and warm.checkpoint_interval_s == 60
+    )
 
 
 def test_the_yield_to_interactive_snippet_builds_an_operator_whose_engine_yields():

@@ -25,11 +25,33 @@ CASES = {
         ["abcdefgh", "p4ssw0rd!"],
         ["--x-secret=***", "--db-password", "***"],
     ),
-    "bare-hf-token-then-a-flag": (["--hf-token", "--max-model-len", "512"], [], ["--hf-token", "--max-model-len", "512"]),
-    "not-secrets": (
-        ["--max-num-batched-tokens", "4096", "--tokenizer", "tok", "--ssl-keyfile", "k.pem", "--kv-cache-dtype", "fp8"],
+    "bare-hf-token-then-a-flag": (
+        ["--hf-token", "--max-model-len", "512"],
         [],
-        ["--max-num-batched-tokens", "4096", "--tokenizer", "tok", "--ssl-keyfile", "k.pem", "--kv-cache-dtype", "fp8"],
+        ["--hf-token", "--max-model-len", "512"],
+    ),
+    "not-secrets": (
+        [
+            "--max-num-batched-tokens",
+            "4096",
+            "--tokenizer",
+            "tok",
+            "--ssl-keyfile",
+            "k.pem",
+            "--kv-cache-dtype",
+            "fp8",
+        ],
+        [],
+        [
+            "--max-num-batched-tokens",
+            "4096",
+            "--tokenizer",
+            "tok",
+            "--ssl-keyfile",
+            "k.pem",
+            "--kv-cache-dtype",
+            "fp8",
+        ],
     ),
 }
 
@@ -41,11 +63,16 @@ def test_secret_flags_are_found_by_name_in_both_forms(args, values, logged):
 
 
 def test_the_identity_keeps_the_flag_with_a_placeholder():
-    assert redact_engine_args(["--hf-token", "hf_a1b2c3d4"], IDENTITY_PLACEHOLDER) == ["--hf-token", "<secret>"]
+    assert redact_engine_args(["--hf-token", "hf_a1b2c3d4"], IDENTITY_PLACEHOLDER) == [
+        "--hf-token",
+        "<secret>",
+    ]
 
 
 def test_engine_env_secrets_are_found_by_the_variables_name():
-    assert secret_env_values({"HF_TOKEN": "hf_zzz999", "VLLM_LOGGING_LEVEL": "INFO", "AWS_SECRET_ACCESS_KEY": "abc/def"}) == [
+    assert secret_env_values(
+        {"HF_TOKEN": "hf_zzz999", "VLLM_LOGGING_LEVEL": "INFO", "AWS_SECRET_ACCESS_KEY": "abc/def"}
+    ) == [
         "hf_zzz999",
         "abc/def",
     ]

@@ -31,7 +31,9 @@ def _blocks(language: str) -> list[str]:
 
 def _commands() -> list[str]:
     """Every shell command of the page, continuation lines joined."""
-    return [line for block in _blocks("bash") for line in block.replace("\\\n", " ").splitlines() if line.strip()]
+    return [
+        line for block in _blocks("bash") for line in block.replace("\\\n", " ").splitlines() if line.strip()
+    ]
 
 
 def _json_objects() -> list[dict]:
@@ -72,23 +74,35 @@ def test_the_vllm_connection_json_is_read_by_the_hook(monkeypatch):
 
 def test_the_local_s3_commands_start_s3_that_the_exported_connection_reaches(tmp_path):
     s3 = [c for c in _commands() if "vllm_batch_embedded.seaweedfs" in c]
-    assert [c.split()[3] if c.startswith("python") else "connection" for c in s3] == ["start", "connection", "stop"]
+    assert [c.split()[3] if c.startswith("python") else "connection" for c in s3] == [
+        "start",
+        "connection",
+        "stop",
+    ]
     check = (
-        "python -c \"from airflow.providers.amazon.aws.hooks.s3 import S3Hook; "
+        'python -c "from airflow.providers.amazon.aws.hooks.s3 import S3Hook; '
         "hook = S3Hook(); assert hook.check_for_bucket('vllm-batch'); "
         "hook.load_string('hi', 'probe.txt', bucket_name='vllm-batch'); print('S3 OK', hook.read_key('probe.txt', 'vllm-batch'))\""
     )
-    script = "set -e\n" + "\n".join([s3[0], s3[1], 'echo "CONN=$AIRFLOW_CONN_AWS_DEFAULT"', check, s3[2]]) + "\n"
+    script = (
+        "set -e\n" + "\n".join([s3[0], s3[1], 'echo "CONN=$AIRFLOW_CONN_AWS_DEFAULT"', check, s3[2]]) + "\n"
+    )
     env = {
         **os.environ,
         "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
         "AIRFLOW_HOME": str(tmp_path / "airflow"),
     }
-    done = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    done = subprocess.run(
+        ["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "S3 OK hi" in done.stdout
-    (exported,) = [json.loads(line.removeprefix("CONN=")) for line in done.stdout.splitlines() if line.startswith("CONN=")]
+    (exported,) = [
+        json.loads(line.removeprefix("CONN="))
+        for line in done.stdout.splitlines()
+        if line.startswith("CONN=")
+    ]
     documented = _json_objects()[0]
     assert set(exported) == set(documented) and set(exported["extra"]) == set(documented["extra"])
     assert exported["extra"]["config_kwargs"] == documented["extra"]["config_kwargs"]
@@ -117,7 +131,11 @@ def test_the_warm_server_command_lines_parse_with_vllms_own_server_parser():
     argvs = [_server_argv(c) for c in servers]
     for argv in argvs:
         assert argv[argv.index(STRUCTURED[0]) + 1] == STRUCTURED[1]
-    results = run_argcheck_script(sys.executable, {"checks": [{"entrypoint": "api_server", "argv": argv} for argv in argvs]}, timeout=300)["results"]
+    results = run_argcheck_script(
+        sys.executable,
+        {"checks": [{"entrypoint": "api_server", "argv": argv} for argv in argvs]},
+        timeout=300,
+    )["results"]
     assert [r["ok"] for r in results] == [True, True], results
 
 

@@ -28,7 +28,9 @@ from airflow_vllm_batch.version_compat import AirflowFailException
 
 
 def request(i: int, pad: int = 0) -> bytes:
-    return json.dumps({"custom_id": f"r-{i}", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x" * pad}}).encode()
+    return json.dumps(
+        {"custom_id": f"r-{i}", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x" * pad}}
+    ).encode()
 
 
 def split(data: bytes, **limits) -> tuple[list, list[bytes]]:
@@ -90,7 +92,11 @@ def test_a_line_longer_than_the_reader_can_keep_stops_the_split_naming_it():
 
 
 def test_split_keeps_every_line_byte_for_byte_including_crlf_and_unicode():
-    lines = [request(0) + b"\r", '{"custom_id": "é", "body": {"input": "日本"}}'.encode(), b'  {"custom_id":"s"}  ']
+    lines = [
+        request(0) + b"\r",
+        '{"custom_id": "é", "body": {"input": "日本"}}'.encode(),
+        b'  {"custom_id":"s"}  ',
+    ]
     shards, contents = split(b"\n".join(lines) + b"\n", max_requests=2)
     assert contents == [lines[0] + b"\n" + lines[1] + b"\n", lines[2] + b"\n"]
 
@@ -126,7 +132,9 @@ def test_split_accepts_limits_rendered_as_strings():
     assert [s.requests for s in shards] == [2, 2]
 
 
-@pytest.mark.parametrize("limits", [{"max_requests": 0}, {"max_bytes": -1}, {"max_requests": "many"}, {"max_requests": 2.5}])
+@pytest.mark.parametrize(
+    "limits", [{"max_requests": 0}, {"max_bytes": -1}, {"max_requests": "many"}, {"max_requests": 2.5}]
+)
 def test_split_refuses_limits_that_are_not_positive_whole_numbers(limits):
     with pytest.raises(ShardingError, match="whole number of at least 1"):
         split(request(0) + b"\n", **limits)
@@ -164,16 +172,25 @@ def _embedding_result_line(dimensions: int, seed: int = 0) -> bytes:
         "created": 1_800_000_000,
         "model": "Qwen/Qwen3-Embedding-8B",
         "data": [{"index": 0, "object": "embedding", "embedding": values}],
-        "usage": {"prompt_tokens": 512, "total_tokens": 512, "completion_tokens": 0, "prompt_tokens_details": None},
+        "usage": {
+            "prompt_tokens": 512,
+            "total_tokens": 512,
+            "completion_tokens": 0,
+            "prompt_tokens_details": None,
+        },
     }
     response = {"status_code": 200, "request_id": "vllm-batch-0123456789abcdef", "body": body}
-    return json.dumps({"id": "vllm-0123456789abcdef", "custom_id": "request-0000001", "response": response, "error": None}).encode()
+    return json.dumps(
+        {"id": "vllm-0123456789abcdef", "custom_id": "request-0000001", "response": response, "error": None}
+    ).encode()
 
 
 def test_the_default_shard_of_4096_dimension_embeddings_stays_under_half_the_5_gb_put_limit():
     # vLLM uploads a shard's output in one PUT (at most 5 GB); the line is measured, not estimated.
     line = _embedding_result_line(4096)
-    default = VLLMBatchSplitOperator(task_id="split", input_uri="s3://b/in.jsonl", shard_prefix="s3://b/shards/").max_requests
+    default = VLLMBatchSplitOperator(
+        task_id="split", input_uri="s3://b/in.jsonl", shard_prefix="s3://b/shards/"
+    ).max_requests
     assert default * (len(line) + 1) < 5e9 / 2, (default, len(line))
 
 
@@ -183,7 +200,12 @@ def test_shard_names_sort_in_shard_order_up_to_100000_shards():
 
 
 def test_a_shard_name_reads_back_as_its_index():
-    assert [shard_index(f"s3://b/p/{shard_name(i)}") for i in (0, 7, 99_999, 123_456)] == [0, 7, 99_999, 123_456]
+    assert [shard_index(f"s3://b/p/{shard_name(i)}") for i in (0, 7, 99_999, 123_456)] == [
+        0,
+        7,
+        99_999,
+        123_456,
+    ]
 
 
 def test_a_sharding_mistake_fails_the_task_without_retry():
@@ -196,7 +218,9 @@ def test_a_sharding_mistake_fails_the_task_without_retry():
 
 
 def result(custom_id: str) -> bytes:
-    return json.dumps({"id": "x", "custom_id": custom_id, "response": {"status_code": 200}, "error": None}).encode()
+    return json.dumps(
+        {"id": "x", "custom_id": custom_id, "response": {"status_code": 200}, "error": None}
+    ).encode()
 
 
 def test_merge_keeps_shard_order_and_terminates_vllm_outputs_without_final_newline():
@@ -225,7 +249,11 @@ def test_merge_reads_local_paths_and_skips_empty_shards(tmp_path):
 
 
 def test_merge_counts_the_lines_of_each_source_without_blank_ones(tmp_path):
-    sources = [io.BytesIO(result("a") + b"\n\n" + result("b")), io.BytesIO(b""), io.BytesIO(b"\n" + result("c") + b"\n")]
+    sources = [
+        io.BytesIO(result("a") + b"\n\n" + result("b")),
+        io.BytesIO(b""),
+        io.BytesIO(b"\n" + result("c") + b"\n"),
+    ]
     assert merge_results(sources, io.BytesIO()) == [2, 0, 1]
 
 
@@ -246,7 +274,11 @@ def manifest(i: int, total: int, failed: int, prompt: int, completion: int, dura
         "model": "m",
         "vllm_version": "0.32.0",
         "request_counts": {"total": total, "completed": total - failed, "failed": failed},
-        "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
+        "usage": {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        },
         "duration_s": duration,
         "engine_duration_s": duration - 1,
         "manifest_uri": f"s3://b/shard-{i}.results.manifest.json",
@@ -262,7 +294,10 @@ def test_sum_manifests_adds_counts_usage_and_durations():
     assert summed["max_shard_duration_s"] == 30.0
     assert summed["shards"] == 2
     assert summed["model"] == "m" and summed["vllm_version"] == "0.32.0"
-    assert summed["shard_manifest_uris"] == ["s3://b/shard-0.results.manifest.json", "s3://b/shard-1.results.manifest.json"]
+    assert summed["shard_manifest_uris"] == [
+        "s3://b/shard-0.results.manifest.json",
+        "s3://b/shard-1.results.manifest.json",
+    ]
 
 
 def test_sum_manifests_reports_no_version_when_shards_ran_on_different_vllms():
@@ -276,7 +311,10 @@ def test_sum_manifests_of_nothing_is_an_error():
 
 
 def counted(completed: int, failed: int, i: int = 0) -> dict:
-    return {"output_uri": f"s3://b/shard-{i}.results.jsonl", "request_counts": {"total": completed + failed, "completed": completed, "failed": failed}}
+    return {
+        "output_uri": f"s3://b/shard-{i}.results.jsonl",
+        "request_counts": {"total": completed + failed, "completed": completed, "failed": failed},
+    }
 
 
 def test_merged_counts_that_match_every_manifest_pass():
@@ -289,7 +327,9 @@ def test_merged_counts_that_match_every_manifest_pass():
     ids=["extra-result", "lost-result", "lost-error", "no-error-file", "error-in-the-wrong-shard"],
 )
 def test_merged_counts_that_disagree_with_a_manifest_fail_naming_the_shard(results, errors):
-    with pytest.raises(ShardingError, match=r"manifests count 5 completed and 2 failed requests: shard \d \(s3://b/shard-"):
+    with pytest.raises(
+        ShardingError, match=r"manifests count 5 completed and 2 failed requests: shard \d \(s3://b/shard-"
+    ):
         check_merged_counts([counted(3, 0, 0), counted(2, 2, 1)], results, errors)
 
 
@@ -335,7 +375,11 @@ def test_manifests_of_files_not_made_by_the_split_have_no_missing_shards():
 
 
 def test_sum_manifests_adds_the_shards_invalid_outputs_and_leaves_it_out_when_none():
-    with_invalid = {**manifest(1, 5, 2, 40, 20, 20.5), "invalid_output": 2, "failed_by_reason": {"invalid_output": 2}}
+    with_invalid = {
+        **manifest(1, 5, 2, 40, 20, 20.5),
+        "invalid_output": 2,
+        "failed_by_reason": {"invalid_output": 2},
+    }
     summed = sum_manifests([manifest(0, 10, 0, 100, 50, 30.0), with_invalid])
     assert summed["invalid_output"] == 2 and summed["failed_by_reason"] == {"invalid_output": 2}
     assert sum_manifests([manifest(0, 10, 0, 100, 50, 30.0)])["invalid_output"] is None
@@ -343,6 +387,9 @@ def test_sum_manifests_adds_the_shards_invalid_outputs_and_leaves_it_out_when_no
 
 def test_sum_manifests_adds_the_shards_answers_from_the_cache_and_leaves_it_out_without_a_cache():
     # A shard whose every request hit has from_cache == its total; a shard without the cache has no from_cache.
-    cached = [{**manifest(0, 10, 0, 100, 50, 3.0), "from_cache": 10}, {**manifest(1, 10, 0, 100, 50, 30.0), "from_cache": 0}]
+    cached = [
+        {**manifest(0, 10, 0, 100, 50, 3.0), "from_cache": 10},
+        {**manifest(1, 10, 0, 100, 50, 30.0), "from_cache": 0},
+    ]
     assert sum_manifests(cached)["from_cache"] == 10
     assert sum_manifests([manifest(0, 10, 0, 100, 50, 30.0)])["from_cache"] is None

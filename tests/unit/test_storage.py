@@ -21,7 +21,14 @@ from airflow_vllm_batch.exceptions import (
 from airflow_vllm_batch.identity import RunIdentity
 from airflow_vllm_batch.lease import OutputLease
 from airflow_vllm_batch.manifest import Manifest, RequestCounts, Usage
-from airflow_vllm_batch.storage import OutputStore, head_etag, head_input, read_answers, s3_lines, split_s3_uri
+from airflow_vllm_batch.storage import (
+    OutputStore,
+    head_etag,
+    head_input,
+    read_answers,
+    s3_lines,
+    split_s3_uri,
+)
 
 
 @pytest.fixture
@@ -33,13 +40,17 @@ def test_a_read_of_a_pinned_input_that_changed_fails_naming_it(s3, bucket, hook)
     s3.client().put_object(Bucket=bucket, Key="in.jsonl", Body=b"a\n")
     etag = head_input(hook, f"s3://{bucket}/in.jsonl")["ETag"].strip('"')
     s3.client().put_object(Bucket=bucket, Key="in.jsonl", Body=b"b\n")
-    with pytest.raises(InputChangedError, match=rf"s3://{bucket}/in.jsonl was overwritten while this task ran"):
+    with pytest.raises(
+        InputChangedError, match=rf"s3://{bucket}/in.jsonl was overwritten while this task ran"
+    ):
         with s3_lines(hook, bucket, "in.jsonl", if_match=etag) as lines:
             list(lines)
 
 
 def test_a_missing_input_names_input_uri_and_the_fix(bucket, hook):
-    with pytest.raises(InputNotFoundError, match=r"input_uri: s3://.*/typo.jsonl does not exist .* Nothing was run"):
+    with pytest.raises(
+        InputNotFoundError, match=r"input_uri: s3://.*/typo.jsonl does not exist .* Nothing was run"
+    ):
         head_input(hook, f"s3://{bucket}/typo.jsonl")
 
 
@@ -58,9 +69,17 @@ def test_a_missing_error_bucket_is_found_before_the_run(bucket, hook):
 
 def _manifest(store: OutputStore, fingerprint: str, error_uri: str | None = None) -> Manifest:
     return Manifest(
-        output_uri=store.output_uri, error_uri=error_uri, input_uri="s3://b/in", model="m",
-        request_counts=RequestCounts(1, 1, 0), usage=Usage(), duration_s=0.0, vllm_version=None,
-        fingerprint=fingerprint, manifest_uri=store.manifest_uri, identity={"model": "m"},
+        output_uri=store.output_uri,
+        error_uri=error_uri,
+        input_uri="s3://b/in",
+        model="m",
+        request_counts=RequestCounts(1, 1, 0),
+        usage=Usage(),
+        duration_s=0.0,
+        vllm_version=None,
+        fingerprint=fingerprint,
+        manifest_uri=store.manifest_uri,
+        identity={"model": "m"},
     )
 
 
@@ -75,7 +94,9 @@ def test_a_manifest_whose_files_are_gone_is_not_complete(s3, bucket, hook):
     assert store.completed(identity)[0] is not None
 
 
-def test_an_output_whose_publish_stopped_after_its_tombstone_is_not_complete_and_says_so(s3, bucket, hook, tmp_path):
+def test_an_output_whose_publish_stopped_after_its_tombstone_is_not_complete_and_says_so(
+    s3, bucket, hook, tmp_path
+):
     store = OutputStore(hook, f"s3://{bucket}/r.jsonl")
     identity = RunIdentity({"model": "m"})
     local = tmp_path / "r.jsonl"
@@ -86,7 +107,10 @@ def test_an_output_whose_publish_stopped_after_its_tombstone_is_not_complete_and
     store.mark_publishing(head_etag(s3.client(), bucket, "r.manifest.json"), identity.fingerprint)
     manifest, why = store.completed(identity)
     assert manifest is None and store.read_manifest() is None
-    assert why == f"the output at s3://{bucket}/r.jsonl is not complete: a try began publishing it and has not finished (it still publishes, or it was stopped)"
+    assert (
+        why
+        == f"the output at s3://{bucket}/r.jsonl is not complete: a try began publishing it and has not finished (it still publishes, or it was stopped)"
+    )
 
 
 def test_two_tombstones_of_one_output_differ_so_a_lost_answer_is_known_by_its_etag(s3, bucket, hook):
@@ -104,7 +128,9 @@ def test_removing_a_runs_staging_leaves_other_runs_staging(s3, bucket, hook):
     assert not mine.has_results() and theirs.has_results()
 
 
-def test_the_writable_check_probes_a_bucket_once_when_the_error_file_sits_beside_the_output(s3, bucket, hook, monkeypatch):
+def test_the_writable_check_probes_a_bucket_once_when_the_error_file_sits_beside_the_output(
+    s3, bucket, hook, monkeypatch
+):
     store = OutputStore(hook, f"s3://{bucket}/r.jsonl")
     client = hook.get_conn()
     puts = []
@@ -116,12 +142,18 @@ def test_the_writable_check_probes_a_bucket_once_when_the_error_file_sits_beside
 
 def _chat(custom_id: str, text: str) -> bytes:
     body = {"choices": [{"index": 0, "message": {"role": "assistant", "content": text}}]}
-    return json.dumps({"id": "v", "custom_id": custom_id, "response": {"status_code": 200, "body": body}, "error": None}).encode()
+    return json.dumps(
+        {"id": "v", "custom_id": custom_id, "response": {"status_code": 200, "body": body}, "error": None}
+    ).encode()
 
 
 def _published(s3, bucket: str, completed: int) -> dict:
-    failed = json.dumps({"id": "v", "custom_id": "b", "response": None, "error": {"message": "too long"}}).encode()
-    s3.client().put_object(Bucket=bucket, Key="out/r.jsonl", Body=_chat("a", "yes"))  # no final newline, as vLLM writes it
+    failed = json.dumps(
+        {"id": "v", "custom_id": "b", "response": None, "error": {"message": "too long"}}
+    ).encode()
+    s3.client().put_object(
+        Bucket=bucket, Key="out/r.jsonl", Body=_chat("a", "yes")
+    )  # no final newline, as vLLM writes it
     s3.client().put_object(Bucket=bucket, Key="out/r.errors.jsonl", Body=failed + b"\n")
     return {
         "output_uri": f"s3://{bucket}/out/r.jsonl",
@@ -131,7 +163,10 @@ def _published(s3, bucket: str, completed: int) -> dict:
 
 
 def test_read_answers_streams_a_published_manifest_from_s3(s3, bucket):
-    assert list(read_answers(_published(s3, bucket, completed=1))) == [Text("a", "yes"), Failed("b", "too long")]
+    assert list(read_answers(_published(s3, bucket, completed=1))) == [
+        Text("a", "yes"),
+        Failed("b", "too long"),
+    ]
 
 
 def test_read_answers_from_s3_still_checks_the_counts_of_the_manifest(s3, bucket):
@@ -155,7 +190,9 @@ def taken_over(s3, bucket, hook, tmp_path):
 
     store = OutputStore(hook, f"s3://{bucket}/out/r.jsonl")
     identity = RunIdentity({"model": "m"})
-    zombie = store.lease(LeaseHolder("d", "run-1", "t", -1, 1, identity.fingerprint, "gpu-1"), heartbeat_s=3600)
+    zombie = store.lease(
+        LeaseHolder("d", "run-1", "t", -1, 1, identity.fingerprint, "gpu-1"), heartbeat_s=3600
+    )
     zombie.acquire()
     staging = store.staging(identity)
     client = s3.client()
@@ -168,7 +205,13 @@ def taken_over(s3, bucket, hook, tmp_path):
     ]:
         client.put_object(Bucket=bucket, Key=key, Body=body)
     # The task's next try (its scheduler thought this one dead) takes the lease over between two heartbeats.
-    successor = OutputLease(client, bucket, "out/r.lease.json", LeaseHolder("d", "run-1", "t", -1, 2, identity.fingerprint, "gpu-2"), heartbeat_s=3600)
+    successor = OutputLease(
+        client,
+        bucket,
+        "out/r.lease.json",
+        LeaseHolder("d", "run-1", "t", -1, 2, identity.fingerprint, "gpu-2"),
+        heartbeat_s=3600,
+    )
     successor.acquire()
     local = tmp_path / "new.jsonl"
     local.write_bytes(b"a zombie's lines\n")
@@ -181,7 +224,9 @@ _MUTATIONS = {
     "mark-publishing": lambda store, staging, local: store.mark_publishing(
         head_etag(store.hook.get_conn(), store.manifest_bucket, store.manifest_key)
     ),
-    "publish-upload": lambda store, staging, local: store.publish(_manifest(store, "f"), staging=staging, results_path=local, errors_path=local),
+    "publish-upload": lambda store, staging, local: store.publish(
+        _manifest(store, "f"), staging=staging, results_path=local, errors_path=local
+    ),
     "publish-copy": lambda store, staging, local: store.publish(_manifest(store, "f"), staging=staging),
     "write-manifest": lambda store, staging, local: store.write_manifest(_manifest(store, "f")),
     "remove-staging": lambda store, staging, local: staging.remove(),
@@ -190,7 +235,9 @@ _MUTATIONS = {
     "put-part": lambda store, staging, local: staging.put_part(local, "bbbb"),
     "put-results": lambda store, staging, local: staging.put_results(local),
     "put-input": lambda store, staging, local: staging.put_input(local),
-    "put-cached-hits": lambda store, staging, local: staging.put_file(local, f"{staging.prefix}cached-results.jsonl"),
+    "put-cached-hits": lambda store, staging, local: staging.put_file(
+        local, f"{staging.prefix}cached-results.jsonl"
+    ),
 }
 
 
@@ -220,13 +267,21 @@ def test_the_manifest_is_not_written_over_one_another_writer_put_there(s3, bucke
     assert s3.client().get_object(Bucket=bucket, Key="r.manifest.json")["Body"].read() == b'{"theirs": true}'
 
 
-@pytest.mark.parametrize("paused_before", [1, 2, 3, 4], ids=["tombstone", "results", "error-file", "manifest"])
-def test_a_try_paused_after_its_lease_check_cannot_undo_what_its_successor_published_meanwhile(s3, bucket, hook, tmp_path, paused_before):
+@pytest.mark.parametrize(
+    "paused_before", [1, 2, 3, 4], ids=["tombstone", "results", "error-file", "manifest"]
+)
+def test_a_try_paused_after_its_lease_check_cannot_undo_what_its_successor_published_meanwhile(
+    s3, bucket, hook, tmp_path, paused_before
+):
     """Fencing when the check passed: the lease was this try's at the check, its successor took over and
     published before the write landed (a zombie paused between the two); every write is conditional on
     what the try read before its first check, so the write fails and the successor's output stands."""
     client = s3.client()
-    for key, body in [("r.jsonl", b"old results\n"), ("r.errors.jsonl", b"old errors\n"), ("r.manifest.json", b'{"old": 1}')]:
+    for key, body in [
+        ("r.jsonl", b"old results\n"),
+        ("r.errors.jsonl", b"old errors\n"),
+        ("r.manifest.json", b'{"old": 1}'),
+    ]:
         client.put_object(Bucket=bucket, Key=key, Body=body)
     zombie = OutputStore(hook, f"s3://{bucket}/r.jsonl")
     successor = OutputStore(hook, f"s3://{bucket}/r.jsonl")
@@ -249,16 +304,25 @@ def test_a_try_paused_after_its_lease_check_cannot_undo_what_its_successor_publi
     assert client.get_object(Bucket=bucket, Key="r.jsonl")["Body"].read() == b"the successor's lines\n"
     assert client.get_object(Bucket=bucket, Key="r.errors.jsonl")["Body"].read() == b"the successor's lines\n"
     # The successor's manifest still names the very files that are there: its output is complete.
-    assert (published.output_etag, published.error_etag) == (head_etag(client, bucket, "r.jsonl"), head_etag(client, bucket, "r.errors.jsonl"))
+    assert (published.output_etag, published.error_etag) == (
+        head_etag(client, bucket, "r.jsonl"),
+        head_etag(client, bucket, "r.errors.jsonl"),
+    )
 
 
-def test_a_zombies_manifest_cannot_land_between_its_successors_results_and_its_successors_manifest(s3, bucket, hook, tmp_path):
+def test_a_zombies_manifest_cannot_land_between_its_successors_results_and_its_successors_manifest(
+    s3, bucket, hook, tmp_path
+):
     """The schedule the simulator found (seeds 975, 9811): the zombie's lease check before its manifest
     passed; while it paused there its successor took over, replaced the results and the error file, and
     paused before its own manifest; the zombie's manifest landed then. Its write must fail (the
     successor's publish replaced the zombie's tombstone), and the successor's manifest must follow."""
     client = s3.client()
-    for key, body in [("r.jsonl", b"old results\n"), ("r.errors.jsonl", b"old errors\n"), ("r.manifest.json", b'{"old": 1}')]:
+    for key, body in [
+        ("r.jsonl", b"old results\n"),
+        ("r.errors.jsonl", b"old errors\n"),
+        ("r.manifest.json", b'{"old": 1}'),
+    ]:
         client.put_object(Bucket=bucket, Key=key, Body=body)
     zombie = OutputStore(hook, f"s3://{bucket}/r.jsonl")
     successor = OutputStore(hook, f"s3://{bucket}/r.jsonl")
@@ -300,7 +364,10 @@ def test_a_zombies_manifest_cannot_land_between_its_successors_results_and_its_s
     published = successor.read_manifest()
     assert published is not None and published.fingerprint == "s"
     assert client.get_object(Bucket=bucket, Key="r.jsonl")["Body"].read() == b"the successor's lines\n"
-    assert (published.output_etag, published.error_etag) == (head_etag(client, bucket, "r.jsonl"), head_etag(client, bucket, "r.errors.jsonl"))
+    assert (published.output_etag, published.error_etag) == (
+        head_etag(client, bucket, "r.jsonl"),
+        head_etag(client, bucket, "r.errors.jsonl"),
+    )
 
 
 def test_an_output_overwritten_after_its_manifest_is_not_complete(s3, bucket, hook, tmp_path):
@@ -354,9 +421,15 @@ class _LostResponses:
         return twice
 
 
-def test_a_publish_whose_conditional_writes_lost_their_answers_takes_them_as_its_own(s3, bucket, hook, tmp_path, monkeypatch):
+def test_a_publish_whose_conditional_writes_lost_their_answers_takes_them_as_its_own(
+    s3, bucket, hook, tmp_path, monkeypatch
+):
     client = s3.client()
-    for key, body in [("r.jsonl", b"old results\n"), ("r.errors.jsonl", b"old errors\n"), ("r.manifest.json", b'{"old": 1}')]:
+    for key, body in [
+        ("r.jsonl", b"old results\n"),
+        ("r.errors.jsonl", b"old errors\n"),
+        ("r.manifest.json", b'{"old": 1}'),
+    ]:
         client.put_object(Bucket=bucket, Key=key, Body=body)
     lossy = _LostResponses(hook.get_conn())
     monkeypatch.setattr(hook, "get_conn", lambda: lossy)
@@ -371,7 +444,9 @@ def test_a_publish_whose_conditional_writes_lost_their_answers_takes_them_as_its
     assert head_etag(client, bucket, "r.errors.jsonl") is None
 
 
-def test_a_large_file_goes_up_in_parts_under_its_condition_and_a_refused_one_leaves_no_upload_behind(s3, bucket, tmp_path, monkeypatch):
+def test_a_large_file_goes_up_in_parts_under_its_condition_and_a_refused_one_leaves_no_upload_behind(
+    s3, bucket, tmp_path, monkeypatch
+):
     import airflow_vllm_batch.storage as storage
 
     monkeypatch.setattr(storage, "MULTIPART_ABOVE", 1)
@@ -401,7 +476,11 @@ class PartialDeletes:
         keys = [o["Key"] for o in Delete["Objects"]]
         self.requests.append(keys)
         if len(self.requests) <= self.failing:
-            return {"Errors": [{"Key": keys[0], "Code": "InternalError", "Message": "We encountered an internal error."}]}
+            return {
+                "Errors": [
+                    {"Key": keys[0], "Code": "InternalError", "Message": "We encountered an internal error."}
+                ]
+            }
         return {}
 
 
@@ -418,5 +497,7 @@ def test_a_key_deleteobjects_keeps_failing_to_delete_raises_instead_of_being_tak
     from airflow_vllm_batch.storage import DELETE_ROUNDS, delete_keys
 
     client = PartialDeletes(failing=DELETE_ROUNDS)
-    with pytest.raises(StorageUnavailableError, match=r"did not delete 1 object\(s\) in s3://b/ .*k/a: InternalError"):
+    with pytest.raises(
+        StorageUnavailableError, match=r"did not delete 1 object\(s\) in s3://b/ .*k/a: InternalError"
+    ):
         delete_keys(client, "b", ["k/a", "k/b"])

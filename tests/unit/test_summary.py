@@ -10,7 +10,9 @@ from airflow_vllm_batch.summary import MAX_EXAMPLE_CHARS, render_summary, tally_
 
 
 def error_line(custom_id: str, code: str, message: str) -> bytes:
-    return json.dumps({"custom_id": custom_id, "error": {"code": code, "message": message, "line": 1}}).encode()
+    return json.dumps(
+        {"custom_id": custom_id, "error": {"code": code, "message": message, "line": 1}}
+    ).encode()
 
 
 def manifest(**kwargs) -> Manifest:
@@ -57,7 +59,9 @@ def test_a_line_without_a_code_counts_as_unknown():
 
 
 def test_the_table_shows_counts_reasons_tokens_time_and_where_the_files_are():
-    tally = tally_failures([error_line("r0", "engine_error", "boom"), error_line("bad", "invalid_request", "not POST")])
+    tally = tally_failures(
+        [error_line("r0", "engine_error", "boom"), error_line("bad", "invalid_request", "not POST")]
+    )
     table = render_summary(manifest(), tally.examples)
     lines = table.splitlines()
     assert lines[0] == "vLLM batch: 3 of 6 requests completed, 3 failed"
@@ -85,7 +89,9 @@ def test_a_reused_output_says_no_engine_ran():
 
 
 def test_a_run_without_failures_has_no_reason_rows_and_no_error_file():
-    table = render_summary(manifest(request_counts=RequestCounts(6, 6, 0), error_uri=None, failed_by_reason=None))
+    table = render_summary(
+        manifest(request_counts=RequestCounts(6, 6, 0), error_uri=None, failed_by_reason=None)
+    )
     assert "failed:" not in table and "none (no request failed)" in table
 
 

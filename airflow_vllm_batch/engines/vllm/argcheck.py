@@ -222,7 +222,9 @@ def offline_defaults(world_size: int) -> dict:
     tokens, seqs = EngineArgs.get_batch_defaults(world_size)
     return {
         "max_num_seqs": seqs.get(UsageContext.LLM_CLASS, SchedulerConfig.DEFAULT_MAX_NUM_SEQS),
-        "max_num_batched_tokens": tokens.get(UsageContext.LLM_CLASS, SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS),
+        "max_num_batched_tokens": tokens.get(
+            UsageContext.LLM_CLASS, SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS
+        ),
         "device": _device_name(),
         "world_size": world_size,
     }
@@ -245,7 +247,9 @@ def main() -> int:
     answer: dict = {RESULT_KEY: 1}
     # vLLM logs to stdout; keep the result line the only JSON object we print there.
     with contextlib.redirect_stdout(sys.stderr):
-        answer["results"] = [check(c["entrypoint"], [str(a) for a in c["argv"]], c.get("module")) for c in request["checks"]]
+        answer["results"] = [
+            check(c["entrypoint"], [str(a) for a in c["argv"]], c.get("module")) for c in request["checks"]
+        ]
         if "offline_defaults" in request:
             try:
                 answer["offline_defaults"] = offline_defaults(int(request["offline_defaults"]["world_size"]))

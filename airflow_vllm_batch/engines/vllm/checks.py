@@ -30,13 +30,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from airflow_vllm_batch.redaction import redact_secrets
 from airflow_vllm_batch.exceptions import (
     EngineArgsCheckError,
     EngineArgumentsError,
     IncompleteModelError,
     ModelNotFoundError,
 )
+from airflow_vllm_batch.redaction import redact_secrets
 
 _ARGCHECK_SCRIPT = Path(__file__).with_name("argcheck.py")
 
@@ -196,7 +196,9 @@ def check_engine_args(
     argv = argv_to_check(model, engine_args, entrypoint)
     if options_file is not None:
         refuse_unknown_options(engine_args, options_file, engine=engine)
-    request: dict = {"checks": [{"entrypoint": entrypoint, "argv": argv, **({"module": module} if module else {})}]}
+    request: dict = {
+        "checks": [{"entrypoint": entrypoint, "argv": argv, **({"module": module} if module else {})}]
+    }
     if offline_defaults_for is not None:
         request["offline_defaults"] = {"world_size": offline_defaults_for}
     answer = run_argcheck_script(python, request, timeout=timeout, env=env, engine=engine)
@@ -256,7 +258,9 @@ def write_options(path: Path, result: Mapping) -> None:
     """Keep the flags the parser knows and its help command (written whole, then renamed: readers see all or nothing)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"options": list(result["options"]), "help": result.get("help")}), encoding="utf-8")
+    tmp.write_text(
+        json.dumps({"options": list(result["options"]), "help": result.get("help")}), encoding="utf-8"
+    )
     tmp.replace(path)
 
 
@@ -301,7 +305,12 @@ def argv_to_check(model: str, engine_args: Sequence[str], entrypoint: str) -> li
 
 
 def run_argcheck_script(
-    python: str, request: dict, *, timeout: float, env: Mapping[str, str] | None = None, engine: str = "VLLMRunner"
+    python: str,
+    request: dict,
+    *,
+    timeout: float,
+    env: Mapping[str, str] | None = None,
+    engine: str = "VLLMRunner",
 ) -> dict:
     """Run the check script in ``python`` on ``request``; return its answer (``results``, one per check).
 
@@ -361,7 +370,9 @@ def raise_for_result(result: Mapping, python: str, *, engine: str | None = None)
             f"or set {engine}(python=...) to the environment that has it."
         )
     # vLLM's parser quotes what it refused: a secret flag's value must not reach the message.
-    raise EngineArgumentsError(f"{engine}(args=...): {redact_secrets(str(result['error']))}. Fix args (see {result['help']!r}).")
+    raise EngineArgumentsError(
+        f"{engine}(args=...): {redact_secrets(str(result['error']))}. Fix args (see {result['help']!r})."
+    )
 
 
 def _validated_engine_args(engine_args: Sequence[str], entrypoint: str) -> list[str]:
@@ -526,7 +537,11 @@ def switch_setting(engine_args: Sequence[str], name: str) -> bool | None:
         option = _option_name(arg) if arg.startswith("--") else None
         if option == name:
             value = arg.split("=", 1)[1] if "=" in arg else None
-            if value is None and i + 1 < len(args) and args[i + 1].strip().lower() in (*_OFF_VALUES, "true", "1", "yes", "on"):
+            if (
+                value is None
+                and i + 1 < len(args)
+                and args[i + 1].strip().lower() in (*_OFF_VALUES, "true", "1", "yes", "on")
+            ):
                 value = args[i + 1]
             setting = value is None or value.strip().lower() not in _OFF_VALUES
         elif option in off:

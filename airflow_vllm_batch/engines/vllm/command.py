@@ -55,7 +55,9 @@ def build_engine_argv(
     return [*prefix, "-i", input_location, "-o", output_location, "--model", model, *engine_args]
 
 
-def conceal_arguments(argv: Sequence[str], launch: Mapping[str, Any] | None = None) -> tuple[list[str], dict[str, str]]:
+def conceal_arguments(
+    argv: Sequence[str], launch: Mapping[str, Any] | None = None
+) -> tuple[list[str], dict[str, str]]:
     """Start a ``python -m module ...`` command through the engine launcher, its arguments in the environment.
 
     A process's command line is world-readable (``ps``, ``/proc/PID/cmdline``), so

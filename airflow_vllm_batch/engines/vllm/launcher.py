@@ -98,13 +98,26 @@ def fill_sizes(plan: dict, defaults: dict | None) -> dict:
         return {"flags": flags, "max_num_seqs": seqs, "max_num_batched_tokens": tokens, "note": note}
 
     if seqs_set and tokens_set:
-        return sizes([], user_seqs, user_tokens, f"Scheduler: {MAX_NUM_SEQS} and {MAX_NUM_BATCHED_TOKENS} as the engine's args set them")
+        return sizes(
+            [],
+            user_seqs,
+            user_tokens,
+            f"Scheduler: {MAX_NUM_SEQS} and {MAX_NUM_BATCHED_TOKENS} as the engine's args set them",
+        )
     if defaults is None:
-        return sizes([], user_seqs, user_tokens, "Scheduler: vLLM's own defaults for this entry point (its offline defaults could not be read)")
+        return sizes(
+            [],
+            user_seqs,
+            user_tokens,
+            "Scheduler: vLLM's own defaults for this entry point (its offline defaults could not be read)",
+        )
     factor = plan["factor"]
     world_size = int(defaults.get("world_size") or 1)
     flags: list[str] = []
-    why = [f"vLLM's offline defaults on {defaults['device']}" + (f", world size {world_size}" if world_size > 1 else "")]
+    why = [
+        f"vLLM's offline defaults on {defaults['device']}"
+        + (f", world size {world_size}" if world_size > 1 else "")
+    ]
     if factor > 1:
         why.append("doubled for --performance-mode throughput")
     if seqs_set:
@@ -124,11 +137,22 @@ def fill_sizes(plan: dict, defaults: dict | None) -> dict:
         whole_prompts, max_model_len = plan["whole_prompts"], plan["max_model_len"]
         if whole_prompts and max_model_len is None:
             tokens = None
-            why.append(f"{MAX_NUM_BATCHED_TOKENS} left to vLLM (no chunked prefill: a step holds whole prompts of the model's length)")
+            why.append(
+                f"{MAX_NUM_BATCHED_TOKENS} left to vLLM (no chunked prefill: a step holds whole prompts of the model's length)"
+            )
         else:
-            tokens = max(int(defaults["max_num_batched_tokens"]) * factor, seqs or 0, max_model_len if whole_prompts else 0)
+            tokens = max(
+                int(defaults["max_num_batched_tokens"]) * factor,
+                seqs or 0,
+                max_model_len if whole_prompts else 0,
+            )
             flags += [MAX_NUM_BATCHED_TOKENS, str(tokens)]
-    return sizes(flags, seqs, tokens, f"Scheduler: {' '.join(flags)} ({'; '.join(why)}); set them in the engine's args to override")
+    return sizes(
+        flags,
+        seqs,
+        tokens,
+        f"Scheduler: {' '.join(flags)} ({'; '.join(why)}); set them in the engine's args to override",
+    )
 
 
 def prepare(module: str, argv: list[str], launch: dict) -> tuple[list[str], dict]:
@@ -181,7 +205,11 @@ def main() -> None:
     _write_report(launch.get("report"), report)
     if not report.get("check", {"ok": True})["ok"]:
         # The task reads why from the report (the message may quote a secret flag's value: not logged here).
-        print(f"The engine's args were refused by {module}'s argument parser: stopping before the model loads.", file=sys.stderr, flush=True)
+        print(
+            f"The engine's args were refused by {module}'s argument parser: stopping before the model loads.",
+            file=sys.stderr,
+            flush=True,
+        )
         sys.stdout.flush()
         # A normal exit tears down torch and vLLM's imports, seconds for nothing here.
         os._exit(ARGUMENTS_REFUSED_EXIT)
@@ -194,5 +222,7 @@ def main() -> None:
         logging.getLogger("__main__").parent = logging.getLogger("vllm")
     # The check imported the entry module under its own name when its parser lives there (the
     # runner's); runpy then warns that it runs a module already imported, which is expected here.
-    warnings.filterwarnings("ignore", message=r".*found in sys\.modules after import of package", category=RuntimeWarning)
+    warnings.filterwarnings(
+        "ignore", message=r".*found in sys\.modules after import of package", category=RuntimeWarning
+    )
     runpy.run_module(module, run_name="__main__", alter_sys=True)

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from airflow_vllm_batch.exceptions import AdapterNotFoundError, EngineArgumentsError
 from airflow_vllm_batch.engines.vllm.checks import (
     COMMIT,
     HUB_ID,
@@ -35,6 +34,7 @@ from airflow_vllm_batch.engines.vllm.checks import (
     read_options,
     switch_setting,
 )
+from airflow_vllm_batch.exceptions import AdapterNotFoundError, EngineArgumentsError
 
 _ADAPTER_CONFIG = "adapter_config.json"
 
@@ -116,13 +116,17 @@ def served_models_of_server(cards: Sequence[Mapping[str, Any]], model: str) -> S
         must list (checked before, by the connection's hook).
     """
     base = tuple(str(c["id"]) for c in cards if not c.get("parent"))
-    adapters = tuple(LoraAdapter(str(c["id"]), str(c.get("root") or ""), c.get("parent")) for c in cards if c.get("parent"))
+    adapters = tuple(
+        LoraAdapter(str(c["id"]), str(c.get("root") or ""), c.get("parent")) for c in cards if c.get("parent")
+    )
     if model not in base + tuple(a.name for a in adapters):
         base = (model, *base)
     return ServedModels(base_names=base or (model,), adapters=adapters)
 
 
-def check_adapters(served: ServedModels, env: Mapping[str, str] | None = None, *, engine: str = "VLLMRunner") -> None:
+def check_adapters(
+    served: ServedModels, env: Mapping[str, str] | None = None, *, engine: str = "VLLMRunner"
+) -> None:
     """Check that every LoRA adapter is where the engine will load it from, with an ``adapter_config.json``.
 
     The engine's own rule (``get_adapter_absolute_path``): an absolute path or one starting
@@ -246,7 +250,9 @@ def _parse_adapter(item: str, engine: str = "VLLMRunner") -> LoraAdapter:
             data = None
         if isinstance(data, dict) and isinstance(data.get("name"), str) and isinstance(data.get("path"), str):
             base = data.get("base_model_name")
-            return LoraAdapter(name=data["name"], path=data["path"], base_model_name=base if isinstance(base, str) else None)
+            return LoraAdapter(
+                name=data["name"], path=data["path"], base_model_name=base if isinstance(base, str) else None
+            )
     raise EngineArgumentsError(
         f"{engine}(args=...): cannot read the --lora-modules value {item!r}. Use name=path "
         '(e.g. "sql=/models/sql-lora") or JSON (e.g. \'{"name": "sql", "path": "/models/sql-lora"}\').'

@@ -214,7 +214,9 @@ def _called_names(nodes: list[ast.stmt]) -> list[str]:
     return names
 
 
-def follow_entry_point(root: str, module: str, name: str, scope: str | None = None, _seen: set | None = None) -> str | None:
+def follow_entry_point(
+    root: str, module: str, name: str, scope: str | None = None, _seen: set | None = None
+) -> str | None:
     """The module that defines ``name`` as running ``module`` (``python -m module``) reaches it, read from the sources.
 
     ``name`` is defined in ``module`` itself, or imported at its top level, or reached

@@ -30,13 +30,6 @@ from typing import Any
 from airflow.sdk.log import mask_secret
 
 from airflow_vllm_batch.batchfile import redact_urls
-from airflow_vllm_batch.redaction import redact_secrets
-from airflow_vllm_batch.exceptions import (
-    EngineError,
-    ServerAuthError,
-    ServerUnavailableError,
-)
-from airflow_vllm_batch.log_groups import GROUP_END, GROUP_START, HeldLines, log_engine_line
 from airflow_vllm_batch.engines.vllm.command import conceal_arguments
 from airflow_vllm_batch.engines.vllm.process import (
     DEFAULT_GRACE_S,
@@ -44,7 +37,14 @@ from airflow_vllm_batch.engines.vllm.process import (
     signal_group,
     start_bound_process,
 )
+from airflow_vllm_batch.exceptions import (
+    EngineError,
+    ServerAuthError,
+    ServerUnavailableError,
+)
 from airflow_vllm_batch.hooks.vllm import VLLMServerHook
+from airflow_vllm_batch.log_groups import GROUP_END, GROUP_START, HeldLines, log_engine_line
+from airflow_vllm_batch.redaction import redact_secrets
 from airflow_vllm_batch.serving import Journal, StreamStats
 from airflow_vllm_batch.serving.neighbour import NeighbourPlan
 from airflow_vllm_batch.serving.stream import DEFAULT_REQUEST_TIMEOUT_S
@@ -98,7 +98,9 @@ def build_server_argv(
     :param server_command: the command prefix replacing ``<python> -m vllm.entrypoints.openai.api_server``.
     """
     prefix = list(server_command) if server_command else [python or sys.executable, "-m", SERVER_MODULE]
-    quiet = [] if any("uvicorn-access-log" in arg for arg in engine_args) else ["--disable-uvicorn-access-log"]
+    quiet = (
+        [] if any("uvicorn-access-log" in arg for arg in engine_args) else ["--disable-uvicorn-access-log"]
+    )
     return [*prefix, "--model", model, "--host", host, "--port", str(port), *quiet, *engine_args]
 
 
@@ -192,7 +194,9 @@ class VLLMServerProcess:
                         f"The vLLM server could not listen on {self.host}:{port}: another process holds the port "
                         f"({attempt} attempt(s)). Its last lines:\n{self._tail_text()}"
                     ) from None
-                self.log.warning("Port %s was taken before the vLLM server bound it; starting it on another port", port)
+                self.log.warning(
+                    "Port %s was taken before the vLLM server bound it; starting it on another port", port
+                )
         raise AssertionError("unreachable")
 
     def _start_on(self, port: int) -> VLLMServerHook:
@@ -420,7 +424,10 @@ class VLLMServerEngine:
         }
         if self.vllm_conn_id is not None:
             return self.warm_hook.stream_batch(
-                requests, max_in_flight=max_in_flight or self.max_in_flight, neighbour=self.neighbour, **stream
+                requests,
+                max_in_flight=max_in_flight or self.max_in_flight,
+                neighbour=self.neighbour,
+                **stream,
             )
         self.process = server = VLLMServerProcess(
             self.model,
@@ -442,7 +449,9 @@ class VLLMServerEngine:
             assert server.hook is not None
             if self.on_started is not None:
                 self.on_started()
-            return server.hook.stream_batch(requests, max_in_flight=max_in_flight or self.max_in_flight, **stream)
+            return server.hook.stream_batch(
+                requests, max_in_flight=max_in_flight or self.max_in_flight, **stream
+            )
         except ServerUnavailableError:
             if server.process is not None and server.process.poll() is not None:
                 raise ServerUnavailableError(

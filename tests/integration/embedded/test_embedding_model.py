@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from vllm_batch_embedded.tiny_model import embedding_model_path
 from tests.integration.embedded.engine import BatchRun, run_batch
+from vllm_batch_embedded.tiny_model import embedding_model_path
 
 DIMENSIONS = 384
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.embedded.engine import BatchRun, run_batch
 from vllm_batch_embedded import tiny_model
 from vllm_batch_embedded.tiny_model import STAMP_FILE, build_tiny_chat_model
-from tests.integration.embedded.engine import BatchRun, run_batch
 
 MESSAGES = [
     {"role": "system", "content": "Be brief."},

@@ -6,7 +6,13 @@ import json
 
 import pytest
 
-from airflow_vllm_batch.batchfile.cache_keys import cacheable, line_key, model_identity, output_args, request_key
+from airflow_vllm_batch.batchfile.cache_keys import (
+    cacheable,
+    line_key,
+    model_identity,
+    output_args,
+    request_key,
+)
 
 CHAT = "/v1/chat/completions"
 
@@ -31,7 +37,12 @@ def test_key_order_and_whitespace_of_the_body_do_not_change_the_key():
 
 @pytest.mark.parametrize(
     "change",
-    [{"messages": [{"role": "user", "content": "hi!"}]}, {"max_tokens": 9}, {"model": "adapter-1"}, {"seed": 1}],
+    [
+        {"messages": [{"role": "user", "content": "hi!"}]},
+        {"max_tokens": 9},
+        {"model": "adapter-1"},
+        {"seed": 1},
+    ],
 )
 def test_a_change_to_the_body_changes_the_key(change):
     assert key({**BODY, **change}) != key(BODY)
@@ -79,7 +90,17 @@ def test_scheduling_and_serving_flags_do_not_change_the_model_identity(extra):
 
 
 def test_output_args_drops_a_flag_and_its_value_only():
-    args = ["--max-num-seqs", "4", "--enforce-eager", "--port=9", "--tensor-parallel-size", "2", "--disable-log-stats", "--seed", "3"]
+    args = [
+        "--max-num-seqs",
+        "4",
+        "--enforce-eager",
+        "--port=9",
+        "--tensor-parallel-size",
+        "2",
+        "--disable-log-stats",
+        "--seed",
+        "3",
+    ]
     assert output_args(args) == ["--enforce-eager", "--tensor-parallel-size", "2", "--seed", "3"]
 
 
@@ -127,7 +148,14 @@ def test_line_key_gives_the_custom_id_and_none_for_a_request_that_samples():
 def test_a_warm_servers_reported_weights_path_or_length_changes_the_model_identity_but_its_listing_time_does_not():
     from airflow_vllm_batch.batchfile.cache_keys import reported_models
 
-    card = {"id": "m", "object": "model", "created": 1, "root": "/models/m", "max_model_len": 2048, "permission": []}
+    card = {
+        "id": "m",
+        "object": "model",
+        "created": 1,
+        "root": "/models/m",
+        "max_model_len": 2048,
+        "permission": [],
+    }
 
     def served(**changes) -> str:
         return identity(engine_args=None, reported={"models": reported_models([{**card, **changes}])})

@@ -43,7 +43,12 @@ def test_line_of_finds_the_first_line_of_an_id_and_none_for_an_unknown_one():
     index = CustomIdIndex()
     for line, cid in enumerate(["a", "b", "a"] + [f"x{i}" for i in range(500)], start=1):
         index.add(cid, line)
-    assert (index.line_of("a"), index.line_of("b"), index.line_of("x499"), index.line_of("zz")) == (1, 2, 503, None)
+    assert (index.line_of("a"), index.line_of("b"), index.line_of("x499"), index.line_of("zz")) == (
+        1,
+        2,
+        503,
+        None,
+    )
 
 
 def test_found_in_counts_each_answered_request_once_and_ignores_strangers():

@@ -6,10 +6,24 @@ from airflow_vllm_batch.batchfile.per_model import count_per_model
 
 
 def result(custom_id: str, model: str | None, prompt: int, completion: int) -> bytes:
-    body = {"object": "chat.completion", "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}}
+    body = {
+        "object": "chat.completion",
+        "usage": {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        },
+    }
     if model is not None:
         body["model"] = model
-    return json.dumps({"id": "x", "custom_id": custom_id, "response": {"status_code": 200, "request_id": "r", "body": body}, "error": None}).encode()
+    return json.dumps(
+        {
+            "id": "x",
+            "custom_id": custom_id,
+            "response": {"status_code": 200, "request_id": "r", "body": body},
+            "error": None,
+        }
+    ).encode()
 
 
 def test_requests_and_tokens_land_on_the_name_vllm_reports():
@@ -21,8 +35,22 @@ def test_requests_and_tokens_land_on_the_name_vllm_reports():
         aliases={"llama": "llama", "chat": "llama"},
     )
     assert stats == {
-        "llama": {"requests": 2, "completed": 2, "failed": 0, "prompt_tokens": 8, "completion_tokens": 7, "total_tokens": 15},
-        "sql": {"requests": 2, "completed": 1, "failed": 1, "prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5},
+        "llama": {
+            "requests": 2,
+            "completed": 2,
+            "failed": 0,
+            "prompt_tokens": 8,
+            "completion_tokens": 7,
+            "total_tokens": 15,
+        },
+        "sql": {
+            "requests": 2,
+            "completed": 1,
+            "failed": 1,
+            "prompt_tokens": 4,
+            "completion_tokens": 1,
+            "total_tokens": 5,
+        },
     }
 
 

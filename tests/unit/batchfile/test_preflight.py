@@ -19,7 +19,9 @@ CHAT = "/v1/chat/completions"
 def line(custom_id="req-1", url=CHAT, body=None, **top) -> bytes:
     """One valid chat request line (override any part)."""
     obj = {"custom_id": custom_id, "method": "POST", "url": url}
-    obj["body"] = body if body is not None else {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    obj["body"] = (
+        body if body is not None else {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    )
     obj.update(top)
     return json.dumps(obj).encode()
 
@@ -42,34 +44,116 @@ MALFORMED = [
     ("json_string", b'"text"\n', 1, "a JSON string, not an object"),
     ("json_number", good(1) + b"42\n", 2, "a JSON number"),
     ("bom", b"\xef\xbb\xbf" + line() + b"\n", 1, "byte order mark"),
-    ("latin1_bytes", good(1) + line(body={"model": "m", "messages": [{"role": "user"}]}).replace(b"user", b"us\xe9r") + b"\n", 2, "not valid UTF-8"),
-    ("invalid_utf8_in_skipped_field", good(1) + line().replace(b"hi", b"h\xff") + b"\n", 2, "not valid UTF-8"),
-    ("missing_custom_id", good(1) + json.dumps({"method": "POST", "url": CHAT, "body": {}}).encode() + b"\n", 2, 'missing "custom_id"'),
+    (
+        "latin1_bytes",
+        good(1)
+        + line(body={"model": "m", "messages": [{"role": "user"}]}).replace(b"user", b"us\xe9r")
+        + b"\n",
+        2,
+        "not valid UTF-8",
+    ),
+    (
+        "invalid_utf8_in_skipped_field",
+        good(1) + line().replace(b"hi", b"h\xff") + b"\n",
+        2,
+        "not valid UTF-8",
+    ),
+    (
+        "missing_custom_id",
+        good(1) + json.dumps({"method": "POST", "url": CHAT, "body": {}}).encode() + b"\n",
+        2,
+        'missing "custom_id"',
+    ),
     ("custom_id_number", line(custom_id=7) + b"\n", 1, '"custom_id" is a number'),
     ("custom_id_null", line(custom_id=None) + b"\n", 1, '"custom_id" is a null'),
     ("custom_id_empty", line(custom_id="") + b"\n", 1, '"custom_id" is empty'),
     ("duplicate_custom_id", good(3) + line("ok-1") + b"\n", 4, "repeats the one on line 2"),
     ("method_get", line(method="GET") + b"\n", 1, 'only "POST" is supported'),
-    ("method_missing", json.dumps({"custom_id": "a", "url": CHAT, "body": {}}).encode() + b"\n", 1, 'missing "method"'),
+    (
+        "method_missing",
+        json.dumps({"custom_id": "a", "url": CHAT, "body": {}}).encode() + b"\n",
+        1,
+        'missing "method"',
+    ),
     ("url_unsupported", good(1) + line(url="/v1/completions") + b"\n", 2, "is not served by this engine"),
-    ("url_missing", json.dumps({"custom_id": "a", "method": "POST", "body": {}}).encode() + b"\n", 1, 'missing "url"'),
+    (
+        "url_missing",
+        json.dumps({"custom_id": "a", "method": "POST", "body": {}}).encode() + b"\n",
+        1,
+        'missing "url"',
+    ),
     ("url_not_string", line(url=5) + b"\n", 1, '"url" is a number'),
-    ("body_missing", json.dumps({"custom_id": "a", "method": "POST", "url": CHAT}).encode() + b"\n", 1, 'missing "body"'),
+    (
+        "body_missing",
+        json.dumps({"custom_id": "a", "method": "POST", "url": CHAT}).encode() + b"\n",
+        1,
+        'missing "body"',
+    ),
     ("body_string", line(body="hello") + b"\n", 1, '"body" is a string, not an object'),
     ("chat_no_messages", line(body={"model": "m"}) + b"\n", 1, "missing required field `messages`"),
     ("chat_empty_messages", line(body={"model": "m", "messages": []}) + b"\n", 1, "length >= 1"),
     ("chat_message_not_object", line(body={"model": "m", "messages": ["hi"]}) + b"\n", 1, "body.messages[0]"),
-    ("chat_message_no_role", line(body={"model": "m", "messages": [{"content": "hi"}]}) + b"\n", 1, "missing required field `role`"),
-    ("stream_true", good(2) + line(body={"model": "m", "stream": True, "messages": [{"role": "user"}]}) + b"\n", 3, '"body.stream" is true'),
-    ("stream_not_bool", line(body={"model": "m", "stream": "yes", "messages": [{"role": "user"}]}) + b"\n", 1, '"body.stream" must be a boolean'),
+    (
+        "chat_message_no_role",
+        line(body={"model": "m", "messages": [{"content": "hi"}]}) + b"\n",
+        1,
+        "missing required field `role`",
+    ),
+    (
+        "stream_true",
+        good(2) + line(body={"model": "m", "stream": True, "messages": [{"role": "user"}]}) + b"\n",
+        3,
+        '"body.stream" is true',
+    ),
+    (
+        "stream_not_bool",
+        line(body={"model": "m", "stream": "yes", "messages": [{"role": "user"}]}) + b"\n",
+        1,
+        '"body.stream" must be a boolean',
+    ),
     ("model_missing", line(body={"messages": [{"role": "user"}]}) + b"\n", 1, '"body.model" is missing'),
-    ("model_not_string", line(body={"model": 3, "messages": [{"role": "user"}]}) + b"\n", 1, '"body.model" is a number'),
-    ("two_models", good(2) + line("x", body={"model": "other", "messages": [{"role": "user"}]}) + b"\n", 3, "but line 1 uses 'm'"),
-    ("embeddings_no_input", line(url="/v1/embeddings", body={"model": "m"}) + b"\n", 1, '"input" (a string or a list) or "messages"'),
-    ("embeddings_input_number", line(url="/v1/embeddings", body={"model": "m", "input": 5}) + b"\n", 1, "body.input"),
-    ("score_half_pair", line(url="/v1/score", body={"model": "m", "text_1": "a"}) + b"\n", 1, '"text_1" and "text_2"'),
-    ("rerank_no_documents", line(url="/v1/rerank", body={"model": "m", "query": "q"}) + b"\n", 1, '"query" and "documents"'),
-    ("line_too_long", good(1) + line(body={"model": "m", "messages": [{"role": "user", "content": "x" * 2000}]}) + b"\n", 2, "over max_line_bytes=1,000"),
+    (
+        "model_not_string",
+        line(body={"model": 3, "messages": [{"role": "user"}]}) + b"\n",
+        1,
+        '"body.model" is a number',
+    ),
+    (
+        "two_models",
+        good(2) + line("x", body={"model": "other", "messages": [{"role": "user"}]}) + b"\n",
+        3,
+        "but line 1 uses 'm'",
+    ),
+    (
+        "embeddings_no_input",
+        line(url="/v1/embeddings", body={"model": "m"}) + b"\n",
+        1,
+        '"input" (a string or a list) or "messages"',
+    ),
+    (
+        "embeddings_input_number",
+        line(url="/v1/embeddings", body={"model": "m", "input": 5}) + b"\n",
+        1,
+        "body.input",
+    ),
+    (
+        "score_half_pair",
+        line(url="/v1/score", body={"model": "m", "text_1": "a"}) + b"\n",
+        1,
+        '"text_1" and "text_2"',
+    ),
+    (
+        "rerank_no_documents",
+        line(url="/v1/rerank", body={"model": "m", "query": "q"}) + b"\n",
+        1,
+        '"query" and "documents"',
+    ),
+    (
+        "line_too_long",
+        good(1) + line(body={"model": "m", "messages": [{"role": "user", "content": "x" * 2000}]}) + b"\n",
+        2,
+        "over max_line_bytes=1,000",
+    ),
     ("crlf_blank_then_bad", good(1).replace(b"\n", b"\r\n") + b"\r\n" + b"{oops}\r\n", 3, "not valid JSON"),
     ("bad_last_line_without_newline", good(2) + b'{"custom_id": "z"', 3, "ends before the JSON object does"),
 ]
@@ -95,38 +179,160 @@ def chat(**fields) -> bytes:
 
 # Cases of issue 10 — (name, file bytes, options, line of the first problem (0: the file), message fragment)
 ISSUE_10 = [
-    ("line_cut_by_the_reader_has_unknown_size", good(1) + line(body={"model": "m", "messages": [{"role": "user", "content": "x" * 3000}]}) + b"\n", {"max_line_bytes": 1000, "_reader_max": 1000}, 2, "line is more than 1,000 bytes, over max_line_bytes=1,000"),
-    ("line_too_long_names_both_settings", good(1) + line(body={"model": "m", "messages": [{"role": "user", "content": "x" * 3000}]}) + b"\n", {"max_line_bytes": 1000}, 2, "max_line_bytes on the operator, or --max-line-bytes in the CLI"),
-    ("line_too_long_true_size", good(1) + line(body={"model": "m", "messages": [{"role": "user", "content": "x" * 3000}]}) + b"\n", {"max_line_bytes": 1000}, 2, "line is 3,"),
-    ("temperature_string", good(1) + chat(temperature="hot"), {}, 2, '"body.temperature" is "hot", but it must be a number from 0 to 2'),
-    ("temperature_too_high", chat(temperature=2.5), {}, 1, '"body.temperature" is 2.5, but it must be a number from 0 to 2'),
-    ("max_completion_tokens_negative", good(2) + chat(max_completion_tokens=-5), {}, 3, '"body.max_completion_tokens" is -5, but it must be an integer >= 1'),
+    (
+        "line_cut_by_the_reader_has_unknown_size",
+        good(1) + line(body={"model": "m", "messages": [{"role": "user", "content": "x" * 3000}]}) + b"\n",
+        {"max_line_bytes": 1000, "_reader_max": 1000},
+        2,
+        "line is more than 1,000 bytes, over max_line_bytes=1,000",
+    ),
+    (
+        "line_too_long_names_both_settings",
+        good(1) + line(body={"model": "m", "messages": [{"role": "user", "content": "x" * 3000}]}) + b"\n",
+        {"max_line_bytes": 1000},
+        2,
+        "max_line_bytes on the operator, or --max-line-bytes in the CLI",
+    ),
+    (
+        "line_too_long_true_size",
+        good(1) + line(body={"model": "m", "messages": [{"role": "user", "content": "x" * 3000}]}) + b"\n",
+        {"max_line_bytes": 1000},
+        2,
+        "line is 3,",
+    ),
+    (
+        "temperature_string",
+        good(1) + chat(temperature="hot"),
+        {},
+        2,
+        '"body.temperature" is "hot", but it must be a number from 0 to 2',
+    ),
+    (
+        "temperature_too_high",
+        chat(temperature=2.5),
+        {},
+        1,
+        '"body.temperature" is 2.5, but it must be a number from 0 to 2',
+    ),
+    (
+        "max_completion_tokens_negative",
+        good(2) + chat(max_completion_tokens=-5),
+        {},
+        3,
+        '"body.max_completion_tokens" is -5, but it must be an integer >= 1',
+    ),
     ("max_tokens_zero", chat(max_tokens=0), {}, 1, '"body.max_tokens" is 0, but it must be an integer >= 1'),
-    ("max_tokens_float", chat(max_tokens=1.5), {}, 1, '"body.max_tokens" is 1.5, but it must be an integer >= 1'),
-    ("top_p_zero", chat(top_p=0), {}, 1, '"body.top_p" is 0, but it must be a number greater than 0 and at most 1'),
+    (
+        "max_tokens_float",
+        chat(max_tokens=1.5),
+        {},
+        1,
+        '"body.max_tokens" is 1.5, but it must be an integer >= 1',
+    ),
+    (
+        "top_p_zero",
+        chat(top_p=0),
+        {},
+        1,
+        '"body.top_p" is 0, but it must be a number greater than 0 and at most 1',
+    ),
     ("top_p_over_one", chat(top_p=1.5), {}, 1, '"body.top_p" is 1.5'),
     ("n_zero", chat(n=0), {}, 1, '"body.n" is 0, but it must be an integer >= 1'),
     ("n_boolean", chat(n=True), {}, 1, '"body.n" is true'),
-    ("presence_penalty_too_low", chat(presence_penalty=-3), {}, 1, '"body.presence_penalty" is -3, but it must be a number from -2 to 2'),
-    ("frequency_penalty_string", chat(frequency_penalty="0.5"), {}, 1, '"body.frequency_penalty" is "0.5", but it must be a number from -2 to 2'),
+    (
+        "presence_penalty_too_low",
+        chat(presence_penalty=-3),
+        {},
+        1,
+        '"body.presence_penalty" is -3, but it must be a number from -2 to 2',
+    ),
+    (
+        "frequency_penalty_string",
+        chat(frequency_penalty="0.5"),
+        {},
+        1,
+        '"body.frequency_penalty" is "0.5", but it must be a number from -2 to 2',
+    ),
     ("seed_float", chat(seed=1.5), {}, 1, '"body.seed" is 1.5, but it must be a 64-bit integer'),
     ("stop_number", chat(stop=5), {}, 1, '"body.stop" is 5, but it must be a string or a list of strings'),
     ("stop_list_of_numbers", chat(stop=["a", 1]), {}, 1, '"body.stop" is ["a",1]'),
-    ("logprobs_string", chat(logprobs="yes"), {}, 1, '"body.logprobs" is "yes", but it must be true or false'),
-    ("top_logprobs_too_high", chat(logprobs=True, top_logprobs=21), {}, 1, '"body.top_logprobs" is 21, but it must be an integer from 0 to 20'),
-    ("top_k_below_minus_one", chat(top_k=-2), {}, 1, '"body.top_k" is -2, but it must be an integer: 0 or -1 (no limit), or at least 1'),
-    ("min_tokens_negative", chat(min_tokens=-1), {}, 1, '"body.min_tokens" is -1, but it must be an integer >= 0'),
+    (
+        "logprobs_string",
+        chat(logprobs="yes"),
+        {},
+        1,
+        '"body.logprobs" is "yes", but it must be true or false',
+    ),
+    (
+        "top_logprobs_too_high",
+        chat(logprobs=True, top_logprobs=21),
+        {},
+        1,
+        '"body.top_logprobs" is 21, but it must be an integer from 0 to 20',
+    ),
+    (
+        "top_k_below_minus_one",
+        chat(top_k=-2),
+        {},
+        1,
+        '"body.top_k" is -2, but it must be an integer: 0 or -1 (no limit), or at least 1',
+    ),
+    (
+        "min_tokens_negative",
+        chat(min_tokens=-1),
+        {},
+        1,
+        '"body.min_tokens" is -1, but it must be an integer >= 0',
+    ),
     ("min_tokens_null", chat(min_tokens=None), {}, 1, '"body.min_tokens" is null'),
-    ("embeddings_for_generation_model", good(1) + EMBED + b"\n", {"model_kind": "generate"}, 2, "model 'm' is a generation model; /v1/embeddings needs a pooling model (--runner pooling) — put these requests in a file of their own"),
-    ("score_for_generation_model", line(url="/v1/score", body={"model": "m", "text_1": "a", "text_2": "b"}) + b"\n", {"model_kind": "generate", "model": "m"}, 1, "/v1/score needs a pooling model (--runner pooling)"),
-    ("rerank_for_generation_model", line(url="/v1/rerank", body={"model": "m", "query": "q", "documents": ["d"]}) + b"\n", {"model_kind": "generate"}, 1, "/v1/rerank needs a pooling model"),
-    ("chat_for_pooling_model", EMBED + b"\n" + good(1), {"model_kind": "pooling"}, 2, "model 'm' is a pooling model (--runner pooling); /v1/chat/completions needs a generation model"),
-    ("chat_and_embeddings_mixed", good(2) + EMBED + b"\n", {}, 0, "the file mixes generation requests (/v1/chat/completions (2)) with pooling requests (/v1/embeddings (1))"),
-    ("chat_and_score_mixed_in_skip_mode", good(1) + line("s", url="/v1/score", body={"model": "m", "text_1": "a", "text_2": "b"}) + b"\n", {"invalid_lines": "skip"}, 0, "vLLM serves one kind per engine"),
+    (
+        "embeddings_for_generation_model",
+        good(1) + EMBED + b"\n",
+        {"model_kind": "generate"},
+        2,
+        "model 'm' is a generation model; /v1/embeddings needs a pooling model (--runner pooling) — put these requests in a file of their own",
+    ),
+    (
+        "score_for_generation_model",
+        line(url="/v1/score", body={"model": "m", "text_1": "a", "text_2": "b"}) + b"\n",
+        {"model_kind": "generate", "model": "m"},
+        1,
+        "/v1/score needs a pooling model (--runner pooling)",
+    ),
+    (
+        "rerank_for_generation_model",
+        line(url="/v1/rerank", body={"model": "m", "query": "q", "documents": ["d"]}) + b"\n",
+        {"model_kind": "generate"},
+        1,
+        "/v1/rerank needs a pooling model",
+    ),
+    (
+        "chat_for_pooling_model",
+        EMBED + b"\n" + good(1),
+        {"model_kind": "pooling"},
+        2,
+        "model 'm' is a pooling model (--runner pooling); /v1/chat/completions needs a generation model",
+    ),
+    (
+        "chat_and_embeddings_mixed",
+        good(2) + EMBED + b"\n",
+        {},
+        0,
+        "the file mixes generation requests (/v1/chat/completions (2)) with pooling requests (/v1/embeddings (1))",
+    ),
+    (
+        "chat_and_score_mixed_in_skip_mode",
+        good(1) + line("s", url="/v1/score", body={"model": "m", "text_1": "a", "text_2": "b"}) + b"\n",
+        {"invalid_lines": "skip"},
+        0,
+        "vLLM serves one kind per engine",
+    ),
 ]
 
 
-@pytest.mark.parametrize(("name", "data", "options", "lineno", "reason"), ISSUE_10, ids=[c[0] for c in ISSUE_10])
+@pytest.mark.parametrize(
+    ("name", "data", "options", "lineno", "reason"), ISSUE_10, ids=[c[0] for c in ISSUE_10]
+)
 def test_issue_10_case_reports_line_and_reason(name, data, options, lineno, reason):
     options = dict(options)
     reader_max = options.pop("_reader_max", None)
@@ -142,11 +348,27 @@ def test_issue_10_case_reports_line_and_reason(name, data, options, lineno, reas
 @pytest.mark.parametrize(
     "fields",
     [
-        {"temperature": 0}, {"temperature": 2}, {"temperature": 0.7}, {"top_p": 1}, {"top_p": 0.01},
-        {"max_tokens": 1}, {"max_completion_tokens": 4096}, {"n": 2}, {"presence_penalty": -2},
-        {"frequency_penalty": 2}, {"seed": -(2**63)}, {"stop": "\n"}, {"stop": ["a", "b"]}, {"stop": []},
-        {"logprobs": True, "top_logprobs": 20}, {"top_logprobs": 0}, {"top_k": -1}, {"top_k": 0}, {"top_k": 40},
-        {"min_tokens": 0}, {"temperature": None, "top_p": None, "max_tokens": None, "n": None, "seed": None, "stop": None},
+        {"temperature": 0},
+        {"temperature": 2},
+        {"temperature": 0.7},
+        {"top_p": 1},
+        {"top_p": 0.01},
+        {"max_tokens": 1},
+        {"max_completion_tokens": 4096},
+        {"n": 2},
+        {"presence_penalty": -2},
+        {"frequency_penalty": 2},
+        {"seed": -(2**63)},
+        {"stop": "\n"},
+        {"stop": ["a", "b"]},
+        {"stop": []},
+        {"logprobs": True, "top_logprobs": 20},
+        {"top_logprobs": 0},
+        {"top_k": -1},
+        {"top_k": 0},
+        {"top_k": 40},
+        {"min_tokens": 0},
+        {"temperature": None, "top_p": None, "max_tokens": None, "n": None, "seed": None, "stop": None},
     ],
     ids=lambda fields: "-".join(f"{k}={v}" for k, v in fields.items()),
 )
@@ -220,7 +442,9 @@ def test_custom_ids_carry_cleaned_copy_line_numbers_when_lines_are_dropped():
     data = line("a") + b"\n\njunk\n" + line("b", method="GET") + b"\n" + line("c") + b"\n"
     cleaned = io.BytesIO()
     with open_lines(io.BytesIO(data)) as lines:
-        report = preflight(lines, PreflightOptions(invalid_lines="skip"), cleaned_out=cleaned, errors_out=io.BytesIO())
+        report = preflight(
+            lines, PreflightOptions(invalid_lines="skip"), cleaned_out=cleaned, errors_out=io.BytesIO()
+        )
     index = report.custom_ids
     assert (len(index), index.line_of("a"), index.line_of("c"), index.line_of("b")) == (2, 1, 2, None)
     assert [json.loads(x)["custom_id"] for x in cleaned.getvalue().splitlines()] == ["a", "c"]
@@ -235,7 +459,9 @@ def test_corpus_has_at_least_thirty_cases():
     assert len(MALFORMED) >= 30
 
 
-@pytest.mark.parametrize("name", ["openai_example_batch.jsonl", "embeddings_batch.jsonl", "score_batch.jsonl"])
+@pytest.mark.parametrize(
+    "name", ["openai_example_batch.jsonl", "embeddings_batch.jsonl", "score_batch.jsonl"]
+)
 def test_seed_example_request_files_pass(seed_dir, name):
     with open_lines(seed_dir / name) as lines:
         report = preflight(lines)
@@ -272,7 +498,9 @@ def test_skip_mode_writes_invalid_lines_as_error_lines():
     data = good(1) + line("bad", method="GET") + b"\n" + b"junk\n"
     errors, cleaned = io.BytesIO(), io.BytesIO()
     with open_lines(io.BytesIO(data)) as lines:
-        report = preflight(lines, PreflightOptions(invalid_lines="skip"), cleaned_out=cleaned, errors_out=errors)
+        report = preflight(
+            lines, PreflightOptions(invalid_lines="skip"), cleaned_out=cleaned, errors_out=errors
+        )
     assert report.runnable and report.needs_rewrite and not report.ok
     written = [json.loads(x) for x in errors.getvalue().splitlines()]
     assert [(w["custom_id"], w["error"]["line"], w["error"]["code"]) for w in written] == [
@@ -314,7 +542,12 @@ def test_rewrite_model_fills_a_missing_model():
 
 
 def test_default_body_is_added_only_where_missing():
-    data = line("a") + b"\n" + line("b", body={"model": "m", "messages": [{"role": "u"}], "max_tokens": 9}) + b"\n"
+    data = (
+        line("a")
+        + b"\n"
+        + line("b", body={"model": "m", "messages": [{"role": "u"}], "max_tokens": 9})
+        + b"\n"
+    )
     out = io.BytesIO()
     with open_lines(io.BytesIO(data)) as lines:
         report = preflight(lines, PreflightOptions(default_body={"max_tokens": 5}), cleaned_out=out)
@@ -373,7 +606,14 @@ def test_skip_mode_with_nothing_valid_is_not_runnable():
 
 
 def test_mixed_pooling_urls_are_counted_per_url():
-    data = EMBED + b"\n" + line("b", url="/v1/score", body={"model": "m", "text_1": "a", "text_2": "b"}) + b"\n" + EMBED.replace(b"emb-1", b"c") + b"\n"
+    data = (
+        EMBED
+        + b"\n"
+        + line("b", url="/v1/score", body={"model": "m", "text_1": "a", "text_2": "b"})
+        + b"\n"
+        + EMBED.replace(b"emb-1", b"c")
+        + b"\n"
+    )
     report = run(data)
     assert report.ok
     assert report.url_counts == {"/v1/embeddings": 2, "/v1/score": 1}
@@ -397,7 +637,10 @@ def test_embeddings_accept_chat_style_messages():
 
 
 def test_url_outside_supported_urls_is_refused():
-    report = run(line(url="/v1/embeddings", body={"model": "m", "input": "x"}) + b"\n", supported_urls=frozenset({CHAT}))
+    report = run(
+        line(url="/v1/embeddings", body={"model": "m", "input": "x"}) + b"\n",
+        supported_urls=frozenset({CHAT}),
+    )
     assert "is not served" in report.problems[0].message
 
 
@@ -478,7 +721,11 @@ def test_rewrite_model_keeps_served_names_and_rewrites_the_others():
     data = named("a", "sql") + named("b", "other") + named("c", "base")
     out = io.BytesIO()
     with open_lines(io.BytesIO(data)) as lines:
-        report = preflight(lines, PreflightOptions(model="base", model_names={"base", "sql"}, rewrite_model=True), cleaned_out=out)
+        report = preflight(
+            lines,
+            PreflightOptions(model="base", model_names={"base", "sql"}, rewrite_model=True),
+            cleaned_out=out,
+        )
     assert report.ok and report.rewritten_lines == 1
     assert [json.loads(x)["body"]["model"] for x in out.getvalue().splitlines()] == ["sql", "base", "base"]
     assert report.requests_per_model == {"sql": 1, "base": 2}
@@ -512,7 +759,10 @@ def completion(custom_id="cmp-1", **body) -> bytes:
     ids=["string", "strings", "token_ids", "lists_of_token_ids", "token_zero"],
 )
 def test_every_prompt_form_vllm_takes_passes_for_an_engine_that_serves_completions(prompt):
-    report = run(good(1) + completion(prompt=prompt, max_tokens=4, logprobs=2, echo=True), supported_urls=WITH_COMPLETIONS)
+    report = run(
+        good(1) + completion(prompt=prompt, max_tokens=4, logprobs=2, echo=True),
+        supported_urls=WITH_COMPLETIONS,
+    )
     assert report.ok, report.format()
     assert report.url_counts == {CHAT: 1, COMPLETIONS: 1}
 
@@ -529,9 +779,17 @@ BAD_COMPLETIONS = [
     ("strings_and_ids_mixed", {"prompt": ["a", 1]}, "(one kind per list)"),
     ("ids_and_lists_mixed", {"prompt": [1, [2]]}, "(one kind per list)"),
     ("empty_inner_list", {"prompt": [[1], []]}, "body.prompt"),
-    ("max_tokens_zero", {"prompt": "a", "max_tokens": 0}, '"body.max_tokens" is 0, but it must be an integer >= 1'),
+    (
+        "max_tokens_zero",
+        {"prompt": "a", "max_tokens": 0},
+        '"body.max_tokens" is 0, but it must be an integer >= 1',
+    ),
     ("temperature_string", {"prompt": "a", "temperature": "hot"}, '"body.temperature" is "hot"'),
-    ("logprobs_boolean", {"prompt": "a", "logprobs": True}, '"body.logprobs" is true, but it must be an integer >= 0'),
+    (
+        "logprobs_boolean",
+        {"prompt": "a", "logprobs": True},
+        '"body.logprobs" is true, but it must be an integer >= 0',
+    ),
     ("echo_string", {"prompt": "a", "echo": "yes"}, '"body.echo" is "yes", but it must be true or false'),
     ("stream_true", {"prompt": "a", "stream": True}, '"body.stream" is true'),
 ]
@@ -572,7 +830,9 @@ def test_completions_for_a_pooling_model_are_the_wrong_kind():
 
 
 def test_completions_and_chat_may_share_a_file_but_not_with_embeddings():
-    report = run(good(1) + completion(prompt="a") + EMBED + b"\n", supported_urls=WITH_COMPLETIONS | {"/v1/embeddings"})
+    report = run(
+        good(1) + completion(prompt="a") + EMBED + b"\n", supported_urls=WITH_COMPLETIONS | {"/v1/embeddings"}
+    )
     assert "/v1/chat/completions (1), /v1/completions (1)" in report.file_problems[0].message
 
 
@@ -599,5 +859,8 @@ def test_a_problem_of_the_whole_file_is_not_told_to_skip_lines(data):
 
 def test_bad_lines_among_good_ones_are_told_they_can_be_skipped():
     report = run(good(2) + b"hello\n")
-    with pytest.raises(PreflightError, match=r"Fix the lines above and upload the file again, or run with invalid_lines='skip' to leave them out\."):
+    with pytest.raises(
+        PreflightError,
+        match=r"Fix the lines above and upload the file again, or run with invalid_lines='skip' to leave them out\.",
+    ):
         report.raise_for_problems()

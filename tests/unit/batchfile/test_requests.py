@@ -20,7 +20,9 @@ def lines(data: bytes) -> list[dict]:
 
 
 def test_prompts_become_chat_lines_numbered_by_index_with_the_model_and_defaults():
-    data = build_batch_file(["hi", "bye"], model="m", default_body={"temperature": 0, "max_completion_tokens": 8})
+    data = build_batch_file(
+        ["hi", "bye"], model="m", default_body={"temperature": 0, "max_completion_tokens": 8}
+    )
     assert lines(data) == [
         {"custom_id": f"request-{i}", "method": "POST", "url": "/v1/chat/completions",
          "body": {"messages": [{"role": "user", "content": text}], "model": "m", "temperature": 0, "max_completion_tokens": 8}}
@@ -29,7 +31,9 @@ def test_prompts_become_chat_lines_numbered_by_index_with_the_model_and_defaults
 
 
 def test_the_file_passes_preflight():
-    data = build_batch_file(["a", [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]], model="m")
+    data = build_batch_file(
+        ["a", [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]], model="m"
+    )
     with open_lines(io.BytesIO(data)) as source:
         assert preflight(source, PreflightOptions(model="m")).ok
 
@@ -45,22 +49,36 @@ def test_message_lists_and_bodies_are_kept_and_a_body_keeps_its_own_model():
 
 
 def test_strings_become_embedding_inputs():
-    assert lines(build_batch_file(["x"], model="e", url="/v1/embeddings"))[0]["body"] == {"input": "x", "model": "e"}
+    assert lines(build_batch_file(["x"], model="e", url="/v1/embeddings"))[0]["body"] == {
+        "input": "x",
+        "model": "e",
+    }
 
 
 def test_strings_become_completion_prompts():
-    data = build_batch_file(["Once upon a time"], model="m", url="/v1/completions", default_body={"max_tokens": 8})
+    data = build_batch_file(
+        ["Once upon a time"], model="m", url="/v1/completions", default_body={"max_tokens": 8}
+    )
     assert lines(data)[0]["body"] == {"prompt": "Once upon a time", "model": "m", "max_tokens": 8}
     assert lines(data)[0]["url"] == "/v1/completions"
 
 
 def test_custom_id_from_a_key_leaves_the_body():
-    data = build_batch_file([{"id": "row-7", "messages": [{"role": "user", "content": "u"}]}, {"id": 8, "messages": [{"role": "user"}]}], model="m", custom_id="id")
+    data = build_batch_file(
+        [
+            {"id": "row-7", "messages": [{"role": "user", "content": "u"}]},
+            {"id": 8, "messages": [{"role": "user"}]},
+        ],
+        model="m",
+        custom_id="id",
+    )
     assert [(x["custom_id"], "id" in x["body"]) for x in lines(data)] == [("row-7", False), ("8", False)]
 
 
 def test_the_same_requests_give_the_same_bytes_and_name():
-    make = lambda: build_batch_file([{"messages": [{"role": "user", "content": "é"}], "b": 1, "a": 2}], model="m")
+    make = lambda: build_batch_file(
+        [{"messages": [{"role": "user", "content": "é"}], "b": 1, "a": 2}], model="m"
+    )
     assert make() == make() and batch_file_name(make()) == batch_file_name(make())
     assert batch_file_name(make()) != batch_file_name(build_batch_file(["other"], model="m"))
 

@@ -22,7 +22,12 @@ DATA = Path(__file__).parent / "data"
 
 def request(cid: str) -> bytes:
     return json.dumps(
-        {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": {"model": "m", "messages": [{"role": "user"}]}}
+        {
+            "custom_id": cid,
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"model": "m", "messages": [{"role": "user"}]},
+        }
     ).encode()
 
 
@@ -30,16 +35,30 @@ def ok_result(cid: str, prompt: int = 3, completion: int = 2) -> bytes:
     body = {
         "id": "chatcmpl-1",
         "object": "chat.completion",
-        "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
+        "usage": {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        },
     }
     return json.dumps(
-        {"id": "vllm-1", "custom_id": cid, "response": {"status_code": 200, "request_id": "r", "body": body}, "error": None}
+        {
+            "id": "vllm-1",
+            "custom_id": cid,
+            "response": {"status_code": 200, "request_id": "r", "body": body},
+            "error": None,
+        }
     ).encode()
 
 
 def failed_result(cid: str, status: int = 400, error: object = "bad request") -> bytes:
     return json.dumps(
-        {"id": "vllm-2", "custom_id": cid, "response": {"status_code": status, "request_id": "r", "body": None}, "error": error}
+        {
+            "id": "vllm-2",
+            "custom_id": cid,
+            "response": {"status_code": status, "request_id": "r", "body": None},
+            "error": error,
+        }
     ).encode()
 
 
@@ -124,7 +143,13 @@ def test_with_duplicates_first_a_repeated_answer_keeps_the_first_in_both_files_a
     successes, errors = io.BytesIO(), io.BytesIO()
     first_b = failed_result("b", 400, "bad temperature")
     results = [ok_result("a", prompt=1), first_b, ok_result("a", prompt=100), ok_result("b"), ok_result("c")]
-    report = check(results, [request("a"), request("b"), request("c")], results_out=successes, errors_out=errors, duplicates="first")
+    report = check(
+        results,
+        [request("a"), request("b"), request("c")],
+        results_out=successes,
+        errors_out=errors,
+        duplicates="first",
+    )
     assert report.ok and report.dropped_duplicates == 2
     assert report.request_counts == {"total": 3, "completed": 2, "failed": 1}
     assert report.prompt_tokens == 1 + 3  # the later answer of "a" is not counted
@@ -133,12 +158,22 @@ def test_with_duplicates_first_a_repeated_answer_keeps_the_first_in_both_files_a
 
 
 def test_with_duplicates_first_an_answer_to_a_custom_id_not_in_the_input_is_still_a_mismatch():
-    report = check([ok_result("a"), ok_result("zz"), ok_result("zz")], [request("a")], duplicates="first", results_out=io.BytesIO())
+    report = check(
+        [ok_result("a"), ok_result("zz"), ok_result("zz")],
+        [request("a")],
+        duplicates="first",
+        results_out=io.BytesIO(),
+    )
     assert not report.ok and report.extra_count == 2
 
 
 def test_with_duplicates_first_a_missing_answer_is_still_a_mismatch():
-    report = check([ok_result("a"), ok_result("a")], [request("a"), request("b")], duplicates="first", results_out=io.BytesIO())
+    report = check(
+        [ok_result("a"), ok_result("a")],
+        [request("a"), request("b")],
+        duplicates="first",
+        results_out=io.BytesIO(),
+    )
     assert not report.ok and report.missing_count == 1 and report.dropped_duplicates == 1
 
 
@@ -170,7 +205,10 @@ def test_plain_server_errors_are_not_an_engine_failure():
 
 def test_an_error_that_only_mentions_enginecore_is_not_an_engine_failure():
     # Only vLLM's EngineDeadError message, whole, says the engine core died.
-    report = check([failed_result("a", 500, {"error": {"message": "EngineCore busy: request rejected", "code": 500}})], None)
+    report = check(
+        [failed_result("a", 500, {"error": {"message": "EngineCore busy: request rejected", "code": 500}})],
+        None,
+    )
     assert not report.engine_failure
 
 
@@ -227,15 +265,31 @@ def test_to_dict_matches_the_manifest_keys():
 @pytest.mark.parametrize(
     ("status", "error", "expected"),
     [
-        (400, "Request must not be sent in stream mode", {"code": "invalid_request", "message": "Request must not be sent in stream mode"}),
+        (
+            400,
+            "Request must not be sent in stream mode",
+            {"code": "invalid_request", "message": "Request must not be sent in stream mode"},
+        ),
         (500, ENGINE_DEAD, {"code": "engine_error", "message": ENGINE_DEAD["error"]["message"]}),
         (500, None, {"code": "engine_error", "message": "the engine answered with HTTP status 500"}),
         (429, None, {"code": "rate_limited", "message": "the engine answered with HTTP status 429"}),
         (418, "teapot", {"code": "http_418", "message": "teapot"}),
         (200, {"message": "boom"}, {"code": "engine_error", "message": "boom"}),
-        (400, {"code": "invalid_request", "message": "from preflight", "line": 9}, {"code": "invalid_request", "message": "from preflight", "line": 9}),
+        (
+            400,
+            {"code": "invalid_request", "message": "from preflight", "line": 9},
+            {"code": "invalid_request", "message": "from preflight", "line": 9},
+        ),
     ],
-    ids=["string", "vllm_error_response", "null_500", "null_429", "other_status", "message_object", "preflight_shape"],
+    ids=[
+        "string",
+        "vllm_error_response",
+        "null_500",
+        "null_429",
+        "other_status",
+        "message_object",
+        "preflight_shape",
+    ],
 )
 def test_every_failed_line_gets_an_error_object_with_code_message_and_line(status, error, expected):
     errors = io.BytesIO()
@@ -277,7 +331,9 @@ def test_engine_and_preflight_error_lines_have_one_shape():
 
 def preflight_of(data: bytes, **options):
     with open_lines(io.BytesIO(data)) as lines:
-        return preflight(lines, PreflightOptions(**options), cleaned_out=io.BytesIO(), errors_out=io.BytesIO())
+        return preflight(
+            lines, PreflightOptions(**options), cleaned_out=io.BytesIO(), errors_out=io.BytesIO()
+        )
 
 
 def test_preflight_index_replaces_reading_the_input_again():
@@ -297,7 +353,9 @@ def test_preflight_index_and_input_lines_give_the_same_report():
     rdata = b"\n".join(results)
     with open_lines(io.BytesIO(rdata)) as rl:
         by_index = check_results(
-            rl, input_index=preflight_of(inputs).custom_ids, reread_results=lambda: open_lines(io.BytesIO(rdata))
+            rl,
+            input_index=preflight_of(inputs).custom_ids,
+            reread_results=lambda: open_lines(io.BytesIO(rdata)),
         ).to_dict()
     assert by_index == by_lines
 
@@ -334,7 +392,10 @@ def test_every_published_result_parses_with_the_openai_sdk_types(name, body_type
     results, errors = io.BytesIO(), io.BytesIO()
     with open_lines(DATA / name) as lines:
         report = check_results(lines, results_out=results, errors_out=errors)
-    assert (report.completed, report.failed) == (len(results.getvalue().splitlines()), len(errors.getvalue().splitlines()))
+    assert (report.completed, report.failed) == (
+        len(results.getvalue().splitlines()),
+        len(errors.getvalue().splitlines()),
+    )
     assert report.completed >= 2 and report.failed >= 1
     for raw in results.getvalue().splitlines():
         body_type.model_validate(json.loads(raw)["response"]["body"])

@@ -89,7 +89,11 @@ def http_server():
             if self.path.startswith("/missing"):
                 self.send_error(403)
                 return
-            if self.path.startswith("/private") and self.headers.get("Authorization") != "Basic " + base64.b64encode(b"reader:p@ss w0rd").decode():
+            if (
+                self.path.startswith("/private")
+                and self.headers.get("Authorization")
+                != "Basic " + base64.b64encode(b"reader:p@ss w0rd").decode()
+            ):
                 self.send_error(401)
                 return
             body = b'{"a": 1}\n{"b": 2}'
@@ -141,7 +145,10 @@ def test_credentials_in_an_http_url_are_sent_as_basic_authentication(http_server
     ],
 )
 def test_a_malformed_url_is_a_mistake_naming_input_uri_without_its_password(url):
-    with pytest.raises(ConfigurationError, match=r"^input_uri: https?://(files\.example/in\.jsonl|<a URL that cannot be parsed>) is not a URL that can be read") as excinfo:
+    with pytest.raises(
+        ConfigurationError,
+        match=r"^input_uri: https?://(files\.example/in\.jsonl|<a URL that cannot be parsed>) is not a URL that can be read",
+    ) as excinfo:
         with open_lines(url):
             pass
     assert not excinfo.value.retryable
@@ -210,7 +217,11 @@ def test_uncompressed_source_reports_no_compression():
     ("name", "data", "fragment"),
     [
         ("truncated", gzip.compress(JSONL * 500)[:-40], "the gzip file is truncated"),
-        ("corrupt", gzip.compress(JSONL * 500)[:20] + b"\0" * 40 + gzip.compress(JSONL * 500)[60:], "the gzip data is corrupt"),
+        (
+            "corrupt",
+            gzip.compress(JSONL * 500)[:20] + b"\0" * 40 + gzip.compress(JSONL * 500)[60:],
+            "the gzip data is corrupt",
+        ),
         ("trailing_garbage", gzip.compress(JSONL) + b"not gzip", "the gzip data is corrupt"),
     ],
 )
@@ -223,7 +234,10 @@ def test_bad_gzip_raises_an_error_naming_the_file(tmp_path, name, data, fragment
 
 
 def test_zstd_is_refused_with_what_to_do():
-    with pytest.raises(PreflightError, match=r"compressed with zstd.*gzip"), open_lines(io.BytesIO(b"\x28\xb5\x2f\xfd" + b"\0" * 20)):
+    with (
+        pytest.raises(PreflightError, match=r"compressed with zstd.*gzip"),
+        open_lines(io.BytesIO(b"\x28\xb5\x2f\xfd" + b"\0" * 20)),
+    ):
         pass
 
 

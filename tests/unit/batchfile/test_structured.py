@@ -41,7 +41,9 @@ def line(cid: str, url: str = "/v1/chat/completions", **body) -> bytes:
         body.setdefault("prompt", cid)
     else:
         body.setdefault("input", cid)
-    return json.dumps({"custom_id": cid, "method": "POST", "url": url, "body": {"model": "m", **body}}).encode()
+    return json.dumps(
+        {"custom_id": cid, "method": "POST", "url": url, "body": {"model": "m", **body}}
+    ).encode()
 
 
 def cleaned(lines: list[bytes], **options) -> tuple[list[dict], object]:
@@ -52,7 +54,10 @@ def cleaned(lines: list[bytes], **options) -> tuple[list[dict], object]:
 
 
 def test_the_schema_is_the_models_json_schema_named_after_it_and_strict():
-    assert FORMAT == {"type": "json_schema", "json_schema": {"name": "Review", "schema": Review.model_json_schema(), "strict": True}}
+    assert FORMAT == {
+        "type": "json_schema",
+        "json_schema": {"name": "Review", "schema": Review.model_json_schema(), "strict": True},
+    }
 
 
 def test_chat_and_completions_lines_without_a_response_format_get_the_schema():
@@ -94,15 +99,35 @@ def test_output_type_with_a_response_format_in_default_body_is_refused():
 
 
 def answer(cid: str, content: str | None, *, completion: bool = False) -> bytes:
-    choice = {"index": 0, "text": content} if completion else {"index": 0, "message": {"role": "assistant", "content": content}}
-    body = {"object": "text_completion" if completion else "chat.completion", "choices": [choice],
-            "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
-    return json.dumps({"id": "v", "custom_id": cid, "response": {"status_code": 200, "request_id": "r", "body": body}, "error": None}).encode()
+    choice = (
+        {"index": 0, "text": content}
+        if completion
+        else {"index": 0, "message": {"role": "assistant", "content": content}}
+    )
+    body = {
+        "object": "text_completion" if completion else "chat.completion",
+        "choices": [choice],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+    }
+    return json.dumps(
+        {
+            "id": "v",
+            "custom_id": cid,
+            "response": {"status_code": 200, "request_id": "r", "body": body},
+            "error": None,
+        }
+    ).encode()
 
 
 def engine_error(cid: str) -> bytes:
-    return json.dumps({"id": "v", "custom_id": cid, "response": {"status_code": 500, "request_id": "r", "body": None},
-                       "error": {"message": "boom"}}).encode()
+    return json.dumps(
+        {
+            "id": "v",
+            "custom_id": cid,
+            "response": {"status_code": 500, "request_id": "r", "body": None},
+            "error": {"message": "boom"},
+        }
+    ).encode()
 
 
 GOOD = '{"sentiment":"positive","stars":4}'
@@ -110,23 +135,42 @@ GOOD = '{"sentiment":"positive","stars":4}'
 
 def checked(results: list[bytes], schema: OutputSchema | None = SCHEMA):
     ok, bad = io.BytesIO(), io.BytesIO()
-    report = check_results(results, [line(json.loads(r)["custom_id"]) for r in results], results_out=ok, errors_out=bad,
-                           output_schema=schema)
-    return report, [json.loads(x) for x in ok.getvalue().splitlines()], [json.loads(x) for x in bad.getvalue().splitlines()]
+    report = check_results(
+        results,
+        [line(json.loads(r)["custom_id"]) for r in results],
+        results_out=ok,
+        errors_out=bad,
+        output_schema=schema,
+    )
+    return (
+        report,
+        [json.loads(x) for x in ok.getvalue().splitlines()],
+        [json.loads(x) for x in bad.getvalue().splitlines()],
+    )
 
 
 def test_answers_that_fit_are_results_and_those_that_do_not_go_to_the_error_file_with_their_raw_text():
-    results = [answer("good", GOOD), answer("prose", "I liked it"), answer("mismatch", '{"sentiment":"meh","stars":4}'),
-               answer("completion", GOOD, completion=True), answer("empty", None)]
+    results = [
+        answer("good", GOOD),
+        answer("prose", "I liked it"),
+        answer("mismatch", '{"sentiment":"meh","stars":4}'),
+        answer("completion", GOOD, completion=True),
+        answer("empty", None),
+    ]
     report, ok, bad = checked(results)
     assert report.request_counts == {"total": 5, "completed": 2, "failed": 3}
     assert report.invalid_output == 3 and report.ok
     assert [r["custom_id"] for r in ok] == ["good", "completion"]
     by_id = {e["custom_id"]: e for e in bad}
-    assert by_id["prose"]["error"]["code"] == "invalid_output" and by_id["prose"]["error"]["raw"] == "I liked it"
+    assert (
+        by_id["prose"]["error"]["code"] == "invalid_output" and by_id["prose"]["error"]["raw"] == "I liked it"
+    )
     assert "Invalid JSON" in by_id["prose"]["error"]["message"]
     assert by_id["mismatch"]["error"]["message"].startswith("does not fit Review: sentiment:")
-    assert by_id["mismatch"]["error"]["raw"] == '{"sentiment":"meh","stars":4}' and by_id["mismatch"]["error"]["line"] == 3
+    assert (
+        by_id["mismatch"]["error"]["raw"] == '{"sentiment":"meh","stars":4}'
+        and by_id["mismatch"]["error"]["line"] == 3
+    )
     assert by_id["mismatch"]["response"] == json.loads(results[2])["response"]  # the engine's response, kept
     assert by_id["empty"]["error"]["raw"] is None
     assert "invalid_output" in report.format()
@@ -140,7 +184,11 @@ def test_invalid_outputs_are_counted_apart_from_engine_errors_by_reason():
 
 def test_without_a_schema_no_answer_is_validated():
     report, ok, bad = checked([answer("prose", "I liked it")], schema=None)
-    assert report.request_counts == {"total": 1, "completed": 1, "failed": 0} and report.invalid_output == 0 and not bad
+    assert (
+        report.request_counts == {"total": 1, "completed": 1, "failed": 0}
+        and report.invalid_output == 0
+        and not bad
+    )
 
 
 def test_a_long_validation_message_is_cut_but_the_raw_text_is_kept_whole():
@@ -161,10 +209,19 @@ def test_read_answers_yields_model_instances(tmp_path):
 def test_read_answers_of_a_manifest_with_invalid_outputs_keeps_its_counts(tmp_path):
     results, errors = tmp_path / "results.jsonl", tmp_path / "errors.jsonl"
     report_ok, report_bad = io.BytesIO(), io.BytesIO()
-    check_results([answer("a", GOOD), answer("b", "prose")], results_out=report_ok, errors_out=report_bad, output_schema=SCHEMA)
+    check_results(
+        [answer("a", GOOD), answer("b", "prose")],
+        results_out=report_ok,
+        errors_out=report_bad,
+        output_schema=SCHEMA,
+    )
     results.write_bytes(report_ok.getvalue())
     errors.write_bytes(report_bad.getvalue())
-    manifest = {"output_uri": str(results), "error_uri": str(errors), "request_counts": {"total": 2, "completed": 1, "failed": 1}}
+    manifest = {
+        "output_uri": str(results),
+        "error_uri": str(errors),
+        "request_counts": {"total": 2, "completed": 1, "failed": 1},
+    }
     got = list(read_answers(manifest, output_type="tests.unit.batchfile.test_structured.Review"))
     assert got[0] == Parsed("a", Review(sentiment="positive", stars=4))
     assert isinstance(got[1], Failed) and got[1].custom_id == "b"
@@ -199,7 +256,10 @@ def test_the_schema_digest_changes_with_a_field():
         sentiment: str
 
     assert SCHEMA.digest != OutputSchema(Other).digest
-    assert SCHEMA.identity() == {"name": "tests.unit.batchfile.test_structured.Review", "schema_sha256": SCHEMA.digest}
+    assert SCHEMA.identity() == {
+        "name": "tests.unit.batchfile.test_structured.Review",
+        "schema_sha256": SCHEMA.digest,
+    }
 
 
 def test_a_model_without_a_json_schema_is_a_configuration_error_naming_output_type():
@@ -225,7 +285,10 @@ def test_an_answer_cut_off_at_the_token_limit_says_so_and_names_max_completion_t
     message = bad[0]["error"]["message"]
     assert message.startswith("does not fit Review:")
     assert 'cut off at the token limit (finish_reason "length", 16 tokens)' in message
-    assert "raise the request's max_completion_tokens (or max_tokens)" in message and "disable_any_whitespace" not in message
+    assert (
+        "raise the request's max_completion_tokens (or max_tokens)" in message
+        and "disable_any_whitespace" not in message
+    )
 
 
 def test_a_completion_cut_off_at_the_token_limit_names_max_tokens():
@@ -237,7 +300,9 @@ def test_a_completion_cut_off_at_the_token_limit_names_max_tokens():
 def test_an_answer_padded_with_whitespace_to_the_limit_names_the_xgrammar_flag_not_more_tokens(padded):
     _, _, bad = checked([cut_off("c", padded, tokens=40)])
     message = bad[0]["error"]["message"]
-    assert """--structured-outputs-config '{"backend": "xgrammar", "disable_any_whitespace": true}'""" in message
+    assert (
+        """--structured-outputs-config '{"backend": "xgrammar", "disable_any_whitespace": true}'""" in message
+    )
     assert "cut off at the token limit" in message and "raise the request's" not in message
 
 
@@ -245,4 +310,7 @@ def test_an_answer_that_ended_by_itself_and_does_not_fit_gets_no_hint():
     obj = json.loads(answer("c", '{"sentiment":"meh","stars":4}'))
     obj["response"]["body"]["choices"][0]["finish_reason"] = "stop"
     _, _, bad = checked([json.dumps(obj).encode()])
-    assert bad[0]["error"]["message"] == "does not fit Review: sentiment: Input should be 'positive' or 'negative'"
+    assert (
+        bad[0]["error"]["message"]
+        == "does not fit Review: sentiment: Input should be 'positive' or 'negative'"
+    )

@@ -6,11 +6,11 @@ import logging
 from datetime import datetime, timedelta, timezone
 
 import pytest
+import vllm_batch_examples as examples
 from airflow.sdk.api.datamodels._generated import AssetReferenceAssetEventDagRun
 from airflow.sdk.execution_time.comms import AssetEventDagRunReferenceResult
 from airflow.sdk.execution_time.context import TriggeringAssetEventsAccessor
 
-import vllm_batch_examples as examples
 from tests.airflow_compat import DagBag
 from tests.conftest import REPO
 
@@ -58,7 +58,10 @@ def test_dag_is_scheduled_on_the_pipeline_results_asset(dag):
 
 def test_report_returns_each_triggering_batch_oldest_first(dag, caplog):
     events = TriggeringAssetEventsAccessor.build(
-        [_event("run-b", completed=3, failed=1, at=T0 + timedelta(hours=1)), _event("run-a", completed=5, failed=0, at=T0)]
+        [
+            _event("run-b", completed=3, failed=1, at=T0 + timedelta(hours=1)),
+            _event("run-a", completed=5, failed=0, at=T0),
+        ]
     )
     report = dag.get_task("report_results").python_callable
     with caplog.at_level(logging.INFO):

@@ -46,7 +46,14 @@ def dag():
         env.setenv("AWS_ACCESS_KEY_ID", S3_KEY_ID)
         env.setenv(
             "AIRFLOW_CONN_AWS_DEFAULT",
-            json.dumps({"conn_type": "aws", "login": S3_KEY_ID, "password": S3_SECRET, "extra": {"endpoint_url": "http://s3:8333"}}),
+            json.dumps(
+                {
+                    "conn_type": "aws",
+                    "login": S3_KEY_ID,
+                    "password": S3_SECRET,
+                    "extra": {"endpoint_url": "http://s3:8333"},
+                }
+            ),
         )
         bag = DagBag(dag_folder=str(DAG_FILE))
     assert bag.import_errors == {}
@@ -106,7 +113,10 @@ def test_no_credential_is_anywhere_in_the_pod_spec(pod):
         assert secret not in text
     for container in pod["spec"]["containers"]:
         for var in container.get("env") or []:
-            if any(word in var["name"].upper() for word in ("SECRET", "PASSWORD", "TOKEN", "ACCESS_KEY", "FERNET", "CONN")):
+            if any(
+                word in var["name"].upper()
+                for word in ("SECRET", "PASSWORD", "TOKEN", "ACCESS_KEY", "FERNET", "CONN")
+            ):
                 assert "value" not in var, f"{var['name']} holds a literal value"
 
 

@@ -8,8 +8,8 @@ from datetime import datetime, timezone
 
 import pytest
 
-from airflow_vllm_batch.engines import VLLMRunner
 from airflow_vllm_batch.decorators.vllm_batch import _VLLMBatchDecoratedOperator, vllm_batch_task
+from airflow_vllm_batch.engines import VLLMRunner
 from airflow_vllm_batch.exceptions import ConfigurationError
 from airflow_vllm_batch.get_provider_info import get_provider_info
 from airflow_vllm_batch.version_compat import AirflowFailException
@@ -29,7 +29,9 @@ def _decorated(batch: Batch, function, *args, **settings) -> _VLLMBatchDecorated
         "task_id": "vllm_batch",
         "output_uri": batch.output_uri,
         "model": "m",
-        "engine": VLLMRunner(command=[sys.executable, str(FAKE_RUNNER)], env={"FAKE_ENGINE_CALLS": str(batch.calls)}),
+        "engine": VLLMRunner(
+            command=[sys.executable, str(FAKE_RUNNER)], env={"FAKE_ENGINE_CALLS": str(batch.calls)}
+        ),
         "results_dir": str(batch.results_dir),
     }
     with DAG("taskflow", schedule=None, start_date=datetime(2026, 1, 1, tzinfo=timezone.utc)) as dag:
@@ -51,7 +53,10 @@ def test_the_provider_registers_the_decorator_as_task_vllm_batch():
     from airflow.sdk import task
 
     (entry,) = get_provider_info()["task-decorators"]
-    assert entry == {"class-name": "airflow_vllm_batch.decorators.vllm_batch.vllm_batch_task", "name": "vllm_batch"}
+    assert entry == {
+        "class-name": "airflow_vllm_batch.decorators.vllm_batch.vllm_batch_task",
+        "name": "vllm_batch",
+    }
     assert task.vllm_batch is vllm_batch_task
 
 
@@ -64,7 +69,10 @@ def test_the_functions_return_value_is_run_as_the_requests_and_the_task_returns_
     assert manifest["request_counts"] == {"total": 2, "completed": 2, "failed": 0}
     lines = _written_requests(batch)
     assert manifest["input_uri"].endswith(".jsonl") and "/out/results.requests/" in manifest["input_uri"]
-    assert [(x["custom_id"], x["body"]["messages"][1]["content"], x["body"]["max_completion_tokens"]) for x in lines] == [
+    assert [
+        (x["custom_id"], x["body"]["messages"][1]["content"], x["body"]["max_completion_tokens"])
+        for x in lines
+    ] == [
         ("request-0", "good", 4),
         ("request-1", "bad", 4),
     ]
@@ -85,7 +93,9 @@ def test_the_operators_settings_are_rendered_as_usual(batch):
 
 
 def test_the_engines_options_are_rendered_too(batch):
-    engine = VLLMRunner(command=[sys.executable, str(FAKE_RUNNER)], args=["--max-model-len", "{{ params.len }}"])
+    engine = VLLMRunner(
+        command=[sys.executable, str(FAKE_RUNNER)], args=["--max-model-len", "{{ params.len }}"]
+    )
     task = _decorated(batch, lambda: ["hi"], engine=engine)
     task.render_template_fields({"params": {"len": "64"}, "run_id": "r"})
     assert task.engine.args == ["--max-model-len", "64"]
@@ -97,7 +107,9 @@ def test_a_function_that_returns_no_list_fails_without_retry_naming_it_and_start
     def prompts():
         return returned
 
-    with pytest.raises(AirflowFailException, match=r"@task.vllm_batch function 'prompts' must return the requests: a list"):
+    with pytest.raises(
+        AirflowFailException, match=r"@task.vllm_batch function 'prompts' must return the requests: a list"
+    ):
         _run(_decorated(batch, prompts))
     assert batch.engine_runs == 0 and batch.keys("out/") == []
 
@@ -106,7 +118,9 @@ def test_an_empty_list_fails_without_retry_naming_the_function(batch):
     def prompts() -> list[str]:
         return []
 
-    with pytest.raises(AirflowFailException, match="function 'prompts' returned no requests: there is nothing to run"):
+    with pytest.raises(
+        AirflowFailException, match="function 'prompts' returned no requests: there is nothing to run"
+    ):
         _run(_decorated(batch, prompts))
     assert batch.engine_runs == 0
 

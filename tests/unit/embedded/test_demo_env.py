@@ -23,7 +23,15 @@ if settings.engine.dialect.name == "sqlite":
 
 
 def _airflow_sees(env: dict[str, str], cwd: str | None = None) -> list[str]:
-    done = subprocess.run([sys.executable, "-c", PROBE], env=env, cwd=cwd, capture_output=True, text=True, timeout=120, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout.split()
 

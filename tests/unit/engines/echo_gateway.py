@@ -13,14 +13,13 @@ from collections.abc import Mapping, Sequence
 from functools import cached_property
 from typing import Any, ClassVar
 
-from airflow_vllm_batch.version_compat import BaseHook
-
 from airflow_vllm_batch.batchfile import open_lines
 from airflow_vllm_batch.engines import Engine, EngineJob, EngineOptions, EngineResults
-from airflow_vllm_batch.exceptions import ConfigurationError
-from airflow_vllm_batch.engines.vllm.model_names import ServedModels, served_models
 from airflow_vllm_batch.engines.base import EngineInfo, EngineRun
 from airflow_vllm_batch.engines.vllm.command import FALLBACK_SUPPORTED_URLS
+from airflow_vllm_batch.engines.vllm.model_names import ServedModels, served_models
+from airflow_vllm_batch.exceptions import ConfigurationError
+from airflow_vllm_batch.version_compat import BaseHook
 
 #: The connection type of the gateway.
 CONN_TYPE = "echo_gateway"
@@ -41,7 +40,9 @@ class EchoGatewayHook(BaseHook):
     def greeting(self) -> str:
         conn = self.get_connection(self.conn_id)
         if conn.conn_type != CONN_TYPE:
-            raise ConfigurationError(f"connection {self.conn_id!r} is a {conn.conn_type!r} connection, not an {CONN_TYPE!r} one.")
+            raise ConfigurationError(
+                f"connection {self.conn_id!r} is a {conn.conn_type!r} connection, not an {CONN_TYPE!r} one."
+            )
         return conn.extra_dejson.get("greeting", "")
 
 
@@ -63,7 +64,9 @@ class EchoGateway(EngineOptions):
 
     def check(self, values: Mapping[str, Any]) -> None:
         if self.max_words is not None and (not isinstance(self.max_words, int) or self.max_words < 1):
-            raise ConfigurationError(f"max_words must be a whole number >= 1 or None, got {self.max_words!r}.")
+            raise ConfigurationError(
+                f"max_words must be a whole number >= 1 or None, got {self.max_words!r}."
+            )
         super().check(values)
 
 
@@ -94,7 +97,12 @@ class EchoGatewayEngine(Engine):
                 words = request["body"]["messages"][-1]["content"].split()[: self.options.max_words]
                 content = greeting + " ".join(words) + self.options.suffix
                 body = {"choices": [{"message": {"role": "assistant", "content": content}}]}
-                line = {"id": "e", "custom_id": request["custom_id"], "response": {"status_code": 200, "request_id": "e", "body": body}, "error": None}
+                line = {
+                    "id": "e",
+                    "custom_id": request["custom_id"],
+                    "response": {"status_code": 200, "request_id": "e", "body": body},
+                    "error": None,
+                }
                 out.write(json.dumps(line) + "\n")
         job.lease.ensure_held(verify=True)
         job.staging.put_results(path)

@@ -13,11 +13,11 @@ from unittest import mock
 
 import pytest
 
+from airflow_vllm_batch.engines.base import EngineInfo
 from airflow_vllm_batch.engines.options import VLLMRunner, WarmVLLMServer
 from airflow_vllm_batch.engines.runner import RunnerEngine
 from airflow_vllm_batch.engines.server import ConnectionEngine
 from airflow_vllm_batch.exceptions import OutputBusyError
-from airflow_vllm_batch.engines.base import EngineInfo
 from airflow_vllm_batch.run.settings import BatchSettings
 
 
@@ -36,7 +36,13 @@ def _job(tmp_path: Path) -> mock.Mock:
     staging.list_parts.return_value = []
     staging.has_results.return_value = False
     staging.read_deaths.return_value = []
-    job = mock.MagicMock(staging=staging, lease=_taken_over_lease(), work=tmp_path, kept_results=tmp_path / "kept.jsonl", holder={})
+    job = mock.MagicMock(
+        staging=staging,
+        lease=_taken_over_lease(),
+        work=tmp_path,
+        kept_results=tmp_path / "kept.jsonl",
+        holder={},
+    )
     job.report.valid_lines = 2
     job.report.needs_rewrite = False
     job.input.in_s3 = False
@@ -45,7 +51,9 @@ def _job(tmp_path: Path) -> mock.Mock:
 
 
 def test_a_runner_try_that_lost_its_lease_since_reading_staging_starts_no_engine(tmp_path):
-    settings = BatchSettings.from_rendered(input_uri="s3://b/in.jsonl", output_uri="s3://b/out/results.jsonl", model="m", engine=VLLMRunner())
+    settings = BatchSettings.from_rendered(
+        input_uri="s3://b/in.jsonl", output_uri="s3://b/out/results.jsonl", model="m", engine=VLLMRunner()
+    )
     engine = RunnerEngine(settings, logging.getLogger(__name__))
     engine.__dict__["hook"] = hook = mock.Mock()
     hook.run.side_effect = AssertionError("the engine started although the lease was taken over")
@@ -60,7 +68,10 @@ def test_a_runner_try_that_lost_its_lease_since_reading_staging_starts_no_engine
 
 def test_a_server_try_that_lost_its_lease_since_reading_the_parts_sends_no_request(tmp_path):
     settings = BatchSettings.from_rendered(
-        input_uri="s3://b/in.jsonl", output_uri="s3://b/out/results.jsonl", model="m", engine=WarmVLLMServer(conn_id="c")
+        input_uri="s3://b/in.jsonl",
+        output_uri="s3://b/out/results.jsonl",
+        model="m",
+        engine=WarmVLLMServer(conn_id="c"),
     )
     engine = ConnectionEngine(settings, logging.getLogger(__name__))
     engine.__dict__["server"] = server = mock.Mock()

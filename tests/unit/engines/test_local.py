@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from airflow_vllm_batch.engines.base import EngineInfo
+from airflow_vllm_batch.engines.options import VLLMRunner, VLLMServer
 from airflow_vllm_batch.engines.runner import RunnerEngine
 from airflow_vllm_batch.engines.server import ServerEngine
 from airflow_vllm_batch.engines.vllm import launcher as engine_launcher
-from airflow_vllm_batch.engines.base import EngineInfo
-from airflow_vllm_batch.engines.options import VLLMRunner, VLLMServer
 from airflow_vllm_batch.run.settings import BatchSettings
 
 #: Flags only vLLM's OpenAI server has: the batch runner's parser refuses ``--uvicorn-log-level``.
@@ -53,13 +53,20 @@ for module, launch in json.loads(sys.argv[2]):
 
 @pytest.mark.vllm  # the installed vLLM's own api_server and run_batch parsers, in the engine's launcher
 def test_each_engine_launcher_checks_with_its_own_entrypoints_parser(tmp_path):
-    server, runner = _server_engine(tmp_path), RunnerEngine(_settings(tmp_path, "runner"), logging.getLogger(__name__))
+    server, runner = (
+        _server_engine(tmp_path),
+        RunnerEngine(_settings(tmp_path, "runner"), logging.getLogger(__name__)),
+    )
     launches = [
         ["vllm.entrypoints.openai.api_server", server.launch(INFO, tmp_path / "s.json")],
         [INFO.runner_module, runner.launch(INFO, tmp_path / "r.json")],
     ]
     done = subprocess.run(  # noqa: S603
-        [sys.executable, "-c", PREPARE, engine_launcher.__file__, json.dumps(launches)], capture_output=True, text=True, timeout=300, check=True
+        [sys.executable, "-c", PREPARE, engine_launcher.__file__, json.dumps(launches)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
     )
     served, ran = (json.loads(line) for line in done.stdout.splitlines()[-2:])
     assert served["ok"], served  # the server's own flags pass its parser

@@ -20,12 +20,26 @@ from airflow_vllm_batch.engines.runner_deaths import (
 
 
 def answer(custom_id: str) -> bytes:
-    return json.dumps({"id": "x", "custom_id": custom_id, "response": {"status_code": 200, "request_id": "q", "body": {}}, "error": None}).encode()
+    return json.dumps(
+        {
+            "id": "x",
+            "custom_id": custom_id,
+            "response": {"status_code": 200, "request_id": "q", "body": {}},
+            "error": None,
+        }
+    ).encode()
 
 
 def failed(custom_id: str, message: str) -> bytes:
     error = {"error": {"message": message, "type": "InternalServerError", "code": 500}}
-    return json.dumps({"id": "x", "custom_id": custom_id, "response": {"status_code": 500, "request_id": "q"}, "error": error}).encode()
+    return json.dumps(
+        {
+            "id": "x",
+            "custom_id": custom_id,
+            "response": {"status_code": 500, "request_id": "q"},
+            "error": error,
+        }
+    ).encode()
 
 
 def index(*ids: str) -> CustomIdIndex:
@@ -37,7 +51,9 @@ def index(*ids: str) -> CustomIdIndex:
 
 def test_vllm_0_32s_engine_dead_lines_are_not_answers_and_the_others_are_kept_byte_for_byte():
     out = io.BytesIO()
-    split = split_output([answer("a"), failed("b", "bad request"), failed("c", ENGINE_DEAD_MESSAGE)], out, died=False)
+    split = split_output(
+        [answer("a"), failed("b", "bad request"), failed("c", ENGINE_DEAD_MESSAGE)], out, died=False
+    )
     assert out.getvalue() == answer("a") + b"\n" + failed("b", "bad request") + b"\n"
     assert split.dead_lines == 1 and len(split.answered) == 2
 
@@ -54,7 +70,9 @@ def test_vllm_0_33s_client_message_counts_as_the_dead_engines_only_in_a_run_that
 
 
 def test_vllm_0_33s_traceback_names_its_dead_engine_error_type():
-    assert engine_died_in_log(["Traceback", "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue."])
+    assert engine_died_in_log(
+        ["Traceback", "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue."]
+    )
     assert not engine_died_in_log(["ValueError: --output-file /x is not writable."])
 
 
@@ -77,4 +95,8 @@ def test_unanswered_keeps_the_input_order_and_skips_what_any_index_answers():
 
 def test_a_crash_line_is_a_failed_answer_with_code_engine_crash():
     line = json.loads(crash_line("r5", 2))
-    assert line["custom_id"] == "r5" and line["error"]["code"] == ENGINE_CRASH and line["response"]["status_code"] == 500
+    assert (
+        line["custom_id"] == "r5"
+        and line["error"]["code"] == ENGINE_CRASH
+        and line["response"]["status_code"] == 500
+    )

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import logging
 
+from airflow_vllm_batch.engines.base import EngineInfo
 from airflow_vllm_batch.engines.options import VLLMServer, WarmVLLMServer
 from airflow_vllm_batch.engines.server import ConnectionEngine, ServerEngine
-from airflow_vllm_batch.engines.base import EngineInfo
 from airflow_vllm_batch.run.settings import BatchSettings
 
 RUNNER_URLS = frozenset({"/v1/chat/completions", "/v1/embeddings", "/v1/audio/transcriptions"})
@@ -14,13 +14,20 @@ RUNNER_URLS = frozenset({"/v1/chat/completions", "/v1/embeddings", "/v1/audio/tr
 
 def _engine(cls, engine=None):
     settings = BatchSettings.from_rendered(
-        input_uri="s3://b/in.jsonl", output_uri="s3://b/out/results.jsonl", model="m", engine=engine or VLLMServer()
+        input_uri="s3://b/in.jsonl",
+        output_uri="s3://b/out/results.jsonl",
+        model="m",
+        engine=engine or VLLMServer(),
     )
     return cls(settings, logging.getLogger(__name__))
 
 
 def test_a_started_server_takes_its_routes_from_the_probe_not_from_the_runner():
-    info = EngineInfo("0.32.0", RUNNER_URLS, server_urls=frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models/x", "/tokenize"}))
+    info = EngineInfo(
+        "0.32.0",
+        RUNNER_URLS,
+        server_urls=frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models/x", "/tokenize"}),
+    )
     assert _engine(ServerEngine).restrict(info).supported_urls == {"/v1/chat/completions", "/v1/completions"}
 
 
@@ -31,5 +38,9 @@ def test_a_server_whose_routes_could_not_be_read_still_serves_completions_but_no
 
 
 def test_a_warm_server_behind_a_connection_accepts_completions():
-    urls = _engine(ConnectionEngine, WarmVLLMServer(conn_id="c")).restrict(EngineInfo("0.32.0", RUNNER_URLS)).supported_urls
+    urls = (
+        _engine(ConnectionEngine, WarmVLLMServer(conn_id="c"))
+        .restrict(EngineInfo("0.32.0", RUNNER_URLS))
+        .supported_urls
+    )
     assert {"/v1/chat/completions", "/v1/completions"} <= urls

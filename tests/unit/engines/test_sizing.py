@@ -17,6 +17,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from airflow_vllm_batch.engines.base import EngineInfo
+from airflow_vllm_batch.engines.options import VLLMRunner, VLLMServer
 from airflow_vllm_batch.engines.runner import RunnerEngine
 from airflow_vllm_batch.engines.server import ServerEngine
 from airflow_vllm_batch.engines.sizing import (
@@ -27,8 +29,6 @@ from airflow_vllm_batch.engines.sizing import (
 )
 from airflow_vllm_batch.engines.vllm import launcher as engine_launcher
 from airflow_vllm_batch.engines.vllm.checks import OfflineDefaults
-from airflow_vllm_batch.engines.base import EngineInfo
-from airflow_vllm_batch.engines.options import VLLMRunner, VLLMServer
 from airflow_vllm_batch.run.settings import BatchSettings
 
 H100 = OfflineDefaults(max_num_seqs=1024, max_num_batched_tokens=16384, device="NVIDIA H100 80GB HBM3")
@@ -80,7 +80,11 @@ def test_neither_size_set_adds_both_offline_defaults():
     assert "NVIDIA H100" in sizes.note and "override" in sizes.note
 
 
-@pytest.mark.parametrize("spelling", [["--max-num-seqs", "64"], ["--max-num-seqs=64"], ["--max_num_seqs", "64"]], ids=["space", "equals", "underscores"])
+@pytest.mark.parametrize(
+    "spelling",
+    [["--max-num-seqs", "64"], ["--max-num-seqs=64"], ["--max_num_seqs", "64"]],
+    ids=["space", "equals", "underscores"],
+)
 def test_users_max_num_seqs_is_kept_and_only_tokens_are_added(spelling):
     sizes = scheduler_sizes(spelling, H100, model_kind="generate")
     assert sizes.flags == ["--max-num-batched-tokens", "16384"]
@@ -125,7 +129,9 @@ def test_without_chunked_prefill_the_token_budget_is_left_to_vllm(engine_args, k
     assert sizes.max_num_batched_tokens is None
 
 
-@pytest.mark.parametrize("engine_args", [["--disable-chunked-prefill", "--enable-chunked-prefill"], ["--enable-chunked-prefill"]])
+@pytest.mark.parametrize(
+    "engine_args", [["--disable-chunked-prefill", "--enable-chunked-prefill"], ["--enable-chunked-prefill"]]
+)
 def test_chunked_prefill_switched_on_last_keeps_the_offline_token_budget(engine_args):
     sizes = scheduler_sizes(engine_args, H100, model_kind="generate")
     assert sizes.max_num_batched_tokens == 16384
@@ -147,7 +153,10 @@ def test_started_server_in_flight_is_twice_max_num_seqs_times_data_parallel():
 
 def test_started_server_in_flight_follows_the_users_max_num_seqs():
     sizes = scheduler_sizes(["--max-num-seqs", "64"], H100, model_kind="generate")
-    assert started_server_in_flight(None, sizes, ["--max-num-seqs", "64"]) == (128, "twice the server's max_num_seqs 64 times its data-parallel size 1")
+    assert started_server_in_flight(None, sizes, ["--max-num-seqs", "64"]) == (
+        128,
+        "twice the server's max_num_seqs 64 times its data-parallel size 1",
+    )
 
 
 def test_the_options_max_in_flight_wins_for_a_started_server_and_the_log_names_it():
@@ -161,7 +170,11 @@ def test_started_server_of_unknown_size_gets_the_streams_default():
 
 @pytest.mark.parametrize(
     ("user", "extra", "expected", "reason"),
-    [(7, 100, 7, "WarmVLLMServer(max_in_flight=...)"), (None, 100, 100, "connection's max_in_flight extra"), (None, None, 512, "does not say its max_num_seqs")],
+    [
+        (7, 100, 7, "WarmVLLMServer(max_in_flight=...)"),
+        (None, 100, 100, "connection's max_in_flight extra"),
+        (None, None, 512, "does not say its max_num_seqs"),
+    ],
     ids=["options-win", "connection-extra", "default"],
 )
 def test_connection_in_flight(user, extra, expected, reason):
@@ -194,18 +207,24 @@ def _engine(cls, tmp_path: Path, **options):
     """The engine ``cls`` with its options (``VLLMServer``'s for the server, else ``VLLMRunner``'s)."""
     options = {"args": (), **options}
     engine = (VLLMServer if cls is ServerEngine else VLLMRunner)(**options).rendered()
-    settings = BatchSettings(output_uri="s3://b/out.jsonl", model="m", results_dir=str(tmp_path), engine=engine)
+    settings = BatchSettings(
+        output_uri="s3://b/out.jsonl", model="m", results_dir=str(tmp_path), engine=engine
+    )
     return cls(settings, logging.getLogger("test"))
 
 
 INFO = EngineInfo(vllm_version="0.32.0", supported_urls=frozenset(), model_kind="generate")
 
 
-def _launched(monkeypatch, engine, tmp_path: Path, argcheck: _Argcheck, argv: list[str] | None = None, insert_at=None) -> list[str]:
+def _launched(
+    monkeypatch, engine, tmp_path: Path, argcheck: _Argcheck, argv: list[str] | None = None, insert_at=None
+) -> list[str]:
     """What the engine's launcher does in the engine's process, with ``argcheck`` for vLLM; return the arguments it starts with."""
     monkeypatch.setattr(engine_launcher, "_argcheck", lambda: argcheck)
     report = tmp_path / "engine-launch.json"
-    launch = json.loads(json.dumps(engine.launch(INFO, report, insert_at=insert_at)))  # what the environment carries
+    launch = json.loads(
+        json.dumps(engine.launch(INFO, report, insert_at=insert_at))
+    )  # what the environment carries
     args = list(engine.engine_arguments(INFO) if argv is None else argv)
     started, decided = engine_launcher.prepare("vllm.entrypoints.launchers.run_batch", args, launch)
     engine_launcher._write_report(launch["report"], decided)
@@ -214,7 +233,9 @@ def _launched(monkeypatch, engine, tmp_path: Path, argcheck: _Argcheck, argv: li
 
 
 @pytest.mark.parametrize("cls", [RunnerEngine, ServerEngine], ids=["runner", "server"])
-def test_engine_starts_with_the_offline_sizes_its_launcher_read_in_its_own_process(monkeypatch, tmp_path, cls):
+def test_engine_starts_with_the_offline_sizes_its_launcher_read_in_its_own_process(
+    monkeypatch, tmp_path, cls
+):
     engine = _engine(cls, tmp_path, args=["--enforce-eager"])
     args = _launched(monkeypatch, engine, tmp_path, _Argcheck())
     assert args == ["--enforce-eager", "--max-num-seqs", "1024", "--max-num-batched-tokens", "16384"]
@@ -223,16 +244,37 @@ def test_engine_starts_with_the_offline_sizes_its_launcher_read_in_its_own_proce
 
 def test_size_flags_go_between_the_users_flags_and_an_isolated_runs_bound(monkeypatch, tmp_path):
     engine = _engine(RunnerEngine, tmp_path, args=["--enforce-eager"])
-    args = _launched(monkeypatch, engine, tmp_path, _Argcheck(), argv=["--enforce-eager", "--max-num-seqs", "1"], insert_at=1)
+    args = _launched(
+        monkeypatch,
+        engine,
+        tmp_path,
+        _Argcheck(),
+        argv=["--enforce-eager", "--max-num-seqs", "1"],
+        insert_at=1,
+    )
     # argparse keeps the last value: the isolated run's bound of one sequence wins over the default.
-    assert args == ["--enforce-eager", "--max-num-seqs", "1024", "--max-num-batched-tokens", "16384", "--max-num-seqs", "1"]
+    assert args == [
+        "--enforce-eager",
+        "--max-num-seqs",
+        "1024",
+        "--max-num-batched-tokens",
+        "16384",
+        "--max-num-seqs",
+        "1",
+    ]
 
 
 # The entrypoints are spelled out, not read from the class: a server checked with the
 # runner's parser would refuse the server's own flags (--uvicorn-log-level) and accept
 # flags the server does not know.
-@pytest.mark.parametrize(("cls", "entrypoint"), [(RunnerEngine, "run_batch"), (ServerEngine, "api_server")], ids=["runner", "server"])
-def test_engine_launcher_checks_the_arguments_with_its_own_entrypoints_parser_as_the_task_did(tmp_path, cls, entrypoint):
+@pytest.mark.parametrize(
+    ("cls", "entrypoint"),
+    [(RunnerEngine, "run_batch"), (ServerEngine, "api_server")],
+    ids=["runner", "server"],
+)
+def test_engine_launcher_checks_the_arguments_with_its_own_entrypoints_parser_as_the_task_did(
+    tmp_path, cls, entrypoint
+):
     launch = _engine(cls, tmp_path, args=["--enforce-eager"]).launch(INFO, tmp_path / "r.json")
     assert launch["entrypoint"] == entrypoint
     prefix = ["-i", "input.jsonl", "-o", os.devnull] if entrypoint == "run_batch" else []
@@ -275,13 +317,17 @@ def test_defaults_that_cannot_be_read_start_the_engine_unsized_with_a_warning(mo
     assert "Could not read vLLM's offline scheduler defaults" in caplog.text
 
 
-def test_started_server_gets_in_flight_sized_to_the_scheduler_its_launcher_chose(monkeypatch, tmp_path, caplog):
+def test_started_server_gets_in_flight_sized_to_the_scheduler_its_launcher_chose(
+    monkeypatch, tmp_path, caplog
+):
     engine = _engine(ServerEngine, tmp_path, args=["--data-parallel-size", "2"])
     job = SimpleNamespace(work=tmp_path)
     engine.before_stream(INFO, job)
     assert engine.server.launch["entrypoint"] == "api_server"
     monkeypatch.setattr(engine_launcher, "_argcheck", lambda: _Argcheck())
-    started, decided = engine_launcher.prepare("vllm.entrypoints.openai.api_server", list(engine.server.engine_args), engine.server.launch)
+    started, decided = engine_launcher.prepare(
+        "vllm.entrypoints.openai.api_server", list(engine.server.engine_args), engine.server.launch
+    )
     engine_launcher._write_report(engine.server.launch["report"], decided)
     assert started[-4:] == ["--max-num-seqs", "1024", "--max-num-batched-tokens", "16384"]
     with caplog.at_level(logging.INFO):
@@ -290,7 +336,11 @@ def test_started_server_gets_in_flight_sized_to_the_scheduler_its_launcher_chose
     assert "In flight: at most 4096 requests (twice the server's max_num_seqs 1024" in caplog.text
 
 
-@pytest.mark.parametrize("flag", [["--api-server-count", "2"], ["--api-server-count=2"], ["-asc", "2"]], ids=["space", "equals", "short"])
+@pytest.mark.parametrize(
+    "flag",
+    [["--api-server-count", "2"], ["--api-server-count=2"], ["-asc", "2"]],
+    ids=["space", "equals", "short"],
+)
 def test_started_server_warns_that_its_module_ignores_api_server_count(tmp_path, caplog, flag):
     engine = _engine(ServerEngine, tmp_path, args=flag)
     with caplog.at_level(logging.WARNING):

@@ -55,7 +55,16 @@ def test_a_job_raises_batch_stopped_with_the_reason():
 
 
 def _line(cid: str, status: int) -> bytes:
-    return json.dumps({"custom_id": cid, "response": {"status_code": status, "body": {}}, "error": None if status == 200 else {"message": "x"}}).encode() + b"\n"
+    return (
+        json.dumps(
+            {
+                "custom_id": cid,
+                "response": {"status_code": status, "body": {}},
+                "error": None if status == 200 else {"message": "x"},
+            }
+        ).encode()
+        + b"\n"
+    )
 
 
 def test_checkpoint_counts_count_each_request_once_with_the_earlier_tries_parts(tmp_path):
@@ -92,7 +101,9 @@ def test_the_runner_is_terminated_when_the_run_must_stop(monkeypatch):
     engine.log = SimpleNamespace(warning=lambda *a: None)
     engine.__dict__["hook"] = SimpleNamespace(terminate=terminated.set)
     asked = []
-    with engine.stopped_by(job(stop=lambda: asked.append(1) or ("expired" if len(asked) >= 3 else None))) as stop:
+    with engine.stopped_by(
+        job(stop=lambda: asked.append(1) or ("expired" if len(asked) >= 3 else None))
+    ) as stop:
         assert terminated.wait(5)
     assert stop.reason == "expired"
 

@@ -24,18 +24,28 @@ def gateway(monkeypatch):
     return EchoGatewayEngine
 
 
-def test_a_third_engine_runs_a_batch_through_the_run_layer_with_its_connection_and_options(s3, bucket, tmp_path, gateway):
+def test_a_third_engine_runs_a_batch_through_the_run_layer_with_its_connection_and_options(
+    s3, bucket, tmp_path, gateway
+):
     batch = Batch(s3, bucket, tmp_path)
     manifest = batch.run(engine=EchoGateway(conn_id="my_gateway", suffix="!", gpu_hour_cost=3.6))
     assert manifest["request_counts"] == {"total": 5, "completed": 5, "failed": 0}
     assert manifest["vllm_version"] == "echo-1"
-    answers = {json.loads(line)["custom_id"]: json.loads(line) for line in batch.get("out/results.jsonl").splitlines()}
+    answers = {
+        json.loads(line)["custom_id"]: json.loads(line)
+        for line in batch.get("out/results.jsonl").splitlines()
+    }
     assert answers["r3"]["response"]["body"]["choices"][0]["message"]["content"] == "echo: hi 3!"
     # Its own identity, its own pricing basis (a shared server's hours, at its own price).
     assert manifest["identity"]["engine"] == "echo-gateway" and manifest["identity"]["suffix"] == "!"
     assert manifest["cost"]["device"] == "vllm_connection" and manifest["cost"]["gpu_hour_cost"] == 3.6
     # The run layer's resume holds for it too: the same run again does not call the engine.
-    assert batch.run(FakeTI(try_number=2), engine=EchoGateway(conn_id="my_gateway", suffix="!", gpu_hour_cost=3.6)) == manifest
+    assert (
+        batch.run(
+            FakeTI(try_number=2), engine=EchoGateway(conn_id="my_gateway", suffix="!", gpu_hour_cost=3.6)
+        )
+        == manifest
+    )
     assert gateway.produced == 1
 
 

@@ -25,12 +25,27 @@ PUT = "https://s3.example.com/b/out.jsonl?X-Amz-Expires=3600&X-Amz-Signature=def
 
 
 def test_default_argv_runs_the_batch_runner_module_with_this_python():
-    argv = build_engine_argv(input_location=GET, output_location=PUT, model="m", engine_args=["--enforce-eager"])
-    assert argv == [sys.executable, "-m", RUN_BATCH_MODULE, "-i", GET, "-o", PUT, "--model", "m", "--enforce-eager"]
+    argv = build_engine_argv(
+        input_location=GET, output_location=PUT, model="m", engine_args=["--enforce-eager"]
+    )
+    assert argv == [
+        sys.executable,
+        "-m",
+        RUN_BATCH_MODULE,
+        "-i",
+        GET,
+        "-o",
+        PUT,
+        "--model",
+        "m",
+        "--enforce-eager",
+    ]
 
 
 def test_engine_python_replaces_the_interpreter():
-    argv = build_engine_argv(input_location="in", output_location="out", model="m", python="/opt/vllm/bin/python")
+    argv = build_engine_argv(
+        input_location="in", output_location="out", model="m", python="/opt/vllm/bin/python"
+    )
     assert argv[:3] == ["/opt/vllm/bin/python", "-m", RUN_BATCH_MODULE]
 
 
@@ -59,7 +74,10 @@ def test_redaction_removes_every_signature(line):
 
 
 def test_redaction_keeps_bucket_and_key_visible():
-    assert redact_urls(f"Reading batch from {GET}...") == "Reading batch from http://127.0.0.1:8333/b/in%20put.jsonl?<redacted>"
+    assert (
+        redact_urls(f"Reading batch from {GET}...")
+        == "Reading batch from http://127.0.0.1:8333/b/in%20put.jsonl?<redacted>"
+    )
 
 
 def test_suffix_matchers_expand_to_the_urls_a_line_may_use():
@@ -90,7 +108,9 @@ def test_probe_of_an_environment_without_vllm_says_what_to_set(tmp_path):
     fake = tmp_path / "python"
     fake.write_text('#!/bin/sh\necho \'{"distribution": null, "vllm_version": null}\'\n')
     fake.chmod(0o755)
-    with pytest.raises(EngineConfigurationError, match=r"set VLLMRunner\(python=\.\.\.\) .*\(or command=\.\.\."):
+    with pytest.raises(
+        EngineConfigurationError, match=r"set VLLMRunner\(python=\.\.\.\) .*\(or command=\.\.\."
+    ):
         probe_engine(str(fake))
 
 
@@ -107,7 +127,9 @@ def test_run_streams_lines_redacted_and_returns_the_exit_code():
 def test_the_engines_lines_are_folded_in_one_log_group(capsys):
     VLLMEngineHook().run([sys.executable, "-c", "print('engine says hello')"])
     log = capsys.readouterr().out  # Airflow's structlog writes the task log here in tests
-    assert log.index("::group::vLLM engine output") < log.index("engine says hello") < log.index("::endgroup::")
+    assert (
+        log.index("::group::vLLM engine output") < log.index("engine says hello") < log.index("::endgroup::")
+    )
 
 
 def test_the_engines_warnings_and_errors_keep_their_level_inside_the_group(capsys):
@@ -122,7 +144,9 @@ def test_the_engines_warnings_and_errors_keep_their_level_inside_the_group(capsy
     def level(text: str) -> str:
         """The level the line holding ``text`` was logged at: Airflow 3.1+'s structlog (``[info ...``) or 3.0's format (``} INFO -``)."""
         (line,) = [line for line in log if text in line]
-        (found,) = re.findall(r"^\S*\s*\[(info|warning|error)\b|\} (INFO|WARNING|ERROR) - ", line)[:1] or [("", "")]
+        (found,) = re.findall(r"^\S*\s*\[(info|warning|error)\b|\} (INFO|WARNING|ERROR) - ", line)[:1] or [
+            ("", "")
+        ]
         return "".join(found).lower()
 
     assert level("loading") == "info"
@@ -227,7 +251,9 @@ def test_the_probe_names_the_runner_module_the_engine_environment_has():
     info = probe_engine(sys.executable)
     # vLLM 0.32 keeps vllm.entrypoints.openai.run_batch only as a deprecated shim.
     assert info.runner_module == "vllm.entrypoints.launchers.run_batch"
-    assert build_engine_argv(input_location="i", output_location="o", model="m", runner_module=info.runner_module)[1:3] == [
+    assert build_engine_argv(
+        input_location="i", output_location="o", model="m", runner_module=info.runner_module
+    )[1:3] == [
         "-m",
         "vllm.entrypoints.launchers.run_batch",
     ]
@@ -240,7 +266,9 @@ def test_terminate_from_on_kill_returns_while_the_interrupted_main_thread_holds_
     from tests.processes import seconds_to_terminate_under_the_wait_lock
 
     hook = VLLMEngineHook(kill_grace_s=1)
-    hook.process = start_bound_process([sys.executable, "-c", "import time; time.sleep(600)"], stdout=subprocess.DEVNULL)
+    hook.process = start_bound_process(
+        [sys.executable, "-c", "import time; time.sleep(600)"], stdout=subprocess.DEVNULL
+    )
     assert seconds_to_terminate_under_the_wait_lock(hook.process, hook.terminate) < 5
     hook.process.wait(timeout=5)
     assert hook.process.returncode is not None
@@ -253,10 +281,16 @@ def test_what_an_engine_logs_while_the_task_stops_it_is_at_most_a_warning(caplog
 
     held = HeldLines()
     held.add("(APIServer pid=1) ERROR 11-25 15:08:33 [core.py:9] EngineCore died")
-    held.add("(APIServer pid=1) ERROR 11-25 15:08:33 [async_llm.py:906] AsyncLLM output_handler failed.", logging.WARNING)
+    held.add(
+        "(APIServer pid=1) ERROR 11-25 15:08:33 [async_llm.py:906] AsyncLLM output_handler failed.",
+        logging.WARNING,
+    )
     log = logging.getLogger("test_held_lines")
     with caplog.at_level(logging.INFO, logger="test_held_lines"):
         held.flush(log, "server")
     levels = {record.getMessage(): record.levelno for record in caplog.records}
     assert levels["(APIServer pid=1) ERROR 11-25 15:08:33 [core.py:9] EngineCore died"] == logging.ERROR
-    assert levels["(APIServer pid=1) ERROR 11-25 15:08:33 [async_llm.py:906] AsyncLLM output_handler failed."] == logging.WARNING
+    assert (
+        levels["(APIServer pid=1) ERROR 11-25 15:08:33 [async_llm.py:906] AsyncLLM output_handler failed."]
+        == logging.WARNING
+    )

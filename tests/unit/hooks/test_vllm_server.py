@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from airflow_vllm_batch.exceptions import EngineError
 from airflow_vllm_batch.engines.vllm.server_process import (
     API_KEY_ENV,
     SERVER_MODULE,
     VLLMServerProcess,
     build_server_argv,
 )
+from airflow_vllm_batch.exceptions import EngineError
 from airflow_vllm_batch.hooks.vllm import VLLMServerHook
 from airflow_vllm_batch.serving import (
     ModelNotServedError,
@@ -83,7 +83,9 @@ def test_max_in_flight_comes_from_the_connections_extra(monkeypatch):
 
 def test_the_scheme_defaults_to_http_and_a_host_may_carry_its_own(monkeypatch):
     monkeypatch.setenv("AIRFLOW_CONN_PLAIN", json.dumps({"conn_type": "vllm", "host": "node"}))
-    monkeypatch.setenv("AIRFLOW_CONN_FULL", json.dumps({"conn_type": "vllm", "host": "https://lb.example.com/v1/"}))
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_FULL", json.dumps({"conn_type": "vllm", "host": "https://lb.example.com/v1/"})
+    )
     assert VLLMServerHook("plain").base_url == "http://node"
     assert VLLMServerHook("full").base_url == "https://lb.example.com"
     assert VLLMServerHook("plain").api_key is None
@@ -213,7 +215,10 @@ def test_the_api_key_is_not_on_the_command_line(fake_server):
     with VLLMServerProcess("m", server_command=fake_server) as server:
         cmdline = Path(f"/proc/{server.process.pid}/cmdline").read_bytes()
         assert server.hook.api_key.encode() not in cmdline
-        assert API_KEY_ENV.encode() + b"=" + server.hook.api_key.encode() in Path(f"/proc/{server.process.pid}/environ").read_bytes()
+        assert (
+            API_KEY_ENV.encode() + b"=" + server.hook.api_key.encode()
+            in Path(f"/proc/{server.process.pid}/environ").read_bytes()
+        )
 
 
 def test_a_server_that_exits_during_start_up_fails_fast_with_its_last_lines(fake_server):
@@ -241,7 +246,9 @@ def test_the_engine_gets_the_callers_environment(fake_server, monkeypatch):
     assert b"EXTRA=1" in environ
 
 
-def test_start_up_lines_are_one_group_and_lines_while_serving_are_logged_as_another_at_stop(fake_server, capsys):
+def test_start_up_lines_are_one_group_and_lines_while_serving_are_logged_as_another_at_stop(
+    fake_server, capsys
+):
     with VLLMServerProcess("m", server_command=fake_server) as server:
         with urllib.request.urlopen(server.hook.base_url + "/ping", timeout=5):
             pass
@@ -280,7 +287,9 @@ def test_a_foreign_server_that_took_the_port_is_not_taken_for_ours_and_ours_star
 
 def test_a_given_port_that_is_taken_fails_fast_naming_it(fake_server, foreign_server):
     started = time.monotonic()
-    with pytest.raises(EngineError, match=rf"could not listen on 127.0.0.1:{foreign_server}: another process holds"):
+    with pytest.raises(
+        EngineError, match=rf"could not listen on 127.0.0.1:{foreign_server}: another process holds"
+    ):
         VLLMServerProcess("m", server_command=fake_server, port=foreign_server).start()
     assert time.monotonic() - started < 15
 

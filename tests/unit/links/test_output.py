@@ -91,7 +91,10 @@ def test_get_link_reads_back_what_persist_stored(ti):
 def test_get_link_uses_the_template_configured_when_the_link_is_built(ti, monkeypatch):
     VLLMBatchOutputLink.persist(context={"ti": ti}, output_uri="s3://b/k.jsonl")
     monkeypatch.setenv(ENV, "http://minio:9001/browser/{bucket}/{key}")
-    assert VLLMBatchOutputLink().get_link(LinkedOperator(task_id="t"), ti_key=TI_KEY) == "http://minio:9001/browser/b/k.jsonl"
+    assert (
+        VLLMBatchOutputLink().get_link(LinkedOperator(task_id="t"), ti_key=TI_KEY)
+        == "http://minio:9001/browser/b/k.jsonl"
+    )
 
 
 def test_get_link_is_empty_when_nothing_was_persisted(ti):

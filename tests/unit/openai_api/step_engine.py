@@ -77,11 +77,25 @@ class StepEngineEngine(Engine):
 
 def _answer(custom_id: str, status: int) -> bytes:
     if status == 200:
-        body: Any = {"object": "chat.completion", "choices": [{"message": {"role": "assistant", "content": f"hi {custom_id}"}}],
-                     "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
+        body: Any = {
+            "object": "chat.completion",
+            "choices": [{"message": {"role": "assistant", "content": f"hi {custom_id}"}}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+        }
         error = None
     else:
         body = None
-        error = {"object": "error", "message": f"{custom_id} refused ({status})", "type": "BadRequestError", "param": None, "code": status}
-    line = {"id": f"vllm-{custom_id}", "custom_id": custom_id, "response": {"status_code": status, "request_id": f"vllm-batch-{custom_id}", "body": body}, "error": error}
+        error = {
+            "object": "error",
+            "message": f"{custom_id} refused ({status})",
+            "type": "BadRequestError",
+            "param": None,
+            "code": status,
+        }
+    line = {
+        "id": f"vllm-{custom_id}",
+        "custom_id": custom_id,
+        "response": {"status_code": status, "request_id": f"vllm-batch-{custom_id}", "body": body},
+        "error": error,
+    }
     return json.dumps(line).encode()

@@ -6,7 +6,13 @@ from airflow_vllm_batch.openai_api.access import owner_key, owns, visible_batche
 
 
 def test_only_the_creators_batches_are_visible():
-    runs = [("batch_1", {"owner": "alice"}), ("batch_2", {"owner": "bob"}), ("batch_3", None), ("batch_4", {}), ("batch_5", {"owner": "alice"})]
+    runs = [
+        ("batch_1", {"owner": "alice"}),
+        ("batch_2", {"owner": "bob"}),
+        ("batch_3", None),
+        ("batch_4", {}),
+        ("batch_5", {"owner": "alice"}),
+    ]
     assert visible_batches(runs, "alice") == ["batch_1", "batch_5"]
     assert visible_batches(runs, "bob") == ["batch_2"]
     assert visible_batches(runs, "carol") == []

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from fastapi.testclient import TestClient
-
 from airflow.api_fastapi.core_api.security import get_user
+from fastapi.testclient import TestClient
 
 from airflow_vllm_batch.openai_api import app as app_module
 from airflow_vllm_batch.openai_api.files import FileStore
@@ -33,7 +32,9 @@ class RecordingS3(FakeS3):
 @pytest.fixture
 def s3(monkeypatch):
     s3 = RecordingS3()
-    monkeypatch.setattr(app_module, "_settings", lambda: OpenAIApiSettings(files_uri="s3://b/p/", max_file_bytes=100))
+    monkeypatch.setattr(
+        app_module, "_settings", lambda: OpenAIApiSettings(files_uri="s3://b/p/", max_file_bytes=100)
+    )
     monkeypatch.setattr(app_module, "_store", lambda settings: FileStore(s3, "b", "p/"))
     app_module.app.dependency_overrides[get_user] = User
     yield s3
@@ -41,20 +42,29 @@ def s3(monkeypatch):
 
 
 def test_an_upload_over_the_size_limit_is_refused_with_413_and_nothing_kept(s3):
-    answer = TestClient(app_module.app).post("/files", data={"purpose": "batch"}, files={"file": ("a.jsonl", b"{}\n" * 50)})
+    answer = TestClient(app_module.app).post(
+        "/files", data={"purpose": "batch"}, files={"file": ("a.jsonl", b"{}\n" * 50)}
+    )
     assert answer.status_code == 413
-    assert "openai_max_file_bytes" in answer.json()["error"]["message"] and answer.json()["error"]["param"] == "file"
+    assert (
+        "openai_max_file_bytes" in answer.json()["error"]["message"]
+        and answer.json()["error"]["param"] == "file"
+    )
     assert s3.objects == {} and s3.put is None
 
 
 def test_an_upload_for_another_purpose_is_refused(s3):
-    answer = TestClient(app_module.app).post("/files", data={"purpose": "fine-tune"}, files={"file": ("a.jsonl", b"{}\n")})
+    answer = TestClient(app_module.app).post(
+        "/files", data={"purpose": "fine-tune"}, files={"file": ("a.jsonl", b"{}\n")}
+    )
     assert answer.status_code == 400 and "purpose='batch'" in answer.json()["error"]["message"]
     assert s3.objects == {}
 
 
 def test_an_upload_is_kept_under_the_users_key_with_its_record(s3):
-    answer = TestClient(app_module.app).post("/files", data={"purpose": "batch"}, files={"file": ("a.jsonl", b"{}\n{}\n")})
+    answer = TestClient(app_module.app).post(
+        "/files", data={"purpose": "batch"}, files={"file": ("a.jsonl", b"{}\n{}\n")}
+    )
     assert answer.status_code == 200, answer.text
     file_id = answer.json()["id"]
     assert answer.json()["bytes"] == 6 and answer.json()["filename"] == "a.jsonl"

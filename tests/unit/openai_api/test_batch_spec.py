@@ -71,7 +71,10 @@ def test_an_edited_field_fails_the_signature(field, value):
     "conf, why",
     [
         (None, "no conf from the OpenAI API"),
-        ({"input_uri": "s3://b/p/files/x/file-1.jsonl", "output_uri": "s3://b/mine.jsonl"}, "not a batch of the OpenAI API"),
+        (
+            {"input_uri": "s3://b/p/files/x/file-1.jsonl", "output_uri": "s3://b/mine.jsonl"},
+            "not a batch of the OpenAI API",
+        ),
         ({k: v for k, v in SPEC.sign(KEY).items() if k != "signature"}, "no signature"),
         ({**SPEC.sign(KEY), "created_at": "1800000000"}, "not a batch of the OpenAI API"),
     ],
@@ -113,8 +116,22 @@ def test_the_batch_task_binds_a_signed_batch_to_its_derived_locations(operator):
     operator._bind_batch(run(SPEC.sign(KEY)))
     where = SPEC.locations(FILES_URI)
     assert operator.batch == SPEC
-    bound = (operator.input_uri, operator.output_uri, operator.error_uri, operator.failure_uri, operator.cancel_uri, operator.progress_uri)
-    assert bound == (where.input_uri, where.output_uri, where.error_uri, where.failure_uri, where.cancel_uri, where.progress_uri)
+    bound = (
+        operator.input_uri,
+        operator.output_uri,
+        operator.error_uri,
+        operator.failure_uri,
+        operator.cancel_uri,
+        operator.progress_uri,
+    )
+    assert bound == (
+        where.input_uri,
+        where.output_uri,
+        where.error_uri,
+        where.failure_uri,
+        where.cancel_uri,
+        where.progress_uri,
+    )
     assert operator.supported_urls == ["/v1/chat/completions"]
 
 
@@ -122,10 +139,22 @@ def test_the_batch_task_binds_a_signed_batch_to_its_derived_locations(operator):
     "conf, run_id",
     [
         # A hand-triggered run naming another user's files as its own (issue 33, item 2).
-        ({"input_uri": "s3://b/p/files/bob/file-1.jsonl", "output_uri": "s3://b/p/files/mallory/file-2.jsonl", "endpoint": "/v1/chat/completions"}, SPEC.batch_id),
+        (
+            {
+                "input_uri": "s3://b/p/files/bob/file-1.jsonl",
+                "output_uri": "s3://b/p/files/mallory/file-2.jsonl",
+                "endpoint": "/v1/chat/completions",
+            },
+            SPEC.batch_id,
+        ),
         ({**SPEC.sign(KEY), "owner": "mallory"}, SPEC.batch_id),
         (SPEC.sign(KEY), "manual__2026-11-27T19:00:00"),
-        (dataclasses.replace(SPEC, batch_id="batch_0000000000").sign("not the deployment's key, but long enough"), "batch_0000000000"),
+        (
+            dataclasses.replace(SPEC, batch_id="batch_0000000000").sign(
+                "not the deployment's key, but long enough"
+            ),
+            "batch_0000000000",
+        ),
     ],
 )
 def test_a_hand_made_or_edited_run_fails_before_any_read_or_write_without_retry(operator, conf, run_id):
@@ -143,7 +172,9 @@ def test_the_route_task_follows_the_verified_route_only():
     routed = dataclasses.replace(SPEC, route="vllm_batch__qwen")
     assert _chosen_route(SimpleNamespace(conf=routed.sign(KEY), run_id=SPEC.batch_id)) == "vllm_batch__qwen"
     with pytest.raises(AirflowFailException, match="signature does not match"):
-        _chosen_route(SimpleNamespace(conf={**routed.sign(KEY), "route": "vllm_batch__llama"}, run_id=SPEC.batch_id))
+        _chosen_route(
+            SimpleNamespace(conf={**routed.sign(KEY), "route": "vllm_batch__llama"}, run_id=SPEC.batch_id)
+        )
 
 
 @pytest.mark.parametrize("value", ["", "short"])
@@ -160,12 +191,21 @@ def test_the_api_shows_no_run_it_did_not_sign_even_one_naming_the_caller_as_owne
     forged = {k: v for k, v in SPEC.sign(KEY).items() if k != "signature"}
     assert app_module._batch_spec(SimpleNamespace(conf=forged, run_id=SPEC.batch_id)) is None
     with pytest.raises(app_module.OpenAIError) as missing:
-        app_module._batch_from_run(FileStore(None, "b", "p/"), SimpleNamespace(conf=forged, run_id=SPEC.batch_id, state="failed", end_date=None), [])
+        app_module._batch_from_run(
+            FileStore(None, "b", "p/"),
+            SimpleNamespace(conf=forged, run_id=SPEC.batch_id, state="failed", end_date=None),
+            [],
+        )
     assert missing.value.status_code == 404
 
 
-@pytest.mark.parametrize(("setting", "named"), [("OPENAI_FILES_URI", "openai_files_uri"), ("OPENAI_SIGNING_KEY", "openai_signing_key")])
-def test_a_worker_without_the_apis_settings_fails_the_batch_naming_the_setting(operator, monkeypatch, setting, named):
+@pytest.mark.parametrize(
+    ("setting", "named"),
+    [("OPENAI_FILES_URI", "openai_files_uri"), ("OPENAI_SIGNING_KEY", "openai_signing_key")],
+)
+def test_a_worker_without_the_apis_settings_fails_the_batch_naming_the_setting(
+    operator, monkeypatch, setting, named
+):
     monkeypatch.setenv(f"AIRFLOW__VLLM_BATCH__{setting}", "")
     with pytest.raises(AirflowFailException, match=rf"\[vllm_batch\] {named}"):
         operator.execute(run(SPEC.sign(KEY)))

@@ -33,7 +33,14 @@ BATCH = "batch_0123456789abcdef"
 
 def requests(ids: list[str]) -> bytes:
     return b"".join(
-        json.dumps({"custom_id": c, "method": "POST", "url": "/v1/chat/completions", "body": {"model": "m", "messages": [{"role": "user", "content": c}]}}).encode()
+        json.dumps(
+            {
+                "custom_id": c,
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {"model": "m", "messages": [{"role": "user", "content": c}]},
+            }
+        ).encode()
         + b"\n"
         for c in ids
     )
@@ -48,11 +55,22 @@ class ApiBatch:
 
     OWNER = "u"
 
-    def __init__(self, s3, bucket: str, tmp_path, monkeypatch, ids=("a", "b", "c", "d"), created_at: int | None = None, window: str = "24h"):
+    def __init__(
+        self,
+        s3,
+        bucket: str,
+        tmp_path,
+        monkeypatch,
+        ids=("a", "b", "c", "d"),
+        created_at: int | None = None,
+        window: str = "24h",
+    ):
         self.client, self.bucket, self.tmp_path = s3.client(), bucket, tmp_path
         monkeypatch.setenv("AIRFLOW__VLLM_BATCH__OPENAI_FILES_URI", f"s3://{bucket}/")
         # The batch's pinned copy of its input, as POST /batches makes it.
-        answer = self.client.put_object(Bucket=bucket, Key=f"batches/{BATCH}.input.jsonl", Body=requests(list(ids)))
+        answer = self.client.put_object(
+            Bucket=bucket, Key=f"batches/{BATCH}.input.jsonl", Body=requests(list(ids))
+        )
         self.input_version = answer["ETag"].strip('"')
         self.created_at = int(time.time()) if created_at is None else created_at
         self.window = window
@@ -83,11 +101,17 @@ class ApiBatch:
             results_dir=str(self.tmp_path / "results"),
             retries=retries,
         )
-        context = {"ti": FakeTI(try_number=try_number, run_id=BATCH), "outlet_events": {}, "dag_run": SimpleNamespace(run_id=BATCH, conf=self.conf)}
+        context = {
+            "ti": FakeTI(try_number=try_number, run_id=BATCH),
+            "outlet_events": {},
+            "dag_run": SimpleNamespace(run_id=BATCH, conf=self.conf),
+        }
         return operator.execute(context)
 
     def cancel(self) -> None:
-        self.client.put_object(Bucket=self.bucket, Key=f"batches/{BATCH}.cancel.json", Body=b'{"cancelling_at": 1}')
+        self.client.put_object(
+            Bucket=self.bucket, Key=f"batches/{BATCH}.cancel.json", Body=b'{"cancelling_at": 1}'
+        )
 
     def lines(self, key: str) -> list[dict]:
         return [json.loads(line) for line in self.get(key).splitlines()]
@@ -108,9 +132,13 @@ def api_batch(s3, bucket, tmp_path, monkeypatch):
 
 def test_refused_requests_complete_the_batch_with_both_files_in_openais_shape(api_batch):
     manifest = api_batch.run(statuses={"b": 400, "d": 400})
-    assert manifest["request_counts"] == {"total": 4, "completed": 2, "failed": 2} and "status" not in manifest
+    assert (
+        manifest["request_counts"] == {"total": 4, "completed": 2, "failed": 2} and "status" not in manifest
+    )
     results = api_batch.lines(api_batch.out_key)
-    assert sorted(r["custom_id"] for r in results) == ["a", "c"] and all(r["id"].startswith("batch_req_") for r in results)
+    assert sorted(r["custom_id"] for r in results) == ["a", "c"] and all(
+        r["id"].startswith("batch_req_") for r in results
+    )
     errors = api_batch.lines(api_batch.err_key)
     assert sorted(e["custom_id"] for e in errors) == ["b", "d"]
     for e in errors:
@@ -125,10 +153,15 @@ def test_the_operators_own_output_keeps_vllms_shape(s3, bucket, tmp_path):
 
     batch = Batch(s3, bucket, tmp_path)
     batch.run()
-    assert all(json.loads(line)["id"].startswith("vllm-") or not json.loads(line)["id"].startswith("batch_req_") for line in batch.get("out/results.jsonl").splitlines())
+    assert all(
+        json.loads(line)["id"].startswith("vllm-") or not json.loads(line)["id"].startswith("batch_req_")
+        for line in batch.get("out/results.jsonl").splitlines()
+    )
 
 
-def test_a_cancel_mid_run_publishes_the_finished_answers_and_the_rest_as_batch_cancelled(api_batch, monkeypatch):
+def test_a_cancel_mid_run_publishes_the_finished_answers_and_the_rest_as_batch_cancelled(
+    api_batch, monkeypatch
+):
     monkeypatch.setattr(step_engine, "AFTER_ANSWER", lambda done: api_batch.cancel() if done == 2 else None)
     manifest = api_batch.run(statuses={"b": 400})
     assert manifest["status"] == "cancelled"
@@ -144,10 +177,16 @@ def test_a_cancel_mid_run_publishes_the_finished_answers_and_the_rest_as_batch_c
     assert not [k for k in api_batch.keys() if ".staging/" in k or k.endswith(".lease.json")]
 
 
-def test_a_batch_cancelled_before_its_task_runs_publishes_every_request_as_batch_cancelled_without_an_engine(api_batch):
+def test_a_batch_cancelled_before_its_task_runs_publishes_every_request_as_batch_cancelled_without_an_engine(
+    api_batch,
+):
     api_batch.cancel()
     manifest = api_batch.run()
-    assert manifest["status"] == "cancelled" and manifest["request_counts"] == {"total": 4, "completed": 0, "failed": 4}
+    assert manifest["status"] == "cancelled" and manifest["request_counts"] == {
+        "total": 4,
+        "completed": 0,
+        "failed": 4,
+    }
     assert step_engine.PRODUCED == []
     assert {e["error"]["code"] for e in api_batch.lines(api_batch.err_key)} == {"batch_cancelled"}
 
@@ -163,7 +202,11 @@ def test_a_cancelled_batch_keeps_the_answers_an_earlier_try_checkpointed(api_bat
     monkeypatch.setattr(step_engine, "AFTER_ANSWER", None)
     api_batch.cancel()
     manifest = api_batch.run(try_number=2, retries=1)
-    assert manifest["status"] == "cancelled" and manifest["request_counts"] == {"total": 4, "completed": 3, "failed": 1}
+    assert manifest["status"] == "cancelled" and manifest["request_counts"] == {
+        "total": 4,
+        "completed": 3,
+        "failed": 1,
+    }
     assert sorted(r["custom_id"] for r in api_batch.lines(api_batch.out_key)) == ["a", "b", "c"]
 
 
@@ -179,19 +222,34 @@ def test_the_deadline_counts_from_created_at_and_expires_the_run_mid_way(api_bat
     monkeypatch.setattr(batch_dag.time, "time", lambda: clock[0])
     api_batch.created_at = int(clock[0]) - 23 * 3600
     # The second answer lands after 24 h from created_at: the run stops, whatever the try's own start.
-    monkeypatch.setattr(step_engine, "AFTER_ANSWER", lambda done: clock.__setitem__(0, clock[0] + 3600) if done == 2 else None)
+    monkeypatch.setattr(
+        step_engine, "AFTER_ANSWER", lambda done: clock.__setitem__(0, clock[0] + 3600) if done == 2 else None
+    )
     manifest = api_batch.run()
-    assert manifest["status"] == "expired" and manifest["request_counts"] == {"total": 4, "completed": 2, "failed": 2}
-    assert {e["custom_id"]: e["error"]["code"] for e in api_batch.lines(api_batch.err_key)} == {"c": "batch_expired", "d": "batch_expired"}
+    assert manifest["status"] == "expired" and manifest["request_counts"] == {
+        "total": 4,
+        "completed": 2,
+        "failed": 2,
+    }
+    assert {e["custom_id"]: e["error"]["code"] for e in api_batch.lines(api_batch.err_key)} == {
+        "c": "batch_expired",
+        "d": "batch_expired",
+    }
 
 
 def test_a_batch_whose_window_passed_before_its_task_ran_expires_without_an_engine(api_batch):
     api_batch.created_at = int(time.time()) - 25 * 3600
     manifest = api_batch.run()
-    assert manifest["status"] == "expired" and manifest["request_counts"]["failed"] == 4 and step_engine.PRODUCED == []
+    assert (
+        manifest["status"] == "expired"
+        and manifest["request_counts"]["failed"] == 4
+        and step_engine.PRODUCED == []
+    )
 
 
-def test_an_engine_that_cannot_start_fails_the_batch_with_its_root_cause_in_the_batchs_words(api_batch, monkeypatch):
+def test_an_engine_that_cannot_start_fails_the_batch_with_its_root_cause_in_the_batchs_words(
+    api_batch, monkeypatch
+):
     tail = "INFO loading\nTraceback (most recent call last):\n  File x\nValueError: max_model_len 99999 exceeds the model's 2048\n"
     message = f"The vLLM engine exited with code 1; nothing was published. Last lines of its log:\n{tail}"
 
@@ -203,11 +261,17 @@ def test_an_engine_that_cannot_start_fails_the_batch_with_its_root_cause_in_the_
         api_batch.run()
     record = json.loads(api_batch.get(f"batches/{BATCH}.failure.json"))
     (error,) = record["errors"]
-    assert error["code"] == "engine_error" and error["message"].endswith("Cause: ValueError: max_model_len 99999 exceeds the model's 2048")
+    assert error["code"] == "engine_error" and error["message"].endswith(
+        "Cause: ValueError: max_model_len 99999 exceeds the model's 2048"
+    )
 
 
 def test_a_try_that_airflow_retries_leaves_no_failure_record(api_batch, monkeypatch):
-    monkeypatch.setattr(step_engine.StepEngineEngine, "produce", lambda self, info, job: (_ for _ in ()).throw(EngineError("died")))
+    monkeypatch.setattr(
+        step_engine.StepEngineEngine,
+        "produce",
+        lambda self, info, job: (_ for _ in ()).throw(EngineError("died")),
+    )
     with pytest.raises(EngineError):
         api_batch.run(retries=1)
     assert f"batches/{BATCH}.failure.json" not in api_batch.keys()
@@ -239,4 +303,8 @@ def test_a_preflight_failure_is_told_line_by_line():
     problem = SimpleNamespace(line=3, message="body.model is 'x', not s3://b/k", custom_id="c")
     err = PreflightError("bad", SimpleNamespace(problems=[problem], file_problems=[]))
     record = failure_record(err)
-    assert record["stage"] == "preflight" and record["errors"][0]["line"] == 3 and "s3://" not in record["errors"][0]["message"]
+    assert (
+        record["stage"] == "preflight"
+        and record["errors"][0]["line"] == 3
+        and "s3://" not in record["errors"][0]["message"]
+    )

@@ -6,9 +6,8 @@ import json
 from types import SimpleNamespace
 
 import pytest
-from fastapi.testclient import TestClient
-
 from airflow.api_fastapi.core_api.security import get_user
+from fastapi.testclient import TestClient
 
 from airflow_vllm_batch.openai_api import app as app_module
 from airflow_vllm_batch.openai_api.batch_spec import BatchSpec
@@ -24,18 +23,40 @@ BATCH = "batch_0123456789abcdef"
 def api(s3, bucket, monkeypatch):
     store = FileStore(s3.client(), bucket, "p/")
     spec = BatchSpec(
-        batch_id=BATCH, owner="alice", input_file_id="file-0123456789", input_version="0f0f", endpoint="/v1/chat/completions",
-        route="", created_at=1_800_000_000, window_s=86400,
+        batch_id=BATCH,
+        owner="alice",
+        input_file_id="file-0123456789",
+        input_version="0f0f",
+        endpoint="/v1/chat/completions",
+        route="",
+        created_at=1_800_000_000,
+        window_s=86400,
     )
     where = spec.locations(f"s3://{bucket}/p/")
-    conf = {**spec.sign(KEY), "completion_window": "24h", "total": 2, "output_file_id": spec.output_file_id, "error_file_id": spec.error_file_id}
-    state = SimpleNamespace(run=SimpleNamespace(run_id=BATCH, conf=conf, state="running", end_date=None), tis=[])
+    conf = {
+        **spec.sign(KEY),
+        "completion_window": "24h",
+        "total": 2,
+        "output_file_id": spec.output_file_id,
+        "error_file_id": spec.error_file_id,
+    }
+    state = SimpleNamespace(
+        run=SimpleNamespace(run_id=BATCH, conf=conf, state="running", end_date=None), tis=[]
+    )
     monkeypatch.setattr(app_module, "_settings", lambda: OpenAIApiSettings(files_uri=f"s3://{bucket}/p/"))
     monkeypatch.setattr(app_module, "_store", lambda settings: store)
     monkeypatch.setattr(app_module, "_own_run", lambda settings, batch_id, user: (state.run, state.tis))
     monkeypatch.setattr(app_module, "may", lambda user, method, dag_id: True)
     app_module.app.dependency_overrides[get_user] = User
-    yield SimpleNamespace(store=store, state=state, spec=spec, where=where, client=s3.client(), bucket=bucket, http=TestClient(app_module.app))
+    yield SimpleNamespace(
+        store=store,
+        state=state,
+        spec=spec,
+        where=where,
+        client=s3.client(),
+        bucket=bucket,
+        http=TestClient(app_module.app),
+    )
     app_module.app.dependency_overrides.clear()
 
 
@@ -52,14 +73,25 @@ def publish(api, status: str | None = None) -> None:
     etags = {}
     for name, uri in (("out", api.where.output_uri), ("err", api.where.error_uri)):
         etags[name] = api.client.put_object(Bucket=api.bucket, Key=key(uri), Body=b"{}\n")["ETag"].strip('"')
-    manifest = {"output_uri": api.where.output_uri, "error_uri": api.where.error_uri, "output_etag": etags["out"], "error_etag": etags["err"],
-                "request_counts": {"total": 2, "completed": 1, "failed": 1}, **({"status": status} if status else {})}
+    manifest = {
+        "output_uri": api.where.output_uri,
+        "error_uri": api.where.error_uri,
+        "output_etag": etags["out"],
+        "error_etag": etags["err"],
+        "request_counts": {"total": 2, "completed": 1, "failed": 1},
+        **({"status": status} if status else {}),
+    }
     manifest_key = key(api.where.output_uri).removesuffix(".jsonl") + ".manifest.json"
     api.client.put_object(Bucket=api.bucket, Key=manifest_key, Body=json.dumps(manifest).encode())
 
 
 def test_cancelling_a_running_batch_asks_its_run_to_stop_and_marks_nothing_failed(api, monkeypatch):
-    monkeypatch.setattr(app_module, "_mark_failed", lambda *a: pytest.fail("a cancel must not fail the DAG run"), raising=False)
+    monkeypatch.setattr(
+        app_module,
+        "_mark_failed",
+        lambda *a: pytest.fail("a cancel must not fail the DAG run"),
+        raising=False,
+    )
     api.state.tis = [ti("running")]
     answer = api.http.post(f"/batches/{BATCH}/cancel")
     assert answer.status_code == 200 and answer.json()["status"] == "cancelling"
@@ -73,15 +105,24 @@ def test_cancelling_an_ended_batch_is_409(api, status):
     publish(api, status)
     api.state.run.state = "success"
     answer = api.http.post(f"/batches/{BATCH}/cancel")
-    assert answer.status_code == 409 and answer.json()["error"]["message"].startswith("Cannot cancel a batch with status")
+    assert answer.status_code == 409 and answer.json()["error"]["message"].startswith(
+        "Cannot cancel a batch with status"
+    )
 
 
 def test_a_cancelled_batch_reports_its_published_counts_and_files(api):
     api.store.put_json(api.store.cancel_key(BATCH), {"cancelling_at": 1_800_000_100})
     publish(api, "cancelled")
     batch = api.http.get(f"/batches/{BATCH}").json()
-    assert batch["status"] == "cancelled" and batch["request_counts"] == {"total": 2, "completed": 1, "failed": 1}
-    assert (batch["output_file_id"], batch["error_file_id"]) == (api.spec.output_file_id, api.spec.error_file_id)
+    assert batch["status"] == "cancelled" and batch["request_counts"] == {
+        "total": 2,
+        "completed": 1,
+        "failed": 1,
+    }
+    assert (batch["output_file_id"], batch["error_file_id"]) == (
+        api.spec.output_file_id,
+        api.spec.error_file_id,
+    )
 
 
 def test_a_manifest_whose_files_were_replaced_is_not_published(api):
@@ -96,4 +137,8 @@ def test_live_counts_come_from_the_progress_record(api):
     api.state.tis[0].start_date = __import__("datetime").datetime(2027, 1, 1)
     api.store.put_json(api.store.progress_key(BATCH), {"completed": 5, "failed": 1})
     batch = api.http.get(f"/batches/{BATCH}").json()
-    assert batch["status"] == "in_progress" and batch["request_counts"]["completed"] == 5 and batch["request_counts"]["failed"] == 1
+    assert (
+        batch["status"] == "in_progress"
+        and batch["request_counts"]["completed"] == 5
+        and batch["request_counts"]["failed"] == 1
+    )

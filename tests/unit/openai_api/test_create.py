@@ -5,9 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from fastapi.testclient import TestClient
-
 from airflow.api_fastapi.core_api.security import get_user
+from fastapi.testclient import TestClient
 
 from airflow_vllm_batch.openai_api import app as app_module
 from airflow_vllm_batch.openai_api.access import owner_key
@@ -30,7 +29,9 @@ def api(s3, bucket, monkeypatch):
     monkeypatch.setattr(app_module, "_store", lambda settings: store)
     monkeypatch.setattr(app_module, "may", lambda user, method, dag_id: True)
     monkeypatch.setattr(app_module, "load_routes", lambda: {})
-    monkeypatch.setattr(app_module, "_trigger", lambda dag_id, batch_id, conf, user: triggered.append((batch_id, conf)))
+    monkeypatch.setattr(
+        app_module, "_trigger", lambda dag_id, batch_id, conf, user: triggered.append((batch_id, conf))
+    )
     app_module.app.dependency_overrides[get_user] = User
     yield TestClient(app_module.app), store, triggered
     app_module.app.dependency_overrides.clear()
@@ -58,7 +59,9 @@ def test_a_batch_runs_its_own_copy_of_the_input_whatever_happens_to_the_file_aft
     pinned = store.client.get_object(Bucket=store.bucket, Key=store.batch_input_key(batch_id))
     assert pinned["Body"].read() == LINES and pinned["ETag"].strip('"') == spec.input_version
     # Replaced, then deleted: the batch's copy, and so its run, is as it was at create.
-    store.client.put_object(Bucket=store.bucket, Key=store.content_key(owner_key("alice"), file_id), Body=b"replaced\n")
+    store.client.put_object(
+        Bucket=store.bucket, Key=store.content_key(owner_key("alice"), file_id), Body=b"replaced\n"
+    )
     assert client.delete(f"/files/{file_id}").status_code == 200
     kept = store.client.get_object(Bucket=store.bucket, Key=store.batch_input_key(batch_id))
     assert kept["Body"].read() == LINES and kept["ETag"].strip('"') == spec.input_version
@@ -74,14 +77,19 @@ def test_a_batch_runs_conf_holds_the_signed_spec_and_no_location_or_metadata(api
     assert "s3://" not in json.dumps(conf) and "search" not in json.dumps(conf)
     assert BatchSpec.verified(conf, batch_id, KEY).owner == "alice"
     assert batch["metadata"] == {"team": "search", "secret-project": "x"}
-    assert store.get_json(store.batch_record_key(batch_id)) == {"metadata": {"team": "search", "secret-project": "x"}}
+    assert store.get_json(store.batch_record_key(batch_id)) == {
+        "metadata": {"team": "search", "secret-project": "x"}
+    }
 
 
 def test_without_a_signing_key_no_batch_is_created(api, monkeypatch):
     client, _, triggered = api
     file_id = _upload(client)
     monkeypatch.setenv("AIRFLOW__VLLM_BATCH__OPENAI_SIGNING_KEY", "")
-    answer = client.post("/batches", json={"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"})
+    answer = client.post(
+        "/batches",
+        json={"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"},
+    )
     assert answer.status_code == 503 and "openai_signing_key" in answer.json()["error"]["message"]
     assert triggered == []
 
@@ -94,6 +102,9 @@ def test_a_create_that_fails_to_trigger_leaves_no_copy_and_no_record(api, monkey
         raise app_module.OpenAIError(503, "the batch DAG is not deployed")
 
     monkeypatch.setattr(app_module, "_trigger", not_deployed)
-    answer = client.post("/batches", json={"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"})
+    answer = client.post(
+        "/batches",
+        json={"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"},
+    )
     assert answer.status_code == 503
     assert store.client.list_objects_v2(Bucket=store.bucket, Prefix="p/batches/").get("KeyCount", 0) == 0

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from airflow.api_fastapi.core_api.security import get_user
 from fastapi import HTTPException
 from fastapi.testclient import TestClient
-
-from airflow.api_fastapi.core_api.security import get_user
 
 from airflow_vllm_batch.batchfile.preflight import PreflightReport
 from airflow_vllm_batch.batchfile.problems import Problem
@@ -22,7 +21,9 @@ from tests.unit.openai_api.test_app import RecordingS3, User
 def client(monkeypatch):
     s3 = RecordingS3()
     triggered = []
-    monkeypatch.setattr(app_module, "_settings", lambda: OpenAIApiSettings(files_uri="s3://b/p/", max_file_bytes=1000))
+    monkeypatch.setattr(
+        app_module, "_settings", lambda: OpenAIApiSettings(files_uri="s3://b/p/", max_file_bytes=1000)
+    )
     monkeypatch.setattr(app_module, "_store", lambda settings: FileStore(s3, "b", "p/"))
     monkeypatch.setattr(app_module, "may", lambda user, method, dag_id: True)
     monkeypatch.setattr(app_module, "_trigger", lambda *args: triggered.append(args))
@@ -38,7 +39,9 @@ def _raising(status: int, detail: str):
     return dependency
 
 
-@pytest.mark.parametrize(("status", "detail"), [(403, "Invalid JWT token"), (401, "Token Expired"), (401, "Not authenticated")])
+@pytest.mark.parametrize(
+    ("status", "detail"), [(403, "Invalid JWT token"), (401, "Token Expired"), (401, "Not authenticated")]
+)
 def test_a_token_that_does_not_authenticate_is_a_401_authentication_error(status, detail):
     # What Airflow's get_user raises for a wrong, an expired and a missing token.
     app_module.app.dependency_overrides[get_user] = _raising(status, detail)
@@ -47,13 +50,23 @@ def test_a_token_that_does_not_authenticate_is_a_401_authentication_error(status
     finally:
         app_module.app.dependency_overrides.clear()
     assert answer.status_code == 401 and answer.json()["error"]["type"] == "authentication_error"
-    assert "POST /auth/token" in answer.json()["error"]["message"] and answer.headers["www-authenticate"] == "Bearer"
+    assert (
+        "POST /auth/token" in answer.json()["error"]["message"]
+        and answer.headers["www-authenticate"] == "Bearer"
+    )
 
 
 def test_a_permission_refused_by_the_auth_manager_stays_403(client, monkeypatch):
     http, _, _ = client
     monkeypatch.setattr(app_module, "may", lambda user, method, dag_id: False)
-    answer = http.post("/batches", json={"input_file_id": "file-0123456789", "endpoint": "/v1/chat/completions", "completion_window": "24h"})
+    answer = http.post(
+        "/batches",
+        json={
+            "input_file_id": "file-0123456789",
+            "endpoint": "/v1/chat/completions",
+            "completion_window": "24h",
+        },
+    )
     assert answer.status_code == 403 and answer.json()["error"]["type"] == "invalid_request_error"
 
 
@@ -79,8 +92,15 @@ def test_every_answer_has_its_own_request_id_errors_and_failures_too(client, mon
 )
 def test_metadata_over_openais_limits_is_refused_naming_the_parameter(client, metadata, why):
     http, _, triggered = client
-    answer = http.post("/batches", json={"input_file_id": "file-0123456789", "endpoint": "/v1/chat/completions", "metadata": metadata})
-    assert answer.status_code == 400 and answer.json()["error"]["param"] == "metadata" and why in answer.json()["error"]["message"]
+    answer = http.post(
+        "/batches",
+        json={"input_file_id": "file-0123456789", "endpoint": "/v1/chat/completions", "metadata": metadata},
+    )
+    assert (
+        answer.status_code == 400
+        and answer.json()["error"]["param"] == "metadata"
+        and why in answer.json()["error"]["message"]
+    )
     assert triggered == []
 
 
@@ -91,7 +111,14 @@ def test_metadata_at_openais_limits_is_accepted():
 @pytest.mark.parametrize("window", ["1h", "48h", "7d", "24"])
 def test_a_completion_window_not_offered_is_refused_listing_the_offered_ones(client, window):
     http, _, triggered = client
-    answer = http.post("/batches", json={"input_file_id": "file-0123456789", "endpoint": "/v1/chat/completions", "completion_window": window})
+    answer = http.post(
+        "/batches",
+        json={
+            "input_file_id": "file-0123456789",
+            "endpoint": "/v1/chat/completions",
+            "completion_window": window,
+        },
+    )
     assert answer.status_code == 400 and answer.json()["error"]["param"] == "completion_window"
     assert "use '24h'" in answer.json()["error"]["message"] and triggered == []
 
@@ -104,7 +131,11 @@ def test_the_offered_windows_are_the_deployments_setting():
 
 def test_a_batchs_output_expiry_is_refused_not_ignored(client):
     http, _, triggered = client
-    body = {"input_file_id": "file-0123456789", "endpoint": "/v1/chat/completions", "output_expires_after": {"anchor": "created_at", "seconds": 3600}}
+    body = {
+        "input_file_id": "file-0123456789",
+        "endpoint": "/v1/chat/completions",
+        "output_expires_after": {"anchor": "created_at", "seconds": 3600},
+    }
     answer = http.post("/batches", json=body)
     assert answer.status_code == 400 and answer.json()["error"]["param"] == "output_expires_after"
     assert "not a parameter this API takes" in answer.json()["error"]["message"] and triggered == []

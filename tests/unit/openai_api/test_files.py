@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from airflow_vllm_batch.exceptions import PreflightError
 from airflow_vllm_batch.batchfile.problems import Problem
+from airflow_vllm_batch.exceptions import PreflightError
 from airflow_vllm_batch.openai_api.batch_dag import failure_record
 from airflow_vllm_batch.openai_api.files import PART_BYTES, FormReader, LineCounter, S3Writer, UploadError
 
@@ -17,10 +17,14 @@ CONTENT_TYPE = f"multipart/form-data; boundary={BOUNDARY}"
 
 def form(file_bytes: bytes, purpose: str = "batch", closing: bool = True) -> bytes:
     body = (
-        f"--{BOUNDARY}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\n{purpose}\r\n"
-        f"--{BOUNDARY}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"in.jsonl\"\r\n"
-        "Content-Type: application/octet-stream\r\n\r\n"
-    ).encode() + file_bytes + b"\r\n"
+        (
+            f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\n{purpose}\r\n'
+            f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="file"; filename="in.jsonl"\r\n'
+            "Content-Type: application/octet-stream\r\n\r\n"
+        ).encode()
+        + file_bytes
+        + b"\r\n"
+    )
     return body + (f"--{BOUNDARY}--\r\n".encode() if closing else b"")
 
 
@@ -109,7 +113,10 @@ def test_a_preflight_failure_is_recorded_line_by_line():
 
     record = failure_record(PreflightError("2 problems", Report()))
     assert record["stage"] == "preflight"
-    assert [(e["line"], e["code"]) for e in record["errors"]] == [(2, "invalid_request"), (5, "invalid_request")]
+    assert [(e["line"], e["code"]) for e in record["errors"]] == [
+        (2, "invalid_request"),
+        (5, "invalid_request"),
+    ]
     assert "r-5" in record["errors"][1]["message"]
 
 
@@ -133,5 +140,10 @@ def test_the_batch_task_records_a_mistake_it_fails_without_retries(monkeypatch):
     monkeypatch.setattr(OpenAIBatchOperator, "_check_pinned_input", lambda self: None)
     op = OpenAIBatchOperator(task_id="t", model="m")
     with pytest.raises(AirflowFailException):
-        op.execute({"dag_run": SimpleNamespace(run_id="x", conf={}), "ti": SimpleNamespace(try_number=1, max_tries=0)})
+        op.execute(
+            {
+                "dag_run": SimpleNamespace(run_id="x", conf={}),
+                "ti": SimpleNamespace(try_number=1, max_tries=0),
+            }
+        )
     assert [r["errors"][0]["code"] for r in recorded] == ["invalid_file"]

@@ -7,9 +7,8 @@ import io
 import json
 
 import pytest
-from fastapi.testclient import TestClient
-
 from airflow.api_fastapi.core_api.security import get_user
+from fastapi.testclient import TestClient
 
 from airflow_vllm_batch.engines import VLLMRunner, WarmVLLMServer
 from airflow_vllm_batch.exceptions import ConfigurationError
@@ -28,7 +27,9 @@ ROUTES = '{"qwen": {"vllm_conn_id": "vllm_fleet"}, "llama/70b": {"queue": "gpu",
 
 def line(model: str | None, cid: str = "a") -> bytes:
     body = {"messages": []} if model is None else {"model": model, "messages": []}
-    return json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": body}).encode()
+    return json.dumps(
+        {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": body}
+    ).encode()
 
 
 def test_the_config_maps_served_names_to_a_fleet_or_the_runners_queue():
@@ -38,7 +39,9 @@ def test_the_config_maps_served_names_to_a_fleet_or_the_runners_queue():
     assert parse_routes("") == {}
 
 
-@pytest.mark.parametrize("raw", ["[1]", "{", '{"m": {"conn": "x"}}', '{"m": {"engine_args": "--x"}}', '{"a/b": {}, "a_b": {}}'])
+@pytest.mark.parametrize(
+    "raw", ["[1]", "{", '{"m": {"conn": "x"}}', '{"m": {"engine_args": "--x"}}', '{"a/b": {}, "a_b": {}}']
+)
 def test_a_malformed_model_map_is_refused_naming_the_option(raw):
     with pytest.raises(ConfigurationError, match="openai_models"):
         parse_routes(raw)
@@ -49,7 +52,9 @@ def test_the_models_of_a_file_are_its_lines_distinct_body_models():
 
 
 def test_a_file_naming_an_unknown_model_is_refused_naming_it_and_the_configured_ones():
-    with pytest.raises(ValueError, match=r"'gpt-4o' is not served here: the configured models are llama/70b, qwen"):
+    with pytest.raises(
+        ValueError, match=r"'gpt-4o' is not served here: the configured models are llama/70b, qwen"
+    ):
         route_of(["gpt-4o"], parse_routes(ROUTES))
 
 
@@ -63,7 +68,11 @@ def test_the_batch_dag_has_one_task_per_model_behind_a_route_task():
     fleet, runner = dag.get_task("vllm_batch__qwen"), dag.get_task("vllm_batch__llama_70b")
     assert dag.get_task("route").downstream_task_ids == {"vllm_batch__qwen", "vllm_batch__llama_70b"}
     assert (fleet.model, fleet.engine) == ("qwen", WarmVLLMServer(conn_id="vllm_fleet"))
-    assert (runner.model, runner.queue, runner.engine) == ("llama/70b", "gpu", VLLMRunner(args=["--tensor-parallel-size", "2"]))
+    assert (runner.model, runner.queue, runner.engine) == (
+        "llama/70b",
+        "gpu",
+        VLLMRunner(args=["--tensor-parallel-size", "2"]),
+    )
 
 
 class Bucket:
@@ -90,7 +99,9 @@ class Bucket:
 def create(monkeypatch):
     store = FileStore(None, "b", "p/")
     owner = app_module.owner_key("alice")
-    objects = {store.record_key(owner, "file-0123456789"): json.dumps({"id": "file-0123456789", "lines": 2}).encode()}
+    objects = {
+        store.record_key(owner, "file-0123456789"): json.dumps({"id": "file-0123456789", "lines": 2}).encode()
+    }
     store.client = Bucket(objects)
     triggered = []
     monkeypatch.setattr(app_module, "_settings", lambda: OpenAIApiSettings(files_uri="s3://b/p/"))
@@ -102,7 +113,11 @@ def create(monkeypatch):
 
     def post(*lines: bytes):
         objects[store.content_key(owner, "file-0123456789")] = b"\n".join(lines)
-        body = {"input_file_id": "file-0123456789", "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+        body = {
+            "input_file_id": "file-0123456789",
+            "endpoint": "/v1/chat/completions",
+            "completion_window": "24h",
+        }
         return TestClient(app_module.app).post("/batches", json=body)
 
     post.objects = objects
@@ -114,7 +129,10 @@ def test_creating_a_batch_for_an_unknown_model_answers_400_and_starts_nothing(cr
     post, triggered = create
     answer = post(line("gpt-4o"), line("gpt-4o", "b"))
     assert answer.status_code == 400 and answer.json()["error"]["param"] == "model"
-    assert "'gpt-4o' is not served here: the configured models are llama/70b, qwen" in answer.json()["error"]["message"]
+    assert (
+        "'gpt-4o' is not served here: the configured models are llama/70b, qwen"
+        in answer.json()["error"]["message"]
+    )
     assert triggered == [] and not [key for key in post.objects if "/batches/" in key]
 
 
@@ -124,7 +142,9 @@ def test_a_batch_of_a_configured_model_runs_on_its_task(create):
     assert answer.status_code == 200, answer.text
     assert answer.json()["model"] == "llama/70b"
     assert (triggered[0]["model"], triggered[0]["route"]) == ("llama/70b", "vllm_batch__llama_70b")
-    assert app_module.BatchSpec.verified(triggered[0], answer.json()["id"], KEY).route == "vllm_batch__llama_70b"
+    assert (
+        app_module.BatchSpec.verified(triggered[0], answer.json()["id"], KEY).route == "vllm_batch__llama_70b"
+    )
 
 
 def test_a_routed_batch_is_validating_until_its_model_task_runs_whatever_the_route_task_did():
@@ -134,7 +154,10 @@ def test_a_routed_batch_is_validating_until_its_model_task_runs_whatever_the_rou
     store.get_json = lambda key: None
     conf = dataclasses.replace(SPEC, route="vllm_batch__qwen").sign(KEY)
     run = NS(run_id="batch_abcdefab", conf=conf, state="running", end_date=None)
-    routed = [NS(task_id="route", state="success", start_date=None, end_date=None), NS(task_id="vllm_batch__qwen", state="scheduled", start_date=None, end_date=None)]
+    routed = [
+        NS(task_id="route", state="success", start_date=None, end_date=None),
+        NS(task_id="vllm_batch__qwen", state="scheduled", start_date=None, end_date=None),
+    ]
     skipped = NS(task_id="vllm_batch__llama_70b", state="skipped", start_date=None, end_date=None)
     assert app_module._batch_from_run(store, run, [*routed, skipped])["status"] == "validating"
     routed[1].state = "success"
@@ -153,12 +176,19 @@ def test_a_publishs_tombstone_at_the_manifest_key_is_no_published_output():
     store.get_json = lambda key: tombstone if key == manifest_key else None
     conf = {
         **dataclasses.replace(SPEC, route="vllm_batch__qwen").sign(KEY),
-        "output_file_id": "file-out", "error_file_id": "file-err", "model": "qwen",
+        "output_file_id": "file-out",
+        "error_file_id": "file-err",
+        "model": "qwen",
     }
     run = NS(run_id="batch_abcdefab", conf=conf, state="running", end_date=None)
     tis = [NS(task_id="vllm_batch__qwen", state="success", start_date=None, end_date=None)]
     batch = app_module._batch_from_run(store, run, tis)
-    assert (batch["output_file_id"], batch["error_file_id"], batch["usage"], batch["model"]) == (None, None, None, "qwen")
+    assert (batch["output_file_id"], batch["error_file_id"], batch["usage"], batch["model"]) == (
+        None,
+        None,
+        None,
+        "qwen",
+    )
 
 
 def test_lines_naming_no_model_are_left_to_preflight_when_others_name_a_configured_one():

@@ -23,7 +23,12 @@ CONF = {
     "output_uri": "s3://b/files/o/file-abcdefabout.jsonl",
 }
 T = datetime.fromtimestamp(CREATED + 10, tz=timezone.utc)
-MANIFEST = {"request_counts": {"total": 3, "completed": 2, "failed": 1}, "usage": {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}, "error_uri": "s3://b/e.jsonl", "model": "m"}
+MANIFEST = {
+    "request_counts": {"total": 3, "completed": 2, "failed": 1},
+    "usage": {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12},
+    "error_uri": "s3://b/e.jsonl",
+    "model": "m",
+}
 NOW = CREATED + 60
 
 
@@ -35,18 +40,33 @@ NOW = CREATED + 60
         (BatchRun(CONF, "running", ["running"], task_start=T), "in_progress"),
         (BatchRun(CONF, "running", ["up_for_retry"], task_start=T), "in_progress"),
         (BatchRun(CONF, "running", ["success"], task_start=T, task_end=T), "finalizing"),
-        (BatchRun(CONF, "success", ["success"], task_start=T, task_end=T, run_end=T, manifest=MANIFEST), "completed"),
+        (
+            BatchRun(CONF, "success", ["success"], task_start=T, task_end=T, run_end=T, manifest=MANIFEST),
+            "completed",
+        ),
         (BatchRun(CONF, "failed", ["failed"], failure={"stage": "preflight", "errors": []}), "failed"),
         (BatchRun(CONF, "running", ["running"], cancelling_at=CREATED + 20), "cancelling"),
         (BatchRun(CONF, "failed", ["failed"], run_end=T, cancelling_at=CREATED + 20), "cancelled"),
         # A published manifest decides, whatever the run's state.
         (BatchRun(CONF, "running", ["success"], task_start=T, task_end=T, manifest=MANIFEST), "completed"),
         (BatchRun(CONF, "running", ["running"], task_start=T, manifest=MANIFEST), "completed"),
-        (BatchRun(CONF, "success", ["success"], manifest={**MANIFEST, "status": "cancelled"}, cancelling_at=CREATED + 20), "cancelled"),
+        (
+            BatchRun(
+                CONF,
+                "success",
+                ["success"],
+                manifest={**MANIFEST, "status": "cancelled"},
+                cancelling_at=CREATED + 20,
+            ),
+            "cancelled",
+        ),
         (BatchRun(CONF, "success", ["success"], manifest={**MANIFEST, "status": "expired"}), "expired"),
         (BatchRun(CONF, "failed", ["failed"], manifest=MANIFEST), "completed"),
         # The task failed after publishing and said why (a model that does not serve the endpoint).
-        (BatchRun(CONF, "failed", ["failed"], manifest=MANIFEST, failure={"stage": "run", "errors": []}), "failed"),
+        (
+            BatchRun(CONF, "failed", ["failed"], manifest=MANIFEST, failure={"stage": "run", "errors": []}),
+            "failed",
+        ),
     ],
 )
 def test_status_follows_the_run(run, status):
@@ -60,28 +80,60 @@ def test_a_run_failed_after_its_window_without_a_failure_record_is_expired():
 
 
 def test_a_completed_batch_names_its_output_and_error_files_and_counts():
-    batch = Batch.model_validate(batch_object("batch_abcdefab", BatchRun(CONF, "success", ["success"], T, T, T, MANIFEST), NOW))
-    assert batch.status == "completed" and batch.output_file_id == CONF["output_file_id"] and batch.error_file_id == CONF["error_file_id"]
-    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (3, 2, 1)
-    assert batch.usage.total_tokens == 12 and batch.completed_at == int(T.timestamp()) and batch.metadata == {"team": "search"}
+    batch = Batch.model_validate(
+        batch_object("batch_abcdefab", BatchRun(CONF, "success", ["success"], T, T, T, MANIFEST), NOW)
+    )
+    assert (
+        batch.status == "completed"
+        and batch.output_file_id == CONF["output_file_id"]
+        and batch.error_file_id == CONF["error_file_id"]
+    )
+    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (
+        3,
+        2,
+        1,
+    )
+    assert (
+        batch.usage.total_tokens == 12
+        and batch.completed_at == int(T.timestamp())
+        and batch.metadata == {"team": "search"}
+    )
 
 
 def test_a_completed_batch_without_failures_has_no_error_file():
     manifest = {**MANIFEST, "error_uri": None}
-    batch = Batch.model_validate(batch_object("batch_abcdefab", BatchRun(CONF, "success", ["success"], T, T, T, manifest), NOW))
+    batch = Batch.model_validate(
+        batch_object("batch_abcdefab", BatchRun(CONF, "success", ["success"], T, T, T, manifest), NOW)
+    )
     assert batch.error_file_id is None
 
 
 def test_a_preflight_failure_names_its_lines_and_never_was_in_progress():
     errors = [{"code": "invalid_request", "line": 2, "param": None, "message": "not JSON"}]
-    batch = Batch.model_validate(batch_object("batch_abcdefab", BatchRun(CONF, "failed", ["failed"], T, T, T, failure={"stage": "preflight", "errors": errors}), NOW))
-    assert batch.status == "failed" and [e.line for e in batch.errors.data] == [2] and batch.in_progress_at is None
+    batch = Batch.model_validate(
+        batch_object(
+            "batch_abcdefab",
+            BatchRun(CONF, "failed", ["failed"], T, T, T, failure={"stage": "preflight", "errors": errors}),
+            NOW,
+        )
+    )
+    assert (
+        batch.status == "failed"
+        and [e.line for e in batch.errors.data] == [2]
+        and batch.in_progress_at is None
+    )
     assert batch.output_file_id is None and batch.failed_at == int(T.timestamp())
 
 
 def test_a_running_batch_counts_its_input_lines():
-    batch = Batch.model_validate(batch_object("batch_abcdefab", BatchRun(CONF, "running", ["running"], task_start=T), NOW))
-    assert batch.request_counts.total == 3 and batch.in_progress_at == int(T.timestamp()) and batch.expires_at == CREATED + 86400
+    batch = Batch.model_validate(
+        batch_object("batch_abcdefab", BatchRun(CONF, "running", ["running"], task_start=T), NOW)
+    )
+    assert (
+        batch.request_counts.total == 3
+        and batch.in_progress_at == int(T.timestamp())
+        and batch.expires_at == CREATED + 86400
+    )
 
 
 @pytest.mark.parametrize("window", ["", "24", "h", "0h", "24m", "-1h"])
@@ -93,7 +145,10 @@ def test_a_window_that_is_not_hours_or_days_is_refused(window):
 def test_a_running_batch_reports_what_its_checkpoints_answered_so_far():
     run = BatchRun(CONF, "running", ["running"], task_start=T, progress={"completed": 2, "failed": 1})
     batch = Batch.model_validate(batch_object("batch_abcdefab", run, NOW))
-    assert batch.status == "in_progress" and (batch.request_counts.completed, batch.request_counts.failed) == (2, 1)
+    assert batch.status == "in_progress" and (
+        batch.request_counts.completed,
+        batch.request_counts.failed,
+    ) == (2, 1)
 
 
 @pytest.mark.parametrize("status", ["expired", "cancelled"])
@@ -106,13 +161,27 @@ def test_a_stopped_batch_keeps_its_counts_and_files(status):
 
 
 def test_a_batch_stopped_before_any_request_completed_has_no_output_file():
-    manifest = {**MANIFEST, "status": "cancelled", "request_counts": {"total": 3, "completed": 0, "failed": 3}}
-    batch = Batch.model_validate(batch_object("batch_abcdefab", BatchRun(CONF, "success", ["success"], T, T, T, manifest), NOW))
-    assert batch.status == "cancelled" and batch.output_file_id is None and batch.error_file_id == CONF["error_file_id"]
+    manifest = {
+        **MANIFEST,
+        "status": "cancelled",
+        "request_counts": {"total": 3, "completed": 0, "failed": 3},
+    }
+    batch = Batch.model_validate(
+        batch_object("batch_abcdefab", BatchRun(CONF, "success", ["success"], T, T, T, manifest), NOW)
+    )
+    assert (
+        batch.status == "cancelled"
+        and batch.output_file_id is None
+        and batch.error_file_id == CONF["error_file_id"]
+    )
 
 
 def test_a_batch_published_before_its_task_ended_has_its_ending_time_in_order():
     # The manifest is out, the task is still returning: completed, and completed_at is not missing.
-    batch = Batch.model_validate(batch_object("batch_abcdefab", BatchRun(CONF, "running", ["running"], task_start=T, manifest=MANIFEST), NOW))
+    batch = Batch.model_validate(
+        batch_object(
+            "batch_abcdefab", BatchRun(CONF, "running", ["running"], task_start=T, manifest=MANIFEST), NOW
+        )
+    )
     assert batch.status == "completed"
     assert batch.created_at <= batch.in_progress_at <= batch.completed_at

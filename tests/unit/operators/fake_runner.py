@@ -76,7 +76,14 @@ def fail(request: dict) -> dict:
         "id": "vllm-" + request["custom_id"],
         "custom_id": request["custom_id"],
         "response": {"status_code": 500, "request_id": "r-" + request["custom_id"], "body": None},
-        "error": {"message": os.environ.get("FAKE_ENGINE_FAIL_MESSAGE", "Internal error while generating (see https://example.invalid/x?X-Amz-Signature=abc)"), "type": "InternalServerError", "code": 500},
+        "error": {
+            "message": os.environ.get(
+                "FAKE_ENGINE_FAIL_MESSAGE",
+                "Internal error while generating (see https://example.invalid/x?X-Amz-Signature=abc)",
+            ),
+            "type": "InternalServerError",
+            "code": 500,
+        },
     }
 
 
@@ -108,7 +115,14 @@ def write_gpu_probe(path: str) -> None:
             except OSError:
                 locked[device] = True
     with open(path, "w") as f:
-        json.dump({"CUDA_VISIBLE_DEVICES": visible, "CUDA_DEVICE_ORDER": os.environ.get("CUDA_DEVICE_ORDER"), "locked": locked}, f)
+        json.dump(
+            {
+                "CUDA_VISIBLE_DEVICES": visible,
+                "CUDA_DEVICE_ORDER": os.environ.get("CUDA_DEVICE_ORDER"),
+                "locked": locked,
+            },
+            f,
+        )
 
 
 def main() -> int:
@@ -135,12 +149,17 @@ def main() -> int:
     requests = requests[: len(requests) - int(os.environ.get("FAKE_ENGINE_DROP", "0"))]
     failing = int(os.environ.get("FAKE_ENGINE_FAIL", "0"))
     # vLLM names the adapter that answered (or the base model): the request's own name here.
-    answers = [fail(r) if i < failing else answer(r, r["body"].get("model") or args.model) for i, r in enumerate(requests)]
+    answers = [
+        fail(r) if i < failing else answer(r, r["body"].get("model") or args.model)
+        for i, r in enumerate(requests)
+    ]
     if sent := os.environ.get("FAKE_ENGINE_SENT"):
         with open(sent, "a") as f:
             f.write(",".join(r["custom_id"] for r in requests) + "\n")
     dies_at = None
-    if (dies_after := os.environ.get("FAKE_ENGINE_DIES_AFTER")) is not None and int(dies_after) < len(requests):
+    if (dies_after := os.environ.get("FAKE_ENGINE_DIES_AFTER")) is not None and int(dies_after) < len(
+        requests
+    ):
         once = os.environ.get("FAKE_ENGINE_DIES_ONCE")
         if not once or not os.path.exists(once):
             dies_at = int(dies_after)
@@ -156,7 +175,9 @@ def main() -> int:
     if os.environ.get("FAKE_ENGINE_VLLM", "0.32") == "0.33":
         write(args.o, b"".join(json.dumps(a).encode() + b"\n" for a in answers[:dies_at]))
         print("Traceback (most recent call last):")
-        print("vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack trace (above) for the root cause.")
+        print(
+            "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack trace (above) for the root cause."
+        )
         return 1
     answers[dies_at:] = [engine_dead(r) for r in requests[dies_at:]]
     write(args.o, b"".join(json.dumps(a).encode() + b"\n" for a in answers))

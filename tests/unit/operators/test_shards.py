@@ -10,13 +10,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from airflow_vllm_batch.version_compat import AirflowFailException
 from botocore.exceptions import ClientError
 
 from airflow_vllm_batch.exceptions import OutputBusyError
 from airflow_vllm_batch.lease import LeaseHolder
 from airflow_vllm_batch.operators.shards import VLLMBatchMergeOperator, VLLMBatchSplitOperator
 from airflow_vllm_batch.storage import OutputStore
+from airflow_vllm_batch.version_compat import AirflowFailException
 
 
 class FakeTI:
@@ -32,11 +32,15 @@ class FakeTI:
 
 
 def result_line(custom_id: str) -> bytes:
-    return json.dumps({"id": "x", "custom_id": custom_id, "response": {"status_code": 200, "body": {}}, "error": None}).encode()
+    return json.dumps(
+        {"id": "x", "custom_id": custom_id, "response": {"status_code": 200, "body": {}}, "error": None}
+    ).encode()
 
 
 def error_line(custom_id: str | None) -> bytes:
-    return json.dumps({"id": "x", "custom_id": custom_id, "response": None, "error": {"message": "failed"}}).encode()
+    return json.dumps(
+        {"id": "x", "custom_id": custom_id, "response": None, "error": {"message": "failed"}}
+    ).encode()
 
 
 class Shards:
@@ -58,7 +62,10 @@ class Shards:
         completed, failed = self.COMPLETED[index], self.FAILED[index]
         self.put(self.key(index), b"request\n" * (completed + failed))
         # vLLM uploads its output without a final newline.
-        output_etag = self.put(self.key(index, ".results.jsonl"), b"\n".join(result_line(f"r{index}-{n}") for n in range(completed)))
+        output_etag = self.put(
+            self.key(index, ".results.jsonl"),
+            b"\n".join(result_line(f"r{index}-{n}") for n in range(completed)),
+        )
         error_uri = error_etag = None
         if failed:
             lines = [error_line(f"r{index}-e{n}") for n in range(failed - 1)] + [error_line(None)]
@@ -88,11 +95,16 @@ class Shards:
         return self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
 
     def published(self) -> list[str]:
-        return sorted(o["Key"] for o in self.client.list_objects_v2(Bucket=self.bucket, Prefix="out/").get("Contents", []))
+        return sorted(
+            o["Key"]
+            for o in self.client.list_objects_v2(Bucket=self.bucket, Prefix="out/").get("Contents", [])
+        )
 
     def merge(self, manifests=None, ti: FakeTI | None = None) -> dict:
         operator = VLLMBatchMergeOperator(
-            task_id="merge", shard_manifests=self.manifests if manifests is None else manifests, output_uri=self.output_uri
+            task_id="merge",
+            shard_manifests=self.manifests if manifests is None else manifests,
+            output_uri=self.output_uri,
         )
         return operator.execute({"ti": ti or FakeTI()})
 
@@ -107,13 +119,19 @@ def test_a_merge_of_complete_shards_publishes_every_line_and_leaves_no_lease(sha
     assert manifest["request_counts"] == {"total": 10, "completed": 8, "failed": 2}
     assert len(shards.get("out/results.jsonl").splitlines()) == 8
     assert len(shards.get("out/results.errors.jsonl").splitlines()) == 2
-    assert shards.published() == ["out/results.errors.jsonl", "out/results.jsonl", "out/results.manifest.json"]
+    assert shards.published() == [
+        "out/results.errors.jsonl",
+        "out/results.jsonl",
+        "out/results.manifest.json",
+    ]
 
 
 @pytest.mark.parametrize("absent", [[0], [1], [2], [0, 2]], ids=str)
 def test_a_none_shard_manifest_fails_the_merge_without_retry_naming_its_map_index(shards, absent):
     manifests = [None if i in absent else m for i, m in enumerate(shards.manifests)]
-    with pytest.raises(AirflowFailException, match=rf"map index \[{', '.join(map(str, absent))}\] have no manifest"):
+    with pytest.raises(
+        AirflowFailException, match=rf"map index \[{', '.join(map(str, absent))}\] have no manifest"
+    ):
         shards.merge(manifests)
     assert shards.published() == []
 
@@ -122,13 +140,18 @@ def test_a_none_shard_manifest_fails_the_merge_without_retry_naming_its_map_inde
 def test_a_shard_left_out_of_the_mapped_output_fails_the_merge_naming_its_map_index(shards, missing):
     # A mapped task that did not publish pushes no XCom: its manifest is not even None.
     manifests = [m for i, m in enumerate(shards.manifests) if i not in missing]
-    with pytest.raises(AirflowFailException, match=rf"map index \[{', '.join(map(str, missing))}\] \(of the split under"):
+    with pytest.raises(
+        AirflowFailException, match=rf"map index \[{', '.join(map(str, missing))}\] \(of the split under"
+    ):
         shards.merge(manifests)
     assert shards.published() == []
 
 
 def test_shards_mapped_without_the_split_are_merged_as_given(shards):
-    renamed = [{**m, "input_uri": f"s3://{shards.bucket}/mine/part-{i}.jsonl"} for i, m in enumerate(shards.manifests)]
+    renamed = [
+        {**m, "input_uri": f"s3://{shards.bucket}/mine/part-{i}.jsonl"}
+        for i, m in enumerate(shards.manifests)
+    ]
     assert shards.merge(renamed[:2])["request_counts"]["total"] == 7
 
 
@@ -145,7 +168,9 @@ def _lost_result(shards: Shards) -> None:
 
 
 def _lost_error_line(shards: Shards) -> None:
-    shards.manifests[1]["error_etag"] = shards.put(shards.key(1, ".results.errors.jsonl"), error_line(None) + b"\n")
+    shards.manifests[1]["error_etag"] = shards.put(
+        shards.key(1, ".results.errors.jsonl"), error_line(None) + b"\n"
+    )
 
 
 def _no_error_file_named(shards: Shards) -> None:
@@ -157,12 +182,17 @@ def _more_completed_counted(shards: Shards) -> None:
 
 
 @pytest.mark.parametrize(
-    "disagree", [_extra_result, _lost_result, _lost_error_line, _no_error_file_named, _more_completed_counted], ids=lambda f: f.__name__
+    "disagree",
+    [_extra_result, _lost_result, _lost_error_line, _no_error_file_named, _more_completed_counted],
+    ids=lambda f: f.__name__,
 )
 def test_a_shard_whose_files_disagree_with_its_manifest_fails_before_anything_is_published(shards, disagree):
     shards.put("out/results.manifest.json", b'{"an": "earlier merge"}')
     disagree(shards)
-    with pytest.raises(AirflowFailException, match=r"manifests count \d+ completed and 2 failed requests: shard 1 \(s3://.*shard-00001"):
+    with pytest.raises(
+        AirflowFailException,
+        match=r"manifests count \d+ completed and 2 failed requests: shard 1 \(s3://.*shard-00001",
+    ):
         shards.merge()
     # Not even the old manifest is invalidated: the check comes before the publish protocol.
     assert shards.published() == ["out/results.manifest.json"]
@@ -173,7 +203,9 @@ def test_a_shard_file_rewritten_since_its_manifest_fails_the_merge_naming_the_sh
     # As many lines as the manifest counts, so only the ETag its manifest recorded tells them apart.
     original = shards.get(shards.key(1, suffix))
     shards.put(shards.key(1, suffix), original.replace(b'"r1-', b'"other-'))
-    with pytest.raises(AirflowFailException, match=r"shard at map index 1 published s3://.*shard-00001.* has changed since"):
+    with pytest.raises(
+        AirflowFailException, match=r"shard at map index 1 published s3://.*shard-00001.* has changed since"
+    ):
         shards.merge()
     assert shards.published() == []
 
@@ -195,12 +227,16 @@ def test_a_merge_does_not_publish_while_another_run_holds_the_output(shards):
     assert shards.published() == ["out/results.lease.json"]
 
 
-def test_a_merge_that_loses_the_lease_while_publishing_leaves_the_published_output_untouched(shards, monkeypatch):
+def test_a_merge_that_loses_the_lease_while_publishing_leaves_the_published_output_untouched(
+    shards, monkeypatch
+):
     shards.put("out/results.jsonl", b"earlier results\n")
     shards.put("out/results.errors.jsonl", b"earlier errors\n")
     shards.put("out/results.manifest.json", b'{"an": "earlier manifest"}')
     output = [k for k in shards.published() if not k.endswith(".lease.json")]
-    before = {k: (shards.get(k), shards.client.head_object(Bucket=shards.bucket, Key=k)["ETag"]) for k in output}
+    before = {
+        k: (shards.get(k), shards.client.head_object(Bucket=shards.bucket, Key=k)["ETag"]) for k in output
+    }
     real_publish = OutputStore.publish
 
     def lose_the_lease_then_publish(self, *args, **kwargs):
@@ -213,7 +249,9 @@ def test_a_merge_that_loses_the_lease_while_publishing_leaves_the_published_outp
     with pytest.raises(OutputBusyError, match="took over the lease"):
         shards.merge()
     after = [k for k in shards.published() if not k.endswith(".lease.json")]
-    assert {k: (shards.get(k), shards.client.head_object(Bucket=shards.bucket, Key=k)["ETag"]) for k in after} == before
+    assert {
+        k: (shards.get(k), shards.client.head_object(Bucket=shards.bucket, Key=k)["ETag"]) for k in after
+    } == before
 
 
 def test_an_s3_failure_while_merging_is_left_to_airflows_retries(shards, monkeypatch):
@@ -225,7 +263,9 @@ def test_an_s3_failure_while_merging_is_left_to_airflows_retries(shards, monkeyp
         client = real_conn(self)
 
         def get_object(**kwargs):
-            raise ClientError({"Error": {"Code": "SlowDown", "Message": "Please reduce your request rate."}}, "GetObject")
+            raise ClientError(
+                {"Error": {"Code": "SlowDown", "Message": "Please reduce your request rate."}}, "GetObject"
+            )
 
         client.get_object = get_object
         return client
@@ -246,13 +286,23 @@ def test_an_s3_failure_while_merging_is_left_to_airflows_retries(shards, monkeyp
 def test_a_split_of_bad_input_fails_without_retry(s3, bucket, tmp_path, shard_prefix, content, named):
     source = tmp_path / "input.jsonl"
     source.write_bytes(content)
-    split = VLLMBatchSplitOperator(task_id="split", input_uri=str(source), shard_prefix=shard_prefix.format(bucket=bucket))
+    split = VLLMBatchSplitOperator(
+        task_id="split", input_uri=str(source), shard_prefix=shard_prefix.format(bucket=bucket)
+    )
     with pytest.raises(AirflowFailException, match=named):
         split.execute({"ti": FakeTI()})
 
 
 def test_the_merged_manifest_carries_the_shards_cost_added_up(shards):
-    cost = {"device": "gpu", "engine_s": 10.0, "gpus": 1, "gpu_s": 10.0, "tokens_per_gpu_s": 0.2, "gpu_hour_cost": 3.6, "cost": 0.01}
+    cost = {
+        "device": "gpu",
+        "engine_s": 10.0,
+        "gpus": 1,
+        "gpu_s": 10.0,
+        "tokens_per_gpu_s": 0.2,
+        "gpu_hour_cost": 3.6,
+        "cost": 0.01,
+    }
     manifests = [{**m, "cost": cost} for m in shards.manifests]
     merged = shards.merge(manifests)
     n = len(manifests)

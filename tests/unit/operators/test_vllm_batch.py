@@ -7,14 +7,23 @@ from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
 
 
 def make(**kwargs) -> VLLMBatchOperator:
-    args = {"task_id": "t", "input_uri": "s3://b/in.jsonl", "output_uri": "s3://b/out/results.jsonl", "model": "m"}
+    args = {
+        "task_id": "t",
+        "input_uri": "s3://b/in.jsonl",
+        "output_uri": "s3://b/out/results.jsonl",
+        "model": "m",
+    }
     return VLLMBatchOperator(**{**args, **kwargs})
 
 
 def test_every_user_facing_string_is_templated():
-    assert {"input_uri", "output_uri", "error_uri", "model", "engine"} <= set(VLLMBatchOperator.template_fields)
+    assert {"input_uri", "output_uri", "error_uri", "model", "engine"} <= set(
+        VLLMBatchOperator.template_fields
+    )
     assert {"args", "python", "command", "env"} <= set(VLLMRunner.template_fields)
-    assert {"args", "python", "env"} <= set(VLLMServer.template_fields) and "conn_id" in WarmVLLMServer.template_fields
+    assert {"args", "python", "env"} <= set(
+        VLLMServer.template_fields
+    ) and "conn_id" in WarmVLLMServer.template_fields
     assert not getattr(VLLMBatchOperator, "template_ext", ())  # a .jsonl path is not a Jinja file
 
 
@@ -25,7 +34,12 @@ def test_constructor_stores_arguments_without_touching_s3():
 
 def test_amazon_connection_settings_reach_the_s3_hook():
     """As every amazon operator (AwsBaseOperator): region_name, verify and botocore_config configure the S3Hook."""
-    op = make(aws_conn_id="my_aws", region_name="eu-west-3", verify="/etc/ca.pem", botocore_config={"retries": {"max_attempts": 7}})
+    op = make(
+        aws_conn_id="my_aws",
+        region_name="eu-west-3",
+        verify="/etc/ca.pem",
+        botocore_config={"retries": {"max_attempts": 7}},
+    )
     hook = op.hook
     assert type(hook).__name__ == "S3Hook"
     assert (hook.aws_conn_id, hook.region_name, hook.verify) == ("my_aws", "eu-west-3", "/etc/ca.pem")
@@ -45,7 +59,11 @@ def test_the_error_file_sits_beside_the_output():
 def test_the_operator_takes_at_most_18_parameters_of_its_own():
     import inspect
 
-    own = [p for p in inspect.signature(VLLMBatchOperator.__init__).parameters.values() if p.kind is p.KEYWORD_ONLY]
+    own = [
+        p
+        for p in inspect.signature(VLLMBatchOperator.__init__).parameters.values()
+        if p.kind is p.KEYWORD_ONLY
+    ]
     assert len(own) <= 18, [p.name for p in own]
 
 
@@ -54,4 +72,7 @@ def test_an_options_object_shared_by_two_tasks_is_rendered_for_each_alone():
     first, second = make(task_id="first", engine=engine), make(task_id="second", engine=engine)
     first.render_template_fields({"task": first})
     second.render_template_fields({"task": second})
-    assert (first.engine.args, second.engine.args) == (["--served-model-name", "first"], ["--served-model-name", "second"])
+    assert (first.engine.args, second.engine.args) == (
+        ["--served-model-name", "first"],
+        ["--served-model-name", "second"],
+    )

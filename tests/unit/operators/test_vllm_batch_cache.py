@@ -12,9 +12,8 @@ import re
 import pytest
 from botocore.exceptions import ClientError
 
-from airflow_vllm_batch.run import AnswerCacheOptions
 from airflow_vllm_batch.exceptions import ConfigurationError, StorageUnavailableError
-from airflow_vllm_batch.run import BatchSettings
+from airflow_vllm_batch.run import AnswerCacheOptions, BatchSettings
 from airflow_vllm_batch.run.answer_cache import AnswerCache
 from airflow_vllm_batch.storage import RunStaging
 from airflow_vllm_batch.version_compat import AirflowFailException
@@ -25,12 +24,19 @@ N = 12
 
 
 def line(custom_id: str, content: str | None = None, **body) -> dict:
-    fields = {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": content or custom_id}], **body}
+    fields = {
+        "model": "m",
+        "temperature": 0,
+        "messages": [{"role": "user", "content": content or custom_id}],
+        **body,
+    }
     return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": fields}
 
 
 def put_input(batch, key: str, lines: list[dict]) -> str:
-    batch.client.put_object(Bucket=batch.bucket, Key=key, Body=b"".join(json.dumps(x).encode() + b"\n" for x in lines))
+    batch.client.put_object(
+        Bucket=batch.bucket, Key=key, Body=b"".join(json.dumps(x).encode() + b"\n" for x in lines)
+    )
     return f"s3://{batch.bucket}/{key}"
 
 
@@ -41,7 +47,12 @@ def raw_lines(batch, key: str) -> dict[str, bytes]:
 
 def run(batch, input_uri: str, output: str, ti: FakeTI | None = None, **kwargs) -> dict:
     kwargs.setdefault("answer_cache", AnswerCacheOptions(uri=f"s3://{batch.bucket}/cache/"))
-    return batch.run(ti or FakeTI(run_id=output), input_uri=input_uri, output_uri=f"s3://{batch.bucket}/{output}/results.jsonl", **kwargs)
+    return batch.run(
+        ti or FakeTI(run_id=output),
+        input_uri=input_uri,
+        output_uri=f"s3://{batch.bucket}/{output}/results.jsonl",
+        **kwargs,
+    )
 
 
 @pytest.fixture
@@ -52,7 +63,9 @@ def night1(batch, server) -> dict:
     return manifest
 
 
-def test_a_second_run_sends_only_the_changed_requests_and_answers_the_rest_byte_equal(batch, server, night1, capfd):
+def test_a_second_run_sends_only_the_changed_requests_and_answers_the_rest_byte_equal(
+    batch, server, night1, capfd
+):
     changed = [line(f"r{i}") if i >= 2 else line(f"r{i}", content=f"changed {i}") for i in range(N)]
     manifest = run(batch, put_input(batch, "in/night2.jsonl", changed), "night2")
     assert server.requests == N + 2 and server.attempts["changed 0"] == server.attempts["changed 1"] == 1
@@ -63,7 +76,9 @@ def test_a_second_run_sends_only_the_changed_requests_and_answers_the_rest_byte_
     assert sorted(second) == sorted(first)
     assert all(second[f"r{i}"] == first[f"r{i}"] for i in range(2, N))
     assert all(second[f"r{i}"] != first[f"r{i}"] for i in range(2))
-    assert re.search(rf"\| from cache +\| {N - 2} of {N} requests answered from the answer cache", capfd.readouterr().out)
+    assert re.search(
+        rf"\| from cache +\| {N - 2} of {N} requests answered from the answer cache", capfd.readouterr().out
+    )
 
 
 def test_the_changed_requests_answers_go_into_the_cache_for_the_next_run(batch, server, night1):
@@ -74,12 +89,18 @@ def test_the_changed_requests_answers_go_into_the_cache_for_the_next_run(batch, 
     assert manifest["from_cache"] == N and server.requests == N + 2
 
 
-def test_every_request_answered_from_the_cache_starts_no_engine_and_uses_each_requests_custom_id(batch, server, night1, capfd):
+def test_every_request_answered_from_the_cache_starts_no_engine_and_uses_each_requests_custom_id(
+    batch, server, night1, capfd
+):
     # The same bodies under other custom_ids, one of them twice.
     lines = [line(f"again-{i}", content=f"r{i}") for i in range(N)] + [line("twin", content="r0")]
     manifest = run(batch, put_input(batch, "in/again.jsonl", lines), "again")
     assert server.requests == N
-    assert manifest["from_cache"] == N + 1 and manifest["request_counts"] == {"total": N + 1, "completed": N + 1, "failed": 0}
+    assert manifest["from_cache"] == N + 1 and manifest["request_counts"] == {
+        "total": N + 1,
+        "completed": N + 1,
+        "failed": 0,
+    }
     answers = raw_lines(batch, "again/results.jsonl")
     assert sorted(answers) == sorted([f"again-{i}" for i in range(N)] + ["twin"])
     first = raw_lines(batch, "night1/results.jsonl")
@@ -93,8 +114,22 @@ def test_requests_that_sample_are_cached_only_when_opted_in(batch, server):
     uri = put_input(batch, "in/sampled.jsonl", lines)
     run(batch, uri, "sampled1")
     assert run(batch, uri, "sampled2")["from_cache"] == 0 and server.requests == 8
-    run(batch, uri, "sampled3", answer_cache=AnswerCacheOptions(uri=f"s3://{batch.bucket}/cache/", sampled=True))
-    assert run(batch, uri, "sampled4", answer_cache=AnswerCacheOptions(uri=f"s3://{batch.bucket}/cache/", sampled=True))["from_cache"] == 4 and server.requests == 12
+    run(
+        batch,
+        uri,
+        "sampled3",
+        answer_cache=AnswerCacheOptions(uri=f"s3://{batch.bucket}/cache/", sampled=True),
+    )
+    assert (
+        run(
+            batch,
+            uri,
+            "sampled4",
+            answer_cache=AnswerCacheOptions(uri=f"s3://{batch.bucket}/cache/", sampled=True),
+        )["from_cache"]
+        == 4
+        and server.requests == 12
+    )
 
 
 def test_a_run_without_the_cache_has_no_from_cache_and_its_identity_is_unchanged(batch, server):
@@ -109,17 +144,23 @@ def test_a_run_without_the_cache_has_no_from_cache_and_its_identity_is_unchanged
 @pytest.mark.parametrize("bad", ["bucket/prefix/", "s3://", "https://bucket/x", 7])
 def test_an_answer_cache_uri_that_is_not_an_s3_prefix_is_refused_naming_it(bad):
     with pytest.raises(ConfigurationError, match="answer_cache_uri must be an S3 prefix"):
-        BatchSettings.from_rendered(input_uri="s3://b/in.jsonl", output_uri="s3://b/out.jsonl", model="m", answer_cache_uri=bad)
+        BatchSettings.from_rendered(
+            input_uri="s3://b/in.jsonl", output_uri="s3://b/out.jsonl", model="m", answer_cache_uri=bad
+        )
 
 
 def test_the_answer_cache_uri_gets_its_trailing_slash():
-    settings = BatchSettings.from_rendered(input_uri="s3://b/in.jsonl", output_uri="s3://b/o.jsonl", model="m", answer_cache_uri="s3://b/c")
+    settings = BatchSettings.from_rendered(
+        input_uri="s3://b/in.jsonl", output_uri="s3://b/o.jsonl", model="m", answer_cache_uri="s3://b/c"
+    )
     assert settings.answer_cache_uri == "s3://b/c/"
 
 
 def test_a_cache_bucket_that_does_not_exist_fails_before_any_request_is_sent(batch, server):
     uri = put_input(batch, "in/x.jsonl", [line("x0")])
-    with pytest.raises(AirflowFailException, match="answer_cache_uri: bucket 'no-such-cache-bucket' does not exist"):
+    with pytest.raises(
+        AirflowFailException, match="answer_cache_uri: bucket 'no-such-cache-bucket' does not exist"
+    ):
         run(batch, uri, "x", answer_cache=AnswerCacheOptions(uri="s3://no-such-cache-bucket/cache/"))
     assert server.requests == 0
     assert [k for k in batch.keys("x/") if not k.startswith("x/results.jsonl.staging/")] == []
@@ -140,7 +181,9 @@ def test_a_corrupt_cache_line_is_a_miss_with_a_warning(batch, server, night1, ca
     assert "2 stored line(s) under" in capfd.readouterr().out
 
 
-def test_a_failed_cache_write_after_publishing_is_a_warning_and_the_run_stands(batch, server, monkeypatch, capfd):
+def test_a_failed_cache_write_after_publishing_is_a_warning_and_the_run_stands(
+    batch, server, monkeypatch, capfd
+):
     real_store = AnswerCache.store
 
     def store_to_a_bad_bucket(self):
@@ -156,7 +199,9 @@ def test_a_failed_cache_write_after_publishing_is_a_warning_and_the_run_stands(b
     assert batch.keys("cache/") == []
 
 
-def test_a_retry_takes_the_hits_its_first_try_staged_even_when_the_cache_changed(batch, server, night1, monkeypatch):
+def test_a_retry_takes_the_hits_its_first_try_staged_even_when_the_cache_changed(
+    batch, server, night1, monkeypatch
+):
     changed = [line(f"r{i}") if i >= 2 else line(f"r{i}", content=f"changed {i}") for i in range(N)]
     uri = put_input(batch, "in/night2.jsonl", changed)
     real_put = RunStaging.put_part
@@ -168,7 +213,9 @@ def test_a_retry_takes_the_hits_its_first_try_staged_even_when_the_cache_changed
     with pytest.raises(StorageUnavailableError):
         run(batch, uri, "night2")
     monkeypatch.setattr(RunStaging, "put_part", real_put)
-    batch.client.delete_objects(Bucket=batch.bucket, Delete={"Objects": [{"Key": k} for k in batch.keys("cache/")]})
+    batch.client.delete_objects(
+        Bucket=batch.bucket, Delete={"Objects": [{"Key": k} for k in batch.keys("cache/")]}
+    )
     manifest = run(batch, uri, "night2", ti=FakeTI(run_id="night2", try_number=2))
     assert manifest["from_cache"] == N - 2
     assert manifest["request_counts"] == {"total": N, "completed": N, "failed": 0}
@@ -184,7 +231,9 @@ def test_a_retry_takes_the_hits_its_first_try_staged_even_when_the_cache_changed
     ],
     ids=["root", "max_model_len", "vllm_version"],
 )
-def test_a_warm_server_restarted_with_other_weights_length_or_version_misses_the_cache(batch, server, restarted):
+def test_a_warm_server_restarted_with_other_weights_length_or_version_misses_the_cache(
+    batch, server, restarted
+):
     server.card = {"root": "/models/llama-3-8b", "max_model_len": 2048}
     uri = put_input(batch, "in/night1.jsonl", [line(f"r{i}") for i in range(N)])
     assert run(batch, uri, "night1")["from_cache"] == 0

@@ -9,9 +9,11 @@ import pytest
 from airflow_vllm_batch import gpus
 from airflow_vllm_batch.version_compat import AirflowFailException
 from tests.unit.operators.test_vllm_batch_runs import Batch
-from tests.unit.operators.test_vllm_batch_server import Batch as ServerBatch
-from tests.unit.operators.test_vllm_batch_server import N as SERVER_REQUESTS
-from tests.unit.operators.test_vllm_batch_server import server  # noqa: F401 - the stand-in server fixture
+from tests.unit.operators.test_vllm_batch_server import (
+    Batch as ServerBatch,
+    N as SERVER_REQUESTS,
+    server,  # noqa: F401 - the stand-in server fixture
+)
 
 
 @pytest.fixture
@@ -37,11 +39,17 @@ def _free(lock_dir, device: str) -> bool:
     return True
 
 
-def test_the_engine_runs_on_the_leased_gpu_which_is_locked_while_it_runs_and_free_after(batch, worker, tmp_path):
+def test_the_engine_runs_on_the_leased_gpu_which_is_locked_while_it_runs_and_free_after(
+    batch, worker, tmp_path
+):
     probe = tmp_path / "probe.json"
     batch.run(env={"FAKE_ENGINE_GPU_PROBE": str(probe)})
     seen = json.loads(probe.read_text())
-    assert seen == {"CUDA_VISIBLE_DEVICES": "0", "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "locked": {"0": True, "1": False}}
+    assert seen == {
+        "CUDA_VISIBLE_DEVICES": "0",
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        "locked": {"0": True, "1": False},
+    }
     assert _free(worker, "0") and _free(worker, "1")
 
 
@@ -79,11 +87,19 @@ def test_gpus_must_be_a_whole_number_or_none(value):
     from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
 
     with pytest.raises(ConfigurationError, match="gpus must be"):
-        VLLMBatchOperator(task_id="t", input_uri="s3://b/i.jsonl", output_uri="s3://b/o.jsonl", model="m", engine=VLLMRunner(gpus=value))
+        VLLMBatchOperator(
+            task_id="t",
+            input_uri="s3://b/i.jsonl",
+            output_uri="s3://b/o.jsonl",
+            model="m",
+            engine=VLLMRunner(gpus=value),
+        )
 
 
 @pytest.mark.timeout(120)
-def test_a_task_with_a_vllm_connection_leases_no_gpu_even_when_all_are_taken(s3, bucket, tmp_path, server, worker):  # noqa: F811
+def test_a_task_with_a_vllm_connection_leases_no_gpu_even_when_all_are_taken(
+    s3, bucket, tmp_path, server, worker
+):  # noqa: F811
     with gpus.try_lease(["0", "1"], 2, str(worker), {"task_id": "other"}):
         manifest = ServerBatch(s3, bucket, tmp_path).run()
     assert manifest["request_counts"]["completed"] == SERVER_REQUESTS
@@ -94,7 +110,9 @@ def test_the_manifest_counts_leased_gpus_times_the_engines_time_and_prices_them(
     cost = manifest["cost"]
     assert (cost["device"], cost["gpus"]) == ("gpu", 2)
     assert cost["gpu_s"] == pytest.approx(2 * manifest["engine_duration_s"], abs=0.01)
-    assert cost["tokens_per_gpu_s"] == pytest.approx(manifest["usage"]["total_tokens"] / cost["gpu_s"], rel=0.01)
+    assert cost["tokens_per_gpu_s"] == pytest.approx(
+        manifest["usage"]["total_tokens"] / cost["gpu_s"], rel=0.01
+    )
     assert cost["cost"] == pytest.approx(cost["gpu_s"] / 3600 * 2.5, abs=1e-5)
     assert sum(entry["cost"] for entry in manifest["per_model"].values()) == pytest.approx(cost["cost"])
 

@@ -14,8 +14,7 @@ from airflow_vllm_batch.exceptions import ConfigurationError
 from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
 from airflow_vllm_batch.version_compat import AirflowFailException
 from tests.unit.operators.test_vllm_batch_runs import Batch, FakeTI, chat_lines
-from tests.unit.operators.test_vllm_batch_server import CONN_ID, ServedStandIn
-from tests.unit.operators.test_vllm_batch_server import Batch as WarmBatch
+from tests.unit.operators.test_vllm_batch_server import CONN_ID, Batch as WarmBatch, ServedStandIn
 from tests.unit.serving.conftest import API_KEY, chat_completion
 
 
@@ -65,7 +64,10 @@ LORA_ARGS = ["--served-model-name", "chat", "--enable-lora", "--lora-modules", "
 
 
 def test_lines_use_served_names_and_adapters_and_the_manifest_counts_per_name(batch):
-    batch.put("in/input.jsonl", chat_lines(2, "chat") + chat_lines(3, "sql").replace(b'"custom_id": "r', b'"custom_id": "s'))
+    batch.put(
+        "in/input.jsonl",
+        chat_lines(2, "chat") + chat_lines(3, "sql").replace(b'"custom_id": "r', b'"custom_id": "s'),
+    )
     manifest = batch.run(args=LORA_ARGS)
     assert manifest["request_counts"]["completed"] == 5
     assert {name: c["requests"] for name, c in manifest["per_model"].items()} == {"chat": 2, "sql": 3}
@@ -73,7 +75,9 @@ def test_lines_use_served_names_and_adapters_and_the_manifest_counts_per_name(ba
 
 
 def test_the_path_is_no_name_once_served_names_are_given(batch):
-    with pytest.raises(AirflowFailException, match=r"'m', which the engine does not serve — use one of: 'chat', 'sql'"):
+    with pytest.raises(
+        AirflowFailException, match=r"'m', which the engine does not serve — use one of: 'chat', 'sql'"
+    ):
         batch.run(args=LORA_ARGS)
     assert batch.engine_runs == 0
 
@@ -81,7 +85,14 @@ def test_the_path_is_no_name_once_served_names_are_given(batch):
 def test_one_name_counts_the_totals_per_model(batch):
     manifest = batch.run()
     assert manifest["per_model"] == {
-        "m": {"requests": 5, "completed": 5, "failed": 0, "prompt_tokens": 15, "completion_tokens": 5, "total_tokens": 20}
+        "m": {
+            "requests": 5,
+            "completed": 5,
+            "failed": 0,
+            "prompt_tokens": 15,
+            "completion_tokens": 5,
+            "total_tokens": 20,
+        }
     }
 
 
@@ -92,7 +103,10 @@ class AdapterStandIn(ServedStandIn):
     """A warm server that lists its base model and one LoRA adapter, and names the one that answered."""
 
     async def _models(self, request: web.Request) -> web.Response:
-        cards = [{"id": "m", "root": "/models/m", "parent": None}, {"id": "sql", "root": "/adapters/sql", "parent": "m"}]
+        cards = [
+            {"id": "m", "root": "/models/m", "parent": None},
+            {"id": "sql", "root": "/adapters/sql", "parent": "m"},
+        ]
         return web.json_response({"object": "list", "data": cards})
 
 
@@ -104,7 +118,9 @@ async def _echo_model(custom_id: str, body: dict, attempt: int) -> web.Response:
 def warm_server() -> Iterator[AdapterStandIn]:
     stand_in = AdapterStandIn().start()
     stand_in.behaviour = _echo_model
-    os.environ[f"AIRFLOW_CONN_{CONN_ID.upper()}"] = json.dumps({"conn_type": "vllm", "host": "127.0.0.1", "port": stand_in.port, "password": API_KEY})
+    os.environ[f"AIRFLOW_CONN_{CONN_ID.upper()}"] = json.dumps(
+        {"conn_type": "vllm", "host": "127.0.0.1", "port": stand_in.port, "password": API_KEY}
+    )
     yield stand_in
     os.environ.pop(f"AIRFLOW_CONN_{CONN_ID.upper()}", None)
     stand_in.close()
@@ -113,7 +129,15 @@ def warm_server() -> Iterator[AdapterStandIn]:
 def _warm_lines(models: list[str]) -> bytes:
     # The stand-in keys on the message: it is the custom_id.
     return b"".join(
-        json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions", "body": {"model": m, "messages": [{"role": "user", "content": f"r{i}"}]}}).encode() + b"\n"
+        json.dumps(
+            {
+                "custom_id": f"r{i}",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {"model": m, "messages": [{"role": "user", "content": f"r{i}"}]},
+            }
+        ).encode()
+        + b"\n"
         for i, m in enumerate(models)
     )
 
@@ -126,9 +150,13 @@ def test_a_warm_servers_adapters_are_names_its_lines_may_use(s3, bucket, tmp_pat
     assert {name: c["completed"] for name, c in manifest["per_model"].items()} == {"m": 3, "sql": 3}
 
 
-def test_a_name_the_warm_server_does_not_list_fails_naming_the_ones_it_does(s3, bucket, tmp_path, warm_server):
+def test_a_name_the_warm_server_does_not_list_fails_naming_the_ones_it_does(
+    s3, bucket, tmp_path, warm_server
+):
     batch = WarmBatch(s3, bucket, tmp_path)
     batch.client.put_object(Bucket=bucket, Key="in/input.jsonl", Body=_warm_lines(["m", "poem"]))
-    with pytest.raises(AirflowFailException, match="'poem', which the engine does not serve — use one of: 'm', 'sql'"):
+    with pytest.raises(
+        AirflowFailException, match="'poem', which the engine does not serve — use one of: 'm', 'sql'"
+    ):
         batch.run()
     assert warm_server.requests == 0

@@ -41,7 +41,11 @@ def sent(batch: Batch) -> list[list[str]]:
 
 
 def run(batch: Batch, version: str, ti: FakeTI | None = None, **env: str) -> dict:
-    engine_env = {"FAKE_ENGINE_VLLM": version, "FAKE_ENGINE_SENT": str(batch.calls.with_name("sent.txt")), **env}
+    engine_env = {
+        "FAKE_ENGINE_VLLM": version,
+        "FAKE_ENGINE_SENT": str(batch.calls.with_name("sent.txt")),
+        **env,
+    }
     # A request answered as failed must not fail the task here: max_failed_ratio is the user's call.
     return batch.run(ti, env=engine_env, max_failed_ratio=0.5)
 
@@ -60,12 +64,16 @@ def test_a_runner_that_dies_midway_has_its_answers_staged_and_only_the_rest_runs
     assert manifest["request_counts"] == {"total": 5, "completed": 5, "failed": 0}
     # The second start gets only what the first did not answer: nothing is computed twice.
     assert sent(batch) == [ids(0, 1, 2, 3, 4), ids(3, 4)]
-    assert sorted(r["custom_id"] for r in map(json.loads, batch.get("out/results.jsonl").splitlines())) == ids(0, 1, 2, 3, 4)
+    assert sorted(
+        r["custom_id"] for r in map(json.loads, batch.get("out/results.jsonl").splitlines())
+    ) == ids(0, 1, 2, 3, 4)
     assert not staged(batch, "parts") and not staged(batch, "deaths")  # the staging is removed on publish
 
 
 @pytest.mark.parametrize("version", VERSIONS)
-def test_a_transient_death_before_any_answer_has_the_next_starts_answers_staged_and_published(batch, version, tmp_path):
+def test_a_transient_death_before_any_answer_has_the_next_starts_answers_staged_and_published(
+    batch, version, tmp_path
+):
     # The real engine showed it: killed at once, then the suspects' isolated run lives.
     manifest = run(batch, version, FAKE_ENGINE_DIES_AFTER="0", FAKE_ENGINE_DIES_ONCE=str(tmp_path / "died"))
     assert manifest["request_counts"] == {"total": 5, "completed": 5, "failed": 0}
@@ -86,7 +94,9 @@ def test_a_retry_after_a_death_sends_only_what_no_checkpoint_answers(batch, vers
 
 
 @pytest.mark.parametrize("version", VERSIONS)
-def test_a_retry_counts_requests_not_answers_when_two_tries_parts_answer_the_same_requests(batch, version, monkeypatch):
+def test_a_retry_counts_requests_not_answers_when_two_tries_parts_answer_the_same_requests(
+    batch, version, monkeypatch
+):
     # Simulator seed 2169 (at fdc20fc): 13 answers of 7 requests in the parts were taken for all 10 requests;
     # every try then published nothing and skipped the engine, so the task could never finish (fix 5, in the runner).
     monkeypatch.setattr(runner_module, "MAX_STARTS_PER_TRY", 1)
@@ -108,7 +118,11 @@ def test_a_request_that_kills_the_engine_is_answered_as_engine_crash_and_the_res
     assert manifest["request_counts"] == {"total": 12, "completed": 11, "failed": 1}
     assert manifest["failed_by_reason"] == {"engine_crash": 1}
     (failed,) = map(json.loads, batch.get("out/results.errors.jsonl").splitlines())
-    assert failed["custom_id"] == "r5" and failed["error"]["code"] == "engine_crash" and failed["error"]["line"] == 6
+    assert (
+        failed["custom_id"] == "r5"
+        and failed["error"]["code"] == "engine_crash"
+        and failed["error"]["line"] == 6
+    )
     # 1: all, dies in the group r4-r7; 2: its suspects alone, one at a time, dies at r5; 3: the rest.
     assert sent(batch) == [ids(*range(12)), ids(*range(4, 12)), ids(*range(6, 12))]
 
@@ -118,12 +132,18 @@ def test_the_isolated_run_bounds_what_is_in_flight_with_the_runners_own_flag(bat
     batch.put("in/input.jsonl", chat_lines(12))
     run(batch, version, FAKE_ENGINE_KILLER="r5")
     out = capfd.readouterr().out
-    expected, other = ("--max-inflight 1", "--max-num-seqs 1") if version == "0.33" else ("--max-num-seqs 1", "--max-inflight 1")
+    expected, other = (
+        ("--max-inflight 1", "--max-num-seqs 1")
+        if version == "0.33"
+        else ("--max-num-seqs 1", "--max-inflight 1")
+    )
     assert expected in out and other not in out
 
 
 @pytest.mark.parametrize("version", VERSIONS)
-def test_a_request_that_kills_the_engine_on_every_try_is_answered_as_failed_by_the_third_try(batch, version, monkeypatch):
+def test_a_request_that_kills_the_engine_on_every_try_is_answered_as_failed_by_the_third_try(
+    batch, version, monkeypatch
+):
     monkeypatch.setattr(runner_module, "MAX_STARTS_PER_TRY", 1)
     batch.put("in/input.jsonl", chat_lines(12))
     for try_number in (1, 2):
@@ -142,6 +162,8 @@ def test_a_non_zero_exit_before_any_output_is_the_trys_failure_and_records_no_de
 
 def test_an_error_that_only_mentions_enginecore_is_an_answer_not_a_death(batch):
     # A model's own error text may say "EngineCore"; only vLLM's dead-engine error is a death.
-    manifest = run(batch, "0.32", FAKE_ENGINE_FAIL="1", FAKE_ENGINE_FAIL_MESSAGE="EngineCore busy: request rejected")
+    manifest = run(
+        batch, "0.32", FAKE_ENGINE_FAIL="1", FAKE_ENGINE_FAIL_MESSAGE="EngineCore busy: request rejected"
+    )
     assert manifest["request_counts"] == {"total": 5, "completed": 4, "failed": 1}
     assert len(sent(batch)) == 1

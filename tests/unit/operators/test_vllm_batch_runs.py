@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from botocore.exceptions import ClientError
 
+from airflow_vllm_batch.engines import VLLMRunner
 from airflow_vllm_batch.exceptions import (
     EngineError,
     OutputBusyError,
@@ -24,10 +25,9 @@ from airflow_vllm_batch.exceptions import (
     StorageUnavailableError,
 )
 from airflow_vllm_batch.lease import LeaseHolder
-from airflow_vllm_batch.engines import VLLMRunner
-from airflow_vllm_batch.run import InputLimits
 from airflow_vllm_batch.manifest import is_tombstone
 from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
+from airflow_vllm_batch.run import InputLimits
 from airflow_vllm_batch.storage import RunStaging
 from airflow_vllm_batch.version_compat import AirflowFailException
 
@@ -49,7 +49,12 @@ class FakeTI:
 def chat_lines(n: int, model: str = "m") -> bytes:
     return b"".join(
         json.dumps(
-            {"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions", "body": {"model": model, "messages": [{"role": "user", "content": f"hi {i}"}]}}
+            {
+                "custom_id": f"r{i}",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {"model": model, "messages": [{"role": "user", "content": f"hi {i}"}]},
+            }
         ).encode()
         + b"\n"
         for i in range(n)
@@ -81,7 +86,10 @@ class Batch:
         return self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
 
     def keys(self, prefix: str = "") -> list[str]:
-        return [o["Key"] for o in self.client.list_objects_v2(Bucket=self.bucket, Prefix=prefix).get("Contents", [])]
+        return [
+            o["Key"]
+            for o in self.client.list_objects_v2(Bucket=self.bucket, Prefix=prefix).get("Contents", [])
+        ]
 
     @property
     def engine_runs(self) -> int:
@@ -201,10 +209,14 @@ def test_s3_gone_right_after_staging_says_a_retry_publishes_the_staged_results(b
     real_confirm = BatchInput.confirm_unchanged
 
     def s3_gone(self):
-        raise StorageUnavailableError(f"S3 failed while checking that {self.uri} is unchanged (connection refused).")
+        raise StorageUnavailableError(
+            f"S3 failed while checking that {self.uri} is unchanged (connection refused)."
+        )
 
     monkeypatch.setattr(BatchInput, "confirm_unchanged", s3_gone)
-    with pytest.raises(PublishError, match="S3 failed while publishing: .* a retry publishes them without running the engine"):
+    with pytest.raises(
+        PublishError, match="S3 failed while publishing: .* a retry publishes them without running the engine"
+    ):
         batch.run()
     monkeypatch.setattr(BatchInput, "confirm_unchanged", real_confirm)
     manifest = batch.run(FakeTI(try_number=2))
@@ -279,7 +291,9 @@ def _hold(batch: Batch, holder: LeaseHolder) -> None:
 
 def test_a_second_run_on_a_held_output_fails_fast_naming_the_holder(batch):
     _hold(batch, LeaseHolder("other_dag", "scheduled__2026-11-01", "vllm_batch", -1, 1, "f" * 64, "gpu-7"))
-    with pytest.raises(OutputBusyError, match=r"other_dag\.vllm_batch of run 'scheduled__2026-11-01' \(try 1, on gpu-7\)"):
+    with pytest.raises(
+        OutputBusyError, match=r"other_dag\.vllm_batch of run 'scheduled__2026-11-01' \(try 1, on gpu-7\)"
+    ):
         batch.run()
     assert batch.engine_runs == 0
     assert "out/results.jsonl" not in batch.keys()
@@ -299,21 +313,37 @@ def test_a_retry_of_the_same_task_instance_takes_over_its_own_dead_lease(batch):
         ({"max_failed_ratio": None}, "max_failed_ratio must be a number from 0 to 1, got None"),
         ({"output_uri": "/tmp/results.jsonl"}, "output_uri must be an s3://bucket/key URI"),
         ({"error_uri": "errors.jsonl"}, "error_uri must be an s3://bucket/key URI"),
-        ({"input_uri": "s3://{bucket}/in/typo.jsonl"}, "input_uri: s3://{bucket}/in/typo.jsonl does not exist"),
+        (
+            {"input_uri": "s3://{bucket}/in/typo.jsonl"},
+            "input_uri: s3://{bucket}/in/typo.jsonl does not exist",
+        ),
         ({"input_uri": "/nonexistent/input.jsonl"}, "input_uri: no file '/nonexistent/input.jsonl'"),
-        ({"output_uri": "s3://no-such-bucket-here/r.jsonl"}, "output_uri: bucket 'no-such-bucket-here' does not exist"),
-        ({"error_uri": "s3://no-such-bucket-here/e.jsonl"}, "error_uri: bucket 'no-such-bucket-here' does not exist"),
+        (
+            {"output_uri": "s3://no-such-bucket-here/r.jsonl"},
+            "output_uri: bucket 'no-such-bucket-here' does not exist",
+        ),
+        (
+            {"error_uri": "s3://no-such-bucket-here/e.jsonl"},
+            "error_uri: bucket 'no-such-bucket-here' does not exist",
+        ),
     ],
 )
 def test_a_mistake_fails_without_retry_before_any_engine(batch, kwargs, fragment):
     kwargs = {k: v.format(bucket=batch.bucket) if isinstance(v, str) else v for k, v in kwargs.items()}
-    with pytest.raises(AirflowFailException, match=fragment.format(bucket=batch.bucket).replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(
+        AirflowFailException,
+        match=fragment.format(bucket=batch.bucket).replace("(", r"\(").replace(")", r"\)"),
+    ):
         batch.run(**kwargs)
     assert batch.engine_runs == 0
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "fragment"), [({"args": "--max-model-len 64"}, "args must be a list of strings"), ({"command": "python -m vllm"}, "command must be a list of strings")]
+    ("kwargs", "fragment"),
+    [
+        ({"args": "--max-model-len 64"}, "args must be a list of strings"),
+        ({"command": "python -m vllm"}, "command must be a list of strings"),
+    ],
 )
 def test_a_malformed_engine_option_fails_at_dag_parse_time(batch, kwargs, fragment):
     from airflow_vllm_batch.exceptions import ConfigurationError
@@ -340,6 +370,7 @@ def test_presigned_mode_stages_through_a_presigned_put_and_publishes(batch):
 def http_input(tmp_path):
     (tmp_path / "www").mkdir()
     (tmp_path / "www" / "input.jsonl").write_bytes(chat_lines(3))
+
     class Quiet(http.server.SimpleHTTPRequestHandler):
         def log_message(self, *args):  # the test server's own access log is not the operator's
             pass
@@ -410,7 +441,9 @@ def test_a_users_old_files_in_results_dir_are_never_aged_out(batch):
     month_ago = time.time() - 30 * 24 * 3600
     notes = batch.results_dir / "notes.txt"
     weights = batch.results_dir / "models" / "llama" / "weights.bin"
-    stranger = batch.scratch_dir / "my-own-file.txt"  # not a name a run makes, even in the runs' own directory
+    stranger = (
+        batch.scratch_dir / "my-own-file.txt"
+    )  # not a name a run makes, even in the runs' own directory
     for path in (notes, weights, stranger):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(b"mine\n")
@@ -472,9 +505,13 @@ def test_a_try_that_lost_its_lease_while_the_engine_ran_stages_and_publishes_not
         return run
 
     monkeypatch.setattr(VLLMEngineHook, "run", run_then_lose_the_lease)
-    with pytest.raises(OutputBusyError, match=r"d\.vllm_batch of run 'run-1' \(try 2, on gpu-2\) took over the lease"):
+    with pytest.raises(
+        OutputBusyError, match=r"d\.vllm_batch of run 'run-1' \(try 2, on gpu-2\) took over the lease"
+    ):
         batch.run()
-    assert sorted(k for k in batch.keys() if not k.startswith("in/")) == ["out/results.lease.json"]  # the successor's
+    assert sorted(k for k in batch.keys() if not k.startswith("in/")) == [
+        "out/results.lease.json"
+    ]  # the successor's
 
 
 def _output(batch) -> dict[str, tuple[bytes, str]]:
@@ -483,7 +520,9 @@ def _output(batch) -> dict[str, tuple[bytes, str]]:
     return {k: (batch.get(k), batch.client.head_object(Bucket=batch.bucket, Key=k)["ETag"]) for k in keys}
 
 
-def test_a_try_that_lost_its_lease_before_publishing_leaves_the_published_output_untouched(batch, monkeypatch):
+def test_a_try_that_lost_its_lease_before_publishing_leaves_the_published_output_untouched(
+    batch, monkeypatch
+):
     from airflow_vllm_batch.storage import OutputStore
 
     # An output published earlier (by a run this one does not resume: its manifest is not this run's).
@@ -503,7 +542,9 @@ def test_a_try_that_lost_its_lease_before_publishing_leaves_the_published_output
     assert _output(batch) == before
 
 
-def test_a_try_whose_predecessor_published_while_it_took_the_lease_returns_that_output_untouched(batch, monkeypatch):
+def test_a_try_whose_predecessor_published_while_it_took_the_lease_returns_that_output_untouched(
+    batch, monkeypatch
+):
     from airflow_vllm_batch.storage import OutputStore
 
     real_check_writable = OutputStore.check_writable

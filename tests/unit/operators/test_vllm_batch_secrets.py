@@ -25,7 +25,11 @@ def test_an_hf_token_in_engine_args_is_in_no_log_line_manifest_xcom_or_object(ba
     secret = "hf_SecretTokenForLogs1"
     ti = FakeTI()
     with caplog.at_level(logging.INFO):
-        manifest = batch.run(ti, args=["--hf-token", secret], env={"FAKE_ENGINE_ECHO_ARGS": "1", "HF_TOKEN": "hf_EnvTokenForLogs1"})
+        manifest = batch.run(
+            ti,
+            args=["--hf-token", secret],
+            env={"FAKE_ENGINE_ECHO_ARGS": "1", "HF_TOKEN": "hf_EnvTokenForLogs1"},
+        )
     out = capfd.readouterr()
     logged = out.out + out.err + caplog.text
     assert "Starting the vLLM engine" in logged and "--hf-token ***" in logged  # our line: the flag, masked
@@ -63,7 +67,9 @@ def test_a_rendered_secret_is_registered_with_the_masker_before_the_rendered_fie
         model="m",
         engine=VLLMRunner(args=["--hf-token", "{{ params.token }}"], env={"HF_TOKEN": "{{ params.token }}x"}),
     )
-    operator.render_template_fields({"params": {"token": "hf_RenderedTokenAbc1"}}, jinja_env=jinja2.Environment())
+    operator.render_template_fields(
+        {"params": {"token": "hf_RenderedTokenAbc1"}}, jinja_env=jinja2.Environment()
+    )
     assert operator.engine.args == ["--hf-token", "hf_RenderedTokenAbc1"]
     assert redact(list(operator.engine.args)) == ["--hf-token", "***"]
     assert "hf_RenderedTokenAbc1" not in str(redact(dict(operator.engine.env)))
@@ -77,16 +83,21 @@ def test_a_rendered_secret_is_registered_with_the_masker_before_the_rendered_fie
 
 def test_an_http_inputs_credentials_are_masked_when_rendered():
     import jinja2
-
     from airflow import __version__ as airflow_version
+
     from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
     from tests.airflow_compat import redact
 
     operator = VLLMBatchOperator(
-        task_id="t", input_uri="{{ params.url }}", output_uri="s3://b/out/results.jsonl", model="m", engine=VLLMRunner()
+        task_id="t",
+        input_uri="{{ params.url }}",
+        output_uri="s3://b/out/results.jsonl",
+        model="m",
+        engine=VLLMRunner(),
     )
     operator.render_template_fields(
-        {"params": {"url": "https://reader:RenderedPw123@files.example/in.jsonl"}}, jinja_env=jinja2.Environment()
+        {"params": {"url": "https://reader:RenderedPw123@files.example/in.jsonl"}},
+        jinja_env=jinja2.Environment(),
     )
     assert "RenderedPw123" not in str(redact(operator.input_uri))
     assert "RenderedPw123" not in str(redact("a log line quoting reader:RenderedPw123@files.example"))
@@ -99,7 +110,9 @@ def test_an_http_inputs_credentials_are_masked_when_rendered():
 def test_a_malformed_http_input_fails_without_retry_naming_input_uri_and_no_password(batch, capfd, caplog):
     from airflow_vllm_batch.version_compat import AirflowFailException
 
-    with pytest.raises(AirflowFailException, match="^input_uri: https://files.example/in.jsonl is not a URL") as err:
+    with pytest.raises(
+        AirflowFailException, match="^input_uri: https://files.example/in.jsonl is not a URL"
+    ) as err:
         batch.run(input_uri="https://reader:MalformedPw9@files.example:notaport/in.jsonl")
     out, errs = capfd.readouterr()
     assert "MalformedPw9" not in str(err.value) + out + errs + caplog.text

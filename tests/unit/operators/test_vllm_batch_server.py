@@ -20,6 +20,8 @@ import pytest
 from aiohttp import web
 from botocore.exceptions import ClientError
 
+from airflow_vllm_batch.batchfile import CustomIdIndex
+from airflow_vllm_batch.engines import VLLMRunner, WarmVLLMServer, server as server_engines
 from airflow_vllm_batch.exceptions import (
     ConfigurationError,
     OutputBusyError,
@@ -27,9 +29,6 @@ from airflow_vllm_batch.exceptions import (
     ResultsCheckError,
     StorageUnavailableError,
 )
-from airflow_vllm_batch.batchfile import CustomIdIndex
-from airflow_vllm_batch.engines import server as server_engines
-from airflow_vllm_batch.engines import VLLMRunner, WarmVLLMServer
 from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
 from airflow_vllm_batch.serving import ServerUnavailableError, stream
 from airflow_vllm_batch.storage import RunStaging
@@ -61,7 +60,9 @@ class ServedStandIn(StandIn):
     async def _models(self, request: web.Request) -> web.Response:
         if request.headers.get("Authorization") != f"Bearer {API_KEY}":
             return web.json_response({"error": {"message": "Unauthorized"}}, status=401)
-        return web.json_response({"object": "list", "data": [{"id": m, "object": "model", **self.card} for m in self.served]})
+        return web.json_response(
+            {"object": "list", "data": [{"id": m, "object": "model", **self.card} for m in self.served]}
+        )
 
     async def _version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": self.vllm_version})
@@ -79,7 +80,13 @@ class ServedStandIn(StandIn):
 def server() -> Iterator[ServedStandIn]:
     stand_in = ServedStandIn().start()
     os.environ[f"AIRFLOW_CONN_{CONN_ID.upper()}"] = json.dumps(
-        {"conn_type": "vllm", "host": "127.0.0.1", "port": stand_in.port, "password": API_KEY, "extra": {"max_in_flight": 4}}
+        {
+            "conn_type": "vllm",
+            "host": "127.0.0.1",
+            "port": stand_in.port,
+            "password": API_KEY,
+            "extra": {"max_in_flight": 4},
+        }
     )
     yield stand_in
     os.environ.pop(f"AIRFLOW_CONN_{CONN_ID.upper()}", None)
@@ -96,7 +103,12 @@ def requests_lines(n: int) -> bytes:
     """Chat lines whose message is their custom_id (what the stand-in keys on)."""
     return b"".join(
         json.dumps(
-            {"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "m", "messages": [{"role": "user", "content": f"r{i}"}]}}
+            {
+                "custom_id": f"r{i}",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {"model": "m", "messages": [{"role": "user", "content": f"r{i}"}]},
+            }
         ).encode()
         + b"\n"
         for i in range(n)
@@ -115,7 +127,10 @@ class Batch:
         self.client.put_object(Bucket=bucket, Key="in/input.jsonl", Body=requests_lines(N))
 
     def keys(self, prefix: str = "") -> list[str]:
-        return [o["Key"] for o in self.client.list_objects_v2(Bucket=self.bucket, Prefix=prefix).get("Contents", [])]
+        return [
+            o["Key"]
+            for o in self.client.list_objects_v2(Bucket=self.bucket, Prefix=prefix).get("Contents", [])
+        ]
 
     def lines(self, key: str) -> list[dict]:
         body = self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
@@ -156,7 +171,14 @@ def _dies_after(server: ServedStandIn, answered: int):
             await asyncio.sleep(30)  # cancelled by the shutdown
         await asyncio.sleep(0.01)
         return web.json_response(
-            {"id": custom_id, "object": "chat.completion", "created": 1, "model": "m", "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}}
+            {
+                "id": custom_id,
+                "object": "chat.completion",
+                "created": 1,
+                "model": "m",
+                "choices": [],
+                "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8},
+            }
         )
 
     return behaviour
@@ -168,27 +190,42 @@ def test_a_warm_server_through_a_connection_answers_every_request_once_and_publi
     assert manifest["request_counts"] == {"total": N, "completed": N, "failed": 0}
     assert manifest["vllm_version"] == "0.32.0"
     assert manifest["identity"]["engine"] == "vllm_connection" and manifest["identity"]["engine_args"] is None
-    assert sorted(r["custom_id"] for r in batch.lines("out/results.jsonl")) == sorted(f"r{i}" for i in range(N))
+    assert sorted(r["custom_id"] for r in batch.lines("out/results.jsonl")) == sorted(
+        f"r{i}" for i in range(N)
+    )
     assert server.requests == N and set(server.attempts.values()) == {1}
     assert server.max_in_flight <= 4  # the connection's max_in_flight extra
     assert server.auth_headers == {f"Bearer {API_KEY}"}
-    assert sorted(batch.keys("out/")) == ["out/results.jsonl", "out/results.manifest.json"]  # staging and parts removed
+    assert sorted(batch.keys("out/")) == [
+        "out/results.jsonl",
+        "out/results.manifest.json",
+    ]  # staging and parts removed
     logged = capfd.readouterr()
     assert "Server engine done: 20 requests sent and answered" in logged.out
-    for text in (logged.out, logged.err, json.dumps(manifest), json.dumps(ti.xcoms), batch.client.get_object(Bucket=batch.bucket, Key="out/results.manifest.json")["Body"].read().decode()):
+    for text in (
+        logged.out,
+        logged.err,
+        json.dumps(manifest),
+        json.dumps(ti.xcoms),
+        batch.client.get_object(Bucket=batch.bucket, Key="out/results.manifest.json")["Body"].read().decode(),
+    ):
         assert API_KEY not in text
 
 
 def test_a_warm_servers_streaming_knobs_are_not_in_the_run_identity(batch, server):
     first = batch.run()
-    again = batch.run(FakeTI(run_id="rerun"), max_in_flight=3, client_processes=1, request_timeout=timedelta(minutes=5))
+    again = batch.run(
+        FakeTI(run_id="rerun"), max_in_flight=3, client_processes=1, request_timeout=timedelta(minutes=5)
+    )
     assert again == first
     assert server.requests == N
 
 
 def test_a_model_the_server_does_not_serve_fails_fast_without_retry_naming_what_it_serves(batch, server):
     server.served = ("other-model", "third")
-    with pytest.raises(AirflowFailException, match="does not serve model 'm'; it serves 'other-model', 'third'"):
+    with pytest.raises(
+        AirflowFailException, match="does not serve model 'm'; it serves 'other-model', 'third'"
+    ):
         batch.run()
     assert server.requests == 0
     assert batch.keys("out/") == []
@@ -216,8 +253,12 @@ def test_a_retry_resumes_from_the_parts_and_sends_only_the_unanswered(batch, ser
     capfd.readouterr()
     manifest = batch.run(FakeTI(try_number=2), max_in_flight=1)
     assert manifest["request_counts"] == {"total": N, "completed": N, "failed": 0}
-    sent_second = {cid: n - sent_first.get(cid, 0) for cid, n in server.attempts.items() if n - sent_first.get(cid, 0)}
-    assert sorted(sent_second) == sorted(f"r{i}" for i in range(10, N))  # r10 was in flight when it died: sent again
+    sent_second = {
+        cid: n - sent_first.get(cid, 0) for cid, n in server.attempts.items() if n - sent_first.get(cid, 0)
+    }
+    assert sorted(sent_second) == sorted(
+        f"r{i}" for i in range(10, N)
+    )  # r10 was in flight when it died: sent again
     assert set(sent_second.values()) == {1}
     out = [r["custom_id"] for r in batch.lines("out/results.jsonl")]
     assert sorted(out) == sorted(f"r{i}" for i in range(N))  # each exactly once
@@ -232,7 +273,11 @@ def test_a_retry_numbers_its_parts_after_the_earlier_tries(batch, server, monkey
     last = max(int(k.rsplit("part-", 1)[1][:6]) for k in batch.parts())
     uploaded: list[str] = []
     real_put = RunStaging.put_part
-    monkeypatch.setattr(RunStaging, "put_part", lambda self, path, token="": (uploaded.append(path.name), real_put(self, path, token)))
+    monkeypatch.setattr(
+        RunStaging,
+        "put_part",
+        lambda self, path, token="": (uploaded.append(path.name), real_put(self, path, token)),
+    )
     server.restart()
     server.behaviour = _dies_after(server, N)
     batch.run(FakeTI(try_number=2), max_in_flight=1)
@@ -246,7 +291,9 @@ def test_a_failed_part_upload_fails_the_try_as_retryable_and_the_retry_finishes(
         raise ClientError({"Error": {"Code": "ServiceUnavailable", "Message": "down"}}, "PutObject")
 
     monkeypatch.setattr(RunStaging, "put_part", s3_fails)
-    with pytest.raises(StorageUnavailableError, match="S3 failed while checkpointing .* the task's retry resumes"):
+    with pytest.raises(
+        StorageUnavailableError, match="S3 failed while checkpointing .* the task's retry resumes"
+    ):
         batch.run()
     assert batch.keys("out/") == []
     monkeypatch.setattr(RunStaging, "put_part", real_put)
@@ -260,7 +307,14 @@ def test_progress_lines_show_done_rate_tokens_failures_and_eta(batch, server, mo
     async def slow(custom_id: str, body: dict, attempt: int) -> web.Response:
         await asyncio.sleep(0.05)
         return web.json_response(
-            {"id": custom_id, "object": "chat.completion", "created": 1, "model": "m", "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}}
+            {
+                "id": custom_id,
+                "object": "chat.completion",
+                "created": 1,
+                "model": "m",
+                "choices": [],
+                "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8},
+            }
         )
 
     server.behaviour = slow
@@ -272,7 +326,15 @@ def test_progress_lines_show_done_rate_tokens_failures_and_eta(batch, server, mo
         assert fragment in line
 
 
-@pytest.mark.parametrize("kwargs", [{"checkpoint_interval": 0}, {"checkpoint_interval": timedelta(0)}, {"max_in_flight": 0}, {"engine": "server"}])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"checkpoint_interval": 0},
+        {"checkpoint_interval": timedelta(0)},
+        {"max_in_flight": 0},
+        {"engine": "server"},
+    ],
+)
 def test_settings_that_do_not_fit_the_server_engine_fail_at_dag_parse_time(batch, kwargs):
     with pytest.raises(ConfigurationError):
         batch.operator(**kwargs)
@@ -294,9 +356,18 @@ def test_supported_urls_the_server_engine_cannot_send_fail_at_dag_parse_time_nam
 
 
 def test_an_audio_line_fails_preflight_for_the_server_engine_and_names_the_runner(batch, server):
-    audio = {"custom_id": "a0", "method": "POST", "url": "/v1/audio/transcriptions", "body": {"model": "m", "file_url": "https://example.com/a.wav"}}
-    batch.client.put_object(Bucket=batch.bucket, Key="in/input.jsonl", Body=requests_lines(2) + json.dumps(audio).encode() + b"\n")
-    with pytest.raises(AirflowFailException, match=r"line 3.*audio lines run on the batch runner \(engine=VLLMRunner\(\)\)"):
+    audio = {
+        "custom_id": "a0",
+        "method": "POST",
+        "url": "/v1/audio/transcriptions",
+        "body": {"model": "m", "file_url": "https://example.com/a.wav"},
+    }
+    batch.client.put_object(
+        Bucket=batch.bucket, Key="in/input.jsonl", Body=requests_lines(2) + json.dumps(audio).encode() + b"\n"
+    )
+    with pytest.raises(
+        AirflowFailException, match=r"line 3.*audio lines run on the batch runner \(engine=VLLMRunner\(\)\)"
+    ):
         batch.run()
     assert server.requests == 0
 
@@ -309,11 +380,21 @@ def test_a_try_that_lost_its_lease_writes_no_further_part_nor_the_manifest(batch
             # The task's next try took over (the scheduler thought this one dead); its heartbeat is not due yet.
             successor = LeaseHolder("d", "run-1", "vllm_batch", -1, 2, "f" * 64, "gpu-2")
             await asyncio.to_thread(
-                batch.client.put_object, Bucket=batch.bucket, Key="out/results.lease.json", Body=json.dumps(successor.__dict__).encode()
+                batch.client.put_object,
+                Bucket=batch.bucket,
+                Key="out/results.lease.json",
+                Body=json.dumps(successor.__dict__).encode(),
             )
         await asyncio.sleep(0.01)
         return web.json_response(
-            {"id": custom_id, "object": "chat.completion", "created": 1, "model": "m", "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}}
+            {
+                "id": custom_id,
+                "object": "chat.completion",
+                "created": 1,
+                "model": "m",
+                "choices": [],
+                "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8},
+            }
         )
 
     server.behaviour = successor_takes_over_after_r5
@@ -336,18 +417,32 @@ def test_each_try_names_its_parts_with_its_own_token(batch, server):
     with pytest.raises(ServerUnavailableError):
         batch.run(FakeTI(try_number=2), max_in_flight=1)
     second = set(batch.parts()) - first
-    tokens = [{re.fullmatch(r".*/part-\d{6}-([0-9a-f]{8})\.jsonl", k).group(1) for k in keys} for keys in (first, second)]
+    tokens = [
+        {re.fullmatch(r".*/part-\d{6}-([0-9a-f]{8})\.jsonl", k).group(1) for k in keys}
+        for keys in (first, second)
+    ]
     assert all(len(t) == 1 for t in tokens) and tokens[0] != tokens[1]
 
 
 def _completion(custom_id: str) -> web.Response:
     return web.json_response(
-        {"id": custom_id, "object": "chat.completion", "created": 1, "model": "m", "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}}
+        {
+            "id": custom_id,
+            "object": "chat.completion",
+            "created": 1,
+            "model": "m",
+            "choices": [],
+            "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8},
+        }
     )
 
 
 def _error(status: int, message: str = "engine busy", headers: dict | None = None) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": "Busy", "param": None, "code": status}}, status=status, headers=headers)
+    return web.json_response(
+        {"error": {"message": message, "type": "Busy", "param": None, "code": status}},
+        status=status,
+        headers=headers,
+    )
 
 
 def _rate_limited_flaky_and_one_broken(broken: str | None = "r7"):
@@ -367,15 +462,28 @@ def _rate_limited_flaky_and_one_broken(broken: str | None = "r7"):
     return behaviour
 
 
-def test_a_request_left_without_a_final_answer_fails_the_try_retryable_and_the_retry_resends_only_it(batch, server):
+def test_a_request_left_without_a_final_answer_fails_the_try_retryable_and_the_retry_resends_only_it(
+    batch, server
+):
     server.behaviour = _rate_limited_flaky_and_one_broken()
-    with pytest.raises(RequestsUnansweredError, match=r"1 request\(s\) got no final answer .*HTTP 500: 1; e\.g\. custom_id 'r7'") as raised:
+    with pytest.raises(
+        RequestsUnansweredError,
+        match=r"1 request\(s\) got no final answer .*HTTP 500: 1; e\.g\. custom_id 'r7'",
+    ) as raised:
         batch.run(FakeTI(try_number=1), retries=2, max_in_flight=2)
     assert raised.value.retryable
     assert "out/results.jsonl" not in batch.keys() and "out/results.manifest.json" not in batch.keys()
-    checkpointed = {r["custom_id"]: r["response"]["status_code"] for k in batch.parts() for r in batch.lines(k)}
+    checkpointed = {
+        r["custom_id"]: r["response"]["status_code"] for k in batch.parts() for r in batch.lines(k)
+    }
     assert "r7" not in checkpointed and len(checkpointed) == N - 1
-    assert {cid: checkpointed[cid] for cid in ("r1", "r2", "r3", "r4", "r5")} == {"r1": 400, "r2": 200, "r3": 200, "r4": 200, "r5": 200}
+    assert {cid: checkpointed[cid] for cid in ("r1", "r2", "r3", "r4", "r5")} == {
+        "r1": 400,
+        "r2": 200,
+        "r3": 200,
+        "r4": 200,
+        "r5": 200,
+    }
     sent_first = dict(server.attempts)
     assert sent_first["r7"] == 1 + stream.DEFAULT_RETRIES
 
@@ -383,7 +491,11 @@ def test_a_request_left_without_a_final_answer_fails_the_try_retryable_and_the_r
     manifest = batch.run(FakeTI(try_number=2), retries=2, max_in_flight=2, max_failed_ratio=0.1)
     resent = {cid for cid, n in server.attempts.items() if n > sent_first.get(cid, 0)}
     assert resent == {"r7"}
-    assert manifest["request_counts"] == {"total": N, "completed": N - 1, "failed": 1}  # r1's 400 is its answer
+    assert manifest["request_counts"] == {
+        "total": N,
+        "completed": N - 1,
+        "failed": 1,
+    }  # r1's 400 is its answer
     published = {r["custom_id"]: r["response"]["status_code"] for r in batch.lines("out/results.jsonl")}
     assert published["r7"] == 200 and published["r2"] == 200 and published["r4"] == 200
 
@@ -394,7 +506,10 @@ def test_on_the_last_try_a_request_left_without_a_final_answer_is_published_in_t
     assert manifest["request_counts"] == {"total": N, "completed": N - 2, "failed": 2}
     failed = {r["custom_id"]: r for r in batch.lines("out/results.errors.jsonl")}
     assert sorted(failed) == ["r1", "r7"]
-    assert failed["r7"]["response"]["status_code"] == 500 and "EngineCore hiccup" in failed["r7"]["error"]["message"]
+    assert (
+        failed["r7"]["response"]["status_code"] == 500
+        and "EngineCore hiccup" in failed["r7"]["error"]["message"]
+    )
     assert server.attempts["r7"] == 1 + stream.DEFAULT_RETRIES
 
 
@@ -431,12 +546,23 @@ def test_answers_repeated_across_tries_checkpoints_keep_the_first_and_publish(ba
         batch.run(max_in_flight=1)
     # A zombie try's part lands after its successor listed the parts: r3 and r4 answered twice.
     zombie = [
-        {"id": "vllm-zombie", "custom_id": cid, "response": {"status_code": 200, "request_id": "z", "body": {"object": "chat.completion", "zombie": True}}, "error": None}
+        {
+            "id": "vllm-zombie",
+            "custom_id": cid,
+            "response": {
+                "status_code": 200,
+                "request_id": "z",
+                "body": {"object": "chat.completion", "zombie": True},
+            },
+            "error": None,
+        }
         for cid in ("r3", "r4")
     ]
     first_part = batch.parts()[0]
     batch.client.put_object(
-        Bucket=batch.bucket, Key=first_part.rsplit("/", 1)[0] + "/part-000099-deadbeef.jsonl", Body=b"".join(json.dumps(z).encode() + b"\n" for z in zombie)
+        Bucket=batch.bucket,
+        Key=first_part.rsplit("/", 1)[0] + "/part-000099-deadbeef.jsonl",
+        Body=b"".join(json.dumps(z).encode() + b"\n" for z in zombie),
     )
     server.restart()
     server.behaviour = _dies_after(server, N)
@@ -453,9 +579,18 @@ def test_an_answer_to_a_custom_id_not_in_the_input_drops_only_the_part_that_hold
     with pytest.raises(ServerUnavailableError):
         batch.run(max_in_flight=1)
     valid_parts = batch.parts()
-    stray = {"id": "vllm-x", "custom_id": "not-in-input", "response": {"status_code": 200, "request_id": "x", "body": {}}, "error": None}
+    stray = {
+        "id": "vllm-x",
+        "custom_id": "not-in-input",
+        "response": {"status_code": 200, "request_id": "x", "body": {}},
+        "error": None,
+    }
     prefix = valid_parts[0].rsplit("/", 1)[0]
-    batch.client.put_object(Bucket=batch.bucket, Key=prefix + "/part-000099-deadbeef.jsonl", Body=json.dumps(stray).encode() + b"\n")
+    batch.client.put_object(
+        Bucket=batch.bucket,
+        Key=prefix + "/part-000099-deadbeef.jsonl",
+        Body=json.dumps(stray).encode() + b"\n",
+    )
     server.restart()
     server.behaviour = _dies_after(server, N)
     with pytest.raises(ResultsCheckError, match="custom_id that is not in the input"):
@@ -477,7 +612,9 @@ def test_a_retry_whose_parts_repeat_more_answers_than_are_left_sends_exactly_the
     sent_first = dict(server.attempts)
     # A zombie try's part repeats all ten answers: 20 answers in the parts, 10 requests still unanswered.
     prefix = first_parts[0].rsplit("/", 1)[0]
-    repeated = b"".join(batch.client.get_object(Bucket=batch.bucket, Key=k)["Body"].read() for k in first_parts)
+    repeated = b"".join(
+        batch.client.get_object(Bucket=batch.bucket, Key=k)["Body"].read() for k in first_parts
+    )
     batch.client.put_object(Bucket=batch.bucket, Key=prefix + "/part-000099-deadbeef.jsonl", Body=repeated)
     server.restart()
     server.behaviour = _dies_after(server, N)

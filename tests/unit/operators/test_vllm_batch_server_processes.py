@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 from aiohttp import web
-from airflow_vllm_batch.version_compat import AirflowFailException
 
 from airflow_vllm_batch.exceptions import ConfigurationError, RequestsUnansweredError
 from airflow_vllm_batch.serving import stream
 from airflow_vllm_batch.storage import RunStaging
+from airflow_vllm_batch.version_compat import AirflowFailException
 from tests.unit.operators.test_vllm_batch_runs import FakeTI
 from tests.unit.operators.test_vllm_batch_server import N, _completion, _error, batch, server  # noqa: F401 - fixtures
 
@@ -29,13 +29,21 @@ def _broken(broken: tuple[str, ...] = BROKEN):
     return behaviour
 
 
-def test_two_client_processes_answer_every_request_exactly_once_and_publish(batch, server, monkeypatch, capfd):
+def test_two_client_processes_answer_every_request_exactly_once_and_publish(
+    batch, server, monkeypatch, capfd
+):
     uploaded: list[str] = []
     real_put = RunStaging.put_part
-    monkeypatch.setattr(RunStaging, "put_part", lambda self, path, token="": (uploaded.append(path.name), real_put(self, path, token)))
+    monkeypatch.setattr(
+        RunStaging,
+        "put_part",
+        lambda self, path, token="": (uploaded.append(path.name), real_put(self, path, token)),
+    )
     manifest = batch.run(client_processes=2)
     assert manifest["request_counts"] == {"total": N, "completed": N, "failed": 0}
-    assert sorted(r["custom_id"] for r in batch.lines("out/results.jsonl")) == sorted(f"r{i}" for i in range(N))
+    assert sorted(r["custom_id"] for r in batch.lines("out/results.jsonl")) == sorted(
+        f"r{i}" for i in range(N)
+    )
     assert server.requests == N and set(server.attempts.values()) == {1}
     # The parent uploads every worker's parts as one sequence of part numbers.
     numbers = [int(name[5:11]) for name in uploaded]
@@ -44,9 +52,13 @@ def test_two_client_processes_answer_every_request_exactly_once_and_publish(batc
     assert "Server engine done: 20 requests sent and answered" in capfd.readouterr().out
 
 
-def test_a_resumed_try_with_two_client_processes_sends_only_what_the_parts_lack_and_set_aside_is_combined(batch, server):
+def test_a_resumed_try_with_two_client_processes_sends_only_what_the_parts_lack_and_set_aside_is_combined(
+    batch, server
+):
     server.behaviour = _broken()
-    with pytest.raises(RequestsUnansweredError, match=r"2 request\(s\) got no final answer .*HTTP 500: 2") as raised:
+    with pytest.raises(
+        RequestsUnansweredError, match=r"2 request\(s\) got no final answer .*HTTP 500: 2"
+    ) as raised:
         batch.run(FakeTI(try_number=1), retries=2, client_processes=2)
     assert raised.value.retryable
     assert "out/results.jsonl" not in batch.keys()
@@ -59,7 +71,9 @@ def test_a_resumed_try_with_two_client_processes_sends_only_what_the_parts_lack_
     manifest = batch.run(FakeTI(try_number=2), retries=2, client_processes=2)
     assert {cid for cid, n in server.attempts.items() if n > sent_first.get(cid, 0)} == set(BROKEN)
     assert manifest["request_counts"] == {"total": N, "completed": N, "failed": 0}
-    assert sorted(r["custom_id"] for r in batch.lines("out/results.jsonl")) == sorted(f"r{i}" for i in range(N))
+    assert sorted(r["custom_id"] for r in batch.lines("out/results.jsonl")) == sorted(
+        f"r{i}" for i in range(N)
+    )
 
 
 def test_on_the_last_try_what_each_client_process_set_aside_is_published_in_the_error_file(batch, server):
@@ -74,7 +88,11 @@ def test_on_the_last_try_what_each_client_process_set_aside_is_published_in_the_
 def test_a_client_process_whose_server_refuses_the_key_fails_the_try_without_retry(batch, server):
     async def refuses_r3(custom_id: str, body: dict, attempt: int) -> web.Response:
         # Only one worker meets the refusal: the other must be stopped all the same.
-        return web.json_response({"error": {"message": "Unauthorized"}}, status=401) if custom_id == "r3" else _completion(custom_id)
+        return (
+            web.json_response({"error": {"message": "Unauthorized"}}, status=401)
+            if custom_id == "r3"
+            else _completion(custom_id)
+        )
 
     server.behaviour = refuses_r3
     with pytest.raises(AirflowFailException, match="refused the API key"):

@@ -14,12 +14,12 @@ import pytest
 from aiohttp import web
 from pydantic import BaseModel
 
+from airflow_vllm_batch.batchfile import Failed, Parsed
 from airflow_vllm_batch.exceptions import ConfigurationError
+from airflow_vllm_batch.manifest import Manifest
 from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
 from airflow_vllm_batch.storage import read_answers
-from airflow_vllm_batch.batchfile import Failed, Parsed
 from airflow_vllm_batch.summary import render_summary
-from airflow_vllm_batch.manifest import Manifest
 from airflow_vllm_batch.version_compat import AirflowFailException
 from tests.unit.operators.test_vllm_batch_runs import FakeTI
 from tests.unit.operators.test_vllm_batch_server import N, batch, quick_retries, server  # noqa: F401 - fixtures
@@ -38,7 +38,13 @@ def answers_with_some_invalid(seen: list[dict]):
     async def behaviour(custom_id: str, body: dict, attempt: int) -> web.Response:
         seen.append(body)
         completion = chat_completion(custom_id)
-        text = "I think so" if custom_id in PROSE else '{"label": "maybe"}' if custom_id in WRONG_SHAPE else '{"label": "yes"}'
+        text = (
+            "I think so"
+            if custom_id in PROSE
+            else '{"label": "maybe"}'
+            if custom_id in WRONG_SHAPE
+            else '{"label": "yes"}'
+        )
         completion["choices"][0]["message"]["content"] = text
         return web.json_response(completion)
 
@@ -59,7 +65,9 @@ def test_answers_that_do_not_fit_output_type_are_published_as_invalid_output(bat
     assert errors["r3"]["code"] == "invalid_output" and errors["r3"]["raw"] == "I think so"
     assert errors["r11"]["raw"] == '{"label": "maybe"}' and "label" in errors["r11"]["message"]
     got = list(read_answers(manifest, output_type=Verdict))
-    assert sorted(a.custom_id for a in got if isinstance(a, Parsed)) == sorted(f"r{i}" for i in range(N) if f"r{i}" not in errors)
+    assert sorted(a.custom_id for a in got if isinstance(a, Parsed)) == sorted(
+        f"r{i}" for i in range(N) if f"r{i}" not in errors
+    )
     assert all(a.value == Verdict(label="yes") for a in got if isinstance(a, Parsed))
     assert sorted(a.custom_id for a in got if isinstance(a, Failed)) == sorted(errors)
     assert "invalid output" in render_summary(Manifest.from_dict(manifest))
@@ -77,18 +85,32 @@ def test_the_schema_is_part_of_the_run_identity_only_when_set(batch, server):
     without = batch.run()
     assert "output_type" not in without["identity"] and "invalid_output" not in without
     with_schema = batch.run(
-        FakeTI(run_id="again"), output_type="tests.unit.operators.test_vllm_batch_structured.Verdict", max_failed_ratio=0.2
+        FakeTI(run_id="again"),
+        output_type="tests.unit.operators.test_vllm_batch_structured.Verdict",
+        max_failed_ratio=0.2,
     )
     assert with_schema["fingerprint"] != without["fingerprint"]
-    assert with_schema["identity"]["output_type"]["name"] == "tests.unit.operators.test_vllm_batch_structured.Verdict"
+    assert (
+        with_schema["identity"]["output_type"]["name"]
+        == "tests.unit.operators.test_vllm_batch_structured.Verdict"
+    )
     assert server.requests == 2 * N  # a new schema runs again
 
 
 def test_a_lines_own_response_format_is_sent_as_it_is(batch, server):
     own = {"type": "json_object"}
-    lines = [json.loads(x) for x in batch.client.get_object(Bucket=batch.bucket, Key="in/input.jsonl")["Body"].read().splitlines()]
+    lines = [
+        json.loads(x)
+        for x in batch.client.get_object(Bucket=batch.bucket, Key="in/input.jsonl")["Body"]
+        .read()
+        .splitlines()
+    ]
     lines[0]["body"]["response_format"] = own
-    batch.client.put_object(Bucket=batch.bucket, Key="in/input.jsonl", Body=b"".join(json.dumps(x).encode() + b"\n" for x in lines))
+    batch.client.put_object(
+        Bucket=batch.bucket,
+        Key="in/input.jsonl",
+        Body=b"".join(json.dumps(x).encode() + b"\n" for x in lines),
+    )
     seen: list[dict] = []
     server.behaviour = answers_with_some_invalid(seen)
     batch.run(output_type=Verdict, max_failed_ratio=1)
@@ -101,9 +123,15 @@ def test_output_type_not_a_model_fails_at_parse_time_naming_it(batch):
         batch.operator(output_type=dict)
 
 
-def test_an_output_type_path_that_does_not_import_fails_the_task_without_retry_before_any_request(batch, server):
-    op = batch.operator(output_type="no_such_pkg_xyz.Verdict")  # the scheduler may lack the package: checked on the worker
-    with pytest.raises(AirflowFailException, match="output_type 'no_such_pkg_xyz.Verdict' cannot be imported"):
+def test_an_output_type_path_that_does_not_import_fails_the_task_without_retry_before_any_request(
+    batch, server
+):
+    op = batch.operator(
+        output_type="no_such_pkg_xyz.Verdict"
+    )  # the scheduler may lack the package: checked on the worker
+    with pytest.raises(
+        AirflowFailException, match="output_type 'no_such_pkg_xyz.Verdict' cannot be imported"
+    ):
         op.execute({"ti": FakeTI(), "outlet_events": {}})
     assert server.requests == 0
 

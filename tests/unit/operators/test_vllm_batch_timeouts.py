@@ -29,6 +29,8 @@ def test_a_wedged_warm_server_ends_the_try_within_request_timeout_as_retryable(b
     with pytest.raises(ServerUnavailableError, match="answered no request for 1s .*wedged.*resumes") as err:
         batch.run(max_in_flight=2, request_timeout=timedelta(seconds=1))
     assert err.value.retryable
-    assert time.monotonic() - started < 1 + 10  # one request_timeout, plus the run's own S3 work on a loaded machine
+    assert (
+        time.monotonic() - started < 1 + 10
+    )  # one request_timeout, plus the run's own S3 work on a loaded machine
     answered_in_parts = [r["custom_id"] for k in batch.parts() for r in batch.lines(k)]
     assert len(answered_in_parts) == 5  # what it answered before it wedged is checkpointed for the retry

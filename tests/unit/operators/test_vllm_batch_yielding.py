@@ -14,12 +14,18 @@ from collections.abc import Iterator
 import pytest
 from aiohttp import web
 
-from airflow_vllm_batch.engines import WarmVLLMServer, YieldToInteractive
-from airflow_vllm_batch.engines import server as server_engines
+from airflow_vllm_batch.engines import WarmVLLMServer, YieldToInteractive, server as server_engines
 from airflow_vllm_batch.exceptions import ConfigurationError
 from airflow_vllm_batch.serving import ServerUnavailableError
 from tests.unit.operators.test_vllm_batch_runs import FakeTI
-from tests.unit.operators.test_vllm_batch_server import CONN_ID, N, Batch, ServedStandIn, _dies_after, quick_retries  # noqa: F401
+from tests.unit.operators.test_vllm_batch_server import (
+    CONN_ID,
+    Batch,
+    N,
+    ServedStandIn,
+    _dies_after,
+    quick_retries,
+)  # noqa: F401
 from tests.unit.serving.conftest import API_KEY
 
 
@@ -48,15 +54,25 @@ class SharedWarmServer(ServedStandIn):
 
     async def _metrics(self, request: web.Request) -> web.Response:
         total = self.in_flight + self.others
-        return web.Response(text=f"vllm:num_requests_running {min(total, 8)}.0\nvllm:num_requests_waiting {max(0, total - 8)}.0\n")
+        return web.Response(
+            text=f"vllm:num_requests_running {min(total, 8)}.0\nvllm:num_requests_waiting {max(0, total - 8)}.0\n"
+        )
 
     async def _server_info(self, request: web.Request) -> web.Response:
-        return web.json_response({"vllm_config": {"scheduler_config": {"policy": self.policy, "max_num_seqs": 8}}})
+        return web.json_response(
+            {"vllm_config": {"scheduler_config": {"policy": self.policy, "max_num_seqs": 8}}}
+        )
 
 
 def _connection(port: int, **extra) -> None:
     os.environ[f"AIRFLOW_CONN_{CONN_ID.upper()}"] = json.dumps(
-        {"conn_type": "vllm", "host": "127.0.0.1", "port": port, "password": API_KEY, "extra": {"max_in_flight": 4, **extra}}
+        {
+            "conn_type": "vllm",
+            "host": "127.0.0.1",
+            "port": port,
+            "password": API_KEY,
+            "extra": {"max_in_flight": 4, **extra},
+        }
     )
 
 
@@ -77,15 +93,22 @@ def batch(s3, bucket, tmp_path) -> Batch:
 
 
 @pytest.mark.parametrize("shared", ["priority"], indirect=True)
-def test_a_server_that_says_it_runs_priority_scheduling_gets_the_batchs_priority_on_every_request(batch, shared, capfd):
+def test_a_server_that_says_it_runs_priority_scheduling_gets_the_batchs_priority_on_every_request(
+    batch, shared, capfd
+):
     manifest = batch.run(yield_to_interactive=True)
     assert manifest["request_counts"] == {"total": N, "completed": N, "failed": 0}
     assert shared.priorities == [10] * N
-    assert "requests carry priority 10 (its /server_info says --scheduling-policy priority)" in capfd.readouterr().out
+    assert (
+        "requests carry priority 10 (its /server_info says --scheduling-policy priority)"
+        in capfd.readouterr().out
+    )
 
 
 @pytest.mark.parametrize("shared", ["fcfs"], indirect=True)
-def test_a_server_that_says_it_runs_fcfs_never_gets_a_priority_even_when_the_user_says_otherwise(batch, shared, capfd):
+def test_a_server_that_says_it_runs_fcfs_never_gets_a_priority_even_when_the_user_says_otherwise(
+    batch, shared, capfd
+):
     batch.run(yield_to_interactive=YieldToInteractive(priority_scheduling=True))
     assert shared.priorities == ["absent"] * N
     assert "but the server says it runs --scheduling-policy fcfs" in capfd.readouterr().out
@@ -97,7 +120,9 @@ def test_a_server_that_does_not_say_gets_no_priority_and_the_log_says_how_to_sta
     assert "the server does not say its scheduling policy" in capfd.readouterr().out
 
 
-def test_the_connections_scheduling_policy_extra_states_it_for_a_server_that_does_not_say(batch, shared, capfd):
+def test_the_connections_scheduling_policy_extra_states_it_for_a_server_that_does_not_say(
+    batch, shared, capfd
+):
     _connection(shared.port, scheduling_policy="priority")
     batch.run(yield_to_interactive=YieldToInteractive(priority=3))
     assert shared.priorities == [3] * N
@@ -120,14 +145,20 @@ def test_each_progress_line_says_the_bound_and_why_it_last_moved(batch, shared, 
 
     async def slow(custom_id: str, body: dict, attempt: int) -> web.Response:
         await asyncio.sleep(0.05)
-        return web.json_response({"id": custom_id, "object": "chat.completion", "created": 1, "model": "m", "choices": []})
+        return web.json_response(
+            {"id": custom_id, "object": "chat.completion", "created": 1, "model": "m", "choices": []}
+        )
 
     shared.behaviour = slow
     batch.run(yield_to_interactive=YieldToInteractive(min_in_flight=1))
     out = capfd.readouterr().out
-    assert "in flight between 1 and 4 requests, following every 0.5s the load read at http://127.0.0.1:" in out
+    assert (
+        "in flight between 1 and 4 requests, following every 0.5s the load read at http://127.0.0.1:" in out
+    )
     line = next(line for line in out.splitlines() if "Progress: " in line)
-    assert " in flight (bound 1: lowered 0x, raised 0x since the last line; last " not in line  # nothing moved: no "last"
+    assert (
+        " in flight (bound 1: lowered 0x, raised 0x since the last line; last " not in line
+    )  # nothing moved: no "last"
     assert " in flight (bound 1: lowered 0x, raised 0x since the last line)" in line
     assert shared.max_in_flight == 1
 
@@ -143,7 +174,9 @@ def test_a_retry_of_a_yielding_batch_resumes_from_the_parts_and_sends_only_the_u
     assert manifest["request_counts"] == {"total": N, "completed": N, "failed": 0}
     resent = {cid for cid, n in shared.attempts.items() if n - sent_first.get(cid, 0)}
     assert resent == {f"r{i}" for i in range(10, N)}
-    assert sorted(r["custom_id"] for r in batch.lines("out/results.jsonl")) == sorted(f"r{i}" for i in range(N))
+    assert sorted(r["custom_id"] for r in batch.lines("out/results.jsonl")) == sorted(
+        f"r{i}" for i in range(N)
+    )
 
 
 def test_yielding_is_not_in_the_run_identity_a_finished_run_is_returned_without_a_request(batch, shared):
@@ -157,18 +190,40 @@ def test_yielding_is_not_in_the_run_identity_a_finished_run_is_returned_without_
     "options, message",
     [
         ({"yield_to_interactive": "yes"}, "yield_to_interactive must be True, False or a YieldToInteractive"),
-        ({"yield_to_interactive": True, "client_processes": 2}, "yield_to_interactive needs client_processes=1"),
-        ({"yield_to_interactive": YieldToInteractive(priority=0)}, r"priority=...\) must be a whole number >= 1"),
-        ({"yield_to_interactive": YieldToInteractive(min_in_flight=0)}, r"min_in_flight=...\) must be a whole number >= 1"),
-        ({"yield_to_interactive": YieldToInteractive(metrics_urls="http://a/metrics")}, "must be a list of http"),
-        ({"yield_to_interactive": YieldToInteractive(priority_scheduling="yes")}, "must be True, False or None"),
+        (
+            {"yield_to_interactive": True, "client_processes": 2},
+            "yield_to_interactive needs client_processes=1",
+        ),
+        (
+            {"yield_to_interactive": YieldToInteractive(priority=0)},
+            r"priority=...\) must be a whole number >= 1",
+        ),
+        (
+            {"yield_to_interactive": YieldToInteractive(min_in_flight=0)},
+            r"min_in_flight=...\) must be a whole number >= 1",
+        ),
+        (
+            {"yield_to_interactive": YieldToInteractive(metrics_urls="http://a/metrics")},
+            "must be a list of http",
+        ),
+        (
+            {"yield_to_interactive": YieldToInteractive(priority_scheduling="yes")},
+            "must be True, False or None",
+        ),
     ],
 )
-def test_yielding_options_that_cannot_work_fail_at_dag_parse_time_naming_the_parameter(batch, options, message):
+def test_yielding_options_that_cannot_work_fail_at_dag_parse_time_naming_the_parameter(
+    batch, options, message
+):
     with pytest.raises(ConfigurationError, match=message):
         batch.operator(**options)
 
 
 def test_the_rendered_view_shows_the_yielding_options():
     shown = WarmVLLMServer(conn_id="c", yield_to_interactive=YieldToInteractive(min_in_flight=2)).serialize()
-    assert shown["yield_to_interactive"] == {"priority_scheduling": None, "priority": 10, "min_in_flight": 2, "metrics_urls": []}
+    assert shown["yield_to_interactive"] == {
+        "priority_scheduling": None,
+        "priority": 10,
+        "min_in_flight": 2,
+        "metrics_urls": [],
+    }

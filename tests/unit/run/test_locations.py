@@ -14,18 +14,30 @@ BASE = {"input_uri": "s3://b/in/input.jsonl", "output_uri": "s3://b/out/results.
 COLLIDING = {
     "output-is-input": ({"output_uri": "s3://b/in/input.jsonl"}, ("output_uri", "input_uri")),
     "error-is-input": ({"error_uri": "s3://b/in/input.jsonl"}, ("error_uri", "input_uri")),
-    "default-error-file-is-input": ({"input_uri": "s3://b/out/results.errors.jsonl"}, ("output_uri", "input_uri")),
+    "default-error-file-is-input": (
+        {"input_uri": "s3://b/out/results.errors.jsonl"},
+        ("output_uri", "input_uri"),
+    ),
     "manifest-is-input": ({"input_uri": "s3://b/out/results.manifest.json"}, ("output_uri", "input_uri")),
     "lease-is-input": ({"input_uri": "s3://b/out/results.lease.json"}, ("output_uri", "input_uri")),
-    "input-under-staging": ({"input_uri": "s3://b/out/results.jsonl.staging/0123456789abcdef/input.jsonl"}, ("output_uri", "input_uri")),
+    "input-under-staging": (
+        {"input_uri": "s3://b/out/results.jsonl.staging/0123456789abcdef/input.jsonl"},
+        ("output_uri", "input_uri"),
+    ),
     "error-is-output": ({"error_uri": "s3://b/out/results.jsonl"}, ("error_uri", "output_uri")),
     "error-is-manifest": ({"error_uri": "s3://b/out/results.manifest.json"}, ("error_uri", "output_uri")),
     "error-is-lease": ({"error_uri": "s3://b/out/results.lease.json"}, ("error_uri", "output_uri")),
-    "error-under-staging": ({"error_uri": "s3://b/out/results.jsonl.staging/x.jsonl"}, ("error_uri", "output_uri")),
+    "error-under-staging": (
+        {"error_uri": "s3://b/out/results.jsonl.staging/x.jsonl"},
+        ("error_uri", "output_uri"),
+    ),
     "cache-holds-input": ({"answer_cache_uri": "s3://b/in/"}, ("input_uri", "answer_cache_uri")),
     "cache-holds-output": ({"answer_cache_uri": "s3://b/out/"}, ("output_uri", "answer_cache_uri")),
     "cache-is-whole-bucket": ({"answer_cache_uri": "s3://b/"}, ("output_uri", "answer_cache_uri")),
-    "cache-under-staging": ({"answer_cache_uri": "s3://b/out/results.jsonl.staging/cache/"}, ("output_uri", "answer_cache_uri")),
+    "cache-under-staging": (
+        {"answer_cache_uri": "s3://b/out/results.jsonl.staging/cache/"},
+        ("output_uri", "answer_cache_uri"),
+    ),
     "error-under-cache": (
         {"answer_cache_uri": "s3://c/cache/", "error_uri": "s3://c/cache/errors.jsonl"},
         ("error_uri", "answer_cache_uri"),
@@ -35,7 +47,12 @@ COLLIDING = {
         ("requests", "error_uri"),
     ),
     "requests-prefix-under-cache": (
-        {"input_uri": None, "requests": ["hi"], "output_uri": "s3://o/results.jsonl", "answer_cache_uri": "s3://o/results.requests/"},
+        {
+            "input_uri": None,
+            "requests": ["hi"],
+            "output_uri": "s3://o/results.jsonl",
+            "answer_cache_uri": "s3://o/results.requests/",
+        },
         ("requests", "answer_cache_uri"),
     ),
 }
@@ -52,7 +69,9 @@ APART = {
 
 
 @pytest.mark.parametrize(("values", "parameters"), COLLIDING.values(), ids=COLLIDING)
-def test_colliding_locations_are_refused_when_the_settings_are_read_naming_both_parameters(values, parameters):
+def test_colliding_locations_are_refused_when_the_settings_are_read_naming_both_parameters(
+    values, parameters
+):
     with pytest.raises(LocationError) as err:
         BatchSettings.from_rendered(**{**BASE, **values})
     message = str(err.value)
@@ -93,4 +112,8 @@ def test_the_lease_and_staging_checked_are_where_the_store_puts_them():
     staging = store.staging(mock.MagicMock(short="0123456789abcdef"))
     assert f"s3://{staging.bucket}/{staging.prefix}".startswith(staging_uri(BASE["output_uri"]))
     labels = {loc.label for loc in run_locations(BASE)}
-    assert {"the lease of output_uri", "the staging prefix of output_uri", "the manifest of output_uri"} <= labels
+    assert {
+        "the lease of output_uri",
+        "the staging prefix of output_uri",
+        "the manifest of output_uri",
+    } <= labels

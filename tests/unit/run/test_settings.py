@@ -18,7 +18,9 @@ from airflow_vllm_batch.run.settings import (
 
 
 def make(**kwargs) -> BatchSettings:
-    return BatchSettings.from_rendered(**{"input_uri": "s3://b/in.jsonl", "output_uri": "s3://b/out/results.jsonl", "model": "m", **kwargs})
+    return BatchSettings.from_rendered(
+        **{"input_uri": "s3://b/in.jsonl", "output_uri": "s3://b/out/results.jsonl", "model": "m", **kwargs}
+    )
 
 
 def test_expiry_follows_the_execution_timeout_plus_margin():
@@ -82,8 +84,17 @@ def test_no_engine_is_vllms_batch_runner():
 
 @pytest.mark.parametrize(("given", "seconds"), [(timedelta(minutes=2), 120.0), (90, 90.0), (2.5, 2.5)])
 def test_the_server_durations_take_a_timedelta_or_seconds(given, seconds):
-    options = make(engine=VLLMServer(startup_timeout=given, request_timeout=given, checkpoint_interval=given, kill_grace=given)).engine
-    assert (options.startup_timeout_s, options.request_timeout_s, options.checkpoint_interval_s, options.kill_grace_s) == (seconds,) * 4
+    options = make(
+        engine=VLLMServer(
+            startup_timeout=given, request_timeout=given, checkpoint_interval=given, kill_grace=given
+        )
+    ).engine
+    assert (
+        options.startup_timeout_s,
+        options.request_timeout_s,
+        options.checkpoint_interval_s,
+        options.kill_grace_s,
+    ) == (seconds,) * 4
 
 
 def test_the_default_durations_are_the_engines_own():
@@ -93,8 +104,16 @@ def test_the_default_durations_are_the_engines_own():
     from airflow_vllm_batch.serving.stream import DEFAULT_REQUEST_TIMEOUT_S
 
     options = VLLMServer()
-    assert (options.startup_timeout_s, options.request_timeout_s, options.checkpoint_interval_s, options.kill_grace_s) == (
-        DEFAULT_STARTUP_TIMEOUT_S, DEFAULT_REQUEST_TIMEOUT_S, DEFAULT_CHECKPOINT_INTERVAL_S, DEFAULT_GRACE_S
+    assert (
+        options.startup_timeout_s,
+        options.request_timeout_s,
+        options.checkpoint_interval_s,
+        options.kill_grace_s,
+    ) == (
+        DEFAULT_STARTUP_TIMEOUT_S,
+        DEFAULT_REQUEST_TIMEOUT_S,
+        DEFAULT_CHECKPOINT_INTERVAL_S,
+        DEFAULT_GRACE_S,
     )
 
 
@@ -103,8 +122,17 @@ def test_the_default_durations_are_the_engines_own():
 def test_a_duration_that_is_not_positive_fails_at_dag_parse_time_naming_it(name, bad):
     from airflow_vllm_batch.run.settings import check_static_settings
 
-    with pytest.raises(ConfigurationError, match=rf"^{name} must be a datetime.timedelta or a number of seconds > 0"):
-        check_static_settings({"input_uri": "s3://b/in.jsonl", "output_uri": "s3://b/o.jsonl", "model": "m", "engine": VLLMServer(**{name: bad})})
+    with pytest.raises(
+        ConfigurationError, match=rf"^{name} must be a datetime.timedelta or a number of seconds > 0"
+    ):
+        check_static_settings(
+            {
+                "input_uri": "s3://b/in.jsonl",
+                "output_uri": "s3://b/o.jsonl",
+                "model": "m",
+                "engine": VLLMServer(**{name: bad}),
+            }
+        )
 
 
 def test_a_started_server_gets_its_timeouts():

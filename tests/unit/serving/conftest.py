@@ -28,8 +28,14 @@ def chat_completion(custom_id: str, completion_tokens: int = 3) -> dict:
         "object": "chat.completion",
         "created": 1,
         "model": "m",
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "length"}],
-        "usage": {"prompt_tokens": 5, "completion_tokens": completion_tokens, "total_tokens": 5 + completion_tokens},
+        "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "length"}
+        ],
+        "usage": {
+            "prompt_tokens": 5,
+            "completion_tokens": completion_tokens,
+            "total_tokens": 5 + completion_tokens,
+        },
     }
 
 

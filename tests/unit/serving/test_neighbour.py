@@ -40,7 +40,9 @@ vllm:cache_config_info{block_size="16",engine="0"} 1.0
 
 
 def load(waiting=0.0, running=0.0, kv=None, queue=None, tokens=None) -> ServerLoad:
-    return ServerLoad(waiting=waiting, running=running, kv_cache_usage=kv, queue_time_s=queue, token_time_s=tokens)
+    return ServerLoad(
+        waiting=waiting, running=running, kv_cache_usage=kv, queue_time_s=queue, token_time_s=tokens
+    )
 
 
 def controller(ceiling=64, floor=4, bound=None, metrics=True) -> InFlightController:
@@ -104,7 +106,13 @@ def test_an_idle_server_starts_the_batch_at_the_floor_and_doubles_it_from_the_fi
     c = InFlightController(64, 4)
     move = c.start(load())
     assert (move.bound, move.why) == (4, "the server is idle: doubling from the floor")
-    assert [c.update(Reading(load(running=c.bound), in_flight=c.bound)).bound for _ in range(5)] == [8, 16, 32, 64, 64]
+    assert [c.update(Reading(load(running=c.bound), in_flight=c.bound)).bound for _ in range(5)] == [
+        8,
+        16,
+        32,
+        64,
+        64,
+    ]
 
 
 def test_a_server_busy_with_others_starts_the_batch_at_the_floor():
@@ -185,12 +193,17 @@ def test_the_bound_never_goes_below_the_floor():
 def test_with_others_on_the_server_and_none_waiting_the_bound_grows_by_a_step():
     c = controller(ceiling=64, bound=8)
     move = c.update(Reading(load(running=10), in_flight=8))
-    assert move.bound == 8 + 64 // GROWTH_PARTS and move.why == "none waiting with 2 requests of others on the server"
+    assert (
+        move.bound == 8 + 64 // GROWTH_PARTS
+        and move.why == "none waiting with 2 requests of others on the server"
+    )
 
 
 def test_without_others_the_bound_steps_then_doubles_once_they_have_been_gone_a_while():
     c = controller(ceiling=64, bound=8)
-    bounds = [c.update(Reading(load(running=c.bound), in_flight=c.bound)).bound for _ in range(QUIET_CHECKS + 1)]
+    bounds = [
+        c.update(Reading(load(running=c.bound), in_flight=c.bound)).bound for _ in range(QUIET_CHECKS + 1)
+    ]
     step = 64 // GROWTH_PARTS
     assert bounds[: QUIET_CHECKS - 1] == [8 + step * (i + 1) for i in range(QUIET_CHECKS - 1)]
     assert bounds[QUIET_CHECKS - 1] == 2 * bounds[QUIET_CHECKS - 2]
@@ -231,7 +244,14 @@ def test_the_controller_counts_its_moves_and_keeps_the_last_change():
 
 
 def test_the_same_readings_give_the_same_bounds():
-    readings = [Reading(load(waiting=w % 3, running=20 + w, kv=0.5, tokens=(w * 0.1, w * 20.0)), in_flight=18, rejections=w % 5 == 4) for w in range(40)]
+    readings = [
+        Reading(
+            load(waiting=w % 3, running=20 + w, kv=0.5, tokens=(w * 0.1, w * 20.0)),
+            in_flight=18,
+            rejections=w % 5 == 4,
+        )
+        for w in range(40)
+    ]
 
     def run() -> list[int]:
         c = controller(ceiling=128, floor=2, bound=64)

@@ -21,12 +21,14 @@ from airflow_vllm_batch.serving import (
     ServerUnavailableError,
     StreamStats,
     run_stream,
+    stream,
 )
-from airflow_vllm_batch.serving import stream
 from airflow_vllm_batch.serving.stream import result_line
 from tests.unit.serving.conftest import API_KEY, StandIn, chat_completion, request_lines
 
-ERROR_RESPONSE = {"error": {"message": "bad temperature", "type": "BadRequestError", "param": "temperature", "code": 400}}
+ERROR_RESPONSE = {
+    "error": {"message": "bad temperature", "type": "BadRequestError", "param": "temperature", "code": 400}
+}
 
 
 def _stream(stand_in: StandIn, tmp_path: Path, lines, **kwargs) -> tuple[StreamStats, list[dict], Journal]:
@@ -75,7 +77,15 @@ def test_the_input_is_read_only_a_bounded_way_ahead_of_the_answers(stand_in, tmp
         if not seen_when_released:
             seen_when_released.append(read)
 
-    run_stream(lines(), base_url=stand_in.base_url, api_key=API_KEY, journal=journal, max_in_flight=2, on_progress=on_progress, progress_every_s=0.3)
+    run_stream(
+        lines(),
+        base_url=stand_in.base_url,
+        api_key=API_KEY,
+        journal=journal,
+        max_in_flight=2,
+        on_progress=on_progress,
+        progress_every_s=0.3,
+    )
     timer.join()
     # In flight (2) + what is buffered (under one chunk of 64) + the chunk read ahead (64).
     assert seen_when_released and seen_when_released[0] <= 2 + 2 * 64
@@ -164,7 +174,11 @@ def _answer_after(failures: int, status: int, headers: dict | None = None):
 
     async def behaviour(custom_id, body, attempt):
         if attempt <= failures:
-            return web.json_response({"error": {"message": "try later", "type": "Busy", "param": None, "code": status}}, status=status, headers=headers)
+            return web.json_response(
+                {"error": {"message": "try later", "type": "Busy", "param": None, "code": status}},
+                status=status,
+                headers=headers,
+            )
         return web.json_response(chat_completion(custom_id))
 
     return behaviour
@@ -205,20 +219,33 @@ def test_a_429_waits_as_long_as_its_retry_after_says(stand_in, tmp_path, monkeyp
 
 
 @pytest.mark.parametrize("status", [408, 429, 500, 504, 507])
-def test_a_request_whose_retries_run_out_on_a_non_final_answer_is_set_aside_and_the_others_go_on(stand_in, tmp_path, status):
+def test_a_request_whose_retries_run_out_on_a_non_final_answer_is_set_aside_and_the_others_go_on(
+    stand_in, tmp_path, status
+):
     async def r1_never_answers(custom_id, body, attempt):
         if custom_id == "r1":
-            return web.json_response({"error": {"message": "engine busy", "type": "Busy", "param": None, "code": status}}, status=status)
+            return web.json_response(
+                {"error": {"message": "engine busy", "type": "Busy", "param": None, "code": status}},
+                status=status,
+            )
         return web.json_response(chat_completion(custom_id))
 
     stand_in.behaviour = r1_never_answers
     stats, results, journal = _stream(stand_in, tmp_path, request_lines(4), retries=2)
-    assert sorted(r["custom_id"] for r in results) == ["r0", "r2", "r3"]  # nothing but final answers in the parts
+    assert sorted(r["custom_id"] for r in results) == [
+        "r0",
+        "r2",
+        "r3",
+    ]  # nothing but final answers in the parts
     assert stand_in.attempts["r1"] == 3
     (line,) = _set_aside_lines(journal)
     assert line["custom_id"] == "r1" and line["response"]["status_code"] == status
     assert line["error"]["error"]["message"] == "engine busy"
-    assert (stats.unanswered, stats.unanswered_reasons, stats.unanswered_example) == (1, {f"HTTP {status}": 1}, "r1")
+    assert (stats.unanswered, stats.unanswered_reasons, stats.unanswered_example) == (
+        1,
+        {f"HTTP {status}": 1},
+        "r1",
+    )
 
 
 def test_a_200_whose_body_is_not_json_is_retried_not_journaled(stand_in, tmp_path):
@@ -277,7 +304,15 @@ def test_a_server_gone_for_good_raises_after_the_journal_is_flushed(stand_in, tm
     stand_in.behaviour = die_after_five
     journal = Journal(tmp_path)
     with pytest.raises(ServerUnavailableError, match="did not answer after 2 retries") as raised:
-        run_stream(request_lines(50), base_url=stand_in.base_url, api_key=API_KEY, journal=journal, max_in_flight=1, retries=2, backoff_s=0.01)
+        run_stream(
+            request_lines(50),
+            base_url=stand_in.base_url,
+            api_key=API_KEY,
+            journal=journal,
+            max_in_flight=1,
+            retries=2,
+            backoff_s=0.01,
+        )
     assert journal.lines_durable == 5
     assert len(_journal_lines(journal)) == 5
     assert API_KEY not in str(raised.value)
@@ -286,7 +321,14 @@ def test_a_server_gone_for_good_raises_after_the_journal_is_flushed(stand_in, tm
 def test_a_refused_server_raises_server_unavailable(tmp_path):
     journal = Journal(tmp_path)
     with pytest.raises(ServerUnavailableError, match="127.0.0.1:9"):
-        run_stream(request_lines(3), base_url="http://127.0.0.1:9", api_key=None, journal=journal, retries=1, backoff_s=0.01)
+        run_stream(
+            request_lines(3),
+            base_url="http://127.0.0.1:9",
+            api_key=None,
+            journal=journal,
+            retries=1,
+            backoff_s=0.01,
+        )
 
 
 def test_a_refused_api_key_raises_at_once_without_showing_it(stand_in, tmp_path):
@@ -318,7 +360,14 @@ def test_progress_reports_counts_and_rates(stand_in, tmp_path):
 
     stand_in.behaviour = slow
     reports: list[StreamStats] = []
-    _stream(stand_in, tmp_path, request_lines(40), max_in_flight=2, on_progress=reports.append, progress_every_s=0.1)
+    _stream(
+        stand_in,
+        tmp_path,
+        request_lines(40),
+        max_in_flight=2,
+        on_progress=reports.append,
+        progress_every_s=0.1,
+    )
     assert reports
     last = reports[-1]
     assert 0 < last.done <= last.read <= 40
@@ -331,7 +380,9 @@ def test_a_failed_checkpoint_upload_stops_the_stream(stand_in, tmp_path):
 
     journal = Journal(tmp_path, on_part=upload, max_part_bytes=1)
     with pytest.raises(OSError, match="S3 is down"):
-        run_stream(request_lines(100), base_url=stand_in.base_url, api_key=API_KEY, journal=journal, max_in_flight=2)
+        run_stream(
+            request_lines(100), base_url=stand_in.base_url, api_key=API_KEY, journal=journal, max_in_flight=2
+        )
     assert sum(stand_in.attempts.values()) < 100
 
 
@@ -348,7 +399,9 @@ def test_a_wedged_server_ends_the_stream_within_the_request_timeout_not_retries_
 
     stand_in.behaviour = wedged
     started = time.monotonic()
-    with pytest.raises(ServerUnavailableError, match=r"answered no request for 0\.5s \(request_timeout\).*wedged"):
+    with pytest.raises(
+        ServerUnavailableError, match=r"answered no request for 0\.5s \(request_timeout\).*wedged"
+    ):
         _stream(stand_in, tmp_path, request_lines(8), max_in_flight=4, retries=6, request_timeout_s=0.5)
     assert time.monotonic() - started < 0.5 + 2.0  # one request_timeout, plus room for a loaded machine
     assert max(stand_in.attempts.values()) == 1

@@ -68,7 +68,9 @@ async def _slow(custom_id, body, attempt):
     return web.json_response(chat_completion(custom_id))
 
 
-def _run(server: SharedServer, tmp_path, n: int, plan: NeighbourPlan, **kwargs) -> tuple[StreamStats, list[dict], list[StreamStats]]:
+def _run(
+    server: SharedServer, tmp_path, n: int, plan: NeighbourPlan, **kwargs
+) -> tuple[StreamStats, list[dict], list[StreamStats]]:
     journal = Journal(tmp_path / "journal")
     seen: list[StreamStats] = []
     stats = run_stream(
@@ -125,7 +127,9 @@ def test_the_bound_backs_off_while_others_queue_and_grows_back_once_they_are_gon
     burst_bounds = [b for p, b in timeline if p == "burst"]
     assert burst_bounds and min(burst_bounds) == 2, timeline
     assert stats.bound == 32 and stats.bound_lowered >= 1 and stats.bound_raised >= 1, timeline
-    assert "requests waiting with" in stats.bound_last_move or "no requests of others" in stats.bound_last_move
+    assert (
+        "requests waiting with" in stats.bound_last_move or "no requests of others" in stats.bound_last_move
+    )
     assert stats.done == 3000
 
 
@@ -170,7 +174,11 @@ def test_429s_lower_the_bound(shared, tmp_path):
 def test_the_api_key_goes_to_the_servers_own_metrics_but_not_to_another_url(shared, tmp_path):
     other = SharedServer().start()
     try:
-        plan = NeighbourPlan(priority=None, check_every_s=0.02, metrics_urls=(other.base_url + "/metrics", shared.base_url + "/metrics"))
+        plan = NeighbourPlan(
+            priority=None,
+            check_every_s=0.02,
+            metrics_urls=(other.base_url + "/metrics", shared.base_url + "/metrics"),
+        )
         _run(shared, tmp_path, 5, plan, max_in_flight=4)
         assert other.metrics_auth == {None}
         assert shared.metrics_auth == {f"Bearer {API_KEY}"}

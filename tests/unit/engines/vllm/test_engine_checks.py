@@ -13,10 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from vllm_batch_embedded.tiny_model import (
-    build_tiny_chat_model,
-    embedding_model_path,
-)
 from airflow_vllm_batch.engines.vllm.checks import (
     EngineArgsCheckError,
     EngineArgumentsError,
@@ -24,10 +20,14 @@ from airflow_vllm_batch.engines.vllm.checks import (
     ModelInfo,
     ModelNotFoundError,
     argv_to_check,
-    raise_for_result,
     check_engine_args,
     inspect_model,
+    raise_for_result,
     run_argcheck_script,
+)
+from vllm_batch_embedded.tiny_model import (
+    build_tiny_chat_model,
+    embedding_model_path,
 )
 
 # Runs vLLM's own argument parsers and model loaders in this Python.
@@ -51,7 +51,10 @@ REFUSED_RUNNER_ARGS = {
     "bad-choice": (["--runner", "embed"], ["argument --runner", "invalid choice: 'embed'"]),
     "task-removed": (["--task", "embed"], ["unrecognized arguments: --task embed", "use --runner pooling"]),
     # The server's own flag: accepted by the api_server parser (tests/unit/engines/test_local.py), not the runner's.
-    "server-only-flag": (["--enforce-eager", "--uvicorn-log-level", "warning"], ["unrecognized arguments: --uvicorn-log-level warning"]),
+    "server-only-flag": (
+        ["--enforce-eager", "--uvicorn-log-level", "warning"],
+        ["unrecognized arguments: --uvicorn-log-level warning"],
+    ),
 }
 ACCEPTED_RUNNER_ARGS = {
     "none": [],
@@ -61,7 +64,11 @@ ACCEPTED_RUNNER_ARGS = {
 }
 REFUSED_SERVER_ARGS = {
     # (--port, --host, --api-key and --uds are refused before vLLM's parser: the task sets them.)
-    "log-level-not-a-choice": (["--uvicorn-log-level", "loud"], ["argument --uvicorn-log-level", "'loud'"], "'vllm serve --help'"),
+    "log-level-not-a-choice": (
+        ["--uvicorn-log-level", "loud"],
+        ["argument --uvicorn-log-level", "'loud'"],
+        "'vllm serve --help'",
+    ),
     "auto-tool-choice-alone": (
         ["--enable-auto-tool-choice"],
         ["--enable-auto-tool-choice requires --tool-call-parser"],
@@ -242,7 +249,9 @@ def test_kind_follows_vllms_architecture_rule(model_copy, architectures, kind):
     assert inspect_model(str(model_copy), []).kind == kind
 
 
-@pytest.mark.parametrize("model", ["/nonexistent/models/llama", "./no-such-model", "../no-such-model", "a/b/c"])
+@pytest.mark.parametrize(
+    "model", ["/nonexistent/models/llama", "./no-such-model", "../no-such-model", "a/b/c"]
+)
 def test_missing_local_model_names_model_and_path(model):
     with pytest.raises(ModelNotFoundError) as err:
         inspect_model(model, [])
@@ -267,7 +276,9 @@ def test_directory_without_model_files_says_what_is_missing(model_copy, remove, 
     with pytest.raises(IncompleteModelError) as err:
         inspect_model(str(model_copy), engine_args)
     message = str(err.value)
-    assert message.startswith(f"model: the directory {str(model_copy)!r} does not look like a model: {missing}")
+    assert message.startswith(
+        f"model: the directory {str(model_copy)!r} does not look like a model: {missing}"
+    )
     assert "Give model= the directory that holds the downloaded model" in message
 
 
@@ -287,7 +298,9 @@ def test_files_the_engine_args_make_unneeded_are_not_required(model_copy, remove
 
 
 def test_a_file_is_not_a_model_directory(tiny_model):
-    with pytest.raises(IncompleteModelError, match=r"model: .*config\.json' is a file, not a model directory"):
+    with pytest.raises(
+        IncompleteModelError, match=r"model: .*config\.json' is a file, not a model directory"
+    ):
         inspect_model(str(tiny_model / "config.json"), [])
 
 
@@ -315,7 +328,11 @@ def test_cached_hub_model_is_read_from_its_snapshot(tiny_model, tmp_path):
     (repo / "refs" / "main").write_text(commit)
     env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub")}
     info = inspect_model("org/tiny", ["--served-model-name", "tiny"], env=env)
-    assert (info.kind, info.local_path, info.served_names) == ("generate", repo / "snapshots" / commit, ["tiny"])
+    assert (info.kind, info.local_path, info.served_names) == (
+        "generate",
+        repo / "snapshots" / commit,
+        ["tiny"],
+    )
 
 
 def test_check_engine_args_reads_vllms_offline_defaults_for_the_engines_device_and_world_size():

@@ -4,7 +4,6 @@ import json
 
 import pytest
 
-from airflow_vllm_batch.exceptions import AdapterNotFoundError, EngineArgumentsError
 from airflow_vllm_batch.engines.vllm.model_names import (
     LoraAdapter,
     ServedModels,
@@ -13,6 +12,7 @@ from airflow_vllm_batch.engines.vllm.model_names import (
     served_models,
     served_models_of_server,
 )
+from airflow_vllm_batch.exceptions import AdapterNotFoundError, EngineArgumentsError
 
 
 @pytest.fixture
@@ -42,7 +42,9 @@ def test_served_model_names_replace_the_path(engine_args, base):
 
 def test_adapters_in_both_forms_are_names(adapter):
     as_json = json.dumps({"name": "chat", "path": str(adapter), "base_model_name": "llama"})
-    served = served_models("/m", ["--enable-lora", "--lora-modules", f"sql={adapter}", as_json, "--max-lora-rank", "8"])
+    served = served_models(
+        "/m", ["--enable-lora", "--lora-modules", f"sql={adapter}", as_json, "--max-lora-rank", "8"]
+    )
     assert served == ServedModels(
         base_names=("/m",),
         adapters=(LoraAdapter("sql", str(adapter)), LoraAdapter("chat", str(adapter), "llama")),
@@ -55,7 +57,9 @@ def test_adapters_without_enable_lora_fail_naming_the_fix(adapter):
         served_models("/m", ["--lora-modules", f"sql={adapter}"])
 
 
-@pytest.mark.parametrize("flag", ["--enable-lora=false", "--no-enable-lora", "--disable-lora", "--disable_lora"])
+@pytest.mark.parametrize(
+    "flag", ["--enable-lora=false", "--no-enable-lora", "--disable-lora", "--disable_lora"]
+)
 def test_enable_lora_switched_off_again_counts_as_off(adapter, flag):
     with pytest.raises(EngineArgumentsError, match="--enable-lora"):
         served_models("/m", ["--enable-lora", flag, "--lora-modules", f"sql={adapter}"])
@@ -94,7 +98,10 @@ def test_a_hub_adapter_not_cached_fails_when_downloads_are_off(tmp_path):
 
 
 def test_a_hub_adapter_is_left_to_the_engine_when_downloads_are_on(tmp_path):
-    check_adapters(served_models("/m", ["--enable-lora", "--lora-modules", "sql=org/sql-lora"]), {"HF_HOME": str(tmp_path)})
+    check_adapters(
+        served_models("/m", ["--enable-lora", "--lora-modules", "sql=org/sql-lora"]),
+        {"HF_HOME": str(tmp_path)},
+    )
 
 
 def test_a_cached_hub_adapter_is_checked_in_its_snapshot(tmp_path, adapter):
@@ -148,7 +155,14 @@ def test_cpu_lora_slots_need_one_more_than_the_adapters_a_mixed_batch_uses(extra
 
 @pytest.mark.parametrize(
     ("version", "affected"),
-    [("0.32.0", True), ("0.32.1", True), (None, True), ("0.33.0", False), ("0.33.1", False), ("0.34.0rc1", False)],
+    [
+        ("0.32.0", True),
+        ("0.32.1", True),
+        (None, True),
+        ("0.33.0", False),
+        ("0.33.1", False),
+        ("0.34.0rc1", False),
+    ],
 )
 def test_the_cpu_lora_slots_workaround_stops_at_the_vllm_release_that_fixes_it(version, affected):
     """vLLM 0.33's CPU LoRA ops mask the base model's rows (tests/unit/engines/vllm/test_vllm_releases.py reads the fix)."""

@@ -46,7 +46,9 @@ def test_the_engine_and_its_children_die_with_the_task_process(tmp_path, how):
         """
     )
     # The "task" has no signal handler of its own: SIGTERM kills it as SIGKILL does.
-    proc = subprocess.Popen([sys.executable, "-c", task], stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", task], stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": os.getcwd()}
+    )
     assert proc.stdout.readline().strip() == b"engine up"
     assert len(processes_with(marker)) == 3  # guard, engine, engine's child
     proc.send_signal(how)
@@ -58,7 +60,9 @@ def test_the_engine_and_its_children_die_with_the_task_process(tmp_path, how):
 
 def test_the_engines_exit_status_is_passed_on():
     assert start_bound_process([sys.executable, "-c", "raise SystemExit(3)"]).wait() == 3
-    killed = start_bound_process([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])
+    killed = start_bound_process(
+        [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"]
+    )
     assert killed.wait() == -signal.SIGKILL
 
 
@@ -70,7 +74,9 @@ def test_a_command_that_cannot_start_says_so():
 
 
 def test_the_engines_argv_is_not_on_the_guards_command_line():
-    proc = start_bound_process([sys.executable, "-c", "import time; time.sleep(5)", "https://b/k?X-Amz-Signature=s3cr3t"])
+    proc = start_bound_process(
+        [sys.executable, "-c", "import time; time.sleep(5)", "https://b/k?X-Amz-Signature=s3cr3t"]
+    )
     try:
         assert b"s3cr3t" not in Path(f"/proc/{proc.pid}/cmdline").read_bytes()
     finally:
@@ -81,7 +87,9 @@ def test_the_engines_argv_is_not_on_the_guards_command_line():
 def test_reap_sees_the_exit_while_another_frame_holds_popens_wait_lock():
     # on_kill runs in the SIGTERM handler on the main thread, perhaps inside Popen.wait()
     # with its lock held: reap must notice the exit without that lock, and quickly.
-    proc = start_bound_process([sys.executable, "-c", "import time; time.sleep(600)"], stdout=subprocess.DEVNULL)
+    proc = start_bound_process(
+        [sys.executable, "-c", "import time; time.sleep(600)"], stdout=subprocess.DEVNULL
+    )
     with proc._waitpid_lock:
         os.killpg(proc.pid, signal.SIGKILL)
         started = time.monotonic()
@@ -91,7 +99,9 @@ def test_reap_sees_the_exit_while_another_frame_holds_popens_wait_lock():
 
 
 def test_reap_says_so_when_the_process_outlives_the_timeout():
-    proc = start_bound_process([sys.executable, "-c", "import time; time.sleep(600)"], stdout=subprocess.DEVNULL)
+    proc = start_bound_process(
+        [sys.executable, "-c", "import time; time.sleep(600)"], stdout=subprocess.DEVNULL
+    )
     try:
         assert not reap(proc, timeout=0.3)
     finally:

@@ -24,8 +24,11 @@ from packaging.version import Version
 
 from airflow_vllm_batch.batchfile.cache_keys import output_args
 from airflow_vllm_batch.engines.sizing import scheduler_sizes
-from airflow_vllm_batch.exceptions import EngineArgumentsError
-from airflow_vllm_batch.engines.vllm import argcheck as engine_argcheck, probe as engine_probe
+from airflow_vllm_batch.engines.vllm import (
+    RUN_BATCH_MODULE,
+    argcheck as engine_argcheck,
+    probe as engine_probe,
+)
 from airflow_vllm_batch.engines.vllm.checks import (
     OfflineDefaults,
     argv_to_check,
@@ -33,13 +36,15 @@ from airflow_vllm_batch.engines.vllm.checks import (
     run_argcheck_script,
     switch_setting,
 )
-from airflow_vllm_batch.engines.vllm.model_names import CPU_LORA_SLOTS_FIXED_IN, served_models
-from airflow_vllm_batch.engines.vllm import RUN_BATCH_MODULE
 from airflow_vllm_batch.engines.vllm.command import FALLBACK_SUPPORTED_URLS, build_engine_argv, probe_engine
+from airflow_vllm_batch.engines.vllm.model_names import CPU_LORA_SLOTS_FIXED_IN, served_models
 from airflow_vllm_batch.engines.vllm.server_process import SERVER_MODULE, build_server_argv
+from airflow_vllm_batch.exceptions import EngineArgumentsError
 
 REPO = Path(__file__).resolve().parents[4]
-VLLM033_PYTHON = os.environ.get("AIRFLOW_VLLM_BATCH_VLLM033_PYTHON") or str(REPO / ".venv-vllm033" / "bin" / "python")
+VLLM033_PYTHON = os.environ.get("AIRFLOW_VLLM_BATCH_VLLM033_PYTHON") or str(
+    REPO / ".venv-vllm033" / "bin" / "python"
+)
 
 #: What each release is expected to show.
 RELEASES = {
@@ -108,7 +113,9 @@ ENTRY_033 = """
         from vllm.entrypoints.common.cli_args import make_arg_parser, validate_parsed_serve_args
         parser = make_arg_parser(None)
 """
-PARSER = "def make_arg_parser(parser):\n    return parser\n\ndef validate_parsed_serve_args(args):\n    pass\n"
+PARSER = (
+    "def make_arg_parser(parser):\n    return parser\n\ndef validate_parsed_serve_args(args):\n    pass\n"
+)
 
 
 @pytest.mark.parametrize(
@@ -133,7 +140,13 @@ def test_the_servers_parser_is_found_by_following_its_entry_point(tmp_path, entr
 
 
 def test_an_entry_point_that_leads_to_no_parser_finds_none(tmp_path):
-    root = _tree(tmp_path, {"entrypoints/openai/api_server.py": SERVER_SHIM, "entrypoints/launchers/api_server/entry.py": "def main():\n    pass\n"})
+    root = _tree(
+        tmp_path,
+        {
+            "entrypoints/openai/api_server.py": SERVER_SHIM,
+            "entrypoints/launchers/api_server/entry.py": "def main():\n    pass\n",
+        },
+    )
     assert engine_probe.follow_entry_point(root, SERVER_MODULE, "make_arg_parser") is None
 
 
@@ -184,8 +197,14 @@ def test_a_runner_listing_url_entries_is_read_with_its_matching_rule(tmp_path):
 
 
 def test_a_shim_entry_point_is_followed_to_the_runner_it_runs(tmp_path):
-    root = _tree(tmp_path, {"entrypoints/openai/run_batch.py": RUNNER_SHIM, "entrypoints/launchers/run_batch.py": RUNNER_033})
-    assert engine_probe.follow_entry_point(root, "vllm.entrypoints.openai.run_batch", "build_endpoint_registry") == RUN_BATCH_MODULE
+    root = _tree(
+        tmp_path,
+        {"entrypoints/openai/run_batch.py": RUNNER_SHIM, "entrypoints/launchers/run_batch.py": RUNNER_033},
+    )
+    assert (
+        engine_probe.follow_entry_point(root, "vllm.entrypoints.openai.run_batch", "build_endpoint_registry")
+        == RUN_BATCH_MODULE
+    )
 
 
 def test_the_runners_options_are_read_even_when_its_urls_are_not(tmp_path):
@@ -206,24 +225,40 @@ def test_the_argument_checks_entry_modules_are_the_ones_the_operator_starts():
 CASES = {
     "server/none": ("api_server", []),
     "server/bad-choice": ("api_server", ["--uvicorn-log-level", "loud"]),
-    "server/disable-forms": ("api_server", ["--disable-chunked-prefill", "--disable-prefix-caching", "--disable-lora"]),
+    "server/disable-forms": (
+        "api_server",
+        ["--disable-chunked-prefill", "--disable-prefix-caching", "--disable-lora"],
+    ),
     "runner/none": ("run_batch", []),
     "runner/bad-length": ("run_batch", ["--max-model-len", "abc"]),
-    "runner/disable-forms": ("run_batch", ["--disable-chunked-prefill", "--disable-prefix-caching", "--disable-lora"]),
+    "runner/disable-forms": (
+        "run_batch",
+        ["--disable-chunked-prefill", "--disable-prefix-caching", "--disable-lora"],
+    ),
 }
 
 
 #: The whole argv the operator starts each engine with (the server's and the runner's own
 #: flags, the offline sizes, --output-tmp-dir for a URL output), past ``python -m module``.
 STARTED = {
-    "server/started": ("api_server", build_server_argv("m", host="127.0.0.1", port=8000, engine_args=["--max-num-seqs", "256"])[3:]),
+    "server/started": (
+        "api_server",
+        build_server_argv("m", host="127.0.0.1", port=8000, engine_args=["--max-num-seqs", "256"])[3:],
+    ),
     "runner/started": (
         "run_batch",
         build_engine_argv(
             input_location="http://127.0.0.1:9/in.jsonl",
             output_location="http://127.0.0.1:9/out.jsonl",
             model="m",
-            engine_args=["--max-num-seqs", "256", "--max-num-batched-tokens", "4096", "--output-tmp-dir", "/tmp"],
+            engine_args=[
+                "--max-num-seqs",
+                "256",
+                "--max-num-batched-tokens",
+                "4096",
+                "--output-tmp-dir",
+                "/tmp",
+            ],
         )[3:],
     ),
 }
@@ -247,14 +282,20 @@ def checked(release, tmp_path_factory) -> dict[str, dict]:
     finally:
         os.chdir(here)
         cwd.chmod(0o755)
-    return {**dict(zip([*CASES, *STARTED], answer["results"])), "offline_defaults": answer.get("offline_defaults")}
+    return {
+        **dict(zip([*CASES, *STARTED], answer["results"])),
+        "offline_defaults": answer.get("offline_defaults"),
+    }
 
 
 def test_the_servers_argument_check_finds_the_releases_parser(release, checked):
     result = checked["server/none"]
     assert result["ok"], result
     assert result["parser_module"] == release["server_parser"]
-    with pytest.raises(EngineArgumentsError, match=r"^VLLMServer\(args=\.\.\.\): argument --uvicorn-log-level: .*'loud'.*Fix args \(see 'vllm serve --help'\)\.$"):
+    with pytest.raises(
+        EngineArgumentsError,
+        match=r"^VLLMServer\(args=\.\.\.\): argument --uvicorn-log-level: .*'loud'.*Fix args \(see 'vllm serve --help'\)\.$",
+    ):
         raise_for_result(checked["server/bad-choice"], release["python"])
 
 
@@ -263,7 +304,10 @@ def test_the_runners_argument_check_passes_whatever_the_working_directory(releas
     result = checked["runner/none"]
     assert result["ok"], result
     assert result["parser_module"] == RUN_BATCH_MODULE
-    with pytest.raises(EngineArgumentsError, match=rf"^VLLMRunner\(args=\.\.\.\): argument --max-model-len: .*Fix args \(see 'python -m {RUN_BATCH_MODULE} --help'\)\.$"):
+    with pytest.raises(
+        EngineArgumentsError,
+        match=rf"^VLLMRunner\(args=\.\.\.\): argument --max-model-len: .*Fix args \(see 'python -m {RUN_BATCH_MODULE} --help'\)\.$",
+    ):
         raise_for_result(checked["runner/bad-length"], release["python"])
 
 
@@ -285,7 +329,12 @@ def test_the_disable_forms_are_the_releases_own(release, checked):
 def test_the_releases_offline_scheduler_defaults_are_read_in_the_same_run(release, checked):
     """Both releases keep EngineArgs.get_batch_defaults: on this CPU 256 sequences and 4096 tokens per rank."""
     defaults = OfflineDefaults.from_answer(checked["offline_defaults"], release["python"])
-    assert (defaults.max_num_seqs, defaults.max_num_batched_tokens, defaults.device, defaults.world_size) == (512, 8192, "cpu", 2)
+    assert (defaults.max_num_seqs, defaults.max_num_batched_tokens, defaults.device, defaults.world_size) == (
+        512,
+        8192,
+        "cpu",
+        2,
+    )
 
 
 def test_the_probe_finds_the_runners_urls_and_options(release):
@@ -323,13 +372,31 @@ print("SWITCHES " + json.dumps(seen))
 
 def test_on_off_flags_are_read_as_the_releases_parser_reads_them(release):
     """``switch_setting`` (sizing, served names) agrees with vLLM's own parser on every spelling the release takes."""
-    spellings = [["--enable-{}"], ["--no-enable-{}"], ["--enable-{}", "--no-enable-{}"], ["--no-enable-{}", "--enable-{}"]]
+    spellings = [
+        ["--enable-{}"],
+        ["--no-enable-{}"],
+        ["--enable-{}", "--no-enable-{}"],
+        ["--no-enable-{}", "--enable-{}"],
+    ]
     if release["disable_forms"]:
-        spellings += [["--disable-{}"], ["--enable-{}", "--disable-{}"], ["--disable-{}", "--enable-{}"], ["--no-enable-{}", "--disable-{}"]]
-    features = {"chunked-prefill": "enable_chunked_prefill", "lora": "enable_lora", "prefix-caching": "enable_prefix_caching"}
+        spellings += [
+            ["--disable-{}"],
+            ["--enable-{}", "--disable-{}"],
+            ["--disable-{}", "--enable-{}"],
+            ["--no-enable-{}", "--disable-{}"],
+        ]
+    features = {
+        "chunked-prefill": "enable_chunked_prefill",
+        "lora": "enable_lora",
+        "prefix-caching": "enable_prefix_caching",
+    }
     cases = [[f.format(feature) for f in spelling] for feature in features for spelling in spellings]
     done = subprocess.run(
-        [release["python"], "-I", "-c", _PARSE_SWITCHES, json.dumps(cases)], capture_output=True, text=True, timeout=600, env=ENV
+        [release["python"], "-I", "-c", _PARSE_SWITCHES, json.dumps(cases)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=ENV,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     seen = json.loads(done.stdout.split("SWITCHES ", 1)[1])
@@ -342,7 +409,10 @@ def test_the_disable_forms_change_what_the_operator_derives():
     """The consequences of 0.33's --disable-x forms: sizing, served names, the answer cache's model identity."""
     h100 = OfflineDefaults(max_num_seqs=1024, max_num_batched_tokens=16384, device="NVIDIA H100 80GB HBM3")
     # Without chunked prefill a step holds whole prompts: the token budget is vLLM's (the model's length).
-    assert scheduler_sizes(["--disable-chunked-prefill"], h100, model_kind="generate").max_num_batched_tokens is None
+    assert (
+        scheduler_sizes(["--disable-chunked-prefill"], h100, model_kind="generate").max_num_batched_tokens
+        is None
+    )
     with pytest.raises(EngineArgumentsError, match="--enable-lora"):
         served_models("m", ["--enable-lora", "--lora-modules", "a=/a", "--disable-lora"])
     assert output_args(["--disable-prefix-caching", "--max-inflight", "64", "--seed", "1"]) == ["--seed", "1"]
@@ -364,29 +434,58 @@ def test_the_engine_launcher_checks_and_sizes_in_the_releases_own_process(releas
     from airflow_vllm_batch.engines.vllm import launcher as engine_launcher
 
     def launch(entrypoint: str, args: list[str]) -> dict:
-        return {"entrypoint": entrypoint, "check": argv_to_check("m", args, entrypoint), "sizing": sizing_plan(args, model_kind="generate")}
+        return {
+            "entrypoint": entrypoint,
+            "check": argv_to_check("m", args, entrypoint),
+            "sizing": sizing_plan(args, model_kind="generate"),
+        }
 
     runner_argv = ["-i", "in.jsonl", "-o", str(tmp_path / "out.jsonl"), "--model", "m", "--enforce-eager"]
     disable = ["--disable-chunked-prefill"]
     launches = [
         [RUN_BATCH_MODULE, runner_argv, launch("run_batch", ["--enforce-eager"])],
-        [SERVER_MODULE, ["--model", "m", "--uvicorn-log-level", "loud"], launch("api_server", ["--uvicorn-log-level", "loud"])],
+        [
+            SERVER_MODULE,
+            ["--model", "m", "--uvicorn-log-level", "loud"],
+            launch("api_server", ["--uvicorn-log-level", "loud"]),
+        ],
         [SERVER_MODULE, ["--model", "m", *disable], launch("api_server", disable)],
     ]
     done = subprocess.run(  # noqa: S603 - the release's Python, as the engine starts it (no -I)
-        [release["python"], "-c", _PREPARE, engine_launcher.__file__, json.dumps(launches)], capture_output=True, text=True, timeout=600, env=ENV, cwd=tmp_path
+        [release["python"], "-c", _PREPARE, engine_launcher.__file__, json.dumps(launches)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=ENV,
+        cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    (runner, runner_report), (_, refused), (disabled_argv, disabled) = json.loads(done.stdout.split("LAUNCHED ", 1)[1])
+    (runner, runner_report), (_, refused), (disabled_argv, disabled) = json.loads(
+        done.stdout.split("LAUNCHED ", 1)[1]
+    )
     assert runner_report["check"]["ok"] and runner_report["check"]["parser_module"] == RUN_BATCH_MODULE
-    assert runner_report["offline_defaults"] == {"max_num_seqs": 256, "max_num_batched_tokens": 4096, "device": "cpu", "world_size": 1}
+    assert runner_report["offline_defaults"] == {
+        "max_num_seqs": 256,
+        "max_num_batched_tokens": 4096,
+        "device": "cpu",
+        "world_size": 1,
+    }
     assert runner == [*runner_argv, "--max-num-seqs", "256", "--max-num-batched-tokens", "4096"]
     assert refused["check"]["parser_module"] == release["server_parser"]
-    with pytest.raises(EngineArgumentsError, match=r"^VLLMServer\(args=\.\.\.\): argument --uvicorn-log-level: .*'loud'.*Fix args \(see 'vllm serve --help'\)\.$"):
+    with pytest.raises(
+        EngineArgumentsError,
+        match=r"^VLLMServer\(args=\.\.\.\): argument --uvicorn-log-level: .*'loud'.*Fix args \(see 'vllm serve --help'\)\.$",
+    ):
         raise_for_result(refused["check"], release["python"])
     if release["disable_forms"]:
         # 0.33's --disable-chunked-prefill: a step holds whole prompts, so the token budget is left to vLLM.
-        assert disabled["check"]["ok"] and disabled_argv == ["--model", "m", *disable, "--max-num-seqs", "256"]
+        assert disabled["check"]["ok"] and disabled_argv == [
+            "--model",
+            "m",
+            *disable,
+            "--max-num-seqs",
+            "256",
+        ]
     else:
         assert "unrecognized arguments: --disable-chunked-prefill" in disabled["check"]["error"]
 

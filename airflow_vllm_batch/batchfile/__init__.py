@@ -70,6 +70,12 @@ from airflow_vllm_batch.batchfile.answers import (
     read_answers,
 )
 from airflow_vllm_batch.batchfile.index import CustomIdIndex
+from airflow_vllm_batch.batchfile.line_checks import (
+    DEFAULT_MAX_LINE_BYTES,
+    RUNNER_URL_ADVICE,
+    PreflightOptions,
+    diagnose_line,
+)
 from airflow_vllm_batch.batchfile.models import (
     DEFAULT_SUPPORTED_URLS,
     SAMPLING_FIELDS,
@@ -80,15 +86,8 @@ from airflow_vllm_batch.batchfile.models import (
     error_object,
     line_kind,
 )
-from airflow_vllm_batch.batchfile.preflight import (
-    DEFAULT_MAX_LINE_BYTES,
-    RUNNER_URL_ADVICE,
-    PreflightOptions,
-    PreflightReport,
-    diagnose_line,
-    error_line,
-    preflight,
-)
+from airflow_vllm_batch.batchfile.preflight import preflight
+from airflow_vllm_batch.batchfile.preflight_report import PreflightReport, error_line
 from airflow_vllm_batch.batchfile.problems import Problem
 from airflow_vllm_batch.batchfile.results import (
     ENGINE_DEAD_MESSAGE,

@@ -262,3 +262,34 @@ def test_the_private_name_check_sees_one_imported_from_another_module():
     assert _private_names_imported(source, "airflow_vllm_batch.engines.runner") == [
         "airflow_vllm_batch.engines.runner imports airflow_vllm_batch.engines.server._decode_custom_id"
     ]
+
+
+#: Preflight's modules, each importing only the ones before it: the line checks know no report,
+#: the report no file check, and only the pass knows them all.
+PREFLIGHT_ORDER = [
+    "airflow_vllm_batch.batchfile.line_checks",
+    "airflow_vllm_batch.batchfile.preflight_report",
+    "airflow_vllm_batch.batchfile.file_checks",
+    "airflow_vllm_batch.batchfile.preflight",
+]
+
+
+def _against_the_order(edges: dict[str, set[str]], order: list[str]) -> list[str]:
+    """The imports among ``order``'s modules that go to one listed after the importer."""
+    return sorted(
+        f"{name} imports {target}"
+        for name in order
+        for target in edges.get(name, ())
+        if target in order and order.index(target) > order.index(name)
+    )
+
+
+def test_preflights_modules_import_only_the_ones_before_them():
+    assert _against_the_order(_package_edges(), PREFLIGHT_ORDER) == []
+
+
+def test_the_order_check_refuses_the_line_checks_importing_the_report():
+    edges = {PREFLIGHT_ORDER[0]: {PREFLIGHT_ORDER[1]}}
+    assert _against_the_order(edges, PREFLIGHT_ORDER) == [
+        f"{PREFLIGHT_ORDER[0]} imports {PREFLIGHT_ORDER[1]}"
+    ]

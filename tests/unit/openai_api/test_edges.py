@@ -7,7 +7,7 @@ from airflow.api_fastapi.core_api.security import get_user
 from fastapi import HTTPException
 from fastapi.testclient import TestClient
 
-from airflow_vllm_batch.batchfile.preflight import PreflightReport
+from airflow_vllm_batch.batchfile.preflight_report import PreflightReport
 from airflow_vllm_batch.batchfile.problems import Problem
 from airflow_vllm_batch.exceptions import ConfigurationError, PreflightError
 from airflow_vllm_batch.openai_api import app as app_module

@@ -216,9 +216,9 @@ class OutputLease:
             if other is not None and not other.same_task_instance(self.holder) and age < self.stale_after_s:
                 raise OutputBusyError(
                     f"Another run is writing this output: {other.describe()} holds {self.uri} "
-                    f"(last heartbeat {age:.0f}s ago). Nothing was run. Give each run its own "
-                    "output_uri (template it with {{ run_id }} or the data interval), or wait for "
-                    f"that run; its lease is taken over once it has been silent for {self.stale_after_s:.0f}s."
+                    f"(last heartbeat {age:.0f}s ago); nothing was run. Give each run its own output_uri "
+                    "(template it with {{ run_id }}), or wait for that run "
+                    f"(its lease is taken over after {self.stale_after_s:.0f}s of silence)."
                 )
             if other is not None and not other.same_task_instance(self.holder):
                 log.warning("Taking over the stale lease of %s (silent for %.0fs)", other.describe(), age)

@@ -208,8 +208,8 @@ def check_merged_counts(
             f"The shards' files hold {sum(result_lines)} result and {sum(error_lines)} error line(s), their "
             f"manifests count {expected['completed']} completed and {expected['failed']} failed requests: "
             + "; ".join(disagreeing)
-            + ". Nothing was published. Those shards' files changed after their manifests were written "
-            "(another run over the same output_uri?); clear those shards' inference tasks to publish them again."
+            + ". Nothing was published: clear those shards' inference tasks "
+            "(see docs/troubleshooting.md#a-shard-changed-after-its-manifest)."
         )
 
 

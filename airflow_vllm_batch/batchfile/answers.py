@@ -244,7 +244,7 @@ def read_answers(
     if any(found[k] != v for k, v in expected.items()):
         raise ResultsCheckError(
             f"{source['output_uri']} does not match its manifest: {found} answers, the manifest says {expected}. "
-            "The output was written again since this manifest (another run over the same output_uri?)."
+            "The output was written again after this manifest: read the output's current manifest instead."
         )
 
 

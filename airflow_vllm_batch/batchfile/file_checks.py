@@ -104,8 +104,8 @@ class FileChecks:
         if len(by_kind) > 1:
             self.file_problem(
                 f"the file mixes generation requests ({', '.join(by_kind['generate'])}) with pooling requests "
-                f"({', '.join(by_kind['pooling'])}); vLLM serves one kind per engine (a generation model, or a "
-                "pooling model with --runner pooling) — put each kind in a file of its own"
+                f"({', '.join(by_kind['pooling'])}); vLLM serves one kind per engine — put each kind in a file "
+                "of its own"
             )
 
     def renumber_for_cleaned_copy(self) -> None:
@@ -154,9 +154,8 @@ class FileChecks:
         self.report.problems = merged[: self.opts.max_problems_listed]
         if self.opts.invalid_lines == "skip":
             self.file_problem(
-                f"{found.count} request(s) repeat an earlier custom_id; repeats are not skipped, because "
-                "results are matched by custom_id and which request is meant is ambiguous — "
-                "make every custom_id unique"
+                f"{found.count} request(s) repeat an earlier custom_id and are not skipped (results are matched "
+                "by custom_id) — make every custom_id unique"
             )
 
     def count_repeats(self, count: int, listed: bool = True) -> None:

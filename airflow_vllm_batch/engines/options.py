@@ -461,8 +461,8 @@ class WarmVLLMServer(_Streaming):
             yielding.check()
             if self.client_processes != 1:
                 raise ConfigurationError(
-                    f"yield_to_interactive needs client_processes=1 (got {self.client_processes!r}): one client steers "
-                    "the bound from the server's load, and a batch that yields to others never needs a second core to send."
+                    f"yield_to_interactive needs client_processes=1, got {self.client_processes!r}. Leave "
+                    "client_processes out or set it to 1: one client steers the in-flight bound from the server's load."
                 )
         super().check(values)
 

@@ -163,9 +163,9 @@ class RunnerEngine(LocalEngine):
                 # A living engine answered all it was given: the results check says whether it did.
                 return self.from_parts(info, job, duration)
         raise EngineError(
-            f"The vLLM engine died in this try and was started {MAX_STARTS_PER_TRY} time(s) in all. The answers it finished are staged at "
-            f"{staging.uri(staging.parts_prefix)}; the task's retry sends only the rest (a request in flight at two "
-            "deaths in a row is answered as failed, engine_crash). Look for the engine's crash in the log above."
+            f"The vLLM engine died in this try and was started {MAX_STARTS_PER_TRY} time(s) in all; the answers it "
+            f"finished are staged at {staging.uri(staging.parts_prefix)}. Look for the engine's crash in the log above; "
+            "the task's retry sends only the rest (see docs/troubleshooting.md#the-engine-kept-dying)."
         )
 
     def first_run(self, info: EngineInfo, job: EngineJob, staged: EngineResults) -> EngineRun | None:
@@ -530,9 +530,9 @@ class RunnerEngine(LocalEngine):
         job.kept_results.unlink(missing_ok=True)
         raise EngineError(
             f"The vLLM engine died during the run although it exited 0: {results.engine_dead_lines} of "
-            f"{results.total} requests came back as its engine-dead error ({'; '.join(results.sample_errors[:3])}), "
-            f"{results.completed} were answered. Nothing was published; the task's retry runs the rest. "
-            "Look for the engine's crash (often out of memory) earlier in this log."
+            f"{results.total} requests got its engine-dead error ({'; '.join(results.sample_errors[:3])}) and "
+            f"{results.completed} were answered; nothing was published. Look for its crash (often out of memory) "
+            "earlier in this log; the task's retry runs the rest."
         )
 
     def terminate(self) -> None:

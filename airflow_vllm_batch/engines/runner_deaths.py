@@ -195,9 +195,9 @@ def to_isolate(deaths: Sequence[Death], answered: CustomIdIndex) -> list[str]:
 def crash_line(custom_id: str, deaths: int) -> bytes:
     """The failed answer of a request that was in flight at two engine deaths in a row."""
     message = (
-        f"The vLLM engine died twice in a row with this request in flight ({deaths} deaths in this run), the second "
-        "time with no other request in flight: it is answered as failed so that the rest of the batch completes. "
-        "Look for the engine's crash in the task log (a request too large for the GPU's memory, say)."
+        f"The vLLM engine died twice in a row with this request in flight, the second time alone ({deaths} deaths "
+        "in this run), so it is answered as failed. Look for the engine's crash in the task log "
+        "(see docs/troubleshooting.md#the-engine-kept-dying)."
     )
     return (
         msgspec.json.encode(

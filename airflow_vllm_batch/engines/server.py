@@ -208,9 +208,9 @@ class _Streaming(Engine):
         left = f"{stats.unanswered} request(s) got no final answer through every retry ({reasons}; e.g. custom_id {stats.unanswered_example!r})"
         if not job.last_try:
             raise RequestsUnansweredError(
-                f"{left}. The final answers are checkpointed at {staged_uri}; nothing was published. Airflow's retry of "
-                "this task sends only the requests left; on the task's last try, those still without a final answer are "
-                "published as failed lines in the error file, and max_failed_ratio decides."
+                f"{left}; the other answers are checkpointed at {staged_uri} and nothing was published. The task's "
+                "retry sends only these requests; on its last try they are published as failed lines "
+                "(see docs/troubleshooting.md#requests-left-without-a-final-answer)."
             )
         self.log.warning(
             "%s. This is the task's last try: they are published as failed lines in the error file.", left

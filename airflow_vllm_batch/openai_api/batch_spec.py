@@ -188,9 +188,9 @@ def signing_key() -> str:
     key = conf.get("vllm_batch", "openai_signing_key", fallback="") or ""
     if len(key) < MIN_KEY_CHARS:
         raise ConfigurationError(
-            f"[vllm_batch] openai_signing_key is {'unset' if not key else 'shorter than ' + str(MIN_KEY_CHARS) + ' characters'}: "
-            "set the same random key (e.g. `python -c 'import secrets; print(secrets.token_hex(32))'`) on the API server and "
-            "the workers (AIRFLOW__VLLM_BATCH__OPENAI_SIGNING_KEY, or ..._SECRET to read it from the secrets backend)"
+            f"[vllm_batch] openai_signing_key is {'unset' if not key else 'shorter than ' + str(MIN_KEY_CHARS) + ' characters'}. "
+            "Set the same random key on the API server and the workers (AIRFLOW__VLLM_BATCH__OPENAI_SIGNING_KEY, or "
+            "..._SECRET from the secrets backend); see docs/openai-api.md#deploying-it."
         )
     try:
         from airflow.sdk.log import mask_secret

@@ -474,9 +474,8 @@ def inspect_model(
         if local is None and downloads_off(env):
             raise ModelNotFoundError(
                 f"model: {model!r} is not in the local Hugging Face cache ({hub_cache(env)}) and downloads "
-                "are off (HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE is set). Download it first "
-                f"(hf download {model}), point HF_HOME/HF_HUB_CACHE at the cache that has it, "
-                "or give model= the model's local directory."
+                f"are off (HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE). Run `hf download {model}` on the worker, "
+                "point HF_HOME or HF_HUB_CACHE at a cache that has it, or give model= its local directory."
             )
         config_kind = _kind_from_files(local) if local is not None else (None, None, [])
 

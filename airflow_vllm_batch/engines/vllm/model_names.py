@@ -152,8 +152,7 @@ def check_adapters(
             raise AdapterNotFoundError(
                 f"{engine}(args=...): LoRA adapter {adapter.name!r} ({path!r}) is neither a local directory nor in the "
                 f"local Hugging Face cache ({hub_cache(env)}), and downloads are off (HF_HUB_OFFLINE or "
-                "TRANSFORMERS_OFFLINE). Give its local directory in --lora-modules, or download it first "
-                f"(hf download {path})."
+                f"TRANSFORMERS_OFFLINE). Give its local directory in --lora-modules, or run `hf download {path}`."
             )
 
 
@@ -210,10 +209,9 @@ def cpu_lora_slots_problem(
     if max_loras > len(used):
         return None
     return (
-        f"{engine}(args=...): the batch mixes base-model lines with {len(used)} LoRA adapter(s) ({', '.join(used)}) and "
-        f"--max-loras is {max_loras}. vLLM on CPU then answers base-model lines through the last adapter slot "
-        f"(a CPU kernel issue of vLLM before 0.33: the base model's index -1 picks the last slot). Set --max-loras to at "
-        f"least {len(used) + 1}, one more than the adapters the batch uses, or put base-model lines in a batch of their own."
+        f"{engine}(args=...): the batch mixes base-model lines with {len(used)} LoRA adapter(s) ({', '.join(used)}) "
+        f"and --max-loras is {max_loras}, too few on a CPU. Set --max-loras to at least {len(used) + 1}, or give "
+        "base-model lines a batch of their own (see docs/troubleshooting.md#lora-on-a-cpu)."
     )
 
 

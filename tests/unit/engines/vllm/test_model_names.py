@@ -150,7 +150,11 @@ CPU_LORA = ["--enable-lora", "--lora-modules", "a=/a", "b=/b"]
 )
 def test_cpu_lora_slots_need_one_more_than_the_adapters_a_mixed_batch_uses(extra, requests, problem):
     found = cpu_lora_slots_problem(served_models("m", CPU_LORA + extra), CPU_LORA + extra, requests)
-    assert (found is None) if problem is None else (problem in found and "last adapter slot" in found)
+    assert (
+        (found is None)
+        if problem is None
+        else (problem in found and "docs/troubleshooting.md#lora-on-a-cpu" in found)
+    )
 
 
 @pytest.mark.parametrize(

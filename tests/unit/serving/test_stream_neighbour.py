@@ -102,12 +102,20 @@ def test_the_bound_backs_off_while_others_queue_and_grows_back_once_they_are_gon
     shared.others = 0
     plan = NeighbourPlan(priority=None, min_in_flight=2, check_every_s=0.02)
     timeline: list[tuple[str, int]] = []
+    at_floor = threading.Event()
 
     def burst() -> None:
         time.sleep(0.3)
         shared.others = 12  # a burst of interactive requests: the server's queue fills
-        time.sleep(0.6)
-        shared.others = 0  # and drains
+        # It lasts until the bound has come down to the floor (not a fixed time, which a loaded
+        # machine's slower checks would not fill), then drains.
+        at_floor.wait(timeout=60)
+        shared.others = 0
+
+    def progress(stats: StreamStats) -> None:
+        timeline.append((phase(), stats.bound or 0))
+        if timeline[-1] == ("burst", 2):
+            at_floor.set()
 
     thread = threading.Thread(target=burst)
     thread.start()
@@ -120,7 +128,7 @@ def test_the_bound_backs_off_while_others_queue_and_grows_back_once_they_are_gon
         journal=journal,
         max_in_flight=32,
         neighbour=plan,
-        on_progress=lambda s: timeline.append((phase(), s.bound or 0)),
+        on_progress=progress,
         progress_every_s=0.02,
     )
     thread.join()

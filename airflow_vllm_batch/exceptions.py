@@ -114,6 +114,10 @@ class EngineError(VLLMBatchError):
     """The vLLM engine failed: a non-zero exit, a kill, or vLLM's silent failure mode."""
 
 
+class EngineStalledError(EngineError):
+    """The vLLM engine made no progress for its stall bound: it was stopped, and another try may get through."""
+
+
 class PublishError(VLLMBatchError):
     """The results could not be put in S3 (unreachable, denied); the message says what was kept."""
 

@@ -50,6 +50,17 @@ def get_provider_info() -> dict[str, Any]:
                         # Empty: the AWS S3 console, or the object on a connection's own endpoint_url.
                         "default": "",
                     },
+                    "stall_timeout": {
+                        "description": "Seconds the batch runner (VLLMRunner) may make no progress (no new output "
+                        "line, no higher count in its progress report, no other log line) before it is stopped and "
+                        "the try fails as retryable, keeping the answers it wrote; 0: no bound. Read on the worker "
+                        "when the task starts; VLLMRunner(stall_timeout=...) overrides it. Raise it when one request "
+                        "may take longer.",
+                        "version_added": "0.1.0",
+                        "type": "float",
+                        "example": "3600",
+                        "default": "1800",
+                    },
                     "openai_files_uri": {
                         "description": "s3://bucket/prefix/ where the OpenAI Files and Batches API (the provider's "
                         "plugin, <airflow>/vllm-batch/openai/v1) keeps uploaded files and batch results, one prefix per "

@@ -69,12 +69,14 @@ class EngineRun:
     :param duration_s: wall time from start to exit.
     :param vllm_version: the version the runner printed at start, if it did.
     :param tail: the last lines it printed (redacted).
+    :param stalled_s: set when the engine was stopped for making no progress for this many seconds.
     """
 
     returncode: int
     duration_s: float
     vllm_version: str | None = None
     tail: list[str] = field(default_factory=list)
+    stalled_s: float | None = None
 
 
 class EngineSettings(Protocol):

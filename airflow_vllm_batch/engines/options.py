@@ -41,6 +41,12 @@ DEFAULT_STARTUP_TIMEOUT = timedelta(minutes=15)
 DEFAULT_REQUEST_TIMEOUT = timedelta(minutes=30)
 #: How often a server engine seals its answers into a checkpoint part.
 DEFAULT_CHECKPOINT_INTERVAL = timedelta(seconds=60)
+#: How long the batch runner may make no progress before it is stopped and the try fails (retryable): long
+#: enough for one long generation of a big model on a busy GPU (as long as a server's request_timeout), short
+#: enough that a wedged engine frees its GPUs hours before a typical execution_timeout would.
+DEFAULT_STALL_TIMEOUT = timedelta(minutes=30)
+#: Airflow config section and option of the stall bound's default (AIRFLOW__VLLM_BATCH__STALL_TIMEOUT).
+STALL_TIMEOUT_CONFIG = ("vllm_batch", "stall_timeout")
 
 _OUTPUT_MODES = ("local", "presigned")
 
@@ -83,6 +89,29 @@ def seconds_of(name: str, value: Any, *, minimum: float = 0.0, allow_zero: bool 
         bound = ">= 0" if allow_zero else "> 0"
         raise ConfigurationError(
             f"{name} must be a datetime.timedelta or a number of seconds {bound}, e.g. timedelta(minutes=30), got {value!r}."
+        )
+    return seconds
+
+
+def configured_stall_timeout() -> float:
+    """The stall bound in seconds from Airflow config ``[vllm_batch] stall_timeout`` (0: none), else the default.
+
+    :raises ConfigurationError: naming the option when it is not a number of seconds >= 0.
+    """
+    from airflow_vllm_batch.version_compat import conf
+
+    section, option = STALL_TIMEOUT_CONFIG
+    raw = conf.get(section, option, fallback=None)
+    if raw is None or not str(raw).strip():
+        return DEFAULT_STALL_TIMEOUT.total_seconds()
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ConfigurationError(
+            f"Airflow config [{section}] {option} must be a number of seconds >= 0 (0: no stall bound), got {raw!r}. "
+            f"Fix it in airflow.cfg or AIRFLOW__{section.upper()}__{option.upper()}, e.g. 1800."
         )
     return seconds
 
@@ -248,6 +277,13 @@ class VLLMRunner(_LocalVLLM):
         presigned staging URL: for engines without this worker's disk or AWS credentials).
     :param presign_expires_in: how long the presigned URLs stay valid, a ``timedelta`` or seconds.
         Default: ``execution_timeout`` plus 15 minutes, or 24 hours; at most 7 days.
+    :param stall_timeout: how long the runner may make no progress (no new line in its output, no
+        higher count in its progress report, no other log line) before it is stopped (SIGTERM, then
+        SIGKILL: its GPUs are freed) and the try fails as retryable, keeping the answers it wrote; a
+        ``timedelta`` or seconds, 0 for no bound. Default None: Airflow config ``[vllm_batch]
+        stall_timeout`` (seconds), else 30 minutes, as long as one long generation of a big model may
+        take. **Bounded**: a wedged engine (a hung ``EngineCore``, an NCCL hang) holds the GPUs at most
+        this long, not until ``execution_timeout``. Raise it when one request may take longer.
     :param gpu_hour_cost: see :class:`EngineOptions`. (templated)
     """
 
@@ -257,6 +293,7 @@ class VLLMRunner(_LocalVLLM):
     command: Sequence[str] | None = None
     output_mode: str = "local"
     presign_expires_in: timedelta | int | None = None
+    stall_timeout: timedelta | float | None = None
 
     def check(self, values: Mapping[str, Any]) -> None:
         if self.output_mode not in _OUTPUT_MODES:
@@ -275,6 +312,8 @@ class VLLMRunner(_LocalVLLM):
                     "presign_expires_in must be a datetime.timedelta or a positive whole number of seconds, e.g. "
                     f"timedelta(hours=6), got {presign!r}."
                 )
+        if self.stall_timeout is not None:
+            seconds_of("stall_timeout", self.stall_timeout, allow_zero=True)
         super().check(values)
 
     def rendered(self) -> VLLMRunner:
@@ -285,7 +324,24 @@ class VLLMRunner(_LocalVLLM):
         )
         rendered = super().rendered()
         assert isinstance(rendered, VLLMRunner)
-        return dataclasses.replace(rendered, command=tuple(self.command) if self.command else None)
+        stall = (
+            configured_stall_timeout()
+            if self.stall_timeout is None
+            else seconds_of("stall_timeout", self.stall_timeout, allow_zero=True)
+        )
+        return dataclasses.replace(
+            rendered, command=tuple(self.command) if self.command else None, stall_timeout=stall
+        )
+
+    @property
+    def stall_timeout_s(self) -> float | None:
+        """The stall bound in seconds, None when there is none (0); the config's when the options left it unset."""
+        seconds = (
+            configured_stall_timeout()
+            if self.stall_timeout is None
+            else seconds_of("stall_timeout", self.stall_timeout, allow_zero=True)
+        )
+        return seconds or None
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -487,5 +543,6 @@ __all__ = [
     "WarmVLLMServer",
     "YieldToInteractive",
     "check_gpu_hour_cost",
+    "configured_stall_timeout",
     "seconds_of",
 ]

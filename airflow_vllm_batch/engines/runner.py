@@ -10,7 +10,7 @@ import uuid
 from collections.abc import Iterator
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from botocore.exceptions import BotoCoreError, ClientError
 
@@ -32,10 +32,12 @@ from airflow_vllm_batch.engines.runner_deaths import (
     unanswered,
 )
 from airflow_vllm_batch.engines.server import answered_ids, answered_requests
+from airflow_vllm_batch.engines.stall import stall_bound, stall_message
 from airflow_vllm_batch.engines.vllm.command import build_engine_argv, conceal_arguments
 from airflow_vllm_batch.exceptions import (
     BatchStopped,
     EngineError,
+    EngineStalledError,
     InputChangedError,
     PublishError,
     StorageUnavailableError,
@@ -185,6 +187,8 @@ class RunnerEngine(LocalEngine):
             output = str(job.work / "engine-results.jsonl")
         run = self.start_engine(info, engine_input, output, job)
         staged.run = run
+        if run.stalled_s is not None:
+            self.settle_stall(job, run, output, whole=True)
         died = self.split(job, run, output, whole=True)
         if died is None:
             if self.options.output_mode == "presigned":
@@ -248,6 +252,8 @@ class RunnerEngine(LocalEngine):
             else str(job.work / "engine-results.jsonl")
         )
         run = self.start_engine(info, engine_input, output, job, extra=extra)
+        if run.stalled_s is not None:
+            self.settle_stall(job, run, output)
         died = self.split(job, run, output)
         if died is None:
             if isolate:
@@ -278,7 +284,8 @@ class RunnerEngine(LocalEngine):
                 f"The vLLM engine exited 0 but wrote no output to {where} (an upload failure shows as 'Failed to upload' "
                 "in the log above). Last lines of its log:\n" + "\n".join(run.tail[-15:])
             )
-        died = run.returncode != 0
+        # A stalled engine was stopped mid-run: its output, if any, ends where a death's would.
+        died = run.returncode != 0 or run.stalled_s is not None
 
         def output_lines() -> contextlib.AbstractContextManager[Iterator[bytes]]:
             if not exists:
@@ -301,6 +308,30 @@ class RunnerEngine(LocalEngine):
         if not died and not self._split.dead_lines:
             return None
         return True
+
+    def settle_stall(self, job: EngineJob, run: EngineRun, output: str, whole: bool = False) -> NoReturn:
+        """Stage what a stalled engine answered, as a dying one's (:meth:`split`), and fail the try as retryable.
+
+        The stall is recorded as no death (the death rule's suspects are for engines that die): a
+        retry, Airflow's, sends only what no checkpoint part answers (invariants *Bounded*, *Durability*).
+
+        :param whole: the engine read the whole input itself (its answers must answer what preflight checked).
+        """
+        assert run.stalled_s is not None
+        presigned = output.startswith("http")
+        self._split = Split()
+        if job.staging.has_results() if presigned else Path(output).exists():
+            self.split(job, run, output, whole=whole)
+        if whole:
+            self.confirm_input_unchanged(job)
+        answered = len(self._split.answered)
+        self.log.warning(
+            "The vLLM engine was stopped after %g s without progress; %d answer(s) it wrote are staged in a "
+            "checkpoint part.",
+            run.stalled_s,
+            answered,
+        )
+        raise EngineStalledError(stall_message(run.stalled_s, answered))
 
     def settle_death(
         self,
@@ -430,8 +461,14 @@ class RunnerEngine(LocalEngine):
         # answered (Durability, Fencing).
         job.lease.ensure_held(verify=True)
         job.raise_if_stopped()
-        with self.leased_gpus(env, job.holder) as pass_fds, self.stopped_by(job) as stop:
-            run = self.hook.run(argv, env=env, pass_fds=pass_fds)
+        local = None if output_location.startswith("http") else Path(output_location)
+        with (
+            self.leased_gpus(env, job.holder) as pass_fds,
+            self.stopped_by(job) as stop,
+            stall_bound(self.options.stall_timeout_s, local, self.hook.terminate, self.log) as stall,
+        ):
+            run = self.hook.run(argv, env=env, pass_fds=pass_fds, watch=stall.watch)
+        run.stalled_s = stall.fired
         if stop.reason is not None:
             # The runner writes its answers only when it ends: a stopped runner made none durable. The run
             # layer publishes what earlier tries and deaths staged (Durability), the rest as unanswered.

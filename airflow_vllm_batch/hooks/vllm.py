@@ -326,6 +326,7 @@ class VLLMEngineHook(BaseHook):
         env: Mapping[str, str] | None = None,
         on_line: Callable[[str], None] | None = None,
         pass_fds: Sequence[int] = (),
+        watch: Callable[[str], None] | None = None,
     ) -> EngineRun:
         """Start the engine, stream its output and wait for it to exit.
 
@@ -336,6 +337,8 @@ class VLLMEngineHook(BaseHook):
         :param env: the engine's full environment. Default: this process's.
         :param on_line: called with every output line, already redacted.
         :param pass_fds: descriptors the engine inherits (a GPU lease's locks).
+        :param watch: also called with every output line, already redacted (the runner's stall bound
+            reads its progress there). Default: nothing.
         """
         emit = on_line or (lambda line: log_engine_line(self.log, line))
         tail: collections.deque[str] = collections.deque(maxlen=self.tail_lines)
@@ -350,6 +353,8 @@ class VLLMEngineHook(BaseHook):
                     if version is None and (match := _VERSION_LINE.search(line)):
                         version = match.group(1)
                     tail.append(line)
+                    if watch is not None:
+                        watch(line)
                     emit(line)
                 returncode = self.process.wait()
             finally:

@@ -4,8 +4,11 @@
 (its ``produce``, staging, input re-check, dead-engine classification, the "Starting the vLLM
 engine" line and :class:`~airflow_vllm_batch.hooks.vllm.VLLMEngineHook`'s relay of the
 engine's log lines) with only the process replaced: :class:`SimRunnerProcess` answers the
-requests one step at a time, and can crash (exit 1), die the vLLM 0.32 way (exit 0, every
-request left answered with ``EngineCore`` 500s), stall, or answer a request as failed.
+requests one step at a time, reporting each in vLLM's progress report, and can crash (exit 1),
+die the vLLM 0.32 way (exit 0, every request left answered with ``EngineCore`` 500s), stall
+(for less than the stall bound), wedge (no progress ever again, its answers so far in its
+output as vLLM 0.33 writes them, until the runner's stall bound stops it), or answer a request
+as failed.
 
 :class:`SimServerEngine` is the real server engines' ``produce`` (checkpoint parts, resume
 from them, the last try's set-aside lines) with the HTTP stream replaced by
@@ -118,11 +121,20 @@ class SimRunnerProcess:
         tag = actor.try_label if actor is not None and actor.try_label else ""
         out: list[bytes] = []
         dead = False
-        for request in requests:
+        for number, request in enumerate(requests, start=1):
             if dead:
                 out.append(answer_line(request, 500, dead=True, tag=tag))
                 continue
             fate = world.engine_fate(runner=True)
+            if self.returncode is not None:
+                return  # stopped meanwhile (the stall bound fired while a long stall ran): nothing more is written
+            if fate == "wedge":
+                with open(target, "wb") as f:
+                    f.write(b"".join(line + b"\n" for line in out))
+                yield WAITING_LINE
+                # No progress ever again: only the runner's stall bound (its hook's terminate) ends this.
+                world.scheduler.wait_until(lambda: self.returncode is not None, None)
+                return
             if fate == "crash":
                 self.returncode = 1
                 yield b"RuntimeError: CUDA error: an illegal memory access was encountered"
@@ -134,6 +146,7 @@ class SimRunnerProcess:
                 continue
             out.append(answer_line(request, 400 if fate == "fail" else 200, tag=tag))
             world.note_sent(request["custom_id"], Path(target).parent)
+            yield f"Running batch: {100 * number / len(requests):3.0f}% Completed | {number}/{len(requests)} [00:01<00:01]".encode()
         text = b"\n".join(out) + (b"\n" if out and world.rng.random() < 0.8 else b"")
         with open(target, "wb") as f:
             f.write(text)
@@ -145,6 +158,10 @@ class SimRunnerProcess:
 
     def poll(self) -> int | None:
         return self.returncode
+
+
+#: vLLM's warning that a process of its engine waits for a hung one (no progress).
+WAITING_LINE = b"WARNING [shm_broadcast.py:1] No available shared memory broadcast block found in 60 seconds."
 
 
 def _namespace(argv: list[str]) -> list[str]:
@@ -165,7 +182,11 @@ class SimEngineHook(VLLMEngineHook):
         yield from process.lines()
 
     def terminate(self) -> None:
-        self.process = None
+        # The real stop path's effect (SIGTERM to the group): a process still running ends, killed.
+        process = self.process
+        if isinstance(process, SimRunnerProcess) and process.returncode is None:
+            process.returncode = -15
+            process.world.engine_stopped(process)
 
 
 class SimRunnerEngine(RunnerEngine):

@@ -690,12 +690,49 @@ def bounded(o: Outcome) -> list[Violation]:
                 )
             )
             break
+    found.extend(stall_bound(world))
     for line in world.logs:
         if line.message.startswith("Lost the lease") and line.lease_holder == line.try_label:
             found.append(
                 Violation(
                     "Bounded/lease-lost-to-nobody",
                     f"{line.try_label} declared its lease lost while the lease named it",
+                )
+            )
+            break
+    return found
+
+
+def stall_bound(world: World) -> list[Violation]:
+    """The runner's stall bound: a wedged engine is stopped within it; an engine that progresses is never stopped for it.
+
+    A wedged runner (no progress ever again) must be stopped (its hook's ``terminate``) at most the
+    bound and two of the check's polls after it wedged, so its try ends; a try whose engine only stalled for
+    less than the bound (or answered steadily) must not fail as stalled.
+    """
+    from airflow_vllm_batch.engines.stall import STALL_POLL_S
+    from airflow_vllm_batch.exceptions import EngineStalledError
+    from tests.simulation.world import SIM_STALL_TIMEOUT_S
+
+    found = []
+    for label, at in world.wedged.items():
+        stopped = world.engine_stopped_at.get(label)
+        # The answers the stand-in writes as it wedges are seen as progress at the next poll: two polls of slack.
+        if stopped is None or stopped - at > SIM_STALL_TIMEOUT_S + 2 * STALL_POLL_S:
+            late = "never" if stopped is None else f"{stopped - at:.0f} virtual s later"
+            found.append(
+                Violation(
+                    "Bounded/stall-not-stopped",
+                    f"{label}: its engine wedged at {at:.0f} s and was stopped {late} (bound {SIM_STALL_TIMEOUT_S:.0f} s)",
+                )
+            )
+            break
+    for t in world.tries:
+        if isinstance(t.error, EngineStalledError) and t.label not in world.wedged and not t.zombie:
+            found.append(
+                Violation(
+                    "Bounded/stopped-while-progressing",
+                    f"{t.label}: its engine never stalled longer than the bound, yet: {str(t.error)[:160]}",
                 )
             )
             break

@@ -366,8 +366,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "no-lease-read-before-engine",
         "engines/runner.py",
         "no lease read between reading the staging and starting the engine",
-        """        job.lease.ensure_held(verify=True)\n        job.raise_if_stopped()\n        with self.leased_gpus(""",
-        """        job.raise_if_stopped()\n        with self.leased_gpus(""",
+        """        job.lease.ensure_held(verify=True)\n        job.raise_if_stopped()\n        local = None""",
+        """        job.raise_if_stopped()\n        local = None""",
     ),
     M(
         "staged-results-not-resumed",
@@ -375,6 +375,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "a retry runs the engine again although the results are staged",
         """if self.settings.resume and not parts and staging.has_results():""",
         """if False:""",
+    ),
+    # -- engines/stall.py --------------------------------------------------------------------
+    M(
+        "stall-bound-never-fires",
+        "engines/stall.py",
+        "the runner's stall bound never fires: a wedged engine holds its GPUs until execution_timeout (issue 35)",
+        """        return self.silent_s() >= self.timeout_s""",
+        """        return False""",
     ),
     # -- run/answer_cache.py --------------------------------------------------------------
     M(
@@ -533,6 +541,7 @@ UNIT_TESTS: dict[str, list[str]] = {
         "tests/unit/operators/test_vllm_batch.py",
     ],
     "engines/runner_deaths.py": ["tests/unit/engines/test_runner_deaths.py"],
+    "engines/stall.py": ["tests/unit/engines/test_stall.py", "tests/unit/operators/test_vllm_batch_stall.py"],
     "run/answer_cache.py": [
         "tests/unit/run/test_answer_cache.py",
         "tests/unit/operators/test_vllm_batch_cache.py",

@@ -321,14 +321,26 @@ class VirtualThreading:
         return getattr(threading, name)
 
 
+class VirtualTime:
+    """What the runner's stall bound uses of the ``time`` module: the scheduler's clock."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+
+    def monotonic(self) -> float:
+        return self.scheduler.now
+
+
 @contextlib.contextmanager
 def virtual_threading(scheduler: Scheduler) -> Iterator[None]:
-    """Put the lease module's threads and events on the scheduler's clock, for one schedule."""
+    """Put the lease's and the runner's stall bound's threads, events and clock on the scheduler's, for one schedule."""
     from airflow_vllm_batch import lease
+    from airflow_vllm_batch.engines import stall
 
-    saved = lease.threading
-    lease.threading = VirtualThreading(scheduler)  # type: ignore[assignment]
+    saved = lease.threading, stall.threading, stall.time
+    lease.threading = stall.threading = VirtualThreading(scheduler)  # type: ignore[assignment]
+    stall.time = VirtualTime(scheduler)  # type: ignore[assignment]
     try:
         yield
     finally:
-        lease.threading = saved
+        lease.threading, stall.threading, stall.time = saved

@@ -146,7 +146,9 @@ class LifecycleWorld(World):
         values = super()._settings_values()
         engine = values["engine"]
         if isinstance(engine, SimRunner):
-            values["engine"] = StoppableRunner(args=list(engine.args))
+            # No stall bound: its stand-in does not wedge (the core simulator checks the bound), and the schedules
+            # stay what they were.
+            values["engine"] = StoppableRunner(args=list(engine.args), stall_timeout=0)
         return {**values, "result_shape": "openai", "max_failed_ratio": 0.0}
 
     def stop_condition(self) -> str | None:
@@ -200,6 +202,7 @@ def run_lifecycle(seed: int, workdir: Path, monkeypatch: pytest.MonkeyPatch) -> 
     # A batch is one DAG run (its run_id is the batch id); any other run of its conf fails BatchSpec.verified
     # before it reads or writes, so no second task instance ever shares a batch's output.
     plan.second_run_at = None
+    plan.engine_faults.pop("wedge", None)  # StoppableProcess does not model a wedged engine
     world = LifecycleWorld(plan, workdir, make_lifecycle(seed))
     with monkeypatch.context() as patch:
         # The virtual clock, for the deadline and the engines' polls (every request, not every 5 s of a clock that does not pass).

@@ -40,6 +40,8 @@ OUTPUT_KEY = "out/results.jsonl"
 #: The earlier DAG run that fills the answer cache.
 PRIOR_INPUT_KEY = "earlier/batch.jsonl"
 PRIOR_OUTPUT_KEY = "earlier/results.jsonl"
+#: The runner's stall bound in the schedules (virtual seconds): above the longest finite stall (900 s).
+SIM_STALL_TIMEOUT_S = 1000.0
 #: How old the user's files beside a shared ``results_dir`` are (older than the 7-day clean-up).
 USER_FILE_AGE_S = 30 * 24 * 3600
 
@@ -184,6 +186,9 @@ def make_plan(seed: int) -> Plan:
         # Half of them run on a re-uploaded input: another identity, which legitimately replaces the output.
         plan.second_run_new_input = rng.random() < 0.5
     plan.shuffle_lists = rng.random() < 0.3
+    if engine == "sim-runner":
+        # Last, and last of the engine's faults: every other seed's plan and draws stay what they were.
+        plan.engine_faults["wedge"] = rng.choice((0, 0.04))
     return plan
 
 
@@ -426,6 +431,9 @@ class World:
         self.last_staging_read: dict[str, int] = {}
         #: Tries whose engine began answering.
         self.engine_started: set[str] = set()
+        #: try label -> virtual time its runner wedged (no progress ever again), and when its engine was stopped.
+        self.wedged: dict[str, float] = {}
+        self.engine_stopped_at: dict[str, float] = {}
         #: The outcome of each task instance (``run-1``, and ``run-2`` when the plan has one).
         self.finals: dict[str, str] = {}
         #: Violations the per-step checks found while the schedule ran (:mod:`tests.simulation.invariants`).
@@ -492,6 +500,7 @@ class World:
         else:
             results_dir = self.workdir / "results"
         engine_args = ["--max-model-len", "512"] + (["--hf-token", plan.secret] if plan.secret else [])
+        bound = {"stall_timeout": SIM_STALL_TIMEOUT_S} if plan.engine == "sim-runner" else {}
         if plan.cache_prior:
             self.s3.put(
                 BUCKET,
@@ -504,7 +513,7 @@ class World:
             "output_uri": output_uri,
             "error_uri": error_uri,
             "model": "m",
-            "engine": SIM_ENGINES[plan.engine](args=engine_args),
+            "engine": SIM_ENGINES[plan.engine](args=engine_args, **bound),
             "results_dir": str(results_dir),
             "max_failed_ratio": 1.0,
         }
@@ -684,16 +693,25 @@ class World:
                 fate = kind
                 break
         self.engine_events[fate] = self.engine_events.get(fate, 0) + 1
-        if fate in ("die", "crash") and actor is not None and actor.owner is not None:
+        if fate in ("die", "crash", "wedge") and actor is not None and actor.owner is not None:
             # Failed (400), repeated and transient (429/5xx) answers are the protocol's to settle: a last try with
             # only those publishes (its set-aside lines as failed lines). A dying engine is a fault.
             actor.owner.faults += 1
         if actor is not None and actor.try_label and actor.try_label.startswith("run-1/"):
             self.task_engine_steps += 1
         if fate == "stall":
+            # Slow but within the runner's stall bound (SIM_STALL_TIMEOUT_S): never stopped for it.
             self.scheduler.sleep(100 + self.rng.random() * 800)
             fate = "ok"
+        if fate == "wedge" and actor is not None and actor.try_label:
+            self.wedged[actor.try_label] = self.scheduler.now
         return fate
+
+    def engine_stopped(self, process: Any) -> None:
+        """The runner's engine was stopped (its stall bound, or an ending try): when, for Bounded."""
+        actor = self.scheduler.current_actor()
+        if actor is not None and actor.try_label:
+            self.engine_stopped_at.setdefault(actor.try_label, self.scheduler.now)
 
     def note_sent(self, custom_id: str, work: Path) -> None:
         """The engine gave ``custom_id`` a final answer in this try (for the no-resend check)."""

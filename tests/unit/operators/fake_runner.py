@@ -26,6 +26,12 @@ and writing local paths or presigned URLs. The environment steers it:
 * ``FAKE_ENGINE_SENT``: a file that gets, per start, the custom_ids the engine was given.
 * ``FAKE_ENGINE_GPU_PROBE``: a file that gets the engine's ``CUDA_VISIBLE_DEVICES`` and,
   for each device, whether its GPU lease lock is held while the engine runs.
+* ``FAKE_ENGINE_WEDGE_AFTER``: answer that many requests (reporting each in vLLM's progress
+  report; 0.33 also writes each to its output as it goes), then wedge: no new answer ever, only
+  its last progress report again and vLLM's waiting-for-a-hung-process warning, every 0.2 s.
+* ``FAKE_ENGINE_SLOW``: seconds between two answers, each reported in vLLM's progress report
+  (a slow but steady engine).
+* ``FAKE_ENGINE_PID``: a file that gets the engine's process id.
 """
 
 from __future__ import annotations
@@ -34,7 +40,16 @@ import argparse
 import json
 import os
 import sys
+import time
 import urllib.request
+
+#: vLLM's batch progress report (its run_batch ``_BAR_FORMAT``).
+PROGRESS = "Running batch: {pct:3.0f}% Completed | {n}/{total} [00:01<00:01, 1.00req/s]"
+#: vLLM's warning that a process of the engine waits for a hung one (repeated every minute).
+WAITING = (
+    "WARNING [shm_broadcast.py:1] No available shared memory broadcast block found in 60 seconds. This typically "
+    "happens when some processes are hanging or doing some time-consuming work (e.g. compilation)."
+)
 
 
 def read(location: str) -> bytes:
@@ -125,6 +140,30 @@ def write_gpu_probe(path: str) -> None:
         )
 
 
+def answer_slowly(output: str, answers: list[dict], wedge_after: int | None) -> int:
+    """Answer one request at a time, each in a progress report; wedge after ``wedge_after`` of them."""
+    # vLLM 0.33 writes its local output as it goes; 0.32 only at the end.
+    out = open(output, "w") if os.environ.get("FAKE_ENGINE_VLLM", "0.32") == "0.33" else None
+    pause = float(os.environ.get("FAKE_ENGINE_SLOW", "0"))
+    total = len(answers)
+    for n, a in enumerate(answers, start=1):
+        if wedge_after is not None and n > wedge_after:
+            while True:  # wedged: the same count again, and the hung-process warning; never an answer
+                print(PROGRESS.format(pct=100 * (n - 1) / total, n=n - 1, total=total), flush=True)
+                print(WAITING, flush=True)
+                time.sleep(0.2)
+        time.sleep(pause)
+        if out is not None:
+            out.write(json.dumps(a) + "\n")
+            out.flush()
+        print(PROGRESS.format(pct=100 * n / total, n=n, total=total), flush=True)
+    if out is None:
+        write(output, b"".join(json.dumps(a).encode() + b"\n" for a in answers))
+    else:
+        out.close()
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("-i", required=True)
@@ -143,6 +182,9 @@ def main() -> int:
             f.write(" ".join(sys.argv[1:3]).split("?")[0] + "\n")
     if probe := os.environ.get("FAKE_ENGINE_GPU_PROBE"):
         write_gpu_probe(probe)
+    if pid := os.environ.get("FAKE_ENGINE_PID"):
+        with open(pid, "w") as f:
+            f.write(str(os.getpid()))
     if code := int(os.environ.get("FAKE_ENGINE_EXIT", "0")):
         return code
     requests = [json.loads(line) for line in read(args.i).splitlines() if line.strip()]
@@ -156,6 +198,8 @@ def main() -> int:
     if sent := os.environ.get("FAKE_ENGINE_SENT"):
         with open(sent, "a") as f:
             f.write(",".join(r["custom_id"] for r in requests) + "\n")
+    if (wedge := os.environ.get("FAKE_ENGINE_WEDGE_AFTER")) is not None or os.environ.get("FAKE_ENGINE_SLOW"):
+        return answer_slowly(args.o, answers, int(wedge) if wedge is not None else None)
     dies_at = None
     if (dies_after := os.environ.get("FAKE_ENGINE_DIES_AFTER")) is not None and int(dies_after) < len(
         requests

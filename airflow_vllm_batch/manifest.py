@@ -148,7 +148,7 @@ class Manifest(msgspec.Struct, omit_defaults=True):
 class Tombstone(msgspec.Struct, omit_defaults=True):
     """What the manifest key holds while one try publishes: "not complete" to every reader.
 
-    :meth:`airflow_vllm_batch.storage.OutputStore.publish` writes it first (conditionally on
+    :meth:`airflow_vllm_batch.storage.publishing.OutputStore.publish` writes it first (conditionally on
     the manifest the try read before its first lease check) and replaces it with the manifest
     last (``If-Match`` its own tombstone), so a successor's publish, which replaces the
     tombstone, makes a paused predecessor's manifest write fail (invariant *Fencing*). It

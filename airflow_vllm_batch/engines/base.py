@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from airflow_vllm_batch.engines.vllm.model_names import ServedModels
     from airflow_vllm_batch.identity import PinnedInput, RunIdentity
     from airflow_vllm_batch.lease import OutputLease
-    from airflow_vllm_batch.storage import RunStaging
+    from airflow_vllm_batch.storage.staging import RunStaging
 
 
 @dataclass(frozen=True)

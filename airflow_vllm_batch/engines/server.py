@@ -58,7 +58,7 @@ from airflow_vllm_batch.serving.processes import terminate_workers
 
 if TYPE_CHECKING:
     from airflow_vllm_batch.engines.options import YieldToInteractive
-    from airflow_vllm_batch.storage import RunStaging
+    from airflow_vllm_batch.storage.staging import RunStaging
 
 #: The server's batch routes when they cannot be read from its vLLM (a warm server behind a
 #: connection; a vLLM without ``api_router.py`` modules): the runner's, and ``/v1/completions``,

@@ -666,7 +666,8 @@ def _published_manifest(store: FileStore, output_uri: str) -> dict[str, Any] | N
     replaced since are no published output (the rule of ``OutputStore.completed``).
     """
     from airflow_vllm_batch.manifest import is_tombstone
-    from airflow_vllm_batch.storage import bare_etag, head_etag, manifest_uri
+    from airflow_vllm_batch.storage.layout import manifest_uri
+    from airflow_vllm_batch.storage.s3 import bare_etag, head_etag
 
     manifest = store.get_json(manifest_uri(output_uri).split("/", 3)[3])
     if not isinstance(manifest, dict) or is_tombstone(manifest):

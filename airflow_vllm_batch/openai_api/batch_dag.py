@@ -29,7 +29,7 @@ from airflow_vllm_batch.openai_api.routes import TASK_ID, ModelRoute, load_route
 from airflow_vllm_batch.openai_api.settings import DEFAULT_BATCH_DAG_ID, load_settings
 from airflow_vllm_batch.operators.task_try import task_try
 from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
-from airflow_vllm_batch.storage import open_uri_lines
+from airflow_vllm_batch.storage.s3 import open_uri_lines
 from airflow_vllm_batch.version_compat import AirflowFailException
 
 if TYPE_CHECKING:

@@ -50,7 +50,8 @@ from airflow_vllm_batch.sharding import (
     split_lines,
     sum_manifests,
 )
-from airflow_vllm_batch.storage import OutputStore, s3_body, split_s3_uri
+from airflow_vllm_batch.storage.publishing import OutputStore
+from airflow_vllm_batch.storage.s3 import s3_body, split_s3_uri
 from airflow_vllm_batch.version_compat import AirflowFailException
 
 if TYPE_CHECKING:
@@ -220,7 +221,7 @@ class VLLMBatchMergeOperator(AwsBaseOperator[S3Hook]):
 
     Streams each shard's result file from S3 into a temporary file (each line's bytes
     kept, newline-terminated) and publishes it to ``output_uri`` with the same protocol as
-    ``VLLMBatchOperator`` (:meth:`airflow_vllm_batch.storage.OutputStore.publish`): a
+    ``VLLMBatchOperator`` (:meth:`airflow_vllm_batch.storage.publishing.OutputStore.publish`): a
     tombstone replaces the old manifest first, the results and the error file follow, the manifest
     (``<output stem>.manifest.json``) comes last, so its presence means the merged files
     are complete. Returns it::

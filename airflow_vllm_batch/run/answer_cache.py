@@ -47,7 +47,7 @@ from airflow_vllm_batch.batchfile import CustomIdIndex, open_lines
 from airflow_vllm_batch.batchfile.cache_keys import KEY_HEX, line_key
 from airflow_vllm_batch.batchfile.models import decode_custom_id
 from airflow_vllm_batch.exceptions import ConfigurationError, StorageUnavailableError
-from airflow_vllm_batch.storage import error_code, location_error, s3_lines
+from airflow_vllm_batch.storage.s3 import error_code, location_error, s3_lines
 
 if TYPE_CHECKING:
     import logging

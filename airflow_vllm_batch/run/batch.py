@@ -56,7 +56,9 @@ from airflow_vllm_batch.run.answer_cache import CACHED_RESULTS, AnswerCache
 from airflow_vllm_batch.run.cost import run_cost, split_cost
 from airflow_vllm_batch.run.inputs import BatchInput, write_requests
 from airflow_vllm_batch.scratch import concat, kept_results, maybe_open, scratch
-from airflow_vllm_batch.storage import OutputStore, RunStaging, s3_lines
+from airflow_vllm_batch.storage.publishing import OutputStore
+from airflow_vllm_batch.storage.s3 import s3_lines
+from airflow_vllm_batch.storage.staging import RunStaging
 from airflow_vllm_batch.summary import FailureTally, tally_failures
 
 if TYPE_CHECKING:

@@ -20,7 +20,8 @@ from airflow_vllm_batch.exceptions import (
     StorageUnavailableError,
 )
 from airflow_vllm_batch.identity import PinnedInput, local_file_tag
-from airflow_vllm_batch.storage import head_input, location_error, requests_uri, s3_lines, split_s3_uri
+from airflow_vllm_batch.storage.layout import requests_uri
+from airflow_vllm_batch.storage.s3 import head_input, location_error, s3_lines, split_s3_uri
 
 if TYPE_CHECKING:
     from airflow.providers.amazon.aws.hooks.s3 import S3Hook

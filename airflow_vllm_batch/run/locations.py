@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from airflow_vllm_batch.exceptions import LocationError, VLLMBatchError
-from airflow_vllm_batch.storage import default_error_uri, manifest_uri, output_stem, split_s3_uri
+from airflow_vllm_batch.storage.layout import default_error_uri, manifest_uri, output_stem
+from airflow_vllm_batch.storage.s3 import split_s3_uri
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ class Location:
 
 
 def lease_uri(output_uri: str) -> str:
-    """The output's lease object: ``<stem>.lease.json`` (as :meth:`~airflow_vllm_batch.storage.OutputStore.lease` names it)."""
+    """The output's lease object: ``<stem>.lease.json`` (as :meth:`~airflow_vllm_batch.storage.publishing.OutputStore.lease` names it)."""
     return f"{output_stem(output_uri)}.lease.json"
 
 

@@ -21,14 +21,9 @@ from airflow_vllm_batch.exceptions import (
 from airflow_vllm_batch.identity import RunIdentity
 from airflow_vllm_batch.lease import OutputLease
 from airflow_vllm_batch.manifest import Manifest, RequestCounts, Usage
-from airflow_vllm_batch.storage import (
-    OutputStore,
-    head_etag,
-    head_input,
-    read_answers,
-    s3_lines,
-    split_s3_uri,
-)
+from airflow_vllm_batch.storage import read_answers
+from airflow_vllm_batch.storage.publishing import OutputStore
+from airflow_vllm_batch.storage.s3 import head_etag, head_input, s3_lines, split_s3_uri
 
 
 @pytest.fixture
@@ -447,7 +442,7 @@ def test_a_publish_whose_conditional_writes_lost_their_answers_takes_them_as_its
 def test_a_large_file_goes_up_in_parts_under_its_condition_and_a_refused_one_leaves_no_upload_behind(
     s3, bucket, tmp_path, monkeypatch
 ):
-    import airflow_vllm_batch.storage as storage
+    import airflow_vllm_batch.storage.s3 as storage
 
     monkeypatch.setattr(storage, "MULTIPART_ABOVE", 1)
     monkeypatch.setattr(storage, "UPLOAD_PART_BYTES", 5 * 2**20)  # S3's smallest part
@@ -485,7 +480,7 @@ class PartialDeletes:
 
 
 def test_keys_deleteobjects_failed_to_delete_are_sent_again():
-    from airflow_vllm_batch.storage import delete_keys
+    from airflow_vllm_batch.storage.s3 import delete_keys
 
     client = PartialDeletes(failing=1)
     delete_keys(client, "b", ["k/a", "k/b"])
@@ -494,7 +489,7 @@ def test_keys_deleteobjects_failed_to_delete_are_sent_again():
 
 def test_a_key_deleteobjects_keeps_failing_to_delete_raises_instead_of_being_taken_for_gone():
     from airflow_vllm_batch.exceptions import StorageUnavailableError
-    from airflow_vllm_batch.storage import DELETE_ROUNDS, delete_keys
+    from airflow_vllm_batch.storage.s3 import DELETE_ROUNDS, delete_keys
 
     client = PartialDeletes(failing=DELETE_ROUNDS)
     with pytest.raises(

@@ -15,7 +15,7 @@ from botocore.exceptions import ClientError
 from airflow_vllm_batch.exceptions import OutputBusyError
 from airflow_vllm_batch.lease import LeaseHolder
 from airflow_vllm_batch.operators.shards import VLLMBatchMergeOperator, VLLMBatchSplitOperator
-from airflow_vllm_batch.storage import OutputStore
+from airflow_vllm_batch.storage.publishing import OutputStore
 from airflow_vllm_batch.version_compat import AirflowFailException
 
 

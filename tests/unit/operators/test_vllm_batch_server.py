@@ -31,7 +31,7 @@ from airflow_vllm_batch.exceptions import (
 )
 from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
 from airflow_vllm_batch.serving import ServerUnavailableError, stream
-from airflow_vllm_batch.storage import RunStaging
+from airflow_vllm_batch.storage.staging import RunStaging
 from airflow_vllm_batch.version_compat import AirflowFailException
 from tests.unit.operators.test_vllm_batch_runs import FakeTI
 from tests.unit.serving.conftest import API_KEY, StandIn

@@ -31,7 +31,6 @@ from airflow_vllm_batch.openai_api.files import (
     FileStore,
     FormReader,
     LineCounter,
-    S3Writer,
     UploadError,
     file_object_from_record,
     new_batch_id,
@@ -41,6 +40,7 @@ from airflow_vllm_batch.openai_api.files import (
 from airflow_vllm_batch.openai_api.routes import TASK_ID, load_routes, models_in, route_of
 from airflow_vllm_batch.openai_api.settings import OpenAIApiSettings, load_settings
 from airflow_vllm_batch.openai_api.status import BatchRun, batch_object, batch_status, window_seconds
+from airflow_vllm_batch.storage.s3 import ObjectWriter
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +201,9 @@ async def create_file(request: Request, user: GetUserDep) -> dict[str, Any]:
         reader = FormReader(request.headers.get("content-type", ""))
     except UploadError as err:
         raise OpenAIError(err.status, str(err)) from None
-    writer = S3Writer(store.client, store.bucket, store.content_key(owner, file_id))
+    writer = ObjectWriter(
+        store.client, store.bucket, store.content_key(owner, file_id), content_type="application/jsonl"
+    )
     counter, pending = LineCounter(), bytearray()
     try:
         async for chunk in request.stream():

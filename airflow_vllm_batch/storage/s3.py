@@ -10,7 +10,6 @@ publishing's conditional writes and the manifest's pinned ETags are built on.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -62,15 +61,11 @@ def upload_file(client: Any, path: Path, bucket: str, key: str, **condition: str
     if path.stat().st_size <= MULTIPART_ABOVE:
         with open(path, "rb") as body:
             return bare_etag(client.put_object(Bucket=bucket, Key=key, Body=body, **condition)["ETag"])
-    with _multipart(client, bucket, key, condition) as parts:
-        with open(path, "rb") as body:
-            while chunk := body.read(UPLOAD_PART_BYTES):
-                number = len(parts.done) + 1
-                etag = client.upload_part(
-                    Bucket=bucket, Key=key, UploadId=parts.upload_id, PartNumber=number, Body=chunk
-                )["ETag"]
-                parts.done.append({"ETag": etag, "PartNumber": number})
-    return parts.etag
+    writer = ObjectWriter(client, bucket, key, condition=condition)
+    with writer.aborted_on_error(), open(path, "rb") as body:
+        while chunk := body.read(UPLOAD_PART_BYTES):
+            writer.write_part(chunk)
+        return writer.finish()
 
 
 def file_md5(path: Path) -> str | None:
@@ -99,48 +94,105 @@ def copy_object(
                 "ETag"
             ]
         )
-    with _multipart(client, bucket, key, condition) as parts:
-        for number, start in enumerate(range(0, size, 8 * UPLOAD_PART_BYTES), start=1):
-            end = min(start + 8 * UPLOAD_PART_BYTES, size) - 1
-            result = client.upload_part_copy(
-                Bucket=bucket,
-                Key=key,
-                UploadId=parts.upload_id,
-                PartNumber=number,
-                CopySource=source,
-                CopySourceRange=f"bytes={start}-{end}",
-            )
-            parts.done.append({"ETag": result["CopyPartResult"]["ETag"], "PartNumber": number})
-    return parts.etag
+    writer = ObjectWriter(client, bucket, key, condition=condition)
+    with writer.aborted_on_error():
+        for start in range(0, size, 8 * UPLOAD_PART_BYTES):
+            writer.copy_part(source, start, min(start + 8 * UPLOAD_PART_BYTES, size) - 1)
+        return writer.finish()
 
 
-@dataclasses.dataclass
-class _Parts:
-    """A multipart upload under way: its id, the parts sent, and the object's ETag once completed."""
+class ObjectWriter:
+    """Write one object from parts as they come: one PUT when it all fits in the first part, else a multipart upload.
 
-    upload_id: str
-    done: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    etag: str = ""
+    The run's uploads (:func:`upload_file`, :func:`copy_object`) and the OpenAI API's file uploads
+    both write through it. Only the part being sent is in memory; every part but the last must be
+    at least 5 MiB (S3's minimum). A multipart upload left open keeps its parts (and their cost):
+    whoever writes calls :meth:`abort` when it fails (:meth:`aborted_on_error` does).
 
+    :param client: a boto3 S3 client.
+    :param bucket: the bucket.
+    :param key: the object's key.
+    :param content_type: the object's ``Content-Type``. Default: S3's.
+    :param condition: ``IfMatch`` or ``IfNoneMatch`` on the PUT, or on completing the parts.
+    """
 
-@contextlib.contextmanager
-def _multipart(client: Any, bucket: str, key: str, condition: Mapping[str, str]) -> Iterator[_Parts]:
-    """A multipart upload: the body sends the parts; completed (under ``condition``) after it, aborted if it raises."""
-    parts = _Parts(client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"])
-    try:
-        yield parts
-        done = client.complete_multipart_upload(
-            Bucket=bucket,
-            Key=key,
-            UploadId=parts.upload_id,
-            MultipartUpload={"Parts": parts.done},
-            **condition,
+    def __init__(
+        self,
+        client: Any,
+        bucket: str,
+        key: str,
+        *,
+        content_type: str | None = None,
+        condition: Mapping[str, str] | None = None,
+    ) -> None:
+        self.client, self.bucket, self.key = client, bucket, key
+        self._extra = {"ContentType": content_type} if content_type else {}
+        self._condition = dict(condition or {})
+        self._upload_id: str | None = None
+        self._parts: list[dict[str, Any]] = []
+
+    def write_part(self, data: bytes) -> None:
+        """Upload one part (at least 5 MiB, but the last), beginning the multipart upload at the first."""
+        upload_id, number = self._next_part()
+        etag = self.client.upload_part(
+            Bucket=self.bucket, Key=self.key, UploadId=upload_id, PartNumber=number, Body=data
+        )["ETag"]
+        self._parts.append({"ETag": etag, "PartNumber": number})
+
+    def copy_part(self, source: Mapping[str, str], first: int, last: int) -> None:
+        """Copy bytes ``first`` to ``last`` (inclusive) of the object ``source`` (``Bucket``, ``Key``) as the next part, server side."""
+        upload_id, number = self._next_part()
+        result = self.client.upload_part_copy(
+            Bucket=self.bucket,
+            Key=self.key,
+            UploadId=upload_id,
+            PartNumber=number,
+            CopySource=dict(source),
+            CopySourceRange=f"bytes={first}-{last}",
         )
-        parts.etag = bare_etag(done["ETag"])
-    except BaseException:
-        with contextlib.suppress(ClientError, BotoCoreError):
-            client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=parts.upload_id)
-        raise
+        self._parts.append({"ETag": result["CopyPartResult"]["ETag"], "PartNumber": number})
+
+    def finish(self, rest: bytes = b"") -> str:
+        """Write ``rest`` and complete the object (one PUT when no part was written); return the ETag S3 gave it."""
+        if self._upload_id is None:
+            response = self.client.put_object(
+                Bucket=self.bucket, Key=self.key, Body=rest, **self._extra, **self._condition
+            )
+            return bare_etag(response["ETag"])
+        if rest:
+            self.write_part(rest)
+        done = self.client.complete_multipart_upload(
+            Bucket=self.bucket,
+            Key=self.key,
+            UploadId=self._upload_id,
+            MultipartUpload={"Parts": self._parts},
+            **self._condition,
+        )
+        return bare_etag(done["ETag"])
+
+    def abort(self) -> None:
+        """Drop the parts uploaded so far; an abort S3 refuses is left to the bucket's lifecycle rule (the error that
+        led here matters more)."""
+        if self._upload_id is not None:
+            with contextlib.suppress(ClientError, BotoCoreError):
+                self.client.abort_multipart_upload(Bucket=self.bucket, Key=self.key, UploadId=self._upload_id)
+
+    @contextlib.contextmanager
+    def aborted_on_error(self) -> Iterator[None]:
+        """Abort the upload when the block raises (a failed part, a refused condition, an interrupt), then re-raise."""
+        try:
+            yield
+        except BaseException:
+            self.abort()
+            raise
+
+    def _next_part(self) -> tuple[str, int]:
+        """The upload's id (begun here at the first part) and the next part's number."""
+        if self._upload_id is None:
+            self._upload_id = self.client.create_multipart_upload(
+                Bucket=self.bucket, Key=self.key, **self._extra
+            )["UploadId"]
+        return self._upload_id, len(self._parts) + 1
 
 
 def bare_etag(etag: str) -> str:

@@ -39,7 +39,7 @@ from airflow_vllm_batch.openai_api.files import (
 )
 from airflow_vllm_batch.openai_api.routes import TASK_ID, load_routes, models_in, route_of
 from airflow_vllm_batch.openai_api.settings import OpenAIApiSettings, load_settings
-from airflow_vllm_batch.openai_api.status import BatchRun, batch_object, batch_status, window_seconds
+from airflow_vllm_batch.openai_api.status import BatchDagRun, batch_object, batch_status, window_seconds
 from airflow_vllm_batch.storage.s3 import ObjectWriter
 
 log = logging.getLogger(__name__)
@@ -382,7 +382,7 @@ def create_batch(body: BatchCreate, user: GetUserDep) -> dict[str, Any]:
         _forget_batch(store, batch_id)
         raise
     return batch_object(
-        batch_id, BatchRun(conf={**conf, "metadata": metadata}, run_state="queued"), time.time()
+        batch_id, BatchDagRun(conf={**conf, "metadata": metadata}, run_state="queued"), time.time()
     )
 
 
@@ -644,7 +644,7 @@ def _batch_from_run(store: FileStore, run: Any, tis: list[Any], live: bool = Fal
     if state == "failed" or "failed" in task_states:
         failure = store.get_json(store.failure_key(run.run_id))
     cancel = store.get_json(store.cancel_key(run.run_id)) if manifest is None and state != "success" else None
-    view = BatchRun(
+    view = BatchDagRun(
         conf=conf,
         run_state=state,
         task_states=task_states,

@@ -430,7 +430,7 @@ class RunnerEngine(LocalEngine):
         # answered (Durability, Fencing).
         job.lease.ensure_held(verify=True)
         job.raise_if_stopped()
-        with self.leased_gpus(env, job.holder) as pass_fds, self.stopped_by(job) as stop:
+        with self.leased_gpus(env, job.task) as pass_fds, self.stopped_by(job) as stop:
             run = self.hook.run(argv, env=env, pass_fds=pass_fds)
         if stop.reason is not None:
             # The runner writes its answers only when it ends: a stopped runner made none durable. The run

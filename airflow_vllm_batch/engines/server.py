@@ -206,7 +206,7 @@ class _Streaming(Engine):
             f"{reason}: {count}" for reason, count in sorted(stats.unanswered_reasons.items())
         )
         left = f"{stats.unanswered} request(s) got no final answer through every retry ({reasons}; e.g. custom_id {stats.unanswered_example!r})"
-        if not job.last_try:
+        if not job.task.last_try:
             raise RequestsUnansweredError(
                 f"{left}. The final answers are checkpointed at {staged_uri}; nothing was published. Airflow's retry of "
                 "this task sends only the requests left; on the task's last try, those still without a final answer are "
@@ -285,7 +285,7 @@ class ServerEngine(_Streaming, LocalEngine):
         self.log.info("In flight: at most %d requests (%s)", self.server.max_in_flight, why)
 
     def gpus_for(self, job: EngineJob) -> Any:
-        return self.leased_gpus(self.server.env, job.holder)
+        return self.leased_gpus(self.server.env, job.task)
 
 
 class ConnectionEngine(_Streaming):

@@ -206,7 +206,7 @@ class OpenAIBatchOperator(VLLMBatchOperator):
             # (no retries), ``from None`` so that the task log tells it once: the error is its context.
             cause = err if isinstance(err, VLLMBatchError) else (err.__cause__ or err.__context__)
             if isinstance(cause, VLLMBatchError) and (
-                not cause.retryable or task_try(context, self.retries)["last_try"]
+                not cause.retryable or task_try(context, self.retries).last_try
             ):
                 self.record_failure(failure_record(cause))
             raise

@@ -50,7 +50,7 @@ from airflow_vllm_batch.engines.base import EngineRun
 from airflow_vllm_batch.engines.server import invalid_parts
 from airflow_vllm_batch.exceptions import BatchStopped, PreflightError, PublishError, StorageUnavailableError
 from airflow_vllm_batch.identity import RunIdentity
-from airflow_vllm_batch.lease import LeaseHolder
+from airflow_vllm_batch.lease import LeaseHolder, TaskTry
 from airflow_vllm_batch.manifest import Manifest, RequestCounts, Usage
 from airflow_vllm_batch.run.answer_cache import CACHED_RESULTS, AnswerCache
 from airflow_vllm_batch.run.cost import run_cost, split_cost
@@ -87,8 +87,7 @@ class BatchRun:
     :param settings: the checked settings.
     :param s3_hook: the S3 hook of ``aws_conn_id``.
     :param engine: the engine that answers the requests.
-    :param task: who this try is: ``dag_id``, ``run_id``, ``task_id``, ``map_index``, ``try_number``,
-        and ``last_try`` (whether Airflow retries it on failure; default True).
+    :param task: who this try is, and whether it is the task's last.
     :param log: the task's logger.
     :param stop: the run's stop condition, polled under the lease before preflight and by the engine
         between requests: ``"expired"`` or ``"cancelled"`` stops the run, which then publishes what
@@ -102,7 +101,7 @@ class BatchRun:
         *,
         s3_hook: S3Hook,
         engine: Engine,
-        task: dict[str, Any],
+        task: TaskTry,
         log: logging.Logger,
         stop: Callable[[], str | None] | None = None,
         on_checkpoint: Callable[[Mapping[str, int]], None] | None = None,
@@ -246,7 +245,6 @@ class BatchRun:
                         lease,
                         self.task,
                         kept,
-                        self.task.get("last_try", True),
                         stop=self.stop,
                         on_checkpoint=self.on_checkpoint,
                     )

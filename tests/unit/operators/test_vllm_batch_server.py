@@ -662,4 +662,4 @@ def test_the_last_try_is_the_one_airflow_will_not_retry(try_number, max_tries, r
     ti = FakeTI(try_number=try_number)
     if max_tries is not None:
         ti.max_tries = max_tries
-    assert task_try({"ti": ti}, retries)["last_try"] is last
+    assert task_try({"ti": ti}, retries).last_try is last

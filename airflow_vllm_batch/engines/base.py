@@ -163,7 +163,7 @@ class StopPoll:
 OpenResults = Callable[[], contextlib.AbstractContextManager[Iterator[bytes]]]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class EngineJob:
     """One try's work for an engine, from the run layer.
 

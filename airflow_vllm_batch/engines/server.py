@@ -278,7 +278,9 @@ class ServerEngine(_Streaming, LocalEngine):
     def size_in_flight(self, report: Path) -> None:
         """Read what the server's launcher decided (a refused flag raises its error); bound the requests in flight by its sizes."""
         self.settle_launch(report)
-        sizes = self.scheduler_sizes or SchedulerSizes([], None, None, "")
+        sizes = self.scheduler_sizes or SchedulerSizes(
+            flags=[], max_num_seqs=None, max_num_batched_tokens=None, note=""
+        )
         self.server.max_in_flight, why = started_server_in_flight(
             self.options.max_in_flight, sizes, self.server.engine_args
         )

@@ -237,14 +237,14 @@ class BatchRun:
                 try:
                     report = self.preflight(info, work)
                     job = EngineJob(
-                        self.input,
-                        report,
-                        work,
-                        staging,
-                        identity,
-                        lease,
-                        self.task,
-                        kept,
+                        input=self.input,
+                        report=report,
+                        work=work,
+                        staging=staging,
+                        identity=identity,
+                        lease=lease,
+                        task=self.task,
+                        kept_results=kept,
                         stop=self.stop,
                         on_checkpoint=self.on_checkpoint,
                     )
@@ -257,7 +257,15 @@ class BatchRun:
                 except BatchStopped as stop:
                     stopped = stop.reason
             if stopped is not None:
-                return self.publish_stopped(stopped, identity, lease, staging, work, kept, started)
+                return self.publish_stopped(
+                    stopped,
+                    identity=identity,
+                    lease=lease,
+                    staging=staging,
+                    work=work,
+                    kept=kept,
+                    started=started,
+                )
             try:
                 # Inside the try: the results are staged by now, so S3 failing here is a publish
                 # failure that a retry recovers without the engine (not a bare connection error).
@@ -269,10 +277,19 @@ class BatchRun:
                     split.add_to(results, work / "results.jsonl")
                 errors_path = self.error_file(report, work, results)
                 failures = self.tally_failures(errors_path)
-                manifest = self.build_manifest(identity, report, results, engine_results, started, failures)
+                manifest = self.build_manifest(
+                    identity,
+                    report=report,
+                    results=results,
+                    engine_results=engine_results,
+                    started=started,
+                    failures=failures,
+                )
                 manifest.from_cache = split.hits if split is not None else None
                 manifest.per_model = self.per_model(report, results, work)
-                self.price(manifest, engine_results, started, engine_tokens)
+                self.price(
+                    manifest, engine_results=engine_results, started=started, engine_tokens=engine_tokens
+                )
                 # With no failed line (and no cached answer added) a staged results file is the output byte for
                 # byte: copy it server side (not when the lines are reshaped).
                 copy_staged = (
@@ -332,6 +349,7 @@ class BatchRun:
     def publish_stopped(
         self,
         reason: str,
+        *,
         identity: RunIdentity,
         lease: OutputLease,
         staging: RunStaging,
@@ -550,6 +568,7 @@ class BatchRun:
     def build_manifest(
         self,
         identity: RunIdentity,
+        *,
         report: PreflightReport,
         results: ResultsReport,
         engine_results: EngineResults,
@@ -583,7 +602,7 @@ class BatchRun:
         )
 
     def price(
-        self, manifest: Manifest, engine_results: EngineResults, started: float, engine_tokens: int
+        self, manifest: Manifest, *, engine_results: EngineResults, started: float, engine_tokens: int
     ) -> None:
         """Fill in the manifest's ``cost``, and each model's share of it when the run was priced.
 

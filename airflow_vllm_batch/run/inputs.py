@@ -78,7 +78,10 @@ class BatchInput:
         if uri.startswith("s3://"):
             head = head_input(hook, uri)
             pinned = PinnedInput(
-                uri, head["ETag"].strip('"'), head.get("VersionId"), head.get("ContentLength")
+                uri,
+                etag=head["ETag"].strip('"'),
+                version_id=head.get("VersionId"),
+                size=head.get("ContentLength"),
             )
         elif uri.startswith(("http://", "https://")):
             pinned = PinnedInput(uri)

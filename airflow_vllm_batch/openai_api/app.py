@@ -667,13 +667,19 @@ def _published_manifest(store: FileStore, output_uri: str) -> dict[str, Any] | N
     A tombstone (a try publishing, or stopped while it did) and a manifest whose files were
     replaced since are no published output (the rule of ``OutputStore.completed``).
     """
-    from airflow_vllm_batch.manifest import is_tombstone
+    from airflow_vllm_batch.exceptions import ManifestVersionError
+    from airflow_vllm_batch.manifest import is_tombstone, schema_version
     from airflow_vllm_batch.storage.layout import manifest_uri
     from airflow_vllm_batch.storage.s3 import bare_etag, head_etag
 
-    manifest = store.get_json(manifest_uri(output_uri).split("/", 3)[3])
+    where = manifest_uri(output_uri)
+    manifest = store.get_json(where.split("/", 3)[3])
     if not isinstance(manifest, dict) or is_tombstone(manifest):
         return None
+    try:
+        schema_version(manifest, where)
+    except ManifestVersionError as err:
+        raise OpenAIError(500, str(err)) from None
     for uri_field, etag_field in (("output_uri", "output_etag"), ("error_uri", "error_etag")):
         uri, etag = manifest.get(uri_field), manifest.get(etag_field)
         if not uri:

@@ -33,7 +33,7 @@ from airflow.providers.amazon.aws.utils.mixins import aws_template_fields
 from airflow_vllm_batch.batchfile import open_lines, redact_url
 from airflow_vllm_batch.exceptions import InputChangedError, VLLMBatchError
 from airflow_vllm_batch.lease import LeaseHolder
-from airflow_vllm_batch.manifest import Manifest, RequestCounts, Usage
+from airflow_vllm_batch.manifest import Manifest, RequestCounts, Usage, schema_version
 from airflow_vllm_batch.operators.task_try import task_try
 from airflow_vllm_batch.run.cost import sum_costs
 from airflow_vllm_batch.sharding import (
@@ -319,6 +319,8 @@ class VLLMBatchMergeOperator(AwsBaseOperator[S3Hook]):
                 f"The shard manifest(s) at map index {uncounted} have no request_counts: they are not "
                 "VLLMBatchOperator manifests, and the merged files could not be checked against them."
             )
+        for index, shard_manifest in enumerate(given):
+            schema_version(shard_manifest, f"the shard manifest at map index {index}")
         return given
 
     def check_no_shard_missing(self, manifests: Sequence[dict[str, Any]]) -> None:

@@ -124,7 +124,7 @@ class OutputStore:
 
     def read_manifest(self) -> Manifest | None:
         """The manifest beside the output, or None when there is none (or a publish's tombstone, or it is unreadable)."""
-        return _decode_manifest(self._manifest_body())
+        return _decode_manifest(self._manifest_body(), self.manifest_uri)
 
     def _manifest_body(self) -> bytes | None:
         """What the manifest key holds (a manifest, or a publish's tombstone), or None when nothing."""
@@ -156,7 +156,7 @@ class OutputStore:
                 f"the output at {self.output_uri} is not complete: a try began publishing it and has not finished "
                 "(it still publishes, or it was stopped)"
             )
-        manifest = _decode_manifest(data)
+        manifest = _decode_manifest(data, self.manifest_uri)
         if manifest is None:
             return None, f"no complete output at {self.output_uri} yet"
         if manifest.fingerprint != identity.fingerprint:
@@ -361,12 +361,16 @@ class OutputStore:
         )
 
 
-def _decode_manifest(data: bytes | None) -> Manifest | None:
-    """A manifest key's content as a manifest; None for nothing, a publish's tombstone, or something unreadable."""
+def _decode_manifest(data: bytes | None, uri: str) -> Manifest | None:
+    """A manifest key's content as a manifest; None for nothing, a publish's tombstone, or something unreadable.
+
+    :raises ManifestVersionError: a manifest of a newer schema than this package reads (never overwritten:
+        the task fails without a retry, naming ``uri``).
+    """
     if data is None or is_tombstone(data):
         return None
     try:
-        return Manifest.from_json(data)
+        return Manifest.from_json(data, uri)
     except msgspec.DecodeError:
         return None
 

@@ -21,6 +21,7 @@ AIRFLOW_FREE = (
     "airflow_vllm_batch.batchfile",
     "airflow_vllm_batch.sharding",
     "airflow_vllm_batch.exceptions",
+    "airflow_vllm_batch.manifest",
 )
 BLOCKED = ("airflow", "boto3", "botocore")
 

@@ -15,12 +15,13 @@ from airflow_vllm_batch.exceptions import (
     InputChangedError,
     InputNotFoundError,
     LocationError,
+    ManifestVersionError,
     OutputBusyError,
     ResultsCheckError,
 )
 from airflow_vllm_batch.identity import RunIdentity
 from airflow_vllm_batch.lease import OutputLease
-from airflow_vllm_batch.manifest import Manifest, RequestCounts, Usage
+from airflow_vllm_batch.manifest import MANIFEST_SCHEMA_VERSION, Manifest, RequestCounts, Usage
 from airflow_vllm_batch.storage import read_answers
 from airflow_vllm_batch.storage.publishing import OutputStore
 from airflow_vllm_batch.storage.s3 import head_etag, head_input, s3_lines, split_s3_uri
@@ -106,6 +107,22 @@ def test_an_output_whose_publish_stopped_after_its_tombstone_is_not_complete_and
         why
         == f"the output at s3://{bucket}/r.jsonl is not complete: a try began publishing it and has not finished (it still publishes, or it was stopped)"
     )
+
+
+def test_a_manifest_of_a_newer_schema_beside_the_output_is_refused_not_taken_for_no_output(s3, bucket, hook):
+    # Taken for "no complete output", it would be published over by a package that cannot read it.
+    store = OutputStore(hook, f"s3://{bucket}/r.jsonl")
+    identity = RunIdentity({"model": "m"})
+    newer = {
+        **_manifest(store, identity.fingerprint).to_dict(),
+        "schema_version": MANIFEST_SCHEMA_VERSION + 1,
+    }
+    s3.client().put_object(Bucket=bucket, Key="r.manifest.json", Body=json.dumps(newer).encode())
+    s3.client().put_object(Bucket=bucket, Key="r.jsonl", Body=b"{}\n")
+    with pytest.raises(ManifestVersionError, match=rf"s3://{bucket}/r.manifest.json has schema_version 2"):
+        store.completed(identity)
+    with pytest.raises(ManifestVersionError, match="Upgrade airflow-vllm-batch"):
+        list(read_answers(newer))
 
 
 def test_two_tombstones_of_one_output_differ_so_a_lost_answer_is_known_by_its_etag(s3, bucket, hook):

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from botocore.exceptions import BotoCoreError, ClientError
 
@@ -59,7 +59,7 @@ from airflow_vllm_batch.scratch import concat, kept_results, maybe_open, scratch
 from airflow_vllm_batch.storage.publishing import OutputStore
 from airflow_vllm_batch.storage.s3 import s3_lines
 from airflow_vllm_batch.storage.staging import RunStaging
-from airflow_vllm_batch.summary import FailureTally, tally_failures
+from airflow_vllm_batch.summary import FailureExample, FailureTally, tally_failures
 
 if TYPE_CHECKING:
     import logging
@@ -78,7 +78,7 @@ class BatchOutcome:
 
     manifest: Manifest
     resumed: bool
-    failure_examples: dict[str, Any] | None = None
+    failure_examples: dict[str, FailureExample] | None = None
 
 
 class BatchRun:

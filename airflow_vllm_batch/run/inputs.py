@@ -77,12 +77,7 @@ class BatchInput:
         """Pin ``uri``: its S3 ETag/VersionId, or a local file's size, mtime and hash."""
         if uri.startswith("s3://"):
             head = head_input(hook, uri)
-            pinned = PinnedInput(
-                uri,
-                etag=head["ETag"].strip('"'),
-                version_id=head.get("VersionId"),
-                size=head.get("ContentLength"),
-            )
+            pinned = PinnedInput(uri, etag=head.etag, version_id=head.version_id, size=head.size)
         elif uri.startswith(("http://", "https://")):
             pinned = PinnedInput(uri)
         elif not os.path.isfile(uri):
@@ -157,7 +152,7 @@ class BatchInput:
             raise StorageUnavailableError(
                 f"S3 failed while checking that {self.uri} is unchanged ({err})."
             ) from err
-        etag = head["ETag"].strip('"')
+        etag = head.etag
         if etag != self.pinned.etag:
             raise InputChangedError(
                 f"{self.uri} was overwritten while the engine ran (ETag {self.pinned.etag} -> {etag}). "

@@ -10,6 +10,7 @@ publishing's conditional writes and the manifest's pinned ETags are built on.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -326,7 +327,21 @@ def location_message(parameter: str, bucket: str, err: ClientError, conn_id: str
     return f"{parameter}: cannot use bucket {bucket!r} ({code or err}). Nothing was run."
 
 
-def head_input(hook: S3Hook, uri: str) -> dict[str, Any]:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ObjectHead:
+    """What a HEAD of an object says of it.
+
+    :param etag: its ETag, without quotes.
+    :param version_id: its VersionId, when the bucket is versioned.
+    :param size: its size in bytes, when S3 said.
+    """
+
+    etag: str
+    version_id: str | None = None
+    size: int | None = None
+
+
+def head_input(hook: S3Hook, uri: str) -> ObjectHead:
     """HEAD the input object; raise :class:`InputNotFoundError` naming ``input_uri`` and the fix.
 
     Note that ``S3Hook.head_object`` returns None on a 404 instead of raising.
@@ -347,4 +362,6 @@ def head_input(hook: S3Hook, uri: str) -> dict[str, Any]:
             f"input_uri: {uri} does not exist (no such key, or no bucket {bucket!r}). Check the name, and that "
             "the task that writes it ran first. Nothing was run."
         )
-    return head
+    return ObjectHead(
+        etag=bare_etag(head["ETag"]), version_id=head.get("VersionId"), size=head.get("ContentLength")
+    )

@@ -34,7 +34,7 @@ def hook(s3) -> S3Hook:
 
 def test_a_read_of_a_pinned_input_that_changed_fails_naming_it(s3, bucket, hook):
     s3.client().put_object(Bucket=bucket, Key="in.jsonl", Body=b"a\n")
-    etag = head_input(hook, f"s3://{bucket}/in.jsonl")["ETag"].strip('"')
+    etag = head_input(hook, f"s3://{bucket}/in.jsonl").etag
     s3.client().put_object(Bucket=bucket, Key="in.jsonl", Body=b"b\n")
     with pytest.raises(
         InputChangedError, match=rf"s3://{bucket}/in.jsonl was overwritten while this task ran"

@@ -334,7 +334,7 @@ class OutputLease:
             nonce = data.get("nonce") if isinstance(data.get("nonce"), str) else None
         except (ValueError, TypeError, KeyError, AttributeError):
             holder = None  # unreadable: treat as free to take over
-        return LeaseState(holder, response["ETag"], age, nonce)
+        return LeaseState(holder=holder, etag=response["ETag"], age=age, nonce=nonce)
 
     def _is_ours(self, state: LeaseState) -> bool:
         """Whether the lease as read was written by this lease (our holder, one of our nonces)."""

@@ -1,8 +1,9 @@
 """The S3 primitives the storage layer is built on: URIs, uploads, copies, reads, deletes and S3's errors.
 
-Every function takes a boto3 client (or an ``S3Hook``) and the bucket and key; none knows
-what an object is for (that is :mod:`~airflow_vllm_batch.storage.staging`'s and
-:mod:`~airflow_vllm_batch.storage.publishing`'s). Writes take S3's conditions (``IfMatch``,
+Every function takes a boto3 client (or an ``S3Hook``) and the bucket and key; what an
+object is for is :mod:`~airflow_vllm_batch.storage.staging`'s and
+:mod:`~airflow_vllm_batch.storage.publishing`'s to know (only the errors name the
+operator parameter at fault: ``input_uri``, ``output_uri``). Writes take S3's conditions (``IfMatch``,
 ``IfNoneMatch``) as keyword arguments and return the ETag S3 gave the object, which is what
 publishing's conditional writes and the manifest's pinned ETags are built on.
 """

@@ -170,6 +170,12 @@ class ShardingError(VLLMBatchError):
     retryable = False
 
 
+class ManifestVersionError(VLLMBatchError):
+    """A manifest's ``schema_version`` is newer than this airflow-vllm-batch reads (or is not a version)."""
+
+    retryable = False
+
+
 class AdapterNotFoundError(EngineConfigurationError):
     """A LoRA adapter of ``--lora-modules`` is missing, or its directory has no ``adapter_config.json``."""
 

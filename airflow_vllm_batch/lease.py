@@ -37,7 +37,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from email.utils import parsedate_to_datetime
 from typing import Any, NamedTuple
@@ -56,6 +56,26 @@ DEFAULT_STALE_AFTER_S = 120.0
 ACQUIRE_ROUNDS = 3
 #: What a conditional write answers when its object is gone (S3: 404 NoSuchKey; SeaweedFS: 412).
 _GONE_CODES = frozenset({"NoSuchKey", "404", "PreconditionFailed", "412"})
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskTry:
+    """Who a task try is, read once from Airflow's context (:func:`airflow_vllm_batch.operators.task_try.task_try`).
+
+    :param dag_id: the DAG.
+    :param run_id: the DAG run.
+    :param task_id: the task.
+    :param map_index: the map index. Default -1 (not mapped).
+    :param try_number: the try. Default 0.
+    :param last_try: whether this is the task's last try (Airflow does not retry it on failure). Default True.
+    """
+
+    dag_id: str
+    run_id: str
+    task_id: str
+    map_index: int = -1
+    try_number: int = 0
+    last_try: bool = True
 
 
 @dataclass(frozen=True)
@@ -80,10 +100,14 @@ class LeaseHolder:
     hostname: str = socket.gethostname()
 
     @classmethod
-    def of_try(cls, task: Mapping[str, Any], fingerprint: str) -> LeaseHolder:
-        """The holder for one task try (:func:`airflow_vllm_batch.operators.task_try.task_try`; other keys are ignored)."""
+    def of_try(cls, task: TaskTry, fingerprint: str) -> LeaseHolder:
+        """The holder for one task try."""
         return cls(
-            **{k: task[k] for k in ("dag_id", "run_id", "task_id", "map_index", "try_number")},
+            dag_id=task.dag_id,
+            run_id=task.run_id,
+            task_id=task.task_id,
+            map_index=task.map_index,
+            try_number=task.try_number,
             fingerprint=fingerprint,
         )
 
@@ -310,7 +334,7 @@ class OutputLease:
             nonce = data.get("nonce") if isinstance(data.get("nonce"), str) else None
         except (ValueError, TypeError, KeyError, AttributeError):
             holder = None  # unreadable: treat as free to take over
-        return LeaseState(holder, response["ETag"], age, nonce)
+        return LeaseState(holder=holder, etag=response["ETag"], age=age, nonce=nonce)
 
     def _is_ours(self, state: LeaseState) -> bool:
         """Whether the lease as read was written by this lease (our holder, one of our nonces)."""

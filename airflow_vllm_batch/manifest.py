@@ -6,13 +6,52 @@ after the results and the error file, and trusts it on a later try only when its
 ``VLLMBatchMergeOperator`` writes the same shape for a sharded batch, with the shard
 fields filled in; the CLI reads it. No field ever holds a credential: ``input_uri`` is
 stored redacted (no query string) when it is an http(s) URL.
+
+Every manifest written says its ``schema_version`` (:data:`MANIFEST_SCHEMA_VERSION`); one
+written before the field existed has none and reads as version 1. Every reader of manifests
+calls :func:`schema_version` (or :meth:`Manifest.from_json` / :meth:`Manifest.from_dict`,
+which do), so a manifest of a newer airflow-vllm-batch is refused rather than misread.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
+
+from airflow_vllm_batch.exceptions import ManifestVersionError
+
+#: The manifest schema this package writes, and the newest it reads. Raise it when a change
+#: would mislead an older reader (a field whose meaning changes, or one it must not ignore).
+MANIFEST_SCHEMA_VERSION = 1
+
+
+def schema_version(manifest: Mapping[str, Any], source: str = "the manifest") -> int:
+    """The schema version of a manifest (decoded JSON): 1 when it has none (written before the field existed).
+
+    :param manifest: the manifest, as plain JSON types (XCom, or its object decoded).
+    :param source: where it was read, for the message (its URI, or the shard it belongs to).
+    :raises ManifestVersionError: the version is newer than :data:`MANIFEST_SCHEMA_VERSION`, or not a version.
+    """
+    version = manifest.get("schema_version", 1)
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise ManifestVersionError(
+            f"{source} has schema_version {version!r}, which is not a manifest schema version. "
+            "Read a manifest written by airflow-vllm-batch, or run the batch again to publish a new one."
+        )
+    if version > MANIFEST_SCHEMA_VERSION:
+        raise ManifestVersionError(
+            f"{source} has schema_version {version}, newer than this airflow-vllm-batch reads "
+            f"({MANIFEST_SCHEMA_VERSION}). Upgrade airflow-vllm-batch where it is read (the workers, the API server)."
+        )
+    return version
+
+
+class _Versioned(msgspec.Struct):
+    """A stored manifest's version alone (every other field is ignored), read before the manifest itself."""
+
+    schema_version: Any = 1
 
 
 class RequestCounts(msgspec.Struct):
@@ -93,6 +132,8 @@ class Manifest(msgspec.Struct, omit_defaults=True):
         passed) or ``"cancelled"``; the answers finished by then are published, every other request
         is in the error file as ``batch_expired`` / ``batch_cancelled``. Absent for a batch run to its end.
     :param shards: (merge only) how many shards were merged; the other shard fields too.
+    :param schema_version: the manifest schema it was written in (:data:`MANIFEST_SCHEMA_VERSION`);
+        always written, and 1 when read from a manifest written before the field existed.
     """
 
     output_uri: str
@@ -122,33 +163,44 @@ class Manifest(msgspec.Struct, omit_defaults=True):
     output_etag: str | None = None
     error_etag: str | None = None
     status: str | None = None
+    schema_version: int = MANIFEST_SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:
-        """The manifest as plain JSON types, what goes to XCom (fields left at their default are omitted)."""
-        return msgspec.to_builtins(self)
+        """The manifest as plain JSON types, what goes to XCom (fields left at their default are omitted, but
+        ``schema_version``, which is always there)."""
+        data: dict[str, Any] = msgspec.to_builtins(self)
+        return {"schema_version": self.schema_version, **data}
 
     def to_json(self) -> bytes:
         """The manifest as stored beside the output."""
-        return msgspec.json.format(msgspec.json.encode(self), indent=2)
+        return msgspec.json.format(msgspec.json.encode(self.to_dict()), indent=2)
 
     @classmethod
-    def from_json(cls, data: bytes | str) -> Manifest:
+    def from_json(cls, data: bytes | str, source: str = "the manifest") -> Manifest:
         """Read a stored manifest.
 
+        :param source: where it was read, for the message.
+        :raises ManifestVersionError: it was written in a newer schema than this package reads.
         :raises msgspec.ValidationError: when ``data`` is not a manifest of this shape.
         """
+        schema_version({"schema_version": msgspec.json.decode(data, type=_Versioned).schema_version}, source)
         return msgspec.json.decode(data, type=cls)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Manifest:
-        """Read a manifest from XCom (plain JSON types)."""
+    def from_dict(cls, data: dict[str, Any], source: str = "the manifest") -> Manifest:
+        """Read a manifest from XCom (plain JSON types).
+
+        :param source: where it was read, for the message.
+        :raises ManifestVersionError: it was written in a newer schema than this package reads.
+        """
+        schema_version(data, source)
         return msgspec.convert(data, type=cls)
 
 
 class Tombstone(msgspec.Struct, omit_defaults=True):
     """What the manifest key holds while one try publishes: "not complete" to every reader.
 
-    :meth:`airflow_vllm_batch.storage.OutputStore.publish` writes it first (conditionally on
+    :meth:`airflow_vllm_batch.storage.publishing.OutputStore.publish` writes it first (conditionally on
     the manifest the try read before its first lease check) and replaces it with the manifest
     last (``If-Match`` its own tombstone), so a successor's publish, which replaces the
     tombstone, makes a paused predecessor's manifest write fail (invariant *Fencing*). It

@@ -324,7 +324,13 @@ class _ShardWriter:
 
     def close(self) -> Shard:
         self._context.__exit__(None, None, None)
-        return Shard(self.index, self.requests, self.size, self.first_line, self._hash.hexdigest())
+        return Shard(
+            index=self.index,
+            requests=self.requests,
+            size=self.size,
+            first_line=self.first_line,
+            sha256=self._hash.hexdigest(),
+        )
 
     def abandon(self) -> None:
         self._context.__exit__(None, None, None)

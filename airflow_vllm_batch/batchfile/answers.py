@@ -55,6 +55,7 @@ from airflow_vllm_batch.batchfile.models import error_message
 from airflow_vllm_batch.batchfile.sources import open_lines
 from airflow_vllm_batch.batchfile.structured import INVALID_OUTPUT, OutputSchema, resolve_output_type
 from airflow_vllm_batch.exceptions import ConfigurationError, ResultsCheckError
+from airflow_vllm_batch.manifest import schema_version
 
 #: Opens a results or error file by URI and yields its lines (bytes, no newline).
 OpenURI = Callable[[str], ContextManager[Iterable[bytes]]]
@@ -216,6 +217,7 @@ def read_answers(
         come as :class:`Parsed` ``(custom_id, value)`` with ``value`` an instance of it.
     :raises ResultsCheckError: with a manifest, the files do not answer its requests exactly once.
     :raises ConfigurationError: an ``s3://`` URI without an ``open_uri`` that reads it.
+    :raises ManifestVersionError: the manifest is of a newer schema than this package reads.
     """
     opener = open_uri or _open_local
     model = resolve_output_type(output_type)
@@ -223,6 +225,7 @@ def read_answers(
         with opener(source) as lines:
             yield from iter_answers(lines, source=source, output_type=model)
         return
+    schema_version(source, f"the manifest of {source.get('output_uri')}")
     uris = [source["output_uri"]] + ([source["error_uri"]] if errors and source.get("error_uri") else [])
     seen: set[int] = set()
     found = {"completed": 0, "failed": 0}

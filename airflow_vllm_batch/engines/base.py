@@ -35,8 +35,8 @@ if TYPE_CHECKING:
     from airflow_vllm_batch.engines.options import EngineOptions
     from airflow_vllm_batch.engines.vllm.model_names import ServedModels
     from airflow_vllm_batch.identity import PinnedInput, RunIdentity
-    from airflow_vllm_batch.lease import OutputLease
-    from airflow_vllm_batch.storage import RunStaging
+    from airflow_vllm_batch.lease import OutputLease, TaskTry
+    from airflow_vllm_batch.storage.staging import RunStaging
 
 
 @dataclass(frozen=True)
@@ -165,7 +165,7 @@ class StopPoll:
 OpenResults = Callable[[], contextlib.AbstractContextManager[Iterator[bytes]]]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class EngineJob:
     """One try's work for an engine, from the run layer.
 
@@ -175,10 +175,10 @@ class EngineJob:
     :param staging: the run's staging prefix in S3, shared by its tries.
     :param identity: the run identity.
     :param lease: the output's lease; check it before every write to staging.
-    :param holder: who this try is (dag, run, task, map index, try), for the GPU lease files.
+    :param task: who this try is (dag, run, task, map index, try), for the GPU lease files, and whether
+        it is the task's last (``task.last_try``): on the last try an engine publishes what it could not
+        answer as failed lines rather than leave it to a retry.
     :param kept_results: where this worker keeps the run's finished results while S3 cannot take them.
-    :param last_try: whether Airflow retries the task if this try fails. On the last try an engine
-        publishes what it could not answer as failed lines rather than leave it to a retry. Default True.
     :param stop: polled by the engine between requests and checkpoints: ``"expired"`` or ``"cancelled"``
         when the run must stop (the engine then stops sending, makes what it answered durable, and
         raises :class:`~airflow_vllm_batch.exceptions.BatchStopped`); None to go on. Default: never.
@@ -192,9 +192,8 @@ class EngineJob:
     staging: RunStaging
     identity: RunIdentity
     lease: OutputLease
-    holder: Mapping[str, Any]
+    task: TaskTry
     kept_results: Path
-    last_try: bool = True
     stop: Callable[[], str | None] | None = None
     on_checkpoint: Callable[[Mapping[str, int]], None] | None = None
 

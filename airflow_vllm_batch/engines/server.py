@@ -58,7 +58,7 @@ from airflow_vllm_batch.serving.processes import terminate_workers
 
 if TYPE_CHECKING:
     from airflow_vllm_batch.engines.options import YieldToInteractive
-    from airflow_vllm_batch.storage import RunStaging
+    from airflow_vllm_batch.storage.staging import RunStaging
 
 #: The server's batch routes when they cannot be read from its vLLM (a warm server behind a
 #: connection; a vLLM without ``api_router.py`` modules): the runner's, and ``/v1/completions``,
@@ -206,7 +206,7 @@ class _Streaming(Engine):
             f"{reason}: {count}" for reason, count in sorted(stats.unanswered_reasons.items())
         )
         left = f"{stats.unanswered} request(s) got no final answer through every retry ({reasons}; e.g. custom_id {stats.unanswered_example!r})"
-        if not job.last_try:
+        if not job.task.last_try:
             raise RequestsUnansweredError(
                 f"{left}; the other answers are checkpointed at {staged_uri} and nothing was published. The task's "
                 "retry sends only these requests; on its last try they are published as failed lines "
@@ -278,14 +278,16 @@ class ServerEngine(_Streaming, LocalEngine):
     def size_in_flight(self, report: Path) -> None:
         """Read what the server's launcher decided (a refused flag raises its error); bound the requests in flight by its sizes."""
         self.settle_launch(report)
-        sizes = self.scheduler_sizes or SchedulerSizes([], None, None, "")
+        sizes = self.scheduler_sizes or SchedulerSizes(
+            flags=[], max_num_seqs=None, max_num_batched_tokens=None, note=""
+        )
         self.server.max_in_flight, why = started_server_in_flight(
             self.options.max_in_flight, sizes, self.server.engine_args
         )
         self.log.info("In flight: at most %d requests (%s)", self.server.max_in_flight, why)
 
     def gpus_for(self, job: EngineJob) -> Any:
-        return self.leased_gpus(self.server.env, job.holder)
+        return self.leased_gpus(self.server.env, job.task)
 
 
 class ConnectionEngine(_Streaming):

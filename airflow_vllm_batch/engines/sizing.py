@@ -50,10 +50,10 @@ class SchedulerSizes:
     def from_report(cls, sizes: dict) -> SchedulerSizes:
         """The sizes the engine's launcher chose (its report's ``sizes``)."""
         return cls(
-            list(sizes["flags"]),
-            sizes.get("max_num_seqs"),
-            sizes.get("max_num_batched_tokens"),
-            str(sizes["note"]),
+            flags=list(sizes["flags"]),
+            max_num_seqs=sizes.get("max_num_seqs"),
+            max_num_batched_tokens=sizes.get("max_num_batched_tokens"),
+            note=str(sizes["note"]),
         )
 
 

@@ -360,7 +360,12 @@ class VLLMEngineHook(BaseHook):
             finally:
                 # Reached with a live process only on an interruption (timeout, SIGTERM).
                 self.terminate()
-        return EngineRun(returncode, time.monotonic() - started, version, list(tail))
+        return EngineRun(
+            returncode=returncode,
+            duration_s=time.monotonic() - started,
+            vllm_version=version,
+            tail=list(tail),
+        )
 
     def _output_lines(self, process: subprocess.Popen[bytes]) -> Iterator[bytes]:
         """Yield the engine's output lines until its pipe closes, or its leader is gone for good.

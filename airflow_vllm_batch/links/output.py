@@ -113,7 +113,7 @@ class VLLMBatchOutputLink(BaseOperatorLink):
         """
         try:
             # Imported here: the links module is loaded by the API server, which needs no S3 code.
-            from airflow_vllm_batch.storage import split_s3_uri
+            from airflow_vllm_batch.storage.s3 import split_s3_uri
 
             bucket, key = split_s3_uri(output_uri, "output_uri")
             value = {"bucket": bucket, "key": key}

@@ -10,7 +10,7 @@ unknown id does, so ids cannot be probed.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any, Literal
 
 Method = Literal["GET", "POST", "PUT"]
@@ -24,11 +24,6 @@ def owner_key(user_id: str) -> str:
 def owns(conf: Mapping[str, Any] | None, user_id: str) -> bool:
     """Whether the batch whose DAG run has this conf was created by ``user_id``."""
     return bool(conf) and conf.get("owner") == user_id
-
-
-def visible_batches(runs: Iterable[tuple[str, Mapping[str, Any] | None]], user_id: str) -> list[str]:
-    """The run ids, of ``(run_id, conf)`` pairs, that are batches of ``user_id``; the order is kept."""
-    return [run_id for run_id, conf in runs if owns(conf, user_id)]
 
 
 def may(user: Any, method: Method, dag_id: str) -> bool:

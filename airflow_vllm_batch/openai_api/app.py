@@ -31,7 +31,6 @@ from airflow_vllm_batch.openai_api.files import (
     FileStore,
     FormReader,
     LineCounter,
-    S3Writer,
     UploadError,
     file_object_from_record,
     new_batch_id,
@@ -40,7 +39,8 @@ from airflow_vllm_batch.openai_api.files import (
 )
 from airflow_vllm_batch.openai_api.routes import TASK_ID, load_routes, models_in, route_of
 from airflow_vllm_batch.openai_api.settings import OpenAIApiSettings, load_settings
-from airflow_vllm_batch.openai_api.status import BatchRun, batch_object, batch_status, window_seconds
+from airflow_vllm_batch.openai_api.status import BatchDagRun, batch_object, batch_status, window_seconds
+from airflow_vllm_batch.storage.s3 import ObjectWriter
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +201,9 @@ async def create_file(request: Request, user: GetUserDep) -> dict[str, Any]:
         reader = FormReader(request.headers.get("content-type", ""))
     except UploadError as err:
         raise OpenAIError(err.status, str(err)) from None
-    writer = S3Writer(store.client, store.bucket, store.content_key(owner, file_id))
+    writer = ObjectWriter(
+        store.client, store.bucket, store.content_key(owner, file_id), content_type="application/jsonl"
+    )
     counter, pending = LineCounter(), bytearray()
     try:
         async for chunk in request.stream():
@@ -380,7 +382,7 @@ def create_batch(body: BatchCreate, user: GetUserDep) -> dict[str, Any]:
         _forget_batch(store, batch_id)
         raise
     return batch_object(
-        batch_id, BatchRun(conf={**conf, "metadata": metadata}, run_state="queued"), time.time()
+        batch_id, BatchDagRun(conf={**conf, "metadata": metadata}, run_state="queued"), time.time()
     )
 
 
@@ -642,7 +644,7 @@ def _batch_from_run(store: FileStore, run: Any, tis: list[Any], live: bool = Fal
     if state == "failed" or "failed" in task_states:
         failure = store.get_json(store.failure_key(run.run_id))
     cancel = store.get_json(store.cancel_key(run.run_id)) if manifest is None and state != "success" else None
-    view = BatchRun(
+    view = BatchDagRun(
         conf=conf,
         run_state=state,
         task_states=task_states,
@@ -665,12 +667,19 @@ def _published_manifest(store: FileStore, output_uri: str) -> dict[str, Any] | N
     A tombstone (a try publishing, or stopped while it did) and a manifest whose files were
     replaced since are no published output (the rule of ``OutputStore.completed``).
     """
-    from airflow_vllm_batch.manifest import is_tombstone
-    from airflow_vllm_batch.storage import bare_etag, head_etag, manifest_uri
+    from airflow_vllm_batch.exceptions import ManifestVersionError
+    from airflow_vllm_batch.manifest import is_tombstone, schema_version
+    from airflow_vllm_batch.storage.layout import manifest_uri
+    from airflow_vllm_batch.storage.s3 import bare_etag, head_etag
 
-    manifest = store.get_json(manifest_uri(output_uri).split("/", 3)[3])
+    where = manifest_uri(output_uri)
+    manifest = store.get_json(where.split("/", 3)[3])
     if not isinstance(manifest, dict) or is_tombstone(manifest):
         return None
+    try:
+        schema_version(manifest, where)
+    except ManifestVersionError as err:
+        raise OpenAIError(500, str(err)) from None
     for uri_field, etag_field in (("output_uri", "output_etag"), ("error_uri", "error_etag")):
         uri, etag = manifest.get(uri_field), manifest.get(etag_field)
         if not uri:

@@ -29,7 +29,7 @@ from airflow_vllm_batch.openai_api.routes import TASK_ID, ModelRoute, load_route
 from airflow_vllm_batch.openai_api.settings import DEFAULT_BATCH_DAG_ID, load_settings
 from airflow_vllm_batch.operators.task_try import task_try
 from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
-from airflow_vllm_batch.storage import open_uri_lines
+from airflow_vllm_batch.storage.s3 import open_uri_lines
 from airflow_vllm_batch.version_compat import AirflowFailException
 
 if TYPE_CHECKING:
@@ -206,7 +206,7 @@ class OpenAIBatchOperator(VLLMBatchOperator):
             # (no retries), ``from None`` so that the task log tells it once: the error is its context.
             cause = err if isinstance(err, VLLMBatchError) else (err.__cause__ or err.__context__)
             if isinstance(cause, VLLMBatchError) and (
-                not cause.retryable or task_try(context, self.retries)["last_try"]
+                not cause.retryable or task_try(context, self.retries).last_try
             ):
                 self.record_failure(failure_record(cause))
             raise

@@ -28,7 +28,8 @@ from typing import Any
 
 from python_multipart.multipart import MultipartParser, parse_options_header
 
-#: The size of each part of an S3 multipart upload: the most an upload holds in memory
+#: The size of each part of an upload's S3 multipart upload
+#: (:class:`~airflow_vllm_batch.storage.s3.ObjectWriter`): the most an upload holds in memory
 #: (S3's minimum part is 5 MiB).
 PART_BYTES = 8 * 1024 * 1024
 #: The longest form field other than the file (``purpose``) accepted.
@@ -147,50 +148,6 @@ class FormReader:
 
     def _end(self) -> None:
         self._ended = True
-
-
-class S3Writer:
-    """Write one object from parts as they come: one PUT when it fits in a part, else an S3 multipart upload.
-
-    :param client: a boto3 S3 client.
-    :param bucket: the bucket.
-    :param key: the object's key.
-    """
-
-    def __init__(self, client: Any, bucket: str, key: str) -> None:
-        self.client, self.bucket, self.key = client, bucket, key
-        self._upload_id: str | None = None
-        self._parts: list[dict[str, Any]] = []
-
-    def write_part(self, data: bytes) -> None:
-        """Upload one full part (``PART_BYTES``, but the last)."""
-        if self._upload_id is None:
-            self._upload_id = self.client.create_multipart_upload(
-                Bucket=self.bucket, Key=self.key, ContentType="application/jsonl"
-            )["UploadId"]
-        number = len(self._parts) + 1
-        etag = self.client.upload_part(
-            Bucket=self.bucket, Key=self.key, UploadId=self._upload_id, PartNumber=number, Body=data
-        )["ETag"]
-        self._parts.append({"ETag": etag, "PartNumber": number})
-
-    def finish(self, rest: bytes) -> None:
-        """Upload the rest and complete the object."""
-        if self._upload_id is None:
-            self.client.put_object(
-                Bucket=self.bucket, Key=self.key, Body=rest, ContentType="application/jsonl"
-            )
-            return
-        if rest:
-            self.write_part(rest)
-        self.client.complete_multipart_upload(
-            Bucket=self.bucket, Key=self.key, UploadId=self._upload_id, MultipartUpload={"Parts": self._parts}
-        )
-
-    def abort(self) -> None:
-        """Drop what was uploaded (a multipart upload left open would keep its parts, and their cost)."""
-        if self._upload_id is not None:
-            self.client.abort_multipart_upload(Bucket=self.bucket, Key=self.key, UploadId=self._upload_id)
 
 
 @dataclass

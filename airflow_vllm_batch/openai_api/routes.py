@@ -85,7 +85,12 @@ def parse_routes(raw: str | None) -> dict[str, ModelRoute]:
         args = entry.get("engine_args") or []
         if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
             raise ConfigurationError(f"{where}: engine_args of {model!r} must be a list of strings")
-        route = ModelRoute(model, entry.get("vllm_conn_id") or None, entry.get("queue") or None, tuple(args))
+        route = ModelRoute(
+            model=model,
+            vllm_conn_id=entry.get("vllm_conn_id") or None,
+            queue=entry.get("queue") or None,
+            engine_args=tuple(args),
+        )
         taken = [r.model for r in routes.values() if r.task_id == route.task_id]
         if taken:
             raise ConfigurationError(

@@ -54,8 +54,10 @@ def _ts(value: datetime | None) -> int | None:
 
 
 @dataclass
-class BatchRun:
-    """What is known of one batch, from the database and S3.
+class BatchDagRun:
+    """The DAG run of one batch as the API sees it: what the database and S3 say of it.
+
+    Not :class:`airflow_vllm_batch.run.batch.BatchRun` (the run itself, which the batch task executes).
 
     :param conf: the DAG run's conf, as :func:`airflow_vllm_batch.openai_api.app` wrote it.
     :param run_state: the DAG run's state (``queued``, ``running``, ``success``, ``failed``).
@@ -81,7 +83,7 @@ class BatchRun:
     progress: Mapping[str, int] | None = None
 
 
-def batch_status(run: BatchRun, now: float) -> str:
+def batch_status(run: BatchDagRun, now: float) -> str:
     """The OpenAI status of a batch.
 
     A published manifest decides, whatever the run's state (``status`` ``expired`` or
@@ -117,7 +119,7 @@ def expires_at(conf: Mapping[str, Any]) -> int:
     return int(conf["created_at"]) + window_seconds(str(conf.get("completion_window", "24h")))
 
 
-def request_counts(run: BatchRun) -> dict[str, int]:
+def request_counts(run: BatchDagRun) -> dict[str, int]:
     """Total, completed and failed requests.
 
     The published manifest's; while the run goes, the input's line count and the progress
@@ -152,7 +154,7 @@ def _usage(manifest: Mapping[str, Any] | None) -> dict[str, Any] | None:
     }
 
 
-def _errors(run: BatchRun, status: str) -> dict[str, Any] | None:
+def _errors(run: BatchDagRun, status: str) -> dict[str, Any] | None:
     if status != "failed":
         return None
     data = list((run.failure or {}).get("errors") or [])
@@ -168,7 +170,7 @@ def _errors(run: BatchRun, status: str) -> dict[str, Any] | None:
     return {"object": "list", "data": data}
 
 
-def batch_object(batch_id: str, run: BatchRun, now: float) -> dict[str, Any]:
+def batch_object(batch_id: str, run: BatchDagRun, now: float) -> dict[str, Any]:
     """The OpenAI Batch object of a batch (``openai.types.Batch`` parses it).
 
     :param batch_id: the batch's id (its DAG run's run_id).

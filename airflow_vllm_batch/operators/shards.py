@@ -33,7 +33,7 @@ from airflow.providers.amazon.aws.utils.mixins import aws_template_fields
 from airflow_vllm_batch.batchfile import open_lines, redact_url
 from airflow_vllm_batch.exceptions import InputChangedError, VLLMBatchError
 from airflow_vllm_batch.lease import LeaseHolder
-from airflow_vllm_batch.manifest import Manifest, RequestCounts, Usage
+from airflow_vllm_batch.manifest import Manifest, RequestCounts, Usage, schema_version
 from airflow_vllm_batch.operators.task_try import task_try
 from airflow_vllm_batch.run.cost import sum_costs
 from airflow_vllm_batch.sharding import (
@@ -50,7 +50,8 @@ from airflow_vllm_batch.sharding import (
     split_lines,
     sum_manifests,
 )
-from airflow_vllm_batch.storage import OutputStore, s3_body, split_s3_uri
+from airflow_vllm_batch.storage.publishing import OutputStore
+from airflow_vllm_batch.storage.s3 import s3_body, split_s3_uri
 from airflow_vllm_batch.version_compat import AirflowFailException
 
 if TYPE_CHECKING:
@@ -220,7 +221,7 @@ class VLLMBatchMergeOperator(AwsBaseOperator[S3Hook]):
 
     Streams each shard's result file from S3 into a temporary file (each line's bytes
     kept, newline-terminated) and publishes it to ``output_uri`` with the same protocol as
-    ``VLLMBatchOperator`` (:meth:`airflow_vllm_batch.storage.OutputStore.publish`): a
+    ``VLLMBatchOperator`` (:meth:`airflow_vllm_batch.storage.publishing.OutputStore.publish`): a
     tombstone replaces the old manifest first, the results and the error file follow, the manifest
     (``<output stem>.manifest.json``) comes last, so its presence means the merged files
     are complete. Returns it::
@@ -318,6 +319,8 @@ class VLLMBatchMergeOperator(AwsBaseOperator[S3Hook]):
                 f"The shard manifest(s) at map index {uncounted} have no request_counts: they are not "
                 "VLLMBatchOperator manifests, and the merged files could not be checked against them."
             )
+        for index, shard_manifest in enumerate(given):
+            schema_version(shard_manifest, f"the shard manifest at map index {index}")
         return given
 
     def check_no_shard_missing(self, manifests: Sequence[dict[str, Any]]) -> None:

@@ -27,7 +27,7 @@ from airflow_vllm_batch.run import (
     InputLimits,
     check_static_settings,
 )
-from airflow_vllm_batch.storage import default_error_uri
+from airflow_vllm_batch.storage.layout import default_error_uri
 from airflow_vllm_batch.summary import render_summary
 from airflow_vllm_batch.version_compat import AirflowFailException
 

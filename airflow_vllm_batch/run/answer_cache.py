@@ -47,7 +47,7 @@ from airflow_vllm_batch.batchfile import CustomIdIndex, open_lines
 from airflow_vllm_batch.batchfile.cache_keys import KEY_HEX, line_key
 from airflow_vllm_batch.batchfile.models import decode_custom_id
 from airflow_vllm_batch.exceptions import ConfigurationError, StorageUnavailableError
-from airflow_vllm_batch.storage import error_code, location_error, s3_lines
+from airflow_vllm_batch.storage.s3 import error_code, location_error, s3_lines
 
 if TYPE_CHECKING:
     import logging
@@ -106,7 +106,7 @@ class _Answer(msgspec.Struct, gc=False):
 _decode_answer = msgspec.json.Decoder(_Answer).decode
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class CacheSplit:
     """The requests answered from the cache, and the engine's job for the others.
 
@@ -217,8 +217,14 @@ class AnswerCache:
             total - hits,
         )
         if not hits:
-            return CacheSplit(job, 0, total, cached_path, usage)
-        return CacheSplit(self.misses_job(job, db, hits), hits, total - hits, cached_path, usage)
+            return CacheSplit(job=job, hits=0, misses=total, cached_path=cached_path, usage=usage)
+        return CacheSplit(
+            job=self.misses_job(job, db, hits),
+            hits=hits,
+            misses=total - hits,
+            cached_path=cached_path,
+            usage=usage,
+        )
 
     def index_requests(self, job: EngineJob, db: sqlite3.Connection) -> int:
         """Key every cacheable request (the lines the engine would read); return how many are cacheable."""

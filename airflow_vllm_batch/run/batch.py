@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from botocore.exceptions import BotoCoreError, ClientError
 
@@ -50,14 +50,16 @@ from airflow_vllm_batch.engines.base import EngineRun
 from airflow_vllm_batch.engines.server import invalid_parts
 from airflow_vllm_batch.exceptions import BatchStopped, PreflightError, PublishError, StorageUnavailableError
 from airflow_vllm_batch.identity import RunIdentity
-from airflow_vllm_batch.lease import LeaseHolder
+from airflow_vllm_batch.lease import LeaseHolder, TaskTry
 from airflow_vllm_batch.manifest import Manifest, RequestCounts, Usage
 from airflow_vllm_batch.run.answer_cache import CACHED_RESULTS, AnswerCache
 from airflow_vllm_batch.run.cost import run_cost, split_cost
 from airflow_vllm_batch.run.inputs import BatchInput, write_requests
 from airflow_vllm_batch.scratch import concat, kept_results, maybe_open, scratch
-from airflow_vllm_batch.storage import OutputStore, RunStaging, s3_lines
-from airflow_vllm_batch.summary import FailureTally, tally_failures
+from airflow_vllm_batch.storage.publishing import OutputStore
+from airflow_vllm_batch.storage.s3 import s3_lines
+from airflow_vllm_batch.storage.staging import RunStaging
+from airflow_vllm_batch.summary import FailureExample, FailureTally, tally_failures
 
 if TYPE_CHECKING:
     import logging
@@ -76,7 +78,7 @@ class BatchOutcome:
 
     manifest: Manifest
     resumed: bool
-    failure_examples: dict[str, Any] | None = None
+    failure_examples: dict[str, FailureExample] | None = None
 
 
 class BatchRun:
@@ -85,8 +87,7 @@ class BatchRun:
     :param settings: the checked settings.
     :param s3_hook: the S3 hook of ``aws_conn_id``.
     :param engine: the engine that answers the requests.
-    :param task: who this try is: ``dag_id``, ``run_id``, ``task_id``, ``map_index``, ``try_number``,
-        and ``last_try`` (whether Airflow retries it on failure; default True).
+    :param task: who this try is, and whether it is the task's last.
     :param log: the task's logger.
     :param stop: the run's stop condition, polled under the lease before preflight and by the engine
         between requests: ``"expired"`` or ``"cancelled"`` stops the run, which then publishes what
@@ -100,7 +101,7 @@ class BatchRun:
         *,
         s3_hook: S3Hook,
         engine: Engine,
-        task: dict[str, Any],
+        task: TaskTry,
         log: logging.Logger,
         stop: Callable[[], str | None] | None = None,
         on_checkpoint: Callable[[Mapping[str, int]], None] | None = None,
@@ -236,15 +237,14 @@ class BatchRun:
                 try:
                     report = self.preflight(info, work)
                     job = EngineJob(
-                        self.input,
-                        report,
-                        work,
-                        staging,
-                        identity,
-                        lease,
-                        self.task,
-                        kept,
-                        self.task.get("last_try", True),
+                        input=self.input,
+                        report=report,
+                        work=work,
+                        staging=staging,
+                        identity=identity,
+                        lease=lease,
+                        task=self.task,
+                        kept_results=kept,
                         stop=self.stop,
                         on_checkpoint=self.on_checkpoint,
                     )
@@ -257,7 +257,15 @@ class BatchRun:
                 except BatchStopped as stop:
                     stopped = stop.reason
             if stopped is not None:
-                return self.publish_stopped(stopped, identity, lease, staging, work, kept, started)
+                return self.publish_stopped(
+                    stopped,
+                    identity=identity,
+                    lease=lease,
+                    staging=staging,
+                    work=work,
+                    kept=kept,
+                    started=started,
+                )
             try:
                 # Inside the try: the results are staged by now, so S3 failing here is a publish
                 # failure that a retry recovers without the engine (not a bare connection error).
@@ -269,10 +277,19 @@ class BatchRun:
                     split.add_to(results, work / "results.jsonl")
                 errors_path = self.error_file(report, work, results)
                 failures = self.tally_failures(errors_path)
-                manifest = self.build_manifest(identity, report, results, engine_results, started, failures)
+                manifest = self.build_manifest(
+                    identity,
+                    report=report,
+                    results=results,
+                    engine_results=engine_results,
+                    started=started,
+                    failures=failures,
+                )
                 manifest.from_cache = split.hits if split is not None else None
                 manifest.per_model = self.per_model(report, results, work)
-                self.price(manifest, engine_results, started, engine_tokens)
+                self.price(
+                    manifest, engine_results=engine_results, started=started, engine_tokens=engine_tokens
+                )
                 # With no failed line (and no cached answer added) a staged results file is the output byte for
                 # byte: copy it server side (not when the lines are reshaped).
                 copy_staged = (
@@ -332,6 +349,7 @@ class BatchRun:
     def publish_stopped(
         self,
         reason: str,
+        *,
         identity: RunIdentity,
         lease: OutputLease,
         staging: RunStaging,
@@ -550,6 +568,7 @@ class BatchRun:
     def build_manifest(
         self,
         identity: RunIdentity,
+        *,
         report: PreflightReport,
         results: ResultsReport,
         engine_results: EngineResults,
@@ -583,7 +602,7 @@ class BatchRun:
         )
 
     def price(
-        self, manifest: Manifest, engine_results: EngineResults, started: float, engine_tokens: int
+        self, manifest: Manifest, *, engine_results: EngineResults, started: float, engine_tokens: int
     ) -> None:
         """Fill in the manifest's ``cost``, and each model's share of it when the run was priced.
 

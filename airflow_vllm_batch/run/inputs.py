@@ -20,7 +20,8 @@ from airflow_vllm_batch.exceptions import (
     StorageUnavailableError,
 )
 from airflow_vllm_batch.identity import PinnedInput, local_file_tag
-from airflow_vllm_batch.storage import head_input, location_error, requests_uri, s3_lines, split_s3_uri
+from airflow_vllm_batch.storage.layout import requests_uri
+from airflow_vllm_batch.storage.s3 import head_input, location_error, s3_lines, split_s3_uri
 
 if TYPE_CHECKING:
     from airflow.providers.amazon.aws.hooks.s3 import S3Hook
@@ -76,9 +77,7 @@ class BatchInput:
         """Pin ``uri``: its S3 ETag/VersionId, or a local file's size, mtime and hash."""
         if uri.startswith("s3://"):
             head = head_input(hook, uri)
-            pinned = PinnedInput(
-                uri, head["ETag"].strip('"'), head.get("VersionId"), head.get("ContentLength")
-            )
+            pinned = PinnedInput(uri, etag=head.etag, version_id=head.version_id, size=head.size)
         elif uri.startswith(("http://", "https://")):
             pinned = PinnedInput(uri)
         elif not os.path.isfile(uri):
@@ -153,7 +152,7 @@ class BatchInput:
             raise StorageUnavailableError(
                 f"S3 failed while checking that {self.uri} is unchanged ({err})."
             ) from err
-        etag = head["ETag"].strip('"')
+        etag = head.etag
         if etag != self.pinned.etag:
             raise InputChangedError(
                 f"{self.uri} was overwritten while the engine ran (ETag {self.pinned.etag} -> {etag}). "

@@ -20,10 +20,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from airflow_vllm_batch.exceptions import LocationError, VLLMBatchError
-from airflow_vllm_batch.storage import default_error_uri, manifest_uri, output_stem, split_s3_uri
+from airflow_vllm_batch.storage.layout import default_error_uri, manifest_uri, output_stem
+from airflow_vllm_batch.storage.s3 import split_s3_uri
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Location:
     """One object (or, with ``prefix``, everything under a key prefix) that a run reads or writes.
 
@@ -58,7 +59,7 @@ class Location:
 
 
 def lease_uri(output_uri: str) -> str:
-    """The output's lease object: ``<stem>.lease.json`` (as :meth:`~airflow_vllm_batch.storage.OutputStore.lease` names it)."""
+    """The output's lease object: ``<stem>.lease.json`` (as :meth:`~airflow_vllm_batch.storage.publishing.OutputStore.lease` names it)."""
     return f"{output_stem(output_uri)}.lease.json"
 
 
@@ -123,11 +124,11 @@ def _locations(values: Mapping[str, Any], *, rendered: bool) -> Iterator[Locatio
         bucket, _, key = cache.removeprefix("s3://").partition("/")
         if bucket:
             yield Location(
-                "answer_cache_uri",
-                "answer_cache_uri",
-                bucket,
-                key if not key or key.endswith("/") else key + "/",
-                True,
+                parameter="answer_cache_uri",
+                label="answer_cache_uri",
+                bucket=bucket,
+                key=key if not key or key.endswith("/") else key + "/",
+                prefix=True,
             )
 
 
@@ -143,13 +144,13 @@ def _object(parameter: str, label: str, uri: str) -> Iterator[Location]:
         bucket, key = split_s3_uri(uri, parameter)
     except VLLMBatchError:
         return  # malformed: refused on its own, naming the parameter, when the settings are read
-    yield Location(parameter, label, bucket, key)
+    yield Location(parameter=parameter, label=label, bucket=bucket, key=key)
 
 
 def _prefix(parameter: str, label: str, uri: str) -> Iterator[Location]:
     bucket, _, key = uri.removeprefix("s3://").partition("/")
     if uri.startswith("s3://") and bucket and key:
-        yield Location(parameter, label, bucket, key, True)
+        yield Location(parameter=parameter, label=label, bucket=bucket, key=key, prefix=True)
 
 
 #: Which parameter to move when two collide: never the input the user has, first what is easiest to move.

@@ -24,7 +24,7 @@ from airflow_vllm_batch.engines.options import EngineOptions, VLLMRunner
 from airflow_vllm_batch.exceptions import ConfigurationError, PresignError
 from airflow_vllm_batch.run.answer_cache import split_cache_uri
 from airflow_vllm_batch.run.locations import check_locations
-from airflow_vllm_batch.storage import split_s3_uri
+from airflow_vllm_batch.storage.s3 import split_s3_uri
 
 #: SigV4 presigned URLs are valid for at most seven days.
 MAX_PRESIGN_SECONDS = 7 * 24 * 3600

@@ -347,6 +347,7 @@ def test_the_runner_gets_only_the_requests_the_answer_cache_does_not_hold(embedd
 
     from airflow_vllm_batch.batchfile.cache_keys import request_key
     from airflow_vllm_batch.engines import make_engine
+    from airflow_vllm_batch.lease import TaskTry
     from airflow_vllm_batch.run import AnswerCacheOptions, BatchRun, BatchSettings
 
     model = str(tiny_model)
@@ -367,9 +368,9 @@ def test_the_runner_gets_only_the_requests_the_answer_cache_does_not_hold(embedd
     settings = BatchSettings.from_rendered(**kwargs)
     log = logging.getLogger("test")
     engine = make_engine(settings, log)
-    cache = BatchRun(settings, s3_hook=S3Hook(), engine=engine, task={}, log=log).answer_cache(
-        engine.inspect()
-    )
+    cache = BatchRun(
+        settings, s3_hook=S3Hook(), engine=engine, task=TaskTry(dag_id="d", run_id="r", task_id="t"), log=log
+    ).answer_cache(engine.inspect())
     assert cache is not None
     body = json.loads(_line("a1", model, temperature=0, max_completion_tokens=2))["body"]
     key = request_key(cache.model_digest, "/v1/chat/completions", json.dumps(body).encode())

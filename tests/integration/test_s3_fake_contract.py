@@ -97,7 +97,7 @@ def sequence(client, bucket: str) -> list[Any]:
     )
     seen.append(outcome(lambda: client.delete_object(Bucket=bucket, Key=lease, IfMatch=renewed["ETag"])))
     seen.append(outcome(lambda: client.get_object(Bucket=bucket, Key=lease)))
-    # Publishing's conditional writes (storage.OutputStore.publish): a copy and a PUT over what was seen,
+    # Publishing's conditional writes (storage.publishing.OutputStore.publish): a copy and a PUT over what was seen,
     # the same after another writer changed it, and a conditional delete of a key that is gone.
     source = {"Bucket": bucket, "Key": "k/results.jsonl.staging/r/parts/part-000001-a.jsonl"}
     seen.append(

@@ -21,7 +21,9 @@ from typing import TYPE_CHECKING
 from airflow_vllm_batch.identity import RunIdentity
 from airflow_vllm_batch.lease import DEFAULT_STALE_AFTER_S
 from airflow_vllm_batch.manifest import Manifest
-from airflow_vllm_batch.storage import OutputStore, default_error_uri, manifest_uri, split_s3_uri
+from airflow_vllm_batch.storage.layout import default_error_uri, manifest_uri
+from airflow_vllm_batch.storage.publishing import OutputStore
+from airflow_vllm_batch.storage.s3 import split_s3_uri
 from tests.simulation.s3 import FakeS3Client, FakeS3Hook, Mutation
 
 if TYPE_CHECKING:

@@ -68,31 +68,31 @@ class Mutant:
 M = Mutant
 #: The catalogue. Keep each ``old`` as short as makes it unique, and name the protocol rule it breaks.
 MUTANTS: tuple[Mutant, ...] = (
-    # -- storage.py: publishing -----------------------------------------------------------
+    # -- storage/: publishing and staging ---------------------------------------------------
     M(
         "manifest-if-match-dropped",
-        "storage.py",
+        "storage/publishing.py",
         "the manifest's write is unconditional (not If-Match the try's tombstone)",
         """manifest.to_json(), {"IfMatch": f'"{over}"'} if over is not None else {"IfNoneMatch": "*"}""",
         """manifest.to_json(), {}""",
     ),
     M(
         "tombstone-if-match-dropped",
-        "storage.py",
+        "storage/publishing.py",
         "the tombstone replaces whatever manifest is there (no If-Match on what was seen)",
         """return self._put_manifest_key(body, _condition(seen))""",
         """return self._put_manifest_key(body, {})""",
     ),
     M(
         "results-upload-if-match-dropped",
-        "storage.py",
+        "storage/publishing.py",
         "the results upload is unconditional",
         """self._fenced(), results_path, self.bucket, self.key, **_condition(seen_results)""",
         """self._fenced(), results_path, self.bucket, self.key""",
     ),
     M(
         "results-copy-if-match-dropped",
-        "storage.py",
+        "storage/publishing.py",
         "the server-side copy of the staged results is unconditional",
         """staging.results_key,
                     self.bucket,
@@ -104,70 +104,70 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     M(
         "errors-if-match-dropped",
-        "storage.py",
+        "storage/publishing.py",
         "the error file's upload is unconditional",
         """self._fenced(), errors_path, self.error_bucket, self.error_key, **_condition(seen_errors)""",
         """self._fenced(), errors_path, self.error_bucket, self.error_key""",
     ),
     M(
         "old-errors-deleted-unconditionally",
-        "storage.py",
+        "storage/publishing.py",
         "an old error file is deleted without If-Match",
         """self._conditional_delete(self.error_bucket, self.error_key, seen_errors, self.error_uri)""",
         """self._fenced().delete_object(Bucket=self.error_bucket, Key=self.error_key)""",
     ),
     M(
         "412-taken-as-own-write",
-        "storage.py",
+        "storage/publishing.py",
         "a 412 is taken as this try's own landed write without the MD5 check",
         """if error_code(err) in _PRECONDITION_CODES and landed():""",
         """if error_code(err) in _PRECONDITION_CODES:""",
     ),
     M(
         "manifest-before-results",
-        "storage.py",
+        "storage/publishing.py",
         "the manifest is published right after the tombstone, before the results and error file",
         """tombstone = self.mark_publishing(seen_manifest, manifest.fingerprint)\n""",
         """tombstone = self.mark_publishing(seen_manifest, manifest.fingerprint)\n        tombstone = self.write_manifest(manifest, over=tombstone)\n""",
     ),
     M(
         "staging-removed-before-manifest",
-        "storage.py",
+        "storage/publishing.py",
         "the run's staging is removed before the manifest is written",
         """        self.write_manifest(manifest, over=tombstone)\n        if staging is not None:\n            staging.remove()""",
         """        if staging is not None:\n            staging.remove()\n        self.write_manifest(manifest, over=tombstone)""",
     ),
     M(
         "publish-unfenced",
-        "storage.py",
+        "storage/publishing.py",
         "no lease check before the publishing writes (OutputStore's fence skipped)",
         """        self._fence()\n        return self.hook.get_conn()""",
         """        return self.hook.get_conn()""",
     ),
     M(
         "staging-unfenced",
-        "storage.py",
+        "storage/staging.py",
         "no lease check before staging writes and deletes (RunStaging's fence skipped)",
         """        if self.fence is not None:\n            self.fence()\n        return self.hook.get_conn()""",
         """        return self.hook.get_conn()""",
     ),
     M(
         "completed-ignores-etags",
-        "storage.py",
+        "storage/publishing.py",
         "a manifest is taken as complete although its files were overwritten since (fix 6)",
         """if published is not None and etag != bare_etag(published):""",
         """if False:""",
     ),
     M(
         "completed-ignores-identity",
-        "storage.py",
+        "storage/publishing.py",
         "a manifest of another identity is taken as this run's complete output",
         """        if manifest.fingerprint != identity.fingerprint:\n            changed""",
         """        if False:\n            changed""",
     ),
     M(
         "staging-shared-by-identities",
-        "storage.py",
+        "storage/publishing.py",
         "every identity stages under one prefix (the identity no longer names the staging)",
         """f"{self.key}.staging/{identity.short}/\"""",
         """f"{self.key}.staging/shared/\"""",
@@ -520,7 +520,8 @@ def run_simulator(mutant: Mutant | None, schedules: int, start: int = 0, timeout
 
 #: The unit tests of each protocol module (fast ones: SeaweedFS, no engine).
 UNIT_TESTS: dict[str, list[str]] = {
-    "storage.py": ["tests/unit/test_storage.py"],
+    "storage/publishing.py": ["tests/unit/test_storage.py"],
+    "storage/staging.py": ["tests/unit/test_storage.py"],
     "lease.py": ["tests/unit/test_lease.py", "tests/unit/test_storage.py"],
     "run/batch.py": [
         "tests/unit/operators/test_vllm_batch.py",

@@ -43,12 +43,12 @@ import pytest
 
 from airflow_vllm_batch.engines import base as engine_base, runner as runner_module
 from airflow_vllm_batch.exceptions import BatchStopped
+from airflow_vllm_batch.lease import TaskTry
 from airflow_vllm_batch.openai_api import batch_dag
 from airflow_vllm_batch.openai_api.batch_dag import OpenAIBatchOperator
 from airflow_vllm_batch.run.batch import BatchRun
 from airflow_vllm_batch.run.settings import BatchSettings
 from tests.simulation.engines import (
-    SIM_ENGINES,
     SimEngineHook,
     SimRunner,
     SimRunnerEngine,
@@ -173,14 +173,14 @@ class LifecycleWorld(World):
         settings = BatchSettings.from_rendered(**self.settings_values)
         engine = settings.engine.engine_class()(settings, log)
         engine.world = self  # type: ignore[attr-defined]
-        task = {
-            "dag_id": "sim",
-            "run_id": "run-1",
-            "task_id": "batch",
-            "map_index": -1,
-            "try_number": state.number,
-            "last_try": state.number >= self.plan.max_tries,
-        }
+        task = TaskTry(
+            dag_id="sim",
+            run_id="run-1",
+            task_id="batch",
+            map_index=-1,
+            try_number=state.number,
+            last_try=state.number >= self.plan.max_tries,
+        )
         state.outcome = BatchRun(
             settings, s3_hook=self.hook, engine=engine, task=task, log=log, stop=self.stop_condition
         ).execute()

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from airflow_vllm_batch.exceptions import VLLMBatchError
+from airflow_vllm_batch.lease import TaskTry
 from airflow_vllm_batch.run.batch import BatchRun
 from airflow_vllm_batch.run.settings import BatchSettings
 from tests.simulation.engines import SIM_ENGINES, SimRunnerProcess
@@ -582,14 +583,14 @@ class World:
         settings = BatchSettings.from_rendered(**values)
         engine = settings.engine.engine_class()(settings, log)
         engine.world = self  # type: ignore[attr-defined]
-        task = {
-            "dag_id": "sim",
-            "run_id": state.run if state.run != "prior" else "run-1",
-            "map_index": -1,
-            "task_id": "batch" if not state.label.startswith("prior/") else "earlier_batch",
-            "try_number": state.number,
-            "last_try": state.number >= self.plan.max_tries,
-        }
+        task = TaskTry(
+            dag_id="sim",
+            run_id=state.run if state.run != "prior" else "run-1",
+            map_index=-1,
+            task_id="batch" if not state.label.startswith("prior/") else "earlier_batch",
+            try_number=state.number,
+            last_try=state.number >= self.plan.max_tries,
+        )
         state.outcome = BatchRun(settings, s3_hook=self.hook, engine=engine, task=task, log=log).execute()
 
     def try_ended(self, actor: Any, error: BaseException | None) -> None:

@@ -21,6 +21,7 @@ AIRFLOW_FREE = (
     "airflow_vllm_batch.batchfile",
     "airflow_vllm_batch.sharding",
     "airflow_vllm_batch.exceptions",
+    "airflow_vllm_batch.manifest",
 )
 BLOCKED = ("airflow", "boto3", "botocore")
 
@@ -160,6 +161,28 @@ def _find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
 
 def test_no_module_of_the_package_imports_its_way_back_to_itself():
     assert _find_cycle(_package_edges()) is None
+
+
+#: The storage package's modules, each importing only those before it (docs/concepts.md): the object names
+#: and the S3 primitives know nothing of staging or publishing, and nothing imports the reading of answers.
+STORAGE_ORDER = ("layout", "s3", "staging", "publishing", "answers")
+
+
+def test_each_storage_module_imports_only_the_storage_modules_before_it():
+    edges = _package_edges()
+    assert sorted(name for name in MODULES if name.startswith("airflow_vllm_batch.storage.")) == sorted(
+        f"airflow_vllm_batch.storage.{name}" for name in STORAGE_ORDER
+    ), "a storage module is missing from STORAGE_ORDER"
+    wrong = []
+    for index, name in enumerate(STORAGE_ORDER):
+        module = f"airflow_vllm_batch.storage.{name}"
+        allowed = {f"airflow_vllm_batch.storage.{before}" for before in STORAGE_ORDER[:index]}
+        wrong += [
+            f"{module} imports {target}"
+            for target in sorted(edges[module])
+            if target.startswith("airflow_vllm_batch.storage") and target not in allowed
+        ]
+    assert wrong == []
 
 
 def test_a_type_only_import_counts_as_an_import():

@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
-from airflow_vllm_batch.manifest import Manifest, RequestCounts, Usage
+import json
+
+import pytest
+
+from airflow_vllm_batch.exceptions import ManifestVersionError
+from airflow_vllm_batch.manifest import (
+    MANIFEST_SCHEMA_VERSION,
+    Manifest,
+    RequestCounts,
+    Usage,
+    schema_version,
+)
 
 
 def manifest(**extra) -> Manifest:
@@ -33,3 +44,37 @@ def test_a_stored_manifest_reads_back_equal():
     original = manifest(shards=3, shard_manifest_uris=["s3://b/0.manifest.json", None, None])
     assert Manifest.from_json(original.to_json()) == original
     assert Manifest.from_dict(original.to_dict()) == original
+
+
+def test_a_new_manifest_says_its_schema_version_and_reads_back_with_it():
+    original = manifest()
+    assert json.loads(original.to_json())["schema_version"] == MANIFEST_SCHEMA_VERSION == 1
+    assert original.to_dict()["schema_version"] == 1
+    assert Manifest.from_json(original.to_json()).schema_version == 1
+    assert Manifest.from_dict(original.to_dict()) == original
+
+
+def test_a_manifest_written_before_schema_version_reads_as_version_1():
+    old = json.loads(manifest().to_json())
+    del old["schema_version"]
+    assert Manifest.from_json(json.dumps(old)).schema_version == 1
+    assert Manifest.from_dict(old) == manifest()
+    assert schema_version(old) == 1
+
+
+@pytest.mark.parametrize("read", [Manifest.from_json, Manifest.from_dict, schema_version])
+def test_a_manifest_of_a_newer_schema_is_refused_saying_to_upgrade(read):
+    newer = {**manifest().to_dict(), "schema_version": MANIFEST_SCHEMA_VERSION + 1, "renamed": "x"}
+    data = json.dumps(newer) if read == Manifest.from_json else newer
+    with pytest.raises(
+        ManifestVersionError,
+        match=r"s3://b/r.manifest.json has schema_version 2, newer .* Upgrade airflow-vllm-batch",
+    ) as err:
+        read(data, "s3://b/r.manifest.json")
+    assert not err.value.retryable
+
+
+@pytest.mark.parametrize("version", [0, "1", True, None])
+def test_a_schema_version_that_is_no_version_is_refused(version):
+    with pytest.raises(ManifestVersionError, match="not a manifest schema version"):
+        schema_version({**manifest().to_dict(), "schema_version": version})

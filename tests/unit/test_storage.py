@@ -15,20 +15,16 @@ from airflow_vllm_batch.exceptions import (
     InputChangedError,
     InputNotFoundError,
     LocationError,
+    ManifestVersionError,
     OutputBusyError,
     ResultsCheckError,
 )
 from airflow_vllm_batch.identity import RunIdentity
 from airflow_vllm_batch.lease import OutputLease
-from airflow_vllm_batch.manifest import Manifest, RequestCounts, Usage
-from airflow_vllm_batch.storage import (
-    OutputStore,
-    head_etag,
-    head_input,
-    read_answers,
-    s3_lines,
-    split_s3_uri,
-)
+from airflow_vllm_batch.manifest import MANIFEST_SCHEMA_VERSION, Manifest, RequestCounts, Usage
+from airflow_vllm_batch.storage import read_answers
+from airflow_vllm_batch.storage.publishing import OutputStore
+from airflow_vllm_batch.storage.s3 import head_etag, head_input, s3_lines, split_s3_uri
 
 
 @pytest.fixture
@@ -38,7 +34,7 @@ def hook(s3) -> S3Hook:
 
 def test_a_read_of_a_pinned_input_that_changed_fails_naming_it(s3, bucket, hook):
     s3.client().put_object(Bucket=bucket, Key="in.jsonl", Body=b"a\n")
-    etag = head_input(hook, f"s3://{bucket}/in.jsonl")["ETag"].strip('"')
+    etag = head_input(hook, f"s3://{bucket}/in.jsonl").etag
     s3.client().put_object(Bucket=bucket, Key="in.jsonl", Body=b"b\n")
     with pytest.raises(
         InputChangedError, match=rf"s3://{bucket}/in.jsonl was overwritten while this task ran"
@@ -111,6 +107,22 @@ def test_an_output_whose_publish_stopped_after_its_tombstone_is_not_complete_and
         why
         == f"the output at s3://{bucket}/r.jsonl is not complete: a try began publishing it and has not finished (it still publishes, or it was stopped)"
     )
+
+
+def test_a_manifest_of_a_newer_schema_beside_the_output_is_refused_not_taken_for_no_output(s3, bucket, hook):
+    # Taken for "no complete output", it would be published over by a package that cannot read it.
+    store = OutputStore(hook, f"s3://{bucket}/r.jsonl")
+    identity = RunIdentity({"model": "m"})
+    newer = {
+        **_manifest(store, identity.fingerprint).to_dict(),
+        "schema_version": MANIFEST_SCHEMA_VERSION + 1,
+    }
+    s3.client().put_object(Bucket=bucket, Key="r.manifest.json", Body=json.dumps(newer).encode())
+    s3.client().put_object(Bucket=bucket, Key="r.jsonl", Body=b"{}\n")
+    with pytest.raises(ManifestVersionError, match=rf"s3://{bucket}/r.manifest.json has schema_version 2"):
+        store.completed(identity)
+    with pytest.raises(ManifestVersionError, match="Upgrade airflow-vllm-batch"):
+        list(read_answers(newer))
 
 
 def test_two_tombstones_of_one_output_differ_so_a_lost_answer_is_known_by_its_etag(s3, bucket, hook):
@@ -447,7 +459,7 @@ def test_a_publish_whose_conditional_writes_lost_their_answers_takes_them_as_its
 def test_a_large_file_goes_up_in_parts_under_its_condition_and_a_refused_one_leaves_no_upload_behind(
     s3, bucket, tmp_path, monkeypatch
 ):
-    import airflow_vllm_batch.storage as storage
+    import airflow_vllm_batch.storage.s3 as storage
 
     monkeypatch.setattr(storage, "MULTIPART_ABOVE", 1)
     monkeypatch.setattr(storage, "UPLOAD_PART_BYTES", 5 * 2**20)  # S3's smallest part
@@ -485,7 +497,7 @@ class PartialDeletes:
 
 
 def test_keys_deleteobjects_failed_to_delete_are_sent_again():
-    from airflow_vllm_batch.storage import delete_keys
+    from airflow_vllm_batch.storage.s3 import delete_keys
 
     client = PartialDeletes(failing=1)
     delete_keys(client, "b", ["k/a", "k/b"])
@@ -494,7 +506,7 @@ def test_keys_deleteobjects_failed_to_delete_are_sent_again():
 
 def test_a_key_deleteobjects_keeps_failing_to_delete_raises_instead_of_being_taken_for_gone():
     from airflow_vllm_batch.exceptions import StorageUnavailableError
-    from airflow_vllm_batch.storage import DELETE_ROUNDS, delete_keys
+    from airflow_vllm_batch.storage.s3 import DELETE_ROUNDS, delete_keys
 
     client = PartialDeletes(failing=DELETE_ROUNDS)
     with pytest.raises(

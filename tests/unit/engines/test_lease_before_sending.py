@@ -18,6 +18,7 @@ from airflow_vllm_batch.engines.options import VLLMRunner, WarmVLLMServer
 from airflow_vllm_batch.engines.runner import RunnerEngine
 from airflow_vllm_batch.engines.server import ConnectionEngine
 from airflow_vllm_batch.exceptions import OutputBusyError
+from airflow_vllm_batch.lease import TaskTry
 from airflow_vllm_batch.run.settings import BatchSettings
 
 
@@ -41,7 +42,7 @@ def _job(tmp_path: Path) -> mock.Mock:
         lease=_taken_over_lease(),
         work=tmp_path,
         kept_results=tmp_path / "kept.jsonl",
-        holder={},
+        task=TaskTry(dag_id="d", run_id="r", task_id="t"),
     )
     job.report.valid_lines = 2
     job.report.needs_rewrite = False

@@ -44,7 +44,17 @@ def test_no_stop_condition_never_stops():
 
 
 def job(**kwargs) -> EngineJob:
-    return EngineJob(None, None, None, None, None, None, {}, None, **kwargs)  # type: ignore[arg-type]
+    return EngineJob(
+        input=None,
+        report=None,
+        work=None,
+        staging=None,
+        identity=None,
+        lease=None,
+        task=None,
+        kept_results=None,
+        **kwargs,
+    )  # type: ignore[arg-type]
 
 
 def test_a_job_raises_batch_stopped_with_the_reason():

@@ -27,6 +27,7 @@ class RecordingS3(FakeS3):
 
     def put_object(self, *, Key, Body, **kw):
         self.objects[Key] = Body
+        return {"ETag": '"e"'}  # S3 answers every PUT with the object's ETag
 
 
 @pytest.fixture

@@ -9,7 +9,8 @@ import pytest
 from airflow_vllm_batch.batchfile.problems import Problem
 from airflow_vllm_batch.exceptions import PreflightError
 from airflow_vllm_batch.openai_api.batch_dag import failure_record
-from airflow_vllm_batch.openai_api.files import PART_BYTES, FormReader, LineCounter, S3Writer, UploadError
+from airflow_vllm_batch.openai_api.files import PART_BYTES, FormReader, LineCounter, UploadError
+from airflow_vllm_batch.storage.s3 import ObjectWriter
 
 BOUNDARY = "b0undary"
 CONTENT_TYPE = f"multipart/form-data; boundary={BOUNDARY}"
@@ -35,8 +36,10 @@ class FakeS3:
         self.parts: list[bytes] = []
         self.put: bytes | None = None
         self.completed = self.aborted = False
+        self.content_types: list[str] = []
 
     def create_multipart_upload(self, **kw):
+        self.content_types.append(kw["ContentType"])
         return {"UploadId": "u1"}
 
     def upload_part(self, *, Body, PartNumber, **kw):
@@ -46,18 +49,21 @@ class FakeS3:
     def complete_multipart_upload(self, *, MultipartUpload, **kw):
         assert [p["PartNumber"] for p in MultipartUpload["Parts"]] == list(range(1, len(self.parts) + 1))
         self.completed = True
+        return {"ETag": '"c-3"'}
 
     def abort_multipart_upload(self, **kw):
         self.aborted = True
 
     def put_object(self, *, Body, **kw):
         self.put = Body
+        self.content_types.append(kw["ContentType"])
+        return {"ETag": '"p"'}
 
 
-def upload(body: bytes, chunk: int) -> tuple[FormReader, FakeS3, LineCounter]:
+def upload(body: bytes, chunk: int) -> tuple[FormReader, FakeS3, LineCounter, str]:
     """What the API does with a request body: feed it chunk by chunk, write full parts, finish."""
     reader, s3, counter, pending = FormReader(CONTENT_TYPE), FakeS3(), LineCounter(), bytearray()
-    writer = S3Writer(s3, "b", "k")
+    writer = ObjectWriter(s3, "b", "k", content_type="application/jsonl")
     for start in range(0, len(body), chunk):
         data = reader.feed(body[start : start + chunk])
         counter.add(data)
@@ -66,15 +72,16 @@ def upload(body: bytes, chunk: int) -> tuple[FormReader, FakeS3, LineCounter]:
             writer.write_part(bytes(pending[:PART_BYTES]))
             del pending[:PART_BYTES]
     reader.finish()
-    writer.finish(bytes(pending))
-    return reader, s3, counter
+    etag = writer.finish(bytes(pending))
+    return reader, s3, counter, etag
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 65536])
 def test_a_small_file_is_one_put_with_its_fields_read(chunk):
     data = b'{"a": 1}\n{"b": 2}\n{"c": 3}'
-    reader, s3, counter = upload(form(data), chunk)
-    assert s3.put == data and not s3.parts
+    reader, s3, counter, etag = upload(form(data), chunk)
+    assert s3.put == data and not s3.parts and etag == "p"
+    assert s3.content_types == ["application/jsonl"]
     assert reader.fields == {"purpose": "batch"} and reader.filename == "in.jsonl"
     assert (counter.bytes, counter.lines) == (len(data), 3)
 
@@ -82,8 +89,9 @@ def test_a_small_file_is_one_put_with_its_fields_read(chunk):
 def test_a_large_file_goes_up_in_parts_of_at_most_one_part_size():
     line = b'{"custom_id": "x", "body": {}}\n'
     data = line * (2 * PART_BYTES // len(line) + 5)
-    _, s3, counter = upload(form(data), 1 << 20)
-    assert s3.completed and b"".join(s3.parts) == data
+    _, s3, counter, etag = upload(form(data), 1 << 20)
+    assert s3.completed and b"".join(s3.parts) == data and etag == "c-3"
+    assert s3.content_types == ["application/jsonl"]
     assert max(len(p) for p in s3.parts) == PART_BYTES and len(s3.parts) == 3
     assert counter.lines == data.count(b"\n")
 
@@ -100,7 +108,7 @@ def test_a_body_that_is_not_a_form_is_refused():
 
 def test_an_aborted_upload_drops_its_parts():
     s3 = FakeS3()
-    writer = S3Writer(s3, "b", "k")
+    writer = ObjectWriter(s3, "b", "k", content_type="application/jsonl")
     writer.write_part(b"x" * 10)
     writer.abort()
     assert s3.aborted

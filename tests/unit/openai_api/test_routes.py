@@ -17,7 +17,7 @@ from airflow_vllm_batch.openai_api.batch_dag import openai_batch_dag
 from airflow_vllm_batch.openai_api.files import FileStore
 from airflow_vllm_batch.openai_api.routes import ModelRoute, models_in, parse_routes, route_of
 from airflow_vllm_batch.openai_api.settings import OpenAIApiSettings
-from airflow_vllm_batch.storage import manifest_uri
+from airflow_vllm_batch.storage.layout import manifest_uri
 from tests.unit.openai_api.conftest import KEY
 from tests.unit.openai_api.test_app import User
 from tests.unit.openai_api.test_batch_spec import SPEC

@@ -7,7 +7,7 @@ from datetime import datetime, timezone
 import pytest
 from openai.types import Batch
 
-from airflow_vllm_batch.openai_api.status import BatchRun, batch_object, batch_status, window_seconds
+from airflow_vllm_batch.openai_api.status import BatchDagRun, batch_object, batch_status, window_seconds
 
 CREATED = 1_800_000_000
 CONF = {
@@ -35,23 +35,23 @@ NOW = CREATED + 60
 @pytest.mark.parametrize(
     ("run", "status"),
     [
-        (BatchRun(CONF, "queued"), "validating"),
-        (BatchRun(CONF, "running", ["scheduled"]), "validating"),
-        (BatchRun(CONF, "running", ["running"], task_start=T), "in_progress"),
-        (BatchRun(CONF, "running", ["up_for_retry"], task_start=T), "in_progress"),
-        (BatchRun(CONF, "running", ["success"], task_start=T, task_end=T), "finalizing"),
+        (BatchDagRun(CONF, "queued"), "validating"),
+        (BatchDagRun(CONF, "running", ["scheduled"]), "validating"),
+        (BatchDagRun(CONF, "running", ["running"], task_start=T), "in_progress"),
+        (BatchDagRun(CONF, "running", ["up_for_retry"], task_start=T), "in_progress"),
+        (BatchDagRun(CONF, "running", ["success"], task_start=T, task_end=T), "finalizing"),
         (
-            BatchRun(CONF, "success", ["success"], task_start=T, task_end=T, run_end=T, manifest=MANIFEST),
+            BatchDagRun(CONF, "success", ["success"], task_start=T, task_end=T, run_end=T, manifest=MANIFEST),
             "completed",
         ),
-        (BatchRun(CONF, "failed", ["failed"], failure={"stage": "preflight", "errors": []}), "failed"),
-        (BatchRun(CONF, "running", ["running"], cancelling_at=CREATED + 20), "cancelling"),
-        (BatchRun(CONF, "failed", ["failed"], run_end=T, cancelling_at=CREATED + 20), "cancelled"),
+        (BatchDagRun(CONF, "failed", ["failed"], failure={"stage": "preflight", "errors": []}), "failed"),
+        (BatchDagRun(CONF, "running", ["running"], cancelling_at=CREATED + 20), "cancelling"),
+        (BatchDagRun(CONF, "failed", ["failed"], run_end=T, cancelling_at=CREATED + 20), "cancelled"),
         # A published manifest decides, whatever the run's state.
-        (BatchRun(CONF, "running", ["success"], task_start=T, task_end=T, manifest=MANIFEST), "completed"),
-        (BatchRun(CONF, "running", ["running"], task_start=T, manifest=MANIFEST), "completed"),
+        (BatchDagRun(CONF, "running", ["success"], task_start=T, task_end=T, manifest=MANIFEST), "completed"),
+        (BatchDagRun(CONF, "running", ["running"], task_start=T, manifest=MANIFEST), "completed"),
         (
-            BatchRun(
+            BatchDagRun(
                 CONF,
                 "success",
                 ["success"],
@@ -60,11 +60,13 @@ NOW = CREATED + 60
             ),
             "cancelled",
         ),
-        (BatchRun(CONF, "success", ["success"], manifest={**MANIFEST, "status": "expired"}), "expired"),
-        (BatchRun(CONF, "failed", ["failed"], manifest=MANIFEST), "completed"),
+        (BatchDagRun(CONF, "success", ["success"], manifest={**MANIFEST, "status": "expired"}), "expired"),
+        (BatchDagRun(CONF, "failed", ["failed"], manifest=MANIFEST), "completed"),
         # The task failed after publishing and said why (a model that does not serve the endpoint).
         (
-            BatchRun(CONF, "failed", ["failed"], manifest=MANIFEST, failure={"stage": "run", "errors": []}),
+            BatchDagRun(
+                CONF, "failed", ["failed"], manifest=MANIFEST, failure={"stage": "run", "errors": []}
+            ),
             "failed",
         ),
     ],
@@ -74,14 +76,14 @@ def test_status_follows_the_run(run, status):
 
 
 def test_a_run_failed_after_its_window_without_a_failure_record_is_expired():
-    run = BatchRun(CONF, "failed", ["failed"], run_end=T)
+    run = BatchDagRun(CONF, "failed", ["failed"], run_end=T)
     assert batch_status(run, CREATED + 24 * 3600) == "expired"
     assert batch_status(run, CREATED + 24 * 3600 - 1) == "failed"
 
 
 def test_a_completed_batch_names_its_output_and_error_files_and_counts():
     batch = Batch.model_validate(
-        batch_object("batch_abcdefab", BatchRun(CONF, "success", ["success"], T, T, T, MANIFEST), NOW)
+        batch_object("batch_abcdefab", BatchDagRun(CONF, "success", ["success"], T, T, T, MANIFEST), NOW)
     )
     assert (
         batch.status == "completed"
@@ -103,7 +105,7 @@ def test_a_completed_batch_names_its_output_and_error_files_and_counts():
 def test_a_completed_batch_without_failures_has_no_error_file():
     manifest = {**MANIFEST, "error_uri": None}
     batch = Batch.model_validate(
-        batch_object("batch_abcdefab", BatchRun(CONF, "success", ["success"], T, T, T, manifest), NOW)
+        batch_object("batch_abcdefab", BatchDagRun(CONF, "success", ["success"], T, T, T, manifest), NOW)
     )
     assert batch.error_file_id is None
 
@@ -113,7 +115,9 @@ def test_a_preflight_failure_names_its_lines_and_never_was_in_progress():
     batch = Batch.model_validate(
         batch_object(
             "batch_abcdefab",
-            BatchRun(CONF, "failed", ["failed"], T, T, T, failure={"stage": "preflight", "errors": errors}),
+            BatchDagRun(
+                CONF, "failed", ["failed"], T, T, T, failure={"stage": "preflight", "errors": errors}
+            ),
             NOW,
         )
     )
@@ -127,7 +131,7 @@ def test_a_preflight_failure_names_its_lines_and_never_was_in_progress():
 
 def test_a_running_batch_counts_its_input_lines():
     batch = Batch.model_validate(
-        batch_object("batch_abcdefab", BatchRun(CONF, "running", ["running"], task_start=T), NOW)
+        batch_object("batch_abcdefab", BatchDagRun(CONF, "running", ["running"], task_start=T), NOW)
     )
     assert (
         batch.request_counts.total == 3
@@ -143,7 +147,7 @@ def test_a_window_that_is_not_hours_or_days_is_refused(window):
 
 
 def test_a_running_batch_reports_what_its_checkpoints_answered_so_far():
-    run = BatchRun(CONF, "running", ["running"], task_start=T, progress={"completed": 2, "failed": 1})
+    run = BatchDagRun(CONF, "running", ["running"], task_start=T, progress={"completed": 2, "failed": 1})
     batch = Batch.model_validate(batch_object("batch_abcdefab", run, NOW))
     assert batch.status == "in_progress" and (
         batch.request_counts.completed,
@@ -153,7 +157,7 @@ def test_a_running_batch_reports_what_its_checkpoints_answered_so_far():
 
 @pytest.mark.parametrize("status", ["expired", "cancelled"])
 def test_a_stopped_batch_keeps_its_counts_and_files(status):
-    run = BatchRun(CONF, "success", ["success"], T, T, T, manifest={**MANIFEST, "status": status})
+    run = BatchDagRun(CONF, "success", ["success"], T, T, T, manifest={**MANIFEST, "status": status})
     batch = Batch.model_validate(batch_object("batch_abcdefab", run, NOW))
     assert batch.status == status and (batch.request_counts.completed, batch.request_counts.failed) == (2, 1)
     assert (batch.output_file_id, batch.error_file_id) == (CONF["output_file_id"], CONF["error_file_id"])
@@ -167,7 +171,7 @@ def test_a_batch_stopped_before_any_request_completed_has_no_output_file():
         "request_counts": {"total": 3, "completed": 0, "failed": 3},
     }
     batch = Batch.model_validate(
-        batch_object("batch_abcdefab", BatchRun(CONF, "success", ["success"], T, T, T, manifest), NOW)
+        batch_object("batch_abcdefab", BatchDagRun(CONF, "success", ["success"], T, T, T, manifest), NOW)
     )
     assert (
         batch.status == "cancelled"
@@ -180,7 +184,7 @@ def test_a_batch_published_before_its_task_ended_has_its_ending_time_in_order():
     # The manifest is out, the task is still returning: completed, and completed_at is not missing.
     batch = Batch.model_validate(
         batch_object(
-            "batch_abcdefab", BatchRun(CONF, "running", ["running"], task_start=T, manifest=MANIFEST), NOW
+            "batch_abcdefab", BatchDagRun(CONF, "running", ["running"], task_start=T, manifest=MANIFEST), NOW
         )
     )
     assert batch.status == "completed"

@@ -14,8 +14,9 @@ from botocore.exceptions import ClientError
 
 from airflow_vllm_batch.exceptions import OutputBusyError
 from airflow_vllm_batch.lease import LeaseHolder
+from airflow_vllm_batch.manifest import MANIFEST_SCHEMA_VERSION
 from airflow_vllm_batch.operators.shards import VLLMBatchMergeOperator, VLLMBatchSplitOperator
-from airflow_vllm_batch.storage import OutputStore
+from airflow_vllm_batch.storage.publishing import OutputStore
 from airflow_vllm_batch.version_compat import AirflowFailException
 
 
@@ -131,6 +132,17 @@ def test_a_none_shard_manifest_fails_the_merge_without_retry_naming_its_map_inde
     manifests = [None if i in absent else m for i, m in enumerate(shards.manifests)]
     with pytest.raises(
         AirflowFailException, match=rf"map index \[{', '.join(map(str, absent))}\] have no manifest"
+    ):
+        shards.merge(manifests)
+    assert shards.published() == []
+
+
+def test_a_shard_manifest_of_a_newer_schema_fails_the_merge_without_retry_saying_to_upgrade(shards):
+    manifests = [dict(m) for m in shards.manifests]
+    manifests[1]["schema_version"] = MANIFEST_SCHEMA_VERSION + 1
+    with pytest.raises(
+        AirflowFailException,
+        match=r"the shard manifest at map index 1 has schema_version 2, newer .* Upgrade",
     ):
         shards.merge(manifests)
     assert shards.published() == []

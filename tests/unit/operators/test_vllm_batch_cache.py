@@ -15,7 +15,7 @@ from botocore.exceptions import ClientError
 from airflow_vllm_batch.exceptions import ConfigurationError, StorageUnavailableError
 from airflow_vllm_batch.run import AnswerCacheOptions, BatchSettings
 from airflow_vllm_batch.run.answer_cache import AnswerCache
-from airflow_vllm_batch.storage import RunStaging
+from airflow_vllm_batch.storage.staging import RunStaging
 from airflow_vllm_batch.version_compat import AirflowFailException
 from tests.unit.operators.test_vllm_batch_runs import FakeTI
 from tests.unit.operators.test_vllm_batch_server import CONN_ID, batch, quick_retries, server  # noqa: F401  (fixtures)

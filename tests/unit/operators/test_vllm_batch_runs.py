@@ -28,7 +28,7 @@ from airflow_vllm_batch.lease import LeaseHolder
 from airflow_vllm_batch.manifest import is_tombstone
 from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
 from airflow_vllm_batch.run import InputLimits
-from airflow_vllm_batch.storage import RunStaging
+from airflow_vllm_batch.storage.staging import RunStaging
 from airflow_vllm_batch.version_compat import AirflowFailException
 
 FAKE_RUNNER = Path(__file__).with_name("fake_runner.py")
@@ -181,7 +181,7 @@ def test_results_that_fail_the_check_are_dropped_so_the_retry_runs_the_engine(ba
 
 
 def test_staged_results_are_published_by_a_retry_without_the_engine(batch, monkeypatch):
-    from airflow_vllm_batch.storage import OutputStore
+    from airflow_vllm_batch.storage.publishing import OutputStore
 
     real_publish = OutputStore.publish
 
@@ -264,7 +264,7 @@ def test_kept_results_the_check_rejects_are_dropped_so_the_next_try_runs_the_eng
 
 
 def test_a_publish_that_fails_midway_leaves_no_manifest_to_trust(batch, monkeypatch):
-    from airflow_vllm_batch.storage import OutputStore
+    from airflow_vllm_batch.storage.publishing import OutputStore
 
     batch.run()
     batch.put("in/input.jsonl", chat_lines(7))
@@ -401,7 +401,7 @@ def test_an_http_input_is_never_resumed(batch, http_input):
 
 
 def test_the_input_is_read_once_from_s3_by_the_operator_and_once_by_the_engine(batch, monkeypatch):
-    import airflow_vllm_batch.storage as storage
+    import airflow_vllm_batch.storage.s3 as storage
 
     reads = []
     real_body = storage.s3_body
@@ -523,7 +523,7 @@ def _output(batch) -> dict[str, tuple[bytes, str]]:
 def test_a_try_that_lost_its_lease_before_publishing_leaves_the_published_output_untouched(
     batch, monkeypatch
 ):
-    from airflow_vllm_batch.storage import OutputStore
+    from airflow_vllm_batch.storage.publishing import OutputStore
 
     # An output published earlier (by a run this one does not resume: its manifest is not this run's).
     batch.put("out/results.jsonl", b"earlier results\n")
@@ -545,7 +545,7 @@ def test_a_try_that_lost_its_lease_before_publishing_leaves_the_published_output
 def test_a_try_whose_predecessor_published_while_it_took_the_lease_returns_that_output_untouched(
     batch, monkeypatch
 ):
-    from airflow_vllm_batch.storage import OutputStore
+    from airflow_vllm_batch.storage.publishing import OutputStore
 
     real_check_writable = OutputStore.check_writable
     published = []

@@ -31,7 +31,7 @@ from airflow_vllm_batch.exceptions import (
 )
 from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
 from airflow_vllm_batch.serving import ServerUnavailableError, stream
-from airflow_vllm_batch.storage import RunStaging
+from airflow_vllm_batch.storage.staging import RunStaging
 from airflow_vllm_batch.version_compat import AirflowFailException
 from tests.unit.operators.test_vllm_batch_runs import FakeTI
 from tests.unit.serving.conftest import API_KEY, StandIn
@@ -662,4 +662,4 @@ def test_the_last_try_is_the_one_airflow_will_not_retry(try_number, max_tries, r
     ti = FakeTI(try_number=try_number)
     if max_tries is not None:
         ti.max_tries = max_tries
-    assert task_try({"ti": ti}, retries)["last_try"] is last
+    assert task_try({"ti": ti}, retries).last_try is last

@@ -11,7 +11,7 @@ from aiohttp import web
 
 from airflow_vllm_batch.exceptions import ConfigurationError, RequestsUnansweredError
 from airflow_vllm_batch.serving import stream
-from airflow_vllm_batch.storage import RunStaging
+from airflow_vllm_batch.storage.staging import RunStaging
 from airflow_vllm_batch.version_compat import AirflowFailException
 from tests.unit.operators.test_vllm_batch_runs import FakeTI
 from tests.unit.operators.test_vllm_batch_server import N, _completion, _error, batch, server  # noqa: F401 - fixtures

@@ -104,7 +104,7 @@ def test_a_templated_location_is_checked_once_rendered_not_at_parse_time():
 def test_the_lease_and_staging_checked_are_where_the_store_puts_them():
     from unittest import mock
 
-    from airflow_vllm_batch.storage import OutputStore
+    from airflow_vllm_batch.storage.publishing import OutputStore
 
     store = OutputStore(mock.MagicMock(), BASE["output_uri"])
     lease = store.lease(mock.MagicMock())

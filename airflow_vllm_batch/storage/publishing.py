@@ -356,8 +356,8 @@ class OutputStore:
 
     def _changed_meanwhile(self, uri: str) -> OutputBusyError:
         return OutputBusyError(
-            f"{uri} changed while this try published (another try of this output, or another run, wrote it "
-            "after this try read it); this try stopped without changing it. Give each run its own output_uri."
+            f"{uri} changed while this try published, so this try stopped without changing it. "
+            "Give each run its own output_uri (see docs/protocol.md#fencing)."
         )
 
 

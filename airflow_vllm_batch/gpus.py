@@ -75,8 +75,8 @@ def parse_device_list(value: str) -> list[str]:
     Like CUDA, an invalid entry (``-1``, empty) ends the list.
     """
     devices = []
-    for item in value.split(","):
-        item = item.strip()
+    for raw in value.split(","):
+        item = raw.strip()
         if not item or item.startswith("-"):
             break
         devices.append(item)

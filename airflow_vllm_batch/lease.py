@@ -180,7 +180,9 @@ class OutputLease:
                 self._take(self._read())
                 break
             except (ClientError, OutputBusyError) as err:
-                if round_ == ACQUIRE_ROUNDS or isinstance(err, ClientError) and _code(err) not in _GONE_CODES:
+                if round_ == ACQUIRE_ROUNDS or (
+                    isinstance(err, ClientError) and _code(err) not in _GONE_CODES
+                ):
                     raise
                 now = self._read()
                 older = (
@@ -259,7 +261,7 @@ class OutputLease:
         except OutputBusyError:
             log.error("Lost the lease %s to another run; this try will not publish.", self.uri)
             self._lost.set()
-        except Exception as err:  # S3 down for a moment: try again at the next beat
+        except Exception as err:  # noqa: BLE001 - S3 down for a moment: try again at the next beat
             log.warning("Lease heartbeat failed (%s); retrying in %.0fs", err, self.heartbeat_s)
         finally:
             with self._beat_done:

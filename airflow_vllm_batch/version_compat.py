@@ -60,9 +60,9 @@ except ImportError:  # Airflow 3.0 kept it with the operator helpers
 if TYPE_CHECKING:
     # For annotations only: 3.0's module imports Airflow's ORM models.
     if AIRFLOW_V_3_2_PLUS:
-        from airflow.sdk.types import TaskInstanceKey
+        pass
     else:
-        from airflow.models.taskinstancekey import TaskInstanceKey  # type: ignore[no-redef]
+        pass  # type: ignore[no-redef]
 
 __all__ = [
     "AIRFLOW_V_3_1_PLUS",

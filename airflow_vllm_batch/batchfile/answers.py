@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, ContextManager, NamedTuple
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -57,7 +57,7 @@ from airflow_vllm_batch.batchfile.structured import INVALID_OUTPUT, OutputSchema
 from airflow_vllm_batch.exceptions import ConfigurationError, ResultsCheckError
 
 #: Opens a results or error file by URI and yields its lines (bytes, no newline).
-OpenURI = Callable[[str], ContextManager[Iterable[bytes]]]
+OpenURI = Callable[[str], contextlib.AbstractContextManager[Iterable[bytes]]]
 
 
 class Text(NamedTuple):

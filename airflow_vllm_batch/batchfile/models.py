@@ -437,7 +437,7 @@ class ResultLine(msgspec.Struct, gc=False):
 
     custom_id: str | None = None
     id: str | None = None
-    response: ResultResponse | None | msgspec.UnsetType = msgspec.UNSET
+    response: ResultResponse | msgspec.UnsetType | None = msgspec.UNSET
     error: Any = msgspec.UNSET
 
 

@@ -40,9 +40,10 @@ Blank lines are skipped (and written to neither file). A JSON object with neithe
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import IO, Any, ContextManager
+from typing import IO, Any
 
 import msgspec
 
@@ -79,7 +80,7 @@ _NOT_A_RESULT = (
 )
 
 #: A callable that opens a file again, e.g. ``lambda: open_lines(path)``.
-Reopen = Callable[[], ContextManager[Iterable[bytes]]]
+Reopen = Callable[[], contextlib.AbstractContextManager[Iterable[bytes]]]
 
 
 @dataclass
@@ -243,8 +244,7 @@ class ResultsReport:
             out.append(
                 f"  ENGINE FAILURE: vLLM reports its engine core died ({self.engine_dead_lines} lines)"
             )
-        for message in self.sample_errors:
-            out.append(f"  error: {message}")
+        out.extend(f"  error: {message}" for message in self.sample_errors)
         out.extend(self.mismatch_lines())
         return "\n".join(out)
 
@@ -518,10 +518,8 @@ def _scan_results(
         body = None
         if response is not None:
             status = response.status_code
-            if status is None and response.request_id is None:
-                body = response  # older shape: the response is the completion itself
-            else:
-                body = response.body
+            # The older shape has no status nor request_id: the response is the completion itself.
+            body = response if status is None and response.request_id is None else response.body
         wrong = (
             misfit(raw)
             if misfit is not None and error is None and (status is None or status == 200)

@@ -50,7 +50,7 @@ import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from itertools import chain
-from typing import IO, Protocol, Union
+from typing import IO, Protocol
 
 from airflow_vllm_batch.exceptions import ConfigurationError, PreflightError, VLLMBatchError
 
@@ -75,7 +75,7 @@ class SupportsRead(Protocol):
     def read(self, n: int = ..., /) -> bytes: ...
 
 
-Source = Union[str, os.PathLike, SupportsRead]
+Source = str | os.PathLike | SupportsRead
 ProgressCallback = Callable[[int], None]
 
 
@@ -300,7 +300,7 @@ def open_lines(
                 "open s3:// objects with S3Hook and pass the body (a file-like object)."
             )
         try:
-            handle: IO[bytes] = open(text, "rb")
+            handle: IO[bytes] = open(text, "rb")  # noqa: SIM115 - closed by the `with` below; the open alone is guarded
         except OSError as exc:
             raise VLLMBatchError(f"{text}: cannot open the file ({exc.strerror}).") from exc
         with handle:

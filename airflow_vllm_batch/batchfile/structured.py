@@ -65,7 +65,7 @@ def resolve_output_type(value: Any) -> type | None:
         )
     try:
         value.model_json_schema()
-    except Exception as err:  # noqa: BLE001 - pydantic raises several kinds; each is the model's mistake
+    except Exception as err:
         raise ConfigurationError(
             f"output_type {value.__name__} has no JSON schema ({err}). Make every field's type importable where the "
             "model is defined and JSON-serialisable."
@@ -88,7 +88,7 @@ def check_output_type_path(value: str) -> None:
     The scheduler that parses the DAG may not have the worker's packages, so the import
     waits for the worker.
     """
-    module, _, name = value.rpartition(".")
+    module, _, _name = value.rpartition(".")
     if not module or not all(part.isidentifier() for part in value.split(".")):
         raise ConfigurationError(
             f"output_type {value!r} is not an import path: give the model's module and name, e.g. "

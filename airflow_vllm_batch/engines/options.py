@@ -268,13 +268,16 @@ class VLLMRunner(_LocalVLLM):
                 "['docker', 'exec', 'vllm', 'python', '-m', 'vllm.entrypoints.openai.run_batch']",
             )
         presign = self.presign_expires_in
-        if presign is not None and not isinstance(presign, timedelta):
-            # Seconds, as amazon's S3Hook.generate_presigned_url takes them; or a timedelta, as Airflow's durations.
-            if not isinstance(presign, int) or isinstance(presign, bool) or presign < 1:
-                raise ConfigurationError(
-                    "presign_expires_in must be a datetime.timedelta or a positive whole number of seconds, e.g. "
-                    f"timedelta(hours=6), got {presign!r}."
-                )
+        # Seconds, as amazon's S3Hook.generate_presigned_url takes them; or a timedelta, as Airflow's durations.
+        if (
+            presign is not None
+            and not isinstance(presign, timedelta)
+            and (not isinstance(presign, int) or isinstance(presign, bool) or presign < 1)
+        ):
+            raise ConfigurationError(
+                "presign_expires_in must be a datetime.timedelta or a positive whole number of seconds, e.g. "
+                f"timedelta(hours=6), got {presign!r}."
+            )
         super().check(values)
 
     def rendered(self) -> VLLMRunner:

@@ -619,7 +619,7 @@ class BatchRun:
                 successes,
                 report.requests_per_model,
                 default_name=served.default_name,
-                aliases={name: served.default_name for name in served.base_names},
+                aliases=dict.fromkeys(served.base_names, served.default_name),
             )
 
     def skipped(self, report: PreflightReport) -> int:

@@ -165,7 +165,7 @@ def vllm_root() -> str | None:
     spec = importlib.util.find_spec("vllm")
     if spec is None or not spec.submodule_search_locations:
         return None
-    return list(spec.submodule_search_locations)[0]
+    return next(iter(spec.submodule_search_locations))
 
 
 def module_path(root: str, module: str) -> str | None:

@@ -36,4 +36,5 @@ def test_the_docs_build_without_a_warning(tmp_path):
     assert done.returncode == 0, done.stderr[-6000:]
     # The reference is generated: the operator's page holds its docstring's parameters.
     operators = (tmp_path / "html" / "reference" / "operators.html").read_text()
-    assert "VLLMBatchOperator" in operators and "input_uri" in operators
+    assert "VLLMBatchOperator" in operators
+    assert "input_uri" in operators

@@ -37,9 +37,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
-
-import pytest
+from typing import TYPE_CHECKING, Any
 
 from airflow_vllm_batch.engines import base as engine_base, runner as runner_module
 from airflow_vllm_batch.exceptions import BatchStopped
@@ -48,7 +46,6 @@ from airflow_vllm_batch.openai_api.batch_dag import OpenAIBatchOperator
 from airflow_vllm_batch.run.batch import BatchRun
 from airflow_vllm_batch.run.settings import BatchSettings
 from tests.simulation.engines import (
-    SIM_ENGINES,
     SimEngineHook,
     SimRunner,
     SimRunnerEngine,
@@ -58,6 +55,9 @@ from tests.simulation.engines import (
 from tests.simulation.invariants import Outcome, Violation, check_all
 from tests.simulation.scheduler import TryState, VirtualThreading
 from tests.simulation.world import BUCKET, World, make_plan, simulation
+
+if TYPE_CHECKING:
+    import pytest
 
 SCHEDULES = int(os.environ.get("VLLM_BATCH_LIFECYCLE_SCHEDULES", "300"))
 CANCEL_KEY = "batches/batch_sim.cancel.json"

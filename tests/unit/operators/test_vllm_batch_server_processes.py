@@ -14,7 +14,7 @@ from airflow_vllm_batch.serving import stream
 from airflow_vllm_batch.storage import RunStaging
 from airflow_vllm_batch.version_compat import AirflowFailException
 from tests.unit.operators.test_vllm_batch_runs import FakeTI
-from tests.unit.operators.test_vllm_batch_server import N, _completion, _error, batch, server  # noqa: F401 - fixtures
+from tests.unit.operators.test_vllm_batch_server import N, _completion, _error
 
 #: r7 is input line 8 (worker 0 of 2), r12 line 13 (worker 1): one request left unanswered in each worker.
 BROKEN = ("r7", "r12")
@@ -44,7 +44,8 @@ def test_two_client_processes_answer_every_request_exactly_once_and_publish(
     assert sorted(r["custom_id"] for r in batch.lines("out/results.jsonl")) == sorted(
         f"r{i}" for i in range(N)
     )
-    assert server.requests == N and set(server.attempts.values()) == {1}
+    assert server.requests == N
+    assert set(server.attempts.values()) == {1}
     # The parent uploads every worker's parts as one sequence of part numbers.
     numbers = [int(name[5:11]) for name in uploaded]
     assert numbers == list(range(len(numbers)))
@@ -61,7 +62,7 @@ def test_a_resumed_try_with_two_client_processes_sends_only_what_the_parts_lack_
     ) as raised:
         batch.run(FakeTI(try_number=1), retries=2, client_processes=2)
     assert raised.value.retryable
-    assert "out/results.jsonl" not in batch.keys()
+    assert "out/results.jsonl" not in batch
     checkpointed = [r["custom_id"] for k in batch.parts() for r in batch.lines(k)]
     assert sorted(checkpointed) == sorted(f"r{i}" for i in range(N) if f"r{i}" not in BROKEN)
     sent_first = dict(server.attempts)
@@ -97,7 +98,7 @@ def test_a_client_process_whose_server_refuses_the_key_fails_the_try_without_ret
     server.behaviour = refuses_r3
     with pytest.raises(AirflowFailException, match="refused the API key"):
         batch.run(client_processes=2)
-    assert "out/results.jsonl" not in batch.keys()
+    assert "out/results.jsonl" not in batch
 
 
 @pytest.mark.parametrize("value", [0, -1, 1.5, "2", True])
@@ -136,6 +137,7 @@ def test_on_kill_stops_the_client_processes_and_fails_the_try(batch, server):
     assert workers
     operator.on_kill()
     thread.join(30)
-    assert not thread.is_alive() and failure
+    assert not thread.is_alive()
+    assert failure
     assert not any(w.is_alive() for w in workers)
-    assert "out/results.jsonl" not in batch.keys()
+    assert "out/results.jsonl" not in batch

@@ -188,7 +188,8 @@ class OutputLease:
                 older = (
                     now is not None and now.holder is not None and now.holder.same_task_instance(self.holder)
                 )
-                if now is not None and not (older and now.holder.try_number < self.holder.try_number):
+                # `older` holds only with a holder: mypy cannot carry that through the bool.
+                if now is not None and not (older and now.holder.try_number < self.holder.try_number):  # type: ignore[union-attr]
                     raise  # someone the rules let hold it: not a lease given back, nor one an older try took meanwhile
                 log.info(
                     "The lease %s was given back (or taken by an older try) while this try took it over; taking it again.",

@@ -356,6 +356,7 @@ def check_results(
             )
             outputs.finish(getattr(again, "ended_with_newline", None))
         report.dropped_duplicates = len(later)
+        assert results_index is not None  # indexed: the input is known (True above)
         _match(input_index, results_index, report, reread_input, reread_results, max_listed)
     return report
 
@@ -422,6 +423,7 @@ class _Outputs:
 
     def misfit(self, raw: bytes) -> tuple[str, str | None] | None:
         """``(message, text)`` when a successful line's answer does not fit the output schema, else None."""
+        assert self.output_schema is not None  # asked only when there is one (_scan_results)
         return answer_misfit(raw, self.output_schema)
 
     def invalid_output(self, raw: bytes, custom_id: str | None, message: str, text: str | None) -> None:
@@ -439,6 +441,7 @@ class _Outputs:
 
     def success(self, raw: bytes) -> None:
         """Write a successful line as it was; the newline goes *before* all but the first, so the file can end as the input did."""
+        assert self.results_write is not None  # called only when there is a results file (_scan_results)
         if self.written:
             self.results_write(b"\n")
         self.results_write(raw)
@@ -446,6 +449,7 @@ class _Outputs:
 
     def failure(self, raw: bytes, custom_id: str | None, status: int | None) -> None:
         """Write a failed line with its ``error`` in the one shape of the error file."""
+        assert self.errors_write is not None  # called only when there is an error file (_scan_results)
         line = (
             self.input_index.line_of(custom_id)
             if self.input_index is not None and custom_id is not None
@@ -458,6 +462,7 @@ class _Outputs:
     def finish(self, ended_with_newline: bool | None) -> None:
         """End the results file with a newline when the input ended with one (or when that is unknown)."""
         if self.written and ended_with_newline is not False:
+            assert self.results_write is not None  # written: there is a results file
             self.results_write(b"\n")
 
 

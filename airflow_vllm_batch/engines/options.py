@@ -29,9 +29,14 @@ import importlib
 import math
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from airflow_vllm_batch.exceptions import ConfigurationError
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+    from airflow_vllm_batch.engines.base import Engine
 
 #: Seconds between SIGTERM and SIGKILL when an engine this task started is stopped.
 DEFAULT_KILL_GRACE = timedelta(seconds=4)
@@ -130,7 +135,7 @@ class EngineOptions:
     #: options, so importing the engines here would close an import cycle.
     engine_path: ClassVar[str] = ""
 
-    def engine_class(self) -> type:
+    def engine_class(self) -> type[Engine]:
         """The :class:`~airflow_vllm_batch.engines.base.Engine` subclass these options are for (:attr:`engine_path`)."""
         if not self.engine_path:
             raise NotImplementedError(
@@ -153,7 +158,7 @@ class EngineOptions:
             check_gpu_hour_cost(self.gpu_hour_cost)
         self.engine_class().check_settings(self, values)
 
-    def rendered(self) -> EngineOptions:
+    def rendered(self) -> Self:
         """A checked copy of the rendered options, coerced (a Param's ``"2.5"`` becomes 2.5)."""
         return dataclasses.replace(self, gpu_hour_cost=check_gpu_hour_cost(self.gpu_hour_cost))
 
@@ -208,7 +213,7 @@ class _LocalVLLM(EngineOptions):
         seconds_of("kill_grace", self.kill_grace, allow_zero=True)
         super().check(values)
 
-    def rendered(self) -> _LocalVLLM:
+    def rendered(self) -> Self:
         _strings("args", self.args, "['--max-model-len', '4096']")
         if self.env is not None and not isinstance(self.env, Mapping):
             raise ConfigurationError(
@@ -280,7 +285,7 @@ class VLLMRunner(_LocalVLLM):
             )
         super().check(values)
 
-    def rendered(self) -> VLLMRunner:
+    def rendered(self) -> Self:
         _strings(
             "command",
             self.command,
@@ -473,7 +478,7 @@ class WarmVLLMServer(_Streaming):
     def label(self) -> str:
         return f"WarmVLLMServer(conn_id={self.conn_id!r})"
 
-    def rendered(self) -> WarmVLLMServer:
+    def rendered(self) -> Self:
         if not isinstance(self.conn_id, str) or not self.conn_id.strip():
             raise ConfigurationError(
                 f"conn_id must be the name of a vllm connection, got {self.conn_id!r} after rendering."

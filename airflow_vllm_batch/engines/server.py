@@ -285,7 +285,7 @@ class ServerEngine(_Streaming, LocalEngine):
         self.log.info("In flight: at most %d requests (%s)", self.server.max_in_flight, why)
 
     def gpus_for(self, job: EngineJob) -> Any:
-        return self.leased_gpus(self.server.env, job.holder)
+        return self.leased_gpus(self.server.env, job.holder)  # type: ignore[arg-type]  # a started server's env: the dict server_arguments() gave it
 
 
 class ConnectionEngine(_Streaming):

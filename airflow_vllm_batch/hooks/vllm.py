@@ -368,10 +368,11 @@ class VLLMEngineHook(BaseHook):
         group is killed, which closes the pipe.
         """
         assert process.stdout is not None
+        stdout = process.stdout
         lines: queue.Queue[bytes | None] = queue.Queue()
 
         def pump() -> None:
-            for raw in iter(process.stdout.readline, b""):
+            for raw in iter(stdout.readline, b""):
                 lines.put(raw)
             lines.put(None)
 

@@ -178,6 +178,7 @@ class OpenAIBatchOperator(VLLMBatchOperator):
         :raises InputNotFoundError: it is gone or was replaced (not retried: the batch cannot run as created).
         """
         assert self.batch is not None
+        assert self.input_uri is not None  # bound with the batch
         bucket, _, key = self.input_uri.removeprefix("s3://").partition("/")
         try:
             etag = self.hook.get_conn().head_object(Bucket=bucket, Key=key)["ETag"].strip('"')

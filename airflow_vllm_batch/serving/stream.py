@@ -348,7 +348,8 @@ def _one_line(payload: bytes) -> bytes:
 
 def _backoff(attempt: int, first_s: float) -> float:
     """Delay before retry ``attempt`` (0-based): exponential, capped, with jitter so retries do not march in step."""
-    return min(MAX_BACKOFF_S, first_s * 2**attempt) * random.uniform(0.5, 1.0)
+    delay: float = min(MAX_BACKOFF_S, first_s * 2**attempt)  # int ** int is Any to mypy (may be a float)
+    return delay * random.uniform(0.5, 1.0)
 
 
 def retry_after_s(value: str | None, now: float | None = None) -> float | None:

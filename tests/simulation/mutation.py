@@ -198,7 +198,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "given-back-lease-not-retaken",
         "lease.py",
         "a take-over whose lease was given back meanwhile fails the try (seed 120, fixed with issue 34)",
-        """if round_ == ACQUIRE_ROUNDS or isinstance(err, ClientError) and _code(err) not in _GONE_CODES:""",
+        """if round_ == ACQUIRE_ROUNDS or (
+                    isinstance(err, ClientError) and _code(err) not in _GONE_CODES
+                ):""",
         """if True:""",
     ),
     M(

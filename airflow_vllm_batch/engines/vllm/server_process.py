@@ -43,7 +43,7 @@ from airflow_vllm_batch.exceptions import (
     ServerUnavailableError,
 )
 from airflow_vllm_batch.hooks.vllm import VLLMServerHook
-from airflow_vllm_batch.log_groups import GROUP_END, GROUP_START, HeldLines, log_engine_line
+from airflow_vllm_batch.log_groups import GROUP_END, GROUP_START, HeldLines, TaskLog, log_engine_line
 from airflow_vllm_batch.redaction import redact_secrets
 from airflow_vllm_batch.serving.stream import DEFAULT_REQUEST_TIMEOUT_S
 
@@ -172,7 +172,7 @@ class VLLMServerProcess:
         self._stopping = False
 
     @property
-    def log(self) -> logging.Logger:
+    def log(self) -> TaskLog:
         """The logger the server's lines go to: the hook's, once there is one."""
         return self.hook.log if self.hook is not None else logging.getLogger(__name__)
 

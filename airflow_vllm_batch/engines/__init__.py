@@ -30,7 +30,9 @@ if TYPE_CHECKING:
 
 def make_engine(settings: EngineSettings, log: TaskLog) -> Engine:
     """The engine the settings' options name."""
-    return settings.engine.engine_class()(settings, log)
+    engine = settings.engine.engine_class()(settings, log)
+    assert isinstance(engine, Engine)  # engine_path names an Engine subclass
+    return engine
 
 
 __all__ = [

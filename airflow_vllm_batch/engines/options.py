@@ -29,14 +29,24 @@ import importlib
 import math
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from airflow_vllm_batch.exceptions import ConfigurationError
 
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-    from airflow_vllm_batch.engines.base import Engine
+
+class EngineClass(Protocol):
+    """What the options need of their engine's class (an ``engines.base.Engine`` subclass).
+
+    A protocol, not the class: the engines import their options, so naming ``Engine`` here,
+    even for the type checker, would close an import cycle (tests/unit/test_layering.py).
+    """
+
+    def check_settings(self, options: EngineOptions, values: Mapping[str, Any], /) -> None: ...
+    def __call__(self, settings: Any, log: Any, /) -> object: ...
+
 
 #: Seconds between SIGTERM and SIGKILL when an engine this task started is stopped.
 DEFAULT_KILL_GRACE = timedelta(seconds=4)
@@ -135,7 +145,7 @@ class EngineOptions:
     #: options, so importing the engines here would close an import cycle.
     engine_path: ClassVar[str] = ""
 
-    def engine_class(self) -> type[Engine]:
+    def engine_class(self) -> EngineClass:
         """The :class:`~airflow_vllm_batch.engines.base.Engine` subclass these options are for (:attr:`engine_path`)."""
         if not self.engine_path:
             raise NotImplementedError(

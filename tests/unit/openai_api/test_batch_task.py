@@ -145,7 +145,7 @@ def test_refused_requests_complete_the_batch_with_both_files_in_openais_shape(ap
         assert e["id"].startswith("batch_req_")
         assert set(e["response"]["body"]["error"]) == {"message", "type", "param", "code"}
         assert e["response"]["body"]["error"]["message"] == f"{e['custom_id']} refused (400)"
-    assert f"batches/{BATCH}.failure.json" not in api_batch
+    assert f"batches/{BATCH}.failure.json" not in api_batch.keys()
 
 
 def test_the_operators_own_output_keeps_vllms_shape(s3, bucket, tmp_path):
@@ -178,7 +178,7 @@ def test_a_cancel_mid_run_publishes_the_finished_answers_and_the_rest_as_batch_c
     assert stored.status == "cancelled"
     assert stored.output_etag
     assert stored.error_etag
-    assert not [k for k in api_batch if ".staging/" in k or k.endswith(".lease.json")]
+    assert not [k for k in api_batch.keys() if ".staging/" in k or k.endswith(".lease.json")]
 
 
 def test_a_batch_cancelled_before_its_task_runs_publishes_every_request_as_batch_cancelled_without_an_engine(
@@ -279,7 +279,7 @@ def test_a_try_that_airflow_retries_leaves_no_failure_record(api_batch, monkeypa
     )
     with pytest.raises(EngineError):
         api_batch.run(retries=1)
-    assert f"batches/{BATCH}.failure.json" not in api_batch
+    assert f"batches/{BATCH}.failure.json" not in api_batch.keys()
 
 
 def test_a_batch_whose_every_request_got_404_fails_saying_the_model_does_not_serve_the_endpoint(api_batch):

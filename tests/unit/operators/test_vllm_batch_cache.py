@@ -203,7 +203,7 @@ def test_a_failed_cache_write_after_publishing_is_a_warning_and_the_run_stands(
     uri = put_input(batch, "in/w.jsonl", [line("w0"), line("w1")])
     manifest = run(batch, uri, "w")
     assert manifest["request_counts"]["completed"] == 2
-    assert "out/results.manifest.json" not in batch
+    assert "out/results.manifest.json" not in batch.keys()
     assert "w/results.manifest.json" in batch.keys("w/")
     assert "the new answers could not be stored" in capfd.readouterr().out
     assert batch.keys("cache/") == []

@@ -33,8 +33,8 @@ def test_a_rendered_location_on_the_input_fails_without_retry_and_leaves_the_inp
     for name, key in rendered.items():  # what rendering a template sets
         setattr(operator, name, f"s3://{batch.bucket}/{key}")
     batch.put("in/input.jsonl.x.staging/abc/input.jsonl", chat_lines(5))
-    before = {key: batch.get(key) for key in batch}
+    before = {key: batch.get(key) for key in batch.keys()}
     with pytest.raises(AirflowFailException, match="collide"):
         operator.execute({"ti": FakeTI(), "outlet_events": {}})
-    assert {key: batch.get(key) for key in batch} == before  # nothing written, nothing deleted
+    assert {key: batch.get(key) for key in batch.keys()} == before  # nothing written, nothing deleted
     assert batch.engine_runs == 0

@@ -172,7 +172,7 @@ def test_an_overwritten_input_is_a_new_run(batch, capfd):
 def test_results_that_fail_the_check_are_dropped_so_the_retry_runs_the_engine(batch):
     with pytest.raises(ResultsCheckError, match="custom_id 'r4'\\): has no result"):
         batch.run(env={"FAKE_ENGINE_DROP": "1"})
-    assert not [k for k in batch if k.endswith("results.jsonl") and ".staging/" in k]
+    assert not [k for k in batch.keys() if k.endswith("results.jsonl") and ".staging/" in k]
     assert list(batch.scratch_dir.iterdir()) == []  # a failed try leaves no scratch behind
     manifest = batch.run(FakeTI(try_number=2))
     assert manifest["request_counts"]["completed"] == 5
@@ -197,7 +197,7 @@ def test_staged_results_are_published_by_a_retry_without_the_engine(batch, monke
     manifest = batch.run(FakeTI(try_number=2))
     assert manifest["request_counts"]["completed"] == 5
     assert batch.engine_runs == 1
-    assert not [k for k in batch if ".staging/" in k]
+    assert not [k for k in batch.keys() if ".staging/" in k]
 
 
 def test_s3_gone_right_after_staging_says_a_retry_publishes_the_staged_results(batch, monkeypatch):
@@ -282,7 +282,7 @@ def test_a_publish_that_fails_midway_leaves_no_manifest_to_trust(batch, monkeypa
 def test_publishing_removes_only_this_runs_staging(batch):
     batch.put("out/results.jsonl.staging/0123456789abcdef/results.jsonl", b"another run's work\n")
     batch.run()
-    assert "out/results.jsonl.staging/0123456789abcdef/results.jsonl" in batch
+    assert "out/results.jsonl.staging/0123456789abcdef/results.jsonl" in batch.keys()
 
 
 def _hold(batch: Batch, holder: LeaseHolder) -> None:
@@ -296,14 +296,14 @@ def test_a_second_run_on_a_held_output_fails_fast_naming_the_holder(batch):
     ):
         batch.run()
     assert batch.engine_runs == 0
-    assert "out/results.jsonl" not in batch
+    assert "out/results.jsonl" not in batch.keys()
 
 
 def test_a_retry_of_the_same_task_instance_takes_over_its_own_dead_lease(batch):
     _hold(batch, LeaseHolder("d", "run-1", "vllm_batch", -1, 1, "f" * 64, "gpu-7"))
     manifest = batch.run(FakeTI(try_number=2))
     assert manifest["request_counts"]["completed"] == 5
-    assert "out/results.lease.json" not in batch
+    assert "out/results.lease.json" not in batch.keys()
 
 
 @pytest.mark.parametrize(
@@ -363,7 +363,7 @@ def test_a_bad_mode_fails_at_dag_parse_time(batch, name):
 def test_presigned_mode_stages_through_a_presigned_put_and_publishes(batch):
     manifest = batch.run(output_mode="presigned")
     assert manifest["request_counts"]["completed"] == 5
-    assert not [k for k in batch if ".staging/" in k]
+    assert not [k for k in batch.keys() if ".staging/" in k]
 
 
 @pytest.fixture
@@ -515,7 +515,7 @@ def test_a_try_that_lost_its_lease_while_the_engine_ran_stages_and_publishes_not
         OutputBusyError, match=r"d\.vllm_batch of run 'run-1' \(try 2, on gpu-2\) took over the lease"
     ):
         batch.run()
-    assert sorted(k for k in batch if not k.startswith("in/")) == [
+    assert sorted(k for k in batch.keys() if not k.startswith("in/")) == [
         "out/results.lease.json"
     ]  # the successor's
 

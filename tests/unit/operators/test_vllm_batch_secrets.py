@@ -18,7 +18,7 @@ def batch(s3, bucket, tmp_path) -> Batch:
 
 
 def _everything_in_s3(batch: Batch) -> str:
-    return "\n".join(f"{key}\n{batch.get(key).decode()}" for key in batch)
+    return "\n".join(f"{key}\n{batch.get(key).decode()}" for key in batch.keys())
 
 
 def test_an_hf_token_in_engine_args_is_in_no_log_line_manifest_xcom_or_object(batch, capfd, caplog):

@@ -216,8 +216,8 @@ def test_a_dead_server_fails_the_try_as_retryable_and_keeps_its_checkpoints(batc
     assert all("/parts/part-" in k for k in parts)
     answered = [r["custom_id"] for k in parts for r in batch.lines(k)]
     assert sorted(answered) == sorted(f"r{i}" for i in range(10))
-    assert "out/results.jsonl" not in batch
-    assert "out/results.manifest.json" not in batch
+    assert "out/results.jsonl" not in batch.keys()
+    assert "out/results.manifest.json" not in batch.keys()
 
 
 def test_a_retry_resumes_from_the_parts_and_sends_only_the_unanswered(batch, server, capfd):
@@ -381,8 +381,8 @@ def test_a_try_that_lost_its_lease_writes_no_further_part_nor_the_manifest(batch
         batch.run(max_in_flight=1)
     answered = [int(r["custom_id"][1:]) for k in batch.parts() for r in batch.lines(k)]
     assert max(answered, default=-1) <= 5  # nothing answered after the takeover went up
-    assert "out/results.manifest.json" not in batch
-    assert "out/results.jsonl" not in batch
+    assert "out/results.manifest.json" not in batch.keys()
+    assert "out/results.jsonl" not in batch.keys()
 
 
 def test_each_try_names_its_parts_with_its_own_token(batch, server):
@@ -453,8 +453,8 @@ def test_a_request_left_without_a_final_answer_fails_the_try_retryable_and_the_r
     ) as raised:
         batch.run(FakeTI(try_number=1), retries=2, max_in_flight=2)
     assert raised.value.retryable
-    assert "out/results.jsonl" not in batch
-    assert "out/results.manifest.json" not in batch
+    assert "out/results.jsonl" not in batch.keys()
+    assert "out/results.manifest.json" not in batch.keys()
     checkpointed = {
         r["custom_id"]: r["response"]["status_code"] for k in batch.parts() for r in batch.lines(k)
     }

@@ -62,7 +62,7 @@ def test_a_resumed_try_with_two_client_processes_sends_only_what_the_parts_lack_
     ) as raised:
         batch.run(FakeTI(try_number=1), retries=2, client_processes=2)
     assert raised.value.retryable
-    assert "out/results.jsonl" not in batch
+    assert "out/results.jsonl" not in batch.keys()
     checkpointed = [r["custom_id"] for k in batch.parts() for r in batch.lines(k)]
     assert sorted(checkpointed) == sorted(f"r{i}" for i in range(N) if f"r{i}" not in BROKEN)
     sent_first = dict(server.attempts)
@@ -98,7 +98,7 @@ def test_a_client_process_whose_server_refuses_the_key_fails_the_try_without_ret
     server.behaviour = refuses_r3
     with pytest.raises(AirflowFailException, match="refused the API key"):
         batch.run(client_processes=2)
-    assert "out/results.jsonl" not in batch
+    assert "out/results.jsonl" not in batch.keys()
 
 
 @pytest.mark.parametrize("value", [0, -1, 1.5, "2", True])
@@ -140,4 +140,4 @@ def test_on_kill_stops_the_client_processes_and_fails_the_try(batch, server):
     assert not thread.is_alive()
     assert failure
     assert not any(w.is_alive() for w in workers)
-    assert "out/results.jsonl" not in batch
+    assert "out/results.jsonl" not in batch.keys()

@@ -75,8 +75,8 @@ def parse_device_list(value: str) -> list[str]:
     Like CUDA, an invalid entry (``-1``, empty) ends the list.
     """
     devices = []
-    for item in value.split(","):
-        item = item.strip()
+    for raw in value.split(","):
+        item = raw.strip()
         if not item or item.startswith("-"):
             break
         devices.append(item)
@@ -289,7 +289,7 @@ def lease_gpus(
     *,
     directory: str | None = None,
     holder: Mapping[str, object] | None = None,
-    log: Callable[..., None] | None = None,
+    log: Callable[..., object] | None = None,
     poll_s: float = POLL_S,
     log_every_s: float = LOG_EVERY_S,
 ) -> GPULease:
@@ -372,7 +372,7 @@ def engine_gpus(
     env: dict[str, str],
     *,
     holder: Mapping[str, object],
-    log: Callable[..., None],
+    log: Callable[..., object],
 ) -> Iterator[tuple[int, ...]]:
     """Lease the plan's devices, point the engine's ``env`` at them, and yield the descriptors to pass it.
 

@@ -204,13 +204,16 @@ class OutputLease:
                 self._take(self._read())
                 break
             except (ClientError, OutputBusyError) as err:
-                if round_ == ACQUIRE_ROUNDS or isinstance(err, ClientError) and _code(err) not in _GONE_CODES:
+                if round_ == ACQUIRE_ROUNDS or (
+                    isinstance(err, ClientError) and _code(err) not in _GONE_CODES
+                ):
                     raise
                 now = self._read()
                 older = (
                     now is not None and now.holder is not None and now.holder.same_task_instance(self.holder)
                 )
-                if now is not None and not (older and now.holder.try_number < self.holder.try_number):
+                # `older` holds only with a holder: mypy cannot carry that through the bool.
+                if now is not None and not (older and now.holder.try_number < self.holder.try_number):  # type: ignore[union-attr]
                     raise  # someone the rules let hold it: not a lease given back, nor one an older try took meanwhile
                 log.info(
                     "The lease %s was given back (or taken by an older try) while this try took it over; taking it again.",
@@ -283,7 +286,7 @@ class OutputLease:
         except OutputBusyError:
             log.error("Lost the lease %s to another run; this try will not publish.", self.uri)
             self._lost.set()
-        except Exception as err:  # S3 down for a moment: try again at the next beat
+        except Exception as err:  # noqa: BLE001 - S3 down for a moment: try again at the next beat
             log.warning("Lease heartbeat failed (%s); retrying in %.0fs", err, self.heartbeat_s)
         finally:
             with self._beat_done:

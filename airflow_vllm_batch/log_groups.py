@@ -16,6 +16,7 @@ import contextlib
 import logging
 import re
 from collections.abc import Iterator
+from typing import Any, Protocol
 
 GROUP_START = "::group::"
 GROUP_END = "::endgroup::"
@@ -24,15 +25,32 @@ GROUP_END = "::endgroup::"
 _VLLM_LEVEL = re.compile(r"\b(DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d \[")
 
 
+class TaskLog(Protocol):
+    """The task's logger, as this package calls it.
+
+    Airflow's task logger (structlog's, ``airflow.sdk``'s ``Logger``) in a task, a
+    ``logging.Logger`` elsewhere (the CLI, the tests): both fit, and no call here needs more.
+    """
+
+    def debug(self, msg: str, /, *args: Any) -> object: ...
+    def info(self, msg: str, /, *args: Any) -> object: ...
+    def warning(self, msg: str, /, *args: Any) -> object: ...
+    def error(self, msg: str, /, *args: Any) -> object: ...
+    def exception(self, msg: str, /, *args: Any) -> object: ...
+    def log(self, level: int, msg: str, /, *args: Any) -> object: ...
+
+
 def engine_line_level(line: str) -> int:
     """The level to log one engine output line at: vLLM's own for its warnings and errors, else INFO."""
     match = _VLLM_LEVEL.search(line[:80])
     if match is None:
         return logging.INFO
-    return max(logging.INFO, logging.getLevelName(match.group(1)))
+    # A level's name gives its number (getLevelName answers a name for a number, and the reverse).
+    level = int(logging.getLevelName(match.group(1)))
+    return max(logging.INFO, level)
 
 
-def log_engine_line(log: logging.Logger, line: str, max_level: int = logging.CRITICAL) -> None:
+def log_engine_line(log: TaskLog, line: str, max_level: int = logging.CRITICAL) -> None:
     """Log one engine output line at :func:`engine_line_level`, at most ``max_level``.
 
     :param max_level: the highest level to use: ``logging.WARNING`` for what an engine logs
@@ -42,7 +60,7 @@ def log_engine_line(log: logging.Logger, line: str, max_level: int = logging.CRI
 
 
 @contextlib.contextmanager
-def log_group(log: logging.Logger, title: str) -> Iterator[None]:
+def log_group(log: TaskLog, title: str) -> Iterator[None]:
     """Log the lines written inside the block as one folded group titled ``title``.
 
     The group is closed however the block ends (an exception, a timeout), so a failure's
@@ -74,7 +92,7 @@ class HeldLines:
         self.lines.append((line, max_level))
         self.seen += 1
 
-    def flush(self, log: logging.Logger, title: str) -> None:
+    def flush(self, log: TaskLog, title: str) -> None:
         """Log the held lines as a group titled ``title`` (nothing when none were held)."""
         if not self.seen:
             return

@@ -53,10 +53,8 @@ def ensure_owned_dir(results_dir: str) -> Path:
     :raises ConfigurationError: the directory exists and belongs to another user, or is not a directory.
     """
     root = owned_dir(results_dir)
-    try:
+    with contextlib.suppress(FileExistsError):
         root.mkdir(mode=0o700, parents=True)
-    except FileExistsError:
-        pass
     info = os.lstat(root)
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
         owner = (

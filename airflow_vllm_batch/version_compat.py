@@ -43,26 +43,27 @@ AIRFLOW_V_3_2_PLUS: bool = get_base_airflow_version_tuple() >= (3, 2, 0)
 if AIRFLOW_V_3_1_PLUS:
     from airflow.sdk import BaseHook
 else:
-    from airflow.hooks.base import BaseHook  # type: ignore[no-redef]
+    from airflow.hooks.base import BaseHook  # type: ignore[attr-defined,no-redef]  # Airflow 3.0 only
 
 if AIRFLOW_V_3_2_PLUS:
     from airflow.sdk import conf
     from airflow.sdk.exceptions import AirflowFailException, AirflowTaskTimeout
 else:
-    from airflow.configuration import conf  # type: ignore[no-redef]
+    from airflow.configuration import conf  # type: ignore[assignment]  # Airflow < 3.2: core's parser
     from airflow.exceptions import AirflowFailException, AirflowTaskTimeout  # type: ignore[no-redef]
 
 try:
     from airflow.sdk.bases.decorator import determine_kwargs
 except ImportError:  # Airflow 3.0 kept it with the operator helpers
-    from airflow.utils.operator_helpers import determine_kwargs  # type: ignore[no-redef]
+    from airflow.utils.operator_helpers import determine_kwargs
 
 if TYPE_CHECKING:
     # For annotations only: 3.0's module imports Airflow's ORM models.
     if AIRFLOW_V_3_2_PLUS:
+        # Re-exported for annotations (links/output.py imports it under TYPE_CHECKING too).
         from airflow.sdk.types import TaskInstanceKey
     else:
-        from airflow.models.taskinstancekey import TaskInstanceKey  # type: ignore[no-redef]
+        from airflow.models.taskinstancekey import TaskInstanceKey  # type: ignore[assignment]  # noqa: F401
 
 __all__ = [
     "AIRFLOW_V_3_1_PLUS",

@@ -215,7 +215,7 @@ def overhead(args: argparse.Namespace, s3: SeaweedFS, work: Path) -> int:
             # Alternating, and each pair in the other order than the last: drift in the machine's load hits both alike.
             for variant in ("without", "with") if run % 2 == 0 else ("with", "without"):
                 cache = f"s3://{BUCKET}/overhead-cache-{time.time_ns()}/" if variant == "with" else ""
-                child = subprocess.run(  # noqa: S603
+                child = subprocess.run(
                     [sys.executable, __file__, "_one", model, str(work / "results"), cache],
                     env=os.environ.copy(),
                     check=True,

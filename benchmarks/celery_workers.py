@@ -34,16 +34,17 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.integration.deployment import (
+# The clone's tests and embedded default import only once the clone is on sys.path (above).
+from tests.integration.deployment import (  # noqa: E402
     LOOPBACK,
     Deployment,
     deployment_env,
     signal_group,
     wait_until,
 )
-from vllm_batch_embedded.demo import BUCKET
-from vllm_batch_embedded.seaweedfs import SeaweedFS, _free_ports
-from vllm_batch_embedded.tiny_model import build_tiny_chat_model
+from vllm_batch_embedded.demo import BUCKET  # noqa: E402
+from vllm_batch_embedded.seaweedfs import SeaweedFS, _free_ports  # noqa: E402
+from vllm_batch_embedded.tiny_model import build_tiny_chat_model  # noqa: E402
 
 DAG_ID = "vllm_batch_sharded"
 

@@ -298,7 +298,7 @@ def _run_client(client: str, port: int, args: argparse.Namespace, processes: int
         str(args.requests),
     ]
     argv += ["--in-flight", str(args.in_flight), "--processes", str(processes)]
-    done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False, cwd=tree)  # noqa: S603
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False, cwd=tree)
     if done.returncode != 0:
         raise SystemExit(f"client {client} failed:\n{done.stdout[-2000:]}{done.stderr[-3000:]}")
     return json.loads(done.stdout.splitlines()[-1])
@@ -338,13 +338,14 @@ def main() -> None:
     counts = [int(n) for n in args.processes.split(",")]
     clients = args.clients.split(",") + (["stream@base"] if args.baseline else [])
     port = _free_port()
-    server = subprocess.Popen(  # noqa: S603
+    server = subprocess.Popen(
         [sys.executable, __file__, "--serve", "--port", str(port), "--answer", args.answer],
         stdout=subprocess.PIPE,
         text=True,
     )
     try:
-        assert server.stdout is not None and server.stdout.readline().strip() == "ready"
+        assert server.stdout is not None
+        assert server.stdout.readline().strip() == "ready"
         runs: dict[tuple[str, int], list[dict[str, float]]] = {(c, n): [] for n in counts for c in clients}
         for _ in range(args.runs):
             for n in counts:

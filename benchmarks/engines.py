@@ -130,7 +130,7 @@ def run_runner(
     ]
     started = time.monotonic()
     batch_phase_wall = None
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # noqa: S603
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     assert proc.stdout is not None
     for line in proc.stdout:
         if batch_phase_wall is None and BATCH_PHASE_MARKER in line:

@@ -91,7 +91,7 @@ class GPUSampler:
     def _sample(self) -> None:
         while not self._stop.wait(self.every_s):
             try:
-                out = subprocess.run(  # noqa: S603, S607
+                out = subprocess.run(
                     ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits"],
                     capture_output=True,
                     text=True,
@@ -134,7 +134,7 @@ def run_engine(engine: str, common: dict) -> dict:
     the task log would show it.
     """
     with GPUSampler() as gpu:
-        child = subprocess.run(  # noqa: S603
+        child = subprocess.run(
             [sys.executable, __file__, "_task", engine, json.dumps(common)],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

@@ -40,7 +40,7 @@ from tests.simulation.mutation import (
     replay,
     run_simulator,
     run_unit_tests,
-)  # noqa: E402
+)
 
 
 def main() -> int:

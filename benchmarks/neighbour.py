@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -88,10 +89,8 @@ def probe(base_url: str, api_key: str, model: str, every_s: float, max_tokens: i
                 pending.add(task)
                 task.add_done_callback(pending.discard)
                 next_at += every_s
-                try:
+                with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(stop.wait(), max(0.0, next_at - time.monotonic()))
-                except asyncio.TimeoutError:
-                    pass
             await asyncio.gather(*pending)
 
     asyncio.run(main())

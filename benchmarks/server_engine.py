@@ -179,7 +179,7 @@ def rss(args: argparse.Namespace, s3: SeaweedFS, work: Path) -> None:
             Bucket=BUCKET, Key=f"in/{n}.jsonl", Body=examples.chat_requests(n, "m", 16, 0.0)
         )
         started = time.monotonic()
-        child = subprocess.run(  # noqa: S603
+        child = subprocess.run(
             [sys.executable, __file__, "_one", f"s3://{BUCKET}/in/{n}.jsonl", str(work / "results")],
             env=env,
             check=True,

@@ -26,7 +26,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import tests.conftest  # noqa: E402,F401 - the throw-away AIRFLOW_HOME, before Airflow is imported
+import tests.conftest  # noqa: F401 - the throw-away AIRFLOW_HOME, before Airflow is imported
 
 
 def _run(seeds: list[int]):

@@ -102,7 +102,11 @@ def warm_shards(
     per_shard = -(-args.requests // args.shards)
     with open_lines(local_input) as lines:
         shards = list(
-            split_lines(lines, lambda i: open(shard_dir / f"{i:03d}.jsonl", "wb"), max_requests=per_shard)
+            split_lines(
+                lines,
+                lambda i: open(shard_dir / f"{i:03d}.jsonl", "wb"),  # noqa: SIM115 - split_lines closes each shard
+                max_requests=per_shard,
+            )
         )
     shard_s: list[float] = []
     with VLLMServerProcess(model, engine_args=engine_args, env=env, startup_timeout_s=600) as server:

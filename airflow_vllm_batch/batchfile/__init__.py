@@ -143,6 +143,6 @@ __all__ = [
     "read_answers",
     "redact_url",
     "redact_urls",
-    "url_secrets",
     "source_size",
+    "url_secrets",
 ]

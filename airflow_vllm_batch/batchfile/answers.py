@@ -47,45 +47,50 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, ContextManager, NamedTuple
+from typing import Any, NamedTuple
 
 import msgspec
 
 from airflow_vllm_batch.batchfile.models import error_message
 from airflow_vllm_batch.batchfile.sources import open_lines
-from airflow_vllm_batch.batchfile.structured import INVALID_OUTPUT, OutputSchema, resolve_output_type
+from airflow_vllm_batch.batchfile.structured import (
+    INVALID_OUTPUT,
+    ModelClass,
+    OutputSchema,
+    resolve_output_type,
+)
 from airflow_vllm_batch.exceptions import ConfigurationError, ResultsCheckError
 from airflow_vllm_batch.manifest import schema_version
 
 #: Opens a results or error file by URI and yields its lines (bytes, no newline).
-OpenURI = Callable[[str], ContextManager[Iterable[bytes]]]
+OpenURI = Callable[[str], contextlib.AbstractContextManager[Iterable[bytes]]]
 
 
 class Text(NamedTuple):
     """A chat completion or a completion: ``(custom_id, text)`` of its first choice (``None`` when the model returned no content)."""
 
-    custom_id: str
+    custom_id: str | None
     text: str | None
 
 
 class Vector(NamedTuple):
     """An embedding: ``(custom_id, vector)``."""
 
-    custom_id: str
+    custom_id: str | None
     vector: Any
 
 
 class Scores(NamedTuple):
     """Scores of ``/v1/score`` or relevance scores of ``/v1/rerank``: ``(custom_id, scores)``, in the documents' order."""
 
-    custom_id: str
-    scores: list[float]
+    custom_id: str | None
+    scores: list[float | None]
 
 
 class Parsed(NamedTuple):
     """A chat completion or a completion whose text fits ``output_type``: ``(custom_id, value)``, a model instance."""
 
-    custom_id: str
+    custom_id: str | None
     value: Any
 
 
@@ -143,7 +148,7 @@ Answer = Text | Parsed | Vector | Scores | Failed
 
 
 def iter_answers(
-    lines: Iterable[bytes], *, source: str = "results", output_type: type | None = None
+    lines: Iterable[bytes], *, source: str = "results", output_type: ModelClass | None = None
 ) -> Iterator[Answer]:
     """
     Yield one answer per result line (blank lines skipped).

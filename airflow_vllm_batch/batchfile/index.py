@@ -23,6 +23,7 @@ import heapq
 from array import array
 from bisect import bisect_left
 from collections.abc import Iterator
+from typing import Any
 
 #: 64 partitions: their 128 array tails stay in cache while streaming, and the
 #: end-of-stream dict of one partition holds ~n/64 entries.
@@ -42,10 +43,10 @@ class CustomIdIndex:
 
     def __init__(self, partition_bits: int = PARTITION_BITS) -> None:
         self.mask = (1 << partition_bits) - 1
-        self.hashes: list[array] = [array("q") for _ in range(self.mask + 1)]
-        self.lines: list[array] = [array(LINE_TYPECODE) for _ in range(self.mask + 1)]
+        self.hashes: list[array[int]] = [array("q") for _ in range(self.mask + 1)]
+        self.lines: list[array[int]] = [array(LINE_TYPECODE) for _ in range(self.mask + 1)]
         # Per partition, (hashes, lines) sorted by hash, made by line_of() on first use.
-        self._sorted: list[tuple[array, array] | None] = [None] * (self.mask + 1)
+        self._sorted: list[tuple[array[int], array[int]] | None] = [None] * (self.mask + 1)
 
     def __len__(self) -> int:
         return sum(len(hs) for hs in self.hashes)
@@ -159,9 +160,11 @@ class FirstN:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.count = 0
-        self._heap: list = []  # max-heap by negated key, holding the smallest items
+        self._heap: list[
+            tuple[Any, tuple[Any, ...]]
+        ] = []  # max-heap by negated key, holding the smallest items
 
-    def add(self, item: tuple) -> None:
+    def add(self, item: tuple[Any, ...]) -> None:
         """Count ``item`` and keep it if it is among the ``limit`` smallest so far."""
         self.count += 1
         if self.limit <= 0:
@@ -172,12 +175,12 @@ class FirstN:
         elif entry > self._heap[0]:
             heapq.heapreplace(self._heap, entry)
 
-    def items(self) -> list:
+    def items(self) -> list[tuple[Any, ...]]:
         """Return the kept items, sorted."""
         return sorted(entry[1] for entry in self._heap)
 
 
-def hash_partitions(partition_bits: int = PARTITION_BITS) -> list[array]:
+def hash_partitions(partition_bits: int = PARTITION_BITS) -> list[array[int]]:
     """
     Return empty partitions for bare hashes (no line numbers): the cheapest record a hot loop can keep.
 
@@ -189,7 +192,7 @@ def hash_partitions(partition_bits: int = PARTITION_BITS) -> list[array]:
     return [array("q") for _ in range(1 << partition_bits)]
 
 
-def repeated_hashes(parts: list[array]) -> dict[int, int]:
+def repeated_hashes(parts: list[array[int]]) -> dict[int, int]:
     """
     Return ``{hash: times seen}`` for every hash seen more than once, one partition at a time.
 

@@ -25,7 +25,7 @@ object (vLLM's ``ErrorResponse``: ``{"error": {"message", "type", "param", "code
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, cast
 
 import msgspec
 
@@ -136,24 +136,36 @@ def _sampling_field_type(name: str, fields: dict[str, tuple[Any, str]] = SAMPLIN
     return kind if name in NOT_NULLABLE else kind | None
 
 
+if TYPE_CHECKING:
+    # msgspec.defstruct makes these two at runtime (below); the type checker sees what they hold.
+    class ChatBody(RequestBody, kw_only=True):
+        messages: list[ChatMessage]
+
+    class CompletionBody(RequestBody, kw_only=True):
+        prompt: str | list[str | int | list[int]]
+
+
 # Built from SAMPLING_FIELDS so that the checks and their messages cannot drift
 # apart; msgspec checks the types and ranges while decoding (the fast path). An
 # absent field is UNSET: a third cheaper to decode than a None default (measured).
-ChatBody = msgspec.defstruct(
-    "ChatBody",
-    [("messages", Annotated[list[ChatMessage], msgspec.Meta(min_length=1)])]
-    + [(name, _sampling_field_type(name) | msgspec.UnsetType, msgspec.UNSET) for name in SAMPLING_FIELDS],
-    bases=(RequestBody,),
-    kw_only=True,
-    gc=False,
-    module=__name__,
-)
+if not TYPE_CHECKING:
+    ChatBody = msgspec.defstruct(
+        "ChatBody",
+        [("messages", Annotated[list[ChatMessage], msgspec.Meta(min_length=1)])]
+        + [(name, _sampling_field_type(name) | msgspec.UnsetType, msgspec.UNSET) for name in SAMPLING_FIELDS],
+        bases=(RequestBody,),
+        kw_only=True,
+        gc=False,
+        module=__name__,
+    )
 ChatBody.__doc__ = (
     """Body of ``/v1/chat/completions``: ``messages`` and the sampling fields of :data:`SAMPLING_FIELDS`."""
 )
 
 
-def sampling_problem(body: dict, fields: dict[str, tuple[Any, str]] = SAMPLING_FIELDS) -> str | None:
+def sampling_problem(
+    body: dict[str, Any], fields: dict[str, tuple[Any, str]] = SAMPLING_FIELDS
+) -> str | None:
     """
     Return what is wrong with the first bad sampling field of a generation body, or ``None``.
 
@@ -188,26 +200,27 @@ CompletionPrompt = (
     ]
 )
 
-CompletionBody = msgspec.defstruct(
-    "CompletionBody",
-    [("prompt", CompletionPrompt)]
-    + [
-        (name, _sampling_field_type(name, COMPLETION_SAMPLING_FIELDS) | msgspec.UnsetType, msgspec.UNSET)
-        for name in COMPLETION_SAMPLING_FIELDS
-    ],
-    bases=(RequestBody,),
-    kw_only=True,
-    gc=False,
-    module=__name__,
-)
+if not TYPE_CHECKING:
+    CompletionBody = msgspec.defstruct(
+        "CompletionBody",
+        [("prompt", CompletionPrompt)]
+        + [
+            (name, _sampling_field_type(name, COMPLETION_SAMPLING_FIELDS) | msgspec.UnsetType, msgspec.UNSET)
+            for name in COMPLETION_SAMPLING_FIELDS
+        ],
+        bases=(RequestBody,),
+        kw_only=True,
+        gc=False,
+        module=__name__,
+    )
 CompletionBody.__doc__ = """Body of ``/v1/completions``: ``prompt`` and the sampling fields of :data:`COMPLETION_SAMPLING_FIELDS`."""
 
 
 class EmbeddingsBody(RequestBody):
     """Body of ``/v1/embeddings``: ``input`` (text or tokens), or chat-style ``messages``."""
 
-    input: str | list | msgspec.UnsetType = msgspec.UNSET
-    messages: list | msgspec.UnsetType = msgspec.UNSET
+    input: str | list[Any] | msgspec.UnsetType = msgspec.UNSET
+    messages: list[Any] | msgspec.UnsetType = msgspec.UNSET
 
 
 class ScoreBody(RequestBody):
@@ -243,7 +256,7 @@ def chat_body_complete(body: ChatBody) -> bool:
     return True
 
 
-def completion_body_complete(body: CompletionBody) -> bool:  # type: ignore[valid-type]
+def completion_body_complete(body: CompletionBody) -> bool:
     """Return whether a list ``prompt`` holds one kind of item: texts, token ids, or lists of token ids."""
     prompt = body.prompt
     if prompt.__class__ is str:
@@ -326,12 +339,16 @@ def request_struct(
     :param model: the only ``body.model`` accepted, or ``None`` for any (or none).
     """
     if model is not None:
-        body = msgspec.defstruct(
-            f"{body.__name__}Strict",
-            [("model", Literal[model]), ("stream", Literal[False] | None, None)],
-            bases=(body,),
-            kw_only=True,
-            gc=False,
+        # A subclass of ``body`` (its base), which defstruct's return type cannot say.
+        body = cast(
+            "type[RequestBody]",
+            msgspec.defstruct(
+                f"{body.__name__}Strict",
+                [("model", Literal[model]), ("stream", Literal[False] | None, None)],
+                bases=(body,),
+                kw_only=True,
+                gc=False,
+            ),
         )
     return msgspec.defstruct(
         f"{body.__name__}Request",
@@ -437,7 +454,7 @@ class ResultLine(msgspec.Struct, gc=False):
 
     custom_id: str | None = None
     id: str | None = None
-    response: ResultResponse | None | msgspec.UnsetType = msgspec.UNSET
+    response: ResultResponse | msgspec.UnsetType | None = msgspec.UNSET
     error: Any = msgspec.UNSET
 
 
@@ -557,8 +574,10 @@ def error_message(error: Any) -> str | None:
         return error
     if isinstance(error, dict):
         inner = error.get("error")
-        if isinstance(inner, dict) and isinstance(inner.get("message"), str):
-            return inner["message"]
-        if isinstance(error.get("message"), str):
-            return error["message"]
+        message = inner.get("message") if isinstance(inner, dict) else None
+        if isinstance(message, str):
+            return message
+        message = error.get("message")
+        if isinstance(message, str):
+            return message
     return msgspec.json.encode(error).decode("utf-8", "replace")

@@ -116,17 +116,17 @@ def split_stopped(
         if custom_id in written:
             continue
         written.add(custom_id)
-        raw = first.get(custom_id)
-        if raw is None:
+        kept = first.get(custom_id)
+        if kept is None:
             errors_out.write(stopped_line(custom_id, reason))
             failed += 1
             continue
-        outcome = answer_outcome(raw)
+        outcome = answer_outcome(kept)
         if outcome is not None and outcome[1]:
-            results_out.write(raw + b"\n")
+            results_out.write(kept + b"\n")
             completed += 1
         else:
-            line = msgspec.json.decode(raw)
+            line = msgspec.json.decode(kept)
             response = line.get("response")
             status = response.get("status_code") if isinstance(response, dict) else None
             line["error"] = error_object(line.get("error"), status, None)
@@ -148,7 +148,7 @@ def to_openai_line(raw: bytes) -> bytes:
     response = line.get("response")
     error = line.get("error")
     status = response.get("status_code") if isinstance(response, dict) else None
-    if isinstance(status, int) and status >= 400:
+    if isinstance(response, dict) and isinstance(status, int) and status >= 400:
         # An HTTP failure: the error is the response's body, as OpenAI's API answered it.
         message = error_message(error) or error_message(response.get("body")) or f"HTTP status {status}"
         code = error.get("code") if isinstance(error, dict) and isinstance(error.get("code"), str) else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,7 +26,7 @@ class Problem:
             where += f" (custom_id {self.custom_id!r})"
         return f"{where}: {self.message}"
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         """Return the problem as a JSON-ready dict."""
         return {"line": self.line, "custom_id": self.custom_id, "message": self.message}
 

@@ -40,9 +40,10 @@ Blank lines are skipped (and written to neither file). A JSON object with neithe
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import IO, Any, ContextManager
+from typing import IO, Any
 
 import msgspec
 
@@ -79,7 +80,7 @@ _NOT_A_RESULT = (
 )
 
 #: A callable that opens a file again, e.g. ``lambda: open_lines(path)``.
-Reopen = Callable[[], ContextManager[Iterable[bytes]]]
+Reopen = Callable[[], contextlib.AbstractContextManager[Iterable[bytes]]]
 
 
 @dataclass
@@ -243,8 +244,7 @@ class ResultsReport:
             out.append(
                 f"  ENGINE FAILURE: vLLM reports its engine core died ({self.engine_dead_lines} lines)"
             )
-        for message in self.sample_errors:
-            out.append(f"  error: {message}")
+        out.extend(f"  error: {message}" for message in self.sample_errors)
         out.extend(self.mismatch_lines())
         return "\n".join(out)
 
@@ -356,6 +356,7 @@ def check_results(
             )
             outputs.finish(getattr(again, "ended_with_newline", None))
         report.dropped_duplicates = len(later)
+        assert results_index is not None  # indexed: the input is known (True above)
         _match(input_index, results_index, report, reread_input, reread_results, max_listed)
     return report
 
@@ -422,6 +423,7 @@ class _Outputs:
 
     def misfit(self, raw: bytes) -> tuple[str, str | None] | None:
         """``(message, text)`` when a successful line's answer does not fit the output schema, else None."""
+        assert self.output_schema is not None  # asked only when there is one (_scan_results)
         return answer_misfit(raw, self.output_schema)
 
     def invalid_output(self, raw: bytes, custom_id: str | None, message: str, text: str | None) -> None:
@@ -439,6 +441,7 @@ class _Outputs:
 
     def success(self, raw: bytes) -> None:
         """Write a successful line as it was; the newline goes *before* all but the first, so the file can end as the input did."""
+        assert self.results_write is not None  # called only when there is a results file (_scan_results)
         if self.written:
             self.results_write(b"\n")
         self.results_write(raw)
@@ -446,6 +449,7 @@ class _Outputs:
 
     def failure(self, raw: bytes, custom_id: str | None, status: int | None) -> None:
         """Write a failed line with its ``error`` in the one shape of the error file."""
+        assert self.errors_write is not None  # called only when there is an error file (_scan_results)
         line = (
             self.input_index.line_of(custom_id)
             if self.input_index is not None and custom_id is not None
@@ -458,6 +462,7 @@ class _Outputs:
     def finish(self, ended_with_newline: bool | None) -> None:
         """End the results file with a newline when the input ended with one (or when that is unknown)."""
         if self.written and ended_with_newline is not False:
+            assert self.results_write is not None  # written: there is a results file
             self.results_write(b"\n")
 
 
@@ -518,10 +523,8 @@ def _scan_results(
         body = None
         if response is not None:
             status = response.status_code
-            if status is None and response.request_id is None:
-                body = response  # older shape: the response is the completion itself
-            else:
-                body = response.body
+            # The older shape has no status nor request_id: the response is the completion itself.
+            body = response if status is None and response.request_id is None else response.body
         wrong = (
             misfit(raw)
             if misfit is not None and error is None and (status is None or status == 200)

@@ -50,7 +50,7 @@ import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from itertools import chain
-from typing import IO, Protocol, Union
+from typing import IO, Any, Protocol
 
 from airflow_vllm_batch.exceptions import ConfigurationError, PreflightError, VLLMBatchError
 
@@ -75,7 +75,7 @@ class SupportsRead(Protocol):
     def read(self, n: int = ..., /) -> bytes: ...
 
 
-Source = Union[str, os.PathLike, SupportsRead]
+Source = str | os.PathLike[str] | SupportsRead
 ProgressCallback = Callable[[int], None]
 
 
@@ -115,7 +115,7 @@ def redact_url(url: str) -> str:
     )
 
 
-def url_secrets(url: str) -> list[str]:
+def url_secrets(url: str | None) -> list[str]:
     """The parts of an http(s) URL that may be credentials, for the secrets masker: the URL itself, its query, its user info.
 
     :param url: an input URL (``https://user:password@host/in.jsonl``, a presigned URL's ``?X-Amz-...``).
@@ -300,7 +300,7 @@ def open_lines(
                 "open s3:// objects with S3Hook and pass the body (a file-like object)."
             )
         try:
-            handle: IO[bytes] = open(text, "rb")
+            handle: IO[bytes] = open(text, "rb")  # noqa: SIM115 - closed by the `with` below; the open alone is guarded
         except OSError as exc:
             raise VLLMBatchError(f"{text}: cannot open the file ({exc.strerror}).") from exc
         with handle:
@@ -313,7 +313,9 @@ def open_lines(
     yield _decoded_lines(source, name, on_bytes, kwargs)
 
 
-def _decoded_lines(stream: SupportsRead, name: str, on_bytes: ProgressCallback | None, kwargs: dict) -> Lines:
+def _decoded_lines(
+    stream: SupportsRead, name: str, on_bytes: ProgressCallback | None, kwargs: dict[str, Any]
+) -> Lines:
     """Recognise the stream's compression from its first bytes and return its (decompressed) lines."""
     head = _read_at_least(stream, _MAGIC_BYTES)
     compression = compression_of_head(head)
@@ -369,7 +371,7 @@ def is_compressed(source: Source, *, timeout: float = 60.0) -> bool:
     seek = getattr(source, "seek", None)
     if seek is None or not getattr(source, "seekable", lambda: False)():
         raise TypeError("is_compressed() cannot rewind this stream; use open_lines(...).compression instead")
-    start = source.tell()  # type: ignore[union-attr]
+    start = source.tell()  # type: ignore[attr-defined]  # seekable: checked above
     try:
         return compression_of_head(_read_at_least(source, _MAGIC_BYTES)) is not None
     finally:
@@ -430,7 +432,8 @@ class _GzipReader:
 
     def __init__(self, raw: SupportsRead, name: str) -> None:
         # GzipFile reads its fileobj forward only, so a socket or StreamingBody works.
-        self._gzip = gzip.GzipFile(fileobj=raw, mode="rb")  # type: ignore[arg-type]
+        # GzipFile only ever calls read() on a fileobj opened "rb"; typeshed wants a whole file.
+        self._gzip: gzip.GzipFile = gzip.GzipFile(fileobj=raw, mode="rb")  # type: ignore[call-overload]
         self._name = name
 
     def read(self, n: int = -1, /) -> bytes:
@@ -448,7 +451,7 @@ class _GzipReader:
             ) from None
 
 
-def _open_url(url: str, timeout: float, headers: dict[str, str] | None = None):
+def _open_url(url: str, timeout: float, headers: dict[str, str] | None = None) -> http.client.HTTPResponse:
     """Open a GET request for ``url``, raising an error that never shows its credentials or query string.
 
     Credentials in the URL (``https://user:password@host/...``), which urllib cannot open, are
@@ -466,7 +469,9 @@ def _open_url(url: str, timeout: float, headers: dict[str, str] | None = None):
             headers["Authorization"] = "Basic " + base64.b64encode(token).decode()
             parts = parts._replace(netloc=_host_and_port(parts))
         request = urllib.request.Request(urllib.parse.urlunsplit(parts), method="GET", headers=headers)
-        return urllib.request.urlopen(request, timeout=timeout)
+        # urlopen answers an http(s) request with an HTTPResponse (typeshed says Any).
+        response: http.client.HTTPResponse = urllib.request.urlopen(request, timeout=timeout)
+        return response
     except (http.client.InvalidURL, ValueError) as exc:
         # Their messages quote the URL's parts, credentials included: only the redacted URL is told.
         raise ConfigurationError(

@@ -28,7 +28,7 @@ import importlib
 import json
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import Any, Protocol, TypeGuard
 
 import msgspec
 
@@ -48,7 +48,18 @@ COMPACT_JSON_FLAG = (
 _PADDING_RUN = 16
 
 
-def resolve_output_type(value: Any) -> type | None:
+class ModelClass(Protocol):
+    """A Pydantic 2 model class, as this module uses it (the core never imports Pydantic)."""
+
+    __name__: str
+    __module__: str
+    __qualname__: str
+
+    def model_json_schema(self) -> dict[str, Any]: ...
+    def model_validate_json(self, json_data: str, /) -> Any: ...
+
+
+def resolve_output_type(value: Any) -> ModelClass | None:
     """Return the Pydantic model ``output_type`` names: the class itself, or its import path.
 
     :param value: ``None``, a ``pydantic.BaseModel`` subclass, or ``"package.module.Model"``.
@@ -65,7 +76,7 @@ def resolve_output_type(value: Any) -> type | None:
         )
     try:
         value.model_json_schema()
-    except Exception as err:  # noqa: BLE001 - pydantic raises several kinds; each is the model's mistake
+    except Exception as err:
         raise ConfigurationError(
             f"output_type {value.__name__} has no JSON schema ({err}). Make every field's type importable where the "
             "model is defined and JSON-serialisable."
@@ -73,7 +84,7 @@ def resolve_output_type(value: Any) -> type | None:
     return value
 
 
-def is_model_class(value: Any) -> bool:
+def is_model_class(value: object) -> TypeGuard[ModelClass]:
     """Whether ``value`` is a Pydantic 2 model class (not an instance)."""
     return (
         isinstance(value, type)
@@ -88,7 +99,7 @@ def check_output_type_path(value: str) -> None:
     The scheduler that parses the DAG may not have the worker's packages, so the import
     waits for the worker.
     """
-    module, _, name = value.rpartition(".")
+    module, _, _name = value.rpartition(".")
     if not module or not all(part.isidentifier() for part in value.split(".")):
         raise ConfigurationError(
             f"output_type {value!r} is not an import path: give the model's module and name, e.g. "
@@ -115,7 +126,7 @@ class OutputSchema:
     :param model: a ``pydantic.BaseModel`` subclass.
     """
 
-    model: type
+    model: ModelClass
 
     @property
     def name(self) -> str:

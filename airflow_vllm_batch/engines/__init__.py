@@ -24,14 +24,15 @@ from airflow_vllm_batch.engines.options import (
 )
 
 if TYPE_CHECKING:
-    import logging
-
     from airflow_vllm_batch.engines.base import EngineSettings
+    from airflow_vllm_batch.log_groups import TaskLog
 
 
-def make_engine(settings: EngineSettings, log: logging.Logger) -> Engine:
+def make_engine(settings: EngineSettings, log: TaskLog) -> Engine:
     """The engine the settings' options name."""
-    return settings.engine.engine_class()(settings, log)
+    engine = settings.engine.engine_class()(settings, log)
+    assert isinstance(engine, Engine)  # engine_path names an Engine subclass
+    return engine
 
 
 __all__ = [

@@ -22,13 +22,12 @@ import contextlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from airflow_vllm_batch.engines.vllm import RUN_BATCH_MODULE
 from airflow_vllm_batch.gpus import GPUPlan
 
 if TYPE_CHECKING:
-    import logging
     from datetime import timedelta
 
     from airflow_vllm_batch.batchfile import PreflightReport, ResultsReport
@@ -36,6 +35,7 @@ if TYPE_CHECKING:
     from airflow_vllm_batch.engines.vllm.model_names import ServedModels
     from airflow_vllm_batch.identity import PinnedInput, RunIdentity
     from airflow_vllm_batch.lease import OutputLease, TaskTry
+    from airflow_vllm_batch.log_groups import TaskLog
     from airflow_vllm_batch.storage.staging import RunStaging
 
 
@@ -56,7 +56,7 @@ class EngineInfo:
     supported_urls: frozenset[str]
     runner_module: str = RUN_BATCH_MODULE
     runner_options: frozenset[str] = frozenset()
-    model_kind: str | None = None
+    model_kind: Literal["generate", "pooling"] | None = None
     distribution: str | None = None
     server_urls: frozenset[str] = frozenset()
 
@@ -86,11 +86,19 @@ class EngineSettings(Protocol):
     its settings, so the engines name what they read without importing the run layer.
     """
 
-    model: str
-    #: This engine's options (:mod:`airflow_vllm_batch.engines.options`), rendered and checked.
-    engine: EngineOptions
-    resume: bool
-    results_dir: str
+    # Read-only (properties): BatchSettings is a frozen dataclass.
+    @property
+    def model(self) -> str: ...
+
+    @property
+    def engine(self) -> EngineOptions:
+        """This engine's options (:mod:`airflow_vllm_batch.engines.options`), rendered and checked."""
+
+    @property
+    def resume(self) -> bool: ...
+
+    @property
+    def results_dir(self) -> str: ...
 
     def presign_seconds(self, expires_in: timedelta | int | None = None) -> int: ...
 
@@ -109,9 +117,11 @@ class EngineInput(Protocol):
 
     def open(self) -> contextlib.AbstractContextManager[Iterator[Any]]: ...
 
-    def presign(self, method: str, bucket: str, key: str, version_id: str | None = None) -> str: ...
+    def presign(
+        self, method: str, bucket: str, key: str, version_id: str | None = None, *, expires_in: int
+    ) -> str: ...
 
-    def presigned_get(self) -> str: ...
+    def presigned_get(self, *, expires_in: int) -> str: ...
 
     def confirm_unchanged(self) -> None: ...
 
@@ -253,7 +263,7 @@ class Engine(abc.ABC):
     #: engine this task starts (GPUs it leases, or the CPU), ``"vllm_connection"`` for a server shared with others.
     cost_basis: str = "gpu"
 
-    def __init__(self, settings: EngineSettings, log: logging.Logger) -> None:
+    def __init__(self, settings: EngineSettings, log: TaskLog) -> None:
         self.settings = settings
         self.log = log
 

@@ -36,11 +36,12 @@ from airflow_vllm_batch.redaction import IDENTITY_PLACEHOLDER, redact_engine_arg
 from airflow_vllm_batch.scratch import owned_dir
 
 if TYPE_CHECKING:
-    import logging
+    from collections.abc import Mapping
 
     from airflow_vllm_batch.batchfile import PreflightReport
     from airflow_vllm_batch.engines.base import EngineSettings
     from airflow_vllm_batch.lease import TaskTry
+    from airflow_vllm_batch.log_groups import TaskLog
 
 #: What the engine's launcher decided (its argument check, its scheduler sizes), in the try's scratch.
 LAUNCH_REPORT = "engine-launch.json"
@@ -52,7 +53,7 @@ class LocalEngine(Engine):
     #: The entrypoint whose parser checks the options' ``args``, in the engine's process (:meth:`launch`).
     entrypoint = "run_batch"
 
-    def __init__(self, settings: EngineSettings, log: logging.Logger) -> None:
+    def __init__(self, settings: EngineSettings, log: TaskLog) -> None:
         super().__init__(settings, log)
         self._gpu_plan: GPUPlan | None = None
         self._sizes: SchedulerSizes | None = None

@@ -29,9 +29,24 @@ import importlib
 import math
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from airflow_vllm_batch.exceptions import ConfigurationError
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+
+class EngineClass(Protocol):
+    """What the options need of their engine's class (an ``engines.base.Engine`` subclass).
+
+    A protocol, not the class: the engines import their options, so naming ``Engine`` here,
+    even for the type checker, would close an import cycle (tests/unit/test_layering.py).
+    """
+
+    def check_settings(self, options: EngineOptions, values: Mapping[str, Any], /) -> None: ...
+    def __call__(self, settings: Any, log: Any, /) -> object: ...
+
 
 #: Seconds between SIGTERM and SIGKILL when an engine this task started is stopped.
 DEFAULT_KILL_GRACE = timedelta(seconds=4)
@@ -159,7 +174,7 @@ class EngineOptions:
     #: options, so importing the engines here would close an import cycle.
     engine_path: ClassVar[str] = ""
 
-    def engine_class(self) -> type:
+    def engine_class(self) -> EngineClass:
         """The :class:`~airflow_vllm_batch.engines.base.Engine` subclass these options are for (:attr:`engine_path`)."""
         if not self.engine_path:
             raise NotImplementedError(
@@ -182,7 +197,7 @@ class EngineOptions:
             check_gpu_hour_cost(self.gpu_hour_cost)
         self.engine_class().check_settings(self, values)
 
-    def rendered(self) -> EngineOptions:
+    def rendered(self) -> Self:
         """A checked copy of the rendered options, coerced (a Param's ``"2.5"`` becomes 2.5)."""
         return dataclasses.replace(self, gpu_hour_cost=check_gpu_hour_cost(self.gpu_hour_cost))
 
@@ -237,7 +252,7 @@ class _LocalVLLM(EngineOptions):
         seconds_of("kill_grace", self.kill_grace, allow_zero=True)
         super().check(values)
 
-    def rendered(self) -> _LocalVLLM:
+    def rendered(self) -> Self:
         _strings("args", self.args, "['--max-model-len', '4096']")
         if self.env is not None and not isinstance(self.env, Mapping):
             raise ConfigurationError(
@@ -305,18 +320,21 @@ class VLLMRunner(_LocalVLLM):
                 "['docker', 'exec', 'vllm', 'python', '-m', 'vllm.entrypoints.openai.run_batch']",
             )
         presign = self.presign_expires_in
-        if presign is not None and not isinstance(presign, timedelta):
-            # Seconds, as amazon's S3Hook.generate_presigned_url takes them; or a timedelta, as Airflow's durations.
-            if not isinstance(presign, int) or isinstance(presign, bool) or presign < 1:
-                raise ConfigurationError(
-                    "presign_expires_in must be a datetime.timedelta or a positive whole number of seconds, e.g. "
-                    f"timedelta(hours=6), got {presign!r}."
-                )
+        # Seconds, as amazon's S3Hook.generate_presigned_url takes them; or a timedelta, as Airflow's durations.
+        if (
+            presign is not None
+            and not isinstance(presign, timedelta)
+            and (not isinstance(presign, int) or isinstance(presign, bool) or presign < 1)
+        ):
+            raise ConfigurationError(
+                "presign_expires_in must be a datetime.timedelta or a positive whole number of seconds, e.g. "
+                f"timedelta(hours=6), got {presign!r}."
+            )
         if self.stall_timeout is not None:
             seconds_of("stall_timeout", self.stall_timeout, allow_zero=True)
         super().check(values)
 
-    def rendered(self) -> VLLMRunner:
+    def rendered(self) -> Self:
         _strings(
             "command",
             self.command,
@@ -526,7 +544,7 @@ class WarmVLLMServer(_Streaming):
     def label(self) -> str:
         return f"WarmVLLMServer(conn_id={self.conn_id!r})"
 
-    def rendered(self) -> WarmVLLMServer:
+    def rendered(self) -> Self:
         if not isinstance(self.conn_id, str) or not self.conn_id.strip():
             raise ConfigurationError(
                 f"conn_id must be the name of a vllm connection, got {self.conn_id!r} after rendering."

@@ -41,7 +41,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from airflow.sdk.log import mask_secret
 
@@ -52,10 +52,12 @@ from airflow_vllm_batch.exceptions import ModelNotServedError, ServerAuthError, 
 from airflow_vllm_batch.log_groups import log_engine_line, log_group
 from airflow_vllm_batch.redaction import redact_secrets
 from airflow_vllm_batch.serving import DEFAULT_MAX_IN_FLIGHT, Journal, StreamStats, run_stream
-from airflow_vllm_batch.serving.neighbour import NeighbourPlan
 from airflow_vllm_batch.serving.processes import run_stream_processes
 from airflow_vllm_batch.serving.stream import DEFAULT_REQUEST_TIMEOUT_S
 from airflow_vllm_batch.version_compat import BaseHook
+
+if TYPE_CHECKING:
+    from airflow_vllm_batch.serving.neighbour import NeighbourPlan
 
 #: The line in which vLLM's batch runner says its version at start.
 _VERSION_LINE = re.compile(r"vLLM batch processing API version (\S+)")
@@ -282,13 +284,13 @@ class VLLMServerHook(BaseHook):
         """Test the connection from the UI: list the served models."""
         try:
             return True, f"Serves: {', '.join(self.served_models())}"
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - the UI shows whatever went wrong, and nothing is raised
             return False, str(err)
 
     def _open(self, path: str, timeout: float) -> Any:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        request = urllib.request.Request(self.base_url + path, headers=headers)  # noqa: S310 - http(s) only
-        return urllib.request.urlopen(request, timeout=timeout)  # noqa: S310
+        request = urllib.request.Request(self.base_url + path, headers=headers)
+        return urllib.request.urlopen(request, timeout=timeout)
 
 
 def _normalize_base_url(url: str) -> str:
@@ -376,10 +378,11 @@ class VLLMEngineHook(BaseHook):
         group is killed, which closes the pipe.
         """
         assert process.stdout is not None
+        stdout = process.stdout
         lines: queue.Queue[bytes | None] = queue.Queue()
 
         def pump() -> None:
-            for raw in iter(process.stdout.readline, b""):
+            for raw in iter(stdout.readline, b""):
                 lines.put(raw)
             lines.put(None)
 

@@ -23,7 +23,7 @@ def owner_key(user_id: str) -> str:
 
 def owns(conf: Mapping[str, Any] | None, user_id: str) -> bool:
     """Whether the batch whose DAG run has this conf was created by ``user_id``."""
-    return bool(conf) and conf.get("owner") == user_id
+    return bool(conf and conf.get("owner") == user_id)
 
 
 def may(user: Any, method: Method, dag_id: str) -> bool:

@@ -391,7 +391,7 @@ def _forget_batch(store: FileStore, batch_id: str) -> None:
     for key in (store.batch_input_key(batch_id), store.batch_record_key(batch_id)):
         try:
             store.client.delete_object(Bucket=store.bucket, Key=key)
-        except Exception as err:  # the create's own error is the one to answer
+        except Exception as err:  # noqa: BLE001 - the create's own error is the one to answer
             log.warning("Could not remove %s of a batch that was not created: %s", key, err)
 
 
@@ -698,7 +698,7 @@ def _live_progress(store: FileStore, batch_id: str) -> dict[str, int] | None:
     """
     try:
         record = store.get_json(store.progress_key(batch_id))
-    except Exception as err:  # the status is worth more than the count
+    except Exception as err:  # noqa: BLE001 - the status is worth more than the count
         log.warning("Could not read the progress of batch %s: %s", batch_id, err)
         return None
     if not isinstance(record, dict):

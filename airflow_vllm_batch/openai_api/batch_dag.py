@@ -178,6 +178,7 @@ class OpenAIBatchOperator(VLLMBatchOperator):
         :raises InputNotFoundError: it is gone or was replaced (not retried: the batch cannot run as created).
         """
         assert self.batch is not None
+        assert self.input_uri is not None  # bound with the batch
         bucket, _, key = self.input_uri.removeprefix("s3://").partition("/")
         try:
             etag = self.hook.get_conn().head_object(Bucket=bucket, Key=key)["ETag"].strip('"')
@@ -223,9 +224,8 @@ class OpenAIBatchOperator(VLLMBatchOperator):
         try:
             if self.hook.head_object(key, bucket_name=bucket) is not None:
                 return "cancelled"
-        except (
-            Exception
-        ) as err:  # S3 failing for a moment is no reason to stop, nor to fail: the next poll asks again
+        # S3 failing for a moment is no reason to stop, nor to fail: the next poll asks again.
+        except Exception as err:  # noqa: BLE001 - see above
             self.log.warning("Could not read whether batch %s was cancelled: %s", self.batch.batch_id, err)
         if time.time() >= self.batch.expires_at:
             return "expired"
@@ -288,7 +288,7 @@ class OpenAIBatchOperator(VLLMBatchOperator):
         try:
             with open_uri_lines(self.hook, error_uri) as lines:
                 line = json.loads(next(iter(lines)))
-        except Exception:  # the failure is told without the example
+        except Exception:  # noqa: BLE001 - the failure is told without the example
             return None
         body = ((line.get("response") or {}).get("body") or {}).get("error") or line.get("error") or {}
         return body.get("message") if isinstance(body, dict) else None
@@ -298,7 +298,7 @@ class OpenAIBatchOperator(VLLMBatchOperator):
         bucket, _, key = self.failure_uri.removeprefix("s3://").partition("/")
         try:
             self.hook.load_bytes(json.dumps(record).encode(), key=key, bucket_name=bucket, replace=True)
-        except Exception as write_err:  # the batch's own error is the one to raise
+        except Exception as write_err:  # noqa: BLE001 - the batch's own error is the one to raise
             self.log.warning(
                 "Could not write the batch's failure record to %s: %s", self.failure_uri, write_err
             )

@@ -18,6 +18,7 @@ a file id is only ever looked up under the caller's key, so another user's file 
 
 from __future__ import annotations
 
+import builtins
 import json
 import re
 import time
@@ -158,7 +159,7 @@ class LineCounter:
     newlines: int = 0
     last: int = 10
 
-    def add(self, data: bytes) -> None:
+    def add(self, data: builtins.bytes) -> None:  # `bytes` is the count's field in this class
         if data:
             self.bytes += len(data)
             self.newlines += data.count(b"\n")

@@ -186,7 +186,9 @@ def batch_object(batch_id: str, run: BatchDagRun, now: float) -> dict[str, Any]:
         # The manifest decides the ending a moment before the task's end is recorded: the batch
         # ended when it published, its try's start plus the manifest's duration.
         start = _ts(run.task_start)
-        ended_at = start + int(float(run.manifest.get("duration_s") or 0)) if start is not None else int(now)
+        ended_at = (
+            start + int(float((run.manifest or {}).get("duration_s") or 0)) if start is not None else int(now)
+        )
     preflight_failed = (run.failure or {}).get("stage") == "preflight"
     started = run.task_start is not None and not preflight_failed
     return {
@@ -201,7 +203,9 @@ def batch_object(batch_id: str, run: BatchDagRun, now: float) -> dict[str, Any]:
         "output_file_id": conf.get("output_file_id")
         if published and (status == "completed" or request_counts(run)["completed"])
         else None,
-        "error_file_id": conf.get("error_file_id") if published and run.manifest.get("error_uri") else None,
+        "error_file_id": conf.get("error_file_id")
+        if published and (run.manifest or {}).get("error_uri")
+        else None,
         "created_at": int(conf["created_at"]),
         "in_progress_at": _ts(run.task_start) if started else None,
         "expires_at": expires_at(conf),

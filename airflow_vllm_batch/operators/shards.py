@@ -144,7 +144,7 @@ class VLLMBatchSplitOperator(AwsBaseOperator[S3Hook]):
         shards = []
         with self._open_input() as lines:
             for shard in split_lines(
-                lines, open_shard, max_requests=self.max_requests, max_bytes=self.max_bytes
+                lines, open_shard, max_requests=int(self.max_requests), max_bytes=int(self.max_bytes)
             ):
                 self.upload_shard(scratch, bucket, prefix + shard_name(shard.index), shard)
                 shards.append(shard)
@@ -369,6 +369,7 @@ class VLLMBatchMergeOperator(AwsBaseOperator[S3Hook]):
         The store checks the lease before each of its writes and deletes (Fencing): a merge whose
         lease another run took over changes nothing more.
         """
+        assert manifest.fingerprint is not None  # the merge's manifest always has one (merge_manifests)
         with self.store.lease(LeaseHolder.of_try(task_try(context, self.retries), manifest.fingerprint)):
             self.store.publish(
                 manifest,

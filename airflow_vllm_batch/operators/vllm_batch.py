@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from airflow.providers.amazon.aws.hooks.s3 import S3Hook
 from airflow.providers.amazon.aws.operators.base_aws import AwsBaseOperator
@@ -113,7 +113,11 @@ class VLLMBatchOperator(AwsBaseOperator[S3Hook]):
         "max_failed_ratio",
         "answer_cache",
     )
-    template_fields_renderers = {"engine": "json", "default_body": "json", "requests": "json"}
+    template_fields_renderers: ClassVar[dict[str, str]] = {
+        "engine": "json",
+        "default_body": "json",
+        "requests": "json",
+    }
     operator_extra_links = (VLLMBatchOutputLink(),)
     ui_color = "#e8f0fe"
     #: The shape of the published lines (``BatchSettings.result_shape``): vLLM's, for the operator's own outputs.

@@ -50,12 +50,11 @@ from airflow_vllm_batch.exceptions import ConfigurationError, StorageUnavailable
 from airflow_vllm_batch.storage.s3 import error_code, location_error, s3_lines
 
 if TYPE_CHECKING:
-    import logging
-
     from airflow.providers.amazon.aws.hooks.s3 import S3Hook
 
     from airflow_vllm_batch.batchfile import ResultsReport
     from airflow_vllm_batch.engines.base import EngineJob
+    from airflow_vllm_batch.log_groups import TaskLog
 
 _HEX = frozenset(b"0123456789abcdef")
 
@@ -156,7 +155,7 @@ class AnswerCache:
     """
 
     def __init__(
-        self, hook: S3Hook, uri: str, *, model_digest: str, sampled: bool, resume: bool, log: logging.Logger
+        self, hook: S3Hook, uri: str, *, model_digest: str, sampled: bool, resume: bool, log: TaskLog
     ) -> None:
         self.hook = hook
         self.uri = uri
@@ -242,7 +241,8 @@ class AnswerCache:
         # Indexed once filled: sorting once is cheaper than keeping two B-trees ordered on every insert.
         db.execute("CREATE INDEX req_custom_id ON req (custom_id)")
         db.execute("CREATE INDEX req_key ON req (key)")
-        return db.execute("SELECT count(*) FROM req").fetchone()[0]
+        count: int = db.execute("SELECT count(*) FROM req").fetchone()[0]
+        return count
 
     def look_up(self, db: sqlite3.Connection) -> None:
         """Stream the wanted partitions' objects; keep the answers whose key a request has."""

@@ -62,13 +62,12 @@ from airflow_vllm_batch.storage.staging import RunStaging
 from airflow_vllm_batch.summary import FailureExample, FailureTally, tally_failures
 
 if TYPE_CHECKING:
-    import logging
-
     from airflow.providers.amazon.aws.hooks.s3 import S3Hook
 
     from airflow_vllm_batch.engines import Engine
     from airflow_vllm_batch.engines.base import EngineInfo
     from airflow_vllm_batch.lease import OutputLease
+    from airflow_vllm_batch.log_groups import TaskLog
     from airflow_vllm_batch.run.settings import BatchSettings
 
 
@@ -102,7 +101,7 @@ class BatchRun:
         s3_hook: S3Hook,
         engine: Engine,
         task: TaskTry,
-        log: logging.Logger,
+        log: TaskLog,
         stop: Callable[[], str | None] | None = None,
         on_checkpoint: Callable[[Mapping[str, int]], None] | None = None,
     ) -> None:
@@ -135,6 +134,7 @@ class BatchRun:
             uri = self.settings.input_uri
             if self.settings.requests is not None:
                 uri = write_requests(self.s3_hook, self.settings, self.request_model_name)
+            assert uri is not None  # input_uri or requests: exactly one is given (checked at parse time)
             self.input = BatchInput.pin(self.s3_hook, self.settings, uri)
             info = self.engine.inspect()
             if self.settings.supported_urls:
@@ -228,6 +228,7 @@ class BatchRun:
         self, info: EngineInfo, identity: RunIdentity, lease: OutputLease, started: float
     ) -> BatchOutcome:
         """Preflight, have the engine make its answers durable, check and publish; or publish a stopped run's answers."""
+        assert self.input is not None  # pinned by execute()
         staging = self.store.staging(identity)
         kept = kept_results(self.settings.results_dir, identity.short)
         with scratch(self.settings.results_dir, identity.short) as work:
@@ -621,7 +622,7 @@ class BatchRun:
 
     def per_model(
         self, report: PreflightReport, results: ResultsReport, work: Path
-    ) -> dict[str, dict[str, int]]:
+    ) -> dict[str, dict[str, int | float]]:
         """Requests and tokens per model name (one pass over the results when the engine serves several names)."""
         served = self.engine.served
         if len(served.names) == 1 and len(report.requests_per_model) <= 1:
@@ -634,12 +635,14 @@ class BatchRun:
             }
             return {served.default_name: {**entry, **results.usage}}
         with open_lines(str(work / "results.jsonl")) as successes:
-            return count_per_model(
+            counted = count_per_model(
                 successes,
                 report.requests_per_model,
                 default_name=served.default_name,
-                aliases={name: served.default_name for name in served.base_names},
+                aliases=dict.fromkeys(served.base_names, served.default_name),
             )
+        # Counts now; split_cost adds each model's (float) cost to them later.
+        return {name: dict(figures) for name, figures in counted.items()}
 
     def skipped(self, report: PreflightReport) -> int:
         return report.invalid_lines if self.settings.skips_invalid_lines else 0

@@ -39,6 +39,7 @@ def write_requests(hook: S3Hook, settings: BatchSettings, model_name: str) -> st
 
     :raises LocationError: S3 refused the write (AccessDenied, no bucket): retrying cannot help.
     """
+    assert settings.requests is not None  # called only for a batch given as requests=
     data = build_batch_file(
         settings.requests,
         model=model_name,

@@ -15,11 +15,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from functools import cached_property
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from airflow_vllm_batch.batchfile import DEFAULT_MAX_LINE_BYTES, url_secrets
 from airflow_vllm_batch.batchfile.requests import INDEX, check_requests_options
-from airflow_vllm_batch.batchfile.structured import OutputSchema, check_output_type_path, resolve_output_type
+from airflow_vllm_batch.batchfile.structured import (
+    ModelClass,
+    OutputSchema,
+    check_output_type_path,
+    resolve_output_type,
+)
 from airflow_vllm_batch.engines.options import EngineOptions, VLLMRunner
 from airflow_vllm_batch.exceptions import ConfigurationError, PresignError
 from airflow_vllm_batch.run.answer_cache import split_cache_uri
@@ -85,7 +90,7 @@ class BatchSettings:
     error_uri: str | None = None
     aws_conn_id: str | None = "aws_default"
     max_failed_ratio: float = 0.0
-    invalid_lines: str = "fail"
+    invalid_lines: Literal["fail", "skip"] = "fail"
     rewrite_model: bool = False
     default_body: Mapping[str, Any] = field(default_factory=dict)
     max_lines: int | None = None
@@ -95,7 +100,7 @@ class BatchSettings:
     results_dir: str = DEFAULT_RESULTS_DIR
     #: The engine's options (:mod:`airflow_vllm_batch.engines.options`), rendered and checked.
     engine: EngineOptions = field(default_factory=VLLMRunner)
-    output_type: type | None = None
+    output_type: ModelClass | None = None
     answer_cache_uri: str | None = None
     answer_cache_sampled: bool = False
     execution_timeout: timedelta | None = None

@@ -24,10 +24,10 @@ from airflow_vllm_batch.serving.stream import (
 
 __all__ = [
     "DEFAULT_MAX_IN_FLIGHT",
+    "SERVED_URLS",
     "BadRequestLineError",
     "Journal",
     "ModelNotServedError",
-    "SERVED_URLS",
     "SealedPart",
     "ServerAuthError",
     "ServerUnavailableError",

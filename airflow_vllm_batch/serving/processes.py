@@ -290,9 +290,8 @@ class _Parent:
 
     def _stop_workers(self) -> None:
         for worker in self.workers:
-            if worker.is_alive() and worker.pid is not None:
-                if len(self.done) < len(self.workers):
-                    worker.terminate()
+            if worker.is_alive() and worker.pid is not None and len(self.done) < len(self.workers):
+                worker.terminate()
         deadline = time.monotonic() + _JOIN_S
         for worker in self.workers:
             worker.join(max(0.0, deadline - time.monotonic()))

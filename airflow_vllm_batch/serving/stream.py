@@ -77,7 +77,6 @@ from airflow_vllm_batch.exceptions import (
     ServerAuthError,
     ServerUnavailableError,
 )
-from airflow_vllm_batch.serving.journal import Journal
 from airflow_vllm_batch.serving.neighbour import (
     InFlightController,
     NeighbourPlan,
@@ -92,6 +91,8 @@ if TYPE_CHECKING:
     # Imported where a stream runs: only a worker that streams to a vLLM server needs it
     # (the ``server`` extra), not the scheduler or dag processor parsing a DAG file.
     import aiohttp
+
+    from airflow_vllm_batch.serving.journal import Journal
 
 #: Default requests in flight: twice vLLM's default ``--max-num-seqs`` on most GPUs (256;
 #: 128 on a CPU, 1024 on H100/H200/B200). The server runs at most ``--max-num-seqs``
@@ -347,7 +348,8 @@ def _one_line(payload: bytes) -> bytes:
 
 def _backoff(attempt: int, first_s: float) -> float:
     """Delay before retry ``attempt`` (0-based): exponential, capped, with jitter so retries do not march in step."""
-    return min(MAX_BACKOFF_S, first_s * 2**attempt) * random.uniform(0.5, 1.0)  # noqa: S311 - not crypto
+    delay: float = min(MAX_BACKOFF_S, first_s * 2**attempt)  # int ** int is Any to mypy (may be a float)
+    return delay * random.uniform(0.5, 1.0)
 
 
 def retry_after_s(value: str | None, now: float | None = None) -> float | None:
@@ -506,7 +508,8 @@ class _Stream:
 
     async def _steer(self, controller: InFlightController, metrics: aiohttp.ClientSession) -> None:
         """Every check: read the load and the 429/503s since the last, move the bound (until cancelled)."""
-        assert self.neighbour is not None and self.gate is not None
+        assert self.neighbour is not None
+        assert self.gate is not None
         try:
             while True:
                 await asyncio.sleep(self.neighbour.check_every_s)
@@ -650,7 +653,7 @@ class _Stream:
             except _Transient as transient:
                 if transient.retry_after is not None:
                     # Never sooner than asked; the spread keeps the requests the gateway refused together apart.
-                    delay = transient.retry_after * random.uniform(1.0, 1.2)  # noqa: S311 - not crypto
+                    delay = transient.retry_after * random.uniform(1.0, 1.2)
                 else:
                     delay = _backoff(attempt, self.backoff_s)
                 if attempt == self.retries or time.monotonic() + delay >= deadline:

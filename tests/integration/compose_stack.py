@@ -76,7 +76,9 @@ def run(
     input: bytes | None = None,
 ) -> str:
     """Run a command; return its output, or raise with the output's tail when it fails."""
-    done = subprocess.run(argv, capture_output=True, timeout=timeout, env=env, cwd=cwd, input=input)
+    done = subprocess.run(
+        argv, capture_output=True, timeout=timeout, env=env, cwd=cwd, input=input, check=False
+    )
     if done.returncode != 0:
         tail = (done.stdout + done.stderr).decode(errors="replace")[-6000:]
         raise ComposeError(f"{' '.join(argv[:4])} ... exited {done.returncode}:\n{tail}")
@@ -98,7 +100,7 @@ class Timings(dict):
 @contextlib.contextmanager
 def docker_engine(docker: str, timings: Timings) -> Iterator[None]:
     """A Docker engine answering on the default socket; ``dockerd`` started (and stopped) here if none does."""
-    if subprocess.run([docker, "info"], capture_output=True, timeout=60).returncode == 0:
+    if subprocess.run([docker, "info"], capture_output=True, timeout=60, check=False).returncode == 0:
         yield
         return
     dockerd = shutil.which("dockerd")
@@ -110,7 +112,7 @@ def docker_engine(docker: str, timings: Timings) -> Iterator[None]:
     with timings.phase("dockerd start"), open(CACHE / "dockerd.log", "ab") as log:
         proc = subprocess.Popen([dockerd], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 60
-        while subprocess.run([docker, "info"], capture_output=True, timeout=60).returncode != 0:
+        while subprocess.run([docker, "info"], capture_output=True, timeout=60, check=False).returncode != 0:
             if proc.poll() is not None or time.monotonic() > deadline:
                 proc.kill()
                 raise ComposeError(f"dockerd did not start: see {CACHE / 'dockerd.log'}")
@@ -137,7 +139,12 @@ def apt_mirror() -> str:
 
 def debian_image(docker: str, timings: Timings) -> str:
     """A minimal Debian bookworm image made here (debootstrap + docker import), once."""
-    if subprocess.run([docker, "image", "inspect", DEBIAN_IMAGE], capture_output=True).returncode == 0:
+    if (
+        subprocess.run(
+            [docker, "image", "inspect", DEBIAN_IMAGE], capture_output=True, check=False
+        ).returncode
+        == 0
+    ):
         return DEBIAN_IMAGE
     rootfs, stamp = CACHE / "rootfs", CACHE / "rootfs.complete"
     if not stamp.exists():
@@ -149,7 +156,11 @@ def debian_image(docker: str, timings: Timings) -> str:
     with timings.phase("docker import"):
         tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
         done = subprocess.run(
-            [docker, "import", "-", DEBIAN_IMAGE], stdin=tar.stdout, capture_output=True, timeout=300
+            [docker, "import", "-", DEBIAN_IMAGE],
+            stdin=tar.stdout,
+            capture_output=True,
+            timeout=300,
+            check=False,
         )
         tar.wait()
         if done.returncode != 0:
@@ -296,7 +307,7 @@ class Images:
                 standins = build_standins(docker, self.timings)
                 build_images(docker, self.timings, standins["airflow"])
             self.standins = standins
-        except BaseException as err:  # re-raised in the test by wait()
+        except BaseException as err:  # noqa: BLE001 - re-raised in the test by wait()
             self._error = err
 
     def start(self) -> None:

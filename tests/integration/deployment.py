@@ -248,9 +248,11 @@ class Deployment:
             f"--- {name} ---\n{self.log(name)[-tail:]}" for name in ("scheduler",) if name in self.processes
         ]
         if dag_id and run_id and task_id:
-            for attempt in (1, 2, 3):
-                if text := self.task_log(dag_id, run_id, task_id, attempt):
-                    parts.append(f"--- {dag_id} {run_id} {task_id} try {attempt} ---\n{text[-tail:]}")
+            parts.extend(
+                f"--- {dag_id} {run_id} {task_id} try {attempt} ---\n{text[-tail:]}"
+                for attempt in (1, 2, 3)
+                if (text := self.task_log(dag_id, run_id, task_id, attempt))
+            )
         return "\n".join(parts)
 
 

@@ -69,7 +69,7 @@ def test_five_runs_with_different_logical_dates_at_once_write_distinct_complete_
                 "AIRFLOW_HOME": str(home),
                 "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home}/airflow.db",
             }
-            log = open(tmp_path / f"{date}.log", "wb")
+            log = open(tmp_path / f"{date}.log", "wb")  # noqa: SIM115 - closed once its process ends, below
             conf = json.dumps({"n_requests": 3, "max_tokens": 2})
             argv = [airflow, "dags", "test", "vllm_batch_pipeline", date, "--conf", conf]
             procs.append(
@@ -86,7 +86,8 @@ def test_five_runs_with_different_logical_dates_at_once_write_distinct_complete_
     manifests = {}
     for date in DATES:
         log = (tmp_path / f"{date}.log").read_text(errors="replace")
-        assert "X-Amz-Signature" not in log and embedded.secret_key not in log
+        assert "X-Amz-Signature" not in log
+        assert embedded.secret_key not in log
         (output_uri,) = set(re.findall(r"Published (s3://\S+) \(", log))
         key = output_uri.removeprefix(f"s3://{BUCKET}/").removesuffix(".jsonl") + ".manifest.json"
         manifests[date] = json.loads(client.get_object(Bucket=BUCKET, Key=key)["Body"].read())
@@ -185,16 +186,16 @@ def test_a_second_run_on_an_output_in_use_fails_fast_naming_the_first_which_comp
     first, first_log = start("first", first_mode)
     deadline = time.monotonic() + 300
     while not processes_with(f"{marker}-first"):
-        assert first.poll() is None and time.monotonic() < deadline, first_log.read_text(errors="replace")[
-            -3000:
-        ]
+        assert first.poll() is None, first_log.read_text(errors="replace")[-3000:]
+        assert time.monotonic() < deadline, first_log.read_text(errors="replace")[-3000:]
         time.sleep(0.2)
     second, second_log = start("second", second_mode)
     second.wait(timeout=300)
     second_out = second_log.read_text(errors="replace")
     assert "DAGRUN STATE failed" in second_out
     assert "Another run is writing this output: one_output_first.vllm_batch of run 'manual__" in second_out
-    assert not processes_with(f"{marker}-second") and "Starting the vLLM engine" not in second_out
+    assert not processes_with(f"{marker}-second")
+    assert "Starting the vLLM engine" not in second_out
     first.wait(timeout=600)
     first_out = first_log.read_text(errors="replace")
     assert "DAGRUN STATE success" in first_out, first_out[-3000:]

@@ -100,7 +100,8 @@ def test_a_misspelled_flag_fails_once_before_the_model_loads_with_the_checks_mes
         f"{type(options).__name__}(args=...): unrecognized arguments: {refused} (did you mean --max-model-len for --max-modle-len?). "
         f"Fix args (see '{help_command}')."
     ) in result.output, result.output[-4000:]
-    assert "stopping before the model loads" in result.output and not _model_loaded(result.output)
+    assert "stopping before the model loads" in result.output
+    assert not _model_loaded(result.output)
     assert _try_number(f"launcher_bad_{engine}", result) == 1  # not retried
 
 
@@ -120,7 +121,8 @@ def test_a_runner_task_on_a_fresh_worker_starts_the_engine_with_its_offline_size
     )
     # The runner parsed the flags its launcher added (its own "args:" line).
     (namespace,) = re.findall(r"args: Namespace\((.*)\)", result.output)
-    assert "max_num_seqs=256" in namespace and "max_num_batched_tokens=4096" in namespace
+    assert "max_num_seqs=256" in namespace
+    assert "max_num_batched_tokens=4096" in namespace
     # No check or defaults remembered on the worker: a fresh worker and a warm one start the engine alike
     # (only the flags the parser knows are kept, to refuse a misspelling without starting an engine).
     kept = [p.name for p in (tmp_path / "fresh-worker").glob("airflow-vllm-batch/engine-*")]
@@ -146,4 +148,5 @@ def test_a_task_started_server_on_a_fresh_worker_starts_with_its_offline_sizes_a
         in result.output
     )
     (non_default,) = re.findall(r"non-default args: (\{.*\})", result.output)
-    assert "'max_num_seqs': 256" in non_default and "'max_num_batched_tokens': 4096" in non_default
+    assert "'max_num_seqs': 256" in non_default
+    assert "'max_num_batched_tokens': 4096" in non_default

@@ -84,7 +84,8 @@ def test_a_users_max_num_seqs_is_what_the_server_resolves(embedded, airflow_db, 
         in run.output
     )
     (non_default,) = re.findall(r"non-default args: (\{.*\})", run.output)
-    assert "'max_num_seqs': 64" in non_default and "'max_num_batched_tokens': 4096" in non_default
+    assert "'max_num_seqs': 64" in non_default
+    assert "'max_num_batched_tokens': 4096" in non_default
     assert _scheduler_resolved(run.output) == 4096
     assert (
         "In flight: at most 128 requests (twice the server's max_num_seqs 64 times its data-parallel size 1)"

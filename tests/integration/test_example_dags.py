@@ -104,7 +104,8 @@ def test_engine_log_is_streamed_with_urls_redacted(pipeline_run, seaweed):
 
 def test_no_presigned_url_or_secret_in_any_xcom_or_rendered_field(pipeline_run, embeddings_run, seaweed):
     for run in (pipeline_run, embeddings_run):
-        assert run.xcoms and run.rendered  # there is something to search
+        assert run.xcoms
+        assert run.rendered
         text = repr(run.xcoms) + repr(run.rendered)
         for marker in (*SECRET_MARKERS, seaweed.secret_key, "X-Amz-"):
             assert marker not in text
@@ -112,7 +113,8 @@ def test_no_presigned_url_or_secret_in_any_xcom_or_rendered_field(pipeline_run, 
 
 def test_rendered_fields_show_the_templated_uris(pipeline_run):
     fields = pipeline_run.rendered["vllm_batch"]
-    assert fields["output_uri"].endswith("/results.jsonl") and "{{" not in fields["output_uri"]
+    assert fields["output_uri"].endswith("/results.jsonl")
+    assert "{{" not in fields["output_uri"]
 
 
 def test_embeddings_dag_returns_one_384_dim_vector_per_text(embeddings_run, seaweed):
@@ -184,7 +186,8 @@ def test_prompts_dag_goes_from_a_list_of_prompts_to_a_task_that_gets_the_answers
 def test_prompts_dag_writes_the_requests_beside_its_output(prompts_run, seaweed):
     manifest = prompts_run.xcom("classify")
     stem = manifest["output_uri"].removesuffix(".jsonl")
-    assert manifest["input_uri"].startswith(stem + ".requests/") and manifest["input_uri"].endswith(".jsonl")
+    assert manifest["input_uri"].startswith(stem + ".requests/")
+    assert manifest["input_uri"].endswith(".jsonl")
     requests = _s3_lines(seaweed, manifest["input_uri"])
     assert [r["custom_id"] for r in requests] == [f"request-{i}" for i in range(N_PROMPTS)]
     assert all(r["body"]["messages"][0]["content"].startswith("Is this review positive") for r in requests)
@@ -200,4 +203,5 @@ def test_pipeline_logs_no_error_and_folds_the_engines_output_keeping_its_warning
     )
     assert "Reading batch from" in out[start:end]
     warnings = [line for line in out[start:end].splitlines() if re.search(r"\bWARNING \d\d-\d\d ", line)]
-    assert warnings and all("[warning" in line for line in warnings)  # vLLM's own warnings, at warning level
+    assert warnings
+    assert all("[warning" in line for line in warnings)

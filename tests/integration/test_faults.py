@@ -110,20 +110,20 @@ def test_s3_down_at_start_then_after_inference_loses_nothing_and_retries_publish
         )
     )
     results_dir = tmp_path / "results"
-    kwargs = dict(
-        input_uri=f"s3://{BUCKET}/job/input.jsonl",
-        output_uri=f"s3://{BUCKET}/job/results.jsonl",
-        model=model,
-        aws_conn_id="s3_fault",
-        results_dir=str(results_dir),
-        engine=VLLMRunner(
+    kwargs = {
+        "input_uri": f"s3://{BUCKET}/job/input.jsonl",
+        "output_uri": f"s3://{BUCKET}/job/results.jsonl",
+        "model": model,
+        "aws_conn_id": "s3_fault",
+        "results_dir": str(results_dir),
+        "engine": VLLMRunner(
             command=[sys.executable, str(wrapper)],
             args=["--enforce-eager"],
             env={"FAULT_S3_PID": str(s3.pid)},
         ),
         # A rewrite, so the engine reads a cleaned copy staged in S3 beside the output.
-        default_body={"temperature": 0.0},
-    )
+        "default_body": {"temperature": 0.0},
+    }
 
     # Every run below is the same task instance again (a retry): it takes over the lease the
     # first try could not give back while S3 was down.

@@ -182,7 +182,7 @@ def test_the_example_dags_parse_with_only_the_wheel_installed(floor, clone_witho
     )
 
 
-IMPORT = """
+IMPORT = f"""
 import gc, json, sys, time
 import airflow
 from airflow.providers.amazon.aws.hooks.s3 import S3Hook
@@ -194,8 +194,8 @@ cpu, wall = time.process_time(), time.perf_counter()
 from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
 from airflow_vllm_batch.operators.shards import VLLMBatchMergeOperator, VLLMBatchSplitOperator
 cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
-print(json.dumps({"cpu_s": cpu, "wall_s": wall, "modules": sorted(m for m in sys.modules if m.split(".")[0] in %r)}))
-""" % (ENGINE_MODULES,)
+print(json.dumps({{"cpu_s": cpu, "wall_s": wall, "modules": sorted(m for m in sys.modules if m.split(".")[0] in {ENGINE_MODULES!r})}}))
+"""
 
 
 def test_importing_the_operators_loads_no_engine_library_and_adds_at_most_0_3_s(floor, tmp_path):

@@ -34,14 +34,20 @@ def test_acceptance_script_prints_both_engines_their_resolved_sizes_and_no_gpu_u
         "--engine-args",
         *CPU_ENGINE_ARGS.split(),
     ]
-    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, check=False)  # noqa: S603
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     lines = done.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("engine  "))
-    assert lines[header].split("  ")[0] == "engine" and "GPU util %" in lines[header]
+    assert lines[header].split("  ")[0] == "engine"
+    assert "GPU util %" in lines[header]
     runner, server = (lines[header + 2].split(), lines[header + 3].split())
     # engine, requests, requests/s, output tokens/s, max_num_seqs, max_num_batched_tokens, in flight, GPU util
-    assert runner[0] == "runner" and runner[1] == "8" and runner[4:] == ["256", "4096", "-", "n/a"]
-    assert server[0] == "server" and server[1] == "8" and server[4:] == ["256", "4096", "512", "n/a"]
-    assert float(runner[2]) > 0 and float(server[3]) > 0
+    assert runner[0] == "runner"
+    assert runner[1] == "8"
+    assert runner[4:] == ["256", "4096", "-", "n/a"]
+    assert server[0] == "server"
+    assert server[1] == "8"
+    assert server[4:] == ["256", "4096", "512", "n/a"]
+    assert float(runner[2]) > 0
+    assert float(server[3]) > 0
     assert lines[header + 4].startswith("ratio server ÷ runner: requests/s ")

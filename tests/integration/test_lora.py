@@ -57,7 +57,9 @@ def test_adapter_files_are_peft_rank_8(adapters):
     with safe_open(adapters["sql"] / "adapter_model.safetensors", "pt") as weights:
         a = weights.get_tensor("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight")
         b = weights.get_tensor("base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight")
-    assert tuple(a.shape) == (8, 128) and tuple(b.shape) == (128, 8) and b.abs().sum() > 0
+    assert tuple(a.shape) == (8, 128)
+    assert tuple(b.shape) == (128, 8)
+    assert b.abs().sum() > 0
 
 
 @pytest.mark.engine
@@ -82,16 +84,19 @@ def test_one_batch_alternating_base_and_two_adapters_answers_each_through_its_ow
     manifest = result.xcom("vllm_batch")
     assert manifest["request_counts"] == {"total": 9, "completed": 9, "failed": 0}
     per_model = manifest["per_model"]
-    assert {name: (c["requests"], c["completed"]) for name, c in per_model.items()} == {
-        name: (3, 3) for name in NAMES
-    }
+    assert {name: (c["requests"], c["completed"]) for name, c in per_model.items()} == dict.fromkeys(
+        NAMES, (3, 3)
+    )
     assert sum(c["total_tokens"] for c in per_model.values()) == manifest["usage"]["total_tokens"]
 
     answers = dict(read_answers(manifest))
-    assert all(isinstance(a, str) for a in answers.values()) and len(answers) == 9
+    assert all(isinstance(a, str) for a in answers.values())
+    assert len(answers) == 9
     for i in range(len(PROMPTS)):
         base, sql, poem = (answers[f"{name}-{i}"] for name in NAMES)
-        assert sql != base and poem != base and sql != poem, (i, base, sql, poem)
+        assert sql != base, (i, base, sql, poem)
+        assert poem != base, (i, base, sql, poem)
+        assert sql != poem, (i, base, sql, poem)
     responses = {r.custom_id for r in read_answers(manifest) if isinstance(r, Text)}
     assert responses == set(answers)
 

@@ -16,6 +16,7 @@ mid-run keeping the answers finished so far.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.metadata
 import json
 import os
@@ -27,11 +28,11 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
 import pytest
 from openai import AuthenticationError, ConflictError, NotFoundError, OpenAI, PermissionDeniedError
-from openai.types import Batch, FileObject
 from openai.types.chat import ChatCompletion
 
 from airflow_vllm_batch.openai_api.access import owner_key
@@ -46,6 +47,9 @@ from airflow_vllm_batch.openai_api.settings import DEFAULT_BATCH_DAG_ID, URL_PRE
 from tests.integration.dagrun import REPO
 from tests.integration.deployment import Deployment, local_executor_deployment, wait_until
 from vllm_batch_embedded.demo import CPU_ENGINE_ARGS, CPU_ENGINE_ENV
+
+if TYPE_CHECKING:
+    from openai.types import Batch, FileObject
 
 pytestmark = [pytest.mark.integration, pytest.mark.engine]
 
@@ -169,7 +173,8 @@ def test_a_wrong_token_is_the_sdks_authentication_error_and_every_answer_has_a_r
     wrong = OpenAI(base_url=api.base_url, api_key="not-an-airflow-token", max_retries=0, timeout=60)
     with pytest.raises(AuthenticationError) as refused:
         wrong.batches.list()
-    assert refused.value.status_code == 401 and (refused.value.request_id or "").startswith("req_")
+    assert refused.value.status_code == 401
+    assert (refused.value.request_id or "").startswith("req_")
     uploaded = api.clients["alice"].files.create(file=("id.jsonl", _lines(api.model, 1)), purpose="batch")
     assert (uploaded._request_id or "").startswith("req_")
     api.clients["alice"].files.delete(uploaded.id)
@@ -196,16 +201,19 @@ def test_an_uploaded_file_is_listed_retrieved_and_read_back_by_its_owner_only(ap
 def test_a_batch_runs_to_completed_and_its_output_parses_with_the_sdks_types(api: Api, completed):
     uploaded, batch, seen = completed
     assert batch.status == "completed", batch
-    assert batch.input_file_id == uploaded.id and batch.metadata == {"test": "good"}
+    assert batch.input_file_id == uploaded.id
+    assert batch.metadata == {"test": "good"}
     assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (
         N_REQUESTS,
         N_REQUESTS,
         0,
     )
-    assert batch.error_file_id is None and batch.output_file_id
+    assert batch.error_file_id is None
+    assert batch.output_file_id
     assert batch.created_at <= batch.in_progress_at <= batch.completed_at
     statuses = [b.status for b in seen]
-    assert statuses[0] == "validating" and set(statuses) <= {
+    assert statuses[0] == "validating"
+    assert set(statuses) <= {
         "validating",
         "in_progress",
         "finalizing",
@@ -219,9 +227,8 @@ def test_a_batch_runs_to_completed_and_its_output_parses_with_the_sdks_types(api
         assert record["response"]["status_code"] == 200
         ChatCompletion.model_validate(record["response"]["body"])
     output = alice.files.retrieve(batch.output_file_id)
-    assert output.purpose == "batch_output" and output.bytes == len(
-        alice.files.content(batch.output_file_id).content
-    )
+    assert output.purpose == "batch_output"
+    assert output.bytes == len(alice.files.content(batch.output_file_id).content)
 
 
 def test_a_bad_file_fails_in_preflight_with_line_numbered_errors(api: Api):
@@ -242,12 +249,13 @@ def test_a_bad_file_fails_in_preflight_with_line_numbered_errors(api: Api):
     assert sorted(e.line for e in failed.errors.data) == [2, 4], failed.errors
     assert all(e.code == "invalid_request" and e.message for e in failed.errors.data)
     # Preflight failed before any engine: nothing was published, and the run never was in progress.
-    assert failed.output_file_id is None and failed.in_progress_at is None
+    assert failed.output_file_id is None
+    assert failed.in_progress_at is None
     log = api.dep.task_log(DEFAULT_BATCH_DAG_ID, batch.id, "vllm_batch", 1)
     # Told once, as the task's failure (the PreflightError's own traceback is at DEBUG).
-    assert (
-        "failed preflight" in log and "AirflowFailException" in log and "Starting the vLLM engine" not in log
-    )
+    assert "failed preflight" in log
+    assert "AirflowFailException" in log
+    assert "Starting the vLLM engine" not in log
 
 
 def _objects(seaweed) -> dict[str, str]:
@@ -306,13 +314,12 @@ def test_runs_triggered_by_hand_fail_before_any_read_or_write_and_are_no_ones_ba
     }
     for name, run_id in run_ids.items():
         log = api.dep.task_log(DEFAULT_BATCH_DAG_ID, run_id, "vllm_batch", 1)
-        assert why[name] in log and "nothing was read or written" in log, (name, log[-3000:])
+        assert why[name] in log, (name, log[-3000:])
+        assert "nothing was read or written" in log, (name, log[-3000:])
         # Not read: the task names its input when it pins it.
-        assert (
-            "Starting the vLLM engine" not in log
-            and ".input.jsonl" not in log
-            and f"{batch.input_file_id}.jsonl" not in log
-        )
+        assert "Starting the vLLM engine" not in log
+        assert ".input.jsonl" not in log
+        assert f"{batch.input_file_id}.jsonl" not in log
     # Nothing under the API's prefix was written, replaced or deleted; alice's output is hers as published.
     assert _objects(seaweed) == before
     bob = api.clients["bob"]
@@ -350,9 +357,12 @@ def test_a_batch_cancelled_before_it_runs_ends_cancelled(api: Api):
         input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
     )
     cancelling = alice.batches.cancel(batch.id)
-    assert cancelling.status == "cancelling" and cancelling.cancelling_at
+    assert cancelling.status == "cancelling"
+    assert cancelling.cancelling_at
     cancelled = _wait(api, alice, batch.id, ("cancelled", "completed", "failed"))
-    assert cancelled.status == "cancelled" and cancelled.cancelled_at and cancelled.output_file_id is None
+    assert cancelled.status == "cancelled"
+    assert cancelled.cancelled_at
+    assert cancelled.output_file_id is None
     # Published through the run protocol without an engine: every request is in the error file, batch_cancelled.
     assert (
         cancelled.request_counts.total,
@@ -382,10 +392,8 @@ class PeakRss:
     def rss(self) -> int:
         total = 0
         for process in (self.root, *self.root.children(recursive=True)):
-            try:
+            with contextlib.suppress(psutil.Error):
                 total += process.memory_info().rss
-            except psutil.Error:
-                pass
         return total
 
     def _sample(self) -> None:
@@ -460,7 +468,8 @@ def test_a_batch_cancelled_while_its_engine_runs_stops_the_engine(api: Api):
     assert alice.batches.retrieve(batch.id).status == "in_progress"
     assert alice.batches.cancel(batch.id).status == "cancelling"
     cancelled = _wait(api, alice, batch.id, ("cancelled", "completed", "failed"))
-    assert cancelled.status == "cancelled" and cancelled.output_file_id is None
+    assert cancelled.status == "cancelled"
+    assert cancelled.output_file_id is None
     _, alive = psutil.wait_procs(engines, timeout=60)
     assert alive == [], [(p.pid, _cmdline(p)) for p in alive]
 
@@ -470,9 +479,11 @@ def test_batches_are_listed_newest_first_in_pages(api: Api, completed):
     uploaded = alice.files.create(file=("listed.jsonl", _lines(api.model)), purpose="batch")
     alice.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
     everything = [b.id for b in alice.batches.list(limit=100).data]
-    assert len(everything) >= 2 and completed[1].id in everything
+    assert len(everything) >= 2
+    assert completed[1].id in everything
     first = alice.batches.list(limit=1)
-    assert first.has_more and [b.id for b in first.data] == everything[:1]
+    assert first.has_more
+    assert [b.id for b in first.data] == everything[:1]
     second = alice.batches.list(limit=1, after=first.data[0].id)
     assert [b.id for b in second.data] == everything[1:2]
     assert [b.id for b in alice.batches.list(limit=100, after=everything[-1]).data] == []
@@ -507,7 +518,8 @@ def _uploaded_with_the_providers_hook(api: Api, tmp_path: Path, conn_id: str) ->
     path = tmp_path / "requests.jsonl"
     path.write_bytes(_lines(api.model))
     uploaded = OpenAIHook(conn_id=conn_id).upload_file(str(path), purpose="batch")
-    assert uploaded.bytes == path.stat().st_size and uploaded.purpose == "batch"
+    assert uploaded.bytes == path.stat().st_size
+    assert uploaded.purpose == "batch"
     return uploaded.id
 
 
@@ -537,11 +549,9 @@ def test_the_providers_batch_operator_waits_for_a_batch_to_complete(api: Api, pr
     )
     batch_id = operator.execute({})
     batch = api.clients["alice"].batches.retrieve(batch_id)
-    assert (
-        batch.status == "completed"
-        and batch.metadata == {"via": "provider"}
-        and batch.request_counts.completed == N_REQUESTS
-    )
+    assert batch.status == "completed"
+    assert batch.metadata == {"via": "provider"}
+    assert batch.request_counts.completed == N_REQUESTS
 
 
 def test_the_providers_deferrable_batch_operator_completes_through_its_trigger(
@@ -628,20 +638,21 @@ def test_a_batch_whose_engine_refuses_some_lines_completes_with_both_files(api: 
         2,
         2,
     )
-    assert ended.output_file_id and ended.error_file_id and ended.errors is None
+    assert ended.output_file_id
+    assert ended.error_file_id
+    assert ended.errors is None
     output = [json.loads(line) for line in alice.files.content(ended.output_file_id).text.splitlines()]
-    assert sorted(o["custom_id"] for o in output) == ["req-0", "req-1"] and all(
-        o["id"].startswith("batch_req_") for o in output
-    )
+    assert sorted(o["custom_id"] for o in output) == ["req-0", "req-1"]
+    assert all(o["id"].startswith("batch_req_") for o in output)
     errors = [json.loads(line) for line in alice.files.content(ended.error_file_id).text.splitlines()]
     assert sorted(e["custom_id"] for e in errors) == ["refused-0", "refused-1"]
     for e in errors:
         # OpenAI's shape: the HTTP failure is the response, its error in the body; no top-level error.
-        assert e["error"] is None and e["response"]["status_code"] >= 400 and e["id"].startswith("batch_req_")
-        assert (
-            isinstance(e["response"]["body"]["error"]["message"], str)
-            and e["response"]["body"]["error"]["message"]
-        )
+        assert e["error"] is None
+        assert e["response"]["status_code"] >= 400
+        assert e["id"].startswith("batch_req_")
+        assert isinstance(e["response"]["body"]["error"]["message"], str)
+        assert e["response"]["body"]["error"]["message"]
 
 
 #: Requests of the warm server's batch: enough that a cancel lands while it runs (the tiny model answers
@@ -716,14 +727,13 @@ def test_a_cancel_mid_run_keeps_and_publishes_the_answers_finished_so_far(warm_a
     cancelled = _wait(api, alice, batch.id, ("cancelled", "completed", "failed", "expired"))
     assert cancelled.status == "cancelled", (cancelled.status, cancelled.request_counts)
     counts = cancelled.request_counts
-    assert (
-        counts.total == N_WARM
-        and 0 < counts.completed < N_WARM
-        and counts.completed + counts.failed == N_WARM
-    ), counts
+    assert counts.total == N_WARM, counts
+    assert 0 < counts.completed < N_WARM, counts
+    assert counts.completed + counts.failed == N_WARM, counts
     output = [json.loads(line) for line in alice.files.content(cancelled.output_file_id).text.splitlines()]
     errors = [json.loads(line) for line in alice.files.content(cancelled.error_file_id).text.splitlines()]
-    assert len(output) == counts.completed and len(errors) == counts.failed
+    assert len(output) == counts.completed
+    assert len(errors) == counts.failed
     assert len({line["custom_id"] for line in output + errors}) == N_WARM  # each request once
     for line in output:
         ChatCompletion.model_validate(line["response"]["body"])

@@ -120,11 +120,13 @@ def test_skip_mode_on_a_local_file_runs_the_valid_lines_and_files_the_invalid_on
     results = _read(embedded, "skip/results.jsonl")
     assert sorted(r["custom_id"] for r in results) == ["ok-1", "ok-2", "ok-3"]
     tokens = {r["custom_id"]: r["response"]["body"]["usage"]["completion_tokens"] for r in results}
-    assert tokens["ok-3"] <= 3 and tokens["ok-1"] <= 5  # default_body filled only where missing
+    assert tokens["ok-3"] <= 3
+    assert tokens["ok-1"] <= 5
     errors = _read(embedded, "skip/results.errors.jsonl")
     assert len(errors) == 2
     assert [e["error"]["line"] for e in errors] == [2, 4]
-    assert errors[1]["custom_id"] == "get" and "POST" in errors[1]["error"]["message"]
+    assert errors[1]["custom_id"] == "get"
+    assert "POST" in errors[1]["error"]["message"]
     assert "not valid JSON" in errors[0]["error"]["message"]
     assert _keys(embedded, "skip/") == [
         "results.errors.jsonl",
@@ -275,10 +277,8 @@ def test_a_mistake_fails_once_naming_the_fix_and_starts_no_engine(
             "stopping before the model loads" in result.output
             or "Starting the vLLM engine" not in result.output
         )
-        assert (
-            "Loading safetensors checkpoint shards" not in result.output
-            and "Starting to load model" not in result.output
-        )
+        assert "Loading safetensors checkpoint shards" not in result.output
+        assert "Starting to load model" not in result.output
     else:
         assert "Starting the vLLM engine" not in result.output
     assert _try_number(result, f"op_mistake_{name}") == 1
@@ -408,12 +408,11 @@ def test_the_runner_gets_only_the_requests_the_answer_cache_does_not_hold(embedd
         "answer_cache_runner", **operator_kwargs, answer_cache=AnswerCacheOptions(uri=cache_uri)
     )
     assert result.state == "success", result.output[-3000:]
-    assert (
-        "3 of 4 requests answered from the cache" in result.output
-        and "The engine reads the cleaned copy" in result.output
-    )
+    assert "3 of 4 requests answered from the cache" in result.output
+    assert "The engine reads the cleaned copy" in result.output
     manifest = result.xcom("vllm_batch")
-    assert manifest["from_cache"] == 3 and manifest["request_counts"] == {
+    assert manifest["from_cache"] == 3
+    assert manifest["request_counts"] == {
         "total": 4,
         "completed": 4,
         "failed": 0,
@@ -442,7 +441,8 @@ def test_a_misspelled_engine_flag_after_one_check_on_the_worker_fails_in_seconds
         engine=VLLMRunner(args=["--max-model-len", "abc"]),
         **common,
     )
-    assert first.state == "failed" and "VLLMRunner(args=...): argument --max-model-len" in first.output
+    assert first.state == "failed"
+    assert "VLLMRunner(args=...): argument --max-model-len" in first.output
     second = _run_operator(
         "misspelled_second",
         output_uri=f"s3://{BUCKET}/misspelled/b.jsonl",

@@ -22,7 +22,9 @@ def _airflow(*args: str) -> str:
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
     }
-    done = subprocess.run([AIRFLOW, *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [AIRFLOW, *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=900, check=False
+    )
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     return done.stdout + done.stderr
 

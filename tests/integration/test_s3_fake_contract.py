@@ -10,12 +10,14 @@ left. A difference means the simulator's verdicts cannot be trusted for that cal
 from __future__ import annotations
 
 import io
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pytest
 from botocore.exceptions import ClientError
 
 from tests.simulation.s3 import FakeS3, FakeS3Client
+
+if TYPE_CHECKING:
+    import pytest
 
 
 def outcome(call) -> Any:

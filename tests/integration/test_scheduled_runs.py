@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -54,7 +55,9 @@ from tests.integration.postgres import Postgres
 from tests.integration.ui_browser import Browser, missing_browser
 from tests.integration.vllm_metrics import requests_answered
 from vllm_batch_embedded.demo import CPU_ENGINE_ARGS, CPU_ENGINE_ENV
-from vllm_batch_embedded.seaweedfs import SeaweedFS
+
+if TYPE_CHECKING:
+    from vllm_batch_embedded.seaweedfs import SeaweedFS
 
 pytestmark = [pytest.mark.integration, pytest.mark.engine]
 
@@ -89,7 +92,13 @@ class Scheduled:
         """
         airflow = str(Path(sys.executable).with_name("airflow"))
         done = subprocess.run(
-            [airflow, *args], env=self.dep.env, cwd=self.dep.home, capture_output=True, text=True, timeout=180
+            [airflow, *args],
+            env=self.dep.env,
+            cwd=self.dep.home,
+            capture_output=True,
+            text=True,
+            timeout=180,
+            check=False,
         )
         assert done.returncode == 0, (
             f"airflow {' '.join(args)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
@@ -176,9 +185,8 @@ def scheduled(seaweed: SeaweedFS, tiny_model: Path, tmp_path_factory) -> Iterato
             concurrent.futures.wait([starting])
             server.terminate()
     assert survivors == [], f"processes of the deployment still alive after stop: {survivors}"
-    assert server.process is not None and server.process.poll() is not None, (
-        "the vLLM server outlived the module"
-    )
+    assert server.process is not None, "the vLLM server outlived the module"
+    assert server.process.poll() is not None, "the vLLM server outlived the module"
 
 
 def _day(date: datetime) -> str:

@@ -244,7 +244,8 @@ def test_sigkill_at_half_then_the_same_task_instance_again_answers_each_request_
     assert resumed, second[-3000:]
     results = _s3_lines(embedded, f"s3://{BUCKET}/server-kill/results.jsonl")
     ids = [r["custom_id"] for r in results]
-    assert len(ids) == N_KILL and set(ids) == {f"k{i}" for i in range(N_KILL)}
+    assert len(ids) == N_KILL
+    assert set(ids) == {f"k{i}" for i in range(N_KILL)}
     for line in results[:50]:
         ChatCompletion.model_validate(line["response"]["body"])
     total = requests_answered(base) - before
@@ -356,9 +357,11 @@ def test_chat_and_completion_lines_in_one_file_are_all_answered_through_the_serv
     assert requests_answered(warm.hook.base_url) - before == 5
     results = {line["custom_id"]: line for line in _s3_lines(embedded, manifest["output_uri"])}
     for custom_id in ("text-0", "ids-0", "text-1"):
-        assert results[custom_id]["response"]["status_code"] == 200 and results[custom_id]["error"] is None
+        assert results[custom_id]["response"]["status_code"] == 200
+        assert results[custom_id]["error"] is None
         body = Completion.model_validate(results[custom_id]["response"]["body"])
-        assert body.object == "text_completion" and body.usage.completion_tokens > 0
+        assert body.object == "text_completion"
+        assert body.usage.completion_tokens > 0
     assert Completion.model_validate(results["ids-0"]["response"]["body"]).usage.prompt_tokens == 5
     for custom_id in ("chat-0", "chat-1"):
         ChatCompletion.model_validate(results[custom_id]["response"]["body"])
@@ -367,7 +370,8 @@ def test_chat_and_completion_lines_in_one_file_are_all_answered_through_the_serv
     assert manifest["usage"]["completion_tokens"] == sum(u["completion_tokens"] for u in usage)
     answers = {answer.custom_id: answer for answer in read_answers(manifest)}
     assert answers["text-0"] == Text("text-0", results["text-0"]["response"]["body"]["choices"][0]["text"])
-    assert isinstance(answers["ids-0"].text, str) and answers["ids-0"].text
+    assert isinstance(answers["ids-0"].text, str)
+    assert answers["ids-0"].text
     print({custom_id: answer.text for custom_id, answer in answers.items()})
 
 
@@ -385,7 +389,8 @@ def test_a_real_runs_manifest_and_summary_carry_its_engine_time_and_cost(warm, e
     manifest = run.xcom("vllm_batch")
     cost = manifest["cost"]
     print(cost, manifest["per_model"])
-    assert cost["device"] == "vllm_connection" and cost["gpu_hour_cost"] == 2.5
+    assert cost["device"] == "vllm_connection"
+    assert cost["gpu_hour_cost"] == 2.5
     assert 0 < cost["engine_s"] <= manifest["duration_s"] + 1
     assert cost["tokens_per_engine_s"] == pytest.approx(
         manifest["usage"]["total_tokens"] / cost["engine_s"], rel=0.01
@@ -441,8 +446,10 @@ def test_the_same_file_for_the_runner_fails_preflight_naming_the_server_engine_a
             "completions_runner", model, engine=VLLMRunner(args=CPU_ENGINE_ARGS.split()), retries=2
         )
     )
-    assert run.state == "failed" and run.task_states["vllm_batch"] == "failed", run.output[-4000:]
-    assert "failed preflight" in run.output and "AirflowFailException" in run.output, run.output[-4000:]
+    assert run.state == "failed", run.output[-4000:]
+    assert run.task_states["vllm_batch"] == "failed", run.output[-4000:]
+    assert "failed preflight" in run.output, run.output[-4000:]
+    assert "AirflowFailException" in run.output, run.output[-4000:]
     for lineno, custom_id in ((2, "text-0"), (3, "ids-0"), (5, "text-1")):
         assert re.search(
             rf"line {lineno} \(custom_id '{custom_id}'\): \"url\" '/v1/completions' is not served by this engine .*engine=VLLMServer",
@@ -513,12 +520,12 @@ def test_structured_outputs_through_the_real_engine_every_answer_fits_and_withou
     assert structured["request_counts"] == {"total": 10, "completed": 10, "failed": 0}
     assert "invalid_output" not in structured  # 0: omitted
     parsed = list(read_answers(structured, output_type=Mood))
-    assert len(parsed) == 10 and all(isinstance(a, Parsed) and isinstance(a.value, Mood) for a in parsed)
+    assert len(parsed) == 10
+    assert all(isinstance(a, Parsed) and isinstance(a.value, Mood) for a in parsed)
     # The same requests without the schema: the random model's text is no Mood.
     free = list(read_answers(manifests["without_schema"], output_type=Mood))
-    assert len(free) == 10 and all(
-        isinstance(a, Failed) and a.error.startswith("invalid_output") for a in free
-    )
+    assert len(free) == 10
+    assert all(isinstance(a, Failed) and a.error.startswith("invalid_output") for a in free)
     print({a.custom_id: a.value.model_dump() for a in parsed[:3]}, free[0])
 
 
@@ -617,7 +624,8 @@ def test_a_second_run_through_the_answer_cache_sends_only_the_changed_requests(w
     assert second.state == "success", second.output[-4000:]
     assert requests_answered(warm.hook.base_url) - before == 2
     manifest = second.xcom("vllm_batch")
-    assert manifest["from_cache"] == n - 2 and manifest["request_counts"] == {
+    assert manifest["from_cache"] == n - 2
+    assert manifest["request_counts"] == {
         "total": n,
         "completed": n,
         "failed": 0,
@@ -653,10 +661,12 @@ def test_the_nightly_cache_benchmark_sends_only_the_changed_rows_and_keeps_the_u
     ]
     argv += ["--max-tokens", "8", "--server-url", warm.hook.base_url]
     env = {**os.environ, "PYTHONPATH": str(REPO), "BENCH_VLLM_API_KEY": warm.hook.api_key}
-    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, check=False)  # noqa: S603
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     figures = json.loads(next(line for line in reversed(done.stdout.splitlines()) if line.startswith("{")))
     assert (figures["rows"], figures["changed"]) == (400, 20)
     assert figures["night1_sent"] == 400
-    assert figures["night2_sent"] == 20 and figures["night2_from_cache"] == 380
-    assert figures["night2_answers_every_row_once"] and figures["unchanged_rows_byte_equal"]
+    assert figures["night2_sent"] == 20
+    assert figures["night2_from_cache"] == 380
+    assert figures["night2_answers_every_row_once"]
+    assert figures["unchanged_rows_byte_equal"]

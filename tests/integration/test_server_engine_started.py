@@ -32,7 +32,6 @@ def test_a_task_started_server_answers_the_batch_and_is_stopped_with_the_task(
 ):
     from airflow.sdk import DAG
 
-    from airflow_vllm_batch.engines import VLLMServer
     from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
 
     model = str(tiny_model)
@@ -71,20 +70,19 @@ def test_a_task_started_server_answers_the_batch_and_is_stopped_with_the_task(
     assert run.state == "success", run.output[-4000:]
     manifest = run.xcom("vllm_batch")
     assert manifest["request_counts"] == {"total": 30, "completed": 30, "failed": 0}
-    assert (
-        manifest["identity"]["engine"] == "server"
-        and manifest["identity"]["engine_args"] == CPU_ENGINE_ARGS.split()
-    )
-    assert "The vLLM server is ready after" in run.output and "Stopping the vLLM server" in run.output
+    assert manifest["identity"]["engine"] == "server"
+    assert manifest["identity"]["engine_args"] == CPU_ENGINE_ARGS.split()
+    assert "The vLLM server is ready after" in run.output
+    assert "Stopping the vLLM server" in run.output
     assert "Leased GPU(s) 0 of 0 (from AIRFLOW_VLLM_BATCH_GPUS) for the engine" in run.output
     assert "Released GPU(s) 0" in run.output
     assert error_lines(run.output) == []  # starting, using and stopping the server logs no error
     # The leased GPU's seconds are the server's time, from its start to the last answer.
     cost = manifest["cost"]
-    assert (cost["device"], cost["gpus"]) == ("gpu", 1) and cost["gpu_s"] == pytest.approx(
-        manifest["engine_duration_s"], abs=0.01
-    )
-    assert cost["tokens_per_gpu_s"] > 0 and "cost" not in cost
+    assert (cost["device"], cost["gpus"]) == ("gpu", 1)
+    assert cost["gpu_s"] == pytest.approx(manifest["engine_duration_s"], abs=0.01)
+    assert cost["tokens_per_gpu_s"] > 0
+    assert "cost" not in cost
     body = embedded.client().get_object(Bucket=BUCKET, Key="started-server/results.jsonl")["Body"].read()
     results = [json.loads(line) for line in body.splitlines()]
     assert sorted(r["custom_id"] for r in results) == sorted(f"s{i}" for i in range(30))
@@ -110,7 +108,6 @@ def test_a_task_started_pooling_server_answers_embeddings_score_and_rerank_lines
     from openai.types import CreateEmbeddingResponse
     from vllm.entrypoints.pooling.scoring.protocol import RerankResponse, ScoreResponse
 
-    from airflow_vllm_batch.engines import VLLMServer
     from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
     from vllm_batch_embedded.tiny_model import embedding_model_path
 
@@ -156,7 +153,6 @@ def test_a_task_started_pooling_server_answers_embeddings_score_and_rerank_lines
     assert scores[0] > scores[1]  # the French sentence answers the question about Paris
     assert ScoreResponse.model_validate(answers["score-v1"]).data[0].score == pytest.approx(dot[0], abs=1e-3)
     ranked = RerankResponse.model_validate(answers["rerank"]).results
-    assert [r.index for r in ranked] == [0, 1] and [r.relevance_score for r in ranked] == pytest.approx(
-        dot, abs=1e-3
-    )
+    assert [r.index for r in ranked] == [0, 1]
+    assert [r.relevance_score for r in ranked] == pytest.approx(dot, abs=1e-3)
     assert [r.index for r in RerankResponse.model_validate(answers["rerank-v1"]).results] == [0]

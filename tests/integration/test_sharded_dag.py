@@ -250,7 +250,6 @@ def embeddings_sharded_and_whole(embedded, airflow_db) -> DagRunResult:
     import vllm_batch_examples as examples
     from airflow.sdk import DAG
 
-    from airflow_vllm_batch.engines import VLLMRunner
     from airflow_vllm_batch.operators.shards import (
         VLLMBatchMergeOperator,
         VLLMBatchSplitOperator,

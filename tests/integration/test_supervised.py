@@ -551,7 +551,8 @@ def test_s3_down_at_publish_fails_try_1_with_the_publish_error_that_says_a_retry
     """The failure a user reads first names the fault and the remedy (PublishError: "a retry
     publishes them without running the engine again"), not a lease clean-up error."""
     chain = _failure(s3_down_at_publish["first"])
-    assert chain and chain[0].startswith("PublishError: S3 failed while publishing"), chain
+    assert chain, chain
+    assert chain[0].startswith("PublishError: S3 failed while publishing"), chain
 
 
 class EngineRanAgain(AssertionError):
@@ -625,11 +626,14 @@ def test_retry_after_the_task_started_server_was_killed_resumes_from_its_checkpo
         dag_id, run_id
     )
     first, second = supervised.log(dag_id, run_id, 1), supervised.log(dag_id, run_id, 2)
-    assert "ServerUnavailableError" in first and "checkpointed" in first, first[-3000:]
+    assert "ServerUnavailableError" in first, first[-3000:]
+    assert "checkpointed" in first, first[-3000:]
     resumed = re.search(r"(\d+) answered by earlier tries' checkpoints", second)
     sent = re.search(r"Server engine done: (\d+) requests sent", second)
-    assert resumed and sent, second[-3000:]
-    assert int(resumed.group(1)) > 0 and int(sent.group(1)) + int(resumed.group(1)) == N_SERVER
+    assert resumed, second[-3000:]
+    assert sent, second[-3000:]
+    assert int(resumed.group(1)) > 0
+    assert int(sent.group(1)) + int(resumed.group(1)) == N_SERVER
     print(
         f"server killed: try 2 resumed {resumed.group(1)} answers from try 1's checkpoints and sent {sent.group(1)}"
     )
@@ -679,7 +683,8 @@ def test_sigkill_of_a_server_task_at_half_then_airflows_retry_sends_only_the_una
     second = supervised.log(dag_id, run_id, 2)
     resumed = re.search(r"(\d+) answered by earlier tries' checkpoints", second)
     sent = re.search(r"Server engine done: (\d+) requests sent", second)
-    assert resumed and sent, second[-3000:]
+    assert resumed, second[-3000:]
+    assert sent, second[-3000:]
     assert int(sent.group(1)) + int(resumed.group(1)) == N_SERVER
     custom_ids, _ = supervised.output(case)
     assert sorted(custom_ids) == sorted(f"r{i}" for i in range(N_SERVER))

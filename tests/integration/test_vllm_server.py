@@ -68,7 +68,8 @@ def test_200_chat_requests_are_answered_once_each_with_openai_chat_completions(s
     results = _results(journal)
     assert sorted(r["custom_id"] for r in results) == sorted(f"chat-{i}" for i in range(200))
     for result in results:
-        assert result["error"] is None and result["response"]["status_code"] == 200
+        assert result["error"] is None
+        assert result["response"]["status_code"] == 200
         ChatCompletion.model_validate(result["response"]["body"])
     assert (stats.done, stats.failed, stats.durable) == (200, 0, 200)
     assert stats.completion_tokens == sum(
@@ -87,7 +88,8 @@ def test_a_request_for_another_model_gets_vllms_error_line(server, tmp_path):
         "request_id": result["response"]["request_id"],
         "body": None,
     }
-    assert result["error"]["error"]["type"] == "NotFoundError" and result["error"]["error"]["code"] == 404
+    assert result["error"]["error"]["type"] == "NotFoundError"
+    assert result["error"]["error"]["code"] == 404
 
 
 def test_a_wrong_api_key_is_a_clear_error(server, tiny_model, tmp_path):

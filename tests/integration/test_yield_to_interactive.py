@@ -127,7 +127,7 @@ async def _chat_latency(base_url: str, api_key: str, model: str, max_tokens: int
 def _waiting(base_url: str) -> float:
     import urllib.request
 
-    with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as response:  # noqa: S310 - loopback
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as response:
         text = response.read().decode()
     return sum(
         float(v) for v in re.findall(r"^vllm:num_requests_waiting\{[^}]*\} (\S+)$", text, re.MULTILINE)
@@ -158,7 +158,8 @@ def _interactive_latency_beside(
     assert server.hook is not None
     deadline = time.monotonic() + 120
     while (waiting := _waiting(server.hook.base_url)) < 40:
-        assert time.monotonic() < deadline and thread.is_alive(), "the batch never filled the server's queue"
+        assert time.monotonic() < deadline, "the batch never filled the server's queue"
+        assert thread.is_alive(), "the batch never filled the server's queue"
         time.sleep(0.1)
     latency = asyncio.run(_chat_latency(server.hook.base_url, server.hook.api_key or "", model))
     thread.join()
@@ -300,5 +301,6 @@ def test_a_server_not_known_to_run_priority_scheduling_is_never_sent_a_priority(
             os.environ.pop(f"AIRFLOW_CONN_{PLAIN_CONN_ID.upper()}", None)
     assert manifest["request_counts"]["completed"] == 50
     sent = [body for body in proxy.bodies if "messages" in body]
-    assert len(sent) == 50 and not any("priority" in body for body in sent)
+    assert len(sent) == 50
+    assert not any("priority" in body for body in sent)
     assert "the server does not say its scheduling policy" in capfd.readouterr().out

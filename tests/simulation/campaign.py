@@ -35,8 +35,8 @@ class CampaignReport:
         return sorted(set(self.details) | set(self.crashes))
 
     def by_invariant(self) -> dict[str, int]:
-        counts = {name: 0 for name in INVARIANTS}
-        for seed, found in self.details.items():
+        counts = dict.fromkeys(INVARIANTS, 0)
+        for found in self.details.values():
             for invariant in {v.invariant for v in found}:
                 counts[invariant] += 1
         return counts

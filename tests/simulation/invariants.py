@@ -247,7 +247,7 @@ class StepChecks:
         complete, _ = self.store.completed(RunIdentity(dict(manifest.identity)))
         if complete is None:
             return
-        body = lambda uri: Outcome.get(self.world.s3, *split_s3_uri(uri, "uri")) if uri else None  # noqa: E731
+        body = lambda uri: Outcome.get(self.world.s3, *split_s3_uri(uri, "uri")) if uri else None
         for check, detail in output_problems(
             self.world, complete, body(complete.output_uri) or b"", body(complete.error_uri) or b""
         ):

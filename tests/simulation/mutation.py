@@ -198,7 +198,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "given-back-lease-not-retaken",
         "lease.py",
         "a take-over whose lease was given back meanwhile fails the try (seed 120, fixed with issue 34)",
-        """if round_ == ACQUIRE_ROUNDS or isinstance(err, ClientError) and _code(err) not in _GONE_CODES:""",
+        """if round_ == ACQUIRE_ROUNDS or (
+                    isinstance(err, ClientError) and _code(err) not in _GONE_CODES
+                ):""",
         """if True:""",
     ),
     M(
@@ -496,7 +498,7 @@ def run_simulator(mutant: Mutant | None, schedules: int, start: int = 0, timeout
         root = mutated_tree(mutant, Path(tmp))
         env = {**os.environ, "PYTHONPATH": str(root), "PYTHONDONTWRITEBYTECODE": "1"}
         started = time.perf_counter()
-        done = subprocess.run(  # noqa: S603
+        done = subprocess.run(
             [sys.executable, "-c", _WORKER, str(start), str(schedules)],
             cwd=root,
             env=env,
@@ -557,7 +559,7 @@ def run_unit_tests(mutant: Mutant, timeout_s: float = 1800) -> dict:
         root = mutated_tree(mutant, Path(tmp))
         env = {**os.environ, "PYTHONPATH": str(root), "PYTHONDONTWRITEBYTECODE": "1"}
         started = time.perf_counter()
-        done = subprocess.run(  # noqa: S603
+        done = subprocess.run(
             [
                 sys.executable,
                 "-m",
@@ -600,7 +602,7 @@ def replay(mutant: Mutant | None, seed: int, trace: bool = False) -> str:
     with tempfile.TemporaryDirectory(prefix="vllm-batch-mutation-") as tmp:
         root = mutated_tree(mutant, Path(tmp))
         env = {**os.environ, "PYTHONPATH": str(root), "PYTHONDONTWRITEBYTECODE": "1"}
-        done = subprocess.run(  # noqa: S603
+        done = subprocess.run(
             [sys.executable, "benchmarks/simulate.py", "--seed", str(seed), *(["--trace"] if trace else [])],
             cwd=root,
             env=env,

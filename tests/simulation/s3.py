@@ -41,10 +41,10 @@ import datetime as dt
 import hashlib
 import io
 import logging
-import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from email.utils import format_datetime
+from os.path import commonpath
 from typing import Any
 
 from airflow.providers.amazon.aws.hooks.s3 import S3Hook
@@ -223,7 +223,7 @@ class FakeS3:
         self.calls += 1
         scheduler = self.scheduler
         # A DeleteObjects of several keys is the removal of a prefix: its site is their common prefix's.
-        where = os.path.commonprefix(keys) if keys and len(keys) > 1 else key
+        where = commonpath(keys) if keys and len(keys) > 1 else key
         if where is not key and ".staging/" in where:
             head, rest = where.split(".staging/", 1)
             where = f"{head}.staging/{rest.split('/', 1)[0]}/"
@@ -285,15 +285,12 @@ class FakeS3:
                 conditions,
             )
             if op in MUTATIONS:
-                applied = []
                 failed = {e["Key"] for e in result.get("Errors", [])} if isinstance(result, dict) else set()
-                for changed in keys or [key]:
-                    if changed not in failed:
-                        applied.append(
-                            self.note_mutation(
-                                op, bucket, changed, conditional, before.get((bucket, changed))
-                            )
-                        )
+                applied = [
+                    self.note_mutation(op, bucket, changed, conditional, before.get((bucket, changed)))
+                    for changed in keys or [key]
+                    if changed not in failed
+                ]
                 if self.on_change is not None and applied:
                     self.on_change(applied)
             elif (

@@ -311,10 +311,10 @@ class VirtualThreading:
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
 
-    def Event(self) -> VirtualEvent:  # noqa: N802 - the threading module's name
+    def Event(self) -> VirtualEvent:
         return VirtualEvent(self.scheduler)
 
-    def Thread(self, *args: Any, **kwargs: Any) -> VirtualThread:  # noqa: N802
+    def Thread(self, *args: Any, **kwargs: Any) -> VirtualThread:
         return VirtualThread(self.scheduler, *args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:

@@ -40,7 +40,8 @@ def test_a_conditional_write_whose_response_was_lost_is_retried_and_meets_its_ow
 def test_an_error_before_the_call_is_retried_and_changes_nothing_twice():
     s3, s3_client = client("error", "error")
     s3_client.put_object(Bucket="b", Key="k", Body=b"x")
-    assert s3.buckets["b"]["k"].body == b"x" and len(s3.mutations) == 1
+    assert s3.buckets["b"]["k"].body == b"x"
+    assert len(s3.mutations) == 1
 
 
 def test_an_outage_reaches_the_caller_and_nothing_lands():
@@ -62,7 +63,8 @@ def test_a_fault_plan_draws_the_same_faults_from_the_same_seed():
 
     plan_a, plan_b = FaultPlan(random.Random(5), 0.3), FaultPlan(random.Random(5), 0.3)
     drawn = [plan_a.draw() for _ in range(50)]
-    assert drawn == [plan_b.draw() for _ in range(50)] and any(drawn)
+    assert drawn == [plan_b.draw() for _ in range(50)]
+    assert any(drawn)
 
 
 def test_the_trace_shows_each_attempt_with_its_conditions_fault_and_outcome():
@@ -72,5 +74,6 @@ def test_the_trace_shows_each_attempt_with_its_conditions_fault_and_outcome():
     with pytest.raises(ClientError):
         s3_client.put_object(Bucket="b", Key="lease", Body=b"2", IfMatch=etag)
     lost, retried = s3.trace[-2:]
-    assert f"IfMatch={etag}" in lost and "[lost_response]: applied, response lost" in lost
+    assert f"IfMatch={etag}" in lost
+    assert "[lost_response]: applied, response lost" in lost
     assert "attempt 2: raises PreconditionFailed" in retried

@@ -37,9 +37,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
-
-import pytest
+from typing import TYPE_CHECKING, Any
 
 from airflow_vllm_batch.engines import base as engine_base, runner as runner_module
 from airflow_vllm_batch.exceptions import BatchStopped
@@ -58,6 +56,9 @@ from tests.simulation.engines import (
 from tests.simulation.invariants import Outcome, Violation, check_all
 from tests.simulation.scheduler import TryState, VirtualThreading
 from tests.simulation.world import BUCKET, World, make_plan, simulation
+
+if TYPE_CHECKING:
+    import pytest
 
 SCHEDULES = int(os.environ.get("VLLM_BATCH_LIFECYCLE_SCHEDULES", "300"))
 CANCEL_KEY = "batches/batch_sim.cancel.json"

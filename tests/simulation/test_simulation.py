@@ -27,16 +27,16 @@ def test_a_seed_replays_the_same_schedule(tmp_path):
     assert [(m.actor, m.op, m.key) for m in first.s3.mutations] == [
         (m.actor, m.op, m.key) for m in again.s3.mutations
     ]
-    assert first.faults.injected == again.faults.injected and first.scheduler.now == again.scheduler.now
+    assert first.faults.injected == again.faults.injected
+    assert first.scheduler.now == again.scheduler.now
 
 
 def test_the_plans_cover_every_configuration_and_fault_the_invariants_need():
     plans = [make_plan(seed) for seed in range(300)]
     assert {p.engine for p in plans} == {"sim-runner", "sim-server"}
     assert {p.collision for p in plans} >= {"output=input", "error=input", "error=output", None}
-    assert any(p.shared_results_dir for p in plans) and any(p.secret for p in plans)
-    assert (
-        any(p.kill_at for p in plans)
-        and any(p.zombie_at for p in plans)
-        and any(p.rewrite_input_at for p in plans)
-    )
+    assert any(p.shared_results_dir for p in plans)
+    assert any(p.secret for p in plans)
+    assert any(p.kill_at for p in plans)
+    assert any(p.zombie_at for p in plans)
+    assert any(p.rewrite_input_at for p in plans)

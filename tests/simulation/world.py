@@ -166,7 +166,8 @@ def make_plan(seed: int) -> Plan:
         sites = [
             s
             for s in SITES
-            if s not in ENGINE_NEVER[engine] and (plan.cache_prior or "cached" not in s and "cache" not in s)
+            if s not in ENGINE_NEVER[engine]
+            and (plan.cache_prior or ("cached" not in s and "cache" not in s))
         ]
         pause = mode < 0.45
         site = rng.choice([s for s in PUBLISH_SITES if s in sites] if pause and rng.random() < 0.6 else sites)

@@ -25,14 +25,16 @@ import dataclasses
 import shutil
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from airflow_vllm_batch.engines.options import WarmVLLMServer, YieldToInteractive
 from airflow_vllm_batch.engines.server import ConnectionEngine
-from airflow_vllm_batch.serving import StreamStats
 from airflow_vllm_batch.serving.neighbour import InFlightController, NeighbourPlan, Reading, ServerLoad
 from tests.simulation.engines import SIM_ENGINES, SimServer, SimServerEngine
 from tests.simulation.world import World, make_plan, simulation
+
+if TYPE_CHECKING:
+    from airflow_vllm_batch.serving import StreamStats
 
 ENGINE = "sim-yielding"
 #: The running places of the simulated server: beyond them, requests wait.

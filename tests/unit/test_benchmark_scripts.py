@@ -27,7 +27,7 @@ def test_the_benchmark_starts_from_the_repository_root_as_the_page_runs_it(scrip
         rf"^\s*\.venv/bin/python benchmarks/{re.escape(script)}\b", PAGE.read_text(encoding="utf-8"), re.M
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    done = subprocess.run(  # noqa: S603
+    done = subprocess.run(
         [sys.executable, f"benchmarks/{script}", "--help"],
         cwd=REPO,
         env=env,
@@ -56,7 +56,7 @@ print(json.dumps(sorted({name.split(".")[0] for name in names if importlib.util.
 @pytest.mark.parametrize("script", ["overhead.py", "scale.py"])
 def test_every_module_the_benchmark_imports_is_found_from_the_repository_root(script):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    done = subprocess.run(  # noqa: S603
+    done = subprocess.run(
         [sys.executable, "-c", FIND_IMPORTS, f"benchmarks/{script}"],
         cwd=REPO,
         env=env,

@@ -37,14 +37,17 @@ def test_validate_bad_file_exits_one_and_lists_problem(tmp_path, capsys):
     path.write_text(REQUEST % "a" + "not json\n" + REQUEST % "a")
     assert cli.main(["validate", str(path), "--no-progress"]) == 1
     out = capsys.readouterr().out
-    assert "line 2" in out and "not valid JSON" in out
-    assert "line 3" in out and "repeats the one on line 1" in out
+    assert "line 2" in out
+    assert "not valid JSON" in out
+    assert "line 3" in out
+    assert "repeats the one on line 1" in out
 
 
 def test_validate_json_output_is_the_report(batch, capsys):
     assert cli.main(["validate", str(batch), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["valid_lines"] == 2 and data["models"] == {"m": 2}
+    assert data["valid_lines"] == 2
+    assert data["models"] == {"m": 2}
 
 
 def test_validate_model_option_is_enforced(batch, capsys):
@@ -67,7 +70,9 @@ def test_stats_prints_outcomes_and_usage(tmp_path, capsys):
     path.write_text((RESULT % "a" + RESULT % "b").rstrip("\n"))
     assert cli.main(["stats", str(path), "--no-progress"]) == 0
     out = capsys.readouterr().out
-    assert "completed" in out and "20" in out and "/v1/chat/completions" in out
+    assert "completed" in out
+    assert "20" in out
+    assert "/v1/chat/completions" in out
 
 
 def test_stats_with_input_reports_missing_answers(tmp_path, batch, capsys):
@@ -75,7 +80,8 @@ def test_stats_with_input_reports_missing_answers(tmp_path, batch, capsys):
     path.write_text(RESULT % "a")
     assert cli.main(["stats", str(path), "--input", str(batch), "--json"]) == 1
     data = json.loads(capsys.readouterr().out)
-    assert data["missing_count"] == 1 and data["missing"][0]["custom_id"] == "b"
+    assert data["missing_count"] == 1
+    assert data["missing"][0]["custom_id"] == "b"
 
 
 def test_stats_reads_s3_through_the_hook(monkeypatch, capsys):
@@ -134,7 +140,9 @@ def test_stats_refuses_a_file_that_is_not_a_results_file(tmp_path, capsys, name,
     path.write_text(content)
     assert cli.main(["stats", str(path), "--json"]) == 2
     captured = capsys.readouterr()
-    assert fragment in captured.err and str(path) in captured.err and captured.out == ""
+    assert fragment in captured.err
+    assert str(path) in captured.err
+    assert captured.out == ""
 
 
 def test_stats_refuses_a_results_file_given_as_input(tmp_path, capsys):
@@ -174,7 +182,8 @@ def test_validate_a_truncated_gzip_exits_two_naming_the_file(tmp_path, capsys):
     path.write_bytes(gzip.compress((REQUEST % "a").encode() * 200)[:-30])
     assert cli.main(["validate", str(path)]) == 2
     err = capsys.readouterr().err
-    assert str(path) in err and "gzip file is truncated" in err
+    assert str(path) in err
+    assert "gzip file is truncated" in err
 
 
 def test_validate_a_huge_line_says_more_than_the_limit_not_a_made_up_size(tmp_path, capsys):
@@ -182,7 +191,8 @@ def test_validate_a_huge_line_says_more_than_the_limit_not_a_made_up_size(tmp_pa
     path.write_text(REQUEST % "a" + REQUEST % ("x" * 3_000_000))
     assert cli.main(["validate", str(path), "--json"]) == 1
     message = json.loads(capsys.readouterr().out)["problems"][0]["message"]
-    assert "line is more than 1,000,000 bytes" in message and "1,000,001" not in message
+    assert "line is more than 1,000,000 bytes" in message
+    assert "1,000,001" not in message
     assert "--max-line-bytes" in message
 
 
@@ -222,13 +232,15 @@ def test_validate_names_the_default_engine_not_this_engine_for_an_unserved_url(t
     assert cli.main(["validate", str(path)]) == 1
     out = capsys.readouterr().out
     assert "this engine" not in out
-    assert "engine=VLLMRunner()" in out and "engine=VLLMServer(...)" in out
+    assert "engine=VLLMRunner()" in out
+    assert "engine=VLLMServer(...)" in out
 
 
 def test_validate_with_supported_url_names_that_option_for_an_unserved_url(batch, capsys):
     assert cli.main(["validate", str(batch), "--supported-url", "/v1/embeddings"]) == 1
     out = capsys.readouterr().out
-    assert "this engine" not in out and "--supported-url" in out
+    assert "this engine" not in out
+    assert "--supported-url" in out
 
 
 def test_validate_lists_repeated_custom_ids_read_from_stdin_without_sending_the_user_to_validate(
@@ -239,4 +251,5 @@ def test_validate_lists_repeated_custom_ids_read_from_stdin_without_sending_the_
     assert cli.main(["validate", "-"]) == 1
     out = capsys.readouterr().out
     assert "airflow-vllm-batch validate" not in out
-    assert "line 3" in out and "repeats the one on line 1" in out
+    assert "line 3" in out
+    assert "repeats the one on line 1" in out

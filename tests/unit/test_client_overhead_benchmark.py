@@ -24,7 +24,7 @@ def test_client_overhead_prints_cpu_per_request_and_rate_of_stream_and_bare_loop
     ]
     argv += ["--in-flight", "64", "--processes", "1,2"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, check=False)  # noqa: S603
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     lines = done.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("client "))
@@ -61,7 +61,7 @@ def test_client_overhead_times_the_engines_multi_process_stream_for_1_and_2_proc
     ]
     argv += ["--in-flight", "64", "--processes", "1,2", "--clients", "engine", "--answer", "embedding"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, check=False)  # noqa: S603
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     lines = done.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("client "))

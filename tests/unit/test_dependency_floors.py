@@ -109,7 +109,8 @@ def test_aiohttp_at_its_floor_has_every_name_the_provider_uses(tmp_path):
         )
         assert done.returncode == 0, done.stderr[-2000:]
         asked = json.loads(done.stdout.splitlines()[-1])
-        assert asked["file"].startswith(str(target)) and Version(asked["version"]) == floor, asked
+        assert asked["file"].startswith(str(target)), asked
+        assert Version(asked["version"]) == floor, asked
         assert asked["missing"] == [], (
             f"{requirement}: aiohttp {floor} lacks {asked['missing']}; raise the floor"
         )

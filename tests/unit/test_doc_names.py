@@ -81,7 +81,8 @@ def test_every_provider_file_the_docs_name_exists():
 def _vllm_module_exists(dotted: str) -> bool:
     """Whether the installed vLLM has module ``dotted``, found on disk: importing vLLM's entrypoints takes seconds."""
     spec = importlib.util.find_spec("vllm")
-    assert spec is not None and spec.submodule_search_locations
+    assert spec is not None
+    assert spec.submodule_search_locations
     path = Path(next(iter(spec.submodule_search_locations)), *dotted.split(".")[1:])
     return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 

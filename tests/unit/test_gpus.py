@@ -148,18 +148,22 @@ def test_cuda_visible_devices_in_the_options_env_narrows_the_workers_devices(mon
 
 def test_a_lease_is_all_or_nothing_and_released_devices_are_free_again(tmp_path):
     first = gpus.try_lease(["0", "1", "2"], 2, str(tmp_path), {})
-    assert first is not None and first.devices == ["0", "1"]
+    assert first is not None
+    assert first.devices == ["0", "1"]
     assert gpus.try_lease(["0", "1", "2"], 2, str(tmp_path), {}) is None
     # The failed attempt let go of the one device it could take.
     assert _is_free(tmp_path, "2")
     first.release()
-    assert _is_free(tmp_path, "0") and _is_free(tmp_path, "1")
+    assert _is_free(tmp_path, "0")
+    assert _is_free(tmp_path, "1")
 
 
 def test_the_lock_file_names_its_holder_for_the_waiting_tasks_logs(tmp_path):
     with gpus.try_lease(["0"], 1, str(tmp_path), {"task_id": "vllm_batch", "map_index": 3}):
         holder = json.loads(gpus.holder_of(str(tmp_path), "0"))
-    assert holder["task_id"] == "vllm_batch" and holder["map_index"] == 3 and holder["pid"] == os.getpid()
+    assert holder["task_id"] == "vllm_batch"
+    assert holder["map_index"] == 3
+    assert holder["pid"] == os.getpid()
 
 
 def test_four_concurrent_tasks_on_two_devices_never_share_one(tmp_path):
@@ -191,9 +195,11 @@ def test_a_waiting_task_says_so_and_gets_the_device_once_it_is_free(tmp_path):
         poll_s=0.05,
         log_every_s=60,
     )
-    assert lease.devices == ["0"] and time.monotonic() - proc_started >= 0.4
+    assert lease.devices == ["0"]
+    assert time.monotonic() - proc_started >= 0.4
     lease.release()
-    assert len(lines) == 1 and lines[0].startswith("Waiting for 1 free GPU(s) of 0 for 0s")
+    assert len(lines) == 1
+    assert lines[0].startswith("Waiting for 1 free GPU(s) of 0 for 0s")
     assert '"task_id": "first"' in lines[0]
 
 
@@ -202,7 +208,8 @@ def test_a_sigkilled_holder_frees_its_device(tmp_path):
     proc = _python(HOLDER, str(tmp_path), "0", "1", "600", str(record))
     deadline = time.monotonic() + 30
     while _is_free(tmp_path, "0"):
-        assert time.monotonic() < deadline and proc.poll() is None, "the holder never took the device"
+        assert time.monotonic() < deadline, "the holder never took the device"
+        assert proc.poll() is None, "the holder never took the device"
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()

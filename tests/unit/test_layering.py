@@ -51,6 +51,7 @@ def _run_blocked(code: str, tmp_path: Path) -> dict:
         capture_output=True,
         text=True,
         timeout=60,
+        check=False,
     )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -128,7 +129,8 @@ def _package_edges() -> dict[str, set[str]]:
     edges = {}
     for name in MODULES:
         targets = set()
-        for imported in _imports(name):
+        for module in _imports(name):
+            imported = module
             while imported and imported not in MODULES:
                 imported = imported.rpartition(".")[0]
             if imported and imported != name:
@@ -146,7 +148,7 @@ def _find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for target in sorted(edges[node]):
             if state.get(target) == "open":
-                return path[path.index(target) :] + [target]
+                return [*path[path.index(target) :], target]
             if target not in state and (cycle := visit(target)):
                 return cycle
         state[node] = "done"

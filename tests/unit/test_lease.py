@@ -33,11 +33,11 @@ def test_a_free_output_is_taken_and_given_back(s3, bucket):
 
 
 def test_another_run_is_refused_while_the_lease_is_live(s3, bucket):
-    with lease(s3, bucket, holder("run-1")):
-        with pytest.raises(
-            OutputBusyError, match=r"dag\.vllm_batch of run 'run-1' \(try 1, on worker-a\) holds"
-        ):
-            lease(s3, bucket, holder("run-2")).acquire()
+    with (
+        lease(s3, bucket, holder("run-1")),
+        pytest.raises(OutputBusyError, match=r"dag\.vllm_batch of run 'run-1' \(try 1, on worker-a\) holds"),
+    ):
+        lease(s3, bucket, holder("run-2")).acquire()
 
 
 def test_the_same_task_instance_takes_its_own_lease_over_at_once(s3, bucket):
@@ -145,7 +145,8 @@ def test_heartbeats_rewrite_the_lease_and_keep_it_held(s3, bucket):
         assert live.wait_for_beats(live._beats + 2, timeout=60)
         renewed = json.loads(s3.client().get_object(Bucket=bucket, Key=KEY)["Body"].read())
         assert s3.client().head_object(Bucket=bucket, Key=KEY)["ETag"] != seen
-        assert renewed["run_id"] == "run-1" and renewed["nonce"] in live._nonces
+        assert renewed["run_id"] == "run-1"
+        assert renewed["nonce"] in live._nonces
         live.ensure_held(verify=True)
         assert not live.lost
 

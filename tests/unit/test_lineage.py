@@ -9,10 +9,10 @@ import pytest
 # The openlineage extra; without it the module still imports (test_lineage_optional.py).
 pytest.importorskip("airflow.providers.openlineage")
 
-from airflow.providers.common.compat.openlineage.facet import Dataset  # noqa: E402
-from airflow.providers.openlineage.extractors import OperatorLineage  # noqa: E402
+from airflow.providers.common.compat.openlineage.facet import Dataset
+from airflow.providers.openlineage.extractors import OperatorLineage
 
-from airflow_vllm_batch.lineage import lineage_for  # noqa: E402
+from airflow_vllm_batch.lineage import lineage_for
 
 OUT = "s3://results-bucket/batches/2026-01-01/results.jsonl"
 ERR = "s3://results-bucket/batches/2026-01-01/results.errors.jsonl"
@@ -75,4 +75,5 @@ def test_returns_the_openlineage_providers_operator_lineage():
 
 def test_a_task_that_failed_before_writing_its_requests_has_no_input():
     lineage = lineage_for(None, "s3://b/out/results.jsonl", None)
-    assert lineage.inputs == [] and [d.name for d in lineage.outputs] == ["out/results.jsonl"]
+    assert lineage.inputs == []
+    assert [d.name for d in lineage.outputs] == ["out/results.jsonl"]

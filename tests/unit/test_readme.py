@@ -35,7 +35,7 @@ def test_the_readme_snippet_renders_for_every_kind_of_run(kind):
     from airflow.sdk import DAG
 
     with DAG("readme", schedule=None, start_date=datetime(2026, 1, 1, tzinfo=timezone.utc)) as dag:
-        exec(_snippet(), {})  # noqa: S102 - our own README
+        exec(_snippet(), {})
     (task,) = dag.tasks
     context = dict(RUNS[kind])
     task.render_template_fields(context)
@@ -70,9 +70,10 @@ def test_the_structured_outputs_snippet_builds_its_dag_and_its_error_message_is_
             "exec",
             dont_inherit=True,
         )
-        exec(code, {**namespace, "__name__": "readme_dag"})  # noqa: S102 - our own README
+        exec(code, {**namespace, "__name__": "readme_dag"})
     (op,) = [t for t in dag.tasks if isinstance(t, VLLMBatchOperator)]
-    assert op.output_type.__name__ == "Review" and "stars" in op.output_type.model_fields
+    assert op.output_type.__name__ == "Review"
+    assert "stars" in op.output_type.model_fields
     answer = {
         "custom_id": "a",
         "response": {
@@ -104,13 +105,12 @@ def test_the_readme_answer_cache_snippet_builds_an_operator_with_the_cache():
     section = text[text.index("## Answer cache") :]
     snippet = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     with DAG("readme_cache", schedule=None, start_date=datetime(2026, 1, 1, tzinfo=timezone.utc)) as dag:
-        exec(snippet, {})  # noqa: S102 - our own README
+        exec(snippet, {})
     (task,) = dag.tasks
     task.render_template_fields({"ds": "2026-11-21", "run_id": "scheduled__2026-11-21T00:00:00+00:00"})
     settings = task.settings()
-    assert (
-        settings.answer_cache_uri == "s3://my-bucket/answer-cache/" and settings.answer_cache_sampled is False
-    )
+    assert settings.answer_cache_uri == "s3://my-bucket/answer-cache/"
+    assert settings.answer_cache_sampled is False
 
 
 def test_the_completions_snippet_builds_a_server_task_whose_lines_are_prompts():
@@ -124,9 +124,10 @@ def test_the_completions_snippet_builds_a_server_task_whose_lines_are_prompts():
     with DAG(
         "readme_completions", schedule=None, start_date=datetime(2026, 1, 1, tzinfo=timezone.utc)
     ) as dag:
-        exec(_section_snippet("## Completions: `/v1/completions` lines"), {})  # noqa: S102 - our own README
+        exec(_section_snippet("## Completions: `/v1/completions` lines"), {})
     (op,) = [t for t in dag.tasks if isinstance(t, VLLMBatchOperator)]
-    assert op.requests_url == "/v1/completions" and type(op.engine).__name__ == "VLLMServer"
+    assert op.requests_url == "/v1/completions"
+    assert type(op.engine).__name__ == "VLLMServer"
     settings = op.settings()
     data = build_batch_file(
         settings.requests, model=settings.model, url=settings.requests_url, default_body=settings.default_body
@@ -153,9 +154,10 @@ def test_the_taskflow_snippet_builds_a_decorated_task_whose_function_returns_con
         code = compile(
             _section_snippet("## TaskFlow: `@task.vllm_batch`"), "README.md", "exec", dont_inherit=True
         )
-        exec(code, {"__name__": "readme_dag"})  # noqa: S102 - our own README
+        exec(code, {"__name__": "readme_dag"})
     op = dag.get_task("classify")
-    assert isinstance(op, _VLLMBatchDecoratedOperator) and op.upstream_task_ids == {"reviews"}
+    assert isinstance(op, _VLLMBatchDecoratedOperator)
+    assert op.upstream_task_ids == {"reviews"}
     settings = op.settings()
     requests = op.python_callable(["great", "awful"])
     data = build_batch_file(
@@ -195,17 +197,16 @@ def test_the_readme_builds_each_engine_with_its_own_options():
                 if title != "## Two engines"
                 else _section_snippet("```bash\nexport AIRFLOW_CONN_VLLM_DEFAULT")
             )
-            exec(compile(snippet, "README.md", "exec", dont_inherit=True), {"__name__": "readme_dag"})  # noqa: S102 - our own README
+            exec(compile(snippet, "README.md", "exec", dont_inherit=True), {"__name__": "readme_dag"})
         (task,) = dag.tasks
         built[title] = task.engine
     runner, server, warm = built.values()
-    assert isinstance(runner, VLLMRunner) and runner.args == ["--max-model-len", "8192"]
+    assert isinstance(runner, VLLMRunner)
+    assert runner.args == ["--max-model-len", "8192"]
     assert isinstance(server, VLLMServer)
-    assert (
-        isinstance(warm, WarmVLLMServer)
-        and warm.conn_id == "vllm_default"
-        and warm.checkpoint_interval_s == 60
-    )
+    assert isinstance(warm, WarmVLLMServer)
+    assert warm.conn_id == "vllm_default"
+    assert warm.checkpoint_interval_s == 60
 
 
 def test_the_yield_to_interactive_snippet_builds_an_operator_whose_engine_yields():
@@ -214,7 +215,7 @@ def test_the_yield_to_interactive_snippet_builds_an_operator_whose_engine_yields
     from airflow_vllm_batch.engines import YieldToInteractive
 
     with DAG("readme_yield", schedule=None, start_date=datetime(2026, 1, 1, tzinfo=timezone.utc)) as dag:
-        exec(_section_snippet("### Beside interactive users"), {})  # noqa: S102 - our own README
+        exec(_section_snippet("### Beside interactive users"), {})
     (task,) = dag.tasks
     assert task.engine.yielding == YieldToInteractive(min_in_flight=8)
     assert task.engine.max_in_flight == 256

@@ -64,12 +64,15 @@ def test_a_directory_another_user_made_first_is_refused_and_left_as_it_is(tmp_pa
     planted.mkdir()
     os.chown(root, 4242, 4242)
 
-    with pytest.raises(ConfigurationError, match=r"results_dir: .*belongs to uid 4242") as err:
-        with scratch(str(tmp_path), "0123456789abcdef"):
-            pass
+    with (
+        pytest.raises(ConfigurationError, match=r"results_dir: .*belongs to uid 4242") as err,
+        scratch(str(tmp_path), "0123456789abcdef"),
+    ):
+        pass
 
     assert not err.value.retryable
-    assert stat.S_IMODE(root.stat().st_mode) == 0o777 and planted.exists()
+    assert stat.S_IMODE(root.stat().st_mode) == 0o777
+    assert planted.exists()
 
 
 def test_a_link_in_place_of_the_directory_is_refused(tmp_path):

@@ -86,9 +86,11 @@ def test_a_line_larger_than_max_bytes_gets_a_shard_of_its_own():
 
 def test_a_line_longer_than_the_reader_can_keep_stops_the_split_naming_it():
     data = request(0) + b"\n" + request(1, pad=300) + b"\n"
-    with pytest.raises(ShardingError, match="Line 2 is longer than 100 bytes"):
-        with open_lines(io.BytesIO(data), max_line_bytes=100) as lines:
-            list(split_lines(lines, lambda i: contextlib.nullcontext(io.BytesIO()), max_line_bytes=100))
+    with (
+        pytest.raises(ShardingError, match="Line 2 is longer than 100 bytes"),
+        open_lines(io.BytesIO(data), max_line_bytes=100) as lines,
+    ):
+        list(split_lines(lines, lambda i: contextlib.nullcontext(io.BytesIO()), max_line_bytes=100))
 
 
 def test_split_keeps_every_line_byte_for_byte_including_crlf_and_unicode():
@@ -97,7 +99,7 @@ def test_split_keeps_every_line_byte_for_byte_including_crlf_and_unicode():
         '{"custom_id": "é", "body": {"input": "日本"}}'.encode(),
         b'  {"custom_id":"s"}  ',
     ]
-    shards, contents = split(b"\n".join(lines) + b"\n", max_requests=2)
+    _shards, contents = split(b"\n".join(lines) + b"\n", max_requests=2)
     assert contents == [lines[0] + b"\n" + lines[1] + b"\n", lines[2] + b"\n"]
 
 
@@ -154,7 +156,7 @@ def test_split_closes_the_open_shard_when_the_input_fails_midway():
         yield request(0)
         raise OSError("connection reset")
 
-    with pytest.raises(OSError):
+    with pytest.raises(OSError, match="connection reset"):
         list(split_lines(broken_lines(), open_shard))
     assert closed == [0]
 
@@ -293,7 +295,8 @@ def test_sum_manifests_adds_counts_usage_and_durations():
     assert summed["engine_duration_s"] == 48.5
     assert summed["max_shard_duration_s"] == 30.0
     assert summed["shards"] == 2
-    assert summed["model"] == "m" and summed["vllm_version"] == "0.32.0"
+    assert summed["model"] == "m"
+    assert summed["vllm_version"] == "0.32.0"
     assert summed["shard_manifest_uris"] == [
         "s3://b/shard-0.results.manifest.json",
         "s3://b/shard-1.results.manifest.json",
@@ -381,7 +384,8 @@ def test_sum_manifests_adds_the_shards_invalid_outputs_and_leaves_it_out_when_no
         "failed_by_reason": {"invalid_output": 2},
     }
     summed = sum_manifests([manifest(0, 10, 0, 100, 50, 30.0), with_invalid])
-    assert summed["invalid_output"] == 2 and summed["failed_by_reason"] == {"invalid_output": 2}
+    assert summed["invalid_output"] == 2
+    assert summed["failed_by_reason"] == {"invalid_output": 2}
     assert sum_manifests([manifest(0, 10, 0, 100, 50, 30.0)])["invalid_output"] is None
 
 

@@ -50,8 +50,10 @@ def test_failures_are_counted_by_error_code_most_common_first_with_the_first_exa
 def test_an_example_is_one_line_cut_short_with_its_urls_redacted():
     message = "failed\nreading https://s3.example/b/k?X-Amz-Signature=secret " + "x" * 500
     example = tally_failures([error_line("a", "engine_error", message)]).examples["engine_error"]
-    assert "secret" not in example.message and "?<redacted>" in example.message
-    assert "\n" not in example.message and len(example.message) == MAX_EXAMPLE_CHARS
+    assert "secret" not in example.message
+    assert "?<redacted>" in example.message
+    assert "\n" not in example.message
+    assert len(example.message) == MAX_EXAMPLE_CHARS
 
 
 def test_a_line_without_a_code_counts_as_unknown():
@@ -85,14 +87,16 @@ def test_a_long_uri_is_never_wrapped():
 def test_a_reused_output_says_no_engine_ran():
     table = render_summary(manifest(), None, task_s=1.5, resumed=True)
     assert "(reused: no engine ran in this try)" in table.splitlines()[0]
-    assert "2 (see the error file)" in table and "this try 1.5 s" in table
+    assert "2 (see the error file)" in table
+    assert "this try 1.5 s" in table
 
 
 def test_a_run_without_failures_has_no_reason_rows_and_no_error_file():
     table = render_summary(
         manifest(request_counts=RequestCounts(6, 6, 0), error_uri=None, failed_by_reason=None)
     )
-    assert "failed:" not in table and "none (no request failed)" in table
+    assert "failed:" not in table
+    assert "none (no request failed)" in table
 
 
 def test_the_manifest_keeps_failed_by_reason_and_omits_it_when_none_failed():

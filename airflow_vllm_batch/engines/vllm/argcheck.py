@@ -72,6 +72,9 @@ def _entry_point_reader():
     directory off ``sys.path``, so it is loaded by its path.
     """
     spec = importlib.util.spec_from_file_location("_engine_probe", Path(__file__).with_name("probe.py"))
+    # A .py file next to this one: it has a spec and a loader.
+    assert spec is not None
+    assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -420,8 +420,8 @@ def _option_name(arg: str) -> str | None:
 
 def _argcheck_answer(stdout: str) -> dict | None:
     """Return the answer the check script printed as its last JSON line, or None."""
-    for line in reversed(stdout.splitlines()):
-        line = line.strip()
+    for raw in reversed(stdout.splitlines()):
+        line = raw.strip()
         if line.startswith("{"):
             try:
                 data = json.loads(line)

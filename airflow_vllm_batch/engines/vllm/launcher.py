@@ -70,6 +70,9 @@ def bootstrap() -> str:
 def _argcheck():
     """Load :mod:`~airflow_vllm_batch.engines.vllm.argcheck` (next to this file) by its path: the engine's Python may not have this package."""
     spec = importlib.util.spec_from_file_location("_engine_argcheck", Path(__file__).with_name("argcheck.py"))
+    # A .py file next to this one: it has a spec and a loader.
+    assert spec is not None
+    assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -38,6 +38,7 @@ import importlib.util
 import json
 import os
 import sys
+from typing import TypeGuard
 
 #: The batch runner's entry points (``python -m`` modules), newest first. The older one
 #: is a deprecated shim in vLLM 0.32 and 0.33 that leads to the newer.
@@ -165,7 +166,7 @@ def vllm_root() -> str | None:
     spec = importlib.util.find_spec("vllm")
     if spec is None or not spec.submodule_search_locations:
         return None
-    return list(spec.submodule_search_locations)[0]
+    return next(iter(spec.submodule_search_locations))
 
 
 def module_path(root: str, module: str) -> str | None:
@@ -191,7 +192,7 @@ def _absolute(module: str, path: str, node: ast.ImportFrom) -> str:
     return ".".join([*package, node.module] if node.module else package)
 
 
-def _is_main_block(node: ast.stmt) -> bool:
+def _is_main_block(node: ast.stmt) -> TypeGuard[ast.If]:
     """Whether ``node`` is ``if __name__ == "__main__":``."""
     test = node.test if isinstance(node, ast.If) else None
     return (
@@ -279,6 +280,7 @@ def runner(root: str) -> dict:
         if module_path(root, entry) is None:
             continue
         path = module_path(root, follow_entry_point(root, entry, RUNNER_REGISTRY) or entry)
+        assert path is not None  # the entry point names a module of this vLLM
         with open(path, encoding="utf-8") as f:
             source = f.read()
         tree = ast.parse(source)

@@ -25,6 +25,7 @@ command line is world-readable (``ps``) and may hold presigned URLs.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -43,11 +44,11 @@ PARENT_ENV = "AIRFLOW_VLLM_BATCH_GUARD_PARENT"
 #: own time when it can.
 DEFAULT_GRACE_S = 4.0
 
-GUARD_SCRIPT = r"""
+GUARD_SCRIPT = rf"""
 import ctypes, ctypes.util, json, os, signal, sys, time
-argv = json.loads(os.environ.pop("%(argv)s"))
-grace = float(os.environ.pop("%(grace)s"))
-parent = int(os.environ.pop("%(parent)s"))
+argv = json.loads(os.environ.pop("{ARGV_ENV}"))
+grace = float(os.environ.pop("{GRACE_ENV}"))
+parent = int(os.environ.pop("{PARENT_ENV}"))
 stopping = False
 
 def stop(*_):
@@ -72,7 +73,7 @@ if child == 0:
     try:
         os.execvp(argv[0], argv)
     except OSError as err:
-        sys.stderr.write("cannot start the engine %%r: %%s\n" %% (argv[0], err))
+        sys.stderr.write("cannot start the engine %r: %s\n" % (argv[0], err))
         os._exit(127)
 signal.signal(signal.SIGTERM, stop)
 signal.signal(signal.SIGINT, stop)
@@ -88,7 +89,7 @@ if code < 0:
         signal.signal(-code, signal.SIG_DFL)
     os.kill(os.getpid(), -code)
 sys.exit(code)
-""" % {"argv": ARGV_ENV, "grace": GRACE_ENV, "parent": PARENT_ENV}
+"""
 
 
 def start_bound_process(
@@ -117,7 +118,7 @@ def start_bound_process(
     guard_env.update(
         {ARGV_ENV: json.dumps(list(argv)), GRACE_ENV: str(grace_s), PARENT_ENV: str(os.getpid())}
     )
-    return subprocess.Popen(  # noqa: S603 - argv list, no shell
+    return subprocess.Popen(
         [sys.executable, "-I", "-c", GUARD_SCRIPT],
         stdout=stdout,
         stderr=subprocess.STDOUT,
@@ -159,7 +160,5 @@ def reap(proc: subprocess.Popen[bytes], timeout: float) -> bool:
 
 def signal_group(pgid: int, sig: int) -> None:
     """Send ``sig`` to a process group; a group that is gone already is not an error."""
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass

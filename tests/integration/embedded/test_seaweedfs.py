@@ -156,7 +156,8 @@ def test_stop_leaves_no_process_and_no_listener(tmp_path):
     server = SeaweedFS(tmp_path / "short-lived").start()
     pid, endpoint = server.pid, server.endpoint_url
     server.stop()
-    assert pid is not None and _process_gone(pid)
+    assert pid is not None
+    assert _process_gone(pid)
     assert not _port_open(endpoint)
     assert server.pid is None
     server.stop()  # a second stop is a no-op

@@ -119,7 +119,7 @@ def test_each_kind_of_result_is_one_typed_pair():
 
 
 def test_a_line_of_no_known_kind_is_named():
-    with pytest.raises(ResultsCheckError, match="line 2 .*custom_id 'z'"):
+    with pytest.raises(ResultsCheckError, match=r"line 2 .*custom_id 'z'"):
         list(iter_answers([CHAT, ok("z", {"object": "something"})]))
 
 

@@ -66,11 +66,10 @@ def test_a_stopped_batch_writes_each_request_once_its_first_answer_or_batch_reas
     assert [json.loads(r)["custom_id"] for r in results.getvalue().splitlines()] == ["a"]
     failed = {json.loads(r)["custom_id"]: json.loads(r) for r in errors.getvalue().splitlines()}
     assert set(failed) == {"b", "c"}
-    assert failed["b"]["error"]["code"] == "invalid_request" and failed["b"]["response"]["status_code"] == 400
-    assert (
-        failed["c"] == json.loads(stopped_line("c", reason))
-        and failed["c"]["error"]["code"] == f"batch_{reason}"
-    )
+    assert failed["b"]["error"]["code"] == "invalid_request"
+    assert failed["b"]["response"]["status_code"] == 400
+    assert failed["c"] == json.loads(stopped_line("c", reason))
+    assert failed["c"]["error"]["code"] == f"batch_{reason}"
 
 
 def test_a_stopped_line_is_the_same_bytes_on_every_try():
@@ -80,7 +79,9 @@ def test_a_stopped_line_is_the_same_bytes_on_every_try():
 
 def test_an_http_failure_takes_openais_shape_body_error_and_null_error():
     line = json.loads(to_openai_line(refused("b", 400)))
-    assert line["id"] == "batch_req_b" and line["error"] is None and line["response"]["status_code"] == 400
+    assert line["id"] == "batch_req_b"
+    assert line["error"] is None
+    assert line["response"]["status_code"] == 400
     assert line["response"]["body"]["error"] == {
         "message": "b is too long",
         "type": "invalid_request_error",
@@ -102,7 +103,8 @@ def test_an_error_already_in_the_error_files_shape_keeps_its_code():
         }
     ).encode()
     body = json.loads(to_openai_line(raw))["response"]["body"]["error"]
-    assert body["code"] == "not_found" and body["message"] == "no route"
+    assert body["code"] == "not_found"
+    assert body["message"] == "no route"
 
 
 def test_a_failure_without_a_response_keeps_error_only():
@@ -115,17 +117,17 @@ def test_a_failure_without_a_response_keeps_error_only():
         }
     ).encode()
     line = json.loads(to_openai_line(crash))
-    assert line["response"] is None and line["error"] == {"code": "engine_crash", "message": "died twice"}
-    assert line["id"].startswith("batch_req_") and line["id"] == json.loads(to_openai_line(crash))["id"]
+    assert line["response"] is None
+    assert line["error"] == {"code": "engine_crash", "message": "died twice"}
+    assert line["id"].startswith("batch_req_")
+    assert line["id"] == json.loads(to_openai_line(crash))["id"]
 
 
 def test_a_completed_answer_keeps_its_body_and_gets_a_batch_req_id():
     line = json.loads(to_openai_line(ok("a")))
-    assert (
-        line["id"] == "batch_req_a"
-        and line["response"]["body"] == {"usage": {"total_tokens": 3}}
-        and line["error"] is None
-    )
+    assert line["id"] == "batch_req_a"
+    assert line["response"]["body"] == {"usage": {"total_tokens": 3}}
+    assert line["error"] is None
     assert to_openai_line(to_openai_line(ok("a"))) == to_openai_line(ok("a"))
 
 

@@ -56,4 +56,5 @@ def test_requests_and_tokens_land_on_the_name_vllm_reports():
 
 def test_a_response_without_model_counts_for_the_base_model():
     stats = count_per_model([result("a", None, 1, 1)], {"m": 1}, default_name="m")
-    assert stats["m"]["completed"] == 1 and stats["m"]["failed"] == 0
+    assert stats["m"]["completed"] == 1
+    assert stats["m"]["failed"] == 0

@@ -99,7 +99,8 @@ class _null:
 def test_seed_result_examples_parse(seed_dir, name):
     with open_lines(seed_dir / name) as lines:
         report = check_results(lines, None)
-    assert report.ok and report.request_counts == {"total": 2, "completed": 2, "failed": 0}
+    assert report.ok
+    assert report.request_counts == {"total": 2, "completed": 2, "failed": 0}
 
 
 def test_old_shape_usage_is_summed(seed_dir):
@@ -118,25 +119,29 @@ def test_current_shape_score_is_counted_per_endpoint(seed_dir):
 
 def test_complete_answers_are_ok():
     report = check([ok_result("a"), ok_result("b")], [request("a"), request("b")])
-    assert report.ok and report.request_counts == {"total": 2, "completed": 2, "failed": 0}
+    assert report.ok
+    assert report.request_counts == {"total": 2, "completed": 2, "failed": 0}
     assert report.usage == {"prompt_tokens": 6, "completion_tokens": 4, "total_tokens": 10}
 
 
 def test_missing_answer_is_named_with_input_line():
     report = check([ok_result("a")], [request("a"), request("b")])
-    assert not report.ok and report.missing_count == 1
+    assert not report.ok
+    assert report.missing_count == 1
     assert (report.missing[0].line, report.missing[0].custom_id) == (2, "b")
 
 
 def test_extra_answer_is_named_with_result_line():
     report = check([ok_result("a"), ok_result("zz")], [request("a")])
-    assert report.extra_count == 1 and (report.extra[0].line, report.extra[0].custom_id) == (2, "zz")
+    assert report.extra_count == 1
+    assert (report.extra[0].line, report.extra[0].custom_id) == (2, "zz")
 
 
 def test_repeated_answer_is_named_with_both_result_lines():
     report = check([ok_result("a"), ok_result("b"), ok_result("a")], [request("a"), request("b")])
     assert report.duplicate_count == 1
-    assert report.duplicates[0].line == 3 and "result line 1" in report.duplicates[0].message
+    assert report.duplicates[0].line == 3
+    assert "result line 1" in report.duplicates[0].message
 
 
 def test_with_duplicates_first_a_repeated_answer_keeps_the_first_in_both_files_and_is_not_a_mismatch():
@@ -150,7 +155,8 @@ def test_with_duplicates_first_a_repeated_answer_keeps_the_first_in_both_files_a
         errors_out=errors,
         duplicates="first",
     )
-    assert report.ok and report.dropped_duplicates == 2
+    assert report.ok
+    assert report.dropped_duplicates == 2
     assert report.request_counts == {"total": 3, "completed": 2, "failed": 1}
     assert report.prompt_tokens == 1 + 3  # the later answer of "a" is not counted
     assert successes.getvalue() == ok_result("a", prompt=1) + b"\n" + ok_result("c")
@@ -164,7 +170,8 @@ def test_with_duplicates_first_an_answer_to_a_custom_id_not_in_the_input_is_stil
         duplicates="first",
         results_out=io.BytesIO(),
     )
-    assert not report.ok and report.extra_count == 2
+    assert not report.ok
+    assert report.extra_count == 2
 
 
 def test_with_duplicates_first_a_missing_answer_is_still_a_mismatch():
@@ -174,7 +181,9 @@ def test_with_duplicates_first_a_missing_answer_is_still_a_mismatch():
         duplicates="first",
         results_out=io.BytesIO(),
     )
-    assert not report.ok and report.missing_count == 1 and report.dropped_duplicates == 1
+    assert not report.ok
+    assert report.missing_count == 1
+    assert report.dropped_duplicates == 1
 
 
 def test_failed_lines_are_counted_and_written_with_an_error_object():
@@ -190,12 +199,14 @@ def test_failed_lines_are_counted_and_written_with_an_error_object():
 
 def test_error_object_with_status_200_is_failed():
     report = check([failed_result("a", status=200, error={"message": "boom"})], None)
-    assert report.failed == 1 and report.sample_errors == ["a: boom"]
+    assert report.failed == 1
+    assert report.sample_errors == ["a: boom"]
 
 
 def test_engine_death_is_detected():
     report = check([failed_result(c, 500, ENGINE_DEAD) for c in "abc"], [request(c) for c in "abc"])
-    assert report.engine_failure and report.answers_ok
+    assert report.engine_failure
+    assert report.answers_ok
 
 
 def test_plain_server_errors_are_not_an_engine_failure():
@@ -215,22 +226,27 @@ def test_an_error_that_only_mentions_enginecore_is_not_an_engine_failure():
 def test_an_engine_death_after_some_answers_is_still_an_engine_failure():
     # vLLM 0.32 answers what it finished, then every other request with the engine-dead error.
     report = check([ok_result("a"), failed_result("b", 500, ENGINE_DEAD)], None)
-    assert report.engine_failure and report.engine_dead_lines == 1
+    assert report.engine_failure
+    assert report.engine_dead_lines == 1
 
 
 def test_stats_only_without_input():
     report = check([ok_result("a"), ok_result("a")], None)
-    assert report.ok and not report.input_checked and report.total == 2
+    assert report.ok
+    assert not report.input_checked
+    assert report.total == 2
 
 
 def test_unreadable_result_line_is_reported():
     report = check([ok_result("a"), b"{oops"], None)
-    assert not report.ok and report.unparseable[0].line == 2
+    assert not report.ok
+    assert report.unparseable[0].line == 2
 
 
 def test_blank_result_lines_are_skipped():
     report = check([ok_result("a"), b"", ok_result("b"), b""], [request("a"), request("b")])
-    assert report.ok and report.total == 2
+    assert report.ok
+    assert report.total == 2
 
 
 def test_raise_for_mismatch_lists_what_is_missing():
@@ -245,14 +261,16 @@ def test_raise_for_mismatch_passes_when_ok():
 
 def test_many_missing_are_counted_but_first_listed():
     report = check([], [request(str(i)) for i in range(120)])
-    assert report.missing_count == 120 and len(report.missing) == 50
+    assert report.missing_count == 120
+    assert len(report.missing) == 50
     assert [p.line for p in report.missing[:3]] == [1, 2, 3]
 
 
 def test_preflight_error_lines_read_as_failed_results():
     line = b'{"id":null,"custom_id":null,"response":{"status_code":400,"request_id":null,"body":null},"error":{"code":"invalid_request","message":"x","line":3}}'
     report = check([line], None)
-    assert report.failed == 1 and report.status_counts == {"400": 1}
+    assert report.failed == 1
+    assert report.status_counts == {"400": 1}
 
 
 def test_to_dict_matches_the_manifest_keys():
@@ -377,7 +395,8 @@ def test_input_lines_and_input_index_together_are_refused():
 @pytest.mark.parametrize("line", [request("a"), b'{"name": "x"}'], ids=["request_line", "other_object"])
 def test_a_line_without_response_or_error_is_not_a_result(line):
     report = check([ok_result("a"), line], None)
-    assert not report.ok and report.unparseable[0].line == 2
+    assert not report.ok
+    assert report.unparseable[0].line == 2
     assert "not a result line" in report.unparseable[0].message
 
 
@@ -396,9 +415,12 @@ def test_every_published_result_parses_with_the_openai_sdk_types(name, body_type
         len(results.getvalue().splitlines()),
         len(errors.getvalue().splitlines()),
     )
-    assert report.completed >= 2 and report.failed >= 1
+    assert report.completed >= 2
+    assert report.failed >= 1
     for raw in results.getvalue().splitlines():
         body_type.model_validate(json.loads(raw)["response"]["body"])
     for raw in errors.getvalue().splitlines():
         error = json.loads(raw)["error"]
-        assert isinstance(error["code"], str) and isinstance(error["message"], str) and error["line"] is None
+        assert isinstance(error["code"], str)
+        assert isinstance(error["message"], str)
+        assert error["line"] is None

@@ -71,15 +71,13 @@ def test_open_lines_reads_a_path(tmp_path):
 
 
 def test_open_lines_missing_file_raises_batch_error(tmp_path):
-    with pytest.raises(VLLMBatchError, match="cannot open"):
-        with open_lines(str(tmp_path / "nope.jsonl")):
-            pass
+    with pytest.raises(VLLMBatchError, match="cannot open"), open_lines(str(tmp_path / "nope.jsonl")):
+        pass
 
 
 def test_open_lines_refuses_s3_uri():
-    with pytest.raises(VLLMBatchError, match="S3Hook"):
-        with open_lines("s3://bucket/key.jsonl"):
-            pass
+    with pytest.raises(VLLMBatchError, match="S3Hook"), open_lines("s3://bucket/key.jsonl"):
+        pass
 
 
 @pytest.fixture
@@ -123,10 +121,13 @@ def test_open_lines_streams_an_http_url(http_server):
 
 
 def test_http_error_message_hides_the_signature(http_server):
-    with pytest.raises(VLLMBatchError) as excinfo:
-        with open_lines(f"{http_server}/missing.jsonl?X-Amz-Signature=secret"):
-            pass
-    assert "403" in str(excinfo.value) and "secret" not in str(excinfo.value)
+    with (
+        pytest.raises(VLLMBatchError) as excinfo,
+        open_lines(f"{http_server}/missing.jsonl?X-Amz-Signature=secret"),
+    ):
+        pass
+    assert "403" in str(excinfo.value)
+    assert "secret" not in str(excinfo.value)
 
 
 def test_credentials_in_an_http_url_are_sent_as_basic_authentication(http_server):
@@ -145,12 +146,14 @@ def test_credentials_in_an_http_url_are_sent_as_basic_authentication(http_server
     ],
 )
 def test_a_malformed_url_is_a_mistake_naming_input_uri_without_its_password(url):
-    with pytest.raises(
-        ConfigurationError,
-        match=r"^input_uri: https?://(files\.example/in\.jsonl|<a URL that cannot be parsed>) is not a URL that can be read",
-    ) as excinfo:
-        with open_lines(url):
-            pass
+    with (
+        pytest.raises(
+            ConfigurationError,
+            match=r"^input_uri: https?://(files\.example/in\.jsonl|<a URL that cannot be parsed>) is not a URL that can be read",
+        ) as excinfo,
+        open_lines(url),
+    ):
+        pass
     assert not excinfo.value.retryable
     assert "S3cretPw1" not in str(excinfo.value)
 
@@ -230,7 +233,8 @@ def test_bad_gzip_raises_an_error_naming_the_file(tmp_path, name, data, fragment
     path.write_bytes(data)
     with pytest.raises(PreflightError) as excinfo, open_lines(path) as lines:
         list(lines)
-    assert str(path) in str(excinfo.value) and fragment in str(excinfo.value)
+    assert str(path) in str(excinfo.value)
+    assert fragment in str(excinfo.value)
 
 
 def test_zstd_is_refused_with_what_to_do():
@@ -258,7 +262,8 @@ def test_is_compressed_reads_the_magic_bytes_of_a_path(tmp_path, data, expected)
 
 def test_is_compressed_rewinds_a_seekable_stream():
     stream = io.BytesIO(gzip.compress(JSONL))
-    assert is_compressed(stream) and stream.tell() == 0
+    assert is_compressed(stream)
+    assert stream.tell() == 0
 
 
 def test_is_compressed_asks_a_url_for_its_first_bytes(http_server):

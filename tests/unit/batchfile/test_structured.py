@@ -54,35 +54,41 @@ def cleaned(lines: list[bytes], **options) -> tuple[list[dict], object]:
 
 
 def test_the_schema_is_the_models_json_schema_named_after_it_and_strict():
-    assert FORMAT == {
+    assert {
         "type": "json_schema",
         "json_schema": {"name": "Review", "schema": Review.model_json_schema(), "strict": True},
-    }
+    } == FORMAT
 
 
 def test_chat_and_completions_lines_without_a_response_format_get_the_schema():
     out, report = cleaned([line("a"), line("b", "/v1/completions")])
-    assert report.ok and report.rewritten_lines == 2 and report.needs_rewrite
+    assert report.ok
+    assert report.rewritten_lines == 2
+    assert report.needs_rewrite
     assert [o["body"]["response_format"] for o in out] == [FORMAT, FORMAT]
 
 
 def test_a_line_with_its_own_response_format_keeps_it():
     own = {"type": "json_object"}
     out, report = cleaned([line("a", response_format=own), line("b")])
-    assert report.ok and report.rewritten_lines == 1
-    assert out[0]["body"]["response_format"] == own and out[1]["body"]["response_format"] == FORMAT
+    assert report.ok
+    assert report.rewritten_lines == 1
+    assert out[0]["body"]["response_format"] == own
+    assert out[1]["body"]["response_format"] == FORMAT
 
 
 def test_default_body_fields_and_the_schema_are_both_filled_in():
     out, _ = cleaned([line("a")], default_body={"max_completion_tokens": 16})
-    assert out[0]["body"]["max_completion_tokens"] == 16 and out[0]["body"]["response_format"] == FORMAT
+    assert out[0]["body"]["max_completion_tokens"] == 16
+    assert out[0]["body"]["response_format"] == FORMAT
 
 
 @pytest.mark.parametrize("mode", ["fail", "skip"])
 def test_an_embeddings_line_is_refused_naming_the_line_and_output_type(mode):
     _, report = cleaned([line("a"), line("e", "/v1/embeddings")], invalid_lines=mode)
     assert not report.runnable
-    assert report.problems[0].line == 2 and "output_type" in report.problems[0].message
+    assert report.problems[0].line == 2
+    assert "output_type" in report.problems[0].message
     with pytest.raises(PreflightError, match="output_type"):
         report.raise_for_problems()
 
@@ -90,7 +96,8 @@ def test_an_embeddings_line_is_refused_naming_the_line_and_output_type(mode):
 def test_without_output_type_lines_are_left_as_they_were():
     out = io.BytesIO()
     report = preflight([line("a")], PreflightOptions(supported_urls=URLS, model="m"), cleaned_out=out)
-    assert report.rewritten_lines == 0 and "response_format" not in json.loads(out.getvalue())["body"]
+    assert report.rewritten_lines == 0
+    assert "response_format" not in json.loads(out.getvalue())["body"]
 
 
 def test_output_type_with_a_response_format_in_default_body_is_refused():
@@ -159,18 +166,16 @@ def test_answers_that_fit_are_results_and_those_that_do_not_go_to_the_error_file
     ]
     report, ok, bad = checked(results)
     assert report.request_counts == {"total": 5, "completed": 2, "failed": 3}
-    assert report.invalid_output == 3 and report.ok
+    assert report.invalid_output == 3
+    assert report.ok
     assert [r["custom_id"] for r in ok] == ["good", "completion"]
     by_id = {e["custom_id"]: e for e in bad}
-    assert (
-        by_id["prose"]["error"]["code"] == "invalid_output" and by_id["prose"]["error"]["raw"] == "I liked it"
-    )
+    assert by_id["prose"]["error"]["code"] == "invalid_output"
+    assert by_id["prose"]["error"]["raw"] == "I liked it"
     assert "Invalid JSON" in by_id["prose"]["error"]["message"]
     assert by_id["mismatch"]["error"]["message"].startswith("does not fit Review: sentiment:")
-    assert (
-        by_id["mismatch"]["error"]["raw"] == '{"sentiment":"meh","stars":4}'
-        and by_id["mismatch"]["error"]["line"] == 3
-    )
+    assert by_id["mismatch"]["error"]["raw"] == '{"sentiment":"meh","stars":4}'
+    assert by_id["mismatch"]["error"]["line"] == 3
     assert by_id["mismatch"]["response"] == json.loads(results[2])["response"]  # the engine's response, kept
     assert by_id["empty"]["error"]["raw"] is None
     assert "invalid_output" in report.format()
@@ -183,27 +188,28 @@ def test_invalid_outputs_are_counted_apart_from_engine_errors_by_reason():
 
 
 def test_without_a_schema_no_answer_is_validated():
-    report, ok, bad = checked([answer("prose", "I liked it")], schema=None)
-    assert (
-        report.request_counts == {"total": 1, "completed": 1, "failed": 0}
-        and report.invalid_output == 0
-        and not bad
-    )
+    report, _ok, bad = checked([answer("prose", "I liked it")], schema=None)
+    assert report.request_counts == {"total": 1, "completed": 1, "failed": 0}
+    assert report.invalid_output == 0
+    assert not bad
 
 
 def test_a_long_validation_message_is_cut_but_the_raw_text_is_kept_whole():
     raw = "x" * 5000
     _, _, bad = checked([answer("long", raw)])
-    assert len(bad[0]["error"]["message"]) <= 300 and bad[0]["error"]["raw"] == raw
+    assert len(bad[0]["error"]["message"]) <= 300
+    assert bad[0]["error"]["raw"] == raw
 
 
 def test_read_answers_yields_model_instances(tmp_path):
     results = tmp_path / "results.jsonl"
     results.write_bytes(answer("a", GOOD) + b"\n" + answer("b", "prose") + b"\n")
     got = list(read_answers(str(results), output_type=Review))
-    assert got[0] == Parsed("a", Review(sentiment="positive", stars=4)) and isinstance(got[0].value, Review)
-    assert isinstance(got[1], Failed) and got[1].error.startswith("invalid_output: does not fit Review")
-    assert list(read_answers(str(results)))[0] == Text("a", GOOD)
+    assert got[0] == Parsed("a", Review(sentiment="positive", stars=4))
+    assert isinstance(got[0].value, Review)
+    assert isinstance(got[1], Failed)
+    assert got[1].error.startswith("invalid_output: does not fit Review")
+    assert next(iter(read_answers(str(results)))) == Text("a", GOOD)
 
 
 def test_read_answers_of_a_manifest_with_invalid_outputs_keeps_its_counts(tmp_path):
@@ -224,7 +230,8 @@ def test_read_answers_of_a_manifest_with_invalid_outputs_keeps_its_counts(tmp_pa
     }
     got = list(read_answers(manifest, output_type="tests.unit.batchfile.test_structured.Review"))
     assert got[0] == Parsed("a", Review(sentiment="positive", stars=4))
-    assert isinstance(got[1], Failed) and got[1].custom_id == "b"
+    assert isinstance(got[1], Failed)
+    assert got[1].custom_id == "b"
 
 
 class NotAModel:
@@ -266,7 +273,7 @@ def test_a_model_without_a_json_schema_is_a_configuration_error_naming_output_ty
     from pydantic import BaseModel as Base
 
     class Broken(Base):
-        when: "Undefined"  # noqa: F821 - a forward reference that never resolves
+        when: Undefined  # noqa: F821 - a forward reference that never resolves
 
     with pytest.raises(ConfigurationError, match="output_type Broken has no JSON schema"):
         resolve_output_type(Broken)
@@ -285,10 +292,8 @@ def test_an_answer_cut_off_at_the_token_limit_says_so_and_names_max_completion_t
     message = bad[0]["error"]["message"]
     assert message.startswith("does not fit Review:")
     assert 'cut off at the token limit (finish_reason "length", 16 tokens)' in message
-    assert (
-        "raise the request's max_completion_tokens (or max_tokens)" in message
-        and "disable_any_whitespace" not in message
-    )
+    assert "raise the request's max_completion_tokens (or max_tokens)" in message
+    assert "disable_any_whitespace" not in message
 
 
 def test_a_completion_cut_off_at_the_token_limit_names_max_tokens():
@@ -303,7 +308,8 @@ def test_an_answer_padded_with_whitespace_to_the_limit_names_the_xgrammar_flag_n
     assert (
         """--structured-outputs-config '{"backend": "xgrammar", "disable_any_whitespace": true}'""" in message
     )
-    assert "cut off at the token limit" in message and "raise the request's" not in message
+    assert "cut off at the token limit" in message
+    assert "raise the request's" not in message
 
 
 def test_an_answer_that_ended_by_itself_and_does_not_fit_gets_no_hint():

@@ -17,4 +17,5 @@ def test_the_batch_dag_parses_with_no_location_templated_from_the_conf():
     task = dag.get_task(TASK_ID)
     assert isinstance(task, OpenAIBatchOperator)
     assert task.input_uri == task.output_uri == task.failure_uri == UNBOUND
-    assert dag.schedule is None and dag.fileloc == str(DAG_FILE)
+    assert dag.schedule is None
+    assert dag.fileloc == str(DAG_FILE)

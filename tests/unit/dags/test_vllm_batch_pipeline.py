@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from datetime import datetime, timezone
-
-import pytest
+from typing import TYPE_CHECKING
 
 from tests.airflow_compat import DagBag
 from tests.conftest import REPO
+
+if TYPE_CHECKING:
+    import pytest
 
 DAG_FILE = REPO / "dags" / "vllm_batch_pipeline.py"
 
@@ -24,7 +26,8 @@ def parse(monkeypatch: pytest.MonkeyPatch, **env: str):
 
 def test_by_default_the_pipeline_has_no_start_date_and_no_catchup(monkeypatch):
     dag = parse(monkeypatch)
-    assert dag.start_date is None and dag.catchup is False
+    assert dag.start_date is None
+    assert dag.catchup is False
 
 
 def test_the_environment_gives_a_start_date_in_utc_and_turns_catchup_on(monkeypatch):

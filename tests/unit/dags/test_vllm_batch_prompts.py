@@ -15,5 +15,7 @@ def test_prompts_flow_from_a_task_through_the_operator_to_a_task():
     assert bag.import_errors == {}
     dag = bag.dags["vllm_batch_prompts"]
     classify = dag.get_task("classify")
-    assert isinstance(classify.requests, XComArg) and classify.input_uri is None
-    assert classify.upstream_task_ids == {"prompts"} and classify.downstream_task_ids == {"use_answers"}
+    assert isinstance(classify.requests, XComArg)
+    assert classify.input_uri is None
+    assert classify.upstream_task_ids == {"prompts"}
+    assert classify.downstream_task_ids == {"use_answers"}

@@ -16,15 +16,15 @@ import pytest
 # The cncf-kubernetes extra (not on the floor, where the example defines no DAG without it).
 pytest.importorskip("airflow.providers.cncf.kubernetes")
 
-from airflow.providers.cncf.kubernetes import kubernetes_executor_templates  # noqa: E402
-from airflow.providers.cncf.kubernetes.kubernetes_helper_functions import (  # noqa: E402
+from airflow.providers.cncf.kubernetes import kubernetes_executor_templates
+from airflow.providers.cncf.kubernetes.kubernetes_helper_functions import (
     create_unique_id,
 )
-from airflow.providers.cncf.kubernetes.pod_generator import PodGenerator  # noqa: E402
-from kubernetes.client import ApiClient  # noqa: E402
+from airflow.providers.cncf.kubernetes.pod_generator import PodGenerator
+from kubernetes.client import ApiClient
 
-from tests.airflow_compat import DagBag, DagSerialization  # noqa: E402
-from tests.conftest import REPO  # noqa: E402
+from tests.airflow_compat import DagBag, DagSerialization
+from tests.conftest import REPO
 
 DAG_FILE = REPO / "dags" / "vllm_batch_sharded_k8s.py"
 IMAGE = "registry.example.com/ml/airflow-vllm-batch-gpu:1.2.3"
@@ -125,7 +125,8 @@ def test_the_engine_runs_tensor_parallel_over_the_pods_gpus(dag):
     # The serialized DAG keeps the options as their repr (the worker parses the DAG file for the object itself).
     engine = str(task.partial_kwargs["engine"])
     assert engine.startswith("VLLMRunner(")
-    assert "'--tensor-parallel-size', '2'" in engine and "gpus=2" in engine
+    assert "'--tensor-parallel-size', '2'" in engine
+    assert "gpus=2" in engine
 
 
 def test_the_other_tasks_run_in_the_template_pod_without_a_gpu(dag):

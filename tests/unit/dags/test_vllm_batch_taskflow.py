@@ -15,6 +15,9 @@ def test_the_decorated_task_takes_the_upstream_list_and_hands_its_manifest_downs
     assert bag.import_errors == {}
     dag = bag.dags["vllm_batch_taskflow"]
     classify = dag.get_task("classify")
-    assert isinstance(classify, _VLLMBatchDecoratedOperator) and classify.input_uri is None
-    assert classify.upstream_task_ids == {"reviews"} and classify.downstream_task_ids == {"use_answers"}
-    assert classify.output_uri.endswith("/answers.jsonl") and classify.model == "{{ params.model }}"
+    assert isinstance(classify, _VLLMBatchDecoratedOperator)
+    assert classify.input_uri is None
+    assert classify.upstream_task_ids == {"reviews"}
+    assert classify.downstream_task_ids == {"use_answers"}
+    assert classify.output_uri.endswith("/answers.jsonl")
+    assert classify.model == "{{ params.model }}"

@@ -68,7 +68,8 @@ def test_the_functions_return_value_is_run_as_the_requests_and_the_task_returns_
     manifest = _run(task)
     assert manifest["request_counts"] == {"total": 2, "completed": 2, "failed": 0}
     lines = _written_requests(batch)
-    assert manifest["input_uri"].endswith(".jsonl") and "/out/results.requests/" in manifest["input_uri"]
+    assert manifest["input_uri"].endswith(".jsonl")
+    assert "/out/results.requests/" in manifest["input_uri"]
     assert [
         (x["custom_id"], x["body"]["messages"][1]["content"], x["body"]["max_completion_tokens"])
         for x in lines
@@ -111,7 +112,8 @@ def test_a_function_that_returns_no_list_fails_without_retry_naming_it_and_start
         AirflowFailException, match=r"@task.vllm_batch function 'prompts' must return the requests: a list"
     ):
         _run(_decorated(batch, prompts))
-    assert batch.engine_runs == 0 and batch.keys("out/") == []
+    assert batch.engine_runs == 0
+    assert batch.keys("out/") == []
 
 
 def test_an_empty_list_fails_without_retry_naming_the_function(batch):
@@ -142,4 +144,5 @@ def test_a_retry_calls_the_function_again_and_the_same_requests_resume_the_same_
     # Each try is a new operator object (a new task process), as in Airflow.
     first = _decorated(batch, lambda: ["a", "b"]).execute({"ti": FakeTI(), "outlet_events": {}})
     again = _decorated(batch, lambda: ["a", "b"]).execute({"ti": FakeTI(try_number=2), "outlet_events": {}})
-    assert again["fingerprint"] == first["fingerprint"] and batch.engine_runs == 1
+    assert again["fingerprint"] == first["fingerprint"]
+    assert batch.engine_runs == 1

@@ -55,13 +55,15 @@ def test_vllm_0_32s_engine_dead_lines_are_not_answers_and_the_others_are_kept_by
         [answer("a"), failed("b", "bad request"), failed("c", ENGINE_DEAD_MESSAGE)], out, died=False
     )
     assert out.getvalue() == answer("a") + b"\n" + failed("b", "bad request") + b"\n"
-    assert split.dead_lines == 1 and len(split.answered) == 2
+    assert split.dead_lines == 1
+    assert len(split.answered) == 2
 
 
 def test_a_line_cut_by_vllm_0_33s_death_ends_its_output():
     out = io.BytesIO()
     split = split_output([answer("a"), answer("b")[:20], answer("c")], out, died=True)
-    assert out.getvalue() == answer("a") + b"\n" and split.cut == 2
+    assert out.getvalue() == answer("a") + b"\n"
+    assert split.cut == 2
 
 
 def test_vllm_0_33s_client_message_counts_as_the_dead_engines_only_in_a_run_that_died():
@@ -95,8 +97,6 @@ def test_unanswered_keeps_the_input_order_and_skips_what_any_index_answers():
 
 def test_a_crash_line_is_a_failed_answer_with_code_engine_crash():
     line = json.loads(crash_line("r5", 2))
-    assert (
-        line["custom_id"] == "r5"
-        and line["error"]["code"] == ENGINE_CRASH
-        and line["response"]["status_code"] == 500
-    )
+    assert line["custom_id"] == "r5"
+    assert line["error"]["code"] == ENGINE_CRASH
+    assert line["response"]["status_code"] == 500

@@ -77,7 +77,8 @@ def test_offline_defaults_are_vllms_llm_class_row_for_the_gpu(monkeypatch, name,
 def test_neither_size_set_adds_both_offline_defaults():
     sizes = scheduler_sizes(["--enforce-eager"], H100, model_kind="generate")
     assert sizes.flags == ["--max-num-seqs", "1024", "--max-num-batched-tokens", "16384"]
-    assert "NVIDIA H100" in sizes.note and "override" in sizes.note
+    assert "NVIDIA H100" in sizes.note
+    assert "override" in sizes.note
 
 
 @pytest.mark.parametrize(
@@ -100,7 +101,8 @@ def test_users_max_num_batched_tokens_is_kept_and_caps_the_added_sequences():
 
 def test_both_sizes_set_adds_nothing_and_needs_no_defaults():
     sizes = scheduler_sizes(["--max-num-seqs", "8", "--max-num-batched-tokens", "64"], None, model_kind=None)
-    assert sizes.flags == [] and (sizes.max_num_seqs, sizes.max_num_batched_tokens) == (8, 64)
+    assert sizes.flags == []
+    assert (sizes.max_num_seqs, sizes.max_num_batched_tokens) == (8, 64)
 
 
 def test_unreadable_defaults_add_nothing():
@@ -179,7 +181,8 @@ def test_started_server_of_unknown_size_gets_the_streams_default():
 )
 def test_connection_in_flight(user, extra, expected, reason):
     chosen, why = connection_in_flight(user, extra)
-    assert chosen == expected and reason in why
+    assert chosen == expected
+    assert reason in why
 
 
 # -- the engines: the sizes their launcher chooses in the engine's own process ---------
@@ -279,7 +282,8 @@ def test_engine_launcher_checks_the_arguments_with_its_own_entrypoints_parser_as
     assert launch["entrypoint"] == entrypoint
     prefix = ["-i", "input.jsonl", "-o", os.devnull] if entrypoint == "run_batch" else []
     assert launch["check"] == [*prefix, "--model", "m", "--enforce-eager"]
-    assert launch["sizing"]["world_size"] == 1 and not launch["sizing"]["max_num_seqs_set"]
+    assert launch["sizing"]["world_size"] == 1
+    assert not launch["sizing"]["max_num_seqs_set"]
 
 
 def test_the_task_imports_no_vllm_and_starts_no_process_before_the_engine(monkeypatch, tmp_path):

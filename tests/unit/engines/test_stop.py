@@ -22,21 +22,24 @@ def test_the_stop_condition_is_polled_at_most_every_interval_and_a_stop_sticks()
         return answer[0]
 
     poll = StopPoll(stop, every_s=5, clock=lambda: clock[0])
-    assert poll() is None and poll() is None and calls == [0.0]
+    assert poll() is None
+    assert poll() is None
+    assert calls == [0.0]
     clock[0] = 5.0
     answer[0] = "cancelled"
     assert poll() == "cancelled"
     answer[0] = None
     clock[0] = 20.0
-    assert poll() == "cancelled" and calls == [0.0, 5.0]
+    assert poll() == "cancelled"
+    assert calls == [0.0, 5.0]
 
 
 def test_a_stopped_feed_sends_nothing_more():
     seen = []
     poll = StopPoll(lambda: "expired" if len(seen) >= 2 else None, every_s=0)
-    for line in poll.lines(iter(range(10))):
-        seen.append(line)
-    assert seen == [0, 1] and poll.reason == "expired"
+    seen.extend(poll.lines(iter(range(10))))
+    assert seen == [0, 1]
+    assert poll.reason == "expired"
 
 
 def test_no_stop_condition_never_stops():
@@ -60,7 +63,8 @@ def job(**kwargs) -> EngineJob:
 def test_a_job_raises_batch_stopped_with_the_reason():
     with pytest.raises(BatchStopped) as stopped:
         job(stop=lambda: "cancelled").raise_if_stopped()
-    assert stopped.value.reason == "cancelled" and not stopped.value.retryable
+    assert stopped.value.reason == "cancelled"
+    assert not stopped.value.retryable
     job().raise_if_stopped()
 
 

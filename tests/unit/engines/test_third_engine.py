@@ -37,8 +37,10 @@ def test_a_third_engine_runs_a_batch_through_the_run_layer_with_its_connection_a
     }
     assert answers["r3"]["response"]["body"]["choices"][0]["message"]["content"] == "echo: hi 3!"
     # Its own identity, its own pricing basis (a shared server's hours, at its own price).
-    assert manifest["identity"]["engine"] == "echo-gateway" and manifest["identity"]["suffix"] == "!"
-    assert manifest["cost"]["device"] == "vllm_connection" and manifest["cost"]["gpu_hour_cost"] == 3.6
+    assert manifest["identity"]["engine"] == "echo-gateway"
+    assert manifest["identity"]["suffix"] == "!"
+    assert manifest["cost"]["device"] == "vllm_connection"
+    assert manifest["cost"]["gpu_hour_cost"] == 3.6
     # The run layer's resume holds for it too: the same run again does not call the engine.
     assert (
         batch.run(

@@ -36,7 +36,7 @@ MODEL = "/models/tiny-llama-chat"
 class _Models(http.server.BaseHTTPRequestHandler):
     """``/health`` for anyone, ``/v1/models`` only with the key."""
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+    def do_GET(self) -> None:
         if self.path == "/health":
             return self._send(200, b"")
         if self.headers.get("Authorization") != f"Bearer {KEY}":
@@ -101,7 +101,8 @@ def test_the_form_hides_login_and_calls_the_password_api_key():
     behaviour = VLLMServerHook.get_ui_field_behaviour()
     assert "login" in behaviour["hidden_fields"]
     assert behaviour["relabeling"]["password"] == "API Key"
-    assert VLLMServerHook.conn_type == "vllm" and VLLMServerHook.default_conn_name == "vllm_default"
+    assert VLLMServerHook.conn_type == "vllm"
+    assert VLLMServerHook.default_conn_name == "vllm_default"
 
 
 def test_served_models_lists_the_model_ids(models_server):
@@ -128,7 +129,7 @@ def test_a_wrong_api_key_is_a_clear_error_that_does_not_show_it(models_server):
 def test_an_unreachable_server_is_unhealthy_and_unavailable():
     hook = VLLMServerHook(base_url="http://127.0.0.1:9")
     assert hook.health() is False
-    with pytest.raises(ServerUnavailableError, match="127.0.0.1:9"):
+    with pytest.raises(ServerUnavailableError, match=r"127.0.0.1:9"):
         hook.served_models()
 
 
@@ -196,7 +197,8 @@ def _alive(pid: int) -> bool:
 
 def test_a_started_server_is_ready_logged_redacted_and_stopped_with_its_group(fake_server, capsys):
     with VLLMServerProcess("m", server_command=fake_server) as server:
-        assert server.hook.health() and server.time_to_ready_s is not None
+        assert server.hook.health()
+        assert server.time_to_ready_s is not None
         assert server.hook.base_url.startswith("http://127.0.0.1:")
         key = server.hook.api_key
         deadline = time.monotonic() + 5
@@ -204,11 +206,14 @@ def test_a_started_server_is_ready_logged_redacted_and_stopped_with_its_group(fa
             time.sleep(0.05)  # the log pump may lag behind readiness
         engine_pid = int(next(line for line in server.tail if line.isdigit()))
         guard_pid = server.process.pid
-    assert not _alive(engine_pid) and not _alive(guard_pid)
+    assert not _alive(engine_pid)
+    assert not _alive(guard_pid)
     log = capsys.readouterr().out  # Airflow's structlog writes the task log here in tests
-    assert "X-Amz-Signature=secret123" not in log and "?<redacted>" in log
+    assert "X-Amz-Signature=secret123" not in log
+    assert "?<redacted>" in log
     assert log.index("::group::vLLM server start-up") < log.index("?<redacted>") < log.index("::endgroup::")
-    assert key not in log and "key is ***" in log
+    assert key not in log
+    assert "key is ***" in log
 
 
 def test_the_api_key_is_not_on_the_command_line(fake_server):

@@ -47,18 +47,18 @@ def test_an_upload_over_the_size_limit_is_refused_with_413_and_nothing_kept(s3):
         "/files", data={"purpose": "batch"}, files={"file": ("a.jsonl", b"{}\n" * 50)}
     )
     assert answer.status_code == 413
-    assert (
-        "openai_max_file_bytes" in answer.json()["error"]["message"]
-        and answer.json()["error"]["param"] == "file"
-    )
-    assert s3.objects == {} and s3.put is None
+    assert "openai_max_file_bytes" in answer.json()["error"]["message"]
+    assert answer.json()["error"]["param"] == "file"
+    assert s3.objects == {}
+    assert s3.put is None
 
 
 def test_an_upload_for_another_purpose_is_refused(s3):
     answer = TestClient(app_module.app).post(
         "/files", data={"purpose": "fine-tune"}, files={"file": ("a.jsonl", b"{}\n")}
     )
-    assert answer.status_code == 400 and "purpose='batch'" in answer.json()["error"]["message"]
+    assert answer.status_code == 400
+    assert "purpose='batch'" in answer.json()["error"]["message"]
     assert s3.objects == {}
 
 
@@ -68,7 +68,8 @@ def test_an_upload_is_kept_under_the_users_key_with_its_record(s3):
     )
     assert answer.status_code == 200, answer.text
     file_id = answer.json()["id"]
-    assert answer.json()["bytes"] == 6 and answer.json()["filename"] == "a.jsonl"
+    assert answer.json()["bytes"] == 6
+    assert answer.json()["filename"] == "a.jsonl"
     keys = sorted(s3.objects)
     assert [k.rsplit("/", 1)[-1] for k in keys] == [f"{file_id}.json", f"{file_id}.jsonl"]
     assert all(k.startswith("p/files/") for k in keys)
@@ -76,7 +77,8 @@ def test_an_upload_is_kept_under_the_users_key_with_its_record(s3):
 
 def test_without_a_token_the_app_answers_401_in_openais_shape():
     answer = TestClient(app_module.app).get("/batches")
-    assert answer.status_code == 401 and answer.json()["error"]["type"] == "authentication_error"
+    assert answer.status_code == 401
+    assert answer.json()["error"]["type"] == "authentication_error"
 
 
 def test_live_counts_that_cannot_be_read_leave_the_status_call_answering():

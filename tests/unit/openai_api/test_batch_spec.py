@@ -49,7 +49,7 @@ def test_a_signed_spec_verifies_for_its_own_run_and_says_when_it_expires():
 
 
 @pytest.mark.parametrize(
-    "field, value",
+    ("field", "value"),
     [
         ("owner", "bob"),
         ("input_file_id", "file-9999999999"),
@@ -68,7 +68,7 @@ def test_an_edited_field_fails_the_signature(field, value):
 
 
 @pytest.mark.parametrize(
-    "conf, why",
+    ("conf", "why"),
     [
         (None, "no conf from the OpenAI API"),
         (
@@ -136,7 +136,7 @@ def test_the_batch_task_binds_a_signed_batch_to_its_derived_locations(operator):
 
 
 @pytest.mark.parametrize(
-    "conf, run_id",
+    ("conf", "run_id"),
     [
         # A hand-triggered run naming another user's files as its own (issue 33, item 2).
         (
@@ -160,7 +160,8 @@ def test_the_batch_task_binds_a_signed_batch_to_its_derived_locations(operator):
 def test_a_hand_made_or_edited_run_fails_before_any_read_or_write_without_retry(operator, conf, run_id):
     with pytest.raises(AirflowFailException, match="nothing was read or written"):
         operator.execute(run(conf, run_id))
-    assert operator.batch is None and operator.output_uri == operator.failure_uri == UNBOUND
+    assert operator.batch is None
+    assert operator.output_uri == operator.failure_uri == UNBOUND
 
 
 def test_a_batch_task_other_than_its_route_refuses_it(operator):

@@ -132,17 +132,17 @@ def api_batch(s3, bucket, tmp_path, monkeypatch):
 
 def test_refused_requests_complete_the_batch_with_both_files_in_openais_shape(api_batch):
     manifest = api_batch.run(statuses={"b": 400, "d": 400})
-    assert (
-        manifest["request_counts"] == {"total": 4, "completed": 2, "failed": 2} and "status" not in manifest
-    )
+    assert manifest["request_counts"] == {"total": 4, "completed": 2, "failed": 2}
+    assert "status" not in manifest
     results = api_batch.lines(api_batch.out_key)
-    assert sorted(r["custom_id"] for r in results) == ["a", "c"] and all(
-        r["id"].startswith("batch_req_") for r in results
-    )
+    assert sorted(r["custom_id"] for r in results) == ["a", "c"]
+    assert all(r["id"].startswith("batch_req_") for r in results)
     errors = api_batch.lines(api_batch.err_key)
     assert sorted(e["custom_id"] for e in errors) == ["b", "d"]
     for e in errors:
-        assert e["error"] is None and e["response"]["status_code"] == 400 and e["id"].startswith("batch_req_")
+        assert e["error"] is None
+        assert e["response"]["status_code"] == 400
+        assert e["id"].startswith("batch_req_")
         assert set(e["response"]["body"]["error"]) == {"message", "type", "param", "code"}
         assert e["response"]["body"]["error"]["message"] == f"{e['custom_id']} refused (400)"
     assert f"batches/{BATCH}.failure.json" not in api_batch.keys()
@@ -168,12 +168,16 @@ def test_a_cancel_mid_run_publishes_the_finished_answers_and_the_rest_as_batch_c
     assert manifest["request_counts"] == {"total": 4, "completed": 1, "failed": 3}
     assert [r["custom_id"] for r in api_batch.lines(api_batch.out_key)] == ["a"]
     errors = {e["custom_id"]: e for e in api_batch.lines(api_batch.err_key)}
-    assert errors["b"]["response"]["status_code"] == 400 and errors["b"]["error"] is None
+    assert errors["b"]["response"]["status_code"] == 400
+    assert errors["b"]["error"] is None
     assert {c: errors[c]["error"]["code"] for c in "cd"} == {"c": "batch_cancelled", "d": "batch_cancelled"}
-    assert errors["c"]["response"] is None and errors["c"]["id"].startswith("batch_req_")
+    assert errors["c"]["response"] is None
+    assert errors["c"]["id"].startswith("batch_req_")
     # Published as any output: the manifest names the files' ETags; no staging, no lease left.
     stored = Manifest.from_json(api_batch.get(api_batch.manifest_key))
-    assert stored.status == "cancelled" and stored.output_etag and stored.error_etag
+    assert stored.status == "cancelled"
+    assert stored.output_etag
+    assert stored.error_etag
     assert not [k for k in api_batch.keys() if ".staging/" in k or k.endswith(".lease.json")]
 
 
@@ -182,7 +186,8 @@ def test_a_batch_cancelled_before_its_task_runs_publishes_every_request_as_batch
 ):
     api_batch.cancel()
     manifest = api_batch.run()
-    assert manifest["status"] == "cancelled" and manifest["request_counts"] == {
+    assert manifest["status"] == "cancelled"
+    assert manifest["request_counts"] == {
         "total": 4,
         "completed": 0,
         "failed": 4,
@@ -202,7 +207,8 @@ def test_a_cancelled_batch_keeps_the_answers_an_earlier_try_checkpointed(api_bat
     monkeypatch.setattr(step_engine, "AFTER_ANSWER", None)
     api_batch.cancel()
     manifest = api_batch.run(try_number=2, retries=1)
-    assert manifest["status"] == "cancelled" and manifest["request_counts"] == {
+    assert manifest["status"] == "cancelled"
+    assert manifest["request_counts"] == {
         "total": 4,
         "completed": 3,
         "failed": 1,
@@ -214,7 +220,8 @@ def test_a_retry_of_a_cancelled_batch_returns_its_manifest_and_runs_nothing(api_
     monkeypatch.setattr(step_engine, "AFTER_ANSWER", lambda done: api_batch.cancel() if done == 1 else None)
     first = api_batch.run()
     step_engine.PRODUCED.clear()
-    assert api_batch.run(try_number=2) == first and step_engine.PRODUCED == []
+    assert api_batch.run(try_number=2) == first
+    assert step_engine.PRODUCED == []
 
 
 def test_the_deadline_counts_from_created_at_and_expires_the_run_mid_way(api_batch, monkeypatch):
@@ -226,7 +233,8 @@ def test_the_deadline_counts_from_created_at_and_expires_the_run_mid_way(api_bat
         step_engine, "AFTER_ANSWER", lambda done: clock.__setitem__(0, clock[0] + 3600) if done == 2 else None
     )
     manifest = api_batch.run()
-    assert manifest["status"] == "expired" and manifest["request_counts"] == {
+    assert manifest["status"] == "expired"
+    assert manifest["request_counts"] == {
         "total": 4,
         "completed": 2,
         "failed": 2,
@@ -240,11 +248,9 @@ def test_the_deadline_counts_from_created_at_and_expires_the_run_mid_way(api_bat
 def test_a_batch_whose_window_passed_before_its_task_ran_expires_without_an_engine(api_batch):
     api_batch.created_at = int(time.time()) - 25 * 3600
     manifest = api_batch.run()
-    assert (
-        manifest["status"] == "expired"
-        and manifest["request_counts"]["failed"] == 4
-        and step_engine.PRODUCED == []
-    )
+    assert manifest["status"] == "expired"
+    assert manifest["request_counts"]["failed"] == 4
+    assert step_engine.PRODUCED == []
 
 
 def test_an_engine_that_cannot_start_fails_the_batch_with_its_root_cause_in_the_batchs_words(
@@ -261,9 +267,8 @@ def test_an_engine_that_cannot_start_fails_the_batch_with_its_root_cause_in_the_
         api_batch.run()
     record = json.loads(api_batch.get(f"batches/{BATCH}.failure.json"))
     (error,) = record["errors"]
-    assert error["code"] == "engine_error" and error["message"].endswith(
-        "Cause: ValueError: max_model_len 99999 exceeds the model's 2048"
-    )
+    assert error["code"] == "engine_error"
+    assert error["message"].endswith("Cause: ValueError: max_model_len 99999 exceeds the model's 2048")
 
 
 def test_a_try_that_airflow_retries_leaves_no_failure_record(api_batch, monkeypatch):
@@ -279,9 +284,10 @@ def test_a_try_that_airflow_retries_leaves_no_failure_record(api_batch, monkeypa
 
 def test_a_batch_whose_every_request_got_404_fails_saying_the_model_does_not_serve_the_endpoint(api_batch):
     with pytest.raises(AirflowFailException, match="does not serve /v1/chat/completions"):
-        api_batch.run(statuses={c: 404 for c in "abcd"})
+        api_batch.run(statuses=dict.fromkeys("abcd", 404))
     (error,) = json.loads(api_batch.get(f"batches/{BATCH}.failure.json"))["errors"]
-    assert error["code"] == "endpoint_not_served" and "a refused (404)" in error["message"]
+    assert error["code"] == "endpoint_not_served"
+    assert "a refused (404)" in error["message"]
     assert "max_failed_ratio" not in error["message"]
 
 
@@ -294,7 +300,9 @@ def test_a_batch_whose_every_request_got_404_fails_saying_the_model_does_not_ser
 )
 def test_errors_data_names_no_storage_location_and_no_airflow_internals(message):
     said = public_message(message)
-    assert "s3://" not in said and "XCom" not in said and said
+    assert "s3://" not in said
+    assert "XCom" not in said
+    assert said
 
 
 def test_a_preflight_failure_is_told_line_by_line():
@@ -303,8 +311,6 @@ def test_a_preflight_failure_is_told_line_by_line():
     problem = SimpleNamespace(line=3, message="body.model is 'x', not s3://b/k", custom_id="c")
     err = PreflightError("bad", SimpleNamespace(problems=[problem], file_problems=[]))
     record = failure_record(err)
-    assert (
-        record["stage"] == "preflight"
-        and record["errors"][0]["line"] == 3
-        and "s3://" not in record["errors"][0]["message"]
-    )
+    assert record["stage"] == "preflight"
+    assert record["errors"][0]["line"] == 3
+    assert "s3://" not in record["errors"][0]["message"]

@@ -94,7 +94,8 @@ def test_cancelling_a_running_batch_asks_its_run_to_stop_and_marks_nothing_faile
     )
     api.state.tis = [ti("running")]
     answer = api.http.post(f"/batches/{BATCH}/cancel")
-    assert answer.status_code == 200 and answer.json()["status"] == "cancelling"
+    assert answer.status_code == 200
+    assert answer.json()["status"] == "cancelling"
     assert api.store.get_json(api.store.cancel_key(BATCH))["by"] == "alice"
     # Asked again while it stops: the same batch, still cancelling.
     assert api.http.post(f"/batches/{BATCH}/cancel").json()["status"] == "cancelling"
@@ -105,16 +106,16 @@ def test_cancelling_an_ended_batch_is_409(api, status):
     publish(api, status)
     api.state.run.state = "success"
     answer = api.http.post(f"/batches/{BATCH}/cancel")
-    assert answer.status_code == 409 and answer.json()["error"]["message"].startswith(
-        "Cannot cancel a batch with status"
-    )
+    assert answer.status_code == 409
+    assert answer.json()["error"]["message"].startswith("Cannot cancel a batch with status")
 
 
 def test_a_cancelled_batch_reports_its_published_counts_and_files(api):
     api.store.put_json(api.store.cancel_key(BATCH), {"cancelling_at": 1_800_000_100})
     publish(api, "cancelled")
     batch = api.http.get(f"/batches/{BATCH}").json()
-    assert batch["status"] == "cancelled" and batch["request_counts"] == {
+    assert batch["status"] == "cancelled"
+    assert batch["request_counts"] == {
         "total": 2,
         "completed": 1,
         "failed": 1,
@@ -137,8 +138,6 @@ def test_live_counts_come_from_the_progress_record(api):
     api.state.tis[0].start_date = __import__("datetime").datetime(2027, 1, 1)
     api.store.put_json(api.store.progress_key(BATCH), {"completed": 5, "failed": 1})
     batch = api.http.get(f"/batches/{BATCH}").json()
-    assert (
-        batch["status"] == "in_progress"
-        and batch["request_counts"]["completed"] == 5
-        and batch["request_counts"]["failed"] == 1
-    )
+    assert batch["status"] == "in_progress"
+    assert batch["request_counts"]["completed"] == 5
+    assert batch["request_counts"]["failed"] == 1

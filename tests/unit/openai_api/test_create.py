@@ -57,14 +57,16 @@ def test_a_batch_runs_its_own_copy_of_the_input_whatever_happens_to_the_file_aft
     batch_id, conf = triggered[0]
     spec = BatchSpec.verified(conf, batch_id, KEY)
     pinned = store.client.get_object(Bucket=store.bucket, Key=store.batch_input_key(batch_id))
-    assert pinned["Body"].read() == LINES and pinned["ETag"].strip('"') == spec.input_version
+    assert pinned["Body"].read() == LINES
+    assert pinned["ETag"].strip('"') == spec.input_version
     # Replaced, then deleted: the batch's copy, and so its run, is as it was at create.
     store.client.put_object(
         Bucket=store.bucket, Key=store.content_key(owner_key("alice"), file_id), Body=b"replaced\n"
     )
     assert client.delete(f"/files/{file_id}").status_code == 200
     kept = store.client.get_object(Bucket=store.bucket, Key=store.batch_input_key(batch_id))
-    assert kept["Body"].read() == LINES and kept["ETag"].strip('"') == spec.input_version
+    assert kept["Body"].read() == LINES
+    assert kept["ETag"].strip('"') == spec.input_version
     assert spec.locations(f"s3://{store.bucket}/p/").input_uri == store.uri(store.batch_input_key(batch_id))
     assert batch["input_file_id"] == file_id
 
@@ -73,8 +75,10 @@ def test_a_batch_runs_conf_holds_the_signed_spec_and_no_location_or_metadata(api
     client, store, triggered = api
     batch = _create(client, _upload(client), metadata={"team": "search", "secret-project": "x"})
     batch_id, conf = triggered[0]
-    assert not [k for k in conf if k.endswith("_uri")] and "metadata" not in conf
-    assert "s3://" not in json.dumps(conf) and "search" not in json.dumps(conf)
+    assert not [k for k in conf if k.endswith("_uri")]
+    assert "metadata" not in conf
+    assert "s3://" not in json.dumps(conf)
+    assert "search" not in json.dumps(conf)
     assert BatchSpec.verified(conf, batch_id, KEY).owner == "alice"
     assert batch["metadata"] == {"team": "search", "secret-project": "x"}
     assert store.get_json(store.batch_record_key(batch_id)) == {
@@ -90,7 +94,8 @@ def test_without_a_signing_key_no_batch_is_created(api, monkeypatch):
         "/batches",
         json={"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"},
     )
-    assert answer.status_code == 503 and "openai_signing_key" in answer.json()["error"]["message"]
+    assert answer.status_code == 503
+    assert "openai_signing_key" in answer.json()["error"]["message"]
     assert triggered == []
 
 

@@ -49,11 +49,10 @@ def test_a_token_that_does_not_authenticate_is_a_401_authentication_error(status
         answer = TestClient(app_module.app).get("/batches")
     finally:
         app_module.app.dependency_overrides.clear()
-    assert answer.status_code == 401 and answer.json()["error"]["type"] == "authentication_error"
-    assert (
-        "POST /auth/token" in answer.json()["error"]["message"]
-        and answer.headers["www-authenticate"] == "Bearer"
-    )
+    assert answer.status_code == 401
+    assert answer.json()["error"]["type"] == "authentication_error"
+    assert "POST /auth/token" in answer.json()["error"]["message"]
+    assert answer.headers["www-authenticate"] == "Bearer"
 
 
 def test_a_permission_refused_by_the_auth_manager_stays_403(client, monkeypatch):
@@ -67,7 +66,8 @@ def test_a_permission_refused_by_the_auth_manager_stays_403(client, monkeypatch)
             "completion_window": "24h",
         },
     )
-    assert answer.status_code == 403 and answer.json()["error"]["type"] == "invalid_request_error"
+    assert answer.status_code == 403
+    assert answer.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_every_answer_has_its_own_request_id_errors_and_failures_too(client, monkeypatch):
@@ -78,12 +78,14 @@ def test_every_answer_has_its_own_request_id_errors_and_failures_too(client, mon
     failed = http.get("/files")
     ids = [a.headers.get("x-request-id") for a in (ok, refused, failed)]
     assert (ok.status_code, refused.status_code, failed.status_code) == (200, 400, 500)
-    assert all(i and i.startswith("req_") for i in ids) and len(set(ids)) == 3, ids
-    assert failed.json()["error"]["type"] == "server_error" and "boom" not in failed.text
+    assert all(i and i.startswith("req_") for i in ids), ids
+    assert len(set(ids)) == 3, ids
+    assert failed.json()["error"]["type"] == "server_error"
+    assert "boom" not in failed.text
 
 
 @pytest.mark.parametrize(
-    "metadata, why",
+    ("metadata", "why"),
     [
         ({f"k{i}": "v" for i in range(17)}, "17 keys: give at most 16"),
         ({"k" * 65: "v"}, "65 characters: give at most 64"),
@@ -96,11 +98,9 @@ def test_metadata_over_openais_limits_is_refused_naming_the_parameter(client, me
         "/batches",
         json={"input_file_id": "file-0123456789", "endpoint": "/v1/chat/completions", "metadata": metadata},
     )
-    assert (
-        answer.status_code == 400
-        and answer.json()["error"]["param"] == "metadata"
-        and why in answer.json()["error"]["message"]
-    )
+    assert answer.status_code == 400
+    assert answer.json()["error"]["param"] == "metadata"
+    assert why in answer.json()["error"]["message"]
     assert triggered == []
 
 
@@ -119,12 +119,15 @@ def test_a_completion_window_not_offered_is_refused_listing_the_offered_ones(cli
             "completion_window": window,
         },
     )
-    assert answer.status_code == 400 and answer.json()["error"]["param"] == "completion_window"
-    assert "use '24h'" in answer.json()["error"]["message"] and triggered == []
+    assert answer.status_code == 400
+    assert answer.json()["error"]["param"] == "completion_window"
+    assert "use '24h'" in answer.json()["error"]["message"]
+    assert triggered == []
 
 
 def test_the_offered_windows_are_the_deployments_setting():
-    assert parse_windows("") == ("24h",) and parse_windows("24h, 72h") == ("24h", "72h")
+    assert parse_windows("") == ("24h",)
+    assert parse_windows("24h, 72h") == ("24h", "72h")
     with pytest.raises(ConfigurationError, match="openai_completion_windows has 'soon'"):
         parse_windows("24h,soon")
 
@@ -137,15 +140,18 @@ def test_a_batchs_output_expiry_is_refused_not_ignored(client):
         "output_expires_after": {"anchor": "created_at", "seconds": 3600},
     }
     answer = http.post("/batches", json=body)
-    assert answer.status_code == 400 and answer.json()["error"]["param"] == "output_expires_after"
-    assert "not a parameter this API takes" in answer.json()["error"]["message"] and triggered == []
+    assert answer.status_code == 400
+    assert answer.json()["error"]["param"] == "output_expires_after"
+    assert "not a parameter this API takes" in answer.json()["error"]["message"]
+    assert triggered == []
 
 
 def test_a_files_expiry_is_refused_not_ignored_and_nothing_is_kept(client):
     http, s3, _ = client
     form = {"purpose": "batch", "expires_after[anchor]": "created_at", "expires_after[seconds]": "3600"}
     answer = http.post("/files", data=form, files={"file": ("a.jsonl", b"{}\n")})
-    assert answer.status_code == 400 and answer.json()["error"]["param"] == "expires_after"
+    assert answer.status_code == 400
+    assert answer.json()["error"]["param"] == "expires_after"
     assert s3.objects == {}
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import ClassVar
 
 import pytest
 
@@ -80,9 +81,12 @@ def upload(body: bytes, chunk: int) -> tuple[FormReader, FakeS3, LineCounter, st
 def test_a_small_file_is_one_put_with_its_fields_read(chunk):
     data = b'{"a": 1}\n{"b": 2}\n{"c": 3}'
     reader, s3, counter, etag = upload(form(data), chunk)
-    assert s3.put == data and not s3.parts and etag == "p"
+    assert s3.put == data
+    assert not s3.parts
+    assert etag == "p"
     assert s3.content_types == ["application/jsonl"]
-    assert reader.fields == {"purpose": "batch"} and reader.filename == "in.jsonl"
+    assert reader.fields == {"purpose": "batch"}
+    assert reader.filename == "in.jsonl"
     assert (counter.bytes, counter.lines) == (len(data), 3)
 
 
@@ -90,9 +94,12 @@ def test_a_large_file_goes_up_in_parts_of_at_most_one_part_size():
     line = b'{"custom_id": "x", "body": {}}\n'
     data = line * (2 * PART_BYTES // len(line) + 5)
     _, s3, counter, etag = upload(form(data), 1 << 20)
-    assert s3.completed and b"".join(s3.parts) == data and etag == "c-3"
+    assert s3.completed
+    assert b"".join(s3.parts) == data
+    assert etag == "c-3"
     assert s3.content_types == ["application/jsonl"]
-    assert max(len(p) for p in s3.parts) == PART_BYTES and len(s3.parts) == 3
+    assert max(len(p) for p in s3.parts) == PART_BYTES
+    assert len(s3.parts) == 3
     assert counter.lines == data.count(b"\n")
 
 
@@ -116,8 +123,11 @@ def test_an_aborted_upload_drops_its_parts():
 
 def test_a_preflight_failure_is_recorded_line_by_line():
     class Report:
-        problems = [Problem(2, None, "not JSON — fix the line"), Problem(5, "r-5", "no body")]
-        file_problems: list = []
+        problems: ClassVar[list[Problem]] = [
+            Problem(2, None, "not JSON — fix the line"),
+            Problem(5, "r-5", "no body"),
+        ]
+        file_problems: ClassVar[list[Problem]] = []
 
     record = failure_record(PreflightError("2 problems", Report()))
     assert record["stage"] == "preflight"

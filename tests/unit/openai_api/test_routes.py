@@ -35,7 +35,8 @@ def line(model: str | None, cid: str = "a") -> bytes:
 def test_the_config_maps_served_names_to_a_fleet_or_the_runners_queue():
     routes = parse_routes(ROUTES)
     assert routes["qwen"] == ModelRoute("qwen", vllm_conn_id="vllm_fleet")
-    assert routes["llama/70b"].queue == "gpu" and routes["llama/70b"].task_id == "vllm_batch__llama_70b"
+    assert routes["llama/70b"].queue == "gpu"
+    assert routes["llama/70b"].task_id == "vllm_batch__llama_70b"
     assert parse_routes("") == {}
 
 
@@ -128,12 +129,14 @@ def create(monkeypatch):
 def test_creating_a_batch_for_an_unknown_model_answers_400_and_starts_nothing(create):
     post, triggered = create
     answer = post(line("gpt-4o"), line("gpt-4o", "b"))
-    assert answer.status_code == 400 and answer.json()["error"]["param"] == "model"
+    assert answer.status_code == 400
+    assert answer.json()["error"]["param"] == "model"
     assert (
         "'gpt-4o' is not served here: the configured models are llama/70b, qwen"
         in answer.json()["error"]["message"]
     )
-    assert triggered == [] and not [key for key in post.objects if "/batches/" in key]
+    assert triggered == []
+    assert not [key for key in post.objects if "/batches/" in key]
 
 
 def test_a_batch_of_a_configured_model_runs_on_its_task(create):
@@ -193,5 +196,5 @@ def test_a_publishs_tombstone_at_the_manifest_key_is_no_published_output():
 
 def test_lines_naming_no_model_are_left_to_preflight_when_others_name_a_configured_one():
     assert route_of([None, "qwen"], parse_routes(ROUTES)).model == "qwen"
-    with pytest.raises(ValueError, match="name no body.model"):
+    with pytest.raises(ValueError, match=r"name no body.model"):
         route_of([None], parse_routes(ROUTES))

@@ -85,21 +85,17 @@ def test_a_completed_batch_names_its_output_and_error_files_and_counts():
     batch = Batch.model_validate(
         batch_object("batch_abcdefab", BatchDagRun(CONF, "success", ["success"], T, T, T, MANIFEST), NOW)
     )
-    assert (
-        batch.status == "completed"
-        and batch.output_file_id == CONF["output_file_id"]
-        and batch.error_file_id == CONF["error_file_id"]
-    )
+    assert batch.status == "completed"
+    assert batch.output_file_id == CONF["output_file_id"]
+    assert batch.error_file_id == CONF["error_file_id"]
     assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (
         3,
         2,
         1,
     )
-    assert (
-        batch.usage.total_tokens == 12
-        and batch.completed_at == int(T.timestamp())
-        and batch.metadata == {"team": "search"}
-    )
+    assert batch.usage.total_tokens == 12
+    assert batch.completed_at == int(T.timestamp())
+    assert batch.metadata == {"team": "search"}
 
 
 def test_a_completed_batch_without_failures_has_no_error_file():
@@ -121,23 +117,20 @@ def test_a_preflight_failure_names_its_lines_and_never_was_in_progress():
             NOW,
         )
     )
-    assert (
-        batch.status == "failed"
-        and [e.line for e in batch.errors.data] == [2]
-        and batch.in_progress_at is None
-    )
-    assert batch.output_file_id is None and batch.failed_at == int(T.timestamp())
+    assert batch.status == "failed"
+    assert [e.line for e in batch.errors.data] == [2]
+    assert batch.in_progress_at is None
+    assert batch.output_file_id is None
+    assert batch.failed_at == int(T.timestamp())
 
 
 def test_a_running_batch_counts_its_input_lines():
     batch = Batch.model_validate(
         batch_object("batch_abcdefab", BatchDagRun(CONF, "running", ["running"], task_start=T), NOW)
     )
-    assert (
-        batch.request_counts.total == 3
-        and batch.in_progress_at == int(T.timestamp())
-        and batch.expires_at == CREATED + 86400
-    )
+    assert batch.request_counts.total == 3
+    assert batch.in_progress_at == int(T.timestamp())
+    assert batch.expires_at == CREATED + 86400
 
 
 @pytest.mark.parametrize("window", ["", "24", "h", "0h", "24m", "-1h"])
@@ -149,7 +142,8 @@ def test_a_window_that_is_not_hours_or_days_is_refused(window):
 def test_a_running_batch_reports_what_its_checkpoints_answered_so_far():
     run = BatchDagRun(CONF, "running", ["running"], task_start=T, progress={"completed": 2, "failed": 1})
     batch = Batch.model_validate(batch_object("batch_abcdefab", run, NOW))
-    assert batch.status == "in_progress" and (
+    assert batch.status == "in_progress"
+    assert (
         batch.request_counts.completed,
         batch.request_counts.failed,
     ) == (2, 1)
@@ -159,9 +153,11 @@ def test_a_running_batch_reports_what_its_checkpoints_answered_so_far():
 def test_a_stopped_batch_keeps_its_counts_and_files(status):
     run = BatchDagRun(CONF, "success", ["success"], T, T, T, manifest={**MANIFEST, "status": status})
     batch = Batch.model_validate(batch_object("batch_abcdefab", run, NOW))
-    assert batch.status == status and (batch.request_counts.completed, batch.request_counts.failed) == (2, 1)
+    assert batch.status == status
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (2, 1)
     assert (batch.output_file_id, batch.error_file_id) == (CONF["output_file_id"], CONF["error_file_id"])
-    assert getattr(batch, f"{status}_at") == int(T.timestamp()) and batch.errors is None
+    assert getattr(batch, f"{status}_at") == int(T.timestamp())
+    assert batch.errors is None
 
 
 def test_a_batch_stopped_before_any_request_completed_has_no_output_file():
@@ -173,11 +169,9 @@ def test_a_batch_stopped_before_any_request_completed_has_no_output_file():
     batch = Batch.model_validate(
         batch_object("batch_abcdefab", BatchDagRun(CONF, "success", ["success"], T, T, T, manifest), NOW)
     )
-    assert (
-        batch.status == "cancelled"
-        and batch.output_file_id is None
-        and batch.error_file_id == CONF["error_file_id"]
-    )
+    assert batch.status == "cancelled"
+    assert batch.output_file_id is None
+    assert batch.error_file_id == CONF["error_file_id"]
 
 
 def test_a_batch_published_before_its_task_ended_has_its_ending_time_in_order():

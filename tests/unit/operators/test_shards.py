@@ -227,7 +227,8 @@ def test_the_count_mismatch_names_only_the_shards_that_disagree(shards):
     with pytest.raises(AirflowFailException) as failure:
         shards.merge()
     assert "shard 1 (" in str(failure.value)
-    assert "shard 0 (" not in str(failure.value) and "shard 2 (" not in str(failure.value)
+    assert "shard 0 (" not in str(failure.value)
+    assert "shard 2 (" not in str(failure.value)
 
 
 def test_a_merge_does_not_publish_while_another_run_holds_the_output(shards):
@@ -318,7 +319,8 @@ def test_the_merged_manifest_carries_the_shards_cost_added_up(shards):
     manifests = [{**m, "cost": cost} for m in shards.manifests]
     merged = shards.merge(manifests)
     n = len(manifests)
-    assert merged["cost"]["gpu_s"] == 10.0 * n and merged["cost"]["cost"] == round(0.01 * n, 6)
+    assert merged["cost"]["gpu_s"] == 10.0 * n
+    assert merged["cost"]["cost"] == round(0.01 * n, 6)
     assert merged["cost"]["tokens_per_gpu_s"] == round(merged["usage"]["total_tokens"] / (10.0 * n), 3)
     assert "cost" not in shards.merge()  # shards published without a cost: the batch is not counted
 
@@ -355,4 +357,5 @@ def test_a_merge_without_error_files_logs_no_empty_merge_and_no_error(s3, bucket
     log = capfd.readouterr().out
     assert manifest["error_uri"] is None
     assert "Merged 3 file(s) into 8 lines" in log  # the task log is what is read here
-    assert "Merged 0 file(s)" not in log and "[error" not in log
+    assert "Merged 0 file(s)" not in log
+    assert "[error" not in log

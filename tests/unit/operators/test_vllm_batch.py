@@ -21,9 +21,8 @@ def test_every_user_facing_string_is_templated():
         VLLMBatchOperator.template_fields
     )
     assert {"args", "python", "command", "env"} <= set(VLLMRunner.template_fields)
-    assert {"args", "python", "env"} <= set(
-        VLLMServer.template_fields
-    ) and "conn_id" in WarmVLLMServer.template_fields
+    assert {"args", "python", "env"} <= set(VLLMServer.template_fields)
+    assert "conn_id" in WarmVLLMServer.template_fields
     assert not getattr(VLLMBatchOperator, "template_ext", ())  # a .jsonl path is not a Jinja file
 
 

@@ -18,7 +18,8 @@ from airflow_vllm_batch.run.answer_cache import AnswerCache
 from airflow_vllm_batch.storage.staging import RunStaging
 from airflow_vllm_batch.version_compat import AirflowFailException
 from tests.unit.operators.test_vllm_batch_runs import FakeTI
-from tests.unit.operators.test_vllm_batch_server import CONN_ID, batch, quick_retries, server  # noqa: F401  (fixtures)
+
+pytestmark = pytest.mark.usefixtures("quick_retries")
 
 N = 12
 
@@ -59,7 +60,8 @@ def run(batch, input_uri: str, output: str, ti: FakeTI | None = None, **kwargs) 
 def night1(batch, server) -> dict:
     """A first run over N deterministic requests, which fills the cache."""
     manifest = run(batch, put_input(batch, "in/night1.jsonl", [line(f"r{i}") for i in range(N)]), "night1")
-    assert manifest["from_cache"] == 0 and server.requests == N
+    assert manifest["from_cache"] == 0
+    assert server.requests == N
     return manifest
 
 
@@ -68,7 +70,8 @@ def test_a_second_run_sends_only_the_changed_requests_and_answers_the_rest_byte_
 ):
     changed = [line(f"r{i}") if i >= 2 else line(f"r{i}", content=f"changed {i}") for i in range(N)]
     manifest = run(batch, put_input(batch, "in/night2.jsonl", changed), "night2")
-    assert server.requests == N + 2 and server.attempts["changed 0"] == server.attempts["changed 1"] == 1
+    assert server.requests == N + 2
+    assert server.attempts["changed 0"] == server.attempts["changed 1"] == 1
     assert manifest["from_cache"] == N - 2
     assert manifest["request_counts"] == {"total": N, "completed": N, "failed": 0}
     assert manifest["usage"]["total_tokens"] == N * 8  # the cached answers' tokens are counted too
@@ -86,7 +89,8 @@ def test_the_changed_requests_answers_go_into_the_cache_for_the_next_run(batch, 
     uri = put_input(batch, "in/night2.jsonl", changed)
     run(batch, uri, "night2")
     manifest = run(batch, uri, "night3")
-    assert manifest["from_cache"] == N and server.requests == N + 2
+    assert manifest["from_cache"] == N
+    assert server.requests == N + 2
 
 
 def test_every_request_answered_from_the_cache_starts_no_engine_and_uses_each_requests_custom_id(
@@ -96,7 +100,8 @@ def test_every_request_answered_from_the_cache_starts_no_engine_and_uses_each_re
     lines = [line(f"again-{i}", content=f"r{i}") for i in range(N)] + [line("twin", content="r0")]
     manifest = run(batch, put_input(batch, "in/again.jsonl", lines), "again")
     assert server.requests == N
-    assert manifest["from_cache"] == N + 1 and manifest["request_counts"] == {
+    assert manifest["from_cache"] == N + 1
+    assert manifest["request_counts"] == {
         "total": N + 1,
         "completed": N + 1,
         "failed": 0,
@@ -113,7 +118,8 @@ def test_requests_that_sample_are_cached_only_when_opted_in(batch, server):
     lines = [line(f"s{i}", temperature=0.7) for i in range(4)]
     uri = put_input(batch, "in/sampled.jsonl", lines)
     run(batch, uri, "sampled1")
-    assert run(batch, uri, "sampled2")["from_cache"] == 0 and server.requests == 8
+    assert run(batch, uri, "sampled2")["from_cache"] == 0
+    assert server.requests == 8
     run(
         batch,
         uri,
@@ -128,15 +134,16 @@ def test_requests_that_sample_are_cached_only_when_opted_in(batch, server):
             answer_cache=AnswerCacheOptions(uri=f"s3://{batch.bucket}/cache/", sampled=True),
         )["from_cache"]
         == 4
-        and server.requests == 12
     )
+    assert server.requests == 12
 
 
 def test_a_run_without_the_cache_has_no_from_cache_and_its_identity_is_unchanged(batch, server):
     uri = put_input(batch, "in/plain.jsonl", [line("p0")])
     plain = run(batch, uri, "plain", answer_cache=None)
     cached = run(batch, uri, "cached")
-    assert "from_cache" not in plain and "answer_cache" not in plain["identity"]
+    assert "from_cache" not in plain
+    assert "answer_cache" not in plain["identity"]
     assert cached["identity"]["answer_cache"] == {"uri": f"s3://{batch.bucket}/cache/", "sampled": False}
     assert cached["fingerprint"] != plain["fingerprint"]
 
@@ -168,7 +175,8 @@ def test_a_cache_bucket_that_does_not_exist_fails_before_any_request_is_sent(bat
 
 def test_a_corrupt_cache_line_is_a_miss_with_a_warning(batch, server, night1, capfd):
     objects = batch.keys("cache/")
-    assert objects and all(k.endswith(".tsv") for k in objects)
+    assert objects
+    assert all(k.endswith(".tsv") for k in objects)
     first = objects[0]
     stored = batch.client.get_object(Bucket=batch.bucket, Key=first)["Body"].read().splitlines()
     key = stored[0].split(b"\t", 1)[0]
@@ -176,7 +184,8 @@ def test_a_corrupt_cache_line_is_a_miss_with_a_warning(batch, server, night1, ca
     damaged = [key + b"\t{not json", b"garbage", *stored[1:]]
     batch.client.put_object(Bucket=batch.bucket, Key=first, Body=b"\n".join(damaged) + b"\n")
     manifest = run(batch, f"s3://{batch.bucket}/in/night1.jsonl", "after-damage")
-    assert manifest["from_cache"] == N - 1 and server.requests == N + 1
+    assert manifest["from_cache"] == N - 1
+    assert server.requests == N + 1
     assert manifest["request_counts"] == {"total": N, "completed": N, "failed": 0}
     assert "2 stored line(s) under" in capfd.readouterr().out
 
@@ -194,7 +203,8 @@ def test_a_failed_cache_write_after_publishing_is_a_warning_and_the_run_stands(
     uri = put_input(batch, "in/w.jsonl", [line("w0"), line("w1")])
     manifest = run(batch, uri, "w")
     assert manifest["request_counts"]["completed"] == 2
-    assert "out/results.manifest.json" not in batch.keys() and "w/results.manifest.json" in batch.keys("w/")
+    assert "out/results.manifest.json" not in batch.keys()
+    assert "w/results.manifest.json" in batch.keys("w/")
     assert "the new answers could not be stored" in capfd.readouterr().out
     assert batch.keys("cache/") == []
 
@@ -219,7 +229,8 @@ def test_a_retry_takes_the_hits_its_first_try_staged_even_when_the_cache_changed
     manifest = run(batch, uri, "night2", ti=FakeTI(run_id="night2", try_number=2))
     assert manifest["from_cache"] == N - 2
     assert manifest["request_counts"] == {"total": N, "completed": N, "failed": 0}
-    assert server.attempts["changed 0"] == 2 and server.requests == N + 4  # only the misses, once per try
+    assert server.attempts["changed 0"] == 2
+    assert server.requests == N + 4
 
 
 @pytest.mark.parametrize(
@@ -240,11 +251,13 @@ def test_a_warm_server_restarted_with_other_weights_length_or_version_misses_the
     for name, value in restarted.items():
         setattr(server, name, {**server.card, **value} if name == "card" else value)
     manifest = run(batch, uri, "night2")
-    assert manifest["from_cache"] == 0 and server.requests == 2 * N
+    assert manifest["from_cache"] == 0
+    assert server.requests == 2 * N
 
 
 def test_a_warm_server_that_reports_itself_the_same_keeps_hitting_the_cache(batch, server):
     server.card = {"root": "/models/llama-3-8b", "max_model_len": 2048}
     uri = put_input(batch, "in/night1.jsonl", [line(f"r{i}") for i in range(N)])
     run(batch, uri, "night1")
-    assert run(batch, uri, "night2")["from_cache"] == N and server.requests == N
+    assert run(batch, uri, "night2")["from_cache"] == N
+    assert server.requests == N

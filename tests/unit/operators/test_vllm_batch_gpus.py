@@ -12,7 +12,6 @@ from tests.unit.operators.test_vllm_batch_runs import Batch
 from tests.unit.operators.test_vllm_batch_server import (
     Batch as ServerBatch,
     N as SERVER_REQUESTS,
-    server,  # noqa: F401 - the stand-in server fixture
 )
 
 
@@ -50,7 +49,8 @@ def test_the_engine_runs_on_the_leased_gpu_which_is_locked_while_it_runs_and_fre
         "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
         "locked": {"0": True, "1": False},
     }
-    assert _free(worker, "0") and _free(worker, "1")
+    assert _free(worker, "0")
+    assert _free(worker, "1")
 
 
 def test_a_device_another_task_holds_is_skipped(batch, worker, tmp_path):
@@ -99,7 +99,7 @@ def test_gpus_must_be_a_whole_number_or_none(value):
 @pytest.mark.timeout(120)
 def test_a_task_with_a_vllm_connection_leases_no_gpu_even_when_all_are_taken(
     s3, bucket, tmp_path, server, worker
-):  # noqa: F811
+):
     with gpus.try_lease(["0", "1"], 2, str(worker), {"task_id": "other"}):
         manifest = ServerBatch(s3, bucket, tmp_path).run()
     assert manifest["request_counts"]["completed"] == SERVER_REQUESTS
@@ -121,15 +121,18 @@ def test_on_a_cpu_worker_the_manifest_says_cpu_and_gives_engine_seconds(batch, m
     monkeypatch.setenv(gpus.GPUS_ENV, "")
     cost = batch.run()["cost"]
     assert (cost["device"], cost["gpus"]) == ("cpu", 0)
-    assert "gpu_s" not in cost and "cost" not in cost
-    assert cost["engine_s"] > 0 and cost["tokens_per_engine_s"] > 0
+    assert "gpu_s" not in cost
+    assert "cost" not in cost
+    assert cost["engine_s"] > 0
+    assert cost["tokens_per_engine_s"] > 0
 
 
 @pytest.mark.timeout(120)
-def test_a_vllm_connection_is_counted_by_the_tasks_wall_time_as_a_shared_server(s3, bucket, tmp_path, server):  # noqa: F811
+def test_a_vllm_connection_is_counted_by_the_tasks_wall_time_as_a_shared_server(s3, bucket, tmp_path, server):
     manifest = ServerBatch(s3, bucket, tmp_path).run(gpu_hour_cost="3.6")
     cost = manifest["cost"]
-    assert cost["device"] == "vllm_connection" and "gpus" not in cost
+    assert cost["device"] == "vllm_connection"
+    assert "gpus" not in cost
     assert manifest["engine_duration_s"] <= cost["engine_s"] <= manifest["duration_s"] + 1
     assert "other tasks" in cost["note"]
     assert cost["cost"] == pytest.approx(cost["engine_s"] / 3600 * 3.6, abs=1e-5)

@@ -26,7 +26,8 @@ def batch(s3, bucket, tmp_path) -> Batch:
 def test_requests_are_written_beside_the_output_and_run(batch):
     manifest = batch.run(input_uri=None, requests=["hello", "bye"], default_body={"max_completion_tokens": 4})
     written = [k for k in batch.keys("out/") if k.startswith("out/results.requests/")]
-    assert len(written) == 1 and manifest["input_uri"] == f"s3://{batch.bucket}/{written[0]}"
+    assert len(written) == 1
+    assert manifest["input_uri"] == f"s3://{batch.bucket}/{written[0]}"
     lines = [json.loads(x) for x in batch.get(written[0]).splitlines()]
     assert [(x["custom_id"], x["body"]["model"], x["body"]["max_completion_tokens"]) for x in lines] == [
         ("request-0", "m", 4),
@@ -38,14 +39,16 @@ def test_requests_are_written_beside_the_output_and_run(batch):
 def test_the_same_requests_again_resume_the_same_run(batch):
     first = batch.run(input_uri=None, requests=["a", "b", "c"])
     again = batch.run(FakeTI(try_number=2), input_uri=None, requests=["a", "b", "c"])
-    assert again["fingerprint"] == first["fingerprint"] and batch.engine_runs == 1
-    assert len([k for k in batch.keys("out/results.requests/")]) == 1
+    assert again["fingerprint"] == first["fingerprint"]
+    assert batch.engine_runs == 1
+    assert len(list(batch.keys("out/results.requests/"))) == 1
 
 
 def test_other_requests_are_another_run(batch):
     first = batch.run(input_uri=None, requests=["a"])
     second = batch.run(input_uri=None, requests=["b"])
-    assert first["fingerprint"] != second["fingerprint"] and batch.engine_runs == 2
+    assert first["fingerprint"] != second["fingerprint"]
+    assert batch.engine_runs == 2
 
 
 @pytest.mark.parametrize("given", [{}, {"input_uri": "s3://b/in.jsonl", "requests": ["a"]}])
@@ -57,7 +60,8 @@ def test_exactly_one_of_input_uri_and_requests(given):
 def test_more_requests_than_xcom_takes_fail_without_retry_and_write_nothing(batch):
     with pytest.raises(AirflowFailException, match="input_uri instead"):
         batch.run(input_uri=None, requests=["x"] * (MAX_REQUESTS + 1))
-    assert batch.engine_runs == 0 and batch.keys("out/") == []
+    assert batch.engine_runs == 0
+    assert batch.keys("out/") == []
 
 
 LORA_ARGS = ["--served-model-name", "chat", "--enable-lora", "--lora-modules", "sql=/adapters/sql"]

@@ -67,7 +67,8 @@ def test_a_runner_that_dies_midway_has_its_answers_staged_and_only_the_rest_runs
     assert sorted(
         r["custom_id"] for r in map(json.loads, batch.get("out/results.jsonl").splitlines())
     ) == ids(0, 1, 2, 3, 4)
-    assert not staged(batch, "parts") and not staged(batch, "deaths")  # the staging is removed on publish
+    assert not staged(batch, "parts")
+    assert not staged(batch, "deaths")
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -86,7 +87,8 @@ def test_a_retry_after_a_death_sends_only_what_no_checkpoint_answers(batch, vers
     with pytest.raises(EngineError, match=r"died in this try and was started 1 time\(s\)") as err:
         run(batch, version, FAKE_ENGINE_DIES_AFTER="3")
     assert err.value.retryable
-    assert len(staged(batch, "parts")) == 1 and len(staged(batch, "deaths")) == 1
+    assert len(staged(batch, "parts")) == 1
+    assert len(staged(batch, "deaths")) == 1
     assert not batch.keys("out/results.manifest.json")
     manifest = run(batch, version, FakeTI(try_number=2))
     assert manifest["request_counts"] == {"total": 5, "completed": 5, "failed": 0}
@@ -118,11 +120,9 @@ def test_a_request_that_kills_the_engine_is_answered_as_engine_crash_and_the_res
     assert manifest["request_counts"] == {"total": 12, "completed": 11, "failed": 1}
     assert manifest["failed_by_reason"] == {"engine_crash": 1}
     (failed,) = map(json.loads, batch.get("out/results.errors.jsonl").splitlines())
-    assert (
-        failed["custom_id"] == "r5"
-        and failed["error"]["code"] == "engine_crash"
-        and failed["error"]["line"] == 6
-    )
+    assert failed["custom_id"] == "r5"
+    assert failed["error"]["code"] == "engine_crash"
+    assert failed["error"]["line"] == 6
     # 1: all, dies in the group r4-r7; 2: its suspects alone, one at a time, dies at r5; 3: the rest.
     assert sent(batch) == [ids(*range(12)), ids(*range(4, 12)), ids(*range(6, 12))]
 
@@ -137,7 +137,8 @@ def test_the_isolated_run_bounds_what_is_in_flight_with_the_runners_own_flag(bat
         if version == "0.33"
         else ("--max-num-seqs 1", "--max-inflight 1")
     )
-    assert expected in out and other not in out
+    assert expected in out
+    assert other not in out
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -157,7 +158,8 @@ def test_a_request_that_kills_the_engine_on_every_try_is_answered_as_failed_by_t
 def test_a_non_zero_exit_before_any_output_is_the_trys_failure_and_records_no_death(batch):
     with pytest.raises(EngineError, match="exited with code 3; nothing was published"):
         run(batch, "0.33", FAKE_ENGINE_EXIT="3")
-    assert not staged(batch, "parts") and not staged(batch, "deaths")
+    assert not staged(batch, "parts")
+    assert not staged(batch, "deaths")
 
 
 def test_an_error_that_only_mentions_enginecore_is_an_answer_not_a_death(batch):

@@ -18,7 +18,6 @@ from botocore.exceptions import ClientError
 
 from airflow_vllm_batch.engines import VLLMRunner
 from airflow_vllm_batch.exceptions import (
-    EngineError,
     OutputBusyError,
     PublishError,
     ResultsCheckError,
@@ -215,7 +214,8 @@ def test_s3_gone_right_after_staging_says_a_retry_publishes_the_staged_results(b
 
     monkeypatch.setattr(BatchInput, "confirm_unchanged", s3_gone)
     with pytest.raises(
-        PublishError, match="S3 failed while publishing: .* a retry publishes them without running the engine"
+        PublishError,
+        match=r"S3 failed while publishing: .* a retry publishes them without running the engine",
     ):
         batch.run()
     monkeypatch.setattr(BatchInput, "confirm_unchanged", real_confirm)
@@ -231,7 +231,7 @@ def test_results_kept_on_the_worker_when_staging_failed_are_published_by_the_ret
         raise ClientError({"Error": {"Code": "ServiceUnavailable", "Message": "down"}}, "PutObject")
 
     monkeypatch.setattr(RunStaging, "put_results", s3_fails)
-    with pytest.raises(PublishError, match="kept at .* a retry on this worker publishes them") as err:
+    with pytest.raises(PublishError, match=r"kept at .* a retry on this worker publishes them") as err:
         batch.run()
     (kept,) = batch.scratch_dir.glob("*/results.jsonl")
     assert str(kept) in str(err.value)
@@ -375,7 +375,7 @@ def http_input(tmp_path):
         def log_message(self, *args):  # the test server's own access log is not the operator's
             pass
 
-    handler = lambda *a: Quiet(*a, directory=str(tmp_path / "www"))  # noqa: E731
+    handler = lambda *a: Quiet(*a, directory=str(tmp_path / "www"))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{server.server_port}/input.jsonl?X-Amz-Signature=topsecret123&X-Amz-Credential=AKIDSECRET"
@@ -390,7 +390,8 @@ def test_an_http_input_with_credentials_is_stored_and_logged_redacted(batch, htt
     logged = capfd.readouterr()
     assert "Preflight of http://127.0.0.1" in logged.out
     for text in (json.dumps(manifest), stored, json.dumps(ti.xcoms), logged.out, logged.err):
-        assert "topsecret123" not in text and "AKIDSECRET" not in text
+        assert "topsecret123" not in text
+        assert "AKIDSECRET" not in text
     assert manifest["input_uri"].endswith("/input.jsonl?<redacted>")
 
 
@@ -467,9 +468,13 @@ def test_failures_are_counted_by_reason_in_the_manifest_and_the_log_ends_with_a_
     assert stored["failed_by_reason"] == manifest["failed_by_reason"]
     log = capfd.readouterr().out
     table = log[log.index("vLLM batch: 3 of 6 requests completed, 3 failed") :]
-    assert "| failed: engine_error" in table and "2, e.g. r0: Internal error while generating" in table
-    assert "| failed: invalid_request" in table and "1, e.g. bad:" in table
-    assert "| results  " in table and batch.output_uri in table and "results.errors.jsonl" in table
+    assert "| failed: engine_error" in table
+    assert "2, e.g. r0: Internal error while generating" in table
+    assert "| failed: invalid_request" in table
+    assert "1, e.g. bad:" in table
+    assert "| results  " in table
+    assert batch.output_uri in table
+    assert "results.errors.jsonl" in table
     assert "X-Amz-Signature" not in log
 
 
@@ -482,7 +487,8 @@ def test_a_reused_output_says_no_engine_ran_and_keeps_the_counts_by_reason(batch
     assert batch.engine_runs == 1
     log = capfd.readouterr().out
     assert "Not running the engine again" in log
-    assert "(reused: no engine ran in this try)" in log and "1 (see the error file)" in log
+    assert "(reused: no engine ran in this try)" in log
+    assert "1 (see the error file)" in log
 
 
 def test_a_run_without_failures_has_no_failed_by_reason(batch):

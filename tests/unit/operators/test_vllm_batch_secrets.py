@@ -32,10 +32,12 @@ def test_an_hf_token_in_engine_args_is_in_no_log_line_manifest_xcom_or_object(ba
         )
     out = capfd.readouterr()
     logged = out.out + out.err + caplog.text
-    assert "Starting the vLLM engine" in logged and "--hf-token ***" in logged  # our line: the flag, masked
+    assert "Starting the vLLM engine" in logged
+    assert "--hf-token ***" in logged
     assert "non-default args" in logged  # the engine's own line was relayed...
     for text in (logged, json.dumps(manifest), json.dumps(ti.xcoms, default=str), _everything_in_s3(batch)):
-        assert secret not in text and "hf_EnvTokenForLogs1" not in text
+        assert secret not in text
+        assert "hf_EnvTokenForLogs1" not in text
     assert manifest["identity"]["engine_args"] == ["--hf-token", "<secret>"]
 
 
@@ -77,7 +79,8 @@ def test_a_rendered_secret_is_registered_with_the_masker_before_the_rendered_fie
     from airflow.sdk.execution_time.task_runner import _serialize_rendered_fields
 
     shown = _serialize_rendered_fields(operator)
-    assert shown["engine"]["engine"] == "VLLMRunner" and shown["engine"]["args"] == ["--hf-token", "***"]
+    assert shown["engine"]["engine"] == "VLLMRunner"
+    assert shown["engine"]["args"] == ["--hf-token", "***"]
     assert "hf_RenderedTokenAbc1" not in json.dumps(shown)
 
 
@@ -111,7 +114,7 @@ def test_a_malformed_http_input_fails_without_retry_naming_input_uri_and_no_pass
     from airflow_vllm_batch.version_compat import AirflowFailException
 
     with pytest.raises(
-        AirflowFailException, match="^input_uri: https://files.example/in.jsonl is not a URL"
+        AirflowFailException, match=r"^input_uri: https://files.example/in.jsonl is not a URL"
     ) as err:
         batch.run(input_uri="https://reader:MalformedPw9@files.example:notaport/in.jsonl")
     out, errs = capfd.readouterr()

@@ -10,11 +10,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import os
 import re
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 from aiohttp import web
@@ -39,13 +38,16 @@ from tests.unit.serving.conftest import API_KEY, StandIn
 CONN_ID = "vllm_stand_in"
 N = 20
 
+# The warm server's fixtures (server, batch, quick_retries) are in conftest.py.
+pytestmark = pytest.mark.usefixtures("quick_retries")
+
 
 class ServedStandIn(StandIn):
     """The stand-in with the read-only endpoints a warm server has: ``/v1/models`` and ``/version``."""
 
     served = ("m",)
     #: What its ``/v1/models`` cards say besides the id (``root``, ``max_model_len``), and its ``/version``.
-    card: dict = {}
+    card: ClassVar[dict] = {}
     vllm_version = "0.32.0"
 
     async def _start(self) -> None:
@@ -74,29 +76,6 @@ class ServedStandIn(StandIn):
     @property
     def requests(self) -> int:
         return sum(self.attempts.values())
-
-
-@pytest.fixture
-def server() -> Iterator[ServedStandIn]:
-    stand_in = ServedStandIn().start()
-    os.environ[f"AIRFLOW_CONN_{CONN_ID.upper()}"] = json.dumps(
-        {
-            "conn_type": "vllm",
-            "host": "127.0.0.1",
-            "port": stand_in.port,
-            "password": API_KEY,
-            "extra": {"max_in_flight": 4},
-        }
-    )
-    yield stand_in
-    os.environ.pop(f"AIRFLOW_CONN_{CONN_ID.upper()}", None)
-    stand_in.close()
-
-
-@pytest.fixture(autouse=True)
-def quick_retries(monkeypatch):
-    """No backoff between retries of a gone server: the retry count still bounds them."""
-    monkeypatch.setattr(stream, "_backoff", lambda attempt, first_s: 0.001)
 
 
 def requests_lines(n: int) -> bytes:
@@ -157,11 +136,6 @@ class Batch:
         return self.operator(**kwargs).execute({"ti": ti or FakeTI(), "outlet_events": {}})
 
 
-@pytest.fixture
-def batch(s3, bucket, tmp_path) -> Batch:
-    return Batch(s3, bucket, tmp_path)
-
-
 def _dies_after(server: ServedStandIn, answered: int):
     """A behaviour that answers ``answered`` requests, then takes the server down for good (until restart)."""
 
@@ -189,11 +163,13 @@ def test_a_warm_server_through_a_connection_answers_every_request_once_and_publi
     manifest = batch.run(ti)
     assert manifest["request_counts"] == {"total": N, "completed": N, "failed": 0}
     assert manifest["vllm_version"] == "0.32.0"
-    assert manifest["identity"]["engine"] == "vllm_connection" and manifest["identity"]["engine_args"] is None
+    assert manifest["identity"]["engine"] == "vllm_connection"
+    assert manifest["identity"]["engine_args"] is None
     assert sorted(r["custom_id"] for r in batch.lines("out/results.jsonl")) == sorted(
         f"r{i}" for i in range(N)
     )
-    assert server.requests == N and set(server.attempts.values()) == {1}
+    assert server.requests == N
+    assert set(server.attempts.values()) == {1}
     assert server.max_in_flight <= 4  # the connection's max_in_flight extra
     assert server.auth_headers == {f"Bearer {API_KEY}"}
     assert sorted(batch.keys("out/")) == [
@@ -236,10 +212,12 @@ def test_a_dead_server_fails_the_try_as_retryable_and_keeps_its_checkpoints(batc
     with pytest.raises(ServerUnavailableError, match="retrying the task resumes from them"):
         batch.run(max_in_flight=1)
     parts = batch.parts()
-    assert parts and all("/parts/part-" in k for k in parts)
+    assert parts
+    assert all("/parts/part-" in k for k in parts)
     answered = [r["custom_id"] for k in parts for r in batch.lines(k)]
     assert sorted(answered) == sorted(f"r{i}" for i in range(10))
-    assert "out/results.jsonl" not in batch.keys() and "out/results.manifest.json" not in batch.keys()
+    assert "out/results.jsonl" not in batch.keys()
+    assert "out/results.manifest.json" not in batch.keys()
 
 
 def test_a_retry_resumes_from_the_parts_and_sends_only_the_unanswered(batch, server, capfd):
@@ -262,7 +240,7 @@ def test_a_retry_resumes_from_the_parts_and_sends_only_the_unanswered(batch, ser
     assert set(sent_second.values()) == {1}
     out = [r["custom_id"] for r in batch.lines("out/results.jsonl")]
     assert sorted(out) == sorted(f"r{i}" for i in range(N))  # each exactly once
-    assert "Resuming from %d checkpoint part(s)" % len(first_parts) in capfd.readouterr().out
+    assert f"Resuming from {len(first_parts)} checkpoint part(s)" in capfd.readouterr().out
     assert batch.parts() == []
 
 
@@ -281,7 +259,8 @@ def test_a_retry_numbers_its_parts_after_the_earlier_tries(batch, server, monkey
     server.restart()
     server.behaviour = _dies_after(server, N)
     batch.run(FakeTI(try_number=2), max_in_flight=1)
-    assert uploaded and min(int(name[5:11]) for name in uploaded) == last + 1
+    assert uploaded
+    assert min(int(name[5:11]) for name in uploaded) == last + 1
 
 
 def test_a_failed_part_upload_fails_the_try_as_retryable_and_the_retry_finishes(batch, server, monkeypatch):
@@ -292,7 +271,7 @@ def test_a_failed_part_upload_fails_the_try_as_retryable_and_the_retry_finishes(
 
     monkeypatch.setattr(RunStaging, "put_part", s3_fails)
     with pytest.raises(
-        StorageUnavailableError, match="S3 failed while checkpointing .* the task's retry resumes"
+        StorageUnavailableError, match=r"S3 failed while checkpointing .* the task's retry resumes"
     ):
         batch.run()
     assert batch.keys("out/") == []
@@ -402,7 +381,8 @@ def test_a_try_that_lost_its_lease_writes_no_further_part_nor_the_manifest(batch
         batch.run(max_in_flight=1)
     answered = [int(r["custom_id"][1:]) for k in batch.parts() for r in batch.lines(k)]
     assert max(answered, default=-1) <= 5  # nothing answered after the takeover went up
-    assert "out/results.manifest.json" not in batch.keys() and "out/results.jsonl" not in batch.keys()
+    assert "out/results.manifest.json" not in batch.keys()
+    assert "out/results.jsonl" not in batch.keys()
 
 
 def test_each_try_names_its_parts_with_its_own_token(batch, server):
@@ -421,7 +401,8 @@ def test_each_try_names_its_parts_with_its_own_token(batch, server):
         {re.fullmatch(r".*/part-\d{6}-([0-9a-f]{8})\.jsonl", k).group(1) for k in keys}
         for keys in (first, second)
     ]
-    assert all(len(t) == 1 for t in tokens) and tokens[0] != tokens[1]
+    assert all(len(t) == 1 for t in tokens)
+    assert tokens[0] != tokens[1]
 
 
 def _completion(custom_id: str) -> web.Response:
@@ -472,11 +453,13 @@ def test_a_request_left_without_a_final_answer_fails_the_try_retryable_and_the_r
     ) as raised:
         batch.run(FakeTI(try_number=1), retries=2, max_in_flight=2)
     assert raised.value.retryable
-    assert "out/results.jsonl" not in batch.keys() and "out/results.manifest.json" not in batch.keys()
+    assert "out/results.jsonl" not in batch.keys()
+    assert "out/results.manifest.json" not in batch.keys()
     checkpointed = {
         r["custom_id"]: r["response"]["status_code"] for k in batch.parts() for r in batch.lines(k)
     }
-    assert "r7" not in checkpointed and len(checkpointed) == N - 1
+    assert "r7" not in checkpointed
+    assert len(checkpointed) == N - 1
     assert {cid: checkpointed[cid] for cid in ("r1", "r2", "r3", "r4", "r5")} == {
         "r1": 400,
         "r2": 200,
@@ -497,7 +480,9 @@ def test_a_request_left_without_a_final_answer_fails_the_try_retryable_and_the_r
         "failed": 1,
     }  # r1's 400 is its answer
     published = {r["custom_id"]: r["response"]["status_code"] for r in batch.lines("out/results.jsonl")}
-    assert published["r7"] == 200 and published["r2"] == 200 and published["r4"] == 200
+    assert published["r7"] == 200
+    assert published["r2"] == 200
+    assert published["r4"] == 200
 
 
 def test_on_the_last_try_a_request_left_without_a_final_answer_is_published_in_the_error_file(batch, server):
@@ -506,10 +491,8 @@ def test_on_the_last_try_a_request_left_without_a_final_answer_is_published_in_t
     assert manifest["request_counts"] == {"total": N, "completed": N - 2, "failed": 2}
     failed = {r["custom_id"]: r for r in batch.lines("out/results.errors.jsonl")}
     assert sorted(failed) == ["r1", "r7"]
-    assert (
-        failed["r7"]["response"]["status_code"] == 500
-        and "EngineCore hiccup" in failed["r7"]["error"]["message"]
-    )
+    assert failed["r7"]["response"]["status_code"] == 500
+    assert "EngineCore hiccup" in failed["r7"]["error"]["message"]
     assert server.attempts["r7"] == 1 + stream.DEFAULT_RETRIES
 
 
@@ -537,7 +520,8 @@ def test_a_checkpoint_never_holds_a_429_or_5xx_answer(batch, server):
     with pytest.raises(RequestsUnansweredError, match=r"10 request\(s\)"):
         batch.run(retries=3, max_in_flight=4)
     statuses = [r["response"]["status_code"] for k in batch.parts() for r in batch.lines(k)]
-    assert sorted(set(statuses)) == [200, 404] and len(statuses) == N // 2
+    assert sorted(set(statuses)) == [200, 404]
+    assert len(statuses) == N // 2
 
 
 def test_answers_repeated_across_tries_checkpoints_keep_the_first_and_publish(batch, server, capfd):
@@ -568,7 +552,7 @@ def test_answers_repeated_across_tries_checkpoints_keep_the_first_and_publish(ba
     server.behaviour = _dies_after(server, N)
     manifest = batch.run(FakeTI(try_number=2), max_in_flight=1)
     assert manifest["request_counts"] == {"total": N, "completed": N, "failed": 0}
-    published = [r for r in batch.lines("out/results.jsonl")]
+    published = list(batch.lines("out/results.jsonl"))
     assert sorted(r["custom_id"] for r in published) == sorted(f"r{i}" for i in range(N))
     assert not any(r["id"] == "vllm-zombie" for r in published)
     assert "2 later answer(s) of requests answered already" in capfd.readouterr().out

@@ -14,7 +14,7 @@ from airflow_vllm_batch.serving import stream
 from airflow_vllm_batch.storage.staging import RunStaging
 from airflow_vllm_batch.version_compat import AirflowFailException
 from tests.unit.operators.test_vllm_batch_runs import FakeTI
-from tests.unit.operators.test_vllm_batch_server import N, _completion, _error, batch, server  # noqa: F401 - fixtures
+from tests.unit.operators.test_vllm_batch_server import N, _completion, _error
 
 #: r7 is input line 8 (worker 0 of 2), r12 line 13 (worker 1): one request left unanswered in each worker.
 BROKEN = ("r7", "r12")
@@ -44,7 +44,8 @@ def test_two_client_processes_answer_every_request_exactly_once_and_publish(
     assert sorted(r["custom_id"] for r in batch.lines("out/results.jsonl")) == sorted(
         f"r{i}" for i in range(N)
     )
-    assert server.requests == N and set(server.attempts.values()) == {1}
+    assert server.requests == N
+    assert set(server.attempts.values()) == {1}
     # The parent uploads every worker's parts as one sequence of part numbers.
     numbers = [int(name[5:11]) for name in uploaded]
     assert numbers == list(range(len(numbers)))
@@ -136,6 +137,7 @@ def test_on_kill_stops_the_client_processes_and_fails_the_try(batch, server):
     assert workers
     operator.on_kill()
     thread.join(30)
-    assert not thread.is_alive() and failure
+    assert not thread.is_alive()
+    assert failure
     assert not any(w.is_alive() for w in workers)
     assert "out/results.jsonl" not in batch.keys()

@@ -22,8 +22,10 @@ from airflow_vllm_batch.storage import read_answers
 from airflow_vllm_batch.summary import render_summary
 from airflow_vllm_batch.version_compat import AirflowFailException
 from tests.unit.operators.test_vllm_batch_runs import FakeTI
-from tests.unit.operators.test_vllm_batch_server import N, batch, quick_retries, server  # noqa: F401 - fixtures
+from tests.unit.operators.test_vllm_batch_server import N
 from tests.unit.serving.conftest import chat_completion
+
+pytestmark = pytest.mark.usefixtures("quick_retries")
 
 
 class Verdict(BaseModel):
@@ -57,13 +59,16 @@ def test_answers_that_do_not_fit_output_type_are_published_as_invalid_output(bat
     ti = FakeTI()
     manifest = batch.run(ti, output_type=Verdict, max_failed_ratio=0.2)
     assert manifest["request_counts"] == {"total": N, "completed": N - 3, "failed": 3}
-    assert manifest["invalid_output"] == 3 and manifest["failed_by_reason"] == {"invalid_output": 3}
+    assert manifest["invalid_output"] == 3
+    assert manifest["failed_by_reason"] == {"invalid_output": 3}
     assert {b["response_format"]["json_schema"]["name"] for b in seen} == {"Verdict"}
     assert seen[0]["response_format"]["json_schema"]["schema"] == Verdict.model_json_schema()
     errors = {e["custom_id"]: e["error"] for e in batch.lines("out/results.errors.jsonl")}
     assert set(errors) == PROSE | WRONG_SHAPE
-    assert errors["r3"]["code"] == "invalid_output" and errors["r3"]["raw"] == "I think so"
-    assert errors["r11"]["raw"] == '{"label": "maybe"}' and "label" in errors["r11"]["message"]
+    assert errors["r3"]["code"] == "invalid_output"
+    assert errors["r3"]["raw"] == "I think so"
+    assert errors["r11"]["raw"] == '{"label": "maybe"}'
+    assert "label" in errors["r11"]["message"]
     got = list(read_answers(manifest, output_type=Verdict))
     assert sorted(a.custom_id for a in got if isinstance(a, Parsed)) == sorted(
         f"r{i}" for i in range(N) if f"r{i}" not in errors
@@ -75,7 +80,9 @@ def test_answers_that_do_not_fit_output_type_are_published_as_invalid_output(bat
 
 def test_invalid_outputs_count_against_max_failed_ratio(batch, server):
     server.behaviour = answers_with_some_invalid([])
-    with pytest.raises(AirflowFailException, match="3 of 20 requests failed, more than max_failed_ratio=0.1"):
+    with pytest.raises(
+        AirflowFailException, match=r"3 of 20 requests failed, more than max_failed_ratio=0.1"
+    ):
         batch.run(output_type=Verdict, max_failed_ratio=0.1)
     assert "out/results.errors.jsonl" in batch.keys("out/")  # published before failing
 
@@ -83,7 +90,8 @@ def test_invalid_outputs_count_against_max_failed_ratio(batch, server):
 def test_the_schema_is_part_of_the_run_identity_only_when_set(batch, server):
     server.behaviour = answers_with_some_invalid([])
     without = batch.run()
-    assert "output_type" not in without["identity"] and "invalid_output" not in without
+    assert "output_type" not in without["identity"]
+    assert "invalid_output" not in without
     with_schema = batch.run(
         FakeTI(run_id="again"),
         output_type="tests.unit.operators.test_vllm_batch_structured.Verdict",
@@ -115,7 +123,8 @@ def test_a_lines_own_response_format_is_sent_as_it_is(batch, server):
     server.behaviour = answers_with_some_invalid(seen)
     batch.run(output_type=Verdict, max_failed_ratio=1)
     formats = [b["response_format"] for b in seen]
-    assert formats.count(own) == 1 and len(formats) == N
+    assert formats.count(own) == 1
+    assert len(formats) == N
 
 
 def test_output_type_not_a_model_fails_at_parse_time_naming_it(batch):
@@ -130,7 +139,7 @@ def test_an_output_type_path_that_does_not_import_fails_the_task_without_retry_b
         output_type="no_such_pkg_xyz.Verdict"
     )  # the scheduler may lack the package: checked on the worker
     with pytest.raises(
-        AirflowFailException, match="output_type 'no_such_pkg_xyz.Verdict' cannot be imported"
+        AirflowFailException, match=r"output_type 'no_such_pkg_xyz.Verdict' cannot be imported"
     ):
         op.execute({"ti": FakeTI(), "outlet_events": {}})
     assert server.requests == 0
@@ -143,4 +152,5 @@ def test_output_type_and_a_response_format_in_default_body_are_refused(batch):
 
 def test_an_operator_without_output_type_is_unchanged():
     op = VLLMBatchOperator(task_id="t", input_uri="s3://b/i.jsonl", output_uri="s3://b/o.jsonl", model="m")
-    assert op.settings().output_type is None and op.settings().output_schema is None
+    assert op.settings().output_type is None
+    assert op.settings().output_schema is None

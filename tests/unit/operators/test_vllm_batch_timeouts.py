@@ -10,8 +10,9 @@ import pytest
 from aiohttp import web
 
 from airflow_vllm_batch.serving import ServerUnavailableError
-from tests.unit.operators.test_vllm_batch_server import Batch, batch, quick_retries, server  # noqa: F401 - fixtures
 from tests.unit.serving.conftest import chat_completion
+
+pytestmark = pytest.mark.usefixtures("quick_retries")
 
 
 def test_a_wedged_warm_server_ends_the_try_within_request_timeout_as_retryable(batch, server):
@@ -26,7 +27,7 @@ def test_a_wedged_warm_server_ends_the_try_within_request_timeout_as_retryable(b
 
     server.behaviour = answers_five_then_wedges
     started = time.monotonic()
-    with pytest.raises(ServerUnavailableError, match="answered no request for 1s .*wedged.*resumes") as err:
+    with pytest.raises(ServerUnavailableError, match=r"answered no request for 1s .*wedged.*resumes") as err:
         batch.run(max_in_flight=2, request_timeout=timedelta(seconds=1))
     assert err.value.retryable
     assert (

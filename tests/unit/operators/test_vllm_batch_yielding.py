@@ -24,8 +24,7 @@ from tests.unit.operators.test_vllm_batch_server import (
     N,
     ServedStandIn,
     _dies_after,
-    quick_retries,
-)  # noqa: F401
+)
 from tests.unit.serving.conftest import API_KEY
 
 
@@ -183,11 +182,12 @@ def test_yielding_is_not_in_the_run_identity_a_finished_run_is_returned_without_
     first = batch.run(yield_to_interactive=True)
     sent = shared.requests
     again = batch.run(FakeTI(try_number=2))
-    assert again["fingerprint"] == first["fingerprint"] and shared.requests == sent
+    assert again["fingerprint"] == first["fingerprint"]
+    assert shared.requests == sent
 
 
 @pytest.mark.parametrize(
-    "options, message",
+    ("options", "message"),
     [
         ({"yield_to_interactive": "yes"}, "yield_to_interactive must be True, False or a YieldToInteractive"),
         (

@@ -17,7 +17,8 @@ from airflow_vllm_batch.summary import render_summary
 def test_leased_gpus_times_engine_time_are_the_gpu_seconds_and_the_price_is_per_gpu_hour():
     cost = run_cost(device="gpu", gpus=2, engine_s=30.0, task_s=45.0, total_tokens=600, gpu_hour_cost=2.5)
     assert (cost.device, cost.gpus, cost.engine_s, cost.gpu_s) == ("gpu", 2, 30.0, 60.0)
-    assert cost.tokens_per_gpu_s == 10.0 and cost.tokens_per_engine_s is None
+    assert cost.tokens_per_gpu_s == 10.0
+    assert cost.tokens_per_engine_s is None
     assert cost.cost == pytest.approx(60 / 3600 * 2.5, abs=1e-6)
     assert cost.note is None
 
@@ -25,7 +26,8 @@ def test_leased_gpus_times_engine_time_are_the_gpu_seconds_and_the_price_is_per_
 def test_a_cpu_worker_reports_engine_seconds_and_no_gpu_seconds():
     cost = run_cost(device="gpu", gpus=0, engine_s=30.0, task_s=45.0, total_tokens=600, gpu_hour_cost=2.5)
     assert (cost.device, cost.gpus, cost.engine_s, cost.gpu_s) == ("cpu", 0, 30.0, None)
-    assert cost.tokens_per_engine_s == 20.0 and cost.tokens_per_gpu_s is None
+    assert cost.tokens_per_engine_s == 20.0
+    assert cost.tokens_per_gpu_s is None
     assert cost.cost == pytest.approx(30 / 3600 * 2.5, abs=1e-6)
     assert "no GPU" in cost.note
 
@@ -42,18 +44,22 @@ def test_a_vllm_connection_counts_the_tasks_wall_time_and_says_the_server_is_sha
 
 def test_without_a_price_there_is_no_cost_but_the_seconds_are_kept():
     cost = run_cost(device="gpu", gpus=1, engine_s=10.0, task_s=12.0, total_tokens=5)
-    assert cost.gpu_s == 10.0 and cost.cost is None and cost.gpu_hour_cost is None
+    assert cost.gpu_s == 10.0
+    assert cost.cost is None
+    assert cost.gpu_hour_cost is None
 
 
 def test_no_engine_time_in_this_try_gives_no_rate_and_costs_nothing():
     cost = run_cost(device="gpu", gpus=1, engine_s=0.0, task_s=3.0, total_tokens=500, gpu_hour_cost=2.0)
-    assert cost.tokens_per_gpu_s is None and cost.cost == 0.0
+    assert cost.tokens_per_gpu_s is None
+    assert cost.cost == 0.0
 
 
 def test_the_cost_is_split_between_models_by_their_share_of_tokens():
     per_model = {"base": {"requests": 1, "total_tokens": 300}, "sql": {"requests": 3, "total_tokens": 100}}
     split = split_cost(per_model, 0.4)
-    assert split["base"]["cost"] == pytest.approx(0.3) and split["sql"]["cost"] == pytest.approx(0.1)
+    assert split["base"]["cost"] == pytest.approx(0.3)
+    assert split["sql"]["cost"] == pytest.approx(0.1)
     assert split["base"]["requests"] == 1  # the counts stay
 
 
@@ -105,7 +111,8 @@ def _manifest(**extra) -> Manifest:
 def test_a_manifest_written_before_the_cost_fields_still_reads():
     old = b'{"output_uri": "s3://b/r.jsonl", "error_uri": null, "input_uri": null, "model": "m", "request_counts": {"total": 1, "completed": 1, "failed": 0}, "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}, "duration_s": 1.0, "vllm_version": null, "fingerprint": null, "manifest_uri": "s3://b/r.manifest.json", "per_model": {"m": {"requests": 1, "total_tokens": 2}}}'
     manifest = Manifest.from_json(old)
-    assert manifest.cost is None and manifest.per_model == {"m": {"requests": 1, "total_tokens": 2}}
+    assert manifest.cost is None
+    assert manifest.per_model == {"m": {"requests": 1, "total_tokens": 2}}
 
 
 def test_a_priced_manifest_reads_back_equal_with_its_float_cost_per_model():
@@ -200,7 +207,8 @@ def test_shards_on_different_kinds_of_engine_add_up_only_their_money():
         )
     )
     merged = sum_costs([gpu, warm], total_tokens=20)
-    assert merged is not None and (merged.device, merged.cost, merged.gpu_s) == ("mixed", 3.0, None)
+    assert merged is not None
+    assert (merged.device, merged.cost, merged.gpu_s) == ("mixed", 3.0, None)
     assert "gpu, vllm_connection" in (merged.note or "")
 
 
@@ -210,7 +218,8 @@ def test_unpriced_shards_add_up_their_seconds_without_a_cost():
         for s in (1.5, 2.5)
     ]
     merged = sum_costs(shards, total_tokens=200)
-    assert merged is not None and (
+    assert merged is not None
+    assert (
         merged.device,
         merged.engine_s,
         merged.tokens_per_engine_s,

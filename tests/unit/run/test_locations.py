@@ -77,7 +77,9 @@ def test_colliding_locations_are_refused_when_the_settings_are_read_naming_both_
     message = str(err.value)
     for parameter in parameters:
         assert parameter in message
-    assert "collide" in message and "Give " in message and "Nothing was run or written" in message
+    assert "collide" in message
+    assert "Give " in message
+    assert "Nothing was run or written" in message
     assert not err.value.retryable
 
 

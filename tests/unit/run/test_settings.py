@@ -64,7 +64,8 @@ def test_a_ratio_outside_0_to_1_names_the_parameter(ratio):
 def test_none_values_take_the_defaults_but_aws_conn_id_none_is_kept():
     settings = make(results_dir=None, engine=VLLMRunner(env=None), default_body=None, aws_conn_id=None)
     assert settings.results_dir == DEFAULT_RESULTS_DIR
-    assert settings.engine.env == {} and settings.default_body == {}
+    assert settings.engine.env == {}
+    assert settings.default_body == {}
     assert settings.aws_conn_id is None  # boto3's own credential chain
 
 
@@ -79,7 +80,8 @@ def test_an_engine_that_is_no_engines_options_names_them():
 
 
 def test_no_engine_is_vllms_batch_runner():
-    assert isinstance(make().engine, VLLMRunner) and make().engine.args == ()
+    assert isinstance(make().engine, VLLMRunner)
+    assert make().engine.args == ()
 
 
 @pytest.mark.parametrize(("given", "seconds"), [(timedelta(minutes=2), 120.0), (90, 90.0), (2.5, 2.5)])

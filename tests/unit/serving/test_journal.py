@@ -72,13 +72,15 @@ def test_close_seals_the_last_part(tmp_path):
     journal.write(LINE)
     assert journal.parts == []
     journal.close()
-    assert [p.lines for p in journal.parts] == [1] and journal.lines_durable == 1
+    assert [p.lines for p in journal.parts] == [1]
+    assert journal.lines_durable == 1
 
 
 def test_an_empty_journal_makes_no_part(tmp_path):
     journal = Journal(tmp_path)
     journal.close()
-    assert journal.parts == [] and list(tmp_path.iterdir()) == []
+    assert journal.parts == []
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_resumed_journal_numbers_its_parts_after_the_earlier_ones(tmp_path):
@@ -135,7 +137,8 @@ def test_a_cancelled_run_still_reports_what_it_wrote(tmp_path):
 
     journal = Journal(tmp_path, on_part=lambda p, i: reported.append(i))
     asyncio.run(scenario())
-    assert reported == [0] and journal.lines_durable == 1
+    assert reported == [0]
+    assert journal.lines_durable == 1
 
 
 def test_lines_set_aside_never_reach_a_part(tmp_path):
@@ -146,7 +149,8 @@ def test_lines_set_aside_never_reach_a_part(tmp_path):
     journal.close()
     assert [p.lines for p in journal.parts] == [1, 1]
     assert all(b"left" not in p.path.read_bytes() for p in journal.parts)
-    assert journal.set_aside_path.read_bytes() == b'{"custom_id":"left"}\n' and journal.lines_set_aside == 1
+    assert journal.set_aside_path.read_bytes() == b'{"custom_id":"left"}\n'
+    assert journal.lines_set_aside == 1
 
 
 def test_write_set_aside_journals_them_as_the_next_part(tmp_path):

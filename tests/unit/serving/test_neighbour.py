@@ -59,7 +59,8 @@ def controller(ceiling=64, floor=4, bound=None, metrics=True) -> InFlightControl
 def test_the_metrics_of_every_engine_are_added_up_and_the_fullest_kv_cache_kept():
     got = parse_metrics(METRICS)
     assert (got.waiting, got.running, got.kv_cache_usage) == (3.0, 12.0, 0.5)
-    assert got.queue_time_s == (4.5, 30.0) and got.token_time_s == (12.0, 600.0)
+    assert got.queue_time_s == (4.5, 30.0)
+    assert got.token_time_s == (12.0, 600.0)
 
 
 def test_text_that_is_not_a_vllm_servers_metrics_is_refused():
@@ -122,7 +123,8 @@ def test_a_server_busy_with_others_starts_the_batch_at_the_floor():
 
 def test_unreadable_metrics_at_the_start_leave_the_bound_to_429_and_503():
     move = InFlightController(64, 4, metrics=False).start(None)
-    assert move.bound == 4 and "429/503 answers only" in move.why
+    assert move.bound == 4
+    assert "429/503 answers only" in move.why
 
 
 def test_a_floor_above_the_maximum_is_the_maximum():
@@ -148,14 +150,16 @@ def test_the_batchs_own_requests_waiting_alone_do_not_lower_it():
 
 def test_a_nearly_full_kv_cache_with_others_halves_the_bound():
     move = controller(bound=32).update(Reading(load(running=34, kv=0.95), in_flight=32))
-    assert move.bound == 16 and move.why.startswith("KV cache 95% full with 2 requests of others")
+    assert move.bound == 16
+    assert move.why.startswith("KV cache 95% full with 2 requests of others")
 
 
 def test_a_long_mean_queue_time_with_others_halves_the_bound():
     c = controller(bound=32)
     c._previous = load(queue=(1.0, 10.0))
     move = c.update(Reading(load(running=33, queue=(4.0, 20.0)), in_flight=32))
-    assert move.bound == 16 and "queued 0.30s on average" in move.why
+    assert move.bound == 16
+    assert "queued 0.30s on average" in move.why
 
 
 def test_steps_slower_than_the_fastest_seen_with_others_halve_the_bound():
@@ -164,7 +168,8 @@ def test_steps_slower_than_the_fastest_seen_with_others_halve_the_bound():
     c.update(Reading(load(tokens=(1.0, 100.0)), in_flight=0))  # 10 ms per token, nobody else there
     c.bound = 32
     move = c.update(Reading(load(running=34, tokens=(3.0, 200.0)), in_flight=32))  # 20 ms per token
-    assert move.bound == 16 and move.why.startswith("20 ms per token, the fastest seen 10 ms")
+    assert move.bound == 16
+    assert move.why.startswith("20 ms per token, the fastest seen 10 ms")
 
 
 def test_too_few_tokens_say_nothing_about_the_steps():
@@ -177,14 +182,16 @@ def test_too_few_tokens_say_nothing_about_the_steps():
 
 def test_a_429_or_503_halves_the_bound_even_when_the_metrics_look_calm():
     move = controller(bound=64).update(Reading(load(), in_flight=10, rejections=3))
-    assert move.bound == 32 and move.why == "3 answers 429/503 (the server or its balancer is full)"
+    assert move.bound == 32
+    assert move.why == "3 answers 429/503 (the server or its balancer is full)"
 
 
 def test_the_bound_never_goes_below_the_floor():
     c = controller(bound=5, floor=4)
     for _ in range(5):
         move = c.update(Reading(load(waiting=3, running=9), in_flight=5))
-    assert move.bound == 4 and c.bound == 4
+    assert move.bound == 4
+    assert c.bound == 4
 
 
 # -- growing back -------------------------------------------------------------------------
@@ -193,10 +200,8 @@ def test_the_bound_never_goes_below_the_floor():
 def test_with_others_on_the_server_and_none_waiting_the_bound_grows_by_a_step():
     c = controller(ceiling=64, bound=8)
     move = c.update(Reading(load(running=10), in_flight=8))
-    assert (
-        move.bound == 8 + 64 // GROWTH_PARTS
-        and move.why == "none waiting with 2 requests of others on the server"
-    )
+    assert move.bound == 8 + 64 // GROWTH_PARTS
+    assert move.why == "none waiting with 2 requests of others on the server"
 
 
 def test_without_others_the_bound_steps_then_doubles_once_they_have_been_gone_a_while():
@@ -240,7 +245,8 @@ def test_the_controller_counts_its_moves_and_keeps_the_last_change():
     c.update(Reading(load(waiting=1, running=20), in_flight=16))
     c.update(Reading(None, in_flight=8))
     assert (c.lowered, c.raised) == (1, 0)
-    assert c.last_change is not None and c.last_change.describe().startswith("lowered 16 -> 8")
+    assert c.last_change is not None
+    assert c.last_change.describe().startswith("lowered 16 -> 8")
 
 
 def test_the_same_readings_give_the_same_bounds():
@@ -258,4 +264,6 @@ def test_the_same_readings_give_the_same_bounds():
         return [c.update(r).bound for r in readings]
 
     first = run()
-    assert first == run() and min(first) >= 2 and max(first) <= 128
+    assert first == run()
+    assert min(first) >= 2
+    assert max(first) <= 128

@@ -50,7 +50,8 @@ def test_requests_in_flight_never_exceed_the_bound(stand_in, tmp_path):
     stand_in.behaviour = slow
     stats, results, _ = _stream(stand_in, tmp_path, request_lines(60), max_in_flight=4)
     assert stand_in.max_in_flight == 4
-    assert stats.done == 60 and len(results) == 60
+    assert stats.done == 60
+    assert len(results) == 60
 
 
 def test_the_input_is_read_only_a_bounded_way_ahead_of_the_answers(stand_in, tmp_path):
@@ -88,7 +89,8 @@ def test_the_input_is_read_only_a_bounded_way_ahead_of_the_answers(stand_in, tmp
     )
     timer.join()
     # In flight (2) + what is buffered (under one chunk of 64) + the chunk read ahead (64).
-    assert seen_when_released and seen_when_released[0] <= 2 + 2 * 64
+    assert seen_when_released
+    assert seen_when_released[0] <= 2 + 2 * 64
 
 
 def test_every_request_is_sent_with_the_api_key_and_answered_once(stand_in, tmp_path):
@@ -118,7 +120,8 @@ def test_503_is_retried_until_it_succeeds(stand_in, tmp_path):
     stand_in.behaviour = flaky
     stats, results, _ = _stream(stand_in, tmp_path, request_lines(5), retries=3)
     assert [r["response"]["status_code"] for r in results] == [200] * 5
-    assert stats.retried == 10 and stats.failed == 0
+    assert stats.retried == 10
+    assert stats.failed == 0
     assert set(stand_in.attempts.values()) == {3}
 
 
@@ -132,9 +135,11 @@ def test_a_400_becomes_that_lines_error_in_vllms_shape(stand_in, tmp_path):
     stats, results, _ = _stream(stand_in, tmp_path, request_lines(3))
     (error,) = [r for r in results if r["custom_id"] == "r1"]
     assert list(error) == ["id", "custom_id", "response", "error"]
-    assert error["response"]["status_code"] == 400 and error["response"]["body"] is None
+    assert error["response"]["status_code"] == 400
+    assert error["response"]["body"] is None
     assert error["error"] == ERROR_RESPONSE
-    assert stats.failed == 1 and stats.done == 3
+    assert stats.failed == 1
+    assert stats.done == 3
     assert stand_in.attempts["r1"] == 1
 
 
@@ -158,7 +163,8 @@ def test_a_request_that_keeps_timing_out_is_set_aside_with_a_504_line_not_journa
     stats, results, journal = _stream(stand_in, tmp_path, request_lines(2), retries=1, request_timeout_s=0.2)
     assert [r["custom_id"] for r in results] == ["r1"]
     (line,) = _set_aside_lines(journal)
-    assert line["custom_id"] == "r0" and line["response"]["status_code"] == 504
+    assert line["custom_id"] == "r0"
+    assert line["response"]["status_code"] == 504
     assert "no answer within 0.2s, 1 attempt" in line["error"]
     assert (stats.done, stats.failed, stats.unanswered, stats.unanswered_reasons) == (1, 0, 1, {"timeout": 1})
     assert stand_in.attempts["r0"] == 1  # request_timeout_s is the request's whole time, its retries included
@@ -215,7 +221,8 @@ def test_a_429_waits_as_long_as_its_retry_after_says(stand_in, tmp_path, monkeyp
     _, results, _ = _stream(stand_in, tmp_path, request_lines(1), retries=2, backoff_s=0.01)
     assert [r["response"]["status_code"] for r in results] == [200]
     # Never sooner than asked, spread by at most a fifth to keep refused requests apart.
-    assert len(waits) == 1 and 1.0 <= waits[0] <= 1.2, waits
+    assert len(waits) == 1, waits
+    assert 1.0 <= waits[0] <= 1.2, waits
 
 
 @pytest.mark.parametrize("status", [408, 429, 500, 504, 507])
@@ -239,7 +246,8 @@ def test_a_request_whose_retries_run_out_on_a_non_final_answer_is_set_aside_and_
     ]  # nothing but final answers in the parts
     assert stand_in.attempts["r1"] == 3
     (line,) = _set_aside_lines(journal)
-    assert line["custom_id"] == "r1" and line["response"]["status_code"] == status
+    assert line["custom_id"] == "r1"
+    assert line["response"]["status_code"] == status
     assert line["error"]["error"]["message"] == "engine busy"
     assert (stats.unanswered, stats.unanswered_reasons, stats.unanswered_example) == (
         1,
@@ -320,7 +328,7 @@ def test_a_server_gone_for_good_raises_after_the_journal_is_flushed(stand_in, tm
 
 def test_a_refused_server_raises_server_unavailable(tmp_path):
     journal = Journal(tmp_path)
-    with pytest.raises(ServerUnavailableError, match="127.0.0.1:9"):
+    with pytest.raises(ServerUnavailableError, match=r"127.0.0.1:9"):
         run_stream(
             request_lines(3),
             base_url="http://127.0.0.1:9",
@@ -350,7 +358,8 @@ def test_a_line_that_is_not_a_request_names_its_line_number(stand_in, tmp_path):
 
 def test_blank_lines_are_ignored(stand_in, tmp_path):
     stats, results, _ = _stream(stand_in, tmp_path, [*request_lines(2), (3, b"  \n")])
-    assert stats.read == 2 and len(results) == 2
+    assert stats.read == 2
+    assert len(results) == 2
 
 
 def test_progress_reports_counts_and_rates(stand_in, tmp_path):
@@ -371,7 +380,8 @@ def test_progress_reports_counts_and_rates(stand_in, tmp_path):
     assert reports
     last = reports[-1]
     assert 0 < last.done <= last.read <= 40
-    assert last.requests_per_s > 0 and last.output_tokens_per_s == pytest.approx(3 * last.requests_per_s)
+    assert last.requests_per_s > 0
+    assert last.output_tokens_per_s == pytest.approx(3 * last.requests_per_s)
 
 
 def test_a_failed_checkpoint_upload_stops_the_stream(stand_in, tmp_path):
@@ -388,7 +398,8 @@ def test_a_failed_checkpoint_upload_stops_the_stream(stand_in, tmp_path):
 
 def test_result_line_escapes_the_custom_id():
     line = json.loads(result_line('a"b\n', 200, b'{"x":1}', None))
-    assert line["custom_id"] == 'a"b\n' and line["response"]["body"] == {"x": 1}
+    assert line["custom_id"] == 'a"b\n'
+    assert line["response"]["body"] == {"x": 1}
 
 
 def test_a_wedged_server_ends_the_stream_within_the_request_timeout_not_retries_times_it(stand_in, tmp_path):
@@ -417,10 +428,11 @@ def test_a_request_retried_after_errors_still_ends_by_its_request_timeout(stand_
 
     stand_in.behaviour = fails_then_hangs
     started = time.monotonic()
-    stats, results, journal = _stream(stand_in, tmp_path, request_lines(2), retries=6, request_timeout_s=0.6)
+    stats, results, _journal = _stream(stand_in, tmp_path, request_lines(2), retries=6, request_timeout_s=0.6)
     assert time.monotonic() - started < 0.6 + 2.0
     assert [r["custom_id"] for r in results] == ["r1"]
-    assert stats.unanswered_reasons == {"timeout": 1} and stand_in.attempts["r0"] == 2
+    assert stats.unanswered_reasons == {"timeout": 1}
+    assert stand_in.attempts["r0"] == 2
 
 
 def test_a_stopped_stream_sends_nothing_more_and_journals_what_was_answered(stand_in, tmp_path):
@@ -432,6 +444,8 @@ def test_a_stopped_stream_sends_nothing_more_and_journals_what_was_answered(stan
 
     # 200 lines fit in one chunk of the feed: the stop is asked before each send, not only when reading.
     stats, results, _ = _stream(stand_in, tmp_path, request_lines(200), max_in_flight=2, stop=stop)
-    assert 10 <= len(stand_in.attempts) <= 12 and len(sent) >= 10
-    assert {r["custom_id"] for r in results} == set(stand_in.attempts) and stats.done == len(results)
+    assert 10 <= len(stand_in.attempts) <= 12
+    assert len(sent) >= 10
+    assert {r["custom_id"] for r in results} == set(stand_in.attempts)
+    assert stats.done == len(results)
     assert stats.unanswered == 0

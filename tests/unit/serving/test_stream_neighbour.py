@@ -92,9 +92,10 @@ def test_a_server_busy_with_others_gets_only_the_floor_and_the_batch_still_finis
     shared.behaviour = _slow
     shared.others = 20  # a queue that never drains
     plan = NeighbourPlan(priority=None, min_in_flight=2, check_every_s=0.02)
-    stats, lines, seen = _run(shared, tmp_path, 60, plan, max_in_flight=32)
+    stats, lines, _seen = _run(shared, tmp_path, 60, plan, max_in_flight=32)
     assert sorted(line["custom_id"] for line in lines) == sorted(f"r{i}" for i in range(60))
-    assert shared.max_in_flight <= 2 and stats.bound == 2
+    assert shared.max_in_flight <= 2
+    assert stats.bound == 2
 
 
 def test_the_bound_backs_off_while_others_queue_and_grows_back_once_they_are_gone(shared, tmp_path):
@@ -120,7 +121,7 @@ def test_the_bound_backs_off_while_others_queue_and_grows_back_once_they_are_gon
     thread = threading.Thread(target=burst)
     thread.start()
     journal = Journal(tmp_path / "journal")
-    phase = lambda: "burst" if shared.others else "calm"  # noqa: E731
+    phase = lambda: "burst" if shared.others else "calm"
     stats = run_stream(
         request_lines(3000),
         base_url=shared.base_url,
@@ -133,8 +134,11 @@ def test_the_bound_backs_off_while_others_queue_and_grows_back_once_they_are_gon
     )
     thread.join()
     burst_bounds = [b for p, b in timeline if p == "burst"]
-    assert burst_bounds and min(burst_bounds) == 2, timeline
-    assert stats.bound == 32 and stats.bound_lowered >= 1 and stats.bound_raised >= 1, timeline
+    assert burst_bounds, timeline
+    assert min(burst_bounds) == 2, timeline
+    assert stats.bound == 32, timeline
+    assert stats.bound_lowered >= 1, timeline
+    assert stats.bound_raised >= 1, timeline
     assert (
         "requests waiting with" in stats.bound_last_move or "no requests of others" in stats.bound_last_move
     )
@@ -158,7 +162,8 @@ def test_without_metrics_the_batch_starts_at_the_floor_and_still_finishes(shared
     shared.metrics_status = 404
     plan = NeighbourPlan(priority=None, min_in_flight=3, check_every_s=0.02)
     stats, lines, seen = _run(shared, tmp_path, 200, plan, max_in_flight=16)
-    assert len(lines) == 200 and seen[0].bound == 3
+    assert len(lines) == 200
+    assert seen[0].bound == 3
     assert stats.bound > 3  # grown a step per check without a 429/503
 
 
@@ -174,7 +179,7 @@ def test_429s_lower_the_bound(shared, tmp_path):
 
     shared.behaviour = full_at_first
     plan = NeighbourPlan(priority=None, min_in_flight=1, check_every_s=0.02)
-    stats, lines, seen = _run(shared, tmp_path, 400, plan, max_in_flight=16)
+    _stats, lines, seen = _run(shared, tmp_path, 400, plan, max_in_flight=16)
     assert len({line["custom_id"] for line in lines}) == 400
     assert any("answers 429/503" in s.bound_last_move for s in seen), [s.bound_last_move for s in seen][:10]
 

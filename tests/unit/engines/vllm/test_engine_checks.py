@@ -113,7 +113,8 @@ def test_server_args_refused_by_vllm_name_the_argument_and_the_fix(argcheck_resu
     with pytest.raises(EngineArgumentsError) as err:
         raise_for_result(argcheck_results[f"api_server/{case}"], sys.executable)
     message = str(err.value)
-    assert message.startswith("VLLMServer(args=...): ") and "\n" not in message
+    assert message.startswith("VLLMServer(args=...): ")
+    assert "\n" not in message
     for fragment in fragments:
         assert fragment in message
     assert message.endswith(f"Fix args (see {help_cmd}).")
@@ -257,7 +258,8 @@ def test_missing_local_model_names_model_and_path(model):
         inspect_model(model, [])
     message = str(err.value)
     assert message.startswith(f"model: the local model directory {model!r}")
-    assert "does not exist" in message and "Give model= an existing model directory" in message
+    assert "does not exist" in message
+    assert "Give model= an existing model directory" in message
 
 
 @pytest.mark.parametrize(
@@ -311,7 +313,8 @@ def test_uncached_hub_model_fails_when_downloads_are_off(tmp_path, variable):
         inspect_model("org/not-cached", [], env=env)
     message = str(err.value)
     assert message.startswith("model: 'org/not-cached' is not in the local Hugging Face cache")
-    assert str(tmp_path / "hub") in message and "downloads are off" in message
+    assert str(tmp_path / "hub") in message
+    assert "downloads are off" in message
     assert "hf download org/not-cached" in message
 
 

@@ -115,7 +115,7 @@ def _start(
 def test_a_refused_flag_stops_the_engine_before_its_entry_point_runs_with_the_checks_message(
     tmp_path, fake_vllm
 ):
-    engine, run, lines = _start(tmp_path, fake_vllm, ["--max-modle-len", "4096"])
+    engine, run, _lines = _start(tmp_path, fake_vllm, ["--max-modle-len", "4096"])
     assert run.returncode == ARGUMENTS_REFUSED_EXIT
     assert not (tmp_path / "ran.json").exists()  # the runner (model, GPU) never started
     with pytest.raises(EngineArgumentsError) as refused:
@@ -136,12 +136,14 @@ def test_a_refused_secret_flag_value_is_in_neither_the_engine_log_nor_the_error(
     assert not any("hf_abcdefghijklmnopqrstuvwxyz" in line for line in lines)
     with pytest.raises(EngineArgumentsError) as refused:
         engine.settle_launch(tmp_path / "engine-launch.json")
-    assert "hf_abcdefghijklmnopqrstuvwxyz" not in str(refused.value) and "--bogus" in str(refused.value)
+    assert "hf_abcdefghijklmnopqrstuvwxyz" not in str(refused.value)
+    assert "--bogus" in str(refused.value)
 
 
 def test_the_entry_points_own_quick_checks_refuse_before_it_runs(tmp_path, fake_vllm):
     engine, run, _ = _start(tmp_path, fake_vllm, ["--max-model-len", "0"])
-    assert run.returncode == ARGUMENTS_REFUSED_EXIT and not (tmp_path / "ran.json").exists()
+    assert run.returncode == ARGUMENTS_REFUSED_EXIT
+    assert not (tmp_path / "ran.json").exists()
     with pytest.raises(
         EngineArgumentsError, match=r"^VLLMRunner\(args=\.\.\.\): max_model_len must be positive"
     ):
@@ -175,10 +177,8 @@ def test_offline_defaults_the_engines_vllm_cannot_tell_leave_it_unsized_with_the
     assert json.loads((tmp_path / "ran.json").read_text())["argv"][-1] == "--enforce-eager"
     with caplog.at_level(logging.WARNING):
         engine.settle_launch(tmp_path / "engine-launch.json")
-    assert (
-        "Could not read vLLM's offline scheduler defaults" in caplog.text
-        and "get_batch_defaults" in caplog.text
-    )
+    assert "Could not read vLLM's offline scheduler defaults" in caplog.text
+    assert "get_batch_defaults" in caplog.text
     assert engine.scheduler_sizes.flags == []
 
 

@@ -37,7 +37,8 @@ def test_without_options_the_model_is_the_only_name():
 )
 def test_served_model_names_replace_the_path(engine_args, base):
     served = served_models("/models/llama", engine_args)
-    assert served.base_names == base and served.default_name == base[0]
+    assert served.base_names == base
+    assert served.default_name == base[0]
 
 
 def test_adapters_in_both_forms_are_names(adapter):
@@ -87,7 +88,7 @@ def test_a_missing_adapter_directory_fails_before_any_engine(tmp_path):
 
 def test_an_adapter_without_adapter_config_fails(tmp_path):
     (tmp_path / "adapter_model.safetensors").write_bytes(b"")
-    with pytest.raises(AdapterNotFoundError, match="has no adapter_config.json"):
+    with pytest.raises(AdapterNotFoundError, match=r"has no adapter_config.json"):
         check_adapters(served_models("/m", ["--enable-lora", "--lora-modules", f"sql={tmp_path}"]))
 
 
@@ -113,7 +114,7 @@ def test_a_cached_hub_adapter_is_checked_in_its_snapshot(tmp_path, adapter):
     (repo / "snapshots" / commit).mkdir()
     env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)}
     served = served_models("/m", ["--enable-lora", "--lora-modules", "sql=org/sql-lora"])
-    with pytest.raises(AdapterNotFoundError, match="has no adapter_config.json"):
+    with pytest.raises(AdapterNotFoundError, match=r"has no adapter_config.json"):
         check_adapters(served, env)
     (repo / "snapshots" / commit / "adapter_config.json").write_text("{}")
     check_adapters(served, env)
@@ -126,7 +127,8 @@ def test_a_warm_servers_listing_gives_its_names_base_first():
         {"id": "sql", "root": "/adapters/sql", "parent": "llama"},
     ]
     served = served_models_of_server(cards, "llama-chat")
-    assert served.base_names == ("llama", "llama-chat") and served.default_name == "llama"
+    assert served.base_names == ("llama", "llama-chat")
+    assert served.default_name == "llama"
     assert served.names == ("llama", "llama-chat", "sql")
 
 

@@ -95,7 +95,8 @@ def test_reap_sees_the_exit_while_another_frame_holds_popens_wait_lock():
         started = time.monotonic()
         assert reap(proc, timeout=10)
         assert time.monotonic() - started < 5
-    assert reap(proc, timeout=5) and proc.returncode == -signal.SIGKILL
+    assert reap(proc, timeout=5)
+    assert proc.returncode == -signal.SIGKILL
 
 
 def test_reap_says_so_when_the_process_outlives_the_timeout():

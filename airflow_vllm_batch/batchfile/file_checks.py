@@ -18,7 +18,8 @@ from __future__ import annotations
 from array import array
 from bisect import bisect_left
 from collections.abc import Callable, Iterable
-from typing import IO, ContextManager
+from contextlib import AbstractContextManager as ContextManager
+from typing import IO
 
 import msgspec
 

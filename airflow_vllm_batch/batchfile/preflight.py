@@ -33,7 +33,8 @@ from __future__ import annotations
 import sys
 from array import array
 from collections.abc import Callable, Iterable
-from typing import IO, Any, ContextManager
+from contextlib import AbstractContextManager as ContextManager
+from typing import IO, Any
 
 import msgspec
 
@@ -166,7 +167,8 @@ class _Checker(FileChecks):
 
     def _line_decoder(self, url: str, model: str | None) -> tuple[Any, Any, list[tuple[str, str]]]:
         """Build a whole-line decoder for ``url`` (strict when ``model`` is given); default_body keys become extra optional body fields."""
-        struct, complete, _ = body_spec_for(url)
+        body, complete, _ = body_spec_for(url)
+        struct: type[msgspec.Struct] = body
         default_attrs: list[tuple[str, str]] = []
         items = self.defaults_for(url)
         if items:
@@ -188,7 +190,7 @@ class _Checker(FileChecks):
                     kw_only=True,
                     gc=False,
                 )
-        line_struct = request_struct(struct, url if model is not None else None, model)
+        line_struct = request_struct(struct, url if model is not None else None, model)  # type: ignore[arg-type]  # a RequestBody with the default_body fields added
         return msgspec.json.Decoder(line_struct).decode, complete, default_attrs
 
     # -- the hot loop ------------------------------------------------------------
@@ -206,7 +208,7 @@ class _Checker(FileChecks):
         decode, complete, limit = self.decode, self.complete, self.limit
         lineno = 0
 
-        for lineno, raw in enumerate(lines, 1):  # noqa: B007 - lineno is read after the loop
+        for lineno, raw in enumerate(lines, 1):  # lineno is read after the loop
             try:
                 req = decode(raw)
             except _DECODE_ERRORS:
@@ -232,10 +234,8 @@ class _Checker(FileChecks):
             p = h & mask
             hashes[p].append(h)
             id_lines[p].append(lineno)
-            if has_defaults:
-                raw = self.fill_defaults(raw, req.body)
             if write is not None:
-                write(raw + b"\n")
+                write((self.fill_defaults(raw, req.body) if has_defaults else raw) + b"\n")
 
         self.close_segment(lineno + 1 if not self.stopped else lineno)
         report = self.report
@@ -318,7 +318,8 @@ class _Checker(FileChecks):
         if self.url is not None:
             count = end - self.seg_start - self.seg_skip
             self.url_counts[self.url] = self.url_counts.get(self.url, 0) + count
-            self.model_counts[self.seg_model] = self.model_counts.get(self.seg_model, 0) + count
+            if self.seg_model is not None:  # set with the URL: a line that names no model is invalid
+                self.model_counts[self.seg_model] = self.model_counts.get(self.seg_model, 0) + count
         self.seg_start = end
         self.seg_skip = 0
 

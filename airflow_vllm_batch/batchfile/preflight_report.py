@@ -11,14 +11,16 @@ line (:func:`error_line`; the shape of vLLM's own error lines, so one reader han
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from airflow_vllm_batch.batchfile.index import CustomIdIndex
 from airflow_vllm_batch.batchfile.line_checks import FILE_WIDE_ON_LINE_1
 from airflow_vllm_batch.batchfile.problems import Problem, format_problem_list
 from airflow_vllm_batch.exceptions import PreflightError
+
+if TYPE_CHECKING:
+    from airflow_vllm_batch.batchfile.index import CustomIdIndex
 
 
 @dataclass

@@ -36,8 +36,6 @@ from airflow_vllm_batch.redaction import IDENTITY_PLACEHOLDER, redact_engine_arg
 from airflow_vllm_batch.scratch import owned_dir
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
-
     from airflow_vllm_batch.batchfile import PreflightReport
     from airflow_vllm_batch.engines.base import EngineSettings
     from airflow_vllm_batch.lease import TaskTry

@@ -493,7 +493,7 @@ class RunnerEngine(LocalEngine):
             while not done.wait(stop.every_s):
                 try:
                     reason = stop()
-                except Exception as err:  # a failing poll is no reason to stop
+                except Exception as err:  # noqa: BLE001 - a failing poll is no reason to stop
                     self.log.warning("Could not read whether the batch must stop: %s", err)
                     continue
                 if reason is not None:

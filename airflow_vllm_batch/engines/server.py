@@ -84,10 +84,10 @@ class _Streaming(Engine):
 
     def url_advice(self) -> dict[str, str]:
         # Only vLLM's batch runner fetches an audio line's file_url and uploads it.
-        return {
-            url: "audio lines run on the batch runner (engine=VLLMRunner()); put them in a file of their own"
-            for url in GENERATE_URLS - SERVED_URLS
-        }
+        return dict.fromkeys(
+            GENERATE_URLS - SERVED_URLS,
+            "audio lines run on the batch runner (engine=VLLMRunner()); put them in a file of their own",
+        )
 
     @cached_property
     def server(self) -> VLLMServerEngine:
@@ -287,7 +287,7 @@ class ServerEngine(_Streaming, LocalEngine):
         self.log.info("In flight: at most %d requests (%s)", self.server.max_in_flight, why)
 
     def gpus_for(self, job: EngineJob) -> Any:
-        return self.leased_gpus(self.server.env, job.task)
+        return self.leased_gpus(self.server.env, job.task)  # type: ignore[arg-type]  # a started server's env: the dict server_arguments() gave it
 
 
 class ConnectionEngine(_Streaming):
@@ -490,7 +490,7 @@ class _CheckpointCounts:
         try:
             assert self.job.on_checkpoint is not None
             self.job.on_checkpoint({"completed": completed, "failed": len(self.seen) - completed})
-        except Exception as err:  # the live counts are worth less than the run
+        except Exception as err:  # noqa: BLE001 - the live counts are worth less than the run
             import logging
 
             logging.getLogger(__name__).warning("Could not report the run's progress: %s", err)

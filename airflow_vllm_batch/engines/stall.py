@@ -24,12 +24,15 @@ Airflow, no S3.
 from __future__ import annotations
 
 import contextlib
-import logging
 import re
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from airflow_vllm_batch.log_groups import TaskLog
 
 #: Seconds between two checks of the bound, at most (a quarter of the bound when that is shorter).
 STALL_POLL_S = 5.0
@@ -107,7 +110,7 @@ class StallBound:
 
 @contextlib.contextmanager
 def stall_bound(
-    timeout_s: float | None, output: Path | None, stop: Callable[[], None], log: logging.Logger
+    timeout_s: float | None, output: Path | None, stop: Callable[[], None], log: TaskLog
 ) -> Iterator[StallBound]:
     """While an engine runs, check in a thread that it makes progress; ``stop`` it when it made none for the bound.
 

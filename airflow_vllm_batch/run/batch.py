@@ -58,7 +58,6 @@ from airflow_vllm_batch.run.inputs import BatchInput, write_requests
 from airflow_vllm_batch.scratch import concat, kept_results, maybe_open, scratch
 from airflow_vllm_batch.storage.publishing import OutputStore
 from airflow_vllm_batch.storage.s3 import s3_lines
-from airflow_vllm_batch.storage.staging import RunStaging
 from airflow_vllm_batch.summary import FailureExample, FailureTally, tally_failures
 
 if TYPE_CHECKING:
@@ -69,6 +68,7 @@ if TYPE_CHECKING:
     from airflow_vllm_batch.lease import OutputLease
     from airflow_vllm_batch.log_groups import TaskLog
     from airflow_vllm_batch.run.settings import BatchSettings
+    from airflow_vllm_batch.storage.staging import RunStaging
 
 
 @dataclass

@@ -46,14 +46,12 @@ import logging
 import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
-from airflow.providers.amazon.aws.hooks.s3 import S3Hook
 from botocore.exceptions import ClientError
 
 from airflow_vllm_batch.exceptions import LocationError, OutputBusyError
-from airflow_vllm_batch.identity import RunIdentity
 from airflow_vllm_batch.lease import LeaseHolder, OutputLease
 from airflow_vllm_batch.manifest import Manifest, Tombstone, is_tombstone
 from airflow_vllm_batch.storage.layout import default_error_uri, manifest_uri, output_stem
@@ -68,6 +66,11 @@ from airflow_vllm_batch.storage.s3 import (
     upload_file,
 )
 from airflow_vllm_batch.storage.staging import RunStaging
+
+if TYPE_CHECKING:
+    from airflow.providers.amazon.aws.hooks.s3 import S3Hook
+
+    from airflow_vllm_batch.identity import RunIdentity
 
 log = logging.getLogger(__name__)
 

@@ -15,11 +15,12 @@ import contextlib
 import re
 from collections.abc import Callable, Generator, Iterator, Sequence
 from pathlib import Path
-from typing import Any
-
-from airflow.providers.amazon.aws.hooks.s3 import S3Hook
+from typing import TYPE_CHECKING, Any
 
 from airflow_vllm_batch.storage.s3 import delete_keys, s3_lines, upload_file
+
+if TYPE_CHECKING:
+    from airflow.providers.amazon.aws.hooks.s3 import S3Hook
 
 #: ``part-000123-<try token>.jsonl``: the journal's part number (:func:`airflow_vllm_batch.serving.part_name`)
 #: and the token of the try that wrote it, so that two tries never write the same key (a zombie try

@@ -33,7 +33,8 @@ def _constant(source: str, name: str) -> str:
 
 def _installed(module: str) -> str:
     spec = importlib.util.find_spec(module)
-    assert spec is not None and spec.origin is not None
+    assert spec is not None
+    assert spec.origin is not None
     return Path(spec.origin).read_text(encoding="utf-8")
 
 
@@ -68,7 +69,9 @@ def _sources() -> list[tuple[str, str, str]]:
     return found
 
 
-@pytest.mark.parametrize("version, run_batch, shm_broadcast", [pytest.param(*s, id=s[0]) for s in _sources()])
+@pytest.mark.parametrize(
+    ("version", "run_batch", "shm_broadcast"), [pytest.param(*s, id=s[0]) for s in _sources()]
+)
 def test_vllms_progress_report_and_waiting_warning_read_as_the_stall_bound_expects(
     version, run_batch, shm_broadcast
 ):

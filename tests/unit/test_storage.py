@@ -36,11 +36,13 @@ def test_a_read_of_a_pinned_input_that_changed_fails_naming_it(s3, bucket, hook)
     s3.client().put_object(Bucket=bucket, Key="in.jsonl", Body=b"a\n")
     etag = head_input(hook, f"s3://{bucket}/in.jsonl").etag
     s3.client().put_object(Bucket=bucket, Key="in.jsonl", Body=b"b\n")
-    with pytest.raises(
-        InputChangedError, match=rf"s3://{bucket}/in.jsonl was overwritten while this task ran"
+    with (
+        pytest.raises(
+            InputChangedError, match=rf"s3://{bucket}/in.jsonl was overwritten while this task ran"
+        ),
+        s3_lines(hook, bucket, "in.jsonl", if_match=etag) as lines,
     ):
-        with s3_lines(hook, bucket, "in.jsonl", if_match=etag) as lines:
-            list(lines)
+        list(lines)
 
 
 def test_a_missing_input_names_input_uri_and_the_fix(bucket, hook):
@@ -85,7 +87,8 @@ def test_a_manifest_whose_files_are_gone_is_not_complete(s3, bucket, hook):
     store.write_manifest(_manifest(store, identity.fingerprint, error_uri=store.error_uri))
     s3.client().put_object(Bucket=bucket, Key="r.jsonl", Body=b"{}\n")
     manifest, why = store.completed(identity)
-    assert manifest is None and why == f"the manifest names {store.error_uri}, which is gone"
+    assert manifest is None
+    assert why == f"the manifest names {store.error_uri}, which is gone"
     s3.client().put_object(Bucket=bucket, Key="r.errors.jsonl", Body=b"{}\n")
     assert store.completed(identity)[0] is not None
 
@@ -102,7 +105,8 @@ def test_an_output_whose_publish_stopped_after_its_tombstone_is_not_complete_and
     # The next publish's first write; the try is stopped before its last.
     store.mark_publishing(head_etag(s3.client(), bucket, "r.manifest.json"), identity.fingerprint)
     manifest, why = store.completed(identity)
-    assert manifest is None and store.read_manifest() is None
+    assert manifest is None
+    assert store.read_manifest() is None
     assert (
         why
         == f"the output at s3://{bucket}/r.jsonl is not complete: a try began publishing it and has not finished (it still publishes, or it was stopped)"
@@ -137,7 +141,8 @@ def test_removing_a_runs_staging_leaves_other_runs_staging(s3, bucket, hook):
     for staging in (mine, theirs):
         s3.client().put_object(Bucket=bucket, Key=staging.results_key, Body=b"x\n")
     mine.remove()
-    assert not mine.has_results() and theirs.has_results()
+    assert not mine.has_results()
+    assert theirs.has_results()
 
 
 def test_the_writable_check_probes_a_bucket_once_when_the_error_file_sits_beside_the_output(
@@ -312,7 +317,8 @@ def test_a_try_paused_after_its_lease_check_cannot_undo_what_its_successor_publi
     with pytest.raises(OutputBusyError, match="changed while this try published"):
         zombie.publish(_manifest(zombie, "z"), results_path=mine, errors_path=mine)
     published = successor.read_manifest()
-    assert published is not None and published.fingerprint == "s"
+    assert published is not None
+    assert published.fingerprint == "s"
     assert client.get_object(Bucket=bucket, Key="r.jsonl")["Body"].read() == b"the successor's lines\n"
     assert client.get_object(Bucket=bucket, Key="r.errors.jsonl")["Body"].read() == b"the successor's lines\n"
     # The successor's manifest still names the very files that are there: its output is complete.
@@ -372,9 +378,11 @@ def test_a_zombies_manifest_cannot_land_between_its_successors_results_and_its_s
     assert zombie_paused.wait(timeout=60)
     successor.publish(_manifest(successor, "s"), results_path=theirs, errors_path=theirs)
     zombie_thread.join(timeout=60)
-    assert len(zombie_ended) == 1 and isinstance(zombie_ended[0], OutputBusyError)
+    assert len(zombie_ended) == 1
+    assert isinstance(zombie_ended[0], OutputBusyError)
     published = successor.read_manifest()
-    assert published is not None and published.fingerprint == "s"
+    assert published is not None
+    assert published.fingerprint == "s"
     assert client.get_object(Bucket=bucket, Key="r.jsonl")["Body"].read() == b"the successor's lines\n"
     assert (published.output_etag, published.error_etag) == (
         head_etag(client, bucket, "r.jsonl"),
@@ -392,7 +400,8 @@ def test_an_output_overwritten_after_its_manifest_is_not_complete(s3, bucket, ho
     # A zombie's PUT that landed after its last lease check, once the manifest was written.
     s3.client().put_object(Bucket=bucket, Key="r.jsonl", Body=_chat("a", "a zombie's answer") + b"\n")
     manifest, why = store.completed(identity)
-    assert manifest is None and "was overwritten after its manifest was written" in why
+    assert manifest is None
+    assert "was overwritten after its manifest was written" in why
 
 
 def test_read_answers_refuses_results_overwritten_after_the_manifest(s3, bucket, hook, tmp_path):
@@ -451,7 +460,8 @@ def test_a_publish_whose_conditional_writes_lost_their_answers_takes_them_as_its
     store.publish(_manifest(store, "n"), results_path=results, errors_path=None)
     assert {key for _, key in lossy.resent} == {"r.manifest.json", "r.jsonl", "r.errors.jsonl"}
     published = store.read_manifest()
-    assert published is not None and published.fingerprint == "n"
+    assert published is not None
+    assert published.fingerprint == "n"
     assert published.output_etag == head_etag(client, bucket, "r.jsonl")
     assert head_etag(client, bucket, "r.errors.jsonl") is None
 
@@ -468,7 +478,8 @@ def test_a_large_file_goes_up_in_parts_under_its_condition_and_a_refused_one_lea
     big = tmp_path / "big.jsonl"
     big.write_bytes(b'{"custom_id": "c"}\n' * (6 * 2**20 // 19))  # two parts
     etag = storage.upload_file(client, big, bucket, "r.jsonl", IfNoneMatch="*")
-    assert etag == head_etag(client, bucket, "r.jsonl") and etag.endswith("-2")
+    assert etag == head_etag(client, bucket, "r.jsonl")
+    assert etag.endswith("-2")
     with pytest.raises(ClientError, match="PreconditionFailed"):
         storage.upload_file(client, big, bucket, "r.jsonl", IfNoneMatch="*")
     assert not client.list_multipart_uploads(Bucket=bucket).get("Uploads")  # the refused upload was aborted

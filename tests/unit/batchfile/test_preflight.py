@@ -3,6 +3,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import re
 
 import pytest
 
@@ -392,12 +393,15 @@ def test_lines_the_model_kind_serves_pass(kind, data):
 
 def test_wrong_kind_lines_are_skipped_in_skip_mode():
     report = run(good(2) + EMBED + b"\n", model_kind="generate", invalid_lines="skip")
-    assert report.runnable and (report.valid_lines, report.invalid_lines) == (2, 1)
+    assert report.runnable
+    assert (report.valid_lines, report.invalid_lines) == (2, 1)
 
 
 def test_gzip_input_is_read_and_not_called_invalid_utf8():
     report = run(gzip.compress(good(3)))
-    assert report.ok and report.valid_lines == 3 and report.compression == "gzip"
+    assert report.ok
+    assert report.valid_lines == 3
+    assert report.compression == "gzip"
 
 
 def test_gzip_lines_read_without_decompressing_are_called_gzip_not_bad_utf8():
@@ -410,12 +414,14 @@ def test_gzip_input_needs_the_uncompressed_cleaned_copy():
     out = io.BytesIO()
     with open_lines(io.BytesIO(gzip.compress(good(2)))) as lines:
         report = preflight(lines, cleaned_out=out)
-    assert report.needs_rewrite and out.getvalue() == good(2)
+    assert report.needs_rewrite
+    assert out.getvalue() == good(2)
 
 
 def test_gzip_input_with_a_bad_line_reports_the_line():
     report = run(gzip.compress(good(1) + b"junk\n"))
-    assert report.problems[0].line == 2 and "not valid JSON" in report.problems[0].message
+    assert report.problems[0].line == 2
+    assert "not valid JSON" in report.problems[0].message
 
 
 @pytest.mark.parametrize(
@@ -474,7 +480,8 @@ def test_valid_lines_are_copied_byte_for_byte_to_cleaned_copy():
     out = io.BytesIO()
     with open_lines(io.BytesIO(data)) as lines:
         report = preflight(lines, cleaned_out=out)
-    assert report.ok and not report.needs_rewrite
+    assert report.ok
+    assert not report.needs_rewrite
     assert out.getvalue() == data + b"\n"
 
 
@@ -501,7 +508,9 @@ def test_skip_mode_writes_invalid_lines_as_error_lines():
         report = preflight(
             lines, PreflightOptions(invalid_lines="skip"), cleaned_out=cleaned, errors_out=errors
         )
-    assert report.runnable and report.needs_rewrite and not report.ok
+    assert report.runnable
+    assert report.needs_rewrite
+    assert not report.ok
     written = [json.loads(x) for x in errors.getvalue().splitlines()]
     assert [(w["custom_id"], w["error"]["line"], w["error"]["code"]) for w in written] == [
         ("bad", 2, "invalid_request"),
@@ -528,7 +537,9 @@ def test_rewrite_model_sets_model_in_cleaned_copy():
     out = io.BytesIO()
     with open_lines(io.BytesIO(good(2))) as lines:
         report = preflight(lines, PreflightOptions(model="tiny", rewrite_model=True), cleaned_out=out)
-    assert report.ok and report.needs_rewrite and report.rewritten_lines == 2
+    assert report.ok
+    assert report.needs_rewrite
+    assert report.rewritten_lines == 2
     assert [json.loads(x)["body"]["model"] for x in out.getvalue().splitlines()] == ["tiny", "tiny"]
 
 
@@ -553,7 +564,8 @@ def test_default_body_is_added_only_where_missing():
         report = preflight(lines, PreflightOptions(default_body={"max_tokens": 5}), cleaned_out=out)
     bodies = [json.loads(x)["body"] for x in out.getvalue().splitlines()]
     assert [b["max_tokens"] for b in bodies] == [5, 9]
-    assert report.rewritten_lines == 1 and report.needs_rewrite
+    assert report.rewritten_lines == 1
+    assert report.needs_rewrite
 
 
 def test_unchanged_lines_keep_their_bytes_when_defaults_apply_elsewhere():
@@ -569,13 +581,15 @@ def test_duplicate_reports_repeat_and_first_line_and_custom_id():
     problem = report.problems[0]
     assert (problem.line, problem.custom_id) == (6, "ok-0")
     assert "line 1" in problem.message
-    assert report.valid_lines == 5 and report.invalid_lines == 1
+    assert report.valid_lines == 5
+    assert report.invalid_lines == 1
 
 
 def test_duplicates_without_reread_are_counted_as_a_file_problem():
     with open_lines(io.BytesIO(good(3) + line("ok-2") + b"\n")) as lines:
         report = preflight(lines)
-    assert report.invalid_lines == 1 and report.valid_lines == 3
+    assert report.invalid_lines == 1
+    assert report.valid_lines == 3
     assert "1 request(s) repeat an earlier custom_id" in report.problems[-1].message
 
 
@@ -586,8 +600,10 @@ def test_duplicates_fail_the_file_even_in_skip_mode():
 
 def test_max_lines_stops_reading_with_a_file_problem():
     report = run(good(10), max_lines=4)
-    assert report.stopped_early and not report.runnable
-    assert report.problems[0].line == 5 and "more than 4 requests" in report.problems[0].message
+    assert report.stopped_early
+    assert not report.runnable
+    assert report.problems[0].line == 5
+    assert "more than 4 requests" in report.problems[0].message
     assert report.total_lines == 4
 
 
@@ -597,7 +613,8 @@ def test_max_lines_ignores_blank_lines():
 
 def test_empty_file_is_a_file_problem():
     report = run(b"\n \n")
-    assert not report.ok and "no requests" in report.problems[0].message
+    assert not report.ok
+    assert "no requests" in report.problems[0].message
 
 
 def test_skip_mode_with_nothing_valid_is_not_runnable():
@@ -653,7 +670,9 @@ def test_raise_for_problems_names_source_counts_and_problems():
     with pytest.raises(PreflightError) as excinfo:
         report.raise_for_problems("s3://b/in.jsonl")
     text = str(excinfo.value)
-    assert "s3://b/in.jsonl failed preflight" in text and "line 1" in text and "... and 10 more" in text
+    assert "s3://b/in.jsonl failed preflight" in text
+    assert "line 1" in text
+    assert "... and 10 more" in text
     assert excinfo.value.report is report
 
 
@@ -666,18 +685,18 @@ def test_report_to_dict_is_json_serialisable():
 
 
 @pytest.mark.parametrize(
-    "kwargs",
+    ("kwargs", "names"),
     [
-        {"invalid_lines": "ignore"},
-        {"rewrite_model": True},
-        {"default_body": {"model": "x"}},
-        {"supported_urls": frozenset()},
-        {"model_kind": "chat"},
-        {"default_body": {"max_completion_tokens": -5}},
+        ({"invalid_lines": "ignore"}, "invalid_lines must be"),
+        ({"rewrite_model": True}, "rewrite_model=True needs model="),
+        ({"default_body": {"model": "x"}}, "default_body may not set"),
+        ({"supported_urls": frozenset()}, "supported_urls is empty"),
+        ({"model_kind": "chat"}, "model_kind must be"),
+        ({"default_body": {"max_completion_tokens": -5}}, "default_body: "),
     ],
 )
-def test_bad_options_raise_value_error(kwargs):
-    with pytest.raises(ValueError):
+def test_bad_options_raise_value_error(kwargs, names):
+    with pytest.raises(ValueError, match=re.escape(names)):
         PreflightOptions(**kwargs)
 
 
@@ -691,7 +710,8 @@ def named(custom_id: str, model: str) -> bytes:
 def test_lines_may_alternate_between_the_base_model_and_its_adapters():
     data = b"".join(named(f"r{i}", ["base", "sql", "chat"][i % 3]) for i in range(9))
     report = run(data, model="base", model_names={"base", "sql", "chat"})
-    assert report.ok and report.valid_lines == 9
+    assert report.ok
+    assert report.valid_lines == 9
     assert report.requests_per_model == {"base": 3, "sql": 3, "chat": 3}
     assert report.url_counts == {CHAT: 9}
 
@@ -699,13 +719,15 @@ def test_lines_may_alternate_between_the_base_model_and_its_adapters():
 def test_runs_of_one_adapter_are_counted_per_name():
     data = b"".join(named(f"r{i}", "sql" if 3 <= i < 8 else "base") for i in range(10)) + b"\n"
     report = run(data, model="base", model_names={"base", "sql"})
-    assert report.ok and report.requests_per_model == {"base": 5, "sql": 5}
+    assert report.ok
+    assert report.requests_per_model == {"base": 5, "sql": 5}
 
 
 def test_a_name_the_engine_does_not_serve_fails_with_the_names_it_does():
     data = named("a", "base") + named("b", "sql") + named("c", "/models/base")
     report = run(data, model="base", model_names={"base", "sql"})
-    assert report.invalid_lines == 1 and report.problems[0].line == 3
+    assert report.invalid_lines == 1
+    assert report.problems[0].line == 3
     message = report.problems[0].message
     assert "'/models/base', which the engine does not serve" in message
     assert "use one of: 'base', 'sql'" in message
@@ -726,7 +748,8 @@ def test_rewrite_model_keeps_served_names_and_rewrites_the_others():
             PreflightOptions(model="base", model_names={"base", "sql"}, rewrite_model=True),
             cleaned_out=out,
         )
-    assert report.ok and report.rewritten_lines == 1
+    assert report.ok
+    assert report.rewritten_lines == 1
     assert [json.loads(x)["body"]["model"] for x in out.getvalue().splitlines()] == ["sql", "base", "base"]
     assert report.requests_per_model == {"sql": 1, "base": 2}
     assert report.models == {"sql": 1, "base": 1, "other": 1}
@@ -739,7 +762,8 @@ def test_model_names_need_model_among_them():
 
 def test_without_model_names_the_first_line_still_sets_the_model():
     report = run(named("a", "x") + named("b", "x"))
-    assert report.ok and report.requests_per_model == {"x": 2}
+    assert report.ok
+    assert report.requests_per_model == {"x": 2}
 
 
 # -- /v1/completions ---------------------------------------------------------------

@@ -29,7 +29,8 @@ def test_a_higher_count_in_the_progress_report_is_progress_and_the_same_count_ag
     watch.line(REPORT.format(pct=20, n=2))
     clock.now = 17
     watch.line(REPORT.format(pct=20, n=2))  # tqdm's monitor prints a stalled bar again
-    assert watch.silent_s() == 9 and not watch.stalled()
+    assert watch.silent_s() == 9
+    assert not watch.stalled()
     clock.now = 18
     assert watch.stalled()
     watch.line(REPORT.format(pct=30, n=3))

@@ -143,7 +143,8 @@ def write_gpu_probe(path: str) -> None:
 def answer_slowly(output: str, answers: list[dict], wedge_after: int | None) -> int:
     """Answer one request at a time, each in a progress report; wedge after ``wedge_after`` of them."""
     # vLLM 0.33 writes its local output as it goes; 0.32 only at the end.
-    out = open(output, "w") if os.environ.get("FAKE_ENGINE_VLLM", "0.32") == "0.33" else None
+    # Not a with block: a wedged engine never closes it (it is killed), as vLLM 0.33's runner would not.
+    out = open(output, "w") if os.environ.get("FAKE_ENGINE_VLLM", "0.32") == "0.33" else None  # noqa: SIM115
     pause = float(os.environ.get("FAKE_ENGINE_SLOW", "0"))
     total = len(answers)
     for n, a in enumerate(answers, start=1):

@@ -73,7 +73,8 @@ def test_a_runner_that_stalls_after_some_answers_keeps_them_for_the_retry(batch,
     # vLLM 0.33 writes its answers as it goes: the three written before the stall are staged as a checkpoint part.
     with pytest.raises(EngineStalledError, match="the 3 answer"):
         run(batch, "0.33", stall_timeout=BOUND, FAKE_ENGINE_WEDGE_AFTER="3")
-    assert len(staged(batch, "parts")) == 1 and not staged(batch, "deaths")
+    assert len(staged(batch, "parts")) == 1
+    assert not staged(batch, "deaths")
     manifest = run(batch, "0.33", FakeTI(try_number=2))
     assert manifest["request_counts"] == {"total": 5, "completed": 5, "failed": 0}
     # The retry sends only what the stalled engine had not answered.

@@ -200,6 +200,10 @@ def run_lifecycle(seed: int, workdir: Path, monkeypatch: pytest.MonkeyPatch) -> 
     # A batch is one DAG run (its run_id is the batch id); any other run of its conf fails BatchSpec.verified
     # before it reads or writes, so no second task instance ever shares a batch's output.
     plan.second_run_at = None
+    # Nor any of the schedules that start one (a frozen process beside another run, a user's rewrite then a re-run).
+    plan.outside_rewrite = False
+    if plan.target is not None and plan.target[1] == "freeze":
+        plan.target, plan.resume_at = None, None
     world = LifecycleWorld(plan, workdir, make_lifecycle(seed))
     with monkeypatch.context() as patch:
         # The virtual clock, for the deadline and the engines' polls (every request, not every 5 s of a clock that does not pass).

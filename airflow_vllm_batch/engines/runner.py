@@ -31,7 +31,7 @@ from airflow_vllm_batch.engines.runner_deaths import (
     to_isolate,
     unanswered,
 )
-from airflow_vllm_batch.engines.server import answered_ids, answered_requests
+from airflow_vllm_batch.engines.server import answered_requests, resumable_parts
 from airflow_vllm_batch.engines.stall import stall_bound, stall_message
 from airflow_vllm_batch.engines.vllm.command import build_engine_argv, conceal_arguments
 from airflow_vllm_batch.exceptions import (
@@ -134,8 +134,7 @@ class RunnerEngine(LocalEngine):
         total = job.report.valid_lines
         duration = 0.0
         for start in range(MAX_STARTS_PER_TRY + 1):
-            parts = staging.list_parts()
-            answered = answered_ids(staging, parts)
+            parts, answered = resumable_parts(staging, job.report.custom_ids, self.log)
             # Requests, not answers: two tries' parts may answer one request twice (fix 5; simulator seed 2169
             # at fdc20fc: 13 answers of 7 requests taken for all 10, every try published nothing).
             if parts and answered_requests(job.report.custom_ids, answered, total) >= total:

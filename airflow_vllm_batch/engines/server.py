@@ -58,6 +58,7 @@ from airflow_vllm_batch.serving.processes import terminate_workers
 
 if TYPE_CHECKING:
     from airflow_vllm_batch.engines.options import YieldToInteractive
+    from airflow_vllm_batch.log_groups import TaskLog
     from airflow_vllm_batch.storage.staging import RunStaging
 
 #: The server's batch routes when they cannot be read from its vLLM (a warm server behind a
@@ -117,8 +118,7 @@ class _Streaming(Engine):
         )
         if not self.settings.resume:
             staging.drop_results()
-        parts = staging.list_parts()
-        answered = answered_ids(staging, parts)
+        parts, answered = resumable_parts(staging, job.report.custom_ids, self.log)
         total = job.report.valid_lines
         # Requests, not answers: two tries' parts may answer one request twice (Exactly once, Durability).
         done = answered_requests(job.report.custom_ids, answered, total)
@@ -411,6 +411,53 @@ def answered_ids(staging: RunStaging, parts: list[str]) -> CustomIdIndex:
             if raw.strip():
                 index.add(decode_custom_id(raw).custom_id, number)
     return index
+
+
+def resumable_parts(
+    staging: RunStaging, wanted: CustomIdIndex | None, log: TaskLog
+) -> tuple[list[str], CustomIdIndex]:
+    """The checkpoint parts a retry resumes from, and the custom_ids they answer (as :func:`answered_ids`).
+
+    A part holding a line no results check accepts (unreadable, or no answer to a request of
+    the input: a try that died before its check left it) is dropped first, as that check
+    would drop it (:func:`invalid_parts`); its requests are sent again. Reading it as answers
+    would fail every retry on the same line (simulator seed 106 of issue 34), or skip requests
+    whose answers the check then drops.
+
+    :param staging: the run's staging (the try holds the lease: the drop is fenced).
+    :param wanted: the input's custom_ids (preflight's index); None: only unreadable lines count.
+    :param log: where the drop is told.
+    """
+    index = CustomIdIndex()
+    kept: list[str] = []
+    bad: list[str] = []
+    number = 0
+    for key in staging.list_parts():
+        ids: list[tuple[str, int]] = []
+        count = 0
+        with staging.open_parts([key]) as lines:
+            for raw in lines:
+                count += 1
+                if not raw.strip():
+                    continue
+                if not _valid_answer(raw, wanted):
+                    bad.append(key)
+                    break
+                ids.append((decode_custom_id(raw).custom_id, number + count))
+            else:
+                kept.append(key)
+                for custom_id, line in ids:
+                    index.add(custom_id, line)
+                number += count
+    if bad:
+        log.warning(
+            "Dropping %d checkpoint part(s) that hold a line no results check accepts (a try ended before its check): "
+            "%s; their requests are sent again.",
+            len(bad),
+            ", ".join(bad),
+        )
+        staging.drop_parts(bad)
+    return kept, index
 
 
 def answered_requests(wanted: CustomIdIndex | None, answered: CustomIdIndex, total: int) -> int:

@@ -45,7 +45,18 @@ class CampaignReport:
         """The (site x fault kind) counts, one row per site; ``-`` where the kind does not exist at the site, ``0`` where it was never reached."""
         from tests.simulation.world import SITES, site_kinds
 
-        kinds = ("error", "lost_response", "slow", "outage", "conflict", "partial", "kill", "zombie", "pause")
+        kinds = (
+            "error",
+            "lost_response",
+            "slow",
+            "outage",
+            "conflict",
+            "partial",
+            "kill",
+            "zombie",
+            "pause",
+            "freeze",
+        )
         short = {"lost_response": "lost"}
         lines = [f"{'site':<26}" + "".join(f"{short.get(k, k):>9}" for k in kinds)]
         for site in SITES:

@@ -15,7 +15,10 @@ from them, the last try's set-aside lines) with the HTTP stream replaced by
 :class:`SimServer`, which answers through the real :class:`~airflow_vllm_batch.serving.Journal`
 (each checkpoint handed over with ``Journal.adopt``, uploaded by the engine's own
 lease-checked ``on_part``). The server can die (the try fails, retryable), answer a
-request twice, answer 429/5xx until the retries run out (set aside), or stall.
+request twice, answer 429/5xx until the retries run out (set aside), stall, or write a line no
+results check accepts (cut short, or answering a request not in the input). Either may find the
+worker's disk full while it writes (the runner's output, a checkpoint part): the write stops
+half-way and the engine fails.
 
 An answer echoes its request's message, so the invariants can tell an answer to the current
 input from a stale one (One identity).
@@ -24,6 +27,7 @@ input from a stale one (One identity).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 from functools import cached_property
@@ -149,6 +153,12 @@ class SimRunnerProcess:
             yield f"Running batch: {100 * number / len(requests):3.0f}% Completed | {number}/{len(requests)} [00:01<00:01]".encode()
         text = b"\n".join(out) + (b"\n" if out and world.rng.random() < 0.8 else b"")
         with open(target, "wb") as f:
+            if world.disk_is_full():
+                # The disk fills while vLLM writes its output: part of it written, the process fails.
+                f.write(text[: len(text) // 2])
+                self.returncode = 1
+                yield b"OSError: [Errno 28] No space left on device"
+                return
             f.write(text)
         self.returncode = 0
 
@@ -255,8 +265,16 @@ class SimServer:
                 stats.unanswered_example = stats.unanswered_example or request["custom_id"]
                 continue
             line = answer_line(request, 400 if fate == "fail" else 200, tag=tag)
+            if fate == "garbled" and world.rng.random() < 0.5:
+                # The line cut short (a server that died mid-write): no answer, and a part no check accepts.
+                chunk.append(line[: len(line) // 2])
+                stats.done += 1
+                continue
             world.note_sent(request["custom_id"], journal.directory.parent)
             chunk.append(line)
+            if fate == "garbled":
+                # An answer to a request the input does not hold (a mixed-up id).
+                chunk.append(answer_line({**request, "custom_id": f"{request['custom_id']}-stray"}, tag=tag))
             if fate == "twice":
                 chunk.append(line)
             stats.done += 1
@@ -272,7 +290,12 @@ class SimServer:
         if not chunk:
             return
         path = journal.directory / f"sim-part-{journal.next_index}.jsonl"
-        path.write_bytes(b"".join(line + b"\n" for line in chunk))
+        data = b"".join(line + b"\n" for line in chunk)
+        if self.world.disk_is_full():
+            # The disk fills while the journal writes the part: part of it on disk, never sealed nor adopted.
+            path.write_bytes(data[: len(data) // 2])
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        path.write_bytes(data)
         chunk.clear()
         journal.adopt(path)
 

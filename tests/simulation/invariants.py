@@ -27,6 +27,7 @@ from airflow_vllm_batch.storage.s3 import split_s3_uri
 from tests.simulation.s3 import FakeS3Client, FakeS3Hook, Mutation
 
 if TYPE_CHECKING:
+    from tests.simulation.scheduler import TryState
     from tests.simulation.world import World
 
 INVARIANTS = (
@@ -53,6 +54,31 @@ class Violation:
 
 def staging_prefix(output_uri: str, short: str) -> str:
     return f"{split_s3_uri(output_uri, 'output_uri')[1]}.staging/{short}/"
+
+
+def invalid_body(body: bytes, wanted: set[str]) -> bool:
+    """Whether a staged part holds a line no results check accepts (unreadable, or no answer to a request of ``wanted``).
+
+    Such a part is not durable: the results check drops it and a retry answers its requests
+    again (docs/protocol.md, Durability); its other answers count as never staged.
+    """
+    for raw in body.splitlines():
+        if not raw.strip():
+            continue
+        try:
+            line = json.loads(raw)
+            if not isinstance(line, dict) or line.get("custom_id") not in wanted:
+                return True
+            if "response" not in line and "error" not in line:
+                return True
+        except ValueError:
+            return True
+    return False
+
+
+def durable_answers(body: bytes, wanted: set[str]) -> set[str]:
+    """The final answers a staged object holds durably: none when it is a part the results check drops."""
+    return set() if invalid_body(body, wanted) else final_answers(body)
 
 
 def final_answers(body: bytes) -> set[str]:
@@ -151,6 +177,8 @@ class StepChecks:
         self.last_lease: Mutation | None = None
         #: try label -> the S3 calls with which it changed the output or its staging while not holding the lease.
         self.unleased: dict[str, set[int]] = {}
+        #: output key -> (the S3 call, the writer, whether it changed the bytes) of its current version.
+        self.versions: dict[str, tuple[int, str | None, bool]] = {}
 
     def flag(self, check: str, detail: str) -> None:
         if check not in self.seen:  # the first time each check fails is enough to replay it
@@ -169,6 +197,8 @@ class StepChecks:
                 and m.lease_holder != m.try_label
             ):
                 self.unleased_change(m)
+            if m.key in self.output_keys:
+                self.over_newer(m)
         if any(m.key in self.output_keys for m in changes):
             self.reader()
         dropped = [
@@ -176,7 +206,9 @@ class StepChecks:
             for m in changes
             if m.key.startswith(self.staging_root) and m.before and m.op.startswith("delete")
         ]
-        if dropped and self.world.input_version == 1:
+        # After a user's tool rewrote the published output, its answers may be in no complete output: the
+        # user took them out, not the run (the Durability of what the run published ends there).
+        if dropped and self.world.input_version == 1 and self.world.outside_rewrite_call is None:
             self.staging_dropped(dropped)
 
     def lease_rule(self, m: Mutation) -> None:
@@ -233,6 +265,65 @@ class StepChecks:
                 f"{m.try_label} changed {m.key} ({m.op}) while {m.lease_holder or 'nobody'} held the lease, its second change without it",
             )
 
+    def over_newer(self, m: Mutation) -> None:
+        """A publishing write replaces (or deletes) only a version that was there when its try last read the lease.
+
+        Every write of the output is conditional on what the try read before its fence
+        (docs/protocol.md, step 9), so the version it replaces is older than that fence. A
+        version another writer made after it (a later run that took the lease over while this
+        try was paused or frozen past its fence) must make the write fail; replacing it is the
+        stray write the conditions exist to refuse. A rewrite of the very same bytes is no
+        change a condition could tell (nor a reader).
+        """
+        previous = self.versions.get(m.key)
+        self.versions[m.key] = (m.step, m.try_label, m.before != m.body)
+        if previous is None or m.try_label is None or m.before is None:
+            return
+        step, writer, changed = previous
+        fenced_at = self.world.lease_read_call.get(m.try_label, -1)
+        if writer != m.try_label and changed and step > fenced_at:
+            self.flag(
+                "Fencing/stray-write-over-newer",
+                f"{m.try_label} {m.op.replace('_', ' ')} {m.key} over {writer or 'a user'}'s version of S3 call "
+                f"{step}, made after {m.try_label}'s last lease read (call {fenced_at})",
+            )
+
+    def returned(self, state: TryState) -> None:
+        """A try returns success only over an output whose files are the ones its manifest names (docs/protocol.md, Exactly once).
+
+        Made when the try returns: the manifest it returns is still the one at the manifest's key
+        (else a later writer replaced the output, legitimately or not, and other checks judge it).
+        """
+        world = self.world
+        if (
+            world.plan.collision
+            or state.zombie
+            or state.outcome is None
+            or not state.label.startswith(("run-1/", "run-2/"))
+        ):
+            return
+        returned = state.outcome.manifest
+        raw = world.s3.buckets["sim"].get(self.store.manifest_key)
+        try:
+            current = Manifest.from_json(raw.body) if raw is not None else None
+        except Exception:  # noqa: BLE001 - a tombstone: another try publishes now
+            return
+        if current is None or current.to_json() != returned.to_json():
+            return
+        bucket = world.s3.buckets["sim"]
+        results = bucket.get(split_s3_uri(returned.output_uri, "uri")[1]) if returned.output_uri else None
+        errors = bucket.get(split_s3_uri(returned.error_uri, "uri")[1]) if returned.error_uri else None
+        wrong = []
+        if returned.output_etag and (results is None or results.etag.strip('"') != returned.output_etag):
+            wrong.append(returned.output_uri)
+        if returned.error_etag and (errors is None or errors.etag.strip('"') != returned.error_etag):
+            wrong.append(returned.error_uri)
+        if wrong:
+            self.flag(
+                "Exactly once/success-over-changed-output",
+                f"{state.label} returned success with a manifest whose files {wrong} are no longer the ones it names",
+            )
+
     def reader(self) -> None:
         """What a reader sees now: if it takes the output as complete, the output must be complete and right."""
         raw = self.world.s3.buckets.get("sim", {}).get(self.store.manifest_key)
@@ -258,7 +349,7 @@ class StepChecks:
         wanted = set(self.world.inputs.get(next(iter(self.world.inputs)), {}))
         for m in dropped:
             short = m.key[len(self.staging_root) :].split("/")[0]
-            answers = final_answers(m.before or b"") & wanted
+            answers = durable_answers(m.before or b"", wanted) & wanted
             if not answers:
                 continue
             prefix = f"{self.staging_root}{short}/"
@@ -291,7 +382,14 @@ class StepChecks:
 def exactly_once(o: Outcome) -> list[Violation]:
     found = []
     world = o.world
-    if world.final == "success" and o.complete is None and not world.plan.collision:
+    # A user's tool that rewrote the published output afterwards made it incomplete; no run can prevent that
+    # (a later run must notice it: ``success-over-changed-output``).
+    if (
+        world.final == "success"
+        and o.complete is None
+        and not world.plan.collision
+        and world.outside_rewrite_call is None
+    ):
         found.append(
             Violation(
                 "Exactly once/success-without-complete-output",
@@ -447,11 +545,22 @@ def fencing(o: Outcome) -> list[Violation]:
                 return False
             return hashlib.md5(change.body).hexdigest() in world.s3.attempted.get((writer, key), set())
 
+        # Left open by the protocol (docs/protocol.md, step 9): a try that lost the lease past its last fence
+        # *creates* an error file beside an output whose manifest names none. No S3 condition refuses a
+        # creation where nothing was; no reader takes the file (the manifest names its files); the next
+        # publish deletes it. Reached by the frozen processes (seed 820 of issue 34's simulator).
+        stray_creation = (
+            last.get(ekey) is not None
+            and last[ekey].before is None
+            and last[ekey].body is not None
+            and last[ekey].lease_holder != last[ekey].try_label
+            and not o.complete.error_uri
+        )
         mixed = {
             k: m.try_label
             for k, m in last.items()
             if m.try_label != writer
-            and not (k == ekey and absent_as_named)
+            and not (k == ekey and (absent_as_named or stray_creation))
             and not (k != mkey and same_bytes_as_writers(k, m))
         }
         if mixed:
@@ -500,14 +609,14 @@ def durability(o: Outcome) -> list[Violation]:
     for m in world.s3.mutations:
         if m.key.startswith(staging_root) and m.body is not None:
             short = m.key[len(staging_root) :].split("/")[0]
-            durable.setdefault(short, set()).update(final_answers(m.body))
+            durable.setdefault(short, set()).update(durable_answers(m.body, first_input(world)))
             last_short = short
     live = (
         o.winner.outcome.manifest.fingerprint[:16]
         if o.winner is not None and o.winner.outcome
         else lease_identity(world) or last_short
     )
-    if live in durable:
+    if live in durable and world.outside_rewrite_call is None:
         prefix = f"{staging_root}{live}/"
         now = set()
         for key, obj in world.s3.buckets["sim"].items():
@@ -535,6 +644,11 @@ def durability(o: Outcome) -> list[Violation]:
             )
         )
     return found
+
+
+def first_input(world: World) -> set[str]:
+    """The custom_ids of the task instance's first input (Durability is checked only while it stands)."""
+    return set(world.inputs.get(next(iter(world.inputs)), {})) if world.inputs else set()
 
 
 def answers_current_input(world: World, custom_id: str) -> bool:
@@ -664,11 +778,7 @@ def bounded(o: Outcome) -> list[Violation]:
         found.append(Violation("Bounded/try-did-not-end", why))
     if world.final is None:
         found.append(Violation("Bounded/task-did-not-end", "no try ended the task instance"))
-    if (
-        world.plan.second_run_at
-        and any(t.run == "run-2" for t in world.tries)
-        and "run-2" not in world.finals
-    ):
+    if any(t.run == "run-2" for t in world.tries) and "run-2" not in world.finals:
         found.append(Violation("Bounded/task-did-not-end", "no try ended run-2's task instance"))
     last = next((t for t in reversed(world.tries) if not t.zombie), None)
     if world.final == "failed" and not world.plan.collision and last is not None and last.error is not None:
@@ -756,7 +866,12 @@ def liveness(o: Outcome) -> list[Violation]:
     last = world.final_try
     if world.plan.collision or last is None or world.final != "failed" or last.dead or last.faults:
         return []
-    if world.input_version != 1 or world.plan.second_run_at or world.scheduler.out_of_time:
+    if (
+        world.input_version != 1
+        or world.plan.second_run_at
+        or any(t.run == "run-2" for t in world.tries)
+        or world.scheduler.out_of_time
+    ):
         return []
     error = last.error
     return [

@@ -52,17 +52,46 @@ class Mutant:
     new: str
     equivalent: str | None = None
 
-    def apply(self, root: Path) -> None:
-        """Mutate the copy of the package under ``root``."""
-        path = root / PACKAGE / self.module
+    def apply(self, root: Path) -> Path:
+        """Mutate the copy of the package under ``root``; return the file it mutated (see :meth:`locate`)."""
+        path = self.locate(root)
         text = path.read_text(encoding="utf-8")
-        found = text.count(self.old)
-        if found != 1:
+        path.write_text(text.replace(self.old, self.new), encoding="utf-8")
+        return path
+
+    def locate(self, root: Path) -> Path:
+        """The file of the package under ``root`` that holds the snippet exactly once.
+
+        Its :attr:`module` when that file exists; when it does not (the module moved, e.g. into a
+        package of its own), the one file anywhere in the package that holds the snippet, exactly
+        once in exactly one file, so a move does not stop the mutant from applying; re-point
+        :attr:`module` to the file named (``test_mutants.py`` says which).
+
+        :raises MutantNotAnchored: the snippet is not in the module exactly once, or (the module gone)
+            not in exactly one file exactly once.
+        """
+        package = root / PACKAGE
+        path = package / self.module
+        if path.exists():
+            found = path.read_text(encoding="utf-8").count(self.old)
+            if found == 1:
+                return path
             raise MutantNotAnchored(
                 f"mutant {self.name}: its snippet occurs {found} time(s) in {PACKAGE}/{self.module} (exactly once needed). "
                 f"The module changed: re-anchor the mutant in tests/simulation/mutation.py. Snippet:\n{self.old}"
             )
-        path.write_text(text.replace(self.old, self.new), encoding="utf-8")
+        counts = {
+            f: n
+            for f in sorted(package.rglob("*.py"))
+            if "__pycache__" not in f.parts and (n := f.read_text(encoding="utf-8").count(self.old))
+        }
+        if len(counts) == 1 and next(iter(counts.values())) == 1:
+            return next(iter(counts))
+        where = ", ".join(f"{f.relative_to(root)} ({n}x)" for f, n in counts.items()) or "no file"
+        raise MutantNotAnchored(
+            f"mutant {self.name}: {PACKAGE}/{self.module} does not exist and its snippet is in {where} "
+            f"(exactly one file, once, needed). Re-anchor the mutant in tests/simulation/mutation.py. Snippet:\n{self.old}"
+        )
 
 
 M = Mutant

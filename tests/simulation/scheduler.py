@@ -53,6 +53,11 @@ class TryState:
     faults: int = 0
     #: The input's ETags while it ran (what a manifest it returns may pin).
     inputs_seen: set = field(default_factory=set)
+    #: While set, the try's whole process is stopped (every thread of it: the heartbeat too, as a
+    #: suspended VM or a SIGSTOP stops them): none of its actors runs until this returns True or the
+    #: virtual clock reaches :attr:`frozen_until`.
+    frozen: Callable[[], bool] | None = None
+    frozen_until: float = 0.0
 
     @property
     def run(self) -> str:
@@ -77,6 +82,12 @@ class Actor:
     def runnable(self, now: float) -> bool:
         if self.done:
             return False
+        owner = self.owner
+        if owner is not None and owner.frozen is not None and not owner.dead:
+            if owner.frozen() or now >= owner.frozen_until:
+                owner.frozen = None
+            else:
+                return False
         if not self.blocked or (self.owner is not None and self.owner.dead):
             return True
         if self.until is not None and self.until():
@@ -230,7 +241,12 @@ class Scheduler:
                 if current in runnable and self.rng.random() < self.stay:
                     return current
                 return self.rng.choice(runnable)
-            wakes = [a.wake_at for a in live if a.wake_at is not None]
+            # A frozen try's actors wake no earlier than its thaw (their own wake-up may have passed).
+            wakes = [
+                a.owner.frozen_until if a.owner is not None and a.owner.frozen is not None else a.wake_at
+                for a in live
+                if a.wake_at is not None or (a.owner is not None and a.owner.frozen is not None)
+            ]
             if not wakes or self.now > self.time_limit_s:
                 # Nobody can ever run again (or time is up): stop every try still running.
                 if wakes:

@@ -204,6 +204,10 @@ def run_lifecycle(seed: int, workdir: Path, monkeypatch: pytest.MonkeyPatch) -> 
     # before it reads or writes, so no second task instance ever shares a batch's output.
     plan.second_run_at = None
     plan.engine_faults.pop("wedge", None)  # StoppableProcess does not model a wedged engine
+    # Nor any of the schedules that start one (a frozen process beside another run, a user's rewrite then a re-run).
+    plan.outside_rewrite = False
+    if plan.target is not None and plan.target[1] == "freeze":
+        plan.target, plan.resume_at = None, None
     world = LifecycleWorld(plan, workdir, make_lifecycle(seed))
     with monkeypatch.context() as patch:
         # The virtual clock, for the deadline and the engines' polls (every request, not every 5 s of a clock that does not pass).

@@ -31,6 +31,7 @@ from airflow_vllm_batch.exceptions import VLLMBatchError
 from airflow_vllm_batch.lease import TaskTry
 from airflow_vllm_batch.run.batch import BatchRun
 from airflow_vllm_batch.run.settings import BatchSettings
+from airflow_vllm_batch.storage import default_error_uri
 from tests.simulation.engines import SIM_ENGINES, SimRunnerProcess
 from tests.simulation.s3 import FakeS3, FakeS3Client, FakeS3Hook, FaultPlan
 from tests.simulation.scheduler import Scheduler, TryKilled, TryState, virtual_threading
@@ -79,6 +80,17 @@ class Plan:
     shuffle_lists: bool = False
     #: The second run's input is re-uploaded first (a new identity).
     second_run_new_input: bool = False
+    #: An error file an earlier run left at the error URI before this task instance began (its publish
+    #: then deletes it, ``If-Match``, when it has no failures of its own).
+    old_errors: bool = False
+    #: A user's tool rewrites the published results (keeps all but the last line) after run-1 succeeded;
+    #: a second DAG run on the same input then starts (it must notice the output changed).
+    outside_rewrite: bool = False
+    #: The engine's chance to fail a request (400) once the input was re-uploaded (None: as before it):
+    #: another identity's answers may have failures where the first had none (an error file to race).
+    fail_after_rewrite: float | None = None
+    #: The chance that the worker's disk is full when the engine writes its results or a checkpoint.
+    disk_full: float = 0.0
 
     def describe(self) -> str:
         bits = [f"engine={self.engine}", f"requests={self.requests}", f"s3_fault_rate={self.fault_rate}"]
@@ -94,6 +106,10 @@ class Plan:
             bits.append(f"zombie(try:step)={self.zombie_at}")
         if self.rewrite_input_at:
             bits.append(f"input rewritten at step {self.rewrite_input_at}")
+        if self.fail_after_rewrite is not None:
+            bits.append(f"requests fail {self.fail_after_rewrite} once the input is re-uploaded")
+        if self.disk_full:
+            bits.append(f"disk full at {self.disk_full} of the engine's writes")
         if self.cache_prior:
             bits.append(f"answer cache (an earlier run answered {self.cache_prior})")
         if self.stay != 0.5:
@@ -110,6 +126,10 @@ class Plan:
             )
         if self.shuffle_lists:
             bits.append("listings in random order")
+        if self.old_errors:
+            bits.append("an earlier run's error file")
+        if self.outside_rewrite:
+            bits.append("a user's tool rewrites the published results, then run-2 on the same input")
         return ", ".join(bits)
 
 
@@ -188,8 +208,70 @@ def make_plan(seed: int) -> Plan:
         # Half of them run on a re-uploaded input: another identity, which legitimately replaces the output.
         plan.second_run_new_input = rng.random() < 0.5
     plan.shuffle_lists = rng.random() < 0.3
+    # Drawn last (the fields above stay what they were for every seed). A frozen process: the targeted
+    # try and all its threads (the heartbeat too) stop right after the fence of one of its writes, for
+    # longer than the lease's staleness, while a later DAG run on a re-uploaded input (another identity,
+    # other answers) takes the stale lease over and publishes; then it goes on. The window each
+    # publishing write's condition exists for (docs/protocol.md, step 9).
+    roll = rng.random()
+    if roll < 0.12 and plan.collision is None:
+        sites = [s for s in FREEZE_SITES if s not in ENGINE_NEVER[engine]]
+        site = rng.choice(sites)
+        plan.target = (site, "freeze", 1, rng.choices((1, 2), weights=(3, 1))[0])
+        plan.kill_at.pop(plan.target[3], None)
+        plan.zombie_at.pop(plan.target[3], None)
+        plan.resume_at = ("end", 1) if rng.random() < 0.6 else (rng.choice(RESUME_SITES), 1)
+        plan.second_run_at, plan.second_run_new_input = None, True
+        # The frozen step exists only with failed lines (an error file to write) or an earlier one to delete.
+        plan.old_errors = site == "delete errors" or rng.random() < 0.3
+        if site == "put errors":
+            plan.engine_faults["fail"] = 0.15
+        elif site == "delete errors":
+            # The frozen try has no failed lines (it deletes the earlier error file); the other identity has some.
+            plan.engine_faults["fail"], plan.fail_after_rewrite = 0.0, 0.3
+    elif roll < 0.18 and plan.collision is None:
+        plan.outside_rewrite = True
+        plan.second_run_at = None
+    elif roll < 0.22:
+        plan.old_errors = True
+    elif roll < 0.34:
+        # Two tries' engines at once: a try given up (or paused) while its engine answers, its successor
+        # starting from the same staging, engines that die often (each death checkpoints what was answered):
+        # the window where two tries checkpoint the same requests, or the same part number.
+        # Or paused right after the fence of its checkpoint, until its successor listed the parts (and began).
+        number = rng.choice((1, 2))
+        kind = rng.choice(("zombie", "pause"))
+        if rng.random() < 0.5:
+            plan.target = ("engine request", kind, rng.randint(1, max(1, plan.requests // 2)), number)
+        else:
+            plan.target = ("put staging parts", "pause", 1, number)
+        plan.kill_at.pop(number, None)
+        plan.zombie_at.pop(number, None)
+        plan.resume_at = (
+            rng.choice(
+                ("engine request", "list staging parts", "put staging parts", "put staging results", "end")
+            ),
+            1,
+        )
+        plan.engine_faults["die"] = rng.choice((0.1, 0.2))
+    elif roll < 0.42:
+        # Two tries taking over one lease at the same call: the lease's holder dies (its lease stays),
+        # its successor is paused right before its take-over until the next try reaches that same write.
+        # Try 4, the last, is the newer of the two: losing that race must not fail the task.
+        number = 3
+        plan.kill_at[1], plan.kill_at[2] = rng.randint(4, 30), rng.randint(8, 30)
+        plan.zombie_at.pop(1, None)
+        plan.zombie_at.pop(2, None)
+        plan.target = ("put lease", "pause", 1, number)
+        plan.kill_at.pop(number, None)
+        plan.zombie_at.pop(number, None)
+        plan.resume_at = ("put lease", 1)
+    if engine == "sim-server":
+        # An answer the results check cannot accept (cut short, or to a request not in the input).
+        plan.engine_faults["garbled"] = rng.choice((0, 0, 0.05))
+    plan.disk_full = rng.choice((0.0, 0.0, 0.0, 0.15))
     if engine == "sim-runner":
-        # Last, and last of the engine's faults: every other seed's plan and draws stay what they were.
+        # Last, and last of the engine's faults.
         plan.engine_faults["wedge"] = rng.choice((0, 0.04))
     return plan
 
@@ -261,6 +343,17 @@ PUBLISH_SITES: tuple[str, ...] = (
     "list staging",
     "delete staging",
 )
+#: Where a process may be frozen (the whole try, its heartbeat too): right after the fence of a write.
+FREEZE_SITES: tuple[str, ...] = (
+    "put manifest",
+    "put results",
+    "copy results",
+    "put errors",
+    "delete errors",
+    "delete staging",
+    "put staging parts",
+    "put staging results",
+)
 #: Where a paused try may go on: its successor at a step of taking the lease, staging or publishing.
 RESUME_SITES: tuple[str, ...] = (
     "put lease",
@@ -276,7 +369,8 @@ RESUME_SITES: tuple[str, ...] = (
     "delete staging",
     "engine request",
 )
-#: The fault kinds of a try: killed at the call, given up there (a zombie beside its successor), paused there.
+#: The fault kinds of a try: killed at the call, given up there (a zombie beside its successor), paused there
+#: (and, at :data:`FREEZE_SITES`, its process frozen there while another DAG run publishes).
 TRY_KINDS = ("kill", "zombie", "pause")
 #: The sites whose writes are conditional (409 there is S3's answer to a racing conditional write).
 CONDITIONAL_SITES = frozenset(
@@ -297,6 +391,8 @@ def site_kinds(site: str) -> tuple[str, ...]:
     if site == "engine request":
         return TRY_KINDS
     kinds = ("error", "lost_response", "slow", "outage", *TRY_KINDS)
+    if site in FREEZE_SITES:
+        kinds += ("freeze",)
     if site in CONDITIONAL_SITES:
         kinds += ("conflict",)
     if site in ("delete staging", "delete staging results"):
@@ -430,6 +526,10 @@ class World:
         self.site_calls: dict[tuple[str, str], int] = {}
         #: try label -> the global step of its last read of the lease, and of its staging.
         self.last_lease_read: dict[str, int] = {}
+        #: try label -> the S3 call count at its main thread's last read of the lease (a fence, or taking it).
+        self.lease_read_call: dict[str, int] = {}
+        #: The S3 call count when the user's tool rewrote the published results (None: it did not).
+        self.outside_rewrite_call: int | None = None
         self.last_staging_read: dict[str, int] = {}
         #: Tries whose engine began answering.
         self.engine_started: set[str] = set()
@@ -503,6 +603,13 @@ class World:
             results_dir = self.workdir / "results"
         engine_args = ["--max-model-len", "512"] + (["--hf-token", plan.secret] if plan.secret else [])
         bound = {"stall_timeout": SIM_STALL_TIMEOUT_S} if plan.engine == "sim-runner" else {}
+        if plan.old_errors and plan.collision is None:
+            # An earlier run's error file (its run was killed before its manifest, or its manifest was removed).
+            ekey = default_error_uri(output_uri).split("/", 3)[3]
+            self.s3.put(
+                BUCKET, ekey, b'{"custom_id": "old-0", "response": null, "error": {"message": "old"}}\n'
+            )
+            self.s3.buckets[BUCKET][ekey].writer = "earlier"
         if plan.cache_prior:
             self.s3.put(
                 BUCKET,
@@ -601,6 +708,10 @@ class World:
             return  # Airflow gave up on it and started its successor already; its ending is ignored.
         if error is None:
             self.finals[state.run] = "success"
+            self.step_checks.returned(state)
+            if self.plan.outside_rewrite and state.run == "run-1" and self.outside_rewrite_call is None:
+                self.rewrite_output()
+                self.start_second_run()
         elif retryable(error) and state.number < self.plan.max_tries:
             self.start_try(
                 state.number + 1,
@@ -617,16 +728,15 @@ class World:
         """Kills, zombies, pauses, targeted faults and input rewrites happen at steps."""
         self.global_steps += 1
         state: TryState = actor.owner
-        if self.plan.second_run_at == self.global_steps and not any(t.run == "run-2" for t in self.tries):
-            if self.plan.second_run_new_input and self.plan.collision is None:
-                self.input_version += 1
-                self.write_input()
-            self.start_try(1, "run-2")
+        if self.plan.second_run_at == self.global_steps:
+            self.start_second_run()
         if state.label.startswith("prior/"):
             return
         site = self.s3.current_site
         if site == "get lease":
             self.last_lease_read[state.label] = self.global_steps
+            if actor.name == state.label:
+                self.lease_read_call[state.label] = self.s3.calls
         elif site is not None and site.split(" ")[0] in ("list", "get", "head") and " staging" in site:
             self.last_staging_read[state.label] = self.global_steps
         if site is not None:
@@ -650,6 +760,27 @@ class World:
             self.input_version += 1
             self.write_input()
 
+    def start_second_run(self) -> None:
+        """A second DAG run's task instance on the same output (on a re-uploaded input when the plan says so)."""
+        if any(t.run == "run-2" for t in self.tries):
+            return
+        if self.plan.second_run_new_input and self.plan.collision is None:
+            self.input_version += 1
+            self.write_input()
+        self.start_try(1, "run-2")
+
+    def rewrite_output(self) -> None:
+        """A user's tool rewrites the published results (drops the last line): outside every try, no fault."""
+        bucket, key = BUCKET, self.output_uri.split("/", 3)[3]
+        obj = self.s3.buckets[bucket].get(key)
+        if obj is None:
+            return
+        lines = obj.body.splitlines(keepends=True)
+        self.s3.put(bucket, key, b"".join(lines[:-1]) if len(lines) > 1 else b"")
+        self.s3.buckets[bucket][key].writer = "user"
+        self.outside_rewrite_call = self.s3.calls
+        self.step_checks.versions[key] = (self.s3.calls, None, True)
+
     def targeted(self, actor: Any, state: TryState, site: str, kind: str) -> None:
         """The plan's targeted fault, at this call of this try."""
         self.s3.coverage[(site, kind)] = self.s3.coverage.get((site, kind), 0) + 1
@@ -672,6 +803,20 @@ class World:
 
                 # Paused right before this call, until the successor reaches its step: the narrow window between them.
                 self.scheduler.wait_until(resumed, 4 * 3600)
+        elif kind == "freeze":
+            resume_site, n = self.plan.resume_at or ("end", 1)
+
+            def thawed() -> bool:
+                if resume_site != "end" and any(
+                    calls >= n
+                    for (label, where), calls in self.site_calls.items()
+                    if where == resume_site and label.startswith("run-2/")
+                ):
+                    return True
+                return "run-2" in self.finals
+
+            state.frozen, state.frozen_until = thawed, self.scheduler.now + 4 * 3600
+            self.start_second_run()
         elif site != "engine request":
             self.s3.forced = kind
 
@@ -690,12 +835,15 @@ class World:
             self.seen_at_engine_start[actor.try_label] = dict(self.s3.staging_seen.get(actor.try_label, {}))
         self.scheduler.sleep(0.5 + self.rng.random() * 4)
         fate = "ok"
-        for kind, chance in self.plan.engine_faults.items():
+        for kind, planned in self.plan.engine_faults.items():
+            chance = planned
+            if kind == "fail" and self.plan.fail_after_rewrite is not None and self.input_version > 1:
+                chance = self.plan.fail_after_rewrite
             if chance and self.rng.random() < chance:
                 fate = kind
                 break
         self.engine_events[fate] = self.engine_events.get(fate, 0) + 1
-        if fate in ("die", "crash", "wedge") and actor is not None and actor.owner is not None:
+        if fate in ("die", "crash", "wedge", "garbled") and actor is not None and actor.owner is not None:
             # Failed (400), repeated and transient (429/5xx) answers are the protocol's to settle: a last try with
             # only those publishes (its set-aside lines as failed lines). A dying engine is a fault.
             actor.owner.faults += 1
@@ -715,6 +863,16 @@ class World:
         if actor is not None and actor.try_label:
             self.engine_stopped_at.setdefault(actor.try_label, self.scheduler.now)
 
+    def disk_is_full(self) -> bool:
+        """Whether the worker's disk is full at this write of the engine's (a fault of the try that meets it)."""
+        if not self.plan.disk_full or self.rng.random() >= self.plan.disk_full:
+            return False
+        actor = self.scheduler.current_actor()
+        if actor is not None and actor.owner is not None:
+            actor.owner.faults += 1
+        self.engine_events["disk_full"] = self.engine_events.get("disk_full", 0) + 1
+        return True
+
     def note_sent(self, custom_id: str, work: Path) -> None:
         """The engine gave ``custom_id`` a final answer in this try (for the no-resend check)."""
         actor = self.scheduler.current_actor()
@@ -733,7 +891,7 @@ class World:
         Only what the try's reads returned counts: a part a paused zombie wrote after the try
         listed the parts is in no listing the try made, and no try can skip what it cannot see.
         """
-        from tests.simulation.invariants import final_answers, staging_prefix
+        from tests.simulation.invariants import durable_answers, first_input, staging_prefix
 
         prefix = staging_prefix(self.output_uri, short)
         for key, body in seen.items():
@@ -742,7 +900,7 @@ class World:
                 key.startswith(prefix)
                 and obj is not None
                 and obj.body == body
-                and custom_id in final_answers(body)
+                and custom_id in durable_answers(body, first_input(self))
             ):
                 return True
         return False

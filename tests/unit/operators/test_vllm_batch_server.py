@@ -620,12 +620,32 @@ def test_a_results_check_that_finds_requests_missing_keeps_every_checkpoint_part
     for i in range(N):
         everything.add(f"r{i}", i + 1)
     with monkeypatch.context() as patched:
-        patched.setattr(server_engines, "answered_ids", lambda staging, parts: everything)
+        patched.setattr(
+            server_engines, "resumable_parts", lambda staging, wanted, log: (staging.list_parts(), everything)
+        )
         with pytest.raises(ResultsCheckError, match="without a result"):
             batch.run(FakeTI(try_number=2), max_in_flight=1)
     assert batch.parts() == parts
     manifest = batch.run(FakeTI(try_number=3), max_in_flight=1)
     assert manifest["request_counts"] == {"total": N, "completed": N, "failed": 0}
+
+
+def test_a_retry_drops_a_part_holding_an_unreadable_line_and_answers_its_requests_again(batch, server):
+    # A try that died before its results check leaves a part no check accepts (simulator seed 106 of
+    # issue 34): reading it as answers failed every retry on the same line (msgspec.DecodeError).
+    server.behaviour = _dies_after(server, 10)
+    with pytest.raises(ServerUnavailableError):
+        batch.run(max_in_flight=1)
+    parts = batch.parts()
+    assert len(parts) >= 2
+    body = batch.client.get_object(Bucket=batch.bucket, Key=parts[0])["Body"].read()
+    batch.client.put_object(Bucket=batch.bucket, Key=parts[0], Body=body + b'{"custom_id": "r0", "resp\n')
+    server.restart()
+    server.behaviour = _dies_after(server, N)
+    manifest = batch.run(FakeTI(try_number=2), max_in_flight=1)
+    assert manifest["request_counts"] == {"total": N, "completed": N, "failed": 0}
+    answered = [line["custom_id"] for line in batch.lines("out/results.jsonl")]
+    assert sorted(answered) == sorted(f"r{i}" for i in range(N))
 
 
 @pytest.mark.parametrize(

@@ -31,7 +31,7 @@ from airflow_vllm_batch.exceptions import VLLMBatchError
 from airflow_vllm_batch.lease import TaskTry
 from airflow_vllm_batch.run.batch import BatchRun
 from airflow_vllm_batch.run.settings import BatchSettings
-from airflow_vllm_batch.storage import default_error_uri
+from airflow_vllm_batch.storage.layout import default_error_uri
 from tests.simulation.engines import SIM_ENGINES, SimRunnerProcess
 from tests.simulation.s3 import FakeS3, FakeS3Client, FakeS3Hook, FaultPlan
 from tests.simulation.scheduler import Scheduler, TryKilled, TryState, virtual_threading

@@ -47,7 +47,7 @@ from airflow_vllm_batch.batchfile.openai_lines import request_ids, split_stopped
 from airflow_vllm_batch.batchfile.per_model import count_per_model
 from airflow_vllm_batch.engines import EngineJob, EngineResults
 from airflow_vllm_batch.engines.base import EngineRun
-from airflow_vllm_batch.engines.server import invalid_parts
+from airflow_vllm_batch.engines.checkpoint_parts import invalid_parts
 from airflow_vllm_batch.exceptions import BatchStopped, PreflightError, PublishError, StorageUnavailableError
 from airflow_vllm_batch.identity import RunIdentity
 from airflow_vllm_batch.lease import LeaseHolder, TaskTry

@@ -89,11 +89,8 @@ from airflow_vllm_batch.batchfile.models import (
 from airflow_vllm_batch.batchfile.preflight import preflight
 from airflow_vllm_batch.batchfile.preflight_report import PreflightReport, error_line
 from airflow_vllm_batch.batchfile.problems import Problem
-from airflow_vllm_batch.batchfile.results import (
-    ENGINE_DEAD_MESSAGE,
-    ResultsReport,
-    check_results,
-)
+from airflow_vllm_batch.batchfile.results import ENGINE_DEAD_MESSAGE, check_results
+from airflow_vllm_batch.batchfile.results_report import ResultsReport
 from airflow_vllm_batch.batchfile.sources import (
     Lines,
     describe_source,

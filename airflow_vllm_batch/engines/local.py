@@ -18,12 +18,12 @@ from airflow_vllm_batch.engines.vllm.checks import (
     OfflineDefaults,
     OfflineDefaultsUnavailable,
     argv_to_check,
-    inspect_model,
     raise_for_result,
     refuse_unknown_options,
     write_options,
 )
 from airflow_vllm_batch.engines.vllm.command import FALLBACK_SUPPORTED_URLS, probe_engine
+from airflow_vllm_batch.engines.vllm.model_files import inspect_model
 from airflow_vllm_batch.engines.vllm.model_names import (
     ServedModels,
     check_adapters,

@@ -18,6 +18,7 @@ from airflow_vllm_batch.batchfile import CustomIdIndex, open_lines, redact_urls
 from airflow_vllm_batch.batchfile.models import decode_custom_id
 from airflow_vllm_batch.batchfile.preflight import RUNNER_URL_ADVICE
 from airflow_vllm_batch.engines.base import EngineInfo, EngineJob, EngineResults, EngineRun, StopPoll
+from airflow_vllm_batch.engines.checkpoint_parts import answered_requests, resumable_parts
 from airflow_vllm_batch.engines.local import LAUNCH_REPORT, LocalEngine
 from airflow_vllm_batch.engines.runner_deaths import (
     DEFAULT_SUSPECTS,
@@ -31,7 +32,6 @@ from airflow_vllm_batch.engines.runner_deaths import (
     to_isolate,
     unanswered,
 )
-from airflow_vllm_batch.engines.server import answered_requests, resumable_parts
 from airflow_vllm_batch.engines.stall import stall_bound, stall_message
 from airflow_vllm_batch.engines.vllm.command import build_engine_argv, conceal_arguments
 from airflow_vllm_batch.exceptions import (

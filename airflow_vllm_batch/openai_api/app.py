@@ -5,6 +5,11 @@ user with Airflow's own dependency (``airflow.api_fastapi.core_api.security.get_
 a request without one is answered 401, and asks the auth manager what the user may do
 (:mod:`.access`). Errors have OpenAI's shape (``{"error": {"message", "type", "param",
 "code"}}``) so that the SDK raises its own exception classes.
+
+One module because it is one FastAPI app: the Files and the Batches routes share its error
+handlers and error shape, its settings, its store and its access checks, and a batch route
+reads files through the same helpers; the work behind the routes is in the modules it imports
+(:mod:`.files`, :mod:`.status`, :mod:`.routes`, :mod:`.batch_spec`, :mod:`.access`).
 """
 
 from __future__ import annotations

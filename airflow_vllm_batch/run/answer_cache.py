@@ -77,7 +77,7 @@ def split_cache_uri(uri: str) -> tuple[str, str]:
     return bucket, prefix if not prefix or prefix.endswith("/") else prefix + "/"
 
 
-# A near-copy of serving.stream._Usage, left on purpose: the cache sums all three counts of
+# A near-copy of serving.wire.Usage, left on purpose: the cache sums all three counts of
 # answers it stored, and a count that is not a number fails the decode (see that one's note).
 class _Usage(msgspec.Struct, gc=False):
     prompt_tokens: int = 0

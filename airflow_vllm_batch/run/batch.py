@@ -18,6 +18,12 @@ instance and turns its outcome into XCom, a link and asset events. The steps:
    the engine itself (a dead engine is the try's failure, retried, never published);
 7. publish: results, error file, then the manifest, last; the staging is removed;
 8. the engine's new answers go into the answer cache (a failure there is only a warning).
+
+One module because :class:`BatchRun` is the run protocol itself: its steps are methods that
+share the run's state (the pinned input, the identity, the lease, the staging) and must keep
+the order above; split across modules, that order (and what docs/protocol.md and the mutation
+catalogue point at) would no longer be read in one place. The steps' machinery lives elsewhere
+already (:mod:`.settings`, :mod:`.answer_cache`, the storage and engines layers).
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ from airflow_vllm_batch.batchfile.openai_lines import request_ids, split_stopped
 from airflow_vllm_batch.batchfile.per_model import count_per_model
 from airflow_vllm_batch.engines import EngineJob, EngineResults
 from airflow_vllm_batch.engines.base import EngineRun
-from airflow_vllm_batch.engines.server import invalid_parts
+from airflow_vllm_batch.engines.checkpoint_parts import invalid_parts
 from airflow_vllm_batch.exceptions import BatchStopped, PreflightError, PublishError, StorageUnavailableError
 from airflow_vllm_batch.identity import RunIdentity
 from airflow_vllm_batch.lease import LeaseHolder, TaskTry

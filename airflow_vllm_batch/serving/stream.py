@@ -4,18 +4,7 @@
 in flight over one keep-alive ``aiohttp`` session, and appends every answer to a
 :class:`~airflow_vllm_batch.serving.journal.Journal` as soon as it arrives.
 
-Output lines have exactly the shape vLLM 0.32's batch runner writes
-(``BatchRequestOutput.model_dump_json()`` in ``vllm/entrypoints/launchers/run_batch.py``)::
-
-    {"id": "vllm-<16 hex>", "custom_id": "...",
-     "response": {"status_code": 200, "request_id": "vllm-batch-<16 hex>", "body": {...}},
-     "error": null}
-
-and, for a request the server refused with vLLM's ``ErrorResponse``
-(``{"error": {"message", "type", "param", "code"}}``), as the runner's ``run_request``
-writes it: ``"response": {"status_code": <error.code>, "request_id": ..., "body": null}``
-and that ``ErrorResponse`` as ``"error"``. An answer that is not an ``ErrorResponse`` (a
-proxy's 404 page, say) becomes a string ``error``, as the runner's own request errors do.
+Output lines are vLLM's batch runner's, see :mod:`~airflow_vllm_batch.serving.wire`.
 
 **Output order is completion order**, not input order: the results check matches
 answers to requests by ``custom_id``, and writing as answers arrive is what keeps
@@ -58,17 +47,13 @@ This module has no Airflow imports.
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
-import email.utils
 import itertools
-import math
 import random
 import time
-from collections.abc import Callable, Coroutine, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from datetime import timezone
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -77,6 +62,7 @@ from airflow_vllm_batch.exceptions import (
     ServerAuthError,
     ServerUnavailableError,
 )
+from airflow_vllm_batch.serving.flow import Feed, Gate, all_or_first_error
 from airflow_vllm_batch.serving.neighbour import (
     InFlightController,
     NeighbourPlan,
@@ -85,6 +71,32 @@ from airflow_vllm_batch.serving.neighbour import (
     combine,
     parse_metrics,
     with_priority,
+)
+
+# Each ``X as X`` is re-exported: callers import it from here (run_stream's defaults, its output line).
+from airflow_vllm_batch.serving.retry import (
+    AUTH_STATUSES,
+    DEFAULT_BACKOFF_S as DEFAULT_BACKOFF_S,
+    DEFAULT_RETRIES as DEFAULT_RETRIES,
+    FULL_STATUSES,
+    GONE_STATUSES,
+    MAX_BACKOFF_S as MAX_BACKOFF_S,
+    MAX_RETRY_AFTER_S as MAX_RETRY_AFTER_S,
+    Transient,
+    backoff,
+    is_final,
+    retry_after_s as retry_after_s,
+)
+from airflow_vllm_batch.serving.wire import (
+    SERVED_URLS as SERVED_URLS,
+    RequestLine,
+    Usage,
+    decode_answer,
+    decode_request,
+    encode,
+    error_line,
+    one_line,
+    result_line as result_line,
 )
 
 if TYPE_CHECKING:
@@ -105,90 +117,18 @@ if TYPE_CHECKING:
 #: bigger server or a load-balanced deployment, set twice its ``--max-num-seqs`` times
 #: its replicas (the ``max_in_flight`` extra of the ``vllm`` connection).
 DEFAULT_MAX_IN_FLIGHT = 512
-#: Default retries of a transient failure; with the backoff below, about 30 s of patience
-#: (a server restart behind a load balancer) before the task gives up and Airflow retries.
-DEFAULT_RETRIES = 6
-DEFAULT_BACKOFF_S = 0.5
-MAX_BACKOFF_S = 30.0
-#: The longest ``Retry-After`` honoured: a gateway asking for more is better served by the
-#: task's retry (Airflow's ``retry_delay``) than by a worker holding its slot idle.
-MAX_RETRY_AFTER_S = 60.0
 #: Default seconds one request may take, its retries included. A long generation on a busy
 #: server queues behind ``--max-num-seqs`` others; a too-short timeout would resend it
 #: again and again. A server that answers no request for this long ends the try (wedged).
 DEFAULT_REQUEST_TIMEOUT_S = 1800.0
-#: The batch URLs the stream can send: each body goes to the server as JSON, as is. Audio
-#: lines are not among them: their ``file_url`` must be fetched and sent as a multipart
-#: upload, which only vLLM's batch runner does. ``/score`` and ``/rerank`` are the server's
-#: own routes for the URLs vLLM's runner matches by suffix.
-SERVED_URLS: frozenset[str] = frozenset(
-    {
-        "/v1/chat/completions",
-        "/v1/completions",
-        "/v1/embeddings",
-        "/score",
-        "/v1/score",
-        "/rerank",
-        "/v1/rerank",
-        "/v2/rerank",
-    }
-)
 #: Lines read from the input per trip to the reader thread, at least. A trip waits for the GIL
 #: (the loop holds it while it answers), so a chunk is ``max(_READ_CHUNK, 2 * max_in_flight)``
 #: lines: with one in_flight's worth, senders found the buffer empty on 1 request in 7 (20,000
 #: requests, 256 in flight, an instant server); with two, only when the run starts.
 _READ_CHUNK = 64
 
-#: Statuses that, once the retries ran out, say the server (or all behind its balancer) is gone.
-_GONE_STATUSES = frozenset({502, 503})
-_AUTH_STATUSES = frozenset({401, 403})
-#: 4xx answers that are the server's state, not the request's fault: retried, never final.
-_TRANSIENT_4XX = frozenset({408, 429})
-#: Answers that say the server (or its balancer) is full: a neighbourly batch backs off on them.
-_FULL_STATUSES = frozenset({429, 503})
 #: Seconds one read of a server's ``/metrics`` may take (a neighbourly batch's check).
 _METRICS_TIMEOUT_S = 2.0
-
-
-class _RequestLine(msgspec.Struct, gc=False):
-    """What the stream needs of a request line; ``body`` stays raw JSON and is sent as is."""
-
-    custom_id: str
-    url: str
-    body: msgspec.Raw
-
-
-# A near-copy of run.answer_cache._Usage and batchfile.models.Usage, left on purpose: each
-# reads usage with its own strictness (here an embedding's usage has no completion_tokens, and
-# a count that is not a number fails the decode), so one struct for all three would change
-# which answers decode.
-class _Usage(msgspec.Struct, gc=False):
-    prompt_tokens: int = 0
-    completion_tokens: int | None = None
-
-
-class _Answer(msgspec.Struct, gc=False):
-    """What the stream reads of a successful answer (decoding it also checks it is JSON)."""
-
-    usage: _Usage | None = None
-
-
-class _ErrorInfo(msgspec.Struct, gc=False):
-    message: str
-    type: str
-    code: int
-
-
-class _ErrorResponse(msgspec.Struct, gc=False):
-    """vLLM's ``ErrorResponse``: ``{"error": {"message", "type", "param", "code"}}``."""
-
-    error: _ErrorInfo
-
-
-_decode_request = msgspec.json.Decoder(_RequestLine).decode
-_decode_answer = msgspec.json.Decoder(_Answer).decode
-_decode_error = msgspec.json.Decoder(_ErrorResponse).decode
-_encode = msgspec.json.encode
 
 
 @dataclass
@@ -312,104 +252,6 @@ def run_stream(
     return asyncio.run(stream.run(iter(requests), on_progress, progress_every_s))
 
 
-def result_line(custom_id: str, status_code: int, body: bytes | None, error: bytes | None) -> bytes:
-    """Return one output line in vLLM 0.32's batch format (``BatchRequestOutput``), with its newline.
-
-    :param custom_id: the request's ``custom_id``.
-    :param status_code: ``response.status_code``.
-    :param body: the answer's JSON (``response.body``), or None for ``null``.
-    :param error: ``error`` as JSON (vLLM's ``ErrorResponse`` object, or a JSON string),
-        or None for ``null``.
-    """
-    # One formatting of one template: this runs once per answer, on the event loop.
-    return _RESULT_LINE % (
-        _getrandbits(64),
-        _encode(custom_id),
-        status_code,
-        _getrandbits(64),
-        body if body is not None else b"null",
-        error if error is not None else b"null",
-    )
-
-
-#: ``id`` and ``request_id`` are 16 hex digits, as vLLM's ``random_uuid()``. They only need to be
-#: unique, not secret: the module's generator (reseeded in a forked child) costs a fraction of a
-#: ``uuid4()``, which reads the OS's random source each time.
-_RESULT_LINE = b'{"id":"vllm-%016x","custom_id":%s,"response":{"status_code":%d,"request_id":"vllm-batch-%016x","body":%s},"error":%s}\n'
-_getrandbits = random.getrandbits
-
-
-def _one_line(payload: bytes) -> bytes:
-    """Return ``payload`` (valid JSON) on one line: a pretty-printing proxy must not split an output line."""
-    if b"\n" in payload or b"\r" in payload:
-        return _encode(msgspec.json.decode(payload))
-    return payload
-
-
-def _backoff(attempt: int, first_s: float) -> float:
-    """Delay before retry ``attempt`` (0-based): exponential, capped, with jitter so retries do not march in step."""
-    delay: float = min(MAX_BACKOFF_S, first_s * 2**attempt)  # int ** int is Any to mypy (may be a float)
-    return delay * random.uniform(0.5, 1.0)
-
-
-def retry_after_s(value: str | None, now: float | None = None) -> float | None:
-    """Return the seconds a ``Retry-After`` header asks to wait, at most :data:`MAX_RETRY_AFTER_S`.
-
-    :param value: the header: delay-seconds (a decimal is accepted too) or an HTTP date.
-    :param now: the current time as a Unix timestamp, for an HTTP date. Default: the clock.
-    :return: the delay, 0 for a date in the past, or None when the header is absent or unreadable.
-    """
-    if not value or not value.strip():
-        return None
-    try:
-        seconds = float(value.strip())
-    except ValueError:
-        try:
-            when = email.utils.parsedate_to_datetime(value.strip())
-        except (TypeError, ValueError):
-            return None
-        # An HTTP date is GMT; a date without a zone is read as such rather than as local time.
-        timestamp = (
-            when.timestamp() if when.tzinfo is not None else when.replace(tzinfo=timezone.utc).timestamp()
-        )
-        seconds = timestamp - (time.time() if now is None else now)
-    if not math.isfinite(seconds):
-        return None
-    return min(MAX_RETRY_AFTER_S, max(0.0, seconds))
-
-
-def _is_final(status: int) -> bool:
-    """Whether an answer with this status is the request's own (checkpointed), not the server's state (retried)."""
-    return status == 200 or (400 <= status < 500 and status not in _TRANSIENT_4XX)
-
-
-class _Transient(Exception):
-    """One attempt failed in a way worth retrying; ``gone`` says whether running out of retries stops the run.
-
-    :param gone: the server looks gone (connection errors, 502, 503): stop the run when the retries run out.
-    :param detail: what happened, for messages.
-    :param reason: the kind of answer, for the counts of requests set aside (``"HTTP 429"``, ``"timeout"``).
-    :param line: the line the request gets if this is its last answer, when known now.
-    :param retry_after: seconds the server asked to wait (``Retry-After``), or None.
-    """
-
-    def __init__(
-        self,
-        *,
-        gone: bool,
-        detail: str,
-        reason: str = "",
-        line: bytes | None = None,
-        retry_after: float | None = None,
-    ) -> None:
-        super().__init__(detail)
-        self.gone = gone
-        self.detail = detail
-        self.reason = reason
-        self.line = line
-        self.retry_after = retry_after
-
-
 class _Stream:
     """One run of :func:`run_stream`: the session, the bound on in-flight requests, the counts."""
 
@@ -446,7 +288,7 @@ class _Stream:
         #: The priority every body carries (a neighbourly batch on a server that runs priority scheduling).
         self.priority = neighbour.priority if neighbour is not None else None
         #: A neighbourly stream's bound on requests in flight (None: ``max_in_flight`` senders are the bound).
-        self.gate: _Gate | None = None
+        self.gate: Gate | None = None
         #: 429/503 answers since the last check of a neighbourly stream.
         self.rejections = 0
 
@@ -459,15 +301,15 @@ class _Stream:
         """Read, send and journal until the input is exhausted; the first error stops everything.
 
         ``max_in_flight`` sender tasks each send one request at a time, which is what
-        bounds the requests in flight; they take their requests from a :class:`_Feed` that
-        reads the input a chunk at a time.
+        bounds the requests in flight; they take their requests from a
+        :class:`~airflow_vllm_batch.serving.flow.Feed` that reads the input a chunk at a time.
         """
         import aiohttp  # here, not at the top: DAG files import this module; only a worker that streams needs aiohttp
 
         #: What says the connection (so, likely, the server) failed, for :meth:`_answer`'s except clause.
         self._connection_errors = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)
         self._started = time.monotonic()
-        feed = _Feed(
+        feed = Feed(
             lambda size: self._read_chunk(requests, size), chunk=max(_READ_CHUNK, 2 * self.max_in_flight)
         )
         # The connector's own limit (100 by default) would silently cap concurrency below ours.
@@ -481,7 +323,7 @@ class _Stream:
             async with self.journal, aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
                 if self.neighbour is not None:
                     steering = await self._start_steering()
-                await _all_or_first_error([self._send_loop(session, feed) for _ in range(self.max_in_flight)])
+                await all_or_first_error([self._send_loop(session, feed) for _ in range(self.max_in_flight)])
         finally:
             feed.close()
             if progress is not None:
@@ -502,7 +344,7 @@ class _Stream:
         controller = InFlightController(
             self.max_in_flight, self.neighbour.min_in_flight, metrics=load is not None
         )
-        self.gate = _Gate(controller.start(load).bound)
+        self.gate = Gate(controller.start(load).bound)
         self._note_bound(controller)
         return asyncio.create_task(self._steer(controller, metrics))
 
@@ -551,9 +393,9 @@ class _Stream:
         except (asyncio.TimeoutError, ValueError, UnicodeDecodeError, aiohttp.ClientError):
             return None
 
-    def _read_chunk(self, requests: Iterator[tuple[int, bytes]], size: int) -> list[_RequestLine] | None:
+    def _read_chunk(self, requests: Iterator[tuple[int, bytes]], size: int) -> list[RequestLine] | None:
         """Return the next requests to send (skipped lines left out), or None at the end of the input."""
-        chunk: list[_RequestLine] = []
+        chunk: list[RequestLine] = []
         consumed = 0
         for number, raw in itertools.islice(requests, size):
             consumed += 1
@@ -561,7 +403,7 @@ class _Stream:
                 continue
             self.stats.read += 1
             try:
-                request = _decode_request(raw)
+                request = decode_request(raw)
             except msgspec.DecodeError as err:
                 raise BadRequestLineError(
                     f"Input line {number} is not a request line ({err}); run preflight on the input first."
@@ -572,7 +414,7 @@ class _Stream:
             chunk.append(request)
         return chunk if consumed else None
 
-    async def _send_loop(self, session: aiohttp.ClientSession, feed: _Feed) -> None:
+    async def _send_loop(self, session: aiohttp.ClientSession, feed: Feed) -> None:
         """Send requests from the feed one at a time until there are no more."""
         journal = self.journal
         stats = self.stats
@@ -617,8 +459,8 @@ class _Stream:
             self.stats.unanswered_example = custom_id
 
     async def _answer(
-        self, session: aiohttp.ClientSession, request: _RequestLine
-    ) -> tuple[bytes, bool, _Usage | None, str | None]:
+        self, session: aiohttp.ClientSession, request: RequestLine
+    ) -> tuple[bytes, bool, Usage | None, str | None]:
         """Send one request, retrying transient failures.
 
         :return: its output line, whether it failed, its usage, and None for a final answer
@@ -648,14 +490,14 @@ class _Stream:
                 except asyncio.TimeoutError as err:
                     raise self._timed_out(err) from None
                 except self._connection_errors as err:
-                    raise _Transient(gone=True, detail=f"{type(err).__name__}: {err}") from None
+                    raise Transient(gone=True, detail=f"{type(err).__name__}: {err}") from None
                 return self._final(request, url, response, payload)
-            except _Transient as transient:
+            except Transient as transient:
                 if transient.retry_after is not None:
                     # Never sooner than asked; the spread keeps the requests the gateway refused together apart.
                     delay = transient.retry_after * random.uniform(1.0, 1.2)
                 else:
-                    delay = _backoff(attempt, self.backoff_s)
+                    delay = backoff(attempt, self.backoff_s)
                 if attempt == self.retries or time.monotonic() + delay >= deadline:
                     if transient.reason == "timeout" and self._last_answer_at < sent_at:
                         self._wedged()
@@ -676,70 +518,49 @@ class _Stream:
             "it looks wedged. The answers so far are checkpointed; retrying the task resumes from them."
         )
 
-    def _timed_out(self, err: asyncio.TimeoutError) -> _Transient:
+    def _timed_out(self, err: asyncio.TimeoutError) -> Transient:
         """A timeout: a connect that timed out says the server is gone; a slow answer does not."""
         import aiohttp
 
         if isinstance(err, aiohttp.ConnectionTimeoutError):
-            return _Transient(gone=True, detail=f"could not connect to {self.base_url} (timeout)")
-        return _Transient(
-            gone=False, detail=f"no answer within {self.request_timeout_s:g}s", reason="timeout"
-        )
+            return Transient(gone=True, detail=f"could not connect to {self.base_url} (timeout)")
+        return Transient(gone=False, detail=f"no answer within {self.request_timeout_s:g}s", reason="timeout")
 
     def _final(
-        self, request: _RequestLine, url: str, response: aiohttp.ClientResponse, payload: bytes
-    ) -> tuple[bytes, bool, _Usage | None, None]:
-        """One attempt's answer: return the output line of a final answer, its failure and usage, or raise :class:`_Transient`."""
+        self, request: RequestLine, url: str, response: aiohttp.ClientResponse, payload: bytes
+    ) -> tuple[bytes, bool, Usage | None, None]:
+        """One attempt's answer: return the output line of a final answer, its failure and usage, or raise :class:`~airflow_vllm_batch.serving.retry.Transient`."""
         status = response.status
         if status == 200:
             try:
                 # Decoded once: this checks the body is JSON and reads its usage.
-                usage = _decode_answer(payload).usage
+                usage = decode_answer(payload).usage
             except msgspec.DecodeError:
                 # A body cut short or replaced on the way (a proxy's page): the answer is yet to come.
-                error = _encode(
-                    f"HTTP 200 from {request.url} with a body that is not JSON: {payload[:200]!r}"
-                )
+                error = encode(f"HTTP 200 from {request.url} with a body that is not JSON: {payload[:200]!r}")
                 line = result_line(request.custom_id, 500, None, error)
-                raise _Transient(
+                raise Transient(
                     gone=False, detail=f"HTTP 200 from {url}, not JSON", reason="HTTP 200 not JSON", line=line
                 ) from None
-            return result_line(request.custom_id, 200, _one_line(payload), None), False, usage, None
-        if status in _AUTH_STATUSES:
+            return result_line(request.custom_id, 200, one_line(payload), None), False, usage, None
+        if status in AUTH_STATUSES:
             raise ServerAuthError(
                 f"The vLLM server at {self.base_url} refused the API key (HTTP {status} for {request.url}). "
                 "Check the API key (the password of the vllm connection, or the server's --api-key)."
             )
-        if not _is_final(status):
-            if status in _FULL_STATUSES:
+        if not is_final(status):
+            if status in FULL_STATUSES:
                 self.rejections += 1
-            raise _Transient(
-                gone=status in _GONE_STATUSES,
+            raise Transient(
+                gone=status in GONE_STATUSES,
                 detail=f"HTTP {status} from {url}",
                 reason=f"HTTP {status}",
-                line=self._to_line(request, status, payload)[0],
+                line=error_line(request.custom_id, request.url, status, payload),
                 retry_after=retry_after_s(response.headers.get("Retry-After")),
             )
-        return (*self._to_line(request, status, payload), None)
+        return error_line(request.custom_id, request.url, status, payload), True, None, None
 
-    def _to_line(
-        self, request: _RequestLine, status: int, payload: bytes
-    ) -> tuple[bytes, bool, _Usage | None]:
-        """Turn the server's answer other than a 200 into the output line vLLM's runner would have written."""
-        try:
-            code = _decode_error(payload).error.code
-        except msgspec.DecodeError:
-            text = payload[:500].decode("utf-8", errors="replace")
-            return (
-                result_line(
-                    request.custom_id, status, None, _encode(f"HTTP {status} from {request.url}: {text}")
-                ),
-                True,
-                None,
-            )
-        return result_line(request.custom_id, code, None, _one_line(payload)), True, None
-
-    def _gave_up(self, request: _RequestLine, transient: _Transient, attempts: int) -> bytes:
+    def _gave_up(self, request: RequestLine, transient: Transient, attempts: int) -> bytes:
         """The retries ran out: a gone server stops the run; any other request gets the line of its last answer."""
         if transient.gone:
             raise ServerUnavailableError(
@@ -750,7 +571,7 @@ class _Stream:
             return transient.line
         plural = "s" if attempts > 1 else ""
         return result_line(
-            request.custom_id, 504, None, _encode(f"{transient.detail}, {attempts} attempt{plural}")
+            request.custom_id, 504, None, encode(f"{transient.detail}, {attempts} attempt{plural}")
         )
 
     async def _report_progress(self, on_progress: Callable[[StreamStats], None], every_s: float) -> None:
@@ -763,130 +584,3 @@ class _Stream:
         self.stats.elapsed_s = time.monotonic() - self._started
         self.stats.durable = self.journal.lines_durable
         return dataclasses.replace(self.stats, unanswered_reasons=dict(self.stats.unanswered_reasons))
-
-
-class _Gate:
-    """A bound on requests in flight that can move while they are (a neighbourly stream's).
-
-    Lowering it cancels nothing: the requests over it finish, and no sender starts another
-    until the count is under it.
-
-    :param limit: the first bound.
-    """
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.active = 0
-        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
-
-    async def acquire(self) -> None:
-        """Wait until a request may start under the bound, and count it."""
-        while self.active >= self.limit:
-            waiter = asyncio.get_running_loop().create_future()
-            self._waiters.append(waiter)
-            try:
-                await waiter
-            finally:
-                if not waiter.done():
-                    waiter.cancel()
-        self.active += 1
-
-    def release(self) -> None:
-        """A request ended."""
-        self.active -= 1
-        self._wake()
-
-    def set_limit(self, limit: int) -> None:
-        """Move the bound (the senders it lets start are woken)."""
-        self.limit = limit
-        self._wake()
-
-    def _wake(self) -> None:
-        room = self.limit - self.active
-        while room > 0 and self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-                room -= 1
-
-
-class _Feed:
-    """The requests to send, read a chunk at a time in a worker thread, shared by the sender tasks.
-
-    A sender takes the next request with :meth:`take` (no await, no per-request queue
-    hand-off) and awaits :meth:`next` only when none is buffered. Reading is one task at a
-    time, started ahead once fewer than a chunk is left, so the senders rarely wait; at
-    most two chunks are read ahead of what is in flight (the input is read lazily).
-
-    :param read: ``read(size)`` returns up to the next ``size`` requests (a list, possibly
-        empty when every line was skipped or blank), or None at the end of the input; it
-        runs in a worker thread so that a network-backed reader does not block the loop.
-    :param chunk: lines per read.
-    """
-
-    def __init__(self, read: Callable[[int], list[_RequestLine] | None], chunk: int) -> None:
-        self._read = read
-        self._chunk = chunk
-        self._buffered: collections.deque[_RequestLine] = collections.deque()
-        self._reading: asyncio.Task[None] | None = None
-        self._ended = False
-
-    def take(self) -> _RequestLine | None:
-        """Return a buffered request, or None if there is none now (then await :meth:`next`)."""
-        if not self._buffered:
-            return None
-        # Read ahead once a chunk is begun: with the senders all answered at once, waiting until
-        # the buffer runs dry would park most of them on the read (measured: 0.8 waits per request).
-        if len(self._buffered) < self._chunk and self._reading is None and not self._ended:
-            self._reading = asyncio.create_task(self._read_ahead())
-        return self._buffered.popleft()
-
-    async def next(self) -> _RequestLine | None:
-        """Return the next request, reading more if needed, or None at the end of the input.
-
-        :raises BadRequestLineError: a line read is not a request line (raised to every sender that waits).
-        """
-        while not self._buffered:
-            if self._reading is None:
-                if self._ended:
-                    return None
-                self._reading = asyncio.create_task(self._read_ahead())
-            # Shielded: one sender cancelled while waiting must not cancel the read the others wait for.
-            await asyncio.shield(self._reading)
-        return self._buffered.popleft()
-
-    async def _read_ahead(self) -> None:
-        # On an error this task is left in place, done with it: every sender that waits for it raises it.
-        chunk = await asyncio.to_thread(self._read, self._chunk)
-        if chunk is None:
-            self._ended = True
-        else:
-            self._buffered.extend(chunk)
-        self._reading = None
-
-    def close(self) -> None:
-        """Cancel a read still under way (the run stopped); its thread finishes its chunk and is dropped."""
-        if self._reading is None:
-            return
-        if self._reading.done():
-            if not self._reading.cancelled():
-                self._reading.exception()  # raised to a sender already, or moot: the run stopped for another error
-        else:
-            self._reading.cancel()
-
-
-async def _all_or_first_error(coroutines: list[Coroutine[Any, Any, None]]) -> None:
-    """Run the coroutines as tasks; on the first error cancel the rest and raise it.
-
-    ``asyncio.TaskGroup`` does this from Python 3.11; the provider supports 3.10.
-    """
-    tasks = [asyncio.ensure_future(c) for c in coroutines]
-    try:
-        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        for task in done:
-            if not task.cancelled() and task.exception() is not None:
-                raise task.exception()  # type: ignore[misc]
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from airflow_vllm_batch.engines.vllm.checks import (
+from airflow_vllm_batch.engines.vllm.model_files import (
     COMMIT,
     HUB_ID,
     downloads_off,

@@ -36,7 +36,7 @@ def quick_retries(monkeypatch):
 
     Not autouse: a module asks for it with ``pytestmark = pytest.mark.usefixtures("quick_retries")``.
     """
-    monkeypatch.setattr(stream, "_backoff", lambda attempt, first_s: 0.001)
+    monkeypatch.setattr(stream, "backoff", lambda attempt, first_s: 0.001)
 
 
 @pytest.fixture

@@ -156,6 +156,27 @@ def check_all(world: World) -> list[Violation]:
 # -- after every step ---------------------------------------------------------------------
 
 
+class UnleasedChanges:
+    """The changes one try made without the lease, each counted once.
+
+    One S3 call is one change (a DeleteObjects of several keys too), and so is a request sent
+    again after its response was lost (the same operation, key and body: the SDK's retry).
+    """
+
+    def __init__(self) -> None:
+        self.steps: set[int] = set()
+        self.requests: set[tuple[str, str, str, bytes | None]] = set()
+        self.count = 0
+
+    def add(self, step: int, request: tuple[str, str, str, bytes | None]) -> bool:
+        """Note one applied change; True when it is a change not seen before."""
+        new = step not in self.steps and request not in self.requests
+        self.steps.add(step)
+        self.requests.add(request)
+        self.count += new
+        return new
+
+
 class StepChecks:
     """The checks made after every change S3 applies while a schedule runs (see the module docs)."""
 
@@ -176,7 +197,7 @@ class StepChecks:
         self.seen: set[str] = set()
         self.last_lease: Mutation | None = None
         #: try label -> the S3 calls with which it changed the output or its staging while not holding the lease.
-        self.unleased: dict[str, set[int]] = {}
+        self.unleased: dict[str, UnleasedChanges] = {}
         #: output key -> (the S3 call, the writer, whether it changed the bytes) of its current version.
         self.versions: dict[str, tuple[int, str | None, bool]] = {}
 
@@ -255,11 +276,14 @@ class StepChecks:
 
         A fence is a read before the write, and a try may pause between the two while another
         takes the lease over (docs/protocol.md, step 9); but its next fence fails, so a second
-        change (another S3 call) without the lease is a write no fence checked.
+        change (another S3 call) without the lease is a write no fence checked. A request sent
+        again after its response was lost (the same operation, key and body: the SDK's retry of
+        one write) is the same change, not a second one (seed 7243 of the merged code).
         """
-        calls = self.unleased.setdefault(m.try_label or "-", set())
-        calls.add(m.step)
-        if len(calls) > 1:
+        seen = self.unleased.setdefault(m.try_label or "-", UnleasedChanges())
+        if not seen.add(m.step, (m.op, m.bucket, m.key, m.body)):
+            return
+        if seen.count > 1:
             self.flag(
                 "Fencing/writes-after-lease-lost",
                 f"{m.try_label} changed {m.key} ({m.op}) while {m.lease_holder or 'nobody'} held the lease, its second change without it",

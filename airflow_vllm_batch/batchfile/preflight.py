@@ -234,8 +234,10 @@ class _Checker(FileChecks):
             p = h & mask
             hashes[p].append(h)
             id_lines[p].append(lineno)
+            # fill_defaults counts the lines it fills (report.rewritten) even when no copy is written.
+            line = self.fill_defaults(raw, req.body) if has_defaults else raw
             if write is not None:
-                write((self.fill_defaults(raw, req.body) if has_defaults else raw) + b"\n")
+                write(line + b"\n")
 
         self.close_segment(lineno + 1 if not self.stopped else lineno)
         report = self.report

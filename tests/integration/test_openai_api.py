@@ -46,6 +46,7 @@ from airflow_vllm_batch.engines.vllm.server_process import VLLMServerProcess
 from airflow_vllm_batch.openai_api.settings import DEFAULT_BATCH_DAG_ID, URL_PREFIX
 from tests.integration.dagrun import REPO
 from tests.integration.deployment import Deployment, local_executor_deployment, wait_until
+from tests.integration.vllm_metrics import requests_answered
 from vllm_batch_embedded.demo import CPU_ENGINE_ARGS, CPU_ENGINE_ENV
 
 if TYPE_CHECKING:
@@ -696,7 +697,9 @@ def warm_api(seaweed, tiny_model: Path, tmp_path_factory) -> Iterator[tuple[Api,
 
 
 def test_a_cancel_mid_run_keeps_and_publishes_the_answers_finished_so_far(warm_api):
-    api, _ = warm_api
+    api, server = warm_api
+    assert server.hook is not None
+    answered_before = requests_answered(server.hook.base_url)
     alice = api.clients["alice"]
     body = lambda i: {
         "model": api.model,
@@ -722,7 +725,15 @@ def test_a_cancel_mid_run_keeps_and_publishes_the_answers_finished_so_far(warm_a
         api.dep,
         interval=1,
     )
-    time.sleep(3)  # some requests answered, most not
+    # Some requests answered, most not: counted by the server itself, not guessed from a sleep
+    # (on a loaded machine the first answers can come seconds after the batch shows in_progress).
+    wait_until(
+        "the warm server to answer some of the batch's requests",
+        lambda: requests_answered(server.hook.base_url) - answered_before >= 20,
+        BATCH_TIMEOUT_S,
+        api.dep,
+        interval=0.2,
+    )
     assert alice.batches.cancel(batch.id).status == "cancelling"
     cancelled = _wait(api, alice, batch.id, ("cancelled", "completed", "failed", "expired"))
     assert cancelled.status == "cancelled", (cancelled.status, cancelled.request_counts)

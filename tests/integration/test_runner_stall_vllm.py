@@ -1,6 +1,6 @@
 """The progress signals the runner's stall bound reads, checked against vLLM's own sources (no engine start).
 
-vLLM 0.32 (installed) and 0.33 (its wheel, when downloaded): the runner's progress report, made
+vLLM 0.32 (installed) and 0.33 (its venv, ``make vllm033``): the runner's progress report, made
 with vLLM's own ``_BAR_FORMAT`` by tqdm as vLLM makes it, must read as progress when its count
 rises and as none when it repeats; vLLM's waiting-for-a-hung-process warning must read as no
 progress (see :mod:`airflow_vllm_batch.engines.stall`).
@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import ast
 import importlib.util
-import zipfile
 from pathlib import Path
 
 import pytest
 from tqdm import tqdm
 
 from airflow_vllm_batch.engines.stall import StallWatch
-from tests.integration.test_runner_deaths_vllm import VLLM_033_WHEEL
+from tests.vllm033 import VLLM033
 
 pytestmark = pytest.mark.vllm
 
@@ -38,43 +37,22 @@ def _installed(module: str) -> str:
     return Path(spec.origin).read_text(encoding="utf-8")
 
 
-def _sources() -> list[tuple[str, str, str]]:
-    """(version, run_batch.py, shm_broadcast.py) of vLLM 0.32 and, when its wheel is here, 0.33."""
-    found = [
-        (
-            "0.32",
+def _sources(version: str) -> tuple[str, str]:
+    """(run_batch.py, shm_broadcast.py) of the installed vLLM 0.32, or of vLLM 0.33's venv (tests/vllm033.py)."""
+    if version == "0.32":
+        return (
             _installed("vllm.entrypoints.launchers.run_batch"),
             _installed("vllm.distributed.device_communicators.shm_broadcast"),
         )
-    ]
-    # vLLM 0.33's sources: an environment of it beside the clone's (make venv-vllm033), else its wheel.
-    site = Path(__file__).resolve().parents[2] / ".venv-vllm033/lib/python3.11/site-packages/vllm"
-    if site.is_dir():
-        found.append(
-            (
-                "0.33",
-                (site / "entrypoints/launchers/run_batch.py").read_text(encoding="utf-8"),
-                (site / "distributed/device_communicators/shm_broadcast.py").read_text(encoding="utf-8"),
-            )
-        )
-    elif VLLM_033_WHEEL.exists():
-        with zipfile.ZipFile(VLLM_033_WHEEL) as wheel:
-            found.append(
-                (
-                    "0.33",
-                    wheel.read("vllm/entrypoints/launchers/run_batch.py").decode(),
-                    wheel.read("vllm/distributed/device_communicators/shm_broadcast.py").decode(),
-                )
-            )
-    return found
+    return (
+        VLLM033.source("entrypoints/launchers/run_batch.py"),
+        VLLM033.source("distributed/device_communicators/shm_broadcast.py"),
+    )
 
 
-@pytest.mark.parametrize(
-    ("version", "run_batch", "shm_broadcast"), [pytest.param(*s, id=s[0]) for s in _sources()]
-)
-def test_vllms_progress_report_and_waiting_warning_read_as_the_stall_bound_expects(
-    version, run_batch, shm_broadcast
-):
+@pytest.mark.parametrize("version", ["0.32", pytest.param("0.33", marks=pytest.mark.vllm033)])
+def test_vllms_progress_report_and_waiting_warning_read_as_the_stall_bound_expects(version):
+    run_batch, shm_broadcast = _sources(version)
     bar = _constant(run_batch, "_BAR_FORMAT")
     assert 'desc="Running batch"' in run_batch
 

@@ -40,11 +40,9 @@ from airflow_vllm_batch.engines.vllm.command import FALLBACK_SUPPORTED_URLS, bui
 from airflow_vllm_batch.engines.vllm.model_names import CPU_LORA_SLOTS_FIXED_IN, served_models
 from airflow_vllm_batch.engines.vllm.server_process import SERVER_MODULE, build_server_argv
 from airflow_vllm_batch.exceptions import EngineArgumentsError
+from tests.vllm033 import VLLM033
 
 REPO = Path(__file__).resolve().parents[4]
-VLLM033_PYTHON = os.environ.get("AIRFLOW_VLLM_BATCH_VLLM033_PYTHON") or str(
-    REPO / ".venv-vllm033" / "bin" / "python"
-)
 
 #: What each release is expected to show.
 RELEASES = {
@@ -57,7 +55,7 @@ RELEASES = {
         "cpu_lora_fix": False,
     },
     "0.33": {
-        "python": VLLM033_PYTHON,
+        "python": None,  # tests/vllm033.py: built in the background under `make test`
         "version": "0.33.0",
         "server_parser": "vllm.entrypoints.common.cli_args",
         "runner_options": {"output_tmp_dir", "max_inflight"},
@@ -70,16 +68,13 @@ ENV = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}  # 0.33 cannot infer a device 
 
 @pytest.fixture(
     scope="module",
-    params=[pytest.param("0.32", marks=pytest.mark.vllm), "0.33"],
+    params=[pytest.param("0.32", marks=pytest.mark.vllm), pytest.param("0.33", marks=pytest.mark.vllm033)],
 )
 def release(request) -> dict:
-    """One vLLM release's environment and what it should show; 0.33 skips when its venv is absent."""
+    """One vLLM release's environment and what it should show; 0.33 waits for its venv or skips without it."""
     found = dict(RELEASES[request.param], name=request.param)
-    if not os.access(found["python"], os.X_OK):
-        pytest.skip(
-            f"vLLM {request.param}'s environment is not at {found['python']}: build it with `make vllm033` "
-            "(part of `make test`) or set AIRFLOW_VLLM_BATCH_VLLM033_PYTHON to its Python"
-        )
+    if found["python"] is None:
+        found["python"] = str(VLLM033.python())
     return found
 
 

@@ -60,4 +60,6 @@ def test_the_plans_cover_every_configuration_and_fault_the_invariants_need():
     assert any(p.old_errors for p in plans)
     assert any(p.engine_faults.get("garbled") for p in plans)
     assert any(p.disk_full for p in plans)
+    # A cache that changes between two tries of one run (the staged hits exist for it).
+    assert any(p.cache_expires for p in plans)
     assert any(p.target == ("put lease", "pause", 1, 3) and p.resume_at == ("put lease", 1) for p in plans)

@@ -2,8 +2,9 @@
 
 Plain Python (msgspec, no Airflow, no S3), like the rest of :mod:`airflow_vllm_batch.batchfile`:
 
-* :func:`split_stopped` turns what a stopped run has answered (its durable answers, each
-  custom_id's first answer counting) and the input's custom_ids into a results file and an
+* :func:`split_stopped` turns what a stopped run has answered (its durable answers, of a
+  custom_id answered twice a success rather than a failure, else the first answer, as the
+  results check keeps them) and the input's custom_ids into a results file and an
   error file, every request in exactly one of them, the unanswered ones as
   ``batch_expired`` or ``batch_cancelled`` lines (OpenAI's codes);
 * :func:`to_openai_line` rewrites one line of the run's results or error file into the
@@ -42,8 +43,16 @@ STOPPED_ERRORS = {
 }
 
 
-def answer_outcome(raw: bytes) -> tuple[str, bool] | None:
-    """The custom_id of a result line and whether it completed; None for a line that is no answer.
+#: How an answer ranks among the answers of one custom_id (two tries' checkpoints): the highest is
+#: kept, the first of equals (as :func:`~airflow_vllm_batch.batchfile.results.check_results` keeps them).
+SUCCESS, FINAL_FAILURE, OTHER_FAILURE = 2, 1, 0
+
+
+def answer_rank(raw: bytes) -> tuple[str, int] | None:
+    """The custom_id of a result line and its rank; None for a line that is no answer.
+
+    :data:`SUCCESS` (a 200 without an error), :data:`FINAL_FAILURE` (a 4xx) or
+    :data:`OTHER_FAILURE` (a 5xx, an ``engine_crash``, no response).
 
     :param raw: one line of vLLM's batch output shape (a checkpoint part, staged results).
     """
@@ -58,7 +67,18 @@ def answer_outcome(raw: bytes) -> tuple[str, bool] | None:
     response = None if line.response is msgspec.UNSET else line.response
     error = None if line.error is msgspec.UNSET else line.error
     status = response.status_code if response is not None else None
-    return line.custom_id, error is None and response is not None and status in (None, 200)
+    if error is None and response is not None and status in (None, 200):
+        return line.custom_id, SUCCESS
+    return line.custom_id, FINAL_FAILURE if isinstance(status, int) and 400 <= status < 500 else OTHER_FAILURE
+
+
+def answer_outcome(raw: bytes) -> tuple[str, bool] | None:
+    """The custom_id of a result line and whether it completed; None for a line that is no answer.
+
+    :param raw: one line of vLLM's batch output shape (a checkpoint part, staged results).
+    """
+    found = answer_rank(raw)
+    return None if found is None else (found[0], found[1] == SUCCESS)
 
 
 def request_ids(lines: Iterable[bytes]) -> Iterable[str]:
@@ -94,10 +114,11 @@ def split_stopped(
 ) -> dict[str, int]:
     """Write the files of a stopped batch; return its ``request_counts``.
 
-    Exactly once: each of the input's custom_ids is written once, to one file: its first
-    durable answer (completed to ``results_out`` as it was, failed to ``errors_out`` with its
-    ``error`` in the error file's shape), or, unanswered, a ``batch_<reason>`` line. An answer
-    to a custom_id not in the input is left out.
+    Exactly once: each of the input's custom_ids is written once, to one file: its best
+    durable answer (:func:`answer_rank`: a success rather than a failure, whatever their
+    order, else the first: Durability) (completed to ``results_out`` as it was, failed to
+    ``errors_out`` with its ``error`` in the error file's shape), or, unanswered, a
+    ``batch_<reason>`` line. An answer to a custom_id not in the input is left out.
 
     :param answers: every durable answer of the run, in the order the results check reads them.
     :param requests: the input's custom_ids, in input order.
@@ -105,24 +126,24 @@ def split_stopped(
     :param errors_out: the error file.
     :param reason: ``"expired"`` or ``"cancelled"``.
     """
-    first: dict[str, bytes] = {}
+    best: dict[str, tuple[int, bytes]] = {}
     for raw in answers:
-        found = answer_outcome(raw)
-        if found is not None and found[0] not in first:
-            first[found[0]] = raw.rstrip(b"\r\n")
+        found = answer_rank(raw)
+        if found is not None and (found[0] not in best or found[1] > best[found[0]][0]):
+            best[found[0]] = (found[1], raw.rstrip(b"\r\n"))
     completed = failed = 0
     written: set[str] = set()
     for custom_id in requests:
         if custom_id in written:
             continue
         written.add(custom_id)
-        kept = first.get(custom_id)
-        if kept is None:
+        chosen = best.get(custom_id)
+        if chosen is None:
             errors_out.write(stopped_line(custom_id, reason))
             failed += 1
             continue
-        outcome = answer_outcome(kept)
-        if outcome is not None and outcome[1]:
+        rank, kept = chosen
+        if rank == SUCCESS:
             results_out.write(kept + b"\n")
             completed += 1
         else:

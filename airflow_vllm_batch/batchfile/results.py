@@ -7,8 +7,9 @@ or one built here from ``input_lines``. It reports:
 
 * answers: every input custom_id answered exactly once, nothing extra (missing,
   extra and repeated custom_ids are named, the first 50 of each, and counted). With
-  ``duplicates="first"`` a repeated answer is not a mismatch: the first answer of a
-  custom_id is kept and the later ones are left out of the counts and both files
+  ``duplicates="first"`` a repeated answer is not a mismatch: one answer of a custom_id
+  is kept, the best (:func:`_left_out`: a success over a failure, whatever their order;
+  among equals the first), and the others are left out of the counts and both files
   (results assembled from the checkpoints of several tries may answer a request twice);
 * outcomes: ``request_counts`` (total / completed / failed), per HTTP status, per
   kind of response (chat.completion, embedding, score, rerank);
@@ -41,12 +42,13 @@ Blank lines are skipped (and written to neither file). A JSON object with neithe
 from __future__ import annotations
 
 import contextlib
+from array import array
 from collections.abc import Callable, Iterable
 from typing import IO
 
 import msgspec
 
-from airflow_vllm_batch.batchfile.index import CustomIdIndex, FirstN
+from airflow_vllm_batch.batchfile.index import LINE_TYPECODE, CustomIdIndex, FirstN
 from airflow_vllm_batch.batchfile.models import (
     CustomIdOnly,
     ResultLine,
@@ -120,10 +122,13 @@ def check_results(
     :param source: printable name of the results file.
     :param input_source: printable name of the input file.
     :param duplicates: ``"fail"`` (default): a custom_id answered twice is a mismatch. ``"first"``:
-        keep its first answer and leave the later ones out of the counts and both files
-        (:attr:`ResultsReport.dropped_duplicates` counts them). That takes a second pass
-        over the results, only when there are repeats; it needs ``reread_results``, and
-        ``results_out`` and ``errors_out`` seekable (they are written again).
+        keep one answer of it and leave the others out of the counts and both files
+        (:attr:`ResultsReport.dropped_duplicates` counts them): a success rather than a
+        failure, whatever their order (an answer durably checkpointed by one try is not lost
+        to another try's failure of the same request: Durability), else the first. That
+        takes a second pass over the results, only when there are repeats; it needs
+        ``reread_results``, and ``results_out`` and ``errors_out`` seekable (they are written
+        again).
     :param output_schema: the answers' shape (the operator's ``output_type``): a successful
         chat or completion answer whose text does not fit it is a failed line with
         ``error.code`` ``"invalid_output"`` and the ``raw`` text (see
@@ -139,8 +144,16 @@ def check_results(
     elif input_index is not None:
         _count_index(input_index, report)
     outputs = _Outputs(results_out, errors_out, input_index, output_schema)
+    # Which lines failed, and how, to choose among a custom_id's answers (duplicates="first").
+    failures = array(LINE_TYPECODE) if duplicates == "first" and input_index is not None else None
     results_index = _scan_results(
-        result_lines, input_index is not None, report, outputs, max_listed, max_sample_errors
+        result_lines,
+        input_index is not None,
+        report,
+        outputs,
+        max_listed,
+        max_sample_errors,
+        failures=failures,
     )
     outputs.finish(getattr(result_lines, "ended_with_newline", None))
     if input_index is None or results_index is None:
@@ -149,8 +162,9 @@ def check_results(
     if duplicates == "first" and report.duplicate_count:
         if reread_results is None:
             raise ValueError("duplicates='first' needs reread_results")
-        # The repeats of any custom_id (one not in the input too: its first answer stays an extra).
-        later = frozenset(line for line, _ in results_index.repeats())
+        # Every answer of a repeated custom_id but its best (one not in the input too: that one stays an extra).
+        assert failures is not None  # recorded whenever duplicates="first" and the input is known
+        later = _left_out(results_index, failures)
         input_figures = (
             report.input_checked,
             report.input_total,
@@ -174,6 +188,33 @@ def check_results(
         assert results_index is not None  # indexed: the input is known (True above)
         _match(input_index, results_index, report, reread_input, reread_results, max_listed)
     return report
+
+
+def _left_out(results_index: CustomIdIndex, failures: array[int]) -> frozenset[int]:
+    """The result lines to leave out: of each custom_id answered more than once, every answer but the best.
+
+    The best is a success, else a final failure (a 4xx, or an answer that does not fit the
+    output schema), else any other failure (a 5xx, an ``engine_crash``, a timeout); among
+    answers of one kind, the first. So one try's success is published even when another try's
+    failure of the same request comes first (simulator seed 10097: a zombie try's part
+    answering a request ``engine_crash`` listed before its successor's part answering it 200,
+    whose answer the first-wins rule dropped: Durability). Exactly once is untouched: one
+    answer per custom_id is kept, and the counts and both files are made from the kept ones.
+
+    :param results_index: the index of the results, with its repeats.
+    :param failures: the failed lines, as :func:`_scan_results` records them (a final
+        failure's line number, any other's negated).
+    """
+    groups: dict[int, list[int]] = {}
+    for line, first in results_index.repeats():
+        groups.setdefault(first, [first]).append(line)
+    repeated = {line for lines in groups.values() for line in lines}
+    kind = {abs(signed): 1 if signed > 0 else 0 for signed in failures if abs(signed) in repeated}
+    later: set[int] = set()
+    for lines in groups.values():
+        best = max(lines, key=lambda line: (kind.get(line, 2), -line))
+        later.update(line for line in lines if line != best)
+    return frozenset(later)
 
 
 def _rewound(out: IO[bytes] | None) -> IO[bytes] | None:
@@ -289,8 +330,13 @@ def _scan_results(
     max_listed: int,
     max_sample_errors: int,
     leave_out: frozenset[int] = frozenset(),
+    failures: array[int] | None = None,
 ) -> CustomIdIndex | None:
-    """Count outcomes and usage of every result line but those numbered in ``leave_out``; index their custom_ids when asked."""
+    """Count outcomes and usage of every result line but those numbered in ``leave_out``; index their custom_ids when asked.
+
+    ``failures``, when given, gets the line number of every failed line: as it is for a final
+    failure (a 4xx, an answer that does not fit the output schema), negated for any other.
+    """
     decode = msgspec.json.Decoder(ResultLine).decode
     index = CustomIdIndex() if build_index else None
     if index is not None:
@@ -351,6 +397,8 @@ def _scan_results(
             invalid += 1
             key = "200"
             outputs.invalid_output(raw, result.custom_id, *wrong)
+            if failures is not None:
+                failures.append(lineno)
             if len(samples) < max_sample_errors:
                 samples.append(f"{result.custom_id}: {INVALID_OUTPUT}: {wrong[0]}")
         elif error is None and (status is None or status == 200):
@@ -363,6 +411,8 @@ def _scan_results(
             key = str(status) if status is not None else "none"
             if failed_out is not None:
                 failed_out(raw, result.custom_id, status)
+            if failures is not None:
+                failures.append(lineno if status is not None and 400 <= status < 500 else -lineno)
             message = error_message(error) or f"HTTP status {status}"
             if message == ENGINE_DEAD_MESSAGE:
                 dead += 1

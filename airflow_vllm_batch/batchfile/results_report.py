@@ -169,7 +169,7 @@ class ResultsReport:
             )
         if self.dropped_duplicates:
             out.append(
-                f"  later answers of a custom_id answered already, left out: {self.dropped_duplicates}"
+                f"  repeated answers of a custom_id answered twice, left out: {self.dropped_duplicates}"
             )
         if self.engine_failure:
             out.append(

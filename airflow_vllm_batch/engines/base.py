@@ -237,7 +237,8 @@ class EngineResults:
     :param run: the engine's run (exit code, duration, version, last log lines).
     :param open_results: opens the results as lines.
     :param duplicates: how the check treats a custom_id answered twice: ``"fail"``, or ``"first"``
-        (keep the first answer) for results assembled from checkpoints of several tries.
+        (keep one answer: a success rather than a failure, else the first) for results assembled
+        from checkpoints of several tries.
     :param staged_results: whether the staged results are one file that may be published by a
         server-side copy when no request failed.
     :param staged_uri: where the results are staged, for messages.

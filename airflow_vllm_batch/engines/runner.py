@@ -396,7 +396,7 @@ class RunnerEngine(LocalEngine):
             deaths.append(death)
 
     def from_parts(self, info: EngineInfo, job: EngineJob, duration: float) -> EngineResults:
-        """The run's answers: every checkpoint part, in order (a request answered twice keeps its first answer)."""
+        """The run's answers: every checkpoint part, in order (a request answered twice keeps a success, else its first answer)."""
         return EngineResults(
             run=EngineRun(returncode=0, duration_s=duration, vllm_version=info.vllm_version),
             open_results=job.staging.open_parts,

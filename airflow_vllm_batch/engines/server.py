@@ -419,9 +419,8 @@ class _CheckpointCounts:
         from airflow_vllm_batch.batchfile.openai_lines import answer_outcome
 
         found = answer_outcome(raw)
-        if (
-            found is not None and found[0] not in self.seen
-        ):  # the first answer of a custom_id is the one published
+        # Of a custom_id answered twice, a success is the one published, else the first (check_results).
+        if found is not None and not self.seen.get(found[0], False):
             self.seen[found[0]] = found[1]
 
     def add(self, path: Path) -> None:

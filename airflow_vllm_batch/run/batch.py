@@ -499,8 +499,9 @@ class BatchRun:
         The requests' custom_ids come from preflight's index, so the input is not read again
         (only to name missing requests, on a mismatch). Successful lines go to
         ``results.jsonl``, failed ones to ``engine-errors.jsonl`` in the scratch directory.
-        Results assembled from checkpoint parts (``duplicates="first"``) keep the first answer
-        of a custom_id answered twice (two tries that both answered it). On a mismatch only
+        Results assembled from checkpoint parts (``duplicates="first"``) keep one answer of a
+        custom_id answered twice (two tries that both answered it): a success rather than a
+        failure, else the first. On a mismatch only
         what is invalid is dropped (:meth:`drop_invalid`).
         """
         with (
@@ -522,8 +523,8 @@ class BatchRun:
         self.log.info("%s", results.format())
         if results.dropped_duplicates:
             self.log.warning(
-                "%d later answer(s) of requests answered already (in the checkpoints of two tries) were left out; "
-                "the first answer of each is published.",
+                "%d repeated answer(s) of requests answered twice (in the checkpoints of two tries) were left out; "
+                "one answer of each is published, a success rather than a failure, else the first.",
                 results.dropped_duplicates,
             )
         self.engine.classify(results, job)

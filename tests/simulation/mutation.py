@@ -407,6 +407,14 @@ MUTANTS: tuple[Mutant, ...] = (
         """if self.settings.resume and not parts and staging.has_results():""",
         """if False:""",
     ),
+    # -- batchfile/results.py: the results check --------------------------------------------
+    M(
+        "failure-beats-success",
+        "batchfile/results.py",
+        "of a request two tries' checkpoint parts answer, the first answer is kept even when it failed and the other succeeded (seed 10097)",
+        """        best = max(lines, key=lambda line: (kind.get(line, 2), -line))""",
+        """        best = min(lines)""",
+    ),
     # -- engines/stall.py --------------------------------------------------------------------
     M(
         "stall-bound-never-fires",

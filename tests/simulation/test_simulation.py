@@ -15,10 +15,23 @@ from tests.simulation.world import make_plan, run_schedule
 #: processes and the second runs of issue 34 made a schedule ~10 % longer: 450 keep the suite's time).
 SCHEDULES = int(os.environ.get("VLLM_BATCH_SIM_SCHEDULES", "450"))
 
+#: Seeds beyond the suite's range that found a bug, each replayed on every run (with the fix it proves).
+REGRESSION_SEEDS = (
+    # Durability: a zombie's part answering r0 engine_crash, listed before its successor's part answering
+    # it 200; the results check kept the first answer and publishing dropped the 200 (check_results now
+    # keeps a success over a failure; the mutant failure-beats-success).
+    10097,
+)
+
 
 def test_no_schedule_violates_a_run_protocol_invariant(tmp_path, sim_seed):
     seeds = [sim_seed] if sim_seed is not None else range(SCHEDULES)
     report = run_campaign(seeds, tmp_path)
+    assert not report.failing_seeds, "\n" + report.format(first=20)
+
+
+def test_the_seeds_that_found_bugs_violate_no_invariant(tmp_path):
+    report = run_campaign(REGRESSION_SEEDS, tmp_path)
     assert not report.failing_seeds, "\n" + report.format(first=20)
 
 
@@ -47,4 +60,6 @@ def test_the_plans_cover_every_configuration_and_fault_the_invariants_need():
     assert any(p.old_errors for p in plans)
     assert any(p.engine_faults.get("garbled") for p in plans)
     assert any(p.disk_full for p in plans)
+    # A cache that changes between two tries of one run (the staged hits exist for it).
+    assert any(p.cache_expires for p in plans)
     assert any(p.target == ("put lease", "pause", 1, 3) and p.resume_at == ("put lease", 1) for p in plans)

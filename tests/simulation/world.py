@@ -91,6 +91,9 @@ class Plan:
     fail_after_rewrite: float | None = None
     #: The chance that the worker's disk is full when the engine writes its results or a checkpoint.
     disk_full: float = 0.0
+    #: With the answer cache: its entries expire (an S3 lifecycle rule on the cache's prefix) whenever a later
+    #: try of run-1 starts, so the cache a retry would look up is not the one its predecessor split on.
+    cache_expires: bool = False
 
     def describe(self) -> str:
         bits = [f"engine={self.engine}", f"requests={self.requests}", f"s3_fault_rate={self.fault_rate}"]
@@ -112,6 +115,8 @@ class Plan:
             bits.append(f"disk full at {self.disk_full} of the engine's writes")
         if self.cache_prior:
             bits.append(f"answer cache (an earlier run answered {self.cache_prior})")
+        if self.cache_expires:
+            bits.append("the cache's entries expire as each retry starts")
         if self.stay != 0.5:
             bits.append(f"scheduler stay={self.stay}")
         if self.target:
@@ -273,6 +278,11 @@ def make_plan(seed: int) -> Plan:
     if engine == "sim-runner":
         # Last, and last of the engine's faults.
         plan.engine_faults["wedge"] = rng.choice((0, 0.04))
+    if plan.cache_prior:
+        # Drawn after everything else (and only with a cache), so every other seed's plan stays as it was.
+        # A cache that changes between two tries of one run: the retry must still give the engine the
+        # misses of the try whose staged answers it resumes (the staged hits, docs/protocol.md step 6).
+        plan.cache_expires = rng.random() < 0.5
     return plan
 
 
@@ -530,6 +540,8 @@ class World:
         self.lease_read_call: dict[str, int] = {}
         #: The S3 call count when the user's tool rewrote the published results (None: it did not).
         self.outside_rewrite_call: int | None = None
+        #: How many times the answer cache's entries expired (``Plan.cache_expires``).
+        self.cache_expiries = 0
         self.last_staging_read: dict[str, int] = {}
         #: Tries whose engine began answering.
         self.engine_started: set[str] = set()
@@ -659,6 +671,8 @@ class World:
 
     def start_try(self, number: int, run: str = "run-1", delay_s: float = 0.0) -> None:
         plan = self.plan
+        if plan.cache_expires and run == "run-1" and number > 1:
+            self.expire_cache()
         if run == "run-1":
             state = TryState(
                 number,
@@ -768,6 +782,12 @@ class World:
             self.input_version += 1
             self.write_input()
         self.start_try(1, "run-2")
+
+    def expire_cache(self) -> None:
+        """The cache's lifecycle rule removes its entries: outside every try, no step, no fault."""
+        for key in [k for k in self.s3.buckets[BUCKET] if k.startswith("cache/")]:
+            del self.s3.buckets[BUCKET][key]
+        self.cache_expiries += 1
 
     def rewrite_output(self) -> None:
         """A user's tool rewrites the published results (drops the last line): outside every try, no fault."""

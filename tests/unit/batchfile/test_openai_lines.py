@@ -72,6 +72,16 @@ def test_a_stopped_batch_writes_each_request_once_its_first_answer_or_batch_reas
     assert failed["c"]["error"]["code"] == f"batch_{reason}"
 
 
+def test_a_stopped_batch_keeps_a_success_over_an_earlier_failure_and_a_4xx_over_an_earlier_5xx():
+    # Two tries' checkpoints answering one request (Durability: a zombie's engine_crash listed first).
+    results, errors = io.BytesIO(), io.BytesIO()
+    answers = [refused("a", 500), refused("b", 500), refused("a", 400), ok("a"), refused("b", 400)]
+    counts = split_stopped(answers, request_ids([request("a"), request("b")]), results, errors, "expired")
+    assert counts == {"total": 2, "completed": 1, "failed": 1}
+    assert [json.loads(r)["custom_id"] for r in results.getvalue().splitlines()] == ["a"]
+    assert [json.loads(r)["response"]["status_code"] for r in errors.getvalue().splitlines()] == [400]
+
+
 def test_a_stopped_line_is_the_same_bytes_on_every_try():
     assert stopped_line("c", "expired") == stopped_line("c", "expired") != stopped_line("c", "cancelled")
     assert json.loads(stopped_line("c", "expired"))["id"].startswith("batch_req_")

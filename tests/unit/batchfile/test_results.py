@@ -147,7 +147,13 @@ def test_repeated_answer_is_named_with_both_result_lines():
 def test_with_duplicates_first_a_repeated_answer_keeps_the_first_in_both_files_and_is_not_a_mismatch():
     successes, errors = io.BytesIO(), io.BytesIO()
     first_b = failed_result("b", 400, "bad temperature")
-    results = [ok_result("a", prompt=1), first_b, ok_result("a", prompt=100), ok_result("b"), ok_result("c")]
+    results = [
+        ok_result("a", prompt=1),
+        first_b,
+        ok_result("a", prompt=100),
+        failed_result("b", 422, "other"),
+        ok_result("c"),
+    ]
     report = check(
         results,
         [request("a"), request("b"), request("c")],
@@ -160,7 +166,78 @@ def test_with_duplicates_first_a_repeated_answer_keeps_the_first_in_both_files_a
     assert report.request_counts == {"total": 3, "completed": 2, "failed": 1}
     assert report.prompt_tokens == 1 + 3  # the later answer of "a" is not counted
     assert successes.getvalue() == ok_result("a", prompt=1) + b"\n" + ok_result("c")
-    assert [json.loads(line)["custom_id"] for line in errors.getvalue().splitlines()] == ["b"]
+    assert [json.loads(line)["error"]["message"] for line in errors.getvalue().splitlines()] == [
+        "bad temperature"
+    ]
+
+
+def engine_crash_result(cid: str) -> bytes:
+    """What the runner checkpoints for a request in flight at two engine deaths in a row (runner_deaths.crash_line)."""
+    return json.dumps(
+        {
+            "id": f"vllm-engine-crash-{cid}",
+            "custom_id": cid,
+            "response": {"status_code": 500, "request_id": None, "body": None},
+            "error": {"code": "engine_crash", "message": "died twice", "line": None},
+        }
+    ).encode()
+
+
+def test_with_duplicates_first_a_success_beats_an_earlier_failure_of_the_same_request():
+    # Simulator seed 10097: a zombie try's part answered r0 engine_crash, listed before its
+    # successor's part answering r0 with a 200; keeping the first published the failure and
+    # dropped the durable answer.
+    successes, errors = io.BytesIO(), io.BytesIO()
+    results = [engine_crash_result("a"), failed_result("b", 400), ok_result("a", prompt=7), ok_result("b")]
+    report = check(
+        results, [request("a"), request("b")], results_out=successes, errors_out=errors, duplicates="first"
+    )
+    assert report.ok
+    assert report.dropped_duplicates == 2
+    assert report.request_counts == {"total": 2, "completed": 2, "failed": 0}
+    assert report.prompt_tokens == 7 + 3
+    assert successes.getvalue() == ok_result("a", prompt=7) + b"\n" + ok_result("b")
+    assert errors.getvalue() == b""  # no error line for a request that is in the results
+
+
+def test_with_duplicates_first_a_4xx_beats_an_earlier_engine_crash_and_a_later_one_of_the_same_request():
+    errors = io.BytesIO()
+    results = [engine_crash_result("a"), failed_result("a", 400, "too long"), engine_crash_result("a")]
+    report = check(results, [request("a")], results_out=io.BytesIO(), errors_out=errors, duplicates="first")
+    assert report.ok
+    assert report.dropped_duplicates == 2
+    assert report.request_counts == {"total": 1, "completed": 0, "failed": 1}
+    assert report.status_counts == {"400": 1}
+    assert [json.loads(line)["error"]["message"] for line in errors.getvalue().splitlines()] == ["too long"]
+
+
+def test_with_duplicates_first_a_success_beats_an_answer_that_does_not_fit_the_output_schema():
+    import pydantic
+
+    from airflow_vllm_batch.batchfile.structured import OutputSchema
+
+    class Count(pydantic.BaseModel):
+        n: int
+
+    def chat(cid: str, text: str) -> bytes:
+        body = {"object": "chat.completion", "choices": [{"message": {"role": "assistant", "content": text}}]}
+        return json.dumps(
+            {"id": "x", "custom_id": cid, "response": {"status_code": 200, "body": body}, "error": None}
+        ).encode()
+
+    schema = OutputSchema(Count)
+    successes, errors = io.BytesIO(), io.BytesIO()
+    report = check(
+        [chat("a", "not json"), chat("a", '{"n": 1}')],
+        [request("a")],
+        results_out=successes,
+        errors_out=errors,
+        duplicates="first",
+        output_schema=schema,
+    )
+    assert report.request_counts == {"total": 1, "completed": 1, "failed": 0}
+    assert report.invalid_output == 0
+    assert errors.getvalue() == b""
 
 
 def test_with_duplicates_first_an_answer_to_a_custom_id_not_in_the_input_is_still_a_mismatch():

@@ -97,6 +97,23 @@ def test_checkpoint_counts_count_each_request_once_with_the_earlier_tries_parts(
     assert reported == [{"completed": 2, "failed": 1}]
 
 
+def test_checkpoint_counts_count_a_request_completed_once_any_part_answers_it_with_a_success(tmp_path):
+    # As the results check publishes it: a success over another try's failure, whatever their order.
+    reported = []
+
+    class Staging:
+        def open_parts(self, parts):
+            import contextlib
+
+            return contextlib.nullcontext(iter([_line("a", 500), _line("b", 400)]))
+
+    counts = _CheckpointCounts(job(on_checkpoint=reported.append), Staging(), ["part-0"])
+    part = tmp_path / "part-000001.jsonl"
+    part.write_bytes(_line("a", 200) + _line("b", 500))
+    counts.add(part)
+    assert reported == [{"completed": 1, "failed": 1}]
+
+
 def test_a_failing_progress_report_does_not_fail_the_run(tmp_path):
     def broken(counts):
         raise ConnectionError("S3 is down")

@@ -555,7 +555,7 @@ def test_answers_repeated_across_tries_checkpoints_keep_the_first_and_publish(ba
     published = list(batch.lines("out/results.jsonl"))
     assert sorted(r["custom_id"] for r in published) == sorted(f"r{i}" for i in range(N))
     assert not any(r["id"] == "vllm-zombie" for r in published)
-    assert "2 later answer(s) of requests answered already" in capfd.readouterr().out
+    assert "2 repeated answer(s) of requests answered twice" in capfd.readouterr().out
 
 
 def test_an_answer_to_a_custom_id_not_in_the_input_drops_only_the_part_that_holds_it(batch, server):

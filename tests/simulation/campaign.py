@@ -118,6 +118,7 @@ def run_campaign(seeds: Iterable[int], workdir: Path) -> CampaignReport:
         report.faults["input rewritten"] += world.input_version - 1
         report.faults["second task instance"] += any(t.run == "run-2" for t in world.tries)
         report.faults["cache expired"] += world.cache_expiries
+        report.faults["aimed target (world.aim)"] += world.plan.aimed
         report.coverage.update(world.s3.coverage)
         last = world.final_try
         report.clean_last_tries += bool(

@@ -14,6 +14,7 @@ with real settings, preflight, lease, staging, check and publish, on the fake S3
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -94,6 +95,12 @@ class Plan:
     #: With the answer cache: its entries expire (an S3 lifecycle rule on the cache's prefix) whenever a later
     #: try of run-1 starts, so the cache a retry would look up is not the one its predecessor split on.
     cache_expires: bool = False
+    #: An aimed schedule (:func:`aim`): its target was drawn by the pair's rarity, its preconditions arranged.
+    aimed: bool = False
+    #: ``(site, try)``: try ``try`` is killed at its first step after its first call to ``site`` (what that call
+    #: left in S3, staged results or staged cached answers, is there for its successor: an aimed target's
+    #: precondition).
+    setup_kill: tuple[str, int] | None = None
 
     def describe(self) -> str:
         bits = [f"engine={self.engine}", f"requests={self.requests}", f"s3_fault_rate={self.fault_rate}"]
@@ -119,9 +126,15 @@ class Plan:
             bits.append("the cache's entries expire as each retry starts")
         if self.stay != 0.5:
             bits.append(f"scheduler stay={self.stay}")
+        if self.setup_kill:
+            bits.append(
+                f"try {self.setup_kill[1]} killed right after its first call to {self.setup_kill[0]!r}"
+            )
         if self.target:
             site, kind, n, number = self.target
-            bits.append(f"target: {kind} at call {n} of try {number} to {site!r}")
+            bits.append(
+                f"{'aimed ' if self.aimed else ''}target: {kind} at call {n} of try {number} to {site!r}"
+            )
             if self.resume_at:
                 bits.append(f"paused until its successor's call {self.resume_at[1]} to {self.resume_at[0]!r}")
         if self.second_run_at:
@@ -278,12 +291,97 @@ def make_plan(seed: int) -> Plan:
     if engine == "sim-runner":
         # Last, and last of the engine's faults.
         plan.engine_faults["wedge"] = rng.choice((0, 0.04))
+    # Drawn last of all, so that every field above stays what it was for every seed (the seeds named in
+    # docs/reliability.md replay as before unless this draw aims them).
+    if rng.random() < AIM_SHARE:
+        aim(plan, rng)
     if plan.cache_prior:
-        # Drawn after everything else (and only with a cache), so every other seed's plan stays as it was.
+        # Drawn after everything else, the aim included (and only with a cache), so every other seed's plan
+        # stays as it was.
         # A cache that changes between two tries of one run: the retry must still give the engine the
         # misses of the try whose staged answers it resumes (the staged hits, docs/protocol.md step 6).
         plan.cache_expires = rng.random() < 0.5
     return plan
+
+
+#: The share of schedules whose target is aimed at a (site, fault kind) pair by its rarity (:func:`aim`).
+AIM_SHARE = 0.1
+#: The sites whose call only happens when an earlier try of the run left something in S3: the call of that
+#: earlier try that leaves it (the aimed target is then in try 2, and try 1 is killed right after that call).
+AIM_NEEDS_PREDECESSOR = {
+    # The runner's resume: no parts, but results an earlier try staged (runner.produce), read by the check.
+    "get staging results": "put staging results",
+    # The answer cache's resume: hits an earlier try staged (AnswerCache.split).
+    "get staging cached": "put staging cached",
+}
+
+
+@functools.cache
+def reference_coverage() -> dict[tuple[str, str], int]:
+    """How often the un-aimed generator reached each (site, fault kind) pair in 20,000 schedules (a static table)."""
+    saved = json.loads((Path(__file__).parent / "coverage_reference.json").read_text())
+    return {(site, kind): n for site, kind, n in saved["coverage"]}
+
+
+def aim(plan: Plan, rng: random.Random) -> None:
+    """Aim the plan's target at a (site, fault kind) pair drawn by rarity, and arrange what the site needs.
+
+    The weights are ``1 / (1 + n)``, ``n`` the pair's count in :func:`reference_coverage` (a pair
+    missing from it, a new site, weighs most): a static table, not the running campaign's counts,
+    so that a plan still depends on its seed alone (replay is exact, chunks of a campaign run in
+    any order). The freeze pairs are left to their own mode (a second DAG run on another input).
+
+    A site is reached only when its step happens: the runner's sites need the runner engine, the
+    answer cache's an earlier run's cached answers, ``put errors`` failed lines, ``delete errors``
+    an earlier error file and no failed line, ``copy results`` a staged results file with no failed
+    line and no cached answer, ``put staging deaths`` an engine that dies, and the two resume reads
+    (:data:`AIM_NEEDS_PREDECESSOR`) an earlier try killed right after it staged what they read.
+    """
+    reference = reference_coverage()
+    pairs = [(s, k) for s in SITES for k in site_kinds(s) if k != "freeze"]
+    site, kind = rng.choices(pairs, weights=[1 / (1 + reference.get(p, 0)) for p in pairs])[0]
+    plan.aimed = True
+    if site in ENGINE_NEVER["sim-server"] and plan.engine != "sim-runner":
+        plan.engine = "sim-runner"
+        plan.engine_faults = {"crash": 0, "die": 0, "fail": 0, "stall": 0.02, "wedge": 0}
+    faults = plan.engine_faults
+    if "cache" in site and not plan.cache_prior:
+        plan.cache_prior = rng.randint(1, plan.requests)
+    number = 1
+    if site in AIM_NEEDS_PREDECESSOR:
+        # The earlier try must stage them: an engine that lives, a disk with room.
+        number = 2
+        plan.setup_kill = (AIM_NEEDS_PREDECESSOR[site], 1)
+        faults.update(dict.fromkeys(set(faults) & {"crash", "die", "wedge"}, 0))
+        plan.disk_full = 0.0
+        plan.kill_at.pop(1, None)
+        plan.zombie_at.pop(1, None)
+    elif site in ("delete errors", "copy results"):
+        # No failed line (and for the copy, no cached answer: the staged results file is the output).
+        faults.update(
+            dict.fromkeys(set(faults) & {"crash", "die", "wedge", "fail", "garbled", "transient"}, 0)
+        )
+        plan.disk_full, plan.fail_after_rewrite = 0.0, None
+        if site == "delete errors":
+            plan.old_errors, plan.collision = True, None
+        else:
+            plan.cache_prior = 0
+    elif site == "put errors":
+        faults["fail"] = max(faults.get("fail", 0), 0.3)
+    elif site == "put staging deaths":
+        faults["die"] = max(faults.get("die", 0), 0.3)
+    if site == "engine request":
+        nth = rng.randint(1, plan.requests)
+    else:
+        nth = rng.choice((1, 2)) if site == "put manifest" else 1
+    plan.target = (site, kind, nth, number)
+    plan.kill_at.pop(number, None)
+    plan.zombie_at.pop(number, None)
+    plan.resume_at = None
+    if kind == "pause":
+        roll = rng.random()
+        resume = "end" if roll < 0.45 else site if roll < 0.65 else rng.choice(RESUME_SITES)
+        plan.resume_at = (resume, rng.choices((1, 2), weights=(3, 1))[0])
 
 
 #: The S3 call sites of a run (operation, object), as :func:`site_of` names them; the heartbeat's lease
@@ -753,6 +851,17 @@ class World:
                 self.lease_read_call[state.label] = self.s3.calls
         elif site is not None and site.split(" ")[0] in ("list", "get", "head") and " staging" in site:
             self.last_staging_read[state.label] = self.global_steps
+        setup = self.plan.setup_kill
+        if (
+            setup is not None
+            and state.label == f"run-1/try-{setup[1]}"
+            and self.site_calls.get((state.label, setup[0]))
+            and not state.dead
+            and not state.ended
+        ):
+            # An aimed target's precondition: this try dies right after it staged what its successor resumes from.
+            state.dead = True
+            self.kills += 1
         if site is not None:
             calls = self.site_calls[(state.label, site)] = self.site_calls.get((state.label, site), 0) + 1
             target = self.plan.target
@@ -803,7 +912,9 @@ class World:
 
     def targeted(self, actor: Any, state: TryState, site: str, kind: str) -> None:
         """The plan's targeted fault, at this call of this try."""
-        self.s3.coverage[(site, kind)] = self.s3.coverage.get((site, kind), 0) + 1
+        if kind in (*TRY_KINDS, "freeze"):
+            # An S3 fault is counted where it is injected (FakeS3.note_fault), as the kind it became there.
+            self.s3.coverage[(site, kind)] = self.s3.coverage.get((site, kind), 0) + 1
         if kind == "kill":
             state.dead = True
             self.kills += 1

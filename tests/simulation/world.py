@@ -291,16 +291,16 @@ def make_plan(seed: int) -> Plan:
     if engine == "sim-runner":
         # Last, and last of the engine's faults.
         plan.engine_faults["wedge"] = rng.choice((0, 0.04))
-    # Drawn last of all, so that every field above stays what it was for every seed (the seeds named in
-    # docs/reliability.md replay as before unless this draw aims them).
-    if rng.random() < AIM_SHARE:
-        aim(plan, rng)
     if plan.cache_prior:
-        # Drawn after everything else, the aim included (and only with a cache), so every other seed's plan
+        # Drawn after everything else but the aim (and only with a cache), so every other seed's plan
         # stays as it was.
         # A cache that changes between two tries of one run: the retry must still give the engine the
         # misses of the try whose staged answers it resumes (the staged hits, docs/protocol.md step 6).
         plan.cache_expires = rng.random() < 0.5
+    # Drawn last of all, so that every field above stays what it was for every seed (the seeds named in
+    # docs/reliability.md replay as before unless this draw aims them).
+    if rng.random() < AIM_SHARE:
+        aim(plan, rng)
     return plan
 
 

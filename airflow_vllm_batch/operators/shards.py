@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from airflow.providers.amazon.aws.hooks.s3 import S3Hook
 from airflow.providers.amazon.aws.operators.base_aws import AwsBaseOperator
 from airflow.providers.amazon.aws.utils.mixins import aws_template_fields
+from botocore.exceptions import ClientError
 
 from airflow_vllm_batch.batchfile import open_lines, redact_url
 from airflow_vllm_batch.exceptions import InputChangedError, VLLMBatchError
@@ -51,7 +52,7 @@ from airflow_vllm_batch.sharding import (
     sum_manifests,
 )
 from airflow_vllm_batch.storage.publishing import OutputStore
-from airflow_vllm_batch.storage.s3 import s3_body, split_s3_uri
+from airflow_vllm_batch.storage.s3 import error_code, s3_body, split_s3_uri
 from airflow_vllm_batch.version_compat import AirflowFailException
 
 if TYPE_CHECKING:
@@ -440,6 +441,14 @@ class VLLMBatchMergeOperator(AwsBaseOperator[S3Hook]):
                 raise ShardingError(
                     f"The shard at map index {shard.index} published {shard.uri} with ETag {shard.etag}, but the file "
                     "has changed since. Nothing was merged; clear that shard's inference task, then the merge."
+                ) from None
+            except ClientError as err:
+                if error_code(err) not in ("NoSuchKey", "404"):
+                    raise  # throttling, 5xx, access: Airflow's retry may get through
+                # Gone for every retry alike (a lifecycle rule, a user's clean-up): no try would find it.
+                raise ShardingError(
+                    f"The shard at map index {shard.index} published {shard.uri}, which is gone. Nothing was "
+                    "merged; clear that shard's inference task, then the merge."
                 ) from None
 
     def _input_etag(self) -> str | None:

@@ -222,6 +222,20 @@ def test_a_shard_file_rewritten_since_its_manifest_fails_the_merge_naming_the_sh
     assert shards.published() == []
 
 
+@pytest.mark.parametrize("suffix", [".results.jsonl", ".results.errors.jsonl"])
+def test_a_shard_file_deleted_since_its_manifest_fails_the_merge_without_retry_naming_the_shard(
+    shards, suffix
+):
+    # Gone for every try alike, so a retry fails the same way (the shard simulator's seed 18 retried a raw NoSuchKey).
+    shards.put("out/results.manifest.json", b'{"an": "earlier merge"}')
+    shards.client.delete_object(Bucket=shards.bucket, Key=shards.key(1, suffix))
+    with pytest.raises(
+        AirflowFailException, match=r"shard at map index 1 published s3://.*shard-00001.*, which is gone"
+    ):
+        shards.merge()
+    assert shards.published() == ["out/results.manifest.json"]
+
+
 def test_the_count_mismatch_names_only_the_shards_that_disagree(shards):
     _lost_result(shards)
     with pytest.raises(AirflowFailException) as failure:

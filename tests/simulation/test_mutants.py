@@ -22,6 +22,9 @@ SLICE = {
     "staleness-inverted": 200,
     "duplicates-counted-twice": 300,
     "zombie-retakes-lease": 400,
+    # The shard scenario's (split -> shards -> merge): a check skipped before the merge publishes.
+    "merge-counts-unchecked": 100,
+    "merge-missing-shard-unchecked": 300,
 }
 
 

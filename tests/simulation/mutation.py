@@ -473,6 +473,14 @@ MUTANTS: tuple[Mutant, ...] = (
         simulator="shards",
     ),
     M(
+        "merge-deleted-shard-retried",
+        "operators/shards.py",
+        "a shard file deleted since its manifest raises a raw NoSuchKey: retried, every try alike (shard seed 18, fixed)",
+        """                if error_code(err) not in ("NoSuchKey", "404"):""",
+        """                if True:""",
+        simulator="shards",
+    ),
+    M(
         "merge-publishes-without-lease",
         "operators/shards.py",
         "the merge publishes without taking the output's lease (no fence holds another writer off)",

@@ -63,6 +63,8 @@ LEASE_KEY = "out/results.lease.json"
 #: Each DAG run's shards live under its own prefix (``p/run-1/shards/``), as the docs tell users to template it.
 SHARD_PREFIX = "p/{run}/shards/"
 MAX_TRIES = 3
+#: Airflow's default ``retry_delay``.
+RETRY_DELAY_S = 300.0
 
 #: The merge's call sites (operation, object): the shards' files, the split's listing, the input's head, and
 #: the publishing steps and lease writes the run shares (docs/protocol.md).
@@ -145,6 +147,8 @@ class ShardPlan:
     second_at: int | None = None
     #: An earlier DAG run's merge published the output first.
     old_output: bool = False
+    #: ... with an error file (a merge without failures then deletes it, ``If-Match``).
+    old_errors: bool = False
     stay: float = 0.5
     shuffle_lists: bool = False
 
@@ -173,7 +177,7 @@ class ShardPlan:
         if self.second_at:
             bits.append(f"run-2's merge of other shards starts at step {self.second_at}")
         if self.old_output:
-            bits.append("an earlier merge's output")
+            bits.append("an earlier merge's output" + (" with an error file" if self.old_errors else ""))
         if self.stay != 0.5:
             bits.append(f"scheduler stay={self.stay}")
         if self.shuffle_lists:
@@ -210,6 +214,11 @@ def make_shard_plan(seed: int) -> ShardPlan:
         plan.target = (site, kind, 1, number)
         plan.kill_at.pop(number, None)
         plan.zombie_at.pop(number, None)
+        # The step exists only with failed lines (an error file to write), or an earlier one to delete.
+        if site == "delete errors":
+            plan.old_output, plan.old_errors, plan.fail_rate = True, True, 0.0
+        elif site in ("put errors", "get shard errors", "head errors"):
+            plan.fail_rate = 0.2
         if kind == "pause":
             roll = rng.random()
             resume = "end" if roll < 0.4 else site if roll < 0.6 else rng.choice(RESUME_SITES)
@@ -425,7 +434,7 @@ class ShardWorld:
         prefix = SHARD_PREFIX.format(run=run)
         batch = Batch(run, [], [], [])
         # Another run's failures (or none) beside run-1's: an error file to replace, or to delete.
-        fail_rate = self.rng.choice((0.0, 0.4))
+        fail_rate = 0.4 if run == "run-0" and self.plan.old_errors else self.rng.choice((0.0, 0.4))
         for start in range(0, requests, max_requests):
             index = start // max_requests
             key = f"{prefix}shard-{index:05d}.jsonl"
@@ -577,8 +586,12 @@ class ShardWorld:
         if error is None:
             self.finals[run] = "success"
         elif retryable(error) and state.number < MAX_TRIES:
+            # Airflow's retry_delay (300 s by default): longer than the lease's staleness, so a lease another
+            # merge left behind (its delete failed) is stale by the retry, as a user's retries would find it.
             self.start_try(
-                state.number + 1, run, delay_s=0.0 if run != "run-2" else 60.0 + self.rng.random() * 240
+                state.number + 1,
+                run,
+                delay_s=RETRY_DELAY_S if run != "run-2" else 60.0 + self.rng.random() * 240,
             )
             return
         else:

@@ -77,6 +77,8 @@ MERGE_SITES: tuple[str, ...] = (
     "put lease",
     "delete lease",
     "head manifest",
+    # The merge's reads of the manifest: before merging, and under the lease the one its tombstone is pinned to.
+    "get manifest",
     "put manifest",
     "head results",
     "put results",

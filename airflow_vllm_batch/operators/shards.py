@@ -10,7 +10,8 @@ shard, spread by Airflow over the GPU workers, each retried on its own::
 A retry redoes only what is missing: the split finds the shards an earlier try
 uploaded (same content, same SHA-256) and leaves them untouched, so their ETags stay
 the same, and ``VLLMBatchOperator`` (``resume=True``) returns the manifest of a shard
-that is already complete instead of starting the engine again.
+that is already complete instead of starting the engine again; the merge returns a merged
+output already complete for the same shard manifests without writing it again.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from airflow.providers.amazon.aws.utils.mixins import aws_template_fields
 from botocore.exceptions import ClientError
 
 from airflow_vllm_batch.batchfile import open_lines, redact_url
-from airflow_vllm_batch.exceptions import InputChangedError, VLLMBatchError
+from airflow_vllm_batch.exceptions import InputChangedError, OutputBusyError, VLLMBatchError
 from airflow_vllm_batch.lease import LeaseHolder
 from airflow_vllm_batch.manifest import Manifest, RequestCounts, Usage, is_tombstone, schema_version
 from airflow_vllm_batch.operators.task_try import task_try
@@ -233,12 +234,21 @@ class VLLMBatchMergeOperator(AwsBaseOperator[S3Hook]):
         {"output_uri", "error_uri", "input_uri", "input_etag", "model",
          "request_counts", "usage", "duration_s", "engine_duration_s", "vllm_version",
          "fingerprint", "manifest_uri", "shards", "shard_duration_s",
-         "max_shard_duration_s", "merge_duration_s", "shard_manifest_uris", "cost"}
+         "max_shard_duration_s", "merge_duration_s", "shard_manifest_uris", "cost", "identity"}
 
     ``duration_s`` is the compute spent (the shards' durations plus the merge), not
     the wall time, which depends on how many workers ran the shards at once.
     ``fingerprint`` is a hash of the shards' fingerprints, in shard order. ``cost`` adds up
     the shards' costs (:func:`~airflow_vllm_batch.run.cost.sum_costs`; absent when a shard has none).
+    ``identity`` holds ``merged_shards``, a hash of the shard manifests
+    (:func:`~airflow_vllm_batch.sharding.merged_shards_key`), and ``publish_id``, random per try.
+
+    A merge whose output is already complete for these very shard manifests (same
+    ``fingerprint`` and ``merged_shards``, its files at the ETags it names) returns that
+    manifest and writes nothing, as ``VLLMBatchOperator`` returns a complete output of its run:
+    checked before merging and again under the lease, on the manifest the publish pins
+    (:class:`MergedOutputStore`; see docs/protocol.md). A shard published again is another
+    merge: it publishes.
 
     Nothing is published unless the merge is the whole batch: a shard without a manifest
     (its mapped task failed or was skipped and the merge ran anyway, through a
@@ -558,14 +568,28 @@ class MergedOutputStore(OutputStore):
     def mark_publishing(self, seen: str | None, fingerprint: str | None = None) -> str:
         """Write the tombstone over ``seen``, unless ``seen`` is this very merge, complete.
 
-        :raises AlreadyMerged: the pinned manifest is a complete merge of these shard files; nothing was written.
-        :raises OutputBusyError: the manifest changed since ``seen`` was read: another try publishes.
+        :raises AlreadyMerged: the pinned manifest, or the one that replaced it since while this try still
+            holds the lease, is a complete merge of these shard manifests; nothing was written.
+        :raises OutputBusyError: the lease was lost, or the manifest changed since ``seen`` was read into
+            anything but this merge, complete: another try publishes.
         """
-        if self.merge is not None and seen is not None:
-            manifest, why = self._complete_merge(self._manifest_body_at(seen))
-            if manifest is not None:
-                raise AlreadyMerged(manifest, why)
-        return super().mark_publishing(seen, fingerprint)
+        if self.merge is None:
+            return super().mark_publishing(seen, fingerprint)
+        try:
+            if seen is not None:
+                manifest, why = self._complete_merge(self._manifest_body_at(seen))
+                if manifest is not None:
+                    raise AlreadyMerged(manifest, why)
+            return super().mark_publishing(seen, fingerprint)
+        except OutputBusyError:
+            # Nothing of this try is written yet. While it still holds the lease, a manifest that changed
+            # since ``seen`` is a paused earlier try's, which landed after its last fence: when that is this
+            # merge, complete, it is this try's result too (or a last try would fail over a finished merge).
+            self._fence()
+            manifest, why = self.completed_merge()
+            if manifest is None:
+                raise
+            raise AlreadyMerged(manifest, why) from None
 
     def _manifest_body_at(self, etag: str) -> bytes:
         """What the manifest key holds while it still has ``etag``: the content the tombstone would replace."""

@@ -15,7 +15,11 @@ from botocore.exceptions import ClientError
 from airflow_vllm_batch.exceptions import OutputBusyError
 from airflow_vllm_batch.lease import LeaseHolder
 from airflow_vllm_batch.manifest import MANIFEST_SCHEMA_VERSION
-from airflow_vllm_batch.operators.shards import VLLMBatchMergeOperator, VLLMBatchSplitOperator
+from airflow_vllm_batch.operators.shards import (
+    MergedOutputStore,
+    VLLMBatchMergeOperator,
+    VLLMBatchSplitOperator,
+)
 from airflow_vllm_batch.storage.publishing import OutputStore
 from airflow_vllm_batch.version_compat import AirflowFailException
 
@@ -476,3 +480,33 @@ def test_a_merged_output_not_complete_for_these_shards_is_merged_again(shards, c
     assert second["identity"]["publish_id"] != first["identity"]["publish_id"]
     assert len(shards.get("out/results.jsonl").splitlines()) == 8
     assert json.loads(shards.get("out/results.manifest.json"))["identity"] == second["identity"]
+
+
+def test_a_merge_whose_pinned_tombstone_became_this_merge_complete_returns_it_writing_nothing(
+    shards, monkeypatch
+):
+    # Shard seed 931: a paused earlier try's manifest lands between this (last) try's read of the
+    # manifest and its tombstone; the try holds the lease and the output is its merge, complete.
+    shards.merge(ti=FakeTI(1))
+    finished = shards.get("out/results.manifest.json")
+    shards.put(
+        "out/results.manifest.json", b'{"tombstone": "0f", "output_uri": "%s"}' % shards.output_uri.encode()
+    )
+    real_body_at = MergedOutputStore._manifest_body_at
+
+    def earlier_try_lands_meanwhile(self, etag):
+        shards.put("out/results.manifest.json", finished)
+        return real_body_at(self, etag)
+
+    monkeypatch.setattr(MergedOutputStore, "_manifest_body_at", earlier_try_lands_meanwhile)
+    writes: list[bytes] = []
+    real_put = OutputStore._put_manifest_key
+    monkeypatch.setattr(
+        OutputStore,
+        "_put_manifest_key",
+        lambda self, body, condition: writes.append(body) or real_put(self, body, condition),
+    )
+    returned = shards.merge(ti=FakeTI(3))
+    assert writes == []
+    assert returned["identity"] == json.loads(finished)["identity"]
+    assert shards.get("out/results.manifest.json") == finished

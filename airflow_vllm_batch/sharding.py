@@ -33,6 +33,7 @@ without newlines) stops the split, because the reader cuts such lines.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -272,6 +273,23 @@ def sum_manifests(manifests: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         # Summed over the shards that used the cache; None when none did (as each shard's manifest omits it).
         "from_cache": _sum_present(manifests, "from_cache"),
     }
+
+
+def merged_shards_key(manifests: Sequence[Mapping[str, Any]]) -> str:
+    """What a merge is made of, as one hash: the shards' manifests, whole, in shard order.
+
+    Each shard manifest names its input (under the split's prefix), its run (``fingerprint``)
+    and its files with the ETags they were published with, and holds the counts, usage and cost
+    the merged manifest adds up. Two merges with the same key therefore concatenate the very
+    same shard files in the same order into the same sums: a merged output whose manifest
+    records this key is complete for this merge. A shard published again (new ETags or
+    figures), another split or another order gives another key. The merged manifest keeps it in
+    ``identity["merged_shards"]``.
+
+    :param manifests: the shards' manifests as returned by ``VLLMBatchOperator``, in shard order.
+    """
+    canonical = json.dumps(list(manifests), sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 def _sum_present(manifests: Sequence[Mapping[str, Any]], key: str) -> int | None:

@@ -13,6 +13,7 @@ Usage::
     .venv/bin/python benchmarks/simulate.py [--schedules 20000] [--start 0] [--jobs 2]
     .venv/bin/python benchmarks/simulate.py --seed 1234        # replay one schedule, with its plan and violations
     .venv/bin/python benchmarks/simulate.py --seed 1234 --trace  # ... and every S3 call attempt and log line first
+    .venv/bin/python benchmarks/simulate.py --shards [--schedules 5000] [--seed N [--trace]]  # split -> shards -> merge
 """
 
 from __future__ import annotations
@@ -56,7 +57,14 @@ def main() -> int:
     parser.add_argument(
         "--merge", nargs="+", help="print the coverage of these saved campaigns added up, and exit"
     )
+    parser.add_argument(
+        "--shards",
+        action="store_true",
+        help="the shard scenario instead: split -> shard runs -> merge under faults (tests/simulation/shards.py)",
+    )
     args = parser.parse_args()
+    if args.shards:
+        return shards(args)
     if args.merge:
         return merge(args.merge)
     if args.seed is not None:
@@ -105,6 +113,48 @@ def main() -> int:
             )
         )
     return 1 if report.failing_seeds else 0
+
+
+def _run_shards(seeds: list[int]):
+    import contextlib
+    import io
+
+    from tests.simulation.shards import run_shard_campaign
+
+    # The operators log through Airflow's structlog to stdout: kept out of the report.
+    with (
+        tempfile.TemporaryDirectory(prefix="vllm-batch-sim-") as workdir,
+        contextlib.redirect_stdout(io.StringIO()),
+    ):
+        return run_shard_campaign(seeds, Path(workdir))
+
+
+def shards(args: argparse.Namespace) -> int:
+    """The shard scenario's campaign (or one seed's replay): its report, non-zero on any violation."""
+    from tests.simulation.shards import make_shard_plan, run_shard_schedule
+
+    if args.seed is not None:
+        print(f"seed {args.seed}: {make_shard_plan(args.seed).describe()}")
+        if args.trace:
+            with tempfile.TemporaryDirectory(prefix="vllm-batch-sim-") as workdir:
+                print("\n".join(run_shard_schedule(args.seed, Path(workdir) / "schedule").s3.trace))
+        seeds = [args.seed]
+    else:
+        seeds = list(range(args.start, args.start + args.schedules))
+    started = time.perf_counter()
+    if args.jobs > 1:
+        with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
+            reports = pool.map(_run_shards, [seeds[i :: args.jobs] for i in range(args.jobs)])
+        report = reports[0]
+        for other in reports[1:]:
+            report.merge(other)
+    else:
+        report = _run_shards(seeds)
+    report.seconds = time.perf_counter() - started
+    print(report.format(first=args.first))
+    if args.coverage:
+        print(report.coverage_table())
+    return 1 if report.violations else 0
 
 
 def merge(paths: list[str]) -> int:

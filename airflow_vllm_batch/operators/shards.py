@@ -10,7 +10,8 @@ shard, spread by Airflow over the GPU workers, each retried on its own::
 A retry redoes only what is missing: the split finds the shards an earlier try
 uploaded (same content, same SHA-256) and leaves them untouched, so their ETags stay
 the same, and ``VLLMBatchOperator`` (``resume=True``) returns the manifest of a shard
-that is already complete instead of starting the engine again.
+that is already complete instead of starting the engine again; the merge returns a merged
+output already complete for the same shard manifests without writing it again.
 """
 
 from __future__ import annotations
@@ -20,20 +21,23 @@ import hashlib
 import re
 import tempfile
 import time
+import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 from airflow.providers.amazon.aws.hooks.s3 import S3Hook
 from airflow.providers.amazon.aws.operators.base_aws import AwsBaseOperator
 from airflow.providers.amazon.aws.utils.mixins import aws_template_fields
+from botocore.exceptions import ClientError
 
 from airflow_vllm_batch.batchfile import open_lines, redact_url
-from airflow_vllm_batch.exceptions import InputChangedError, VLLMBatchError
+from airflow_vllm_batch.exceptions import InputChangedError, OutputBusyError, VLLMBatchError
 from airflow_vllm_batch.lease import LeaseHolder
-from airflow_vllm_batch.manifest import Manifest, RequestCounts, Usage, schema_version
+from airflow_vllm_batch.manifest import Manifest, RequestCounts, Usage, is_tombstone, schema_version
 from airflow_vllm_batch.operators.task_try import task_try
 from airflow_vllm_batch.run.cost import sum_costs
 from airflow_vllm_batch.sharding import (
@@ -44,6 +48,7 @@ from airflow_vllm_batch.sharding import (
     ShardingError,
     check_merged_counts,
     merge_results,
+    merged_shards_key,
     missing_shards,
     shard_index,
     shard_name,
@@ -51,7 +56,7 @@ from airflow_vllm_batch.sharding import (
     sum_manifests,
 )
 from airflow_vllm_batch.storage.publishing import OutputStore
-from airflow_vllm_batch.storage.s3 import s3_body, split_s3_uri
+from airflow_vllm_batch.storage.s3 import bare_etag, error_code, head_etag, s3_body, split_s3_uri
 from airflow_vllm_batch.version_compat import AirflowFailException
 
 if TYPE_CHECKING:
@@ -229,12 +234,21 @@ class VLLMBatchMergeOperator(AwsBaseOperator[S3Hook]):
         {"output_uri", "error_uri", "input_uri", "input_etag", "model",
          "request_counts", "usage", "duration_s", "engine_duration_s", "vllm_version",
          "fingerprint", "manifest_uri", "shards", "shard_duration_s",
-         "max_shard_duration_s", "merge_duration_s", "shard_manifest_uris", "cost"}
+         "max_shard_duration_s", "merge_duration_s", "shard_manifest_uris", "cost", "identity"}
 
     ``duration_s`` is the compute spent (the shards' durations plus the merge), not
     the wall time, which depends on how many workers ran the shards at once.
     ``fingerprint`` is a hash of the shards' fingerprints, in shard order. ``cost`` adds up
     the shards' costs (:func:`~airflow_vllm_batch.run.cost.sum_costs`; absent when a shard has none).
+    ``identity`` holds ``merged_shards``, a hash of the shard manifests
+    (:func:`~airflow_vllm_batch.sharding.merged_shards_key`), and ``publish_id``, random per try.
+
+    A merge whose output is already complete for these very shard manifests (same
+    ``fingerprint`` and ``merged_shards``, its files at the ETags it names) returns that
+    manifest and writes nothing, as ``VLLMBatchOperator`` returns a complete output of its run:
+    checked before merging and again under the lease, on the manifest the publish pins
+    (:class:`MergedOutputStore`; see docs/protocol.md). A shard published again is another
+    merge: it publishes.
 
     Nothing is published unless the merge is the whole batch: a shard without a manifest
     (its mapped task failed or was skipped and the merge ran anyway, through a
@@ -276,9 +290,9 @@ class VLLMBatchMergeOperator(AwsBaseOperator[S3Hook]):
         self.input_uri = input_uri
 
     @cached_property
-    def store(self) -> OutputStore:
+    def store(self) -> MergedOutputStore:
         """The merged output's objects in S3, named and published as a single run's are."""
-        return OutputStore(self.hook, self.output_uri, self.error_uri)
+        return MergedOutputStore(self.hook, self.output_uri, self.error_uri)
 
     def execute(self, context: Context) -> dict[str, Any]:
         with _fail_without_retry_on_mistakes():
@@ -286,15 +300,39 @@ class VLLMBatchMergeOperator(AwsBaseOperator[S3Hook]):
             manifests = self.collect_manifests()
             self.check_no_shard_missing(manifests)
             summary = sum_manifests(manifests)
-            with tempfile.TemporaryDirectory(prefix="vllm-batch-merge-") as tmp:
-                results, errors = self.merge_files(manifests, Path(tmp))
-                manifest = self.build_manifest(
-                    manifests, summary, errors is not None, time.monotonic() - started
-                )
-                self.publish(manifest, results, errors, context)
-        self.log.info("Merged %d shard(s) into %s", len(manifests), self.output_uri)
+            self.store.merge = MergeIdentity(merged_fingerprint(manifests), merged_shards_key(manifests))
+            manifest = self.published()
+            if manifest is None:
+                with tempfile.TemporaryDirectory(prefix="vllm-batch-merge-") as tmp:
+                    results, errors = self.merge_files(manifests, Path(tmp))
+                    merged = self.build_manifest(
+                        manifests, summary, errors is not None, time.monotonic() - started
+                    )
+                    manifest = self.publish(merged, results, errors, context)
+                if manifest is merged:
+                    self.log.info("Merged %d shard(s) into %s", len(manifests), self.output_uri)
         context["ti"].xcom_push(key="output_uri", value=self.output_uri)
         return manifest.to_dict()
+
+    def published(self) -> Manifest | None:
+        """The manifest of a merged output of these very shard files, complete, if there is one (checked before the lease).
+
+        Saves a retry after a merge whose success was lost the whole merge; the same check runs
+        again under the lease, on the manifest the publish pins (:class:`MergedOutputStore`).
+        """
+        manifest, why = self.store.completed_merge()
+        if manifest is None:
+            self.log.info("Merging: %s.", why)
+            return None
+        self._not_again(why)
+        return manifest
+
+    def _not_again(self, why: str) -> None:
+        self.log.info(
+            "Not merging again: %s (%s). Delete that manifest to merge the shards anew.",
+            why,
+            self.store.manifest_uri,
+        )
 
     def collect_manifests(self) -> list[dict[str, Any]]:
         """The shards' manifests as a list, in shard (map index) order; every one must be a published manifest."""
@@ -363,19 +401,29 @@ class VLLMBatchMergeOperator(AwsBaseOperator[S3Hook]):
         check_merged_counts(manifests, result_lines, error_lines)
         return results, errors
 
-    def publish(self, manifest: Manifest, results: Path, errors: Path | None, context: Context) -> None:
+    def publish(self, manifest: Manifest, results: Path, errors: Path | None, context: Context) -> Manifest:
         """Publish the merged files and the manifest while holding the output's lease (one writer per output).
 
         The store checks the lease before each of its writes and deletes (Fencing): a merge whose
-        lease another run took over changes nothing more.
+        lease another run took over changes nothing more. Under the lease, the manifest the publish
+        reads first (and pins for its tombstone's ``If-Match``) may already be a complete merge of
+        these very shard files: another try of this merge published it since :meth:`published`
+        looked. Then nothing is written and that manifest is returned.
+
+        :return: ``manifest``, published; or the complete merged manifest already there.
         """
         assert manifest.fingerprint is not None  # the merge's manifest always has one (merge_manifests)
         with self.store.lease(LeaseHolder.of_try(task_try(context, self.retries), manifest.fingerprint)):
-            self.store.publish(
-                manifest,
-                results_path=results,
-                errors_path=errors,
-            )
+            try:
+                self.store.publish(
+                    manifest,
+                    results_path=results,
+                    errors_path=errors,
+                )
+            except AlreadyMerged as done:
+                self._not_again(done.why)
+                return done.manifest
+        return manifest
 
     def concatenate(self, files: Sequence[_ShardFile], scratch: Path) -> tuple[Path, list[int]]:
         """Merge the shards' ``files`` (in order) into the local file ``scratch``; return it and each file's line count."""
@@ -387,8 +435,15 @@ class VLLMBatchMergeOperator(AwsBaseOperator[S3Hook]):
     def build_manifest(
         self, manifests: Sequence[dict[str, Any]], summary: dict[str, Any], has_errors: bool, merge_s: float
     ) -> Manifest:
-        """The batch's manifest: the shards' sums, in the shape of ``VLLMBatchOperator``'s."""
-        fingerprints = [m.get("fingerprint") or "" for m in manifests]
+        """The batch's manifest: the shards' sums, in the shape of ``VLLMBatchOperator``'s.
+
+        Its ``identity`` says what it was merged from (``merged_shards``,
+        :func:`~airflow_vllm_batch.sharding.merged_shards_key`) and which publish wrote it
+        (``publish_id``, random per try): no two tries' manifests are the same bytes, so a write
+        conditional on a manifest's ETag read before another try published can never match that
+        try's manifest by coincidence (an ABA of the ETag).
+        """
+        assert self.store.merge is not None  # set by execute before anything is merged
         return Manifest(
             output_uri=self.output_uri,
             error_uri=self.store.error_uri if has_errors else None,
@@ -402,7 +457,8 @@ class VLLMBatchMergeOperator(AwsBaseOperator[S3Hook]):
             duration_s=round(summary["shard_duration_s"] + merge_s, 3),
             engine_duration_s=summary["engine_duration_s"],
             vllm_version=summary["vllm_version"],
-            fingerprint=hashlib.sha256("\n".join(fingerprints).encode()).hexdigest(),
+            fingerprint=self.store.merge.fingerprint,
+            identity={"merged_shards": self.store.merge.shards, "publish_id": uuid.uuid4().hex},
             manifest_uri=self.store.manifest_uri,
             shards=summary["shards"],
             shard_duration_s=summary["shard_duration_s"],
@@ -441,6 +497,14 @@ class VLLMBatchMergeOperator(AwsBaseOperator[S3Hook]):
                     f"The shard at map index {shard.index} published {shard.uri} with ETag {shard.etag}, but the file "
                     "has changed since. Nothing was merged; clear that shard's inference task, then the merge."
                 ) from None
+            except ClientError as err:
+                if error_code(err) not in ("NoSuchKey", "404"):
+                    raise  # throttling, 5xx, access: Airflow's retry may get through
+                # Gone for every retry alike (a lifecycle rule, a user's clean-up): no try would find it.
+                raise ShardingError(
+                    f"The shard at map index {shard.index} published {shard.uri}, which is gone. Nothing was "
+                    "merged; clear that shard's inference task, then the merge."
+                ) from None
 
     def _input_etag(self) -> str | None:
         if not self.input_uri or not self.input_uri.startswith("s3://"):
@@ -449,6 +513,145 @@ class VLLMBatchMergeOperator(AwsBaseOperator[S3Hook]):
         head = self.hook.head_object(key, bucket_name=bucket)
         # Unquoted, as VLLMBatchOperator records it.
         return head["ETag"].strip('"') if head else None
+
+
+def merged_fingerprint(manifests: Sequence[dict[str, Any]]) -> str:
+    """The merged output's fingerprint: a hash of the shards' fingerprints, in shard order."""
+    return hashlib.sha256("\n".join(m.get("fingerprint") or "" for m in manifests).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class MergeIdentity:
+    """What one merge is: the merged output of these shard runs and these shard files, in this order.
+
+    :param fingerprint: :func:`merged_fingerprint` (the manifest's ``fingerprint``).
+    :param shards: :func:`~airflow_vllm_batch.sharding.merged_shards_key` (the manifest's
+        ``identity["merged_shards"]``).
+    """
+
+    fingerprint: str
+    shards: str
+
+
+class AlreadyMerged(Exception):
+    """The manifest a merge's publish pinned is a complete merge of its very shard files: nothing is written."""
+
+    def __init__(self, manifest: Manifest, why: str) -> None:
+        super().__init__(why)
+        self.manifest = manifest
+        self.why = why
+
+
+class MergedOutputStore(OutputStore):
+    """The merged output's :class:`OutputStore`, which knows when the output is already this merge's, complete.
+
+    The core's ``VLLMBatchOperator`` checks for a complete output of its run before and again
+    after taking the lease. A merge does the same (:meth:`completed_merge`), and the second
+    check reads the very manifest its publish pinned for the tombstone (``If-Match`` the ETag the
+    publish read, in :meth:`mark_publishing`): a try that finds this merge complete there
+    writes nothing, not even its tombstone. A check on a separate read would let a try see "not
+    complete", then pin a complete manifest another try of this merge landed meanwhile, and
+    bury it under its tombstone.
+
+    :param merge: what this merge is; set by the operator before it publishes. None: no check.
+    """
+
+    merge: MergeIdentity | None = None
+
+    def completed_merge(self) -> tuple[Manifest | None, str]:
+        """Return the manifest beside the output if it is a complete merge of these very shard files.
+
+        :return: the manifest (or None) and one line that says why it was (not) taken.
+        """
+        return self._complete_merge(self._manifest_body())
+
+    def mark_publishing(self, seen: str | None, fingerprint: str | None = None) -> str:
+        """Write the tombstone over ``seen``, unless ``seen`` is this very merge, complete.
+
+        :raises AlreadyMerged: the pinned manifest, or the one that replaced it since while this try still
+            holds the lease, is a complete merge of these shard manifests; nothing was written.
+        :raises OutputBusyError: the lease was lost, or the manifest changed since ``seen`` was read into
+            anything but this merge, complete: another try publishes.
+        """
+        if self.merge is None:
+            return super().mark_publishing(seen, fingerprint)
+        try:
+            if seen is not None:
+                manifest, why = self._complete_merge(self._manifest_body_at(seen))
+                if manifest is not None:
+                    raise AlreadyMerged(manifest, why)
+            return super().mark_publishing(seen, fingerprint)
+        except OutputBusyError:
+            # Nothing of this try is written yet. While it still holds the lease, a manifest that changed
+            # since ``seen`` is a paused earlier try's, which landed after its last fence: when that is this
+            # merge, complete, it is this try's result too (or a last try would fail over a finished merge).
+            self._fence()
+            manifest, why = self.completed_merge()
+            if manifest is None:
+                raise
+            raise AlreadyMerged(manifest, why) from None
+
+    def _manifest_body_at(self, etag: str) -> bytes:
+        """What the manifest key holds while it still has ``etag``: the content the tombstone would replace."""
+        try:
+            body: bytes = (
+                self.hook.get_conn()
+                .get_object(Bucket=self.manifest_bucket, Key=self.manifest_key, IfMatch=f'"{etag}"')["Body"]
+                .read()
+            )
+            return body
+        except ClientError as err:
+            if error_code(err) in _CHANGED_CODES:
+                # Replaced or removed since the publish read it: the tombstone's If-Match would fail alike.
+                raise self._changed_meanwhile(self.manifest_uri) from None
+            raise
+
+    def _complete_merge(self, data: bytes | None) -> tuple[Manifest | None, str]:
+        """Whether the manifest key's content ``data`` is this merge's manifest, with its files as it names them."""
+        assert self.merge is not None
+        if data is None:
+            return None, f"no complete output at {self.output_uri} yet"
+        if is_tombstone(data):
+            return None, (
+                f"the output at {self.output_uri} is not complete: a try began publishing it and has not finished "
+                "(it still publishes, or it was stopped)"
+            )
+        try:
+            manifest = Manifest.from_json(data, self.manifest_uri)
+        except msgspec.DecodeError:
+            return None, f"{self.manifest_uri} holds no readable manifest"
+        if manifest.fingerprint != self.merge.fingerprint:
+            return None, f"the output at {self.output_uri} was merged from other shard runs"
+        if (manifest.identity or {}).get("merged_shards") != self.merge.shards:
+            return None, (
+                f"the output at {self.output_uri} was merged from other shard manifests (a shard published again, "
+                "or an older merge that did not record them)"
+            )
+        for uri, published in (
+            (manifest.output_uri, manifest.output_etag),
+            (manifest.error_uri, manifest.error_etag),
+        ):
+            if not uri:
+                continue
+            bucket, key = split_s3_uri(uri, "output_uri")
+            etag = head_etag(self.hook.get_conn(), bucket, key)
+            if etag is None:
+                return None, f"the manifest names {uri}, which is gone"
+            if published is not None and etag != bare_etag(published):
+                return (
+                    None,
+                    f"{uri} was overwritten after its manifest was written (ETag {etag}, published {published})",
+                )
+        return (
+            manifest,
+            f"the output at {self.output_uri} is complete for this very merge (the same shard manifests)",
+        )
+
+
+#: What a GET ``If-Match`` answers when the object changed (412; SeaweedFS may answer 409) or is gone.
+_CHANGED_CODES = frozenset(
+    {"PreconditionFailed", "412", "ConditionalRequestConflict", "409", "NoSuchKey", "404"}
+)
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,8 @@ class Mutant:
     :param old: the exact snippet.
     :param new: its replacement.
     :param equivalent: when set, why no schedule can tell this mutant from the real code (not scored).
+    :param simulator: the scenario that runs it: ``run`` (the run protocol, :mod:`tests.simulation.world`)
+        or ``shards`` (split -> shards -> merge, :mod:`tests.simulation.shards`).
     """
 
     name: str
@@ -51,6 +53,7 @@ class Mutant:
     old: str
     new: str
     equivalent: str | None = None
+    simulator: str = "run"
 
     def apply(self, root: Path) -> Path:
         """Mutate the copy of the package under ``root``; return the file it mutated (see :meth:`locate`)."""
@@ -452,6 +455,47 @@ MUTANTS: tuple[Mutant, ...] = (
         """        staging.put_file(cached_path, hits_key)""",
         """        pass""",
     ),
+    # -- operators/shards.py: the merge (run by the shard scenario) ---------------------------
+    M(
+        "merge-missing-shard-unchecked",
+        "operators/shards.py",
+        "the merge publishes without the split's shard files telling it a mapped shard pushed no manifest",
+        """            self.check_no_shard_missing(manifests)""",
+        """            pass""",
+        simulator="shards",
+    ),
+    M(
+        "merge-counts-unchecked",
+        "operators/shards.py",
+        "the merge skips the per-shard check of its files' lines against the shard's manifest",
+        """        check_merged_counts(manifests, result_lines, error_lines)""",
+        """        pass""",
+        simulator="shards",
+    ),
+    M(
+        "merge-reads-shards-unpinned",
+        "operators/shards.py",
+        "the merge reads each shard's files without the ETag its manifest recorded (If-Match dropped)",
+        """s3_body(self.hook, bucket, key, if_match=shard.etag)""",
+        """s3_body(self.hook, bucket, key)""",
+        simulator="shards",
+    ),
+    M(
+        "merge-deleted-shard-retried",
+        "operators/shards.py",
+        "a shard file deleted since its manifest raises a raw NoSuchKey: retried, every try alike (shard seed 18, fixed)",
+        """                if error_code(err) not in ("NoSuchKey", "404"):""",
+        """                if True:""",
+        simulator="shards",
+    ),
+    M(
+        "merge-publishes-without-lease",
+        "operators/shards.py",
+        "the merge publishes without taking the output's lease (no fence holds another writer off)",
+        """with self.store.lease(LeaseHolder.of_try(task_try(context, self.retries), manifest.fingerprint)):""",
+        """with contextlib.nullcontext():""",
+        simulator="shards",
+    ),
 )
 
 
@@ -491,18 +535,27 @@ import airflow_vllm_batch
 assert airflow_vllm_batch.__file__.startswith(os.getcwd()), airflow_vllm_batch.__file__
 from pathlib import Path
 from tests.simulation.mutation import first_violation
-start, count = int(sys.argv[1]), int(sys.argv[2])
+start, count, simulator = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 with tempfile.TemporaryDirectory(prefix="vllm-batch-mutant-") as work:
-    print(json.dumps(first_violation(range(start, start + count), Path(work))))
+    print(json.dumps(first_violation(range(start, start + count), Path(work), simulator)))
 """
 
 
-def first_violation(seeds, workdir: Path) -> dict:
-    """Run the schedules of ``seeds`` until one violates an invariant; say which, and after how many."""
+def first_violation(seeds, workdir: Path, simulator: str = "run") -> dict:
+    """Run the schedules of ``seeds`` until one violates an invariant; say which, and after how many.
+
+    :param simulator: ``run`` (the run protocol's schedules) or ``shards`` (split -> shards -> merge).
+    """
     import traceback
 
-    from tests.simulation.invariants import check_all
-    from tests.simulation.world import run_schedule
+    if simulator == "shards":
+        from tests.simulation.shards import (
+            check_shard_schedule as check_all,
+            run_shard_schedule as run_schedule,
+        )
+    else:
+        from tests.simulation.invariants import check_all
+        from tests.simulation.world import run_schedule
 
     ran = 0
     for seed in seeds:
@@ -536,7 +589,14 @@ def run_simulator(mutant: Mutant | None, schedules: int, start: int = 0, timeout
         env = {**os.environ, "PYTHONPATH": str(root), "PYTHONDONTWRITEBYTECODE": "1"}
         started = time.perf_counter()
         done = subprocess.run(
-            [sys.executable, "-c", _WORKER, str(start), str(schedules)],
+            [
+                sys.executable,
+                "-c",
+                _WORKER,
+                str(start),
+                str(schedules),
+                mutant.simulator if mutant is not None else "run",
+            ],
             cwd=root,
             env=env,
             capture_output=True,
@@ -582,6 +642,7 @@ UNIT_TESTS: dict[str, list[str]] = {
     ],
     "engines/runner_deaths.py": ["tests/unit/engines/test_runner_deaths.py"],
     "engines/stall.py": ["tests/unit/engines/test_stall.py", "tests/unit/operators/test_vllm_batch_stall.py"],
+    "operators/shards.py": ["tests/unit/operators/test_shards.py", "tests/unit/test_sharding.py"],
     "run/answer_cache.py": [
         "tests/unit/run/test_answer_cache.py",
         "tests/unit/operators/test_vllm_batch_cache.py",
@@ -640,7 +701,14 @@ def replay(mutant: Mutant | None, seed: int, trace: bool = False) -> str:
         root = mutated_tree(mutant, Path(tmp))
         env = {**os.environ, "PYTHONPATH": str(root), "PYTHONDONTWRITEBYTECODE": "1"}
         done = subprocess.run(
-            [sys.executable, "benchmarks/simulate.py", "--seed", str(seed), *(["--trace"] if trace else [])],
+            [
+                sys.executable,
+                "benchmarks/simulate.py",
+                "--seed",
+                str(seed),
+                *(["--shards"] if mutant is not None and mutant.simulator == "shards" else []),
+                *(["--trace"] if trace else []),
+            ],
             cwd=root,
             env=env,
             capture_output=True,

@@ -24,6 +24,9 @@ SLICE = {
     "zombie-retakes-lease": 400,
     # Caught only since the cache may change between two tries (Plan.cache_expires): seed 44.
     "cache-hits-not-staged": 100,
+    # The shard scenario's (split -> shards -> merge): a check skipped before the merge publishes.
+    "merge-counts-unchecked": 100,
+    "merge-missing-shard-unchecked": 300,
 }
 
 

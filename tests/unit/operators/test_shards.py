@@ -15,7 +15,11 @@ from botocore.exceptions import ClientError
 from airflow_vllm_batch.exceptions import OutputBusyError
 from airflow_vllm_batch.lease import LeaseHolder
 from airflow_vllm_batch.manifest import MANIFEST_SCHEMA_VERSION
-from airflow_vllm_batch.operators.shards import VLLMBatchMergeOperator, VLLMBatchSplitOperator
+from airflow_vllm_batch.operators.shards import (
+    MergedOutputStore,
+    VLLMBatchMergeOperator,
+    VLLMBatchSplitOperator,
+)
 from airflow_vllm_batch.storage.publishing import OutputStore
 from airflow_vllm_batch.version_compat import AirflowFailException
 
@@ -222,6 +226,20 @@ def test_a_shard_file_rewritten_since_its_manifest_fails_the_merge_naming_the_sh
     assert shards.published() == []
 
 
+@pytest.mark.parametrize("suffix", [".results.jsonl", ".results.errors.jsonl"])
+def test_a_shard_file_deleted_since_its_manifest_fails_the_merge_without_retry_naming_the_shard(
+    shards, suffix
+):
+    # Gone for every try alike, so a retry fails the same way (the shard simulator's seed 18 retried a raw NoSuchKey).
+    shards.put("out/results.manifest.json", b'{"an": "earlier merge"}')
+    shards.client.delete_object(Bucket=shards.bucket, Key=shards.key(1, suffix))
+    with pytest.raises(
+        AirflowFailException, match=r"shard at map index 1 published s3://.*shard-00001.*, which is gone"
+    ):
+        shards.merge()
+    assert shards.published() == ["out/results.manifest.json"]
+
+
 def test_the_count_mismatch_names_only_the_shards_that_disagree(shards):
     _lost_result(shards)
     with pytest.raises(AirflowFailException) as failure:
@@ -359,3 +377,136 @@ def test_a_merge_without_error_files_logs_no_empty_merge_and_no_error(s3, bucket
     assert "Merged 3 file(s) into 8 lines" in log  # the task log is what is read here
     assert "Merged 0 file(s)" not in log
     assert "[error" not in log
+
+
+def _state(shards: Shards) -> dict[str, tuple[bytes, str]]:
+    """Every object of the merged output: its bytes and ETag."""
+    return {
+        k: (shards.get(k), shards.client.head_object(Bucket=shards.bucket, Key=k)["ETag"])
+        for k in shards.published()
+    }
+
+
+def test_a_retry_after_a_complete_merge_writes_nothing_and_returns_the_published_manifest(
+    shards, monkeypatch
+):
+    first = shards.merge(ti=FakeTI(1))
+    before = _state(shards)
+
+    def no_tombstone(self, *args, **kwargs):
+        raise AssertionError("a merge of the same shards wrote a tombstone over the complete merged output")
+
+    monkeypatch.setattr(OutputStore, "mark_publishing", no_tombstone)
+    # A retry whose predecessor's success Airflow never heard of: nothing to merge again.
+    assert shards.merge(ti=FakeTI(2)) == first
+    assert _state(shards) == before
+
+
+def test_a_zombie_merge_that_finds_its_successors_merge_complete_under_the_lease_writes_nothing(
+    shards, monkeypatch
+):
+    # Try 1 looks (nothing published yet) and merges; while it merges, try 2 (its scheduler thought try 1
+    # dead) merges and publishes the same shards and releases the lease. Try 1 then takes the free lease:
+    # the manifest its publish pins is complete for this very merge, so it writes nothing, not even a
+    # tombstone (shard seeds 8631 and, for a try paused before its tombstone, 1416/3668/6762).
+    real_merge_files = VLLMBatchMergeOperator.merge_files
+    published: list[dict] = []
+    successor: list[int] = []
+
+    def successor_publishes_meanwhile(self, manifests, tmp):
+        merged = real_merge_files(self, manifests, tmp)
+        if not successor:
+            successor.append(2)  # the successor's own merge_files comes through here too
+            published.append(shards.merge(ti=FakeTI(2)))
+        return merged
+
+    monkeypatch.setattr(VLLMBatchMergeOperator, "merge_files", successor_publishes_meanwhile)
+    writes: list[str] = []
+    real_put = OutputStore._put_manifest_key
+
+    def recording(self, body, condition):
+        writes.append(json.loads(body).get("tombstone", "manifest"))
+        return real_put(self, body, condition)
+
+    monkeypatch.setattr(OutputStore, "_put_manifest_key", recording)
+    zombie = shards.merge(ti=FakeTI(1))
+    assert writes == [writes[0], "manifest"]  # the successor's tombstone and manifest only
+    assert zombie == published[0]
+    assert json.loads(shards.get("out/results.manifest.json"))["identity"] == published[0]["identity"]
+    assert "out/results.lease.json" not in shards.published()
+
+
+def test_no_two_merges_publish_the_same_manifest_bytes(shards):
+    # A manifest unique per publish: a write If-Match an ETag read before another try published can
+    # never match that try's manifest by coincidence (the ETag ABA of shard seeds 1416, 3668, 6762).
+    first = shards.get("out/results.manifest.json") if shards.merge() else b""
+    shards.client.delete_object(Bucket=shards.bucket, Key="out/results.manifest.json")
+    second = shards.merge()
+    assert shards.get("out/results.manifest.json") != first
+    assert second["identity"]["merged_shards"] == json.loads(first)["identity"]["merged_shards"]
+    assert second["identity"]["publish_id"] != json.loads(first)["identity"]["publish_id"]
+
+
+def test_a_merge_of_a_shard_published_again_republishes_the_merged_output(shards):
+    first = shards.merge()
+    # Shard 2 ran again (cleared by a user): new results, new ETag, new manifest.
+    shards.manifests[2] = {
+        **shards.manifests[2],
+        "output_etag": shards.put(
+            shards.key(2, ".results.jsonl"), b"\n".join(result_line(f"again-{n}") for n in range(3))
+        ),
+    }
+    second = shards.merge()
+    assert second["identity"]["merged_shards"] != first["identity"]["merged_shards"]
+    assert b"again-2" in shards.get("out/results.jsonl")
+    assert json.loads(shards.get("out/results.manifest.json"))["identity"] == second["identity"]
+
+
+@pytest.mark.parametrize("change", ["results overwritten", "older manifest", "tombstone"])
+def test_a_merged_output_not_complete_for_these_shards_is_merged_again(shards, change):
+    first = shards.merge()
+    if change == "results overwritten":
+        shards.put("out/results.jsonl", b"someone else's lines\n")
+    elif change == "older manifest":
+        # A merged manifest written before merges recorded their shards: not known to be this merge.
+        older = {k: v for k, v in first.items() if k != "identity" and v is not None}
+        shards.put("out/results.manifest.json", json.dumps(older).encode())
+    else:
+        shards.put(
+            "out/results.manifest.json",
+            b'{"tombstone": "0f", "output_uri": "%s"}' % shards.output_uri.encode(),
+        )
+    second = shards.merge()
+    assert second["identity"]["publish_id"] != first["identity"]["publish_id"]
+    assert len(shards.get("out/results.jsonl").splitlines()) == 8
+    assert json.loads(shards.get("out/results.manifest.json"))["identity"] == second["identity"]
+
+
+def test_a_merge_whose_pinned_tombstone_became_this_merge_complete_returns_it_writing_nothing(
+    shards, monkeypatch
+):
+    # Shard seed 931: a paused earlier try's manifest lands between this (last) try's read of the
+    # manifest and its tombstone; the try holds the lease and the output is its merge, complete.
+    shards.merge(ti=FakeTI(1))
+    finished = shards.get("out/results.manifest.json")
+    shards.put(
+        "out/results.manifest.json", b'{"tombstone": "0f", "output_uri": "%s"}' % shards.output_uri.encode()
+    )
+    real_body_at = MergedOutputStore._manifest_body_at
+
+    def earlier_try_lands_meanwhile(self, etag):
+        shards.put("out/results.manifest.json", finished)
+        return real_body_at(self, etag)
+
+    monkeypatch.setattr(MergedOutputStore, "_manifest_body_at", earlier_try_lands_meanwhile)
+    writes: list[bytes] = []
+    real_put = OutputStore._put_manifest_key
+    monkeypatch.setattr(
+        OutputStore,
+        "_put_manifest_key",
+        lambda self, body, condition: writes.append(body) or real_put(self, body, condition),
+    )
+    returned = shards.merge(ti=FakeTI(3))
+    assert writes == []
+    assert returned["identity"] == json.loads(finished)["identity"]
+    assert shards.get("out/results.manifest.json") == finished

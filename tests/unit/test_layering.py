@@ -167,7 +167,7 @@ def test_no_module_of_the_package_imports_its_way_back_to_itself():
 
 #: The storage package's modules, each importing only those before it (docs/concepts.md): the object names
 #: and the S3 primitives know nothing of staging or publishing, and nothing imports the reading of answers.
-STORAGE_ORDER = ("layout", "s3", "staging", "publishing", "answers")
+STORAGE_ORDER = ("layout", "s3", "staging", "publishing", "merged_output", "answers")
 
 
 def test_each_storage_module_imports_only_the_storage_modules_before_it():

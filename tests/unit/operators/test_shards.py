@@ -15,11 +15,8 @@ from botocore.exceptions import ClientError
 from airflow_vllm_batch.exceptions import OutputBusyError
 from airflow_vllm_batch.lease import LeaseHolder
 from airflow_vllm_batch.manifest import MANIFEST_SCHEMA_VERSION
-from airflow_vllm_batch.operators.shards import (
-    MergedOutputStore,
-    VLLMBatchMergeOperator,
-    VLLMBatchSplitOperator,
-)
+from airflow_vllm_batch.operators.shards import VLLMBatchMergeOperator, VLLMBatchSplitOperator
+from airflow_vllm_batch.storage.merged_output import MergedOutputStore
 from airflow_vllm_batch.storage.publishing import OutputStore
 from airflow_vllm_batch.version_compat import AirflowFailException
 

@@ -12,15 +12,16 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import msgspec
 from botocore.exceptions import ClientError
 
 from airflow_vllm_batch.exceptions import OutputBusyError
-from airflow_vllm_batch.manifest import Manifest, is_tombstone
 from airflow_vllm_batch.storage.publishing import OutputStore
-from airflow_vllm_batch.storage.s3 import bare_etag, error_code, head_etag, split_s3_uri
+from airflow_vllm_batch.storage.s3 import error_code
+
+if TYPE_CHECKING:
+    from airflow_vllm_batch.manifest import Manifest
 
 
 def merged_fingerprint(manifests: Sequence[dict[str, Any]]) -> str:
@@ -117,17 +118,9 @@ class MergedOutputStore(OutputStore):
     def _complete_merge(self, data: bytes | None) -> tuple[Manifest | None, str]:
         """Whether the manifest key's content ``data`` is this merge's manifest, with its files as it names them."""
         assert self.merge is not None
-        if data is None:
-            return None, f"no complete output at {self.output_uri} yet"
-        if is_tombstone(data):
-            return None, (
-                f"the output at {self.output_uri} is not complete: a try began publishing it and has not finished "
-                "(it still publishes, or it was stopped)"
-            )
-        try:
-            manifest = Manifest.from_json(data, self.manifest_uri)
-        except msgspec.DecodeError:
-            return None, f"{self.manifest_uri} holds no readable manifest"
+        manifest, why = self.published_manifest(data)
+        if manifest is None:
+            return None, why
         if manifest.fingerprint != self.merge.fingerprint:
             return None, f"the output at {self.output_uri} was merged from other shard runs"
         if (manifest.identity or {}).get("merged_shards") != self.merge.shards:
@@ -135,21 +128,8 @@ class MergedOutputStore(OutputStore):
                 f"the output at {self.output_uri} was merged from other shard manifests (a shard published again, "
                 "or an older merge that did not record them)"
             )
-        for uri, published in (
-            (manifest.output_uri, manifest.output_etag),
-            (manifest.error_uri, manifest.error_etag),
-        ):
-            if not uri:
-                continue
-            bucket, key = split_s3_uri(uri, "output_uri")
-            etag = head_etag(self.hook.get_conn(), bucket, key)
-            if etag is None:
-                return None, f"the manifest names {uri}, which is gone"
-            if published is not None and etag != bare_etag(published):
-                return (
-                    None,
-                    f"{uri} was overwritten after its manifest was written (ETag {etag}, published {published})",
-                )
+        if changed := self.files_changed(manifest):
+            return None, changed
         return (
             manifest,
             f"the output at {self.output_uri} is complete for this very merge (the same shard manifests)",

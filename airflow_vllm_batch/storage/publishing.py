@@ -153,7 +153,21 @@ class OutputStore:
 
         :return: the manifest (or None) and one line that says why it was (not) taken.
         """
-        data = self._manifest_body()
+        manifest, why = self.published_manifest(self._manifest_body())
+        if manifest is None:
+            return None, why
+        if manifest.fingerprint != identity.fingerprint:
+            changed = ", ".join(identity.changes_from(manifest.identity)) or "the fingerprint"
+            return None, f"the output at {self.output_uri} was made by a different run (changed: {changed})"
+        if overwritten := self.files_changed(manifest):
+            return None, overwritten
+        return manifest, f"the output at {self.output_uri} is complete for this very run"
+
+    def published_manifest(self, data: bytes | None) -> tuple[Manifest | None, str]:
+        """The manifest key's content ``data`` as a published manifest; else None and one line that says why.
+
+        :param data: what the manifest key holds (None: nothing).
+        """
         if data is not None and is_tombstone(data):
             return None, (
                 f"the output at {self.output_uri} is not complete: a try began publishing it and has not finished "
@@ -162,9 +176,13 @@ class OutputStore:
         manifest = _decode_manifest(data, self.manifest_uri)
         if manifest is None:
             return None, f"no complete output at {self.output_uri} yet"
-        if manifest.fingerprint != identity.fingerprint:
-            changed = ", ".join(identity.changes_from(manifest.identity)) or "the fingerprint"
-            return None, f"the output at {self.output_uri} was made by a different run (changed: {changed})"
+        return manifest, ""
+
+    def files_changed(self, manifest: Manifest) -> str | None:
+        """Why the files ``manifest`` names are not the ones it published (gone, overwritten); None when they are.
+
+        :param manifest: a published manifest of this output.
+        """
         for uri, published in (
             (manifest.output_uri, manifest.output_etag),
             (manifest.error_uri, manifest.error_etag),
@@ -174,14 +192,11 @@ class OutputStore:
             bucket, key = split_s3_uri(uri, "output_uri")
             etag = head_etag(self.hook.get_conn(), bucket, key)
             if etag is None:
-                return None, f"the manifest names {uri}, which is gone"
+                return f"the manifest names {uri}, which is gone"
             if published is not None and etag != bare_etag(published):
                 # A writer that lost the lease landed a write after its last check (see the module docstring).
-                return (
-                    None,
-                    f"{uri} was overwritten after its manifest was written (ETag {etag}, published {published})",
-                )
-        return manifest, f"the output at {self.output_uri} is complete for this very run"
+                return f"{uri} was overwritten after its manifest was written (ETag {etag}, published {published})"
+        return None
 
     def lease(self, holder: LeaseHolder, **kwargs: Any) -> OutputLease:
         """The lease of this output (a context manager); see :mod:`airflow_vllm_batch.lease`.

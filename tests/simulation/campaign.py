@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import traceback
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -135,3 +135,25 @@ def run_campaign(seeds: Iterable[int], workdir: Path) -> CampaignReport:
                 report.violations.setdefault(check, []).append(seed)
     report.seconds = time.perf_counter() - started
     return report
+
+
+def assert_no_schedule_fails(
+    seeds: Iterable[int], schedule: Callable[[int], Sequence[Violation]], replay: Callable[[int], str]
+) -> None:
+    """Run ``schedule`` on every seed; fail naming each failing seed (its violations, or its exception) and its replay.
+
+    :param schedule: runs one seed's schedule and returns its invariants' violations.
+    :param replay: the command that replays a seed.
+    """
+    seeds = list(seeds)
+    failing: dict[int, str] = {}
+    for seed in seeds:
+        try:
+            found = schedule(seed)
+        except Exception:  # noqa: BLE001 - reported with its seed
+            failing[seed] = traceback.format_exc(limit=-3)
+            continue
+        if found:
+            failing[seed] = "; ".join(f"{v.check}: {v.detail}" for v in found)
+    report = "\n".join(f"seed {s}: {d}\n  replay: {replay(s)}" for s, d in sorted(failing.items())[:10])
+    assert not failing, f"{len(failing)} of {len(seeds)} schedules failed\n{report}"

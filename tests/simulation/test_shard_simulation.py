@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
-import traceback
 from collections import Counter
 
 import pytest
 
 from airflow_vllm_batch.exceptions import OutputBusyError
 from airflow_vllm_batch.operators.shards import VLLMBatchMergeOperator
+from tests.simulation.campaign import assert_no_schedule_fails
 from tests.simulation.shards import BAD_KINDS, check_shard_schedule, run_shard_campaign, run_shard_schedule
 
 #: Schedules per suite run (``VLLM_BATCH_SIM_SHARD_SCHEDULES`` overrides).
@@ -23,21 +23,11 @@ REGRESSION_SEEDS = (18, 1416, 3668, 6762, 8631)
 
 def test_no_shard_schedule_violates_an_invariant(tmp_path, sim_seed):
     seeds = [sim_seed] if sim_seed is not None else sorted({*range(SCHEDULES), *REGRESSION_SEEDS})
-    failing: dict[int, str] = {}
-    for seed in seeds:
-        try:
-            world = run_shard_schedule(seed, tmp_path / "schedule")
-            found = check_shard_schedule(world)
-        except Exception:  # noqa: BLE001 - reported with its seed
-            failing[seed] = traceback.format_exc(limit=-3)
-            continue
-        if found:
-            failing[seed] = "; ".join(f"{v.check}: {v.detail}" for v in found)
-    report = "\n".join(
-        f"seed {s}: {d}\n  replay: python benchmarks/simulate.py --shards --seed {s} --trace"
-        for s, d in sorted(failing.items())[:10]
+    assert_no_schedule_fails(
+        seeds,
+        lambda seed: check_shard_schedule(run_shard_schedule(seed, tmp_path / "schedule")),
+        lambda seed: f"python benchmarks/simulate.py --shards --seed {seed} --trace",
     )
-    assert not failing, f"{len(failing)} of {len(list(seeds))} shard schedules failed\n{report}"
 
 
 def test_the_shard_schedules_reach_every_bad_shard_lost_leases_and_racing_merges(tmp_path):

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
-import traceback
 
+from tests.simulation.campaign import assert_no_schedule_fails
 from tests.simulation.invariants import check_all
 from tests.simulation.yielding import SimSharedServer, SimYieldingEngine, run_yielding_schedule
 
@@ -14,21 +14,11 @@ SCHEDULES = int(os.environ.get("VLLM_BATCH_SIM_YIELDING_SCHEDULES", "200"))
 
 def test_no_yielding_schedule_violates_a_run_protocol_invariant(tmp_path, sim_seed):
     seeds = [sim_seed] if sim_seed is not None else range(SCHEDULES)
-    failing: dict[int, str] = {}
-    for seed in seeds:
-        try:
-            world = run_yielding_schedule(seed, tmp_path / "schedule")
-            found = check_all(world)
-        except Exception:  # noqa: BLE001 - reported with its seed
-            failing[seed] = traceback.format_exc(limit=-3)
-            continue
-        if found:
-            failing[seed] = "; ".join(f"{v.check}: {v.detail}" for v in found)
-    report = "\n".join(
-        f"seed {s}: {d}\n  replay: VLLM_BATCH_SIM_SEED={s} python -m pytest -q {__file__}"
-        for s, d in sorted(failing.items())[:10]
+    assert_no_schedule_fails(
+        seeds,
+        lambda seed: check_all(run_yielding_schedule(seed, tmp_path / "schedule")),
+        lambda seed: f"VLLM_BATCH_SIM_SEED={seed} python -m pytest -q {__file__}",
     )
-    assert not failing, f"{len(failing)} of {len(list(seeds))} schedules failed\n{report}"
 
 
 def test_the_yielding_schedules_cover_a_queue_that_fills_and_drains_and_every_policy(tmp_path, monkeypatch):

@@ -10,6 +10,7 @@ collection and runs those tests last, each waiting for the build. Otherwise (a p
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import threading
@@ -71,6 +72,11 @@ class Vllm033Build:
 
     def source(self, module_path: str) -> str:
         """The text of a file of vLLM 0.33's package, e.g. ``entrypoints/launchers/run_batch.py``."""
+        return (self._package_dir() / module_path).read_text(encoding="utf-8")
+
+    @functools.cache  # noqa: B019 - one instance per session: the package's place is asked once
+    def _package_dir(self) -> Path:
+        """Where vLLM 0.33's package is installed (found without importing it: no torch, no device)."""
         python = self.python()
         done = subprocess.run(
             [
@@ -83,7 +89,7 @@ class Vllm033Build:
             check=True,
             env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"},
         )
-        return (Path(done.stdout.strip()) / module_path).read_text(encoding="utf-8")
+        return Path(done.stdout.strip())
 
 
 #: The session's build: started by tests/conftest.py at collection.

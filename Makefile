@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: demo test test-unit lint docs venv vllm033 system-deps clean
+.PHONY: demo test check test-unit lint docs venv vllm033 system-deps clean
 
 venv: $(STAMP)
 
@@ -40,11 +40,26 @@ $(VLLM033_STAMP):
 demo: $(STAMP)
 	$(BIN)/python -m vllm_batch_embedded.demo
 
-# Lint and types first: a finding fails `make test` before the suite runs. vLLM 0.33's venv
-# (`make vllm033`) builds in the background from the session's start and its few tests run
-# last, waiting for it (tests/vllm033.py): its minutes of downloading overlap the suite.
+# Both cores: pytest-xdist gives each test module whole to one of two workers (a module's
+# servers and stacks start once), the longest modules first (tests/conftest.py FIRST), so
+# their waits on builds, schedulers and engine start-ups overlap the other worker's tests.
+PARALLEL := -n 2 --dist loadfile
+
+# The whole suite. Lint and types first: a finding fails `make test` before the suite runs.
+# vLLM 0.33's venv (`make vllm033`) builds in the background from the session's start and
+# its few tests run last, waiting for it (tests/vllm033.py). The timing-sensitive tests
+# (marker `alone`) run after the rest, with nothing beside them.
 test: $(STAMP) lint system-deps
-	AIRFLOW_VLLM_BATCH_BUILD_VLLM033=1 $(BIN)/python -m pytest -q -ra --durations=15
+	AIRFLOW_VLLM_BATCH_BUILD_VLLM033=1 $(BIN)/python -m pytest -q -ra --durations=25 $(PARALLEL) -m "not alone"
+	$(BIN)/python -m pytest -q -ra --durations=5 -m alone
+
+# The inner loop (<= 4 minutes on 2 cores): lint, types, the unit tests and the simulator's
+# smoke schedules (a few dozen per scenario instead of the suite's hundreds; the regression
+# seeds and the mutants all run), no engine, no Airflow deployment. `make test` is the whole suite.
+SMOKE := VLLM_BATCH_SIM_SCHEDULES=60 VLLM_BATCH_SIM_SHARD_SCHEDULES=40 \
+         VLLM_BATCH_LIFECYCLE_SCHEDULES=40 VLLM_BATCH_SIM_YIELDING_SCHEDULES=30
+check: $(STAMP) lint
+	$(SMOKE) $(BIN)/python -m pytest -q $(PARALLEL) tests/unit tests/simulation tests/test_docs.py
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit

@@ -1,7 +1,8 @@
-"""Test-session set-up that must happen before anything imports Airflow.
+"""Test-session set-up that must happen before anything imports Airflow, and the suite's order.
 
 Airflow reads AIRFLOW_HOME and its configuration at import time, so the suite gets a
-throw-away home (SQLite database, logs) here, at collection, not in a fixture.
+throw-away home (SQLite database, logs) here, at collection, not in a fixture. Under
+pytest-xdist every worker imports this file, so every worker has a home of its own.
 """
 
 from __future__ import annotations
@@ -10,6 +11,10 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -23,13 +28,50 @@ os.environ["AIRFLOW__CORE__LOAD_EXAMPLES"] = "False"
 os.environ["AIRFLOW__CORE__UNIT_TEST_MODE"] = "False"
 os.environ.setdefault("AIRFLOW__LOGGING__LOGGING_LEVEL", "INFO")
 
+#: Modules handed out first when the suite runs on several workers (``make test``: pytest-xdist,
+#: ``--dist loadfile``, so a module's fixtures start once, on one worker). Longest first, as
+#: measured (docs/contributing.md): most of their time waits on builds, a scheduler or an
+#: engine's start, which then overlaps the other worker's tests instead of ending the run.
+FIRST = (
+    "tests/integration/test_compose_stack.py",
+    "tests/integration/test_floor_wheel.py",
+    "tests/integration/test_openai_api.py",
+    "tests/integration/test_supervised.py",
+    "tests/integration/test_scheduled_runs.py",
+    "tests/integration/test_celery_gpu_queue.py",
+    "tests/integration/test_server_engine.py",
+    "tests/integration/test_operator.py",
+)
 
-def pytest_collection_modifyitems(config, items) -> None:
-    """Under ``make test``, build vLLM 0.33's venv in the background and run its tests last (tests/vllm033.py)."""
+
+def xdist_worker() -> str | None:
+    """This process's pytest-xdist worker id (``gw0``, ...), or None when the session runs in one process."""
+    return os.environ.get("PYTEST_XDIST_WORKER")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Start vLLM 0.33's venv build (``make test``) and order the session.
+
+    vLLM 0.33's tests run last, each waiting for the build (tests/vllm033.py). Under xdist a
+    module goes to one worker whole, in the order of its first test here, so the modules of
+    :data:`FIRST` come first and every module holding a vLLM 0.33 test comes last.
+    """
     later = [item for item in items if item.get_closest_marker("vllm033")]
-    if not later or config.option.collectonly:
+    if config.option.collectonly:
         return
-    from tests.vllm033 import VLLM033
+    if later:
+        from tests.vllm033 import VLLM033
 
-    VLLM033.start()
-    items[:] = [item for item in items if not item.get_closest_marker("vllm033")] + later
+        VLLM033.start()
+    if xdist_worker() is None:
+        items[:] = [item for item in items if not item.get_closest_marker("vllm033")] + later
+        return
+    last = {item.nodeid.split("::")[0] for item in later}
+
+    def rank(item: pytest.Item) -> int:
+        module = item.nodeid.split("::")[0]
+        if module in FIRST:
+            return FIRST.index(module)
+        return len(FIRST) + (module in last)
+
+    items.sort(key=rank)  # stable: within a rank, collection order

@@ -22,7 +22,10 @@ REPO = Path(__file__).resolve().parents[1]
 VENV = REPO / ".venv-vllm033"
 STAMP = VENV / ".installed-stamp"
 BUILD_ENV = "AIRFLOW_VLLM_BATCH_BUILD_VLLM033"
-BUILD_LOG = REPO / ".cache" / "vllm033-build.log"
+#: Under pytest-xdist every worker starts the build: the lock lets one build while the others wait
+#: for it, and then find the stamp (each worker logs to a file of its own).
+BUILD_LOCK = REPO / ".cache" / "vllm033-build.lock"
+BUILD_LOG = REPO / ".cache" / f"vllm033-build{os.environ.get('PYTEST_XDIST_WORKER', '')}.log"
 BUILD_TIMEOUT_S = 2400
 PYTHON = Path(os.environ.get("AIRFLOW_VLLM_BATCH_VLLM033_PYTHON") or VENV / "bin" / "python")
 
@@ -39,7 +42,11 @@ class Vllm033Build:
         BUILD_LOG.parent.mkdir(parents=True, exist_ok=True)
         with BUILD_LOG.open("wb") as log:
             done = subprocess.run(
-                ["make", "-s", "vllm033"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=False
+                ["flock", str(BUILD_LOCK), "make", "-s", "vllm033"],
+                cwd=REPO,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                check=False,
             )
         self._returncode = done.returncode
 

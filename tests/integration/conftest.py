@@ -7,13 +7,16 @@ imported, because the DAGs read their defaults at parse time.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from vllm_batch_embedded.demo import BUCKET, embedded_env
+from airflow_vllm_batch.engines.vllm.server_process import VLLMServerProcess
+from tests.conftest import xdist_worker
+from vllm_batch_embedded.demo import BUCKET, CPU_ENGINE_ARGS, CPU_ENGINE_ENV, embedded_env
 from vllm_batch_embedded.seaweedfs import SeaweedFS
 from vllm_batch_embedded.tiny_model import build_tiny_chat_model
 
@@ -24,6 +27,37 @@ REPO = Path(__file__).resolve().parents[2]
 def tiny_model() -> Path:
     """The tiny chat model, built once into the repo's cache (shared with ``make demo``)."""
     return build_tiny_chat_model(REPO / ".cache" / "models" / "tiny-llama-chat")
+
+
+@pytest.fixture(scope="session")
+def warm_vllm(tiny_model: Path) -> Iterator[Callable[..., VLLMServerProcess]]:
+    """One warm vLLM server (the tiny model, CPU) per distinct set of engine arguments, shared by the session.
+
+    ``warm_vllm(*args)`` returns the server started with ``CPU_ENGINE_ARGS`` plus ``args``,
+    starting it on first use (20-60 s); every module that asks for the same arguments gets the
+    same server, so its start is paid once per session (per xdist worker). A module that counts
+    what the server answered reads ``/metrics`` before and after (``vllm_metrics.py``); one that
+    tests the server's start-up, its death or flags of its own starts its own and says why.
+    """
+    servers: dict[tuple[str, ...], VLLMServerProcess] = {}
+    with contextlib.ExitStack() as stack:
+
+        def server(*args: str) -> VLLMServerProcess:
+            if args not in servers:
+                servers[args] = stack.enter_context(
+                    VLLMServerProcess(
+                        str(tiny_model),
+                        engine_args=[*CPU_ENGINE_ARGS.split(), *args],
+                        env={**os.environ, **CPU_ENGINE_ENV},
+                        startup_timeout_s=300,
+                    )
+                )
+            return servers[args]
+
+        yield server
+    for args, process in servers.items():
+        assert process.process is not None, f"the warm vLLM server {args} outlived the session"
+        assert process.process.poll() is not None, f"the warm vLLM server {args} outlived the session"
 
 
 @pytest.fixture(scope="session")
@@ -62,6 +96,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     the rest of the suite instead of adding to it.
     """
     if config.option.collectonly:
+        return
+    if xdist_worker() is not None:
+        # A worker gets whole modules (--dist loadfile) but does not know which: the floor
+        # and compose modules prepare on the worker that runs them (their fixtures' wait()
+        # starts it), handed out first (tests/conftest.py FIRST) to overlap the other worker.
         return
     if any(item.get_closest_marker("floor") for item in items):
         from tests.integration.floor_venv import FLOOR

@@ -9,6 +9,9 @@ is stopped by its process group at the end and checked gone.
 
 Airflow 3 runs the CeleryExecutor on SQLite (the workers reach the database only
 through the API server's execution API), so no PostgreSQL is needed here.
+
+Fresh processes: a CeleryExecutor deployment (executor, broker and queues of its own) that no
+LocalExecutor deployment can stand in for; each shard's runner engine is its task's child process.
 """
 
 from __future__ import annotations

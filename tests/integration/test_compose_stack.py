@@ -10,6 +10,8 @@ Docker Hub is out of reach here, so the official images are stood in for by imag
 a debootstrapped Debian (``compose_stack.py``); the images the compose file builds come from
 ``docker/``'s Dockerfiles, on that stand-in base. The tiny local model is mounted into the
 worker (no model hub). The phases' durations go to ``.cache/compose/timings.json``.
+
+Fresh processes: the stack docker compose starts is what is tested.
 """
 
 from __future__ import annotations

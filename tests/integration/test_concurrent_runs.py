@@ -4,7 +4,7 @@ Overlapping backfill runs must write distinct outputs and all succeed: staging k
 local results directories and output keys are per run, so nothing is shared. Each
 run is a real ``airflow dags test`` process with its own SQLite metadata database
 (SQLite allows one writer; a production deployment shares one Postgres), all against
-the same SeaweedFS and one warm vLLM server (a ``vllm`` connection, as a fleet of
+the same SeaweedFS and the session's warm vLLM server (``warm_vllm``; a ``vllm`` connection, as a fleet of
 workers would share a deployment; five runner engines starting at once on two cores
 took ~3 minutes and tested nothing more about the outputs).
 """
@@ -12,7 +12,6 @@ took ~3 minutes and tested nothing more about the outputs).
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -21,13 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from airflow_vllm_batch.engines.vllm.server_process import VLLMServerProcess
 from tests.integration.vllm_metrics import requests_answered
 from tests.processes import processes_with
 from vllm_batch_embedded.demo import (
     BUCKET,
-    CPU_ENGINE_ARGS,
-    CPU_ENGINE_ENV,
     embedded_env,
 )
 
@@ -37,49 +33,43 @@ DATES = [f"2026-10-0{day}" for day in range(1, 6)]
 
 
 def test_five_runs_with_different_logical_dates_at_once_write_distinct_complete_outputs(
-    embedded, tiny_model, tmp_path
+    embedded, tiny_model, tmp_path, warm_vllm
 ):
     airflow = str(Path(sys.executable).with_name("airflow"))
     template = tmp_path / "home-template"
     env = embedded_env(embedded, tiny_model, template)
     subprocess.run([airflow, "db", "migrate"], env=env, check=True, capture_output=True)
 
-    with VLLMServerProcess(
-        str(tiny_model),
-        engine_args=CPU_ENGINE_ARGS.split(),
-        env={**os.environ, **CPU_ENGINE_ENV},
-        startup_timeout_s=300,
-    ) as server:
-        assert server.hook is not None
-        host, port = server.hook.base_url.removeprefix("http://").split(":")
-        warm = {
-            "AIRFLOW_CONN_VLLM_WARM": json.dumps(
-                {"conn_type": "vllm", "host": host, "port": int(port), "password": server.hook.api_key}
-            ),
-            "AIRFLOW_VLLM_BATCH_VLLM_CONN_ID": "vllm_warm",
+    server = warm_vllm()  # the session's warm server of the plain CPU flags (conftest)
+    assert server.hook is not None
+    answered_before = requests_answered(server.hook.base_url)
+    host, port = server.hook.base_url.removeprefix("http://").split(":")
+    warm = {
+        "AIRFLOW_CONN_VLLM_WARM": json.dumps(
+            {"conn_type": "vllm", "host": host, "port": int(port), "password": server.hook.api_key}
+        ),
+        "AIRFLOW_VLLM_BATCH_VLLM_CONN_ID": "vllm_warm",
+    }
+    procs = []
+    for date in DATES:
+        home = tmp_path / f"home-{date}"
+        shutil.copytree(template, home)
+        # Spelled out: the airflow.cfg copied from the template names the template's database.
+        run_env = {
+            **env,
+            **warm,
+            "AIRFLOW_HOME": str(home),
+            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home}/airflow.db",
         }
-        procs = []
-        for date in DATES:
-            home = tmp_path / f"home-{date}"
-            shutil.copytree(template, home)
-            # Spelled out: the airflow.cfg copied from the template names the template's database.
-            run_env = {
-                **env,
-                **warm,
-                "AIRFLOW_HOME": str(home),
-                "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home}/airflow.db",
-            }
-            log = open(tmp_path / f"{date}.log", "wb")  # noqa: SIM115 - closed once its process ends, below
-            conf = json.dumps({"n_requests": 3, "max_tokens": 2})
-            argv = [airflow, "dags", "test", "vllm_batch_pipeline", date, "--conf", conf]
-            procs.append(
-                (date, subprocess.Popen(argv, env=run_env, stdout=log, stderr=subprocess.STDOUT), log)
-            )
-        for date, proc, log in procs:
-            proc.wait(timeout=900)
-            log.close()
-            assert proc.returncode == 0, (tmp_path / f"{date}.log").read_text(errors="replace")[-3000:]
-        answered = requests_answered(server.hook.base_url)
+        log = open(tmp_path / f"{date}.log", "wb")  # noqa: SIM115 - closed once its process ends, below
+        conf = json.dumps({"n_requests": 3, "max_tokens": 2})
+        argv = [airflow, "dags", "test", "vllm_batch_pipeline", date, "--conf", conf]
+        procs.append((date, subprocess.Popen(argv, env=run_env, stdout=log, stderr=subprocess.STDOUT), log))
+    for date, proc, log in procs:
+        proc.wait(timeout=900)
+        log.close()
+        assert proc.returncode == 0, (tmp_path / f"{date}.log").read_text(errors="replace")[-3000:]
+    answered = requests_answered(server.hook.base_url) - answered_before
     assert answered == 3 * len(DATES)  # every run went through the one server, each request once
 
     client = embedded.client()

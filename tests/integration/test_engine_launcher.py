@@ -4,6 +4,9 @@ Each task runs on a fresh worker (its own empty ``results_dir``), where the task
 import vLLM a second time in a separate check process. A refused flag still fails before
 the model loads, once, with the separate check's message; a good runner run and a good
 task-started server run start with the offline sizes their launcher read.
+
+Fresh processes: each test is an engine's start on a fresh worker: its flag check and its sizing
+in its own process.
 """
 
 from __future__ import annotations

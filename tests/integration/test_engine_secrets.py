@@ -1,4 +1,8 @@
-"""No secrets, with the real vLLM runner and a real task log: an --hf-token in engine_args shows only as ***."""
+"""No secrets, with the real vLLM runner and a real task log: an --hf-token in engine_args shows only as ***.
+
+Fresh processes: the runner is the task's own child, and what it prints while it starts (vLLM's
+``args:`` line) is what is checked.
+"""
 
 from __future__ import annotations
 

@@ -9,6 +9,9 @@ runner alone would take 128 and 2048, its server 128 and 2048. Each engine is as
 it resolved from its own log: the runner's ``args: Namespace(...)`` and the server's
 ``non-default args``, and the scheduler's "Chunked prefill is enabled with
 max_num_batched_tokens=N" from both.
+
+Fresh processes: what a server started with the user's ``--max-num-seqs`` resolves is what is
+tested (flags of its own).
 """
 
 from __future__ import annotations

@@ -2,6 +2,9 @@
 
 Each test names the fault and asserts what the user sees, that nothing was lost or
 half-published, and that no engine process outlives the task.
+
+Fresh processes: each test kills the engine or S3, or SIGTERMs the task: what it kills cannot be
+shared.
 """
 
 from __future__ import annotations

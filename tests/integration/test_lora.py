@@ -8,6 +8,9 @@ last adapter slot": with ``--max-loras`` equal to the number of adapters, base-m
 batched with adapter lines are answered *through the last adapter*. One slot more than
 the adapters keeps the last slot empty, and base lines are answered by the base model;
 hence ``--max-loras 3`` for two adapters (see the README).
+
+Fresh processes: the runner with LoRA flags of its own (``--enable-lora``, ``--max-loras``), the
+task's child; the fail-fast tests check that no engine starts.
 """
 
 from __future__ import annotations

@@ -11,6 +11,10 @@ Two real runner runs (alice's good batch, and one whose lines the engine refuses
 other batches fail in preflight or are cancelled before their task starts an engine. A second
 deployment, whose batch DAG streams through a warm vLLM server (``warm_api``), shows a cancel
 mid-run keeping the answers finished so far.
+
+Fresh processes: the API plugin needs a deployment of its own settings (``api``); each batch's
+runner engine is its task's child. ``warm_api`` is a second deployment (a ``vllm`` connection,
+another files prefix) on the session's warm server.
 """
 
 from __future__ import annotations
@@ -42,15 +46,15 @@ if AIRFLOW_V_3_2_PLUS:
     from airflow.sdk.exceptions import TaskDeferred
 else:
     from airflow.exceptions import TaskDeferred
-from airflow_vllm_batch.engines.vllm.server_process import VLLMServerProcess
 from airflow_vllm_batch.openai_api.settings import DEFAULT_BATCH_DAG_ID, URL_PREFIX
 from tests.integration.dagrun import REPO
 from tests.integration.deployment import Deployment, local_executor_deployment, wait_until
 from tests.integration.vllm_metrics import requests_answered
-from vllm_batch_embedded.demo import CPU_ENGINE_ARGS, CPU_ENGINE_ENV
 
 if TYPE_CHECKING:
     from openai.types import Batch, FileObject
+
+    from airflow_vllm_batch.engines.vllm.server_process import VLLMServerProcess
 
 pytestmark = [pytest.mark.integration, pytest.mark.engine]
 
@@ -663,37 +667,37 @@ WARM_CONN_ID = "vllm_warm"
 
 
 @pytest.fixture(scope="module")
-def warm_api(seaweed, tiny_model: Path, tmp_path_factory) -> Iterator[tuple[Api, VLLMServerProcess]]:
-    """A second deployment whose batch DAG streams through a warm vLLM server (the server engine: checkpoints)."""
-    import os
+def warm_api(
+    seaweed, tiny_model: Path, tmp_path_factory, warm_vllm
+) -> Iterator[tuple[Api, VLLMServerProcess]]:
+    """A second deployment whose batch DAG streams through a warm vLLM server (the server engine: checkpoints).
 
-    with VLLMServerProcess(
-        str(tiny_model),
-        engine_args=CPU_ENGINE_ARGS.split(),
-        env={**os.environ, **CPU_ENGINE_ENV},
-        startup_timeout_s=300,
-    ) as server:
-        assert server.hook is not None
-        host, port = server.hook.base_url.removeprefix("http://").split(":")
-        home = tmp_path_factory.mktemp("openai-api-warm-home")
-        if not _entry_point_installed():
-            (home / "plugins").mkdir()
-            (home / "plugins" / "vllm_batch_openai_api.py").write_text(PLUGIN_SHIM)
-        env = {
-            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin,alice:user",
-            "AIRFLOW__VLLM_BATCH__OPENAI_FILES_URI": f"s3://{BUCKET}/warm/",
-            "AIRFLOW__VLLM_BATCH__OPENAI_SIGNING_KEY": SIGNING_KEY,
-            "AIRFLOW_VLLM_BATCH_VLLM_CONN_ID": WARM_CONN_ID,
-            f"AIRFLOW_CONN_{WARM_CONN_ID.upper()}": json.dumps(
-                {"conn_type": "vllm", "host": host, "port": int(port), "password": server.hook.api_key}
-            ),
-        }
-        dag_files = {"vllm_batch_openai.py": (REPO / "dags" / "vllm_batch_openai.py").read_text()}
-        with local_executor_deployment(seaweed, tiny_model, home, dag_files, extra_env=env) as dep:
-            dep.wait_for_dag(DEFAULT_BATCH_DAG_ID)
-            dep.log_in("alice")
-            client = OpenAI(base_url=dep.api_url + URL_PREFIX, api_key=dep.token, max_retries=0, timeout=60)
-            yield Api(dep, {"alice": client}, str(tiny_model)), server
+    The server is the session's warm one of the plain CPU flags (conftest ``warm_vllm``); its
+    settings (a ``vllm`` connection, another files prefix) differ from ``api``'s, so it is a
+    deployment of its own.
+    """
+    server = warm_vllm()
+    assert server.hook is not None
+    host, port = server.hook.base_url.removeprefix("http://").split(":")
+    home = tmp_path_factory.mktemp("openai-api-warm-home")
+    if not _entry_point_installed():
+        (home / "plugins").mkdir()
+        (home / "plugins" / "vllm_batch_openai_api.py").write_text(PLUGIN_SHIM)
+    env = {
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin,alice:user",
+        "AIRFLOW__VLLM_BATCH__OPENAI_FILES_URI": f"s3://{BUCKET}/warm/",
+        "AIRFLOW__VLLM_BATCH__OPENAI_SIGNING_KEY": SIGNING_KEY,
+        "AIRFLOW_VLLM_BATCH_VLLM_CONN_ID": WARM_CONN_ID,
+        f"AIRFLOW_CONN_{WARM_CONN_ID.upper()}": json.dumps(
+            {"conn_type": "vllm", "host": host, "port": int(port), "password": server.hook.api_key}
+        ),
+    }
+    dag_files = {"vllm_batch_openai.py": (REPO / "dags" / "vllm_batch_openai.py").read_text()}
+    with local_executor_deployment(seaweed, tiny_model, home, dag_files, extra_env=env) as dep:
+        dep.wait_for_dag(DEFAULT_BATCH_DAG_ID)
+        dep.log_in("alice")
+        client = OpenAI(base_url=dep.api_url + URL_PREFIX, api_key=dep.token, max_retries=0, timeout=60)
+        yield Api(dep, {"alice": client}, str(tiny_model)), server
 
 
 def test_a_cancel_mid_run_keeps_and_publishes_the_answers_finished_so_far(warm_api):

@@ -1,4 +1,8 @@
-"""VLLMBatchOperator against real S3 and a real engine process: bad input, skips, engine faults."""
+"""VLLMBatchOperator against real S3 and a real engine process: bad input, skips, engine faults.
+
+Fresh processes: ``VLLMRunner`` is the task's own child process, one per run; the fail-fast tests
+check that none starts.
+"""
 
 from __future__ import annotations
 

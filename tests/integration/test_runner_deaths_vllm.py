@@ -5,6 +5,8 @@ made here with vLLM's own ``create_error_response`` and ``BatchRequestOutput``, 
 ``run_request`` makes it, and must read as a dead engine's. vLLM 0.33 (CUDA only: its venv, ``make vllm033``,
 is read, never run): its sources must still have the type, messages and behaviour
 :mod:`airflow_vllm_batch.engines.runner_deaths` relies on.
+
+Fresh processes: a runner's ``EngineCore`` is killed mid-run.
 """
 
 from __future__ import annotations

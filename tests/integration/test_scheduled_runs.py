@@ -23,13 +23,15 @@ start costs 20-25 s here, and the scheduling under test is the same for either e
   with the Param's message, triggers with two Params changed, waits for success and follows
   the task's "vLLM batch output" link to the results object. Screenshots of every step:
   ``test-artifacts/ui/``.
+
+Fresh processes: a deployment of its own on PostgreSQL (a scheduler running catchup and
+backfills); the engine is the session's warm server (``warm_vllm``).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
 import subprocess
 import sys
 import time
@@ -43,7 +45,6 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from airflow_vllm_batch.engines.vllm.server_process import VLLMServerProcess
 from tests.integration.dagrun import REPO
 from tests.integration.deployment import (
     RUN_DONE,
@@ -54,9 +55,9 @@ from tests.integration.deployment import (
 from tests.integration.postgres import Postgres
 from tests.integration.ui_browser import Browser, missing_browser
 from tests.integration.vllm_metrics import requests_answered
-from vllm_batch_embedded.demo import CPU_ENGINE_ARGS, CPU_ENGINE_ENV
 
 if TYPE_CHECKING:
+    from airflow_vllm_batch.engines.vllm.server_process import VLLMServerProcess
     from vllm_batch_embedded.seaweedfs import SeaweedFS
 
 pytestmark = [pytest.mark.integration, pytest.mark.engine]
@@ -128,20 +129,15 @@ class Scheduled:
 
 
 @pytest.fixture(scope="module")
-def scheduled(seaweed: SeaweedFS, tiny_model: Path, tmp_path_factory) -> Iterator[Scheduled]:
+def scheduled(seaweed: SeaweedFS, tiny_model: Path, tmp_path_factory, warm_vllm) -> Iterator[Scheduled]:
     """The deployment with the pipeline (catchup from 2 days back) and the asset consumer, both unpaused.
 
-    The warm vLLM server starts while the deployment does (each takes 20-40 s here); its
-    connection is added through the REST API once it is ready, before the pipeline is unpaused.
+    The warm vLLM server is the session's of the plain CPU flags (conftest ``warm_vllm``); when
+    no module asked for it yet, it starts while the deployment does (each takes 20-40 s here).
+    Its connection is added through the REST API once it is ready, before the pipeline is unpaused.
     """
     seaweed.create_bucket(BUCKET)
     today = datetime.now(timezone.utc).replace(hour=0, minute=0, second=0, microsecond=0)
-    server = VLLMServerProcess(
-        str(tiny_model),
-        engine_args=CPU_ENGINE_ARGS.split(),
-        env={**os.environ, **CPU_ENGINE_ENV},
-        startup_timeout_s=300,
-    )
     extra_env = {
         "AIRFLOW_VLLM_BATCH_BUCKET": BUCKET,
         "AIRFLOW_VLLM_BATCH_START_DATE": (today - timedelta(days=2)).isoformat(),
@@ -154,7 +150,7 @@ def scheduled(seaweed: SeaweedFS, tiny_model: Path, tmp_path_factory) -> Iterato
     home = tmp_path_factory.mktemp("scheduled")
     survivors: list[int] = []
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        starting = pool.submit(server.start)
+        starting = pool.submit(warm_vllm)
         try:
             with (
                 Postgres() as database,
@@ -164,7 +160,9 @@ def scheduled(seaweed: SeaweedFS, tiny_model: Path, tmp_path_factory) -> Iterato
             ):
                 # The consumer first: asset events of the first pipeline runs must find it unpaused.
                 dep.wait_for_dag(CONSUMER)
-                hook = starting.result(timeout=360)
+                server = starting.result(timeout=360)
+                hook = server.hook
+                assert hook is not None
                 host, port = hook.base_url.removeprefix("http://").split(":")
                 dep.request(
                     "POST",
@@ -183,10 +181,7 @@ def scheduled(seaweed: SeaweedFS, tiny_model: Path, tmp_path_factory) -> Iterato
                 survivors = dep.stop()
         finally:
             concurrent.futures.wait([starting])
-            server.terminate()
     assert survivors == [], f"processes of the deployment still alive after stop: {survivors}"
-    assert server.process is not None, "the vLLM server outlived the module"
-    assert server.process.poll() is not None, "the vLLM server outlived the module"
 
 
 def _day(date: datetime) -> str:

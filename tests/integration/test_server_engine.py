@@ -4,6 +4,9 @@ The pipeline and sharded example DAGs run against it (``AIRFLOW_VLLM_BATCH_VLLM_
 then a 2,000-request task is SIGKILLed at about half (once a checkpoint part is in S3) and run again as the same task
 instance: every custom_id is answered exactly once, and the server answered no more than
 the batch plus what was in flight plus one checkpoint interval's worth.
+
+Fresh processes: none but the session's warm server; the runner test checks that the runner is
+refused before it starts.
 """
 
 from __future__ import annotations
@@ -16,19 +19,20 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import pytest
 from openai.types.chat import ChatCompletion
 from pydantic import BaseModel
 
 from airflow_vllm_batch.engines import VLLMRunner, WarmVLLMServer
-from airflow_vllm_batch.engines.vllm.server_process import VLLMServerProcess
 from airflow_vllm_batch.run import AnswerCacheOptions
 from tests.integration.dagrun import REPO, error_lines as _error_lines, load_dag, run_dag
 from tests.integration.vllm_metrics import requests_answered
-from vllm_batch_embedded.demo import BUCKET, CPU_ENGINE_ARGS, CPU_ENGINE_ENV
+from vllm_batch_embedded.demo import BUCKET, CPU_ENGINE_ARGS
+
+if TYPE_CHECKING:
+    from airflow_vllm_batch.engines.vllm.server_process import VLLMServerProcess
 
 pytestmark = [pytest.mark.integration, pytest.mark.engine]
 
@@ -47,25 +51,20 @@ INTERVAL_S = 2.0
 
 
 @pytest.fixture(scope="module")
-def warm(embedded, airflow_db, tiny_model: Path) -> Iterator[VLLMServerProcess]:
-    """One vLLM server for the module, behind connection ``vllm_tiny``; the example DAGs use it."""
-    with VLLMServerProcess(
-        str(tiny_model),
-        engine_args=[*CPU_ENGINE_ARGS.split(), *STRUCTURED_ARGS],
-        env={**os.environ, **CPU_ENGINE_ENV},
-        startup_timeout_s=300,
-    ) as server:
-        assert server.hook is not None
-        host, port = server.hook.base_url.removeprefix("http://").split(":")
-        os.environ[f"AIRFLOW_CONN_{CONN_ID.upper()}"] = json.dumps(
-            {"conn_type": "vllm", "host": host, "port": int(port), "password": server.hook.api_key}
-        )
-        os.environ["AIRFLOW_VLLM_BATCH_VLLM_CONN_ID"] = CONN_ID
-        try:
-            yield server
-        finally:
-            os.environ.pop("AIRFLOW_VLLM_BATCH_VLLM_CONN_ID", None)
-            os.environ.pop(f"AIRFLOW_CONN_{CONN_ID.upper()}", None)
+def warm(embedded, airflow_db, warm_vllm) -> Iterator[VLLMServerProcess]:
+    """The session's warm server with structured outputs (``warm_vllm``), behind connection ``vllm_tiny``; the example DAGs use it."""
+    server = warm_vllm(*STRUCTURED_ARGS)
+    assert server.hook is not None
+    host, port = server.hook.base_url.removeprefix("http://").split(":")
+    os.environ[f"AIRFLOW_CONN_{CONN_ID.upper()}"] = json.dumps(
+        {"conn_type": "vllm", "host": host, "port": int(port), "password": server.hook.api_key}
+    )
+    os.environ["AIRFLOW_VLLM_BATCH_VLLM_CONN_ID"] = CONN_ID
+    try:
+        yield server
+    finally:
+        os.environ.pop("AIRFLOW_VLLM_BATCH_VLLM_CONN_ID", None)
+        os.environ.pop(f"AIRFLOW_CONN_{CONN_ID.upper()}", None)
 
 
 def _s3_lines(seaweed, uri: str) -> list[dict]:

@@ -6,6 +6,8 @@ A module of its own so that its server never runs beside the warm one of
 The worker says it has one GPU (``AIRFLOW_VLLM_BATCH_GPUS=0``), so the task leases it
 before starting the server and the server inherits the lease (vLLM on a CPU ignores the
 ``CUDA_VISIBLE_DEVICES`` it gets): the real engine under a real GPU lease, at no extra cost.
+
+Fresh processes: the task-started server is what is tested: its start, and its stop with the task.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ Every shard is one engine start (~30 s on this CPU), so the runs here are few an
 small: the sharded example DAG with 3 shards, run once with the middle shard's engine
 SIGKILLed and once more for the same run id; and one embeddings DAG that runs 2
 shards and the same texts unsharded.
+
+Fresh processes: each shard's pooling runner is its task's own child process.
 """
 
 from __future__ import annotations

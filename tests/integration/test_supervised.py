@@ -12,6 +12,9 @@ nothing else carries. The guard (``python -I -c <GUARD_SCRIPT>``) is the marked 
 whose parent is not marked; its parent is the task runner, its child the engine.
 
 The cases run one after another (two cores): each starts an engine of its own.
+
+Fresh processes: its own deployment and an engine per case: each case kills, marks failed or
+retries a task under Airflow's real supervisor.
 """
 
 from __future__ import annotations

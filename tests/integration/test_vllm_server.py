@@ -1,20 +1,20 @@
 """A real vLLM server (CPU, tiny model) started by the task's code, and a batch streamed through it.
 
-One server for the module (about 20-40 s to ready); each test sends its own requests.
+The session's warm server of the plain CPU flags (``warm_vllm``, shared with the other modules
+that ask for those flags); each test sends its own requests and counts what the server answered
+by the difference of its ``/metrics`` before and after.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Iterator
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from openai.types.chat import ChatCompletion
 
-from airflow_vllm_batch.engines.vllm.server_process import VLLMServerProcess
 from airflow_vllm_batch.hooks.vllm import VLLMServerHook
 from airflow_vllm_batch.serving import (
     Journal,
@@ -23,21 +23,17 @@ from airflow_vllm_batch.serving import (
     run_stream,
 )
 from tests.integration.vllm_metrics import requests_answered
-from vllm_batch_embedded.demo import CPU_ENGINE_ARGS, CPU_ENGINE_ENV
+
+if TYPE_CHECKING:
+    from airflow_vllm_batch.engines.vllm.server_process import VLLMServerProcess
 
 pytestmark = [pytest.mark.integration, pytest.mark.engine]
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model: Path) -> Iterator[VLLMServerProcess]:
-    with VLLMServerProcess(
-        str(tiny_model),
-        engine_args=CPU_ENGINE_ARGS.split(),
-        env={**os.environ, **CPU_ENGINE_ENV},
-        startup_timeout_s=300,
-    ) as process:
-        print(f"vLLM server ready after {process.time_to_ready_s:.1f}s")
-        yield process
+def server(warm_vllm) -> VLLMServerProcess:
+    """The session's warm server of the plain CPU flags (conftest ``warm_vllm``)."""
+    return warm_vllm()
 
 
 def _lines(model: str, n: int, prefix: str = "chat") -> Iterator[tuple[int, bytes]]:

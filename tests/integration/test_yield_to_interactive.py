@@ -18,16 +18,21 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from aiohttp import ClientSession, web
 
 from airflow_vllm_batch.engines import WarmVLLMServer, YieldToInteractive, server as server_engines
-from airflow_vllm_batch.engines.vllm.server_process import VLLMServerProcess
 from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
-from vllm_batch_embedded.demo import BUCKET, CPU_ENGINE_ARGS, CPU_ENGINE_ENV
+from vllm_batch_embedded.demo import BUCKET
 
-pytestmark = [pytest.mark.integration, pytest.mark.engine]
+if TYPE_CHECKING:
+    from airflow_vllm_batch.engines.vllm.server_process import VLLMServerProcess
+
+# Alone: it compares latencies and watches the bound move with the server's queue, which another
+# worker's engine start-up beside it would blur (`make test` runs it after the rest).
+pytestmark = [pytest.mark.integration, pytest.mark.engine, pytest.mark.alone]
 
 CONN_ID = "vllm_priority"
 PLAIN_CONN_ID = "vllm_priority_unsaid"
@@ -35,27 +40,24 @@ MAX_NUM_SEQS = 16
 
 
 @pytest.fixture(scope="module")
-def priority_server(embedded, tiny_model: Path) -> Iterator[VLLMServerProcess]:
-    """One vLLM server run with ``--scheduling-policy priority``, behind connection ``vllm_priority`` (whose extra says so)."""
-    args = [*CPU_ENGINE_ARGS.split(), "--scheduling-policy", "priority", "--max-num-seqs", str(MAX_NUM_SEQS)]
-    with VLLMServerProcess(
-        str(tiny_model), engine_args=args, env={**os.environ, **CPU_ENGINE_ENV}, startup_timeout_s=600
-    ) as server:
-        assert server.hook is not None
-        host, port = server.hook.base_url.removeprefix("http://").split(":")
-        os.environ[f"AIRFLOW_CONN_{CONN_ID.upper()}"] = json.dumps(
-            {
-                "conn_type": "vllm",
-                "host": host,
-                "port": int(port),
-                "password": server.hook.api_key,
-                "extra": {"scheduling_policy": "priority"},
-            }
-        )
-        try:
-            yield server
-        finally:
-            os.environ.pop(f"AIRFLOW_CONN_{CONN_ID.upper()}", None)
+def priority_server(embedded, warm_vllm) -> Iterator[VLLMServerProcess]:
+    """The session's warm server run with ``--scheduling-policy priority`` (``warm_vllm``), behind connection ``vllm_priority`` (whose extra says so)."""
+    server = warm_vllm("--scheduling-policy", "priority", "--max-num-seqs", str(MAX_NUM_SEQS))
+    assert server.hook is not None
+    host, port = server.hook.base_url.removeprefix("http://").split(":")
+    os.environ[f"AIRFLOW_CONN_{CONN_ID.upper()}"] = json.dumps(
+        {
+            "conn_type": "vllm",
+            "host": host,
+            "port": int(port),
+            "password": server.hook.api_key,
+            "extra": {"scheduling_policy": "priority"},
+        }
+    )
+    try:
+        yield server
+    finally:
+        os.environ.pop(f"AIRFLOW_CONN_{CONN_ID.upper()}", None)
 
 
 class _TI:

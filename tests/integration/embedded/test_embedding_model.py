@@ -1,4 +1,8 @@
-"""The bundled all-MiniLM-L6-v2: found on disk and served by vLLM (CPU) for /v1/embeddings."""
+"""The bundled all-MiniLM-L6-v2: found on disk and served by vLLM (CPU) for /v1/embeddings.
+
+Fresh processes: vLLM's own batch runner on the bundled embedding model is what is tested; the
+runner is a process per batch and cannot be shared (one run for the module).
+"""
 
 from __future__ import annotations
 

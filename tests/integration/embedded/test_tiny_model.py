@@ -1,4 +1,8 @@
-"""The tiny chat model: built once, loadable by transformers, and served by vLLM (CPU)."""
+"""The tiny chat model: built once, loadable by transformers, and served by vLLM (CPU).
+
+Fresh processes: vLLM's own batch runner on the tiny model is what is tested; the runner is a
+process per batch and cannot be shared (one run for the module).
+"""
 
 from __future__ import annotations
 

@@ -227,6 +227,9 @@ def test_uncompressed_source_reports_no_compression():
         ),
         ("trailing_garbage", gzip.compress(JSONL) + b"not gzip", "the gzip data is corrupt"),
     ],
+    # The data's gzip header holds the time it was made: named by the case alone, the ids are
+    # the same in every process that collects them (pytest-xdist's workers must agree).
+    ids=["truncated", "corrupt", "trailing_garbage"],
 )
 def test_bad_gzip_raises_an_error_naming_the_file(tmp_path, name, data, fragment):
     path = tmp_path / f"{name}.jsonl.gz"

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import base64
-import http.server
 import json
 import logging
-import threading
 from collections.abc import Iterator
 
 import pytest
 
 from airflow_vllm_batch.engines import VLLMRunner
 from airflow_vllm_batch.exceptions import EngineError
+from tests.http_inputs import BasicAuthInput
 from tests.unit.operators.test_vllm_batch_runs import Batch, FakeTI, chat_lines
 from tests.unit.operators.test_vllm_batch_server import Batch as ServerBatch, requests_lines
 
@@ -130,36 +128,6 @@ def test_a_malformed_http_input_fails_without_retry_naming_input_uri_and_no_pass
     assert batch.engine_runs == 0
 
 
-class BasicAuthInput:
-    """An http server on 127.0.0.1 serving one batch file only to ``reader:PASSWORD`` (401 otherwise); it counts the reads."""
-
-    def __init__(self, data: bytes) -> None:
-        self.reads = 0
-        expected = "Basic " + base64.b64encode(f"reader:{PASSWORD}".encode()).decode()
-        outer = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                if self.headers.get("Authorization") != expected:
-                    self.send_response(401)
-                    self.send_header("WWW-Authenticate", 'Basic realm="batches"')
-                    self.send_header("Content-Length", "0")
-                    self.end_headers()
-                    return
-                outer.reads += 1
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://reader:{PASSWORD}@127.0.0.1:{self.server.server_port}/batches/in.jsonl"
-
-
 @pytest.fixture
 def started(monkeypatch) -> list[tuple[list[str], dict[str, str]]]:
     """The command line and environment of every engine process started (the runner's, through its hook)."""
@@ -176,15 +144,10 @@ def started(monkeypatch) -> list[tuple[list[str], dict[str, str]]]:
     return seen
 
 
-def _input(data: bytes) -> Iterator[BasicAuthInput]:
-    served = BasicAuthInput(data)
-    yield served
-    served.server.shutdown()
-
-
 @pytest.fixture
 def runner_input() -> Iterator[BasicAuthInput]:
-    yield from _input(chat_lines(3) + b"\n")  # a blank line: the copy the engine reads has none
+    with BasicAuthInput(chat_lines(3) + b"\n", PASSWORD) as served:  # a blank line: the copy has none
+        yield served
 
 
 def test_an_http_inputs_password_is_on_no_runner_command_line_environment_or_line_it_prints(
@@ -204,7 +167,8 @@ def test_an_http_inputs_password_is_on_no_runner_command_line_environment_or_lin
     assert engine_input.endswith("/input.jsonl")
     # vLLM's "Reading batch from ..." line, relayed: it names the task's copy, not the URL.
     assert f"Reading batch from {engine_input}" in logged
-    assert runner_input.reads == 1  # the task's own read (preflight); the engine read the copy
+    # The task's own read (preflight); the engine read the copy.
+    assert runner_input.reads == ["/batches/in.jsonl"]
     for text in (logged, json.dumps(manifest), json.dumps(ti.xcoms, default=str), _everything_in_s3(batch)):
         assert PASSWORD not in text
 
@@ -241,7 +205,8 @@ def test_the_runners_command_never_takes_an_input_url_with_credentials():
 def server_input() -> Iterator[BasicAuthInput]:
     from tests.unit.operators.test_vllm_batch_server import N
 
-    yield from _input(requests_lines(N))
+    with BasicAuthInput(requests_lines(N), PASSWORD) as served:
+        yield served
 
 
 def test_a_warm_server_batch_streams_the_tasks_copy_of_an_http_input_never_its_url(
@@ -254,7 +219,7 @@ def test_a_warm_server_batch_streams_the_tasks_copy_of_an_http_input_never_its_u
     out = capfd.readouterr()
     assert manifest["request_counts"]["completed"] == N
     assert server.requests == N
-    assert server_input.reads == 1  # preflight's; the stream read the task's checked copy
+    assert server_input.reads == ["/batches/in.jsonl"]  # preflight's; the stream read the task's checked copy
     assert PASSWORD not in out.out + out.err + caplog.text + json.dumps(manifest)
 
 

@@ -80,6 +80,7 @@ def preflight(
     *,
     source: str | None = None,
     reread: Callable[[], ContextManager[Iterable[bytes]]] | None = None,
+    withhold_location: bool = False,
 ) -> PreflightReport:
     """
     Check every line of a batch input file in one streaming pass.
@@ -93,9 +94,14 @@ def preflight(
         ``lambda: open_lines(path)``; used only when custom_ids repeat, to confirm the
         listed repeats exactly and name their custom_ids (without it, repeats are
         found by 64-bit hash and named by line numbers only).
+    :param withhold_location: the engine must read the cleaned copy whatever the lines hold, never the
+        input itself (its location carries credentials): the report then says
+        :attr:`~airflow_vllm_batch.batchfile.preflight_report.PreflightReport.needs_rewrite`. Needs ``cleaned_out``.
     """
+    if withhold_location and cleaned_out is None:
+        raise ValueError("withhold_location needs cleaned_out: the engine reads the copy")
     opts = options or PreflightOptions()
-    report = PreflightReport(source=source, mode=opts.invalid_lines)
+    report = PreflightReport(source=source, mode=opts.invalid_lines, location_withheld=withhold_location)
     checker = _Checker(opts, report, errors_out)
     report.custom_ids = checker.index
     checker.run(lines, cleaned_out)

@@ -53,6 +53,8 @@ class PreflightReport:
     custom_ids: CustomIdIndex | None = field(default=None, repr=False, compare=False)
     #: Requests the answer cache answered, left out of the copy the engine reads (the engine's report only).
     answered_from_cache: int = 0
+    #: The input's location may not be given to an engine (an http(s) URL with credentials): it reads the copy.
+    location_withheld: bool = False
 
     @property
     def ok(self) -> bool:
@@ -61,12 +63,14 @@ class PreflightReport:
 
     @property
     def needs_rewrite(self) -> bool:
-        """True when the engine must read the cleaned copy: lines skipped, rewritten or answered from the cache, or a compressed input."""
+        """True when the engine must read the cleaned copy: lines skipped, rewritten or answered from the cache, a
+        compressed input, or one whose location may not be given to an engine (:attr:`location_withheld`)."""
         return (
             self.invalid_lines > 0
             or self.rewritten_lines > 0
             or self.compression is not None
             or self.answered_from_cache > 0
+            or self.location_withheld
         )
 
     @property

@@ -405,7 +405,10 @@ class RunnerEngine(LocalEngine):
         )
 
     def engine_input(self, job: EngineJob) -> str:
-        """What the engine reads: a presigned GET (pinned), a local path, or the http(s) URL."""
+        """What the engine reads: a presigned GET (pinned), a local path, or an http(s) URL without credentials.
+
+        An http(s) URL with credentials is never given (*No secrets*): preflight copied it (``location_withheld``).
+        """
         if job.report.needs_rewrite:
             cleaned = job.work / "input.jsonl"
             if not job.input.in_s3:

@@ -467,6 +467,11 @@ class BatchRun:
             response_format=s.output_schema.response_format() if s.output_schema is not None else None,
             url_advice=self.engine.url_advice(),
         )
+        withheld = batch_input.withheld
+        if withheld:
+            self.log.info(
+                "The input URL carries credentials: the engine reads this task's checked copy of it, never the URL."
+            )
         with batch_input.open() as lines:
             # The engine cannot read gzip: a compressed input gets an uncompressed cleaned copy.
             rewriting = (
@@ -475,13 +480,19 @@ class BatchRun:
                 or bool(s.default_body)
                 or s.output_type is not None
                 or getattr(lines, "compression", None) is not None
+                or withheld
             )
             with (
                 maybe_open(work / "input.jsonl", rewriting) as cleaned,
                 maybe_open(work / "preflight-errors.jsonl", rewriting) as errors,
             ):
                 report = preflight(
-                    lines, options, cleaned_out=cleaned, errors_out=errors, reread=batch_input.open
+                    lines,
+                    options,
+                    cleaned_out=cleaned,
+                    errors_out=errors,
+                    reread=batch_input.open,
+                    withhold_location=withheld,
                 )
         report.source = batch_input.display_uri
         if not s.skips_invalid_lines or not report.runnable:

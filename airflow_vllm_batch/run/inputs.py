@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from airflow.sdk.log import mask_secret
 from botocore.exceptions import BotoCoreError, ClientError
 
-from airflow_vllm_batch.batchfile import open_lines
+from airflow_vllm_batch.batchfile import open_lines, url_secrets
 from airflow_vllm_batch.batchfile.requests import batch_file_name, build_batch_file
 from airflow_vllm_batch.exceptions import (
     InputChangedError,
@@ -102,6 +102,16 @@ class BatchInput:
     @property
     def in_s3(self) -> bool:
         return self.pinned.uri.startswith("s3://")
+
+    @property
+    def withheld(self) -> bool:
+        """Whether no engine may be given this input's location: an http(s) URL with user info or a query.
+
+        Such a URL is a credential (*No secrets*): an engine would carry it on its command line and print
+        it (vLLM's ``args: Namespace(...)`` and ``Reading batch from ...`` lines). The task reads it
+        itself; every engine reads the task's copy (``PreflightReport.location_withheld``).
+        """
+        return bool(url_secrets(self.uri))
 
     @contextlib.contextmanager
     def open(self) -> Iterator[Any]:

@@ -22,6 +22,7 @@ from openai.types.chat import ChatCompletion
 
 from airflow_vllm_batch import gpus
 from airflow_vllm_batch.engines import VLLMServer
+from tests.http_inputs import BasicAuthInput, SecretWatch
 from tests.integration.dagrun import error_lines, register_dag, run_dag
 from tests.processes import processes_with
 from vllm_batch_embedded.demo import BUCKET, CPU_ENGINE_ARGS
@@ -105,6 +106,10 @@ def test_a_task_started_pooling_server_answers_embeddings_score_and_rerank_lines
     The embeddings validate with the OpenAI SDK's own type, score and rerank with vLLM's
     own response models; and the server's scores agree with the dot products of its own
     (unit) embeddings of the same texts, so the answers are the model's, not just well-formed.
+
+    The input is an http URL with a password (Basic auth on 127.0.0.1): it is in no line of the
+    task log, on no process's command line and in no server process's environment while the
+    server runs (*No secrets*; the runner's case is ``test_engine_secrets.py``'s).
     """
     from airflow.sdk import DAG
     from openai.types import CreateEmbeddingResponse
@@ -129,20 +134,31 @@ def test_a_task_started_pooling_server_answers_embeddings_score_and_rerank_lines
         + b"\n"
         for cid, (url, body) in bodies.items()
     )
-    embedded.client().put_object(Bucket=BUCKET, Key="started-pooling/input.jsonl", Body=lines)
-    with DAG(
-        "server_engine_started_pooling", schedule=None, start_date=datetime(2026, 1, 1, tzinfo=timezone.utc)
-    ) as dag:
-        VLLMBatchOperator(
-            task_id="vllm_batch",
-            input_uri=f"s3://{BUCKET}/started-pooling/input.jsonl",
-            output_uri=f"s3://{BUCKET}/started-pooling/results.jsonl",
-            model=model,
-            engine=VLLMServer(args=[*CPU_ENGINE_ARGS.split(), "--runner", "pooling"]),
-        )
-    register_dag(dag)
-    run = run_dag(dag)
+    password = f"PoolingInputPw{uuid.uuid4().hex[:12]}"
+    marker = f"started-pooling-{uuid.uuid4().hex}"
+    with BasicAuthInput(lines, password) as served:
+        with DAG(
+            "server_engine_started_pooling",
+            schedule=None,
+            start_date=datetime(2026, 1, 1, tzinfo=timezone.utc),
+        ) as dag:
+            VLLMBatchOperator(
+                task_id="vllm_batch",
+                input_uri=served.url,
+                output_uri=f"s3://{BUCKET}/started-pooling/results.jsonl",
+                model=model,
+                engine=VLLMServer(
+                    args=[*CPU_ENGINE_ARGS.split(), "--runner", "pooling"], env={"BATCH_TEST_MARKER": marker}
+                ),
+            )
+        register_dag(dag)
+        with SecretWatch(password, marker) as watch:
+            run = run_dag(dag)
     assert run.state == "success", run.output[-4000:]
+    assert watch.engine_seen > 0  # read while the server ran
+    assert watch.leaks == []
+    assert password not in run.output
+    assert served.reads == ["/batches/in.jsonl"]  # the task's one read: the stream sent its checked copy
     assert run.xcom("vllm_batch")["request_counts"] == {"total": 5, "completed": 5, "failed": 0}
     body = embedded.client().get_object(Bucket=BUCKET, Key="started-pooling/results.jsonl")["Body"].read()
     answers = {r["custom_id"]: r["response"]["body"] for r in map(json.loads, body.splitlines())}

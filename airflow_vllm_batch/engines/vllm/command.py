@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import urllib.parse
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,8 @@ def build_engine_argv(
 ) -> list[str]:
     """Return the argv that starts vLLM's batch runner.
 
-    :param input_location: what the engine reads: a presigned GET URL or a local path.
+    :param input_location: what the engine reads: a presigned GET URL or a local path (never a URL
+        with user info: :class:`ValueError`).
     :param output_location: where the engine writes: a presigned PUT URL or a local path.
     :param model: the model name or local directory (``--model``).
     :param engine_args: further runner arguments, e.g. ``["--max-model-len", "4096"]``.
@@ -51,6 +53,9 @@ def build_engine_argv(
         given. Default: the Python running Airflow.
     :param runner_module: the runner's module, as the probe found it.
     """
+    if "@" in urllib.parse.urlsplit(input_location).netloc:
+        # The task reads such an input itself and gives the engine its copy (No secrets).
+        raise ValueError("an input URL with credentials is never given to the engine")
     prefix = list(engine_command) if engine_command else [python or sys.executable, "-m", runner_module]
     return [*prefix, "-i", input_location, "-o", output_location, "--model", model, *engine_args]
 

@@ -418,6 +418,21 @@ def test_gzip_input_needs_the_uncompressed_cleaned_copy():
     assert out.getvalue() == good(2)
 
 
+def test_an_input_whose_location_is_withheld_is_read_by_the_engine_from_the_copy_numbered_as_the_copy():
+    # An http(s) input with credentials: the engine is never given its URL (No secrets).
+    out = io.BytesIO()
+    data = b"\n" + good(2) + b"\n" + line("last") + b"\n"
+    with open_lines(io.BytesIO(data)) as lines:
+        report = preflight(lines, cleaned_out=out, withhold_location=True)
+    assert report.ok
+    assert report.needs_rewrite
+    assert out.getvalue() == good(2) + line("last") + b"\n"
+    index = report.custom_ids
+    assert (index.line_of("ok-0"), index.line_of("ok-1"), index.line_of("last")) == (1, 2, 3)
+    with pytest.raises(ValueError, match="needs cleaned_out"):
+        preflight([line()], withhold_location=True)
+
+
 def test_gzip_input_with_a_bad_line_reports_the_line():
     report = run(gzip.compress(good(1) + b"junk\n"))
     assert report.problems[0].line == 2

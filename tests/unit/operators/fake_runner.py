@@ -12,8 +12,8 @@ and writing local paths or presigned URLs. The environment steers it:
 * ``FAKE_ENGINE_DIES_AFTER``: answer that many lines, then every other one with the 500 that
   vLLM 0.32 writes once its engine core died (``EngineDeadError``), and exit 0 as it does.
 * ``FAKE_ENGINE_ECHO_ARGS``: print the arguments it was not told about, as vLLM logs its
-  ``args: Namespace(...)`` (secret flags' values included), and fail with them on stderr when
-  set to ``fail``.
+  ``args: Namespace(...)`` (secret flags' values included), and its input as vLLM's ``Reading batch
+  from ...`` line; fail with them on stderr when set to ``fail``.
 * ``FAKE_ENGINE_DIES_ONCE``: a file; with ``FAKE_ENGINE_DIES_AFTER``, only the start that finds
   it missing dies (and creates it): a transient death.
 * ``FAKE_ENGINE_KILLER``: the custom_id of a request that kills the engine core whenever it runs.
@@ -37,10 +37,12 @@ and writing local paths or presigned URLs. The environment steers it:
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import os
 import sys
 import time
+import urllib.parse
 import urllib.request
 
 #: vLLM's batch progress report (its run_batch ``_BAR_FORMAT``).
@@ -54,7 +56,16 @@ WAITING = (
 
 def read(location: str) -> bytes:
     if location.startswith("http"):
-        with urllib.request.urlopen(location) as response:
+        parts = urllib.parse.urlsplit(location)
+        request = urllib.request.Request(location)
+        if parts.username is not None:  # as vLLM's aiohttp reads one: HTTP Basic authentication
+            token = base64.b64encode(f"{parts.username}:{parts.password or ''}".encode()).decode()
+            host = parts.netloc.rpartition("@")[2]
+            request = urllib.request.Request(
+                urllib.parse.urlunsplit(parts._replace(netloc=host)),
+                headers={"Authorization": f"Basic {token}"},
+            )
+        with urllib.request.urlopen(request) as response:
             return response.read()
     with open(location, "rb") as f:
         return f.read()
@@ -175,6 +186,7 @@ def main() -> int:
     args, unknown = parser.parse_known_args()
     if echo := os.environ.get("FAKE_ENGINE_ECHO_ARGS"):
         print(f"INFO [arg_utils.py:1] non-default args: {unknown!r}", flush=True)
+        print(f"INFO [run_batch.py:1] Reading batch from {args.i}...", flush=True)
         if echo == "fail":
             print(f"error: unrecognized arguments: {' '.join(unknown)}", flush=True)
             return 2

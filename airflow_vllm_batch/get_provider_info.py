@@ -64,7 +64,9 @@ def get_provider_info() -> dict[str, Any]:
                     "openai_files_uri": {
                         "description": "s3://bucket/prefix/ where the OpenAI Files and Batches API (the provider's "
                         "plugin, <airflow>/vllm-batch/openai/v1) keeps uploaded files and batch results, one prefix per "
-                        "user. Read by the API server. Empty: the API answers 503.",
+                        "user. Read by the API server and by every worker that runs the batch DAG's task (it derives each "
+                        "batch's locations from it): set the same value on both. Empty: the API answers 503 and every "
+                        "batch task fails.",
                         "version_added": "0.1.0",
                         "type": "string",
                         "example": "s3://my-bucket/openai/",
@@ -117,12 +119,16 @@ def get_provider_info() -> dict[str, Any]:
                     },
                     "openai_models": {
                         "description": "JSON mapping each model name the OpenAI API serves to its engine: a warm "
-                        'fleet\'s vllm connection ({"vllm_conn_id": ...}) or the runner on a queue ({"queue": '
-                        '"gpu", "engine_args": [...]}). Read by the API server (a batch naming another model is '
-                        "refused) and by the batch DAG file (one task per model). Empty: one model, the batch DAG's.",
+                        "fleet's vllm connection ({\"vllm_conn_id\": ...}; the key is a name in the fleet's /v1/models) "
+                        'or the runner on a queue ({"queue": "gpu", "engine_args": [...]}; the key is passed as the '
+                        "runner's --model, so it is a model path or Hugging Face repo id). Read by the API server (a "
+                        "batch naming another model is refused), by the dag-processor when it parses the batch DAG "
+                        "file (one task per model) and by the workers that run it: set it alike on all of them. "
+                        "Empty: one model, the batch DAG's.",
                         "version_added": "0.1.0",
                         "type": "string",
-                        "example": '{"qwen-1.5b": {"vllm_conn_id": "vllm_qwen"}, "llama-70b": {"queue": "gpu"}}',
+                        "example": '{"qwen-1.5b": {"vllm_conn_id": "vllm_qwen"}, '
+                        '"meta-llama/Llama-3.1-70B-Instruct": {"queue": "gpu"}}',
                         "default": "",
                     },
                 },

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -84,3 +85,22 @@ def test_the_contributing_commands_are_the_makefile_and_pre_commit_checks_with_t
     assert ruff.stdout.split()[1] == pins["ruff"]
     assert mypy.stdout.split()[1] == pins["mypy"]
     assert f"v{pins['ruff']}" in config  # the upstream hook's version named there
+
+
+def test_the_readme_is_a_page_that_starts_with_the_two_commands():
+    # Issue 43: a README read in five minutes; .ci/run runs its two commands, in its order.
+    lines = (REPO / "README.md").read_text().splitlines()
+    assert len(lines) <= 200, f"README.md has {len(lines)} lines: move the rest to docs/"
+    first = "\n".join(lines[:60])
+    block = first[first.index("```bash\n") : first.index("```\n", first.index("```bash\n") + 1)]
+    assert [line.split("#")[0].strip() for line in block.splitlines()[1:3]] == ["make demo", "make test"]
+    assert (REPO / ".ci" / "run").read_text().splitlines()[-2:] == ["make demo", "make test"]
+
+
+def test_the_contributing_page_has_the_suite_times_section_the_readme_points_at():
+    readme = (REPO / "README.md").read_text()
+    page = (REPO / "docs" / "contributing.md").read_text()
+    assert "(docs/contributing.md)" in readme
+    assert re.search(r"^Suite times \(measured [\dYMD-]+\): ", readme, re.M)
+    assert "## Where the suite spends its time" in page
+    assert re.search(r"^contributing$", (REPO / "docs" / "index.md").read_text(), re.M)

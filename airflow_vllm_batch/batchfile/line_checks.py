@@ -192,7 +192,8 @@ def too_long_message(size: int, limit: int) -> str:
     found = f"more than {limit:,} bytes" if size == limit + 1 else f"{size:,} bytes"
     return (
         f"line is {found}, over max_line_bytes={limit:,} — check that every request ends with a newline; "
-        "for longer requests raise the limit (max_line_bytes on the operator, or --max-line-bytes in the CLI)"
+        "for longer requests raise the limit (limits=InputLimits(max_line_bytes=...) on the operator, "
+        "or --max-line-bytes in the CLI)"
     )
 
 

@@ -7,7 +7,7 @@ The operator's ``engine=`` takes an engine's options (:mod:`~.options`): :class:
 connection (:class:`~.server.ConnectionEngine`). Another engine (an OpenAI-compatible
 gateway, vLLM 0.33's incremental runner) is a subclass of :class:`~.base.Engine` with a
 subclass of :class:`EngineOptions` naming it; the operator, the settings and the run
-layer need no change (see ``docs/concepts.md``).
+layer need no change (see ``docs/contributing/architecture.md``).
 """
 
 from __future__ import annotations

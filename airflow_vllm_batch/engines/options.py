@@ -410,8 +410,8 @@ class VLLMServer(_Streaming, _LocalVLLM):
     :param kill_grace: time between SIGTERM and SIGKILL when stopping it. Default 4 seconds.
     :param startup_timeout: how long the server may take to be ready, a ``timedelta`` or seconds;
         then the try fails (retryable) and the server is stopped. Default 15 minutes.
-    :param max_in_flight: requests sent and not yet answered. Default: what the server's
-        scheduler takes at once (its ``--max-num-seqs``).
+    :param max_in_flight: requests sent and not yet answered. Default: twice what the server's
+        scheduler takes at once (2 x its ``--max-num-seqs`` x its ``--data-parallel-size``).
     :param checkpoint_interval: time between checkpoints, a ``timedelta`` or seconds. Default 60 seconds.
     :param client_processes: processes the client spreads the requests over (one core sends ~3,400/s). Default 1.
     :param request_timeout: how long one request may take, its retries included; a request still

@@ -76,7 +76,7 @@ def test_aimed_schedules_reach_the_pairs_the_unaimed_generator_never_reached(tmp
     one of the first few seeds whose plan aims at it, and those schedules violate no invariant."""
     reference = reference_coverage()
     rare = [(s, k) for s in SITES for k in site_kinds(s) if k != "freeze" and not reference.get((s, k))]
-    assert len(rare) >= 10  # the ten of docs/reliability.md (delete errors/kill, ...)
+    assert len(rare) >= 10  # the ten of docs/contributing/simulator.md (delete errors/kill, ...)
     aimed: dict[tuple[str, str], list[int]] = {pair: [] for pair in rare}
     for seed in range(20000):
         plan = make_plan(seed)

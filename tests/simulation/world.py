@@ -298,7 +298,7 @@ def make_plan(seed: int) -> Plan:
         # misses of the try whose staged answers it resumes (the staged hits, docs/protocol.md step 6).
         plan.cache_expires = rng.random() < 0.5
     # Drawn last of all, so that every field above stays what it was for every seed (the seeds named in
-    # docs/reliability.md replay as before unless this draw aims them).
+    # docs/contributing/simulator.md replay as before unless this draw aims them).
     if rng.random() < AIM_SHARE:
         aim(plan, rng)
     return plan

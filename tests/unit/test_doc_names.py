@@ -21,7 +21,7 @@ import airflow_vllm_batch
 from airflow_vllm_batch.engines.vllm import RUN_BATCH_MODULE
 
 REPO = Path(__file__).resolve().parents[2]
-DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 #: The provider imported (the floor stage's is the installed wheel's, not the clone's).
 PROVIDER = Path(airflow_vllm_batch.__file__).parent
 PROVIDER_SOURCES = sorted(PROVIDER.rglob("*.py"))

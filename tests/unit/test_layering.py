@@ -1,4 +1,4 @@
-"""The package's layers: the batch-file core imports no Airflow and no S3 client, every import follows docs/concepts.md's layers, and none closes a cycle."""
+"""The package's layers: the batch-file core imports no Airflow and no S3 client, every import follows docs/contributing/architecture.md's layers, and none closes a cycle."""
 
 from __future__ import annotations
 
@@ -165,7 +165,7 @@ def test_no_module_of_the_package_imports_its_way_back_to_itself():
     assert _find_cycle(_package_edges()) is None
 
 
-#: The storage package's modules, each importing only those before it (docs/concepts.md): the object names
+#: The storage package's modules, each importing only those before it (docs/contributing/architecture.md): the object names
 #: and the S3 primitives know nothing of staging or publishing, and nothing imports the reading of answers.
 STORAGE_ORDER = ("layout", "s3", "staging", "publishing", "merged_output", "answers")
 
@@ -191,11 +191,11 @@ def test_a_type_only_import_counts_as_an_import():
     assert "airflow_vllm_batch.engines.base" in _imports("airflow_vllm_batch.run.answer_cache")
 
 
-CONCEPTS = REPO / "docs" / "concepts.md"
+CONCEPTS = REPO / "docs" / "contributing" / "architecture.md"
 
 
 def _layers() -> dict[str, int]:
-    """docs/concepts.md's layer table: each module name (or package prefix, ending in ``.``) and its layer."""
+    """docs/contributing/architecture.md's layer table: each module name (or package prefix, ending in ``.``) and its layer."""
     text = CONCEPTS.read_text()
     section = text[text.index("## Layers: what may import what") :]
     layers: dict[str, int] = {}
@@ -216,7 +216,7 @@ def _layer(name: str, layers: dict[str, int]) -> int | None:
 
 def test_the_layer_table_places_every_module_of_the_package():
     layers = _layers()
-    assert len(set(layers.values())) >= 5, "docs/concepts.md's layer table was not found"
+    assert len(set(layers.values())) >= 5, "docs/contributing/architecture.md's layer table was not found"
     assert [name for name in MODULES if _layer(name, layers) is None] == []
 
 

@@ -1,4 +1,6 @@
-"""The README's operator snippet renders as written for every kind of DAG run."""
+"""The README's operator snippet renders as written for every kind of DAG run, and the guides' snippets it sent to docs/ build what they say.
+
+Every python block is also run by tests/unit/test_doc_snippets.py; these tests check what each builds."""
 
 from __future__ import annotations
 
@@ -9,7 +11,12 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+REPO = Path(__file__).resolve().parents[2]
+README = REPO / "README.md"
+#: The guides the README's sections moved to (issue 43).
+BATCHES = REPO / "docs" / "batches.md"
+ENGINES = REPO / "docs" / "engines.md"
+ANSWER_CACHE = REPO / "docs" / "answer-cache.md"
 
 
 def _snippet() -> str:
@@ -43,8 +50,8 @@ def test_the_readme_snippet_renders_for_every_kind_of_run(kind):
     assert task.output_uri == f"s3://my-bucket/batches/{context['run_id']}/results.jsonl"
 
 
-def _section_snippet(title: str) -> str:
-    text = README.read_text()
+def _section_snippet(title: str, page: Path = README) -> str:
+    text = page.read_text()
     section = text[text.index(title) :]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
@@ -65,8 +72,8 @@ def test_the_structured_outputs_snippet_builds_its_dag_and_its_error_message_is_
     with DAG("readme_structured", schedule=None, start_date=datetime(2026, 1, 1, tzinfo=timezone.utc)) as dag:
         # Compiled apart from this module's `from __future__ import annotations`, as a DAG file would be.
         code = compile(
-            _section_snippet("## Structured outputs: answers with a schema"),
-            "README.md",
+            _section_snippet("## Structured outputs: answers with a schema", BATCHES),
+            "docs/batches.md",
             "exec",
             dont_inherit=True,
         )
@@ -95,14 +102,14 @@ def test_the_structured_outputs_snippet_builds_its_dag_and_its_error_message_is_
     )
     message = json.loads(errors[0])["error"]["message"]
     assert message.startswith("does not fit Review: stars: Input should be a valid integer")
-    assert "does not fit Review: stars: Input should be a valid integer" in README.read_text()
+    assert "does not fit Review: stars: Input should be a valid integer" in BATCHES.read_text()
 
 
-def test_the_readme_answer_cache_snippet_builds_an_operator_with_the_cache():
+def test_the_answer_cache_snippet_builds_an_operator_with_the_cache():
     from airflow.sdk import DAG
 
-    text = README.read_text()
-    section = text[text.index("## Answer cache") :]
+    text = ANSWER_CACHE.read_text()
+    section = text[text.index("# Answer cache") :]
     snippet = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     with DAG("readme_cache", schedule=None, start_date=datetime(2026, 1, 1, tzinfo=timezone.utc)) as dag:
         exec(snippet, {})
@@ -124,7 +131,7 @@ def test_the_completions_snippet_builds_a_server_task_whose_lines_are_prompts():
     with DAG(
         "readme_completions", schedule=None, start_date=datetime(2026, 1, 1, tzinfo=timezone.utc)
     ) as dag:
-        exec(_section_snippet("## Completions: `/v1/completions` lines"), {})
+        exec(_section_snippet("## Completions: `/v1/completions` lines", BATCHES), {})
     (op,) = [t for t in dag.tasks if isinstance(t, VLLMBatchOperator)]
     assert op.requests_url == "/v1/completions"
     assert type(op.engine).__name__ == "VLLMServer"
@@ -152,7 +159,10 @@ def test_the_taskflow_snippet_builds_a_decorated_task_whose_function_returns_con
 
     with DAG("readme_taskflow", schedule=None, start_date=datetime(2026, 1, 1, tzinfo=timezone.utc)) as dag:
         code = compile(
-            _section_snippet("## TaskFlow: `@task.vllm_batch`"), "README.md", "exec", dont_inherit=True
+            _section_snippet("## TaskFlow: `@task.vllm_batch`", BATCHES),
+            "docs/batches.md",
+            "exec",
+            dont_inherit=True,
         )
         exec(code, {"__name__": "readme_dag"})
     op = dag.get_task("classify")
@@ -181,23 +191,23 @@ def test_the_openai_sdk_snippet_compiles_and_points_at_the_plugins_prefix():
     assert urllib.parse.urlsplit(base_url).path == URL_PREFIX
 
 
-def test_the_readme_builds_each_engine_with_its_own_options():
-    """The README's examples build the runner (*Use it*), the task-started server (*Completions*) and a warm server (*Two engines*)."""
+def test_the_docs_build_each_engine_with_its_own_options():
+    """The README's example builds the runner (*Use it*); docs/batches.md the task-started server (*Completions*); docs/engines.md a warm server (*Two engines*)."""
     from airflow.sdk import DAG
 
     from airflow_vllm_batch.engines import VLLMRunner, VLLMServer, WarmVLLMServer
 
     built = {}
-    for title in ("## Use it", "## Completions: `/v1/completions` lines", "## Two engines"):
+    for page, title in (
+        (README, "## Use it"),
+        (BATCHES, "## Completions: `/v1/completions` lines"),
+        (ENGINES, "```bash\nexport AIRFLOW_CONN_VLLM_DEFAULT"),
+    ):
         with DAG(
             f"readme_{len(built)}", schedule=None, start_date=datetime(2026, 1, 1, tzinfo=timezone.utc)
         ) as dag:
-            snippet = (
-                _section_snippet(title)
-                if title != "## Two engines"
-                else _section_snippet("```bash\nexport AIRFLOW_CONN_VLLM_DEFAULT")
-            )
-            exec(compile(snippet, "README.md", "exec", dont_inherit=True), {"__name__": "readme_dag"})
+            snippet = _section_snippet(title, page)
+            exec(compile(snippet, page.name, "exec", dont_inherit=True), {"__name__": "readme_dag"})
         (task,) = dag.tasks
         built[title] = task.engine
     runner, server, warm = built.values()
@@ -215,7 +225,7 @@ def test_the_yield_to_interactive_snippet_builds_an_operator_whose_engine_yields
     from airflow_vllm_batch.engines import YieldToInteractive
 
     with DAG("readme_yield", schedule=None, start_date=datetime(2026, 1, 1, tzinfo=timezone.utc)) as dag:
-        exec(_section_snippet("### Beside interactive users"), {})
+        exec(_section_snippet("### Beside interactive users", ENGINES), {})
     (task,) = dag.tasks
     assert task.engine.yielding == YieldToInteractive(min_in_flight=8)
     assert task.engine.max_in_flight == 256

@@ -192,7 +192,7 @@ ISSUE_10 = [
         good(1) + line(body={"model": "m", "messages": [{"role": "user", "content": "x" * 3000}]}) + b"\n",
         {"max_line_bytes": 1000},
         2,
-        "max_line_bytes on the operator, or --max-line-bytes in the CLI",
+        "limits=InputLimits(max_line_bytes=...) on the operator, or --max-line-bytes in the CLI",
     ),
     (
         "line_too_long_true_size",

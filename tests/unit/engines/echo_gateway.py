@@ -2,7 +2,7 @@
 
 It answers every chat request with the connection's greeting and the request's last
 message. Nothing in the operator, the settings, the run layer or preflight knows it: its
-options class names it, and that is all the operator needs (see ``docs/concepts.md``).
+options class names it, and that is all the operator needs (see ``docs/contributing/architecture.md``).
 """
 
 from __future__ import annotations

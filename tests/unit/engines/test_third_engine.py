@@ -1,7 +1,7 @@
 """A third engine, with its own connection type and options, from a module of its own, runs a batch unchanged.
 
 Nothing in the operator, the settings, the run layer or preflight names it
-(:mod:`tests.unit.engines.echo_gateway`); the steps are in ``docs/concepts.md``.
+(:mod:`tests.unit.engines.echo_gateway`); the steps are in ``docs/contributing/architecture.md``.
 """
 
 from __future__ import annotations

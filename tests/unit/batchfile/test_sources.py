@@ -256,7 +256,11 @@ def test_progress_counts_compressed_bytes_for_gzip():
     assert sum(seen) == len(data)
 
 
-@pytest.mark.parametrize(("data", "expected"), [(gzip.compress(JSONL), True), (JSONL, False), (b"", False)])
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [(gzip.compress(JSONL), True), (JSONL, False), (b"", False)],
+    ids=["gzip", "jsonl", "empty"],  # the gzip header holds the time it was made (xdist's workers must agree)
+)
 def test_is_compressed_reads_the_magic_bytes_of_a_path(tmp_path, data, expected):
     path = tmp_path / "f"
     path.write_bytes(data)

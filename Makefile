@@ -45,13 +45,17 @@ demo: $(STAMP)
 # their waits on builds, schedulers and engine start-ups overlap the other worker's tests.
 PARALLEL := -n 2 --dist loadfile
 
-# The whole suite. Lint and types first: a finding fails `make test` before the suite runs.
-# vLLM 0.33's venv (`make vllm033`) builds in the background from the session's start and
-# its few tests run last, waiting for it (tests/vllm033.py). The timing-sensitive tests
-# (marker `alone`) run after the rest, with nothing beside them.
+# The whole suite, in three sessions. Lint and types first: a finding fails `make test` before
+# the suite runs. vLLM 0.33's venv (`make vllm033`, minutes of pip) builds in the background
+# from the start. 1. The unit and simulation tests, both cores. 2. The integration tests, both
+# cores (apart from 1: each session's fixtures point the AWS connection at their own S3).
+# 3. One core: the timing-sensitive tests (marker `alone`) with nothing beside them, and the
+# vLLM 0.33 tests, which wait for its venv (tests/vllm033.py).
 test: $(STAMP) lint system-deps
-	AIRFLOW_VLLM_BATCH_BUILD_VLLM033=1 $(BIN)/python -m pytest -q -ra --durations=25 $(PARALLEL) -m "not alone"
-	$(BIN)/python -m pytest -q -ra --durations=5 -m alone
+	mkdir -p .cache && (flock .cache/vllm033-build.lock $(MAKE) -s vllm033 > .cache/vllm033-build.log 2>&1 &)
+	$(BIN)/python -m pytest -q -ra --durations=10 $(PARALLEL) -m "not vllm033" tests/unit tests/simulation tests/test_docs.py
+	$(BIN)/python -m pytest -q -ra --durations=25 $(PARALLEL) -m "not alone and not vllm033" tests/integration
+	AIRFLOW_VLLM_BATCH_BUILD_VLLM033=1 $(BIN)/python -m pytest -q -ra --durations=5 -m "alone or vllm033"
 
 # The inner loop (<= 4 minutes on 2 cores): lint, types, the unit tests and the simulator's
 # smoke schedules (a few dozen per scenario instead of the suite's hundreds; the regression

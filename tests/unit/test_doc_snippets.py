@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from airflow_vllm_batch.version_compat import AIRFLOW_V_3_1_PLUS
+
 REPO = Path(__file__).resolve().parents[2]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 #: A python fence, indented or not (a block inside a list item), up to the fence that closes it.
@@ -123,6 +125,9 @@ GIVEN = (
     "M",
 )
 
+#: What a snippet may use that the floor (Airflow 3.0.6, no optional extras) does not have.
+FLOOR_GAPS = re.compile(r"No module named 'kubernetes|cannot import name '\w+' from 'airflow\.sdk'")
+
 ALL = snippets()
 RUN = [s for s in ALL if s.fragment is None]
 FRAGMENTS = [s for s in ALL if s.fragment is not None]
@@ -140,7 +145,15 @@ def test_every_python_fence_of_the_pages_is_found():
 
 @pytest.mark.parametrize("snippet", RUN, ids=lambda s: s.where)
 def test_an_unmarked_snippet_runs_and_builds_its_dag(snippet):
-    dag = run_in_a_dag(snippet.code, snippet.where)
+    try:
+        dag = run_in_a_dag(snippet.code, snippet.where)
+    except ImportError as err:
+        # The docs are written for the Airflow and the extras the suite installs. The floor's
+        # unit run (Airflow 3.0, no cncf-kubernetes extra) meets what they take from newer or
+        # optional parts: that is no wrong argument of ours, so it skips there, and only there.
+        if AIRFLOW_V_3_1_PLUS or not FLOOR_GAPS.search(str(err)):
+            raise
+        pytest.skip(f"{snippet.where} needs what the floor lacks: {err}")
     assert dag.task_dict  # at least the given split operator: the block ran inside the DAG
 
 

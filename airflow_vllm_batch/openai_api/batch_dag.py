@@ -29,6 +29,7 @@ from airflow_vllm_batch.openai_api.routes import TASK_ID, ModelRoute, load_route
 from airflow_vllm_batch.openai_api.settings import DEFAULT_BATCH_DAG_ID, load_settings
 from airflow_vllm_batch.operators.task_try import task_try
 from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
+from airflow_vllm_batch.storage.publishing import OutputStore
 from airflow_vllm_batch.storage.s3 import open_uri_lines
 from airflow_vllm_batch.version_compat import AirflowFailException
 
@@ -195,6 +196,11 @@ class OpenAIBatchOperator(VLLMBatchOperator):
 
     def execute(self, context: Context) -> dict[str, Any]:
         self._bind_batch(context)
+        ended = self.ended_manifest()
+        if ended is not None:
+            # Final is final: the batch's ending, whatever identity this try has; the same check as its first time.
+            self.refuse_unserved_endpoint(ended)
+            return ended
         try:
             self._check_pinned_input()
         except InputNotFoundError as err:
@@ -214,8 +220,22 @@ class OpenAIBatchOperator(VLLMBatchOperator):
         self.refuse_unserved_endpoint(manifest)
         return manifest
 
+    def ended_manifest(self) -> dict[str, Any] | None:
+        """The manifest of this batch's ending when it has ended (published), whatever run identity published it.
+
+        Checked before anything else (the input's copy, the engine, the lease), and again by the run under
+        the lease (``write_once``): once ended, a batch's files and status never change.
+        """
+        assert self.batch is not None
+        store = OutputStore(self.hook, str(self.output_uri), self.error_uri)
+        manifest, why = store.ended(self.batch.input_version)
+        if manifest is None:
+            return None
+        self.log.info("The batch has ended: %s (%s). Nothing is run or written.", why, store.manifest_uri)
+        return manifest.to_dict()
+
     def run_callbacks(self) -> dict[str, Any]:
-        return {"stop": self.stop_condition, "on_checkpoint": self.write_progress}
+        return {"stop": self.stop_condition, "on_checkpoint": self.write_progress, "write_once": True}
 
     def stop_condition(self) -> str | None:
         """``"cancelled"`` once a cancel was asked, ``"expired"`` once ``expires_at`` passed, else None."""

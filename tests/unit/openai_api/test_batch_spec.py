@@ -230,6 +230,11 @@ class Head:
             raise err
         return {"ETag": f'"{self.etag}"'}
 
+    def get_object(self, *, Bucket, Key):
+        from botocore.exceptions import ClientError
+
+        raise ClientError({"Error": {"Code": "NoSuchKey"}}, "GetObject")  # no manifest: the batch has not ended
+
     def load_bytes(self, data, key, bucket_name, replace):
         self.written[key] = data
 

@@ -360,6 +360,7 @@ def create_batch(body: BatchCreate, user: GetUserDep) -> dict[str, Any]:
         raise
     spec = BatchSpec(
         batch_id=batch_id,
+        dag_id=dag_id,
         owner=user.get_id(),
         input_file_id=body.input_file_id,
         input_version=version,
@@ -441,7 +442,7 @@ def _signing_key() -> str:
 def _batch_spec(run: Any) -> BatchSpec | None:
     """The verified spec of a batch run; None for a run the API did not make (triggered by hand, or edited)."""
     try:
-        return BatchSpec.verified(run.conf, run.run_id, signing_key())
+        return BatchSpec.verified(run.conf, run.run_id, signing_key(), run.dag_id)
     except (ForgedBatchError, ConfigurationError):
         return None
 

@@ -147,13 +147,16 @@ class OpenAIBatchOperator(VLLMBatchOperator):
         Sets ``batch`` and ``input_uri``, ``output_uri``, ``error_uri``, ``failure_uri``,
         ``cancel_uri``, ``progress_uri``, and accepts only lines whose url is the batch's endpoint.
 
-        :raises AirflowFailException: the conf is not one the API signed for this run (not retried).
+        :raises AirflowFailException: the conf is not one the API signed for this run of this DAG (not retried).
         """
         dag_run = context.get("dag_run")
         try:
             files_uri = load_settings().files_uri
             spec = BatchSpec.verified(
-                getattr(dag_run, "conf", None), str(getattr(dag_run, "run_id", "")), signing_key()
+                getattr(dag_run, "conf", None),
+                str(getattr(dag_run, "run_id", "")),
+                signing_key(),
+                str(getattr(dag_run, "dag_id", "")),
             )
             if spec.route and spec.route != self.task_id:
                 raise ForgedBatchError(
@@ -391,7 +394,7 @@ def openai_batch_dag(
 def _chosen_route(dag_run: Any, **_: Any) -> str:
     """The batch task ``POST /batches`` chose, from the run's verified spec; any other run fails here, before any engine."""
     try:
-        spec = BatchSpec.verified(dag_run.conf, dag_run.run_id, signing_key())
+        spec = BatchSpec.verified(dag_run.conf, dag_run.run_id, signing_key(), dag_run.dag_id)
     except (ForgedBatchError, ConfigurationError) as err:
         raise AirflowFailException(str(err)) from None
     if not spec.route:

@@ -24,6 +24,7 @@ def api(s3, bucket, monkeypatch):
     store = FileStore(s3.client(), bucket, "p/")
     spec = BatchSpec(
         batch_id=BATCH,
+        dag_id="vllm_batch_openai",
         owner="alice",
         input_file_id="file-0123456789",
         input_version="0f0f",
@@ -41,7 +42,10 @@ def api(s3, bucket, monkeypatch):
         "error_file_id": spec.error_file_id,
     }
     state = SimpleNamespace(
-        run=SimpleNamespace(run_id=BATCH, conf=conf, state="running", end_date=None), tis=[]
+        run=SimpleNamespace(
+            run_id=BATCH, dag_id="vllm_batch_openai", conf=conf, state="running", end_date=None
+        ),
+        tis=[],
     )
     monkeypatch.setattr(app_module, "_settings", lambda: OpenAIApiSettings(files_uri=f"s3://{bucket}/p/"))
     monkeypatch.setattr(app_module, "_store", lambda settings: store)

@@ -55,7 +55,7 @@ def test_a_batch_runs_its_own_copy_of_the_input_whatever_happens_to_the_file_aft
     file_id = _upload(client)
     batch = _create(client, file_id)
     batch_id, conf = triggered[0]
-    spec = BatchSpec.verified(conf, batch_id, KEY)
+    spec = BatchSpec.verified(conf, batch_id, KEY, "vllm_batch_openai")
     pinned = store.client.get_object(Bucket=store.bucket, Key=store.batch_input_key(batch_id))
     assert pinned["Body"].read() == LINES
     assert pinned["ETag"].strip('"') == spec.input_version
@@ -79,7 +79,7 @@ def test_a_batch_runs_conf_holds_the_signed_spec_and_no_location_or_metadata(api
     assert "metadata" not in conf
     assert "s3://" not in json.dumps(conf)
     assert "search" not in json.dumps(conf)
-    assert BatchSpec.verified(conf, batch_id, KEY).owner == "alice"
+    assert BatchSpec.verified(conf, batch_id, KEY, "vllm_batch_openai").owner == "alice"
     assert batch["metadata"] == {"team": "search", "secret-project": "x"}
     assert store.get_json(store.batch_record_key(batch_id)) == {
         "metadata": {"team": "search", "secret-project": "x"}

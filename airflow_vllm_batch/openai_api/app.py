@@ -638,7 +638,14 @@ def _batch_from_run(store: FileStore, run: Any, tis: list[Any], live: bool = Fal
     where = spec.locations(store.uri(store.prefix))
     record = store.get_json(store.batch_record_key(run.run_id)) or {}
     # The run's conf holds no location and no metadata: the derived locations and the API's record add them.
-    conf = {**run.conf, "output_uri": where.output_uri, "metadata": record.get("metadata") or {}}
+    # The file ids are the spec's (derived from the batch id), not the conf's display copy.
+    conf = {
+        **run.conf,
+        "output_file_id": spec.output_file_id,
+        "error_file_id": spec.error_file_id,
+        "output_uri": where.output_uri,
+        "metadata": record.get("metadata") or {},
+    }
     state = _state_name(run.state)
     # The batch task (with openai_models, the route's): the route task and the routes not taken do not count.
     tis = [ti for ti in tis if ti.task_id.startswith(TASK_ID) and _state_name(ti.state) != "skipped"]
@@ -668,10 +675,11 @@ def _batch_from_run(store: FileStore, run: Any, tis: list[Any], live: bool = Fal
 
 
 def _published_manifest(store: FileStore, output_uri: str) -> dict[str, Any] | None:
-    """The manifest beside a batch's output, if one is published and its files still have the ETags it names.
+    """The manifest beside a batch's output, if one is published and none of its files was replaced since.
 
     A tombstone (a try publishing, or stopped while it did) and a manifest whose files were
-    replaced since are no published output (the rule of ``OutputStore.completed``).
+    replaced since are no published output (the rule of ``OutputStore.ended``). A file its owner
+    deleted (``DELETE /files``) does not unpublish it: the batch ended, and its status stays.
     """
     from airflow_vllm_batch.exceptions import ManifestVersionError
     from airflow_vllm_batch.manifest import is_tombstone, schema_version
@@ -692,7 +700,7 @@ def _published_manifest(store: FileStore, output_uri: str) -> dict[str, Any] | N
             continue
         bucket, _, key = uri.removeprefix("s3://").partition("/")
         found = head_etag(store.client, bucket, key)
-        if found is None or (etag is not None and found != bare_etag(etag)):
+        if found is not None and etag is not None and found != bare_etag(etag):
             return None
     return manifest
 

@@ -27,6 +27,7 @@ from airflow_vllm_batch.exceptions import (
 from airflow_vllm_batch.openai_api.batch_spec import BatchSpec, ForgedBatchError, signing_key
 from airflow_vllm_batch.openai_api.routes import TASK_ID, ModelRoute, load_routes
 from airflow_vllm_batch.openai_api.settings import DEFAULT_BATCH_DAG_ID, load_settings
+from airflow_vllm_batch.openai_api.status import endpoint_not_served
 from airflow_vllm_batch.operators.task_try import task_try
 from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
 from airflow_vllm_batch.storage.publishing import OutputStore
@@ -204,6 +205,8 @@ class OpenAIBatchOperator(VLLMBatchOperator):
             # Final is final: the batch's ending, whatever identity this try has; the same check as its first time.
             self.refuse_unserved_endpoint(ended)
             return ended
+        # This try owns the batch's ending now: an earlier try's reason (a cleared run's) is no longer it.
+        self.clear_failure_record()
         try:
             self._check_pinned_input()
         except InputNotFoundError as err:
@@ -279,14 +282,9 @@ class OpenAIBatchOperator(VLLMBatchOperator):
         That is the batch's failure, not its requests' (an embeddings batch sent to a chat model):
         its status says so, with the server's own words; the files stay published.
         """
-        counts = manifest.get("request_counts") or {}
-        total = int(counts.get("total") or 0)
-        if (
-            not total
-            or counts.get("completed")
-            or (manifest.get("failed_by_reason") or {}) != {"not_found": total}
-        ):
+        if not endpoint_not_served(manifest):
             return
+        total = int((manifest.get("request_counts") or {}).get("total") or 0)
         assert self.batch is not None
         said = self.first_error_message(manifest.get("error_uri"))
         message = (
@@ -315,6 +313,14 @@ class OpenAIBatchOperator(VLLMBatchOperator):
             return None
         body = ((line.get("response") or {}).get("body") or {}).get("error") or line.get("error") or {}
         return body.get("message") if isinstance(body, dict) else None
+
+    def clear_failure_record(self) -> None:
+        """Remove an earlier try's failure record (a run cleared after it failed); a failure to is logged."""
+        bucket, _, key = self.failure_uri.removeprefix("s3://").partition("/")
+        try:
+            self.hook.get_conn().delete_object(Bucket=bucket, Key=key)
+        except Exception as err:  # noqa: BLE001 - the try goes on; a status may show the old reason meanwhile
+            self.log.warning("Could not remove the earlier failure record %s: %s", self.failure_uri, err)
 
     def record_failure(self, record: Mapping[str, Any]) -> None:
         """Write the failure record; a failure to write it is logged, not raised over the task's own error."""

@@ -258,6 +258,9 @@ class Head:
             {"Error": {"Code": "NoSuchKey"}}, "GetObject"
         )  # no manifest: the batch has not ended
 
+    def delete_object(self, *, Bucket, Key):
+        pass
+
     def load_bytes(self, data, key, bucket_name, replace):
         self.written[key] = data
 

@@ -145,3 +145,18 @@ def test_live_counts_come_from_the_progress_record(api):
     assert batch["status"] == "in_progress"
     assert batch["request_counts"]["completed"] == 5
     assert batch["request_counts"]["failed"] == 1
+
+
+@pytest.mark.parametrize(("status", "deleted"), [("expired", "err"), ("cancelled", "err"), (None, "out")])
+def test_an_ended_batch_keeps_its_status_counts_and_file_ids_when_its_owner_deletes_a_result_file(
+    api, status, deleted
+):
+    publish(api, status)
+    api.state.run.state = "success"
+    before = api.http.get(f"/batches/{BATCH}").json()
+    uri = api.where.error_uri if deleted == "err" else api.where.output_uri
+    api.client.delete_object(Bucket=api.bucket, Key=key(uri))  # what DELETE /files/{id} does to its content
+    after = api.http.get(f"/batches/{BATCH}").json()
+    assert after == before
+    assert after["status"] == (status or "completed")
+    assert after["request_counts"] == {"total": 2, "completed": 1, "failed": 1}

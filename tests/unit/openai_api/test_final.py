@@ -111,3 +111,11 @@ def test_a_batch_whose_output_was_overwritten_after_publishing_is_published_agai
     manifest = api_batch.run(try_number=2)
     assert manifest["request_counts"] == {"total": 4, "completed": 4, "failed": 0}
     assert sorted(r["custom_id"] for r in api_batch.lines(api_batch.out_key)) == ["a", "b", "c", "d"]
+
+
+def test_a_try_removes_the_failure_record_an_earlier_try_left(api_batch):
+    """A cleared run's new try owns the batch's ending: the old reason no longer shows once it ended otherwise."""
+    failure = f"batches/{BATCH}.failure.json"
+    api_batch.client.put_object(Bucket=api_batch.bucket, Key=failure, Body=b'{"stage": "run", "errors": []}')
+    api_batch.run(try_number=3)
+    assert failure not in api_batch.keys()

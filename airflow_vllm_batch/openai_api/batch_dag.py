@@ -26,8 +26,12 @@ from airflow_vllm_batch.exceptions import (
 )
 from airflow_vllm_batch.openai_api.batch_spec import BatchSpec, ForgedBatchError, signing_key
 from airflow_vllm_batch.openai_api.routes import TASK_ID, ModelRoute, load_routes
-from airflow_vllm_batch.openai_api.settings import DEFAULT_BATCH_DAG_ID, load_settings
-from airflow_vllm_batch.openai_api.status import endpoint_not_served
+from airflow_vllm_batch.openai_api.settings import (
+    DEFAULT_BATCH_DAG_ID,
+    load_completion_windows,
+    load_settings,
+)
+from airflow_vllm_batch.openai_api.status import endpoint_not_served, window_seconds
 from airflow_vllm_batch.operators.task_try import task_try
 from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
 from airflow_vllm_batch.storage.publishing import OutputStore
@@ -337,8 +341,10 @@ def openai_batch_dag(
     *,
     model: str | None = None,
     dag_id: str = DEFAULT_BATCH_DAG_ID,
-    completion_window: timedelta = timedelta(hours=24),
+    completion_window: timedelta | None = None,
     routes: dict[str, ModelRoute] | None = None,
+    retries: int = 2,
+    retry_delay: timedelta = timedelta(minutes=5),
     **operator_kwargs: Any,
 ) -> DAG:
     """Build the DAG that runs the OpenAI API's batches; call it from a DAG file.
@@ -352,8 +358,15 @@ def openai_batch_dag(
     :param dag_id: the DAG id: ``[vllm_batch] openai_batch_dag_id`` must name it. Default ``vllm_batch_openai``.
     :param completion_window: the longest window a batch may ask for: the task's ``execution_timeout`` is
         this plus :data:`EXPIRY_GRACE`, a backstop only (a batch expires at its own ``expires_at``,
-        checked by the run itself, which then publishes what is answered). Default 24 hours (OpenAI's only window).
+        checked by the run itself, which then publishes what is answered). Default: the longest of
+        ``[vllm_batch] openai_completion_windows`` (``24h``, OpenAI's only window, when unset), read when the
+        DAG file is parsed; a shorter one is refused there, since a batch of a longer window would be
+        killed by the timeout before its ``expires_at`` instead of expiring with its answers.
     :param routes: the served models (default: ``[vllm_batch] openai_models``, read when the DAG file is parsed).
+    :param retries: the batch task's retries (default 2): a retry resumes from the answers earlier tries made
+        durable (a lost worker, S3 failing for a while, an engine that died); a batch's own failure (a bad file,
+        a model that does not serve the endpoint) is never retried.
+    :param retry_delay: the wait before a retry (default 5 minutes, Airflow's).
     :param operator_kwargs: more ``VLLMBatchOperator`` arguments (``engine=VLLMRunner(args=[...])``, ...);
         a route's engine (its ``vllm_conn_id``, or ``engine_args`` for the runner) and ``queue`` replace them for its task.
     """
@@ -364,11 +377,13 @@ def openai_batch_dag(
         raise ConfigurationError(
             "openai_batch_dag needs model= or [vllm_batch] openai_models (the served models)"
         )
+    timeout = _execution_timeout(completion_window, operator_kwargs.pop("execution_timeout", None))
     with DAG(
         dag_id=dag_id,
         schedule=None,
         catchup=False,
         is_paused_upon_creation=False,
+        default_args={"retries": retries, "retry_delay": retry_delay},
         max_active_runs=operator_kwargs.pop("max_active_runs", 4),
         tags=["vllm-batch", "openai-api"],
         doc_md="Runs the batches of the OpenAI Batches API (`POST /vllm-batch/openai/v1/batches`): one run per batch.",
@@ -377,7 +392,7 @@ def openai_batch_dag(
             OpenAIBatchOperator(
                 task_id=TASK_ID,
                 model=model,
-                execution_timeout=completion_window + EXPIRY_GRACE,
+                execution_timeout=timeout,
                 **operator_kwargs,
             )
             return dag
@@ -391,10 +406,30 @@ def openai_batch_dag(
             route >> OpenAIBatchOperator(
                 task_id=served.task_id,
                 model=served.model,
-                execution_timeout=completion_window + EXPIRY_GRACE,
+                execution_timeout=timeout,
                 **kwargs,
             )
     return dag
+
+
+def _execution_timeout(completion_window: timedelta | None, given: timedelta | None) -> timedelta:
+    """The batch task's ``execution_timeout``: the longest window offered plus :data:`EXPIRY_GRACE`, unless ``given``.
+
+    :raises ConfigurationError: ``completion_window`` or ``given`` is shorter than a window ``POST /batches`` offers.
+    """
+    offered = load_completion_windows()
+    longest_name = max(offered, key=window_seconds)
+    longest = timedelta(seconds=window_seconds(longest_name))
+    window = longest if completion_window is None else completion_window
+    for name, value in (("completion_window", window), ("execution_timeout", given)):
+        if value is not None and value < longest:
+            raise ConfigurationError(
+                f"openai_batch_dag({name}={value}) is shorter than the {longest_name} window "
+                f"[vllm_batch] openai_completion_windows offers ({', '.join(offered)}): a batch of that window would be "
+                f"killed by the task's timeout before its expires_at. Leave {name} out (the longest window offered, "
+                "plus an hour), or offer shorter windows only."
+            )
+    return given if given is not None else window + EXPIRY_GRACE
 
 
 def _chosen_route(dag_run: Any, **_: Any) -> str:

@@ -233,6 +233,23 @@ class BatchRun:
         )
         return manifest
 
+    def adopt_durable_answers(self, identity: RunIdentity, staging: RunStaging) -> None:
+        """Durability across an identity change, for a write-once output: earlier identities' durable answers become this run's.
+
+        The input of a write-once output never changes (an OpenAI API batch pins the API's copy by
+        its signed ETag), so an answer another identity made durable (a try before a vLLM upgrade)
+        still answers its request: it is copied into this run's staging (under the lease), the
+        engine resumes from it, and a stopped run publishes it.
+        """
+        for other in self.store.other_stagings(identity):
+            adopted = staging.adopt(other)
+            if adopted:
+                self.log.info(
+                    "Keeping the answers another run of this batch made durable (run %s, another identity: %d object(s)).",
+                    other.prefix.rstrip("/").rsplit("/", 1)[-1],
+                    adopted,
+                )
+
     def lease_holder(self, identity: RunIdentity) -> LeaseHolder:
         """Who this try is, for the output's lease."""
         return LeaseHolder.of_try(self.task, identity.fingerprint)
@@ -247,6 +264,8 @@ class BatchRun:
         """Preflight, have the engine make its answers durable, check and publish; or publish a stopped run's answers."""
         assert self.input is not None  # pinned by execute()
         staging = self.store.staging(identity)
+        if self.write_once:
+            self.adopt_durable_answers(identity, staging)
         kept = kept_results(self.settings.results_dir, identity.short)
         with scratch(self.settings.results_dir, identity.short) as work:
             # Under the lease, before preflight: a batch stopped before its task ran publishes without an engine.

@@ -241,6 +241,17 @@ class OutputStore:
         """The staging prefix of the run with this identity (fenced as the output is)."""
         return RunStaging(self.hook, self.bucket, f"{self.key}.staging/{identity.short}/", fence=self._fence)
 
+    def other_stagings(self, identity: RunIdentity) -> list[RunStaging]:
+        """The staging prefixes of this output's other run identities (earlier tries' under another vLLM, say), fenced."""
+        root = f"{self.key}.staging/"
+        keys = self.hook.list_keys(bucket_name=self.bucket, prefix=root) or []
+        shorts = sorted({key[len(root) :].split("/", 1)[0] for key in keys if "/" in key[len(root) :]})
+        return [
+            RunStaging(self.hook, self.bucket, f"{root}{short}/", fence=self._fence)
+            for short in shorts
+            if short != identity.short
+        ]
+
     def _fence(self) -> None:
         if self.fence is not None:
             self.fence()

@@ -15,6 +15,7 @@ import pytest
 
 from airflow_vllm_batch.engines.base import EngineInfo
 from airflow_vllm_batch.engines.vllm.command import FALLBACK_SUPPORTED_URLS
+from airflow_vllm_batch.exceptions import StorageUnavailableError
 from airflow_vllm_batch.openai_api import batch_dag
 from airflow_vllm_batch.openai_api.batch_dag import OpenAIBatchOperator
 from airflow_vllm_batch.version_compat import AirflowFailException
@@ -119,3 +120,42 @@ def test_a_try_removes_the_failure_record_an_earlier_try_left(api_batch):
     api_batch.client.put_object(Bucket=api_batch.bucket, Key=failure, Body=b'{"stage": "run", "errors": []}')
     api_batch.run(try_number=3)
     assert failure not in api_batch.keys()
+
+
+def dies_after(n: int):
+    def answer(done: int) -> None:
+        if done == n:
+            raise StorageUnavailableError("S3 went away")
+
+    return answer
+
+
+def test_a_retry_under_another_identity_resumes_from_the_answers_the_earlier_try_made_durable(
+    api_batch, monkeypatch
+):
+    monkeypatch.setattr(step_engine, "AFTER_ANSWER", dies_after(2))
+    with pytest.raises(StorageUnavailableError):
+        api_batch.run(retries=1)
+    another_identity(monkeypatch)
+    answered: list[int] = []
+    monkeypatch.setattr(step_engine, "AFTER_ANSWER", answered.append)
+    manifest = api_batch.run(try_number=2, retries=1)
+    assert manifest["request_counts"] == {"total": 4, "completed": 4, "failed": 0}
+    assert answered == [1, 2]  # the two requests the first try had not answered, and only them
+    assert sorted(r["custom_id"] for r in api_batch.lines(api_batch.out_key)) == ["a", "b", "c", "d"]
+
+
+def test_a_batch_cancelled_after_a_vllm_upgrade_keeps_the_answers_made_durable_before_it(
+    api_batch, monkeypatch
+):
+    """The review's rolling upgrade: the retry is another identity; past its window or cancelled, it publishes them."""
+    monkeypatch.setattr(step_engine, "AFTER_ANSWER", dies_after(3))
+    with pytest.raises(StorageUnavailableError):
+        api_batch.run(retries=1)
+    another_identity(monkeypatch)
+    monkeypatch.setattr(step_engine, "AFTER_ANSWER", None)
+    api_batch.cancel()
+    manifest = api_batch.run(try_number=2, retries=1)
+    assert manifest["status"] == "cancelled"
+    assert manifest["request_counts"] == {"total": 4, "completed": 3, "failed": 1}
+    assert sorted(r["custom_id"] for r in api_batch.lines(api_batch.out_key)) == ["a", "b", "c"]

@@ -69,7 +69,7 @@ class BatchDagRun:
 
     Not :class:`airflow_vllm_batch.run.batch.BatchRun` (the run itself, which the batch task executes).
 
-    :param conf: the DAG run's conf, as :func:`airflow_vllm_batch.openai_api.app` wrote it.
+    :param conf: the batch as the API shows it: its verified spec's fields and the API's record (``total``, ``model``, ``metadata``, ``completion_window``), never an unsigned conf field.
     :param run_state: the DAG run's state (``queued``, ``running``, ``success``, ``failed``).
     :param task_states: the states of the run's task instances.
     :param task_start: when the first task started.

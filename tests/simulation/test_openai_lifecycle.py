@@ -24,7 +24,11 @@ batch's files (:func:`tests.simulation.invariants.check_all`), and the lifecycle
 * ``Lifecycle/ended-batch-changed``: a batch ended (its task succeeded with a published
   manifest), then something happened to it that happens to ended batches (below), and its
   manifest, output or error file is no longer byte for byte what it was, or a later try
-  returned another manifest (Fencing (d) of docs/protocol.md: *final is final*).
+  returned another manifest (Fencing (d) of docs/protocol.md: *final is final*);
+* ``Lifecycle/earlier-identity-answer-dropped``: a cancelled or expired batch published as
+  ``batch_<status>`` a request whose final answer another run identity (a try before a vLLM
+  upgrade) made durable before the publishing try began (Durability for a write-once output;
+  the answer cache's staged hits excepted).
 
 What may happen to a batch besides a cancel and its deadline (:class:`Lifecycle`): the
 workers' vLLM is upgraded between two tries (every try from a given number on has another
@@ -58,6 +62,7 @@ from airflow_vllm_batch.manifest import Manifest
 from airflow_vllm_batch.openai_api import batch_dag
 from airflow_vllm_batch.openai_api.batch_dag import OpenAIBatchOperator
 from airflow_vllm_batch.openai_api.batch_spec import BatchSpec, ForgedBatchError
+from airflow_vllm_batch.run.answer_cache import CACHED_RESULTS
 from airflow_vllm_batch.run.batch import BatchOutcome, BatchRun
 from airflow_vllm_batch.run.settings import BatchSettings
 from airflow_vllm_batch.storage.layout import default_error_uri, manifest_uri
@@ -68,7 +73,7 @@ from tests.simulation.engines import (
     SimRunnerProcess,
     answer_line,
 )
-from tests.simulation.invariants import Outcome, Violation, check_all
+from tests.simulation.invariants import Outcome, Violation, check_all, durable_answers, first_input
 from tests.simulation.scheduler import TryState, VirtualThreading
 from tests.simulation.world import BUCKET, World, make_plan, simulation
 
@@ -415,6 +420,7 @@ def lifecycle_checks(world: LifecycleWorld) -> list[Violation]:
     found += ended_batch_checks(world)
     if m is None:
         return found
+    found += answers_of_earlier_identities_checks(world, outcome)
     for uri in (m.output_uri, m.error_uri):
         for raw in (outcome.body(uri) or b"").splitlines():
             line = json.loads(raw)
@@ -453,6 +459,58 @@ def lifecycle_checks(world: LifecycleWorld) -> list[Violation]:
                         )
                     )
     return found
+
+
+def answers_of_earlier_identities_checks(world: LifecycleWorld, outcome: Outcome) -> list[Violation]:
+    """``Lifecycle/earlier-identity-answer-dropped``: a stopped batch publishes the answers another identity made durable.
+
+    Durability for a write-once output: a final answer in the staging of another run identity (a try
+    before a vLLM upgrade), written before the publishing try began, is published as an answer, not as
+    ``batch_<status>``.
+    """
+    m = outcome.complete
+    if m is None or m.status not in ("cancelled", "expired"):
+        return []
+    publisher = next(
+        (
+            t
+            for t in world.tries
+            if t.outcome is not None
+            and not t.outcome.resumed
+            and t.outcome.manifest.fingerprint == m.fingerprint
+        ),
+        None,
+    )
+    if publisher is None:
+        return []
+    first = next((i for i, x in enumerate(world.s3.mutations) if x.try_label == publisher.label), None)
+    root = world.output_uri.split("/", 3)[3] + ".staging/"
+    wanted = first_input(world)
+    earlier: set[str] = set()
+    for x in world.s3.mutations[:first]:
+        # The answer cache's staged hits are the cache's, not a run's: another identity's are not kept (a limit, docs).
+        if (
+            x.key.startswith(root)
+            and x.body is not None
+            and not x.key[len(root) :].startswith(m.fingerprint[:16])
+            and not x.key.endswith(CACHED_RESULTS)
+        ):
+            earlier |= durable_answers(x.body, wanted)
+    dropped = sorted(
+        line["custom_id"]
+        for line in map(json.loads, (outcome.body(m.error_uri) or b"").splitlines())
+        if line.get("response") is None
+        and (line.get("error") or {}).get("code") == f"batch_{m.status}"
+        and line["custom_id"] in earlier
+    )
+    if not dropped:
+        return []
+    return [
+        Violation(
+            "Lifecycle/earlier-identity-answer-dropped",
+            f"answered durably under another identity, published as batch_{m.status}: {dropped}",
+        )
+    ]
 
 
 def ended_batch_checks(world: LifecycleWorld) -> list[Violation]:

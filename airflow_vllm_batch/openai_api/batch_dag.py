@@ -424,10 +424,9 @@ def _execution_timeout(completion_window: timedelta | None, given: timedelta | N
     for name, value in (("completion_window", window), ("execution_timeout", given)):
         if value is not None and value < longest:
             raise ConfigurationError(
-                f"openai_batch_dag({name}={value}) is shorter than the {longest_name} window "
-                f"[vllm_batch] openai_completion_windows offers ({', '.join(offered)}): a batch of that window would be "
-                f"killed by the task's timeout before its expires_at. Leave {name} out (the longest window offered, "
-                "plus an hour), or offer shorter windows only."
+                f"openai_batch_dag({name}={value}) is shorter than the {longest_name} window of [vllm_batch] "
+                f"openai_completion_windows: its batches would be killed before their expires_at. Leave {name} out "
+                "(the longest window plus an hour) or offer shorter windows."
             )
     return given if given is not None else window + EXPIRY_GRACE
 

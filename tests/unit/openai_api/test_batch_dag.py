@@ -35,7 +35,8 @@ def test_the_timeout_covers_the_longest_window_offered(monkeypatch):
 def test_a_dag_whose_timeout_is_shorter_than_an_offered_window_is_refused_when_parsed(monkeypatch, given):
     monkeypatch.setenv("AIRFLOW__VLLM_BATCH__OPENAI_COMPLETION_WINDOWS", "24h,72h")
     with pytest.raises(
-        ConfigurationError, match=r"is shorter than the 72h window \[vllm_batch\] openai_completion_windows"
+        ConfigurationError,
+        match=r"is shorter than the 72h window of \[vllm_batch\] openai_completion_windows",
     ):
         openai_batch_dag(model="m", **given)
 

@@ -19,4 +19,5 @@ dag = openai_batch_dag(
     model=chat_model(),
     engine=engine(),
     aws_conn_id=aws_conn_id(),
+    queue="gpu",  # where the GPU workers are (docs/gpu-workers.md), as the other example DAGs
 )

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from dataclasses import asdict
 from functools import lru_cache
 from typing import Any
 
@@ -40,7 +41,6 @@ from airflow_vllm_batch.openai_api.files import (
     file_object_from_record,
     new_batch_id,
     new_file_id,
-    result_file_ids,
 )
 from airflow_vllm_batch.openai_api.routes import TASK_ID, load_routes, models_in, route_of
 from airflow_vllm_batch.openai_api.settings import OpenAIApiSettings, load_settings
@@ -360,6 +360,7 @@ def create_batch(body: BatchCreate, user: GetUserDep) -> dict[str, Any]:
         raise
     spec = BatchSpec(
         batch_id=batch_id,
+        dag_id=dag_id,
         owner=user.get_id(),
         input_file_id=body.input_file_id,
         input_version=version,
@@ -368,27 +369,39 @@ def create_batch(body: BatchCreate, user: GetUserDep) -> dict[str, Any]:
         created_at=int(time.time()),
         window_s=window_s,
     )
-    output_file_id, error_file_id = result_file_ids(batch_id)
-    # What everyone who may read the batch DAG's runs sees: the signed spec and what the status shows,
-    # no S3 location and no metadata (those stay in the API's own record).
-    conf = {
-        **spec.sign(key),
+    # What everyone who may read the batch DAG's runs sees: the signed spec only, no S3 location and no
+    # metadata. What the status shows besides is the API's own record's (never an unsigned conf field).
+    conf = spec.sign(key)
+    shown = {
+        "metadata": body.metadata or {},
         "completion_window": body.completion_window,
         "total": int(record.get("lines") or 0),
-        "output_file_id": output_file_id,
-        "error_file_id": error_file_id,
         **({"model": route["model"]} if "model" in route else {}),
     }
-    metadata = body.metadata or {}
     try:
-        store.put_json(store.batch_record_key(batch_id), {"metadata": metadata})
+        store.put_json(store.batch_record_key(batch_id), shown)
         _trigger(dag_id, batch_id, conf, user.get_name())
     except BaseException:
         _forget_batch(store, batch_id)
         raise
-    return batch_object(
-        batch_id, BatchDagRun(conf={**conf, "metadata": metadata}, run_state="queued"), time.time()
-    )
+    return batch_object(batch_id, BatchDagRun(conf=_shown_conf(spec, shown), run_state="queued"), time.time())
+
+
+def _shown_conf(spec: BatchSpec, record: dict[str, Any]) -> dict[str, Any]:
+    """What :func:`.status.batch_object` reads of a batch: the verified spec's fields, and the API's record of it.
+
+    The file ids are derived from the batch id; the line count, the model and the window's name
+    come from the record the API wrote at create (a re-triggered conf can change none of them).
+    """
+    return {
+        **asdict(spec),
+        "output_file_id": spec.output_file_id,
+        "error_file_id": spec.error_file_id,
+        "metadata": record.get("metadata") or {},
+        "completion_window": record.get("completion_window"),
+        "total": record.get("total"),
+        "model": record.get("model"),
+    }
 
 
 def _forget_batch(store: FileStore, batch_id: str) -> None:
@@ -441,7 +454,7 @@ def _signing_key() -> str:
 def _batch_spec(run: Any) -> BatchSpec | None:
     """The verified spec of a batch run; None for a run the API did not make (triggered by hand, or edited)."""
     try:
-        return BatchSpec.verified(run.conf, run.run_id, signing_key())
+        return BatchSpec.verified(run.conf, run.run_id, signing_key(), run.dag_id)
     except (ForgedBatchError, ConfigurationError):
         return None
 
@@ -637,7 +650,8 @@ def _batch_from_run(store: FileStore, run: Any, tis: list[Any], live: bool = Fal
     where = spec.locations(store.uri(store.prefix))
     record = store.get_json(store.batch_record_key(run.run_id)) or {}
     # The run's conf holds no location and no metadata: the derived locations and the API's record add them.
-    conf = {**run.conf, "output_uri": where.output_uri, "metadata": record.get("metadata") or {}}
+    # The verified spec and the API's record: the conf's other fields (none, as the API makes it) are not read.
+    conf = {**_shown_conf(spec, record), "output_uri": where.output_uri}
     state = _state_name(run.state)
     # The batch task (with openai_models, the route's): the route task and the routes not taken do not count.
     tis = [ti for ti in tis if ti.task_id.startswith(TASK_ID) and _state_name(ti.state) != "skipped"]
@@ -667,10 +681,11 @@ def _batch_from_run(store: FileStore, run: Any, tis: list[Any], live: bool = Fal
 
 
 def _published_manifest(store: FileStore, output_uri: str) -> dict[str, Any] | None:
-    """The manifest beside a batch's output, if one is published and its files still have the ETags it names.
+    """The manifest beside a batch's output, if one is published and none of its files was replaced since.
 
     A tombstone (a try publishing, or stopped while it did) and a manifest whose files were
-    replaced since are no published output (the rule of ``OutputStore.completed``).
+    replaced since are no published output (the rule of ``OutputStore.ended``). A file its owner
+    deleted (``DELETE /files``) does not unpublish it: the batch ended, and its status stays.
     """
     from airflow_vllm_batch.exceptions import ManifestVersionError
     from airflow_vllm_batch.manifest import is_tombstone, schema_version
@@ -691,7 +706,7 @@ def _published_manifest(store: FileStore, output_uri: str) -> dict[str, Any] | N
             continue
         bucket, _, key = uri.removeprefix("s3://").partition("/")
         found = head_etag(store.client, bucket, key)
-        if found is None or (etag is not None and found != bare_etag(etag)):
+        if found is not None and etag is not None and found != bare_etag(etag):
             return None
     return manifest
 

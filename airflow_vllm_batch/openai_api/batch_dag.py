@@ -26,9 +26,15 @@ from airflow_vllm_batch.exceptions import (
 )
 from airflow_vllm_batch.openai_api.batch_spec import BatchSpec, ForgedBatchError, signing_key
 from airflow_vllm_batch.openai_api.routes import TASK_ID, ModelRoute, load_routes
-from airflow_vllm_batch.openai_api.settings import DEFAULT_BATCH_DAG_ID, load_settings
+from airflow_vllm_batch.openai_api.settings import (
+    DEFAULT_BATCH_DAG_ID,
+    load_completion_windows,
+    load_settings,
+)
+from airflow_vllm_batch.openai_api.status import endpoint_not_served, window_seconds
 from airflow_vllm_batch.operators.task_try import task_try
 from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
+from airflow_vllm_batch.storage.publishing import OutputStore
 from airflow_vllm_batch.storage.s3 import open_uri_lines
 from airflow_vllm_batch.version_compat import AirflowFailException
 
@@ -146,13 +152,16 @@ class OpenAIBatchOperator(VLLMBatchOperator):
         Sets ``batch`` and ``input_uri``, ``output_uri``, ``error_uri``, ``failure_uri``,
         ``cancel_uri``, ``progress_uri``, and accepts only lines whose url is the batch's endpoint.
 
-        :raises AirflowFailException: the conf is not one the API signed for this run (not retried).
+        :raises AirflowFailException: the conf is not one the API signed for this run of this DAG (not retried).
         """
         dag_run = context.get("dag_run")
         try:
             files_uri = load_settings().files_uri
             spec = BatchSpec.verified(
-                getattr(dag_run, "conf", None), str(getattr(dag_run, "run_id", "")), signing_key()
+                getattr(dag_run, "conf", None),
+                str(getattr(dag_run, "run_id", "")),
+                signing_key(),
+                str(getattr(dag_run, "dag_id", "")),
             )
             if spec.route and spec.route != self.task_id:
                 raise ForgedBatchError(
@@ -195,6 +204,13 @@ class OpenAIBatchOperator(VLLMBatchOperator):
 
     def execute(self, context: Context) -> dict[str, Any]:
         self._bind_batch(context)
+        ended = self.ended_manifest()
+        if ended is not None:
+            # Final is final: the batch's ending, whatever identity this try has; the same check as its first time.
+            self.refuse_unserved_endpoint(ended)
+            return ended
+        # This try owns the batch's ending now: an earlier try's reason (a cleared run's) is no longer it.
+        self.clear_failure_record()
         try:
             self._check_pinned_input()
         except InputNotFoundError as err:
@@ -214,8 +230,22 @@ class OpenAIBatchOperator(VLLMBatchOperator):
         self.refuse_unserved_endpoint(manifest)
         return manifest
 
+    def ended_manifest(self) -> dict[str, Any] | None:
+        """The manifest of this batch's ending when it has ended (published), whatever run identity published it.
+
+        Checked before anything else (the input's copy, the engine, the lease), and again by the run under
+        the lease (``write_once``): once ended, a batch's files and status never change.
+        """
+        assert self.batch is not None
+        store = OutputStore(self.hook, str(self.output_uri), self.error_uri)
+        manifest, why = store.ended(self.batch.input_version)
+        if manifest is None:
+            return None
+        self.log.info("The batch has ended: %s (%s). Nothing is run or written.", why, store.manifest_uri)
+        return manifest.to_dict()
+
     def run_callbacks(self) -> dict[str, Any]:
-        return {"stop": self.stop_condition, "on_checkpoint": self.write_progress}
+        return {"stop": self.stop_condition, "on_checkpoint": self.write_progress, "write_once": True}
 
     def stop_condition(self) -> str | None:
         """``"cancelled"`` once a cancel was asked, ``"expired"`` once ``expires_at`` passed, else None."""
@@ -256,14 +286,9 @@ class OpenAIBatchOperator(VLLMBatchOperator):
         That is the batch's failure, not its requests' (an embeddings batch sent to a chat model):
         its status says so, with the server's own words; the files stay published.
         """
-        counts = manifest.get("request_counts") or {}
-        total = int(counts.get("total") or 0)
-        if (
-            not total
-            or counts.get("completed")
-            or (manifest.get("failed_by_reason") or {}) != {"not_found": total}
-        ):
+        if not endpoint_not_served(manifest):
             return
+        total = int((manifest.get("request_counts") or {}).get("total") or 0)
         assert self.batch is not None
         said = self.first_error_message(manifest.get("error_uri"))
         message = (
@@ -293,6 +318,14 @@ class OpenAIBatchOperator(VLLMBatchOperator):
         body = ((line.get("response") or {}).get("body") or {}).get("error") or line.get("error") or {}
         return body.get("message") if isinstance(body, dict) else None
 
+    def clear_failure_record(self) -> None:
+        """Remove an earlier try's failure record (a run cleared after it failed); a failure to is logged."""
+        bucket, _, key = self.failure_uri.removeprefix("s3://").partition("/")
+        try:
+            self.hook.get_conn().delete_object(Bucket=bucket, Key=key)
+        except Exception as err:  # noqa: BLE001 - the try goes on; a status may show the old reason meanwhile
+            self.log.warning("Could not remove the earlier failure record %s: %s", self.failure_uri, err)
+
     def record_failure(self, record: Mapping[str, Any]) -> None:
         """Write the failure record; a failure to write it is logged, not raised over the task's own error."""
         bucket, _, key = self.failure_uri.removeprefix("s3://").partition("/")
@@ -308,8 +341,10 @@ def openai_batch_dag(
     *,
     model: str | None = None,
     dag_id: str = DEFAULT_BATCH_DAG_ID,
-    completion_window: timedelta = timedelta(hours=24),
+    completion_window: timedelta | None = None,
     routes: dict[str, ModelRoute] | None = None,
+    retries: int = 2,
+    retry_delay: timedelta = timedelta(minutes=5),
     **operator_kwargs: Any,
 ) -> DAG:
     """Build the DAG that runs the OpenAI API's batches; call it from a DAG file.
@@ -323,8 +358,15 @@ def openai_batch_dag(
     :param dag_id: the DAG id: ``[vllm_batch] openai_batch_dag_id`` must name it. Default ``vllm_batch_openai``.
     :param completion_window: the longest window a batch may ask for: the task's ``execution_timeout`` is
         this plus :data:`EXPIRY_GRACE`, a backstop only (a batch expires at its own ``expires_at``,
-        checked by the run itself, which then publishes what is answered). Default 24 hours (OpenAI's only window).
+        checked by the run itself, which then publishes what is answered). Default: the longest of
+        ``[vllm_batch] openai_completion_windows`` (``24h``, OpenAI's only window, when unset), read when the
+        DAG file is parsed; a shorter one is refused there, since a batch of a longer window would be
+        killed by the timeout before its ``expires_at`` instead of expiring with its answers.
     :param routes: the served models (default: ``[vllm_batch] openai_models``, read when the DAG file is parsed).
+    :param retries: the batch task's retries (default 2): a retry resumes from the answers earlier tries made
+        durable (a lost worker, S3 failing for a while, an engine that died); a batch's own failure (a bad file,
+        a model that does not serve the endpoint) is never retried.
+    :param retry_delay: the wait before a retry (default 5 minutes, Airflow's).
     :param operator_kwargs: more ``VLLMBatchOperator`` arguments (``engine=VLLMRunner(args=[...])``, ...);
         a route's engine (its ``vllm_conn_id``, or ``engine_args`` for the runner) and ``queue`` replace them for its task.
     """
@@ -335,11 +377,13 @@ def openai_batch_dag(
         raise ConfigurationError(
             "openai_batch_dag needs model= or [vllm_batch] openai_models (the served models)"
         )
+    timeout = _execution_timeout(completion_window, operator_kwargs.pop("execution_timeout", None))
     with DAG(
         dag_id=dag_id,
         schedule=None,
         catchup=False,
         is_paused_upon_creation=False,
+        default_args={"retries": retries, "retry_delay": retry_delay},
         max_active_runs=operator_kwargs.pop("max_active_runs", 4),
         tags=["vllm-batch", "openai-api"],
         doc_md="Runs the batches of the OpenAI Batches API (`POST /vllm-batch/openai/v1/batches`): one run per batch.",
@@ -348,7 +392,7 @@ def openai_batch_dag(
             OpenAIBatchOperator(
                 task_id=TASK_ID,
                 model=model,
-                execution_timeout=completion_window + EXPIRY_GRACE,
+                execution_timeout=timeout,
                 **operator_kwargs,
             )
             return dag
@@ -362,16 +406,35 @@ def openai_batch_dag(
             route >> OpenAIBatchOperator(
                 task_id=served.task_id,
                 model=served.model,
-                execution_timeout=completion_window + EXPIRY_GRACE,
+                execution_timeout=timeout,
                 **kwargs,
             )
     return dag
 
 
+def _execution_timeout(completion_window: timedelta | None, given: timedelta | None) -> timedelta:
+    """The batch task's ``execution_timeout``: the longest window offered plus :data:`EXPIRY_GRACE`, unless ``given``.
+
+    :raises ConfigurationError: ``completion_window`` or ``given`` is shorter than a window ``POST /batches`` offers.
+    """
+    offered = load_completion_windows()
+    longest_name = max(offered, key=window_seconds)
+    longest = timedelta(seconds=window_seconds(longest_name))
+    window = longest if completion_window is None else completion_window
+    for name, value in (("completion_window", window), ("execution_timeout", given)):
+        if value is not None and value < longest:
+            raise ConfigurationError(
+                f"openai_batch_dag({name}={value}) is shorter than the {longest_name} window of [vllm_batch] "
+                f"openai_completion_windows: its batches would be killed before their expires_at. Leave {name} out "
+                "(the longest window plus an hour) or offer shorter windows."
+            )
+    return given if given is not None else window + EXPIRY_GRACE
+
+
 def _chosen_route(dag_run: Any, **_: Any) -> str:
     """The batch task ``POST /batches`` chose, from the run's verified spec; any other run fails here, before any engine."""
     try:
-        spec = BatchSpec.verified(dag_run.conf, dag_run.run_id, signing_key())
+        spec = BatchSpec.verified(dag_run.conf, dag_run.run_id, signing_key(), dag_run.dag_id)
     except (ForgedBatchError, ConfigurationError) as err:
         raise AirflowFailException(str(err)) from None
     if not spec.route:

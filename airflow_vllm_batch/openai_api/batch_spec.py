@@ -63,6 +63,8 @@ class BatchSpec:
     """What the API decided for one batch; everything a run of it needs, and nothing a user may change.
 
     :param batch_id: the batch's id, which is its DAG run's run_id.
+    :param dag_id: the batch DAG it runs in (``[vllm_batch] openai_batch_dag_id`` when it was created):
+        a run of its conf in any other DAG (one built with ``openai_batch_dag`` too) is refused.
     :param owner: the id of the user who created it.
     :param input_file_id: the uploaded file it answers.
     :param input_version: the ETag of the batch's pinned copy of that file, made at create.
@@ -73,6 +75,7 @@ class BatchSpec:
     """
 
     batch_id: str
+    dag_id: str
     owner: str
     input_file_id: str
     input_version: str
@@ -100,13 +103,15 @@ class BatchSpec:
         return {**asdict(self), SIGNATURE: self._signature(key)}
 
     @classmethod
-    def verified(cls, conf: Any, run_id: str, key: str) -> BatchSpec:
-        """The spec of a run's conf, when the API made it for this run.
+    def verified(cls, conf: Any, run_id: str, key: str, dag_id: str) -> BatchSpec:
+        """The spec of a run's conf, when the API made it for this run of this DAG.
 
         :param conf: the DAG run's conf.
         :param run_id: the DAG run's run_id.
         :param key: the signing key.
-        :raises ForgedBatchError: the conf has no spec, its signature is missing or wrong, or it was made for another run.
+        :param dag_id: the DAG run's dag_id.
+        :raises ForgedBatchError: the conf has no spec, its signature is missing or wrong, or it was made for
+            another run or another DAG.
         """
         fix = "Create batches with POST /batches of the OpenAI API; a run triggered by hand or with an edited conf is refused."
         if not isinstance(conf, dict):
@@ -140,6 +145,10 @@ class BatchSpec:
         if spec.batch_id != run_id:
             raise ForgedBatchError(
                 f"This run's conf was signed for the batch {spec.batch_id!r}, not for this run {run_id!r}: nothing was read or written. {fix}"
+            )
+        if spec.dag_id != dag_id:
+            raise ForgedBatchError(
+                f"This run's conf was signed for the batch DAG {spec.dag_id!r}, not for {dag_id!r}: nothing was read or written. {fix}"
             )
         if not BATCH_ID.match(spec.batch_id) or not FILE_ID.match(spec.input_file_id):
             raise ForgedBatchError(

@@ -77,6 +77,16 @@ def load_settings() -> OpenAIApiSettings:
     )
 
 
+def load_completion_windows() -> tuple[str, ...]:
+    """The completion windows ``POST /batches`` accepts (``openai_completion_windows``), read alone: the batch DAG's file needs only them.
+
+    :raises ConfigurationError: a window is not a whole number of hours or days.
+    """
+    from airflow.configuration import conf
+
+    return parse_windows(conf.get(SECTION, "openai_completion_windows", fallback="") or "")
+
+
 def parse_windows(raw: str) -> tuple[str, ...]:
     """The completion windows of ``openai_completion_windows`` (comma-separated, e.g. ``24h,72h``); OpenAI's ``24h`` when empty.
 

@@ -7,14 +7,17 @@ fields of OpenAI's Batch object.
 ============================================  =====================================
 DAG run / task                                 OpenAI status
 ============================================  =====================================
-task failed, its failure record, no cancel     ``failed`` with ``errors.data``
-a published manifest (its files' ETags hold)   its ``status``: ``completed``, ``expired``
+a published manifest, every request 404        ``failed`` (the model does not serve the endpoint)
+a published manifest                           its ``status``: ``completed``, ``expired``
                                                or ``cancelled`` (whatever the run's state)
+task failed, its failure record                ``failed`` with ``errors.data`` (a cancel too)
 run succeeded                                  ``completed``
 cancel asked, run not ended                    ``cancelling``
 cancel asked, run ended                        ``cancelled``
-run failed after ``expires_at``, no record     ``expired`` (no files: the try could not publish)
+run ended after ``expires_at``, failed,        ``expired`` (no files: the try could not publish)
+no record
 run failed                                     ``failed``
+task not started, ``expires_at`` passed        ``expired`` (its task publishes it so when it runs)
 run queued, task not started                   ``validating``
 task running (preflight, then the engine)      ``in_progress``
 task ended, run not yet ended                  ``finalizing``
@@ -23,6 +26,13 @@ task ended, run not yet ended                  ``finalizing``
 The rows are tried in order. A batch stops itself at ``expires_at`` or on a cancel, under
 its lease, and publishes a manifest saying so; its task succeeds
 (:class:`~airflow_vllm_batch.openai_api.batch_dag.OpenAIBatchOperator`).
+
+OpenAI's state machine: a batch reaches one terminal status (``completed``, ``failed``,
+``expired``, ``cancelled``) and keeps it. So the terminal rows read only what never changes
+once the batch ended: the published manifest (final: nothing publishes over it, and a file
+its owner deleted does not unpublish it), the failure record of the try that failed, and
+when the run ended (not the clock: a batch that failed stays ``failed`` when ``expires_at``
+passes later). ``expires_at`` is the signed ``created_at`` plus the signed ``window_s``.
 """
 
 from __future__ import annotations
@@ -59,7 +69,7 @@ class BatchDagRun:
 
     Not :class:`airflow_vllm_batch.run.batch.BatchRun` (the run itself, which the batch task executes).
 
-    :param conf: the DAG run's conf, as :func:`airflow_vllm_batch.openai_api.app` wrote it.
+    :param conf: the batch as the API shows it: its verified spec's fields and the API's record (``total``, ``model``, ``metadata``, ``completion_window``), never an unsigned conf field.
     :param run_state: the DAG run's state (``queued``, ``running``, ``success``, ``failed``).
     :param task_states: the states of the run's task instances.
     :param task_start: when the first task started.
@@ -95,28 +105,59 @@ def batch_status(run: BatchDagRun, now: float) -> str:
     """
     ended = run.run_state in ("success", "failed")
     task_failed = run.run_state == "failed" or "failed" in run.task_states
-    if task_failed and run.failure is not None and run.cancelling_at is None:
-        return "failed"
     if run.manifest is not None:
+        if endpoint_not_served(run.manifest):
+            return "failed"
         return str(run.manifest.get("status") or "completed")
+    if task_failed and run.failure is not None:
+        return "failed"
     if run.run_state == "success":
         return "completed"
     if run.cancelling_at is not None:
         return "cancelled" if ended else "cancelling"
     if run.run_state == "failed":
-        # A try stopped without publishing (killed past its backstop timeout, say): no files, the window passed.
-        return "expired" if run.failure is None and now >= expires_at(run.conf) else "failed"
+        # A try stopped without publishing (killed past its backstop timeout, say): no files, the window had
+        # passed when the run ended. When it ended, not now: a failed batch stays failed.
+        end = run.run_end or run.task_end
+        return "expired" if end is not None and end.timestamp() >= expires_at(run.conf) else "failed"
     states = [str(s) if s is not None else None for s in run.task_states]
     if not states or all(s in _NOT_STARTED for s in states):
-        return "validating"
+        # As OpenAI's: a batch that never started within its window expired (its task, when it runs, publishes so).
+        return "expired" if now >= expires_at(run.conf) else "validating"
     if all(s in ("success", "skipped", "failed", "upstream_failed") for s in states):
         return "finalizing"
     return "in_progress"
 
 
 def expires_at(conf: Mapping[str, Any]) -> int:
-    """When the batch's completion window passes."""
-    return int(conf["created_at"]) + window_seconds(str(conf.get("completion_window", "24h")))
+    """When the batch's completion window passes: the signed ``created_at`` plus the signed ``window_s``."""
+    return int(conf["created_at"]) + int(conf["window_s"])
+
+
+def window_name(conf: Mapping[str, Any]) -> str:
+    """The batch's ``completion_window`` as created (``24h``): the conf's name when it is the signed ``window_s``."""
+    name = str(conf.get("completion_window") or "")
+    try:
+        if window_seconds(name) == int(conf["window_s"]):
+            return name
+    except ValueError:
+        pass
+    return f"{int(conf['window_s']) // 3600}h"
+
+
+def endpoint_not_served(manifest: Mapping[str, Any]) -> bool:
+    """Whether every request of a published batch was answered HTTP 404: its model does not serve the endpoint.
+
+    That is the batch's failure, not its requests': the batch task fails it, and its status is
+    ``failed`` from the moment the manifest is published (not only once the task has said so).
+    """
+    counts = manifest.get("request_counts") or {}
+    total = int(counts.get("total") or 0)
+    return bool(
+        total
+        and not counts.get("completed")
+        and (manifest.get("failed_by_reason") or {}) == {"not_found": total}
+    )
 
 
 def request_counts(run: BatchDagRun) -> dict[str, int]:
@@ -158,6 +199,16 @@ def _errors(run: BatchDagRun, status: str) -> dict[str, Any] | None:
     if status != "failed":
         return None
     data = list((run.failure or {}).get("errors") or [])
+    if not data and run.manifest is not None:
+        # Published, its task not yet failed (it writes the record a moment later): the same reason.
+        data = [
+            {
+                "code": "endpoint_not_served",
+                "line": None,
+                "param": "endpoint",
+                "message": f"Every request was answered HTTP 404: the model does not serve {run.conf['endpoint']}.",
+            }
+        ]
     if not data:
         data = [
             {
@@ -197,7 +248,7 @@ def batch_object(batch_id: str, run: BatchDagRun, now: float) -> dict[str, Any]:
         "endpoint": conf["endpoint"],
         "errors": _errors(run, status),
         "input_file_id": conf["input_file_id"],
-        "completion_window": conf.get("completion_window", "24h"),
+        "completion_window": window_name(conf),
         "status": status,
         # As OpenAI's: a batch stopped (or failed) before any request completed has no output file.
         "output_file_id": conf.get("output_file_id")

@@ -98,6 +98,10 @@ class BatchRun:
         between requests: ``"expired"`` or ``"cancelled"`` stops the run, which then publishes what
         is answered so far (:meth:`publish_stopped`); None goes on. Default: never stops.
     :param on_checkpoint: called with the answers so far (``{"completed", "failed"}``) after each checkpoint.
+    :param write_once: the output is published once and never again: a published manifest of the pinned
+        input is returned whatever run identity wrote it (:meth:`OutputStore.ended`), before the lease and
+        again under it (an OpenAI API batch: an ended batch never changes). Default False: a complete
+        output of this identity only.
     """
 
     def __init__(
@@ -110,8 +114,10 @@ class BatchRun:
         log: TaskLog,
         stop: Callable[[], str | None] | None = None,
         on_checkpoint: Callable[[Mapping[str, int]], None] | None = None,
+        write_once: bool = False,
     ) -> None:
         self.settings = settings
+        self.write_once = write_once
         self.stop = stop
         self.on_checkpoint = on_checkpoint
         self.s3_hook = s3_hook
@@ -207,20 +213,42 @@ class BatchRun:
         :param again: whether this is the check once the lease is taken (it says nothing when
             there still is no complete output: the first check said so).
         """
-        if not self.settings.resume:
+        if self.write_once:
+            assert self.input is not None  # pinned by execute()
+            manifest, why = self.store.ended(self.input.pinned.etag)
+        elif not self.settings.resume:
             return None
-        manifest, why = self.store.completed(identity)
+        else:
+            manifest, why = self.store.completed(identity)
         if manifest is None:
             if not again:
                 self.log.info("Running: %s (run %s).", why, identity.short)
             return None
         self.log.info(
-            "Not running the engine again: %s (run %s, %s). Set resume=False to force a new run.",
+            "Not running the engine again: %s (run %s, %s).%s",
             why,
             identity.short,
             self.store.manifest_uri,
+            "" if self.write_once else " Set resume=False to force a new run.",
         )
         return manifest
+
+    def adopt_durable_answers(self, identity: RunIdentity, staging: RunStaging) -> None:
+        """Durability across an identity change, for a write-once output: earlier identities' durable answers become this run's.
+
+        The input of a write-once output never changes (an OpenAI API batch pins the API's copy by
+        its signed ETag), so an answer another identity made durable (a try before a vLLM upgrade)
+        still answers its request: it is copied into this run's staging (under the lease), the
+        engine resumes from it, and a stopped run publishes it.
+        """
+        for other in self.store.other_stagings(identity):
+            adopted = staging.adopt(other)
+            if adopted:
+                self.log.info(
+                    "Keeping the answers another run of this batch made durable (run %s, another identity: %d object(s)).",
+                    other.prefix.rstrip("/").rsplit("/", 1)[-1],
+                    adopted,
+                )
 
     def lease_holder(self, identity: RunIdentity) -> LeaseHolder:
         """Who this try is, for the output's lease."""
@@ -236,6 +264,8 @@ class BatchRun:
         """Preflight, have the engine make its answers durable, check and publish; or publish a stopped run's answers."""
         assert self.input is not None  # pinned by execute()
         staging = self.store.staging(identity)
+        if self.write_once:
+            self.adopt_durable_answers(identity, staging)
         kept = kept_results(self.settings.results_dir, identity.short)
         with scratch(self.settings.results_dir, identity.short) as work:
             # Under the lease, before preflight: a batch stopped before its task ran publishes without an engine.

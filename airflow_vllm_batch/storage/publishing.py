@@ -178,10 +178,36 @@ class OutputStore:
             return None, f"no complete output at {self.output_uri} yet"
         return manifest, ""
 
-    def files_changed(self, manifest: Manifest) -> str | None:
+    def ended(self, input_etag: str | None) -> tuple[Manifest | None, str]:
+        """The published manifest of a write-once output of this input, whatever run identity wrote it.
+
+        A write-once output (an OpenAI API batch) has ended once a manifest pinning its input is
+        published: a later run of it, under any identity (another vLLM, other engine flags, past its
+        window), returns that manifest and writes nothing. A file the manifest names that its owner
+        deleted since does not undo the ending; one overwritten since (a writer that lost the lease,
+        see the module docstring) does, and a run publishes the output again as any run would.
+
+        :param input_etag: the ETag of the input the output answers (None: an input that cannot be pinned, never ended).
+        :return: the manifest (or None) and one line that says why it was (not) taken.
+        """
+        manifest, why = self.published_manifest(self._manifest_body())
+        if manifest is None:
+            return None, why
+        if (
+            input_etag is None
+            or manifest.input_etag is None
+            or bare_etag(manifest.input_etag) != bare_etag(input_etag)
+        ):
+            return None, f"the output at {self.output_uri} answers another input (ETag {manifest.input_etag})"
+        if overwritten := self.files_changed(manifest, gone_ok=True):
+            return None, overwritten
+        return manifest, f"the output at {self.output_uri} was published, and a published batch never changes"
+
+    def files_changed(self, manifest: Manifest, gone_ok: bool = False) -> str | None:
         """Why the files ``manifest`` names are not the ones it published (gone, overwritten); None when they are.
 
         :param manifest: a published manifest of this output.
+        :param gone_ok: a file that is gone is no change (only an overwritten one is).
         """
         for uri, published in (
             (manifest.output_uri, manifest.output_etag),
@@ -192,6 +218,8 @@ class OutputStore:
             bucket, key = split_s3_uri(uri, "output_uri")
             etag = head_etag(self.hook.get_conn(), bucket, key)
             if etag is None:
+                if gone_ok:
+                    continue
                 return f"the manifest names {uri}, which is gone"
             if published is not None and etag != bare_etag(published):
                 # A writer that lost the lease landed a write after its last check (see the module docstring).
@@ -212,6 +240,17 @@ class OutputStore:
     def staging(self, identity: RunIdentity) -> RunStaging:
         """The staging prefix of the run with this identity (fenced as the output is)."""
         return RunStaging(self.hook, self.bucket, f"{self.key}.staging/{identity.short}/", fence=self._fence)
+
+    def other_stagings(self, identity: RunIdentity) -> list[RunStaging]:
+        """The staging prefixes of this output's other run identities (earlier tries' under another vLLM, say), fenced."""
+        root = f"{self.key}.staging/"
+        keys = self.hook.list_keys(bucket_name=self.bucket, prefix=root) or []
+        shorts = sorted({key[len(root) :].split("/", 1)[0] for key in keys if "/" in key[len(root) :]})
+        return [
+            RunStaging(self.hook, self.bucket, f"{root}{short}/", fence=self._fence)
+            for short in shorts
+            if short != identity.short
+        ]
 
     def _fence(self) -> None:
         if self.fence is not None:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Generator, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from airflow_vllm_batch.storage.s3 import delete_keys, s3_lines, upload_file
+from airflow_vllm_batch.storage.s3 import copy_object, delete_keys, s3_lines, upload_file
 
 if TYPE_CHECKING:
     from airflow.providers.amazon.aws.hooks.s3 import S3Hook
@@ -169,6 +169,29 @@ class RunStaging:
         """Upload the cleaned input for the engine; return its URI."""
         upload_file(self._fenced(), path, self.bucket, self.input_key)
         return self.uri(self.input_key)
+
+    def adopt(self, other: RunStaging) -> int:
+        """Copy another run's durable answers (its parts and staged results) here as parts of this run; return how many.
+
+        For a write-once output whose run identity changed between tries (an OpenAI API batch
+        retried on a worker with another vLLM): the answers earlier tries made durable stay
+        answers of the batch, so this run resumes from them and publishes them. Server side,
+        fenced, idempotent (each copy's key is named after its source: a retry copies onto the
+        same keys); the other run's objects are left as they are.
+
+        :param other: the staging of another identity of the same output.
+        """
+        short = other.prefix.rstrip("/").rsplit("/", 1)[-1]
+        copies = [
+            (key, f"part-{int(m.group(1)):06d}-{m.group(2) or ''}r{short}.jsonl")
+            for key in other.list_parts()
+            if (m := _PART_NAME.search(key))
+        ]
+        if other.has_results():
+            copies.append((other.results_key, f"part-000000-r{short}.jsonl"))
+        for source, name in copies:
+            copy_object(self._fenced(), other.bucket, source, self.bucket, self.part_key(name))
+        return len(copies)
 
     def remove(self) -> None:
         """Delete everything under this run's prefix (and nothing under anyone else's)."""

@@ -45,7 +45,7 @@ SCRIPT = textwrap.dedent(
     for i in range(7):
         for user in ("alice", "bob"):
             batch_id = new_batch_id()
-            spec = BatchSpec(batch_id, user, "file-0123456789", "etag", "/v1/chat/completions", "", int(time.time()), 86400)
+            spec = BatchSpec(batch_id, "vllm_batch_openai", user, "file-0123456789", "etag", "/v1/chat/completions", "", int(time.time()), 86400)
             app._trigger("vllm_batch_openai", batch_id, spec.sign(signing_key()), user)
             made[user].append(batch_id)
     # A hand-made run by alice: not a batch, never listed.

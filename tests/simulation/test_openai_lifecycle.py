@@ -20,7 +20,22 @@ batch's files (:func:`tests.simulation.invariants.check_all`), and the lifecycle
 * ``Lifecycle/stop-failed-the-task``: a try ended in ``BatchStopped`` (a stopped batch
   publishes and succeeds; the stop must never escape the run layer);
 * ``Lifecycle/stopped-but-not-published``: the task succeeded after a stop was asked, with
-  no manifest that says how it ended.
+  no manifest that says how it ended;
+* ``Lifecycle/ended-batch-changed``: a batch ended (its task succeeded with a published
+  manifest), then something happened to it that happens to ended batches (below), and its
+  manifest, output or error file is no longer byte for byte what it was, or a later try
+  returned another manifest (Fencing (d) of docs/protocol.md: *final is final*);
+* ``Lifecycle/earlier-identity-answer-dropped``: a cancelled or expired batch published as
+  ``batch_<status>`` a request whose final answer another run identity (a try before a vLLM
+  upgrade) made durable before the publishing try began (Durability for a write-once output;
+  the answer cache's staged hits excepted).
+
+What may happen to a batch besides a cancel and its deadline (:class:`Lifecycle`): the
+workers' vLLM is upgraded between two tries (every try from a given number on has another
+run identity: a rolling upgrade during retries), and, once the task succeeded, the run is
+cleared (its next try runs, under the same identity or another, before or past the deadline)
+or its conf is replayed into another batch DAG (a second task instance, which must refuse
+it: the signed spec binds the DAG).
 
 The core simulator's files are reused unchanged; its search is another helper's.
 ``VLLM_BATCH_LIFECYCLE_SCHEDULES`` sets how many schedules a run checks.
@@ -28,6 +43,7 @@ The core simulator's files are reused unchanged; its search is another helper's.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -40,12 +56,16 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from airflow_vllm_batch.engines import base as engine_base, runner as runner_module
-from airflow_vllm_batch.exceptions import BatchStopped
+from airflow_vllm_batch.exceptions import BatchStopped, ConfigurationError
 from airflow_vllm_batch.lease import TaskTry
+from airflow_vllm_batch.manifest import Manifest
 from airflow_vllm_batch.openai_api import batch_dag
 from airflow_vllm_batch.openai_api.batch_dag import OpenAIBatchOperator
-from airflow_vllm_batch.run.batch import BatchRun
+from airflow_vllm_batch.openai_api.batch_spec import BatchSpec, ForgedBatchError
+from airflow_vllm_batch.run.answer_cache import CACHED_RESULTS
+from airflow_vllm_batch.run.batch import BatchOutcome, BatchRun
 from airflow_vllm_batch.run.settings import BatchSettings
+from airflow_vllm_batch.storage.layout import default_error_uri, manifest_uri
 from tests.simulation.engines import (
     SimEngineHook,
     SimRunner,
@@ -53,7 +73,7 @@ from tests.simulation.engines import (
     SimRunnerProcess,
     answer_line,
 )
-from tests.simulation.invariants import Outcome, Violation, check_all
+from tests.simulation.invariants import Outcome, Violation, check_all, durable_answers, first_input
 from tests.simulation.scheduler import TryState, VirtualThreading
 from tests.simulation.world import BUCKET, World, make_plan, simulation
 
@@ -66,15 +86,34 @@ CANCEL_KEY = "batches/batch_sim.cancel.json"
 EPOCH = 1_900_000_000
 
 
+#: What may happen to an ended batch: its run cleared (the next try runs), under the same identity or
+#: another, before or past its deadline; or its conf replayed into another batch DAG.
+AFTER_END = ("clear", "clear-new-identity", "clear-past-deadline", "replay")
+#: The batch DAG of the batch, and the one its conf is replayed into.
+DAG_ID, OTHER_DAG_ID = "vllm_batch_openai", "another_batch_dag"
+SIM_KEY = "s" * 40
+
+
 @dataclass
 class Lifecycle:
-    """What the API user and the clock do to the batch: a cancel at a global step, a deadline in virtual seconds."""
+    """What the API user, the clock and the operators do to the batch.
+
+    :param cancel_at_step: the global step of a cancel, if any.
+    :param deadline_s: the deadline in virtual seconds, if any.
+    :param new_identity_from_try: every try from this number on runs another vLLM (another run identity).
+    :param after_end: what happens once the task succeeded (one of :data:`AFTER_END`), if anything.
+    """
 
     cancel_at_step: int | None
     deadline_s: float | None
+    new_identity_from_try: int | None = None
+    after_end: str | None = None
 
     def describe(self) -> str:
-        return f"cancel at step {self.cancel_at_step}, deadline {self.deadline_s} virtual s"
+        return (
+            f"cancel at step {self.cancel_at_step}, deadline {self.deadline_s} virtual s, "
+            f"new identity from try {self.new_identity_from_try}, after the end: {self.after_end}"
+        )
 
 
 def make_lifecycle(seed: int) -> Lifecycle:
@@ -83,7 +122,11 @@ def make_lifecycle(seed: int) -> Lifecycle:
     deadline = None
     if rng.random() < 0.4:
         deadline = 0.0 if rng.random() < 0.15 else rng.uniform(1, 400)
-    return Lifecycle(cancel, deadline)
+    # Drawn from a generator of their own: the schedules above stay what they were.
+    more = random.Random(f"lifecycle-more-{seed}")
+    new_identity = more.randint(2, 3) if more.random() < 0.3 else None
+    after_end = more.choice(AFTER_END) if more.random() < 0.5 else None
+    return Lifecycle(cancel, deadline, new_identity, after_end)
 
 
 class StoppableProcess(SimRunnerProcess):
@@ -141,6 +184,14 @@ class LifecycleWorld(World):
         self.lifecycle = lifecycle
         #: Virtual time of the cancel request, once written.
         self.cancel_asked_at: float | None = None
+        #: Virtual seconds the wall clock is ahead of the scheduler's (a clear long after the deadline).
+        self.clock_ahead_s = 0.0
+        #: The batch's published objects (key -> bytes) when its task first succeeded, and that try's manifest.
+        self.ended: dict[str, bytes | None] | None = None
+        self.ended_manifest: Any = None
+        #: The first try of the clear (every later try of run-1 is the clear's too), and whether the replay was refused.
+        self.cleared_from: int | None = None
+        self.replay_refused: bool | None = None
         super().__init__(plan, workdir)
 
     def _settings_values(self) -> dict[str, Any]:
@@ -167,24 +218,139 @@ class LifecycleWorld(World):
         )
         return OpenAIBatchOperator.stop_condition(operator)  # type: ignore[arg-type]
 
+    def operator_view(self) -> Any:
+        """The batch task as its methods see it, on this world's S3: the signed input version is the first input's ETag."""
+        return SimpleNamespace(
+            hook=self.hook,
+            batch=SimpleNamespace(input_version=next(iter(self.inputs))),
+            output_uri=self.output_uri,
+            error_uri=self.error_uri,
+            log=logging.getLogger("sim.task"),
+        )
+
+    def run_callbacks(self) -> dict[str, Any]:
+        """What the batch task tells its run (OpenAIBatchOperator.run_callbacks): its stop condition, write once; no progress record."""
+        view = SimpleNamespace(stop_condition=self.stop_condition, write_progress=None)
+        callbacks = OpenAIBatchOperator.run_callbacks(view)  # type: ignore[arg-type]
+        return {**callbacks, "on_checkpoint": None}
+
+    def now(self) -> float:
+        """The wall clock the stop condition reads."""
+        return EPOCH + self.scheduler.now + self.clock_ahead_s
+
     def run_try(self, state: TryState) -> None:
         if state.label.startswith("prior/"):
             return super().run_try(state)
-        log = logging.getLogger("sim.task")
-        settings = BatchSettings.from_rendered(**self.settings_values)
-        engine = settings.engine.engine_class()(settings, log)
-        engine.world = self  # type: ignore[attr-defined]
+        if state.run == "run-2":
+            return self.replay(state)
+        upgraded = self.lifecycle.new_identity_from_try
+        cleared_upgraded = self.lifecycle.after_end == "clear-new-identity" and any(
+            t is state for t in self.after_end_tries()
+        )
         task = TaskTry(
-            dag_id="sim",
+            dag_id=DAG_ID,
             run_id="run-1",
             task_id="batch",
             map_index=-1,
             try_number=state.number,
             last_try=state.number >= self.plan.max_tries,
         )
+        self.run_batch_task(
+            state, task, (upgraded is not None and state.number >= upgraded) or cleared_upgraded
+        )
+
+    def run_batch_task(self, state: TryState, task: TaskTry, upgraded: bool) -> None:
+        """What the batch task does once it bound the batch: its first look for an ended batch, then the run.
+
+        :param upgraded: whether this try's worker runs another vLLM (another run identity).
+        """
+        log = logging.getLogger("sim.task")
+        ended = OpenAIBatchOperator.ended_manifest(self.operator_view())  # type: ignore[arg-type]
+        if ended is not None:
+            state.outcome = BatchOutcome(Manifest.from_dict(ended), resumed=True)
+            return
+        values = self.settings_values
+        if upgraded:
+            # Another vLLM on this worker: the engine's flags change the run identity (as its version would).
+            engine = values["engine"]
+            values = {**values, "engine": dataclasses.replace(engine, args=[*engine.args, "--seed", "7"])}
+        settings = BatchSettings.from_rendered(**values)
+        sim_engine = settings.engine.engine_class()(settings, log)
+        sim_engine.world = self  # type: ignore[attr-defined]
         state.outcome = BatchRun(
-            settings, s3_hook=self.hook, engine=engine, task=task, log=log, stop=self.stop_condition
+            settings, s3_hook=self.hook, engine=sim_engine, task=task, log=log, **self.run_callbacks()
         ).execute()
+
+    def replay(self, state: TryState) -> None:
+        """The batch's conf triggered in another batch DAG: its task verifies the spec first, and must refuse it."""
+        spec = BatchSpec(
+            batch_id="batch_0123456789abcdef",
+            dag_id=DAG_ID,
+            owner="u",
+            input_file_id="file-0123456789",
+            input_version=next(iter(self.inputs)),
+            endpoint="/v1/chat/completions",
+            route="",
+            created_at=EPOCH,
+            window_s=86400,
+        )
+        try:
+            BatchSpec.verified(spec.sign(SIM_KEY), spec.batch_id, SIM_KEY, OTHER_DAG_ID)
+        except (ForgedBatchError, ConfigurationError) as err:
+            # Refused for the right reason, its DAG (a refusal for anything else would hide a DAG not checked).
+            self.replay_refused = f"not for {OTHER_DAG_ID!r}" in str(err)
+            raise
+        self.replay_refused = False
+        # Not refused: the other DAG's batch task runs it, with its own engine (another identity).
+        task = TaskTry(
+            dag_id=OTHER_DAG_ID,
+            run_id=spec.batch_id,
+            task_id="batch",
+            map_index=-1,
+            try_number=1,
+            last_try=True,
+        )
+        self.run_batch_task(state, task, upgraded=True)
+
+    def try_ended(self, actor: Any, error: BaseException | None) -> None:
+        super().try_ended(actor, error)
+        state: TryState = actor.owner
+        after = self.lifecycle.after_end
+        if state.run != "run-1" or self.final != "success" or self.ended is not None or after is None:
+            return
+        # The batch ended: what it published must never change.
+        self.ended = self.published_objects()
+        self.ended_manifest = state.outcome.manifest if state.outcome is not None else None
+        if after == "replay":
+            self.start_try(1, "run-2")
+            return
+        if after == "clear-past-deadline":
+            if self.lifecycle.deadline_s is None:
+                self.lifecycle.deadline_s = self.scheduler.now
+            self.clock_ahead_s = 25 * 3600
+        self.cleared_from = state.number + 1
+        self.start_try(self.cleared_from)
+
+    def after_end_tries(self) -> list[TryState]:
+        """The tries of the clear (run-1's tries from its first on), and the replay's."""
+        return [
+            t
+            for t in self.tries
+            if (t.run == "run-1" and self.cleared_from is not None and t.number >= self.cleared_from)
+            or t.run == "run-2"
+        ]
+
+    def published_objects(self) -> dict[str, bytes | None]:
+        objects = self.s3.buckets[BUCKET]
+        keys = [
+            self.output_uri,
+            self.error_uri or default_error_uri(self.output_uri),
+            manifest_uri(self.output_uri),
+        ]
+        return {
+            key: (objects[key].body if key in objects else None)
+            for key in (uri.split("/", 3)[3] for uri in keys)
+        }
 
     def on_step(self, actor: Any) -> None:
         super().on_step(actor)
@@ -206,12 +372,15 @@ def run_lifecycle(seed: int, workdir: Path, monkeypatch: pytest.MonkeyPatch) -> 
     plan.engine_faults.pop("wedge", None)  # StoppableProcess does not model a wedged engine
     # Nor any of the schedules that start one (a frozen process beside another run, a user's rewrite then a re-run).
     plan.outside_rewrite = False
+    # The batch's input is the API's copy, written once at create and pinned by the signed ETag: no user rewrites it
+    # (a copy that changed fails the batch task before it runs: test_batch_spec.py), and an ended batch answers it.
+    plan.rewrite_input_at = None
     if plan.target is not None and plan.target[1] == "freeze":
         plan.target, plan.resume_at = None, None
     world = LifecycleWorld(plan, workdir, make_lifecycle(seed))
     with monkeypatch.context() as patch:
         # The virtual clock, for the deadline and the engines' polls (every request, not every 5 s of a clock that does not pass).
-        patch.setattr(batch_dag, "time", SimpleNamespace(time=lambda: EPOCH + world.scheduler.now))
+        patch.setattr(batch_dag, "time", SimpleNamespace(time=world.now))
         patch.setattr(engine_base, "STOP_POLL_S", 0.0)
         patch.setattr(runner_module, "threading", VirtualThreading(world.scheduler))
         with simulation(world):
@@ -248,8 +417,10 @@ def lifecycle_checks(world: LifecycleWorld) -> list[Violation]:
                 "the task succeeded after a stop with no complete manifest",
             )
         )
+    found += ended_batch_checks(world)
     if m is None:
         return found
+    found += answers_of_earlier_identities_checks(world, outcome)
     for uri in (m.output_uri, m.error_uri):
         for raw in (outcome.body(uri) or b"").splitlines():
             line = json.loads(raw)
@@ -290,6 +461,95 @@ def lifecycle_checks(world: LifecycleWorld) -> list[Violation]:
     return found
 
 
+def answers_of_earlier_identities_checks(world: LifecycleWorld, outcome: Outcome) -> list[Violation]:
+    """``Lifecycle/earlier-identity-answer-dropped``: a stopped batch publishes the answers another identity made durable.
+
+    Durability for a write-once output: a final answer in the staging of another run identity (a try
+    before a vLLM upgrade), written before the publishing try began, is published as an answer, not as
+    ``batch_<status>``.
+    """
+    m = outcome.complete
+    if m is None or m.status not in ("cancelled", "expired"):
+        return []
+    publisher = next(
+        (
+            t
+            for t in world.tries
+            if t.outcome is not None
+            and not t.outcome.resumed
+            and t.outcome.manifest.fingerprint == m.fingerprint
+        ),
+        None,
+    )
+    if publisher is None:
+        return []
+    first = next((i for i, x in enumerate(world.s3.mutations) if x.try_label == publisher.label), None)
+    root = world.output_uri.split("/", 3)[3] + ".staging/"
+    wanted = first_input(world)
+    earlier: set[str] = set()
+    for x in world.s3.mutations[:first]:
+        # The answer cache's staged hits are the cache's, not a run's: another identity's are not kept (a limit, docs).
+        if (
+            x.key.startswith(root)
+            and x.body is not None
+            and not x.key[len(root) :].startswith(m.fingerprint[:16])
+            and not x.key.endswith(CACHED_RESULTS)
+        ):
+            earlier |= durable_answers(x.body, wanted)
+    dropped = sorted(
+        line["custom_id"]
+        for line in map(json.loads, (outcome.body(m.error_uri) or b"").splitlines())
+        if line.get("response") is None
+        and (line.get("error") or {}).get("code") == f"batch_{m.status}"
+        and line["custom_id"] in earlier
+    )
+    if not dropped:
+        return []
+    return [
+        Violation(
+            "Lifecycle/earlier-identity-answer-dropped",
+            f"answered durably under another identity, published as batch_{m.status}: {dropped}",
+        )
+    ]
+
+
+def ended_batch_checks(world: LifecycleWorld) -> list[Violation]:
+    """``Lifecycle/ended-batch-changed``: what an ended batch published never changes, whatever happened to it since."""
+    if world.ended is None:
+        return []
+    found = []
+    now = world.published_objects()
+    changed = sorted(key for key, body in world.ended.items() if now.get(key) != body)
+    if changed:
+        found.append(
+            Violation(
+                "Lifecycle/ended-batch-changed",
+                f"{world.lifecycle.after_end} after the batch ended changed {changed}",
+            )
+        )
+    for t in world.after_end_tries():
+        if (
+            t.outcome is not None
+            and world.ended_manifest is not None
+            and t.outcome.manifest != world.ended_manifest
+        ):
+            found.append(
+                Violation(
+                    "Lifecycle/ended-batch-changed",
+                    f"{t.label} returned another manifest than the batch's ending",
+                )
+            )
+            break
+    if world.lifecycle.after_end == "replay" and world.ended is not None and world.replay_refused is not True:
+        found.append(
+            Violation(
+                "Lifecycle/ended-batch-changed",
+                f"the conf replayed into {OTHER_DAG_ID} was not refused for its DAG (refused: {world.replay_refused})",
+            )
+        )
+    return found
+
+
 def test_no_lifecycle_schedule_violates_an_invariant(tmp_path, monkeypatch, sim_seed):
     seeds = [sim_seed] if sim_seed is not None else range(SCHEDULES)
     failing: dict[int, list[str]] = {}
@@ -317,3 +577,4 @@ def test_no_lifecycle_schedule_violates_an_invariant(tmp_path, monkeypatch, sim_
     # The search reached every way a batch ends, or it proves nothing about them.
     if sim_seed is None and SCHEDULES >= 200:
         assert {"completed", "cancelled", "expired"} <= set(statuses), statuses
+        assert {make_lifecycle(seed).after_end for seed in seeds} >= set(AFTER_END)

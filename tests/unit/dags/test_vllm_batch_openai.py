@@ -19,3 +19,9 @@ def test_the_batch_dag_parses_with_no_location_templated_from_the_conf():
     assert task.input_uri == task.output_uri == task.failure_uri == UNBOUND
     assert dag.schedule is None
     assert dag.fileloc == str(DAG_FILE)
+
+
+def test_the_example_batch_dag_runs_on_the_gpu_queue_with_retries():
+    task = DagBag(dag_folder=str(DAG_FILE)).dags[DEFAULT_BATCH_DAG_ID].get_task(TASK_ID)
+    assert task.queue == "gpu"
+    assert task.retries == 2

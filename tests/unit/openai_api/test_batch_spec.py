@@ -14,8 +14,10 @@ from airflow_vllm_batch.openai_api.files import FileStore
 from airflow_vllm_batch.version_compat import AirflowFailException
 from tests.unit.openai_api.conftest import FILES_URI, KEY
 
+DAG = "vllm_batch_openai"
 SPEC = BatchSpec(
     batch_id="batch_abcdefab",
+    dag_id=DAG,
     owner="alice",
     input_file_id="file-0123456789",
     input_version="0f0f0f",
@@ -26,8 +28,8 @@ SPEC = BatchSpec(
 )
 
 
-def run(conf, run_id=SPEC.batch_id):
-    return {"dag_run": SimpleNamespace(conf=conf, run_id=run_id)}
+def run(conf, run_id=SPEC.batch_id, dag_id=DAG):
+    return {"dag_run": SimpleNamespace(conf=conf, run_id=run_id, dag_id=dag_id)}
 
 
 class NoS3:
@@ -44,7 +46,7 @@ def operator(monkeypatch):
 
 
 def test_a_signed_spec_verifies_for_its_own_run_and_says_when_it_expires():
-    assert BatchSpec.verified(SPEC.sign(KEY), SPEC.batch_id, KEY) == SPEC
+    assert BatchSpec.verified(SPEC.sign(KEY), SPEC.batch_id, KEY, DAG) == SPEC
     assert SPEC.expires_at == 1_800_000_000 + 86400
 
 
@@ -59,12 +61,13 @@ def test_a_signed_spec_verifies_for_its_own_run_and_says_when_it_expires():
         ("created_at", 1_900_000_000),
         ("window_s", 10 * 86400),
         ("batch_id", "batch_00000000"),
+        ("dag_id", "another_batch_dag"),
     ],
 )
 def test_an_edited_field_fails_the_signature(field, value):
     conf = {**SPEC.sign(KEY), field: value}
     with pytest.raises(ForgedBatchError, match="signature does not match"):
-        BatchSpec.verified(conf, conf["batch_id"], KEY)
+        BatchSpec.verified(conf, conf["batch_id"], KEY, DAG)
 
 
 @pytest.mark.parametrize(
@@ -81,14 +84,22 @@ def test_an_edited_field_fails_the_signature(field, value):
 )
 def test_a_conf_the_api_did_not_sign_is_refused_saying_why(conf, why):
     with pytest.raises(ForgedBatchError, match=why):
-        BatchSpec.verified(conf, SPEC.batch_id, KEY)
+        BatchSpec.verified(conf, SPEC.batch_id, KEY, DAG)
 
 
 def test_a_spec_signed_with_another_key_or_for_another_run_is_refused():
     with pytest.raises(ForgedBatchError, match="signature does not match"):
-        BatchSpec.verified(SPEC.sign("x" * 40), SPEC.batch_id, KEY)
+        BatchSpec.verified(SPEC.sign("x" * 40), SPEC.batch_id, KEY, DAG)
     with pytest.raises(ForgedBatchError, match="not for this run 'batch_ffffffff'"):
-        BatchSpec.verified(SPEC.sign(KEY), "batch_ffffffff", KEY)
+        BatchSpec.verified(SPEC.sign(KEY), "batch_ffffffff", KEY, DAG)
+
+
+def test_a_spec_replayed_into_another_batch_dag_is_refused():
+    """Another DAG built with openai_batch_dag (a staging DAG, a leftover after a rename) runs none of this DAG's batches."""
+    with pytest.raises(
+        ForgedBatchError, match="signed for the batch DAG 'vllm_batch_openai', not for 'team_b_batches'"
+    ):
+        BatchSpec.verified(SPEC.sign(KEY), SPEC.batch_id, KEY, "team_b_batches")
 
 
 def test_the_locations_are_derived_from_the_files_uri_the_owner_and_the_ids_as_the_api_keeps_them():
@@ -149,6 +160,8 @@ def test_the_batch_task_binds_a_signed_batch_to_its_derived_locations(operator):
         ),
         ({**SPEC.sign(KEY), "owner": "mallory"}, SPEC.batch_id),
         (SPEC.sign(KEY), "manual__2026-11-27T19:00:00"),
+        # The same run id and conf, triggered in another DAG built with openai_batch_dag (review 2.1).
+        (SPEC.sign(KEY), (SPEC.batch_id, "team_b_batches")),
         (
             dataclasses.replace(SPEC, batch_id="batch_0000000000").sign(
                 "not the deployment's key, but long enough"
@@ -158,8 +171,9 @@ def test_the_batch_task_binds_a_signed_batch_to_its_derived_locations(operator):
     ],
 )
 def test_a_hand_made_or_edited_run_fails_before_any_read_or_write_without_retry(operator, conf, run_id):
+    run_id, dag_id = run_id if isinstance(run_id, tuple) else (run_id, DAG)
     with pytest.raises(AirflowFailException, match="nothing was read or written"):
-        operator.execute(run(conf, run_id))
+        operator.execute(run(conf, run_id, dag_id))
     assert operator.batch is None
     assert operator.output_uri == operator.failure_uri == UNBOUND
 
@@ -171,10 +185,15 @@ def test_a_batch_task_other_than_its_route_refuses_it(operator):
 
 def test_the_route_task_follows_the_verified_route_only():
     routed = dataclasses.replace(SPEC, route="vllm_batch__qwen")
-    assert _chosen_route(SimpleNamespace(conf=routed.sign(KEY), run_id=SPEC.batch_id)) == "vllm_batch__qwen"
+    assert (
+        _chosen_route(SimpleNamespace(conf=routed.sign(KEY), run_id=SPEC.batch_id, dag_id=DAG))
+        == "vllm_batch__qwen"
+    )
     with pytest.raises(AirflowFailException, match="signature does not match"):
         _chosen_route(
-            SimpleNamespace(conf={**routed.sign(KEY), "route": "vllm_batch__llama"}, run_id=SPEC.batch_id)
+            SimpleNamespace(
+                conf={**routed.sign(KEY), "route": "vllm_batch__llama"}, run_id=SPEC.batch_id, dag_id=DAG
+            )
         )
 
 
@@ -188,13 +207,15 @@ def test_a_missing_or_short_signing_key_is_refused_naming_the_setting(monkeypatc
 def test_the_api_shows_no_run_it_did_not_sign_even_one_naming_the_caller_as_owner():
     from airflow_vllm_batch.openai_api import app as app_module
 
-    assert app_module._batch_spec(SimpleNamespace(conf=SPEC.sign(KEY), run_id=SPEC.batch_id)) == SPEC
+    assert (
+        app_module._batch_spec(SimpleNamespace(conf=SPEC.sign(KEY), run_id=SPEC.batch_id, dag_id=DAG)) == SPEC
+    )
     forged = {k: v for k, v in SPEC.sign(KEY).items() if k != "signature"}
-    assert app_module._batch_spec(SimpleNamespace(conf=forged, run_id=SPEC.batch_id)) is None
+    assert app_module._batch_spec(SimpleNamespace(conf=forged, run_id=SPEC.batch_id, dag_id=DAG)) is None
     with pytest.raises(app_module.OpenAIError) as missing:
         app_module._batch_from_run(
             FileStore(None, "b", "p/"),
-            SimpleNamespace(conf=forged, run_id=SPEC.batch_id, state="failed", end_date=None),
+            SimpleNamespace(conf=forged, run_id=SPEC.batch_id, dag_id=DAG, state="failed", end_date=None),
             [],
         )
     assert missing.value.status_code == 404
@@ -229,6 +250,16 @@ class Head:
             err.response = {"Error": {"Code": "404"}}
             raise err
         return {"ETag": f'"{self.etag}"'}
+
+    def get_object(self, *, Bucket, Key):
+        from botocore.exceptions import ClientError
+
+        raise ClientError(
+            {"Error": {"Code": "NoSuchKey"}}, "GetObject"
+        )  # no manifest: the batch has not ended
+
+    def delete_object(self, *, Bucket, Key):
+        pass
 
     def load_bytes(self, data, key, bucket_name, replace):
         self.written[key] = data

@@ -83,6 +83,7 @@ class ApiBatch:
     def conf(self) -> dict:
         spec = BatchSpec(
             batch_id=BATCH,
+            dag_id="vllm_batch_openai",
             owner=self.OWNER,
             input_file_id="file-0123456789in",
             input_version=self.input_version,
@@ -104,7 +105,7 @@ class ApiBatch:
         context = {
             "ti": FakeTI(try_number=try_number, run_id=BATCH),
             "outlet_events": {},
-            "dag_run": SimpleNamespace(run_id=BATCH, conf=self.conf),
+            "dag_run": SimpleNamespace(run_id=BATCH, dag_id="vllm_batch_openai", conf=self.conf),
         }
         return operator.execute(context)
 

@@ -24,6 +24,7 @@ def api(s3, bucket, monkeypatch):
     store = FileStore(s3.client(), bucket, "p/")
     spec = BatchSpec(
         batch_id=BATCH,
+        dag_id="vllm_batch_openai",
         owner="alice",
         input_file_id="file-0123456789",
         input_version="0f0f",
@@ -41,7 +42,10 @@ def api(s3, bucket, monkeypatch):
         "error_file_id": spec.error_file_id,
     }
     state = SimpleNamespace(
-        run=SimpleNamespace(run_id=BATCH, conf=conf, state="running", end_date=None), tis=[]
+        run=SimpleNamespace(
+            run_id=BATCH, dag_id="vllm_batch_openai", conf=conf, state="running", end_date=None
+        ),
+        tis=[],
     )
     monkeypatch.setattr(app_module, "_settings", lambda: OpenAIApiSettings(files_uri=f"s3://{bucket}/p/"))
     monkeypatch.setattr(app_module, "_store", lambda settings: store)
@@ -141,3 +145,18 @@ def test_live_counts_come_from_the_progress_record(api):
     assert batch["status"] == "in_progress"
     assert batch["request_counts"]["completed"] == 5
     assert batch["request_counts"]["failed"] == 1
+
+
+@pytest.mark.parametrize(("status", "deleted"), [("expired", "err"), ("cancelled", "err"), (None, "out")])
+def test_an_ended_batch_keeps_its_status_counts_and_file_ids_when_its_owner_deletes_a_result_file(
+    api, status, deleted
+):
+    publish(api, status)
+    api.state.run.state = "success"
+    before = api.http.get(f"/batches/{BATCH}").json()
+    uri = api.where.error_uri if deleted == "err" else api.where.output_uri
+    api.client.delete_object(Bucket=api.bucket, Key=key(uri))  # what DELETE /files/{id} does to its content
+    after = api.http.get(f"/batches/{BATCH}").json()
+    assert after == before
+    assert after["status"] == (status or "completed")
+    assert after["request_counts"] == {"total": 2, "completed": 1, "failed": 1}

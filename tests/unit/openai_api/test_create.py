@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 from airflow.api_fastapi.core_api.security import get_user
@@ -55,7 +56,7 @@ def test_a_batch_runs_its_own_copy_of_the_input_whatever_happens_to_the_file_aft
     file_id = _upload(client)
     batch = _create(client, file_id)
     batch_id, conf = triggered[0]
-    spec = BatchSpec.verified(conf, batch_id, KEY)
+    spec = BatchSpec.verified(conf, batch_id, KEY, "vllm_batch_openai")
     pinned = store.client.get_object(Bucket=store.bucket, Key=store.batch_input_key(batch_id))
     assert pinned["Body"].read() == LINES
     assert pinned["ETag"].strip('"') == spec.input_version
@@ -79,11 +80,35 @@ def test_a_batch_runs_conf_holds_the_signed_spec_and_no_location_or_metadata(api
     assert "metadata" not in conf
     assert "s3://" not in json.dumps(conf)
     assert "search" not in json.dumps(conf)
-    assert BatchSpec.verified(conf, batch_id, KEY).owner == "alice"
+    assert BatchSpec.verified(conf, batch_id, KEY, "vllm_batch_openai").owner == "alice"
     assert batch["metadata"] == {"team": "search", "secret-project": "x"}
     assert store.get_json(store.batch_record_key(batch_id)) == {
-        "metadata": {"team": "search", "secret-project": "x"}
+        "metadata": {"team": "search", "secret-project": "x"},
+        "completion_window": "24h",
+        "total": 1,
     }
+
+
+def test_a_batch_shows_its_signed_spec_and_the_apis_record_not_fields_added_to_its_conf(api, monkeypatch):
+    """A run re-triggered with the signed conf plus fields of its own (a longer window, another count): none is shown."""
+    client, store, triggered = api
+    batch = _create(client, _upload(client))
+    batch_id, conf = triggered[0]
+    padded = {
+        **conf,
+        "completion_window": "72h",
+        "total": 999,
+        "model": "gpt-x",
+        "output_file_id": "file-mine",
+    }
+    run = SimpleNamespace(
+        run_id=batch_id, dag_id="vllm_batch_openai", conf=padded, state="queued", end_date=None
+    )
+    shown = app_module._batch_from_run(store, run, [])
+    for field in ("completion_window", "expires_at", "request_counts", "model"):
+        assert shown[field] == batch[field], field
+    assert shown["completion_window"] == "24h"
+    assert shown["request_counts"]["total"] == 1
 
 
 def test_without_a_signing_key_no_batch_is_created(api, monkeypatch):

@@ -155,6 +155,8 @@ def test_the_batch_task_records_a_mistake_it_fails_without_retries(monkeypatch):
     recorded = []
     monkeypatch.setattr(OpenAIBatchOperator, "record_failure", lambda self, record: recorded.append(record))
     monkeypatch.setattr(OpenAIBatchOperator, "_bind_batch", lambda self, context: None)
+    monkeypatch.setattr(OpenAIBatchOperator, "ended_manifest", lambda self: None)
+    monkeypatch.setattr(OpenAIBatchOperator, "clear_failure_record", lambda self: None)
     monkeypatch.setattr(OpenAIBatchOperator, "_check_pinned_input", lambda self: None)
     op = OpenAIBatchOperator(task_id="t", model="m")
     with pytest.raises(AirflowFailException):

@@ -144,9 +144,10 @@ def test_a_batch_of_a_configured_model_runs_on_its_task(create):
     answer = post(line("llama/70b"), line("llama/70b", "b"))
     assert answer.status_code == 200, answer.text
     assert answer.json()["model"] == "llama/70b"
-    assert (triggered[0]["model"], triggered[0]["route"]) == ("llama/70b", "vllm_batch__llama_70b")
+    assert triggered[0]["route"] == "vllm_batch__llama_70b"
     assert (
-        app_module.BatchSpec.verified(triggered[0], answer.json()["id"], KEY).route == "vllm_batch__llama_70b"
+        app_module.BatchSpec.verified(triggered[0], answer.json()["id"], KEY, "vllm_batch_openai").route
+        == "vllm_batch__llama_70b"
     )
 
 
@@ -156,7 +157,7 @@ def test_a_routed_batch_is_validating_until_its_model_task_runs_whatever_the_rou
     store = FileStore(None, "b", "p/")
     store.get_json = lambda key: None
     conf = dataclasses.replace(SPEC, route="vllm_batch__qwen").sign(KEY)
-    run = NS(run_id="batch_abcdefab", conf=conf, state="running", end_date=None)
+    run = NS(run_id="batch_abcdefab", dag_id="vllm_batch_openai", conf=conf, state="running", end_date=None)
     routed = [
         NS(task_id="route", state="success", start_date=None, end_date=None),
         NS(task_id="vllm_batch__qwen", state="scheduled", start_date=None, end_date=None),
@@ -176,14 +177,10 @@ def test_a_publishs_tombstone_at_the_manifest_key_is_no_published_output():
     tombstone = json.loads(Tombstone("0" * 32, output_uri, "f" * 64).to_json())
     store = FileStore(None, "b", "p/")
     manifest_key = manifest_uri(output_uri).split("/", 3)[3]
-    store.get_json = lambda key: tombstone if key == manifest_key else None
-    conf = {
-        **dataclasses.replace(SPEC, route="vllm_batch__qwen").sign(KEY),
-        "output_file_id": "file-out",
-        "error_file_id": "file-err",
-        "model": "qwen",
-    }
-    run = NS(run_id="batch_abcdefab", conf=conf, state="running", end_date=None)
+    records = {manifest_key: tombstone, store.batch_record_key(SPEC.batch_id): {"model": "qwen"}}
+    store.get_json = records.get
+    conf = dataclasses.replace(SPEC, route="vllm_batch__qwen").sign(KEY)
+    run = NS(run_id="batch_abcdefab", dag_id="vllm_batch_openai", conf=conf, state="running", end_date=None)
     tis = [NS(task_id="vllm_batch__qwen", state="success", start_date=None, end_date=None)]
     batch = app_module._batch_from_run(store, run, tis)
     assert (batch["output_file_id"], batch["error_file_id"], batch["usage"], batch["model"]) == (

@@ -17,6 +17,7 @@ CONF = {
     "completion_window": "24h",
     "metadata": {"team": "search"},
     "created_at": CREATED,
+    "window_s": 86400,
     "total": 3,
     "output_file_id": "file-abcdefabout",
     "error_file_id": "file-abcdefaberr",
@@ -30,6 +31,11 @@ MANIFEST = {
     "model": "m",
 }
 NOW = CREATED + 60
+UNSERVED = {
+    **MANIFEST,
+    "request_counts": {"total": 3, "completed": 0, "failed": 3},
+    "failed_by_reason": {"not_found": 3},
+}
 
 
 @pytest.mark.parametrize(
@@ -62,10 +68,24 @@ NOW = CREATED + 60
         ),
         (BatchDagRun(CONF, "success", ["success"], manifest={**MANIFEST, "status": "expired"}), "expired"),
         (BatchDagRun(CONF, "failed", ["failed"], manifest=MANIFEST), "completed"),
-        # The task failed after publishing and said why (a model that does not serve the endpoint).
+        # Every request 404 (a model that does not serve the endpoint): failed from the publish on, not
+        # "completed" until the task fails and writes its record.
+        (BatchDagRun(CONF, "running", ["running"], task_start=T, manifest=UNSERVED), "failed"),
         (
             BatchDagRun(
-                CONF, "failed", ["failed"], manifest=MANIFEST, failure={"stage": "run", "errors": []}
+                CONF, "failed", ["failed"], manifest=UNSERVED, failure={"stage": "run", "errors": []}
+            ),
+            "failed",
+        ),
+        # A batch that failed for good (preflight, say) after a cancel was asked: failed, saying why.
+        (
+            BatchDagRun(
+                CONF,
+                "failed",
+                ["failed"],
+                run_end=T,
+                failure={"stage": "preflight", "errors": []},
+                cancelling_at=CREATED + 5,
             ),
             "failed",
         ),
@@ -75,10 +95,40 @@ def test_status_follows_the_run(run, status):
     assert batch_status(run, NOW) == status
 
 
-def test_a_run_failed_after_its_window_without_a_failure_record_is_expired():
-    run = BatchDagRun(CONF, "failed", ["failed"], run_end=T)
-    assert batch_status(run, CREATED + 24 * 3600) == "expired"
-    assert batch_status(run, CREATED + 24 * 3600 - 1) == "failed"
+def test_a_run_that_ended_failed_after_its_window_without_a_failure_record_is_expired():
+    late = datetime.fromtimestamp(CREATED + 24 * 3600, tz=timezone.utc)
+    assert batch_status(BatchDagRun(CONF, "failed", ["failed"], run_end=late), NOW) == "expired"
+
+
+@pytest.mark.parametrize("failure", [None, {"stage": "run", "errors": []}])
+def test_a_failed_batch_stays_failed_when_the_clock_passes_its_expires_at(failure):
+    run = BatchDagRun(CONF, "failed", ["failed"], task_start=T, task_end=T, run_end=T, failure=failure)
+    assert batch_status(run, NOW) == "failed"
+    assert batch_status(run, CREATED + 30 * 24 * 3600) == "failed"
+    assert batch_object("batch_abcdefab", run, CREATED + 30 * 24 * 3600)["failed_at"] == int(T.timestamp())
+
+
+@pytest.mark.parametrize("tis", [[], ["scheduled"], ["queued"]])
+def test_a_batch_still_queued_when_its_window_passes_is_expired(tis):
+    run = BatchDagRun(CONF, "queued" if not tis else "running", tis)
+    assert batch_status(run, CREATED + 86400 - 1) == "validating"
+    assert batch_status(run, CREATED + 86400) == "expired"
+
+
+def test_the_window_and_expiry_are_the_signed_ones_not_the_confs_display_fields():
+    """``completion_window`` in the conf is unsigned: a re-triggered conf could say 72h; ``window_s`` is signed."""
+    conf = {**CONF, "completion_window": "72h"}
+    batch = batch_object("batch_abcdefab", BatchDagRun(conf, "queued"), CREATED + 86400)
+    assert batch["expires_at"] == CREATED + 86400
+    assert batch["completion_window"] == "24h"
+    assert batch["status"] == "expired"
+
+
+def test_a_batch_failed_because_its_model_does_not_serve_the_endpoint_says_so_before_its_record_is_written():
+    run = BatchDagRun(CONF, "running", ["running"], task_start=T, manifest=UNSERVED)
+    batch = Batch.model_validate(batch_object("batch_abcdefab", run, NOW))
+    assert batch.status == "failed"
+    assert [e.code for e in batch.errors.data] == ["endpoint_not_served"]
 
 
 def test_a_completed_batch_names_its_output_and_error_files_and_counts():

@@ -39,8 +39,8 @@ def run(argv: list[str], **kwargs) -> subprocess.CompletedProcess:
 
 
 def user_env(home: Path, **extra: str) -> dict[str, str]:
-    """A user's environment: none of the test session's Airflow settings nor its PYTHONPATH."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "VLLM_", "PYTHON"))}
+    """A user's environment: none of the test session's Airflow settings, PYTHONPATH or pytest options."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "VLLM_", "PYTHON", "PYTEST_"))}
     return {**env, "AIRFLOW_HOME": str(home), "AIRFLOW__CORE__LOAD_EXAMPLES": "False", **extra}
 
 

@@ -1,7 +1,7 @@
 """A batch that yields to interactive users, against one real vLLM server (CPU, tiny model) run with ``--scheduling-policy priority``.
 
-One server for the module, started with ``--max-num-seqs 16`` so that a queue forms on
-a CPU: the batch's priority reaches it (an interactive request sent while the batch's
+The session's warm server of these flags (``warm_vllm``), started with ``--max-num-seqs 16``
+so that a queue forms on a CPU: the batch's priority reaches it (an interactive request sent while the batch's
 requests wait is answered ahead of them, not behind), the bound backs off under a burst
 of interactive requests and grows back after it, and a batch on a connection that does not
 say the server runs priority scheduling sends no priority at all (a recording proxy in

@@ -236,9 +236,11 @@ def batch_object(batch_id: str, run: BatchDagRun, now: float) -> dict[str, Any]:
     if ended_at is None and published:
         # The manifest decides the ending a moment before the task's end is recorded: the batch
         # ended when it published, its try's start plus the manifest's duration.
+        # Without a recorded start the time is unknown: None, never the clock, which would move an
+        # ended batch's time from one read to the next.
         start = _ts(run.task_start)
         ended_at = (
-            start + int(float((run.manifest or {}).get("duration_s") or 0)) if start is not None else int(now)
+            start + int(float((run.manifest or {}).get("duration_s") or 0)) if start is not None else None
         )
     preflight_failed = (run.failure or {}).get("stage") == "preflight"
     started = run.task_start is not None and not preflight_failed

@@ -29,9 +29,10 @@ os.environ["AIRFLOW__CORE__UNIT_TEST_MODE"] = "False"
 os.environ.setdefault("AIRFLOW__LOGGING__LOGGING_LEVEL", "INFO")
 
 #: Modules handed out first when the suite runs on several workers (``make test``: pytest-xdist,
-#: ``--dist loadfile``, so a module's fixtures start once, on one worker). Longest first, as
-#: measured (docs/contributing.md): most of their time waits on builds, a scheduler or an
-#: engine's start, which then overlaps the other worker's tests instead of ending the run.
+#: ``--dist loadfile``, so a module's fixtures start once, on one worker): the compose stack
+#: (its images take 6-13 minutes cold) and the floor (its venv and unit run), then the longest
+#: as measured (docs/contributing.md). Their waits on builds, a scheduler or an engine's start
+#: then overlap the other worker's tests instead of ending the run.
 FIRST = (
     "tests/integration/test_compose_stack.py",
     "tests/integration/test_floor_wheel.py",

@@ -35,7 +35,7 @@ from airflow_vllm_batch.openai_api.status import endpoint_not_served, window_sec
 from airflow_vllm_batch.operators.task_try import task_try
 from airflow_vllm_batch.operators.vllm_batch import VLLMBatchOperator
 from airflow_vllm_batch.storage.publishing import OutputStore
-from airflow_vllm_batch.storage.s3 import open_uri_lines
+from airflow_vllm_batch.storage.s3 import head_etag, open_uri_lines
 from airflow_vllm_batch.version_compat import AirflowFailException
 
 if TYPE_CHECKING:
@@ -189,13 +189,7 @@ class OpenAIBatchOperator(VLLMBatchOperator):
         assert self.batch is not None
         assert self.input_uri is not None  # bound with the batch
         bucket, _, key = self.input_uri.removeprefix("s3://").partition("/")
-        try:
-            etag = self.hook.get_conn().head_object(Bucket=bucket, Key=key)["ETag"].strip('"')
-        except Exception as err:
-            code = str(getattr(err, "response", {}).get("Error", {}).get("Code", ""))
-            if code not in ("404", "NoSuchKey", "NotFound"):
-                raise
-            etag = None
+        etag = head_etag(self.hook.get_conn(), bucket, key)
         if etag != self.batch.input_version:
             raise InputNotFoundError(
                 f"The batch's copy of its input file ({self.batch.input_file_id}) is {'gone' if etag is None else 'not the one made at create'}: "

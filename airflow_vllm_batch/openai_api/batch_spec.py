@@ -21,7 +21,7 @@ from typing import Any
 
 from airflow_vllm_batch.exceptions import ConfigurationError, VLLMBatchError
 from airflow_vllm_batch.openai_api.access import owner_key
-from airflow_vllm_batch.openai_api.files import BATCH_ID, FILE_ID, result_file_ids
+from airflow_vllm_batch.openai_api.files import BATCH_ID, FILE_ID, FileStore, result_file_ids
 
 #: The conf key of the signature; its value starts with the scheme's version.
 SIGNATURE = "signature"
@@ -165,21 +165,20 @@ class BatchSpec:
         return result_file_ids(self.batch_id)[1]
 
     def locations(self, files_uri: str) -> BatchLocations:
-        """Every object of this batch, derived from ``openai_files_uri``, the owner and the ids (the layout of :mod:`.files`).
+        """Every object of this batch, derived from ``openai_files_uri``, the owner and the ids (the layout of :class:`~.files.FileStore`).
 
         :param files_uri: ``[vllm_batch] openai_files_uri``.
         """
-        root = files_uri if files_uri.endswith("/") else files_uri + "/"
-        user = f"{root}files/{owner_key(self.owner)}/"
-        batch = f"{root}batches/{self.batch_id}"
+        layout = FileStore.layout(files_uri)
+        owner, batch = owner_key(self.owner), self.batch_id
         return BatchLocations(
-            input_uri=f"{batch}.input.jsonl",
-            output_uri=f"{user}{self.output_file_id}.jsonl",
-            error_uri=f"{user}{self.error_file_id}.jsonl",
-            failure_uri=f"{batch}.failure.json",
-            cancel_uri=f"{batch}.cancel.json",
-            progress_uri=f"{batch}.progress.json",
-            record_uri=f"{batch}.json",
+            input_uri=layout.uri(layout.batch_input_key(batch)),
+            output_uri=layout.uri(layout.content_key(owner, self.output_file_id)),
+            error_uri=layout.uri(layout.content_key(owner, self.error_file_id)),
+            failure_uri=layout.uri(layout.failure_key(batch)),
+            cancel_uri=layout.uri(layout.cancel_key(batch)),
+            progress_uri=layout.uri(layout.progress_key(batch)),
+            record_uri=layout.uri(layout.batch_record_key(batch)),
         )
 
 

@@ -170,6 +170,12 @@ class LineCounter:
         return self.newlines + (0 if self.last == 10 else 1)
 
 
+def split_files_uri(files_uri: str) -> tuple[str, str]:
+    """The bucket and the key prefix (empty or ending with ``/``) of ``openai_files_uri``."""
+    bucket, _, key = files_uri.removeprefix("s3://").partition("/")
+    return bucket, key if not key or key.endswith("/") else key + "/"
+
+
 class FileStore:
     """The OpenAI API's objects in S3.
 
@@ -180,6 +186,16 @@ class FileStore:
 
     def __init__(self, client: Any, bucket: str, prefix: str) -> None:
         self.client, self.bucket, self.prefix = client, bucket, prefix
+
+    @classmethod
+    def layout(cls, files_uri: str, client: Any = None) -> FileStore:
+        """The store of ``openai_files_uri`` (``s3://bucket/prefix``); without ``client``, its key layout only.
+
+        The one definition of where the API's objects are: :meth:`BatchSpec.locations
+        <airflow_vllm_batch.openai_api.batch_spec.BatchSpec.locations>` derives a batch's
+        locations from it.
+        """
+        return cls(client, *split_files_uri(files_uri))
 
     # -- keys ------------------------------------------------------------------------
 

@@ -101,7 +101,7 @@ def parse_routes(raw: str | None) -> dict[str, ModelRoute]:
 
 def load_routes() -> dict[str, ModelRoute]:
     """The routes from Airflow's configuration."""
-    from airflow.configuration import conf
+    from airflow_vllm_batch.version_compat import conf
 
     return parse_routes(conf.get("vllm_batch", "openai_models", fallback="") or "")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from airflow_vllm_batch.exceptions import ConfigurationError
+from airflow_vllm_batch.openai_api.files import split_files_uri
 
 SECTION = "vllm_batch"
 #: OpenAI's own limit on a batch input file.
@@ -35,14 +36,12 @@ class OpenAIApiSettings:
 
     @property
     def bucket(self) -> str:
-        return self.files_uri[len("s3://") :].split("/", 1)[0]
+        return split_files_uri(self.files_uri)[0]
 
     @property
     def prefix(self) -> str:
         """The key prefix, empty or ending with ``/``."""
-        rest = self.files_uri[len("s3://") :].split("/", 1)
-        key = rest[1] if len(rest) > 1 else ""
-        return key if not key or key.endswith("/") else key + "/"
+        return split_files_uri(self.files_uri)[1]
 
 
 def load_settings() -> OpenAIApiSettings:
@@ -50,7 +49,7 @@ def load_settings() -> OpenAIApiSettings:
 
     :raises ConfigurationError: ``openai_files_uri`` is missing or not an ``s3://`` URI, or the size limit is not a positive integer.
     """
-    from airflow.configuration import conf
+    from airflow_vllm_batch.version_compat import conf
 
     files_uri = conf.get(SECTION, "openai_files_uri", fallback="") or ""
     if not files_uri.startswith("s3://") or len(files_uri) <= len("s3://") or files_uri[5] == "/":
@@ -82,7 +81,7 @@ def load_completion_windows() -> tuple[str, ...]:
 
     :raises ConfigurationError: a window is not a whole number of hours or days.
     """
-    from airflow.configuration import conf
+    from airflow_vllm_batch.version_compat import conf
 
     return parse_windows(conf.get(SECTION, "openai_completion_windows", fallback="") or "")
 

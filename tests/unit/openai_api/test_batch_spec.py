@@ -245,10 +245,10 @@ class Head:
         return self
 
     def head_object(self, *, Bucket, Key):
+        from botocore.exceptions import ClientError
+
         if self.etag is None:
-            err = Exception("Not Found")
-            err.response = {"Error": {"Code": "404"}}
-            raise err
+            raise ClientError({"Error": {"Code": "404"}}, "HeadObject")
         return {"ETag": f'"{self.etag}"'}
 
     def get_object(self, *, Bucket, Key):

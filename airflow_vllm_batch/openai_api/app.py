@@ -6,10 +6,11 @@ a request without one is answered 401, and asks the auth manager what the user m
 (:mod:`.access`). Errors have OpenAI's shape (``{"error": {"message", "type", "param",
 "code"}}``) so that the SDK raises its own exception classes.
 
-One module because it is one FastAPI app: the Files and the Batches routes share its error
-handlers and error shape, its settings, its store and its access checks, and a batch route
-reads files through the same helpers; the work behind the routes is in the modules it imports
-(:mod:`.files`, :mod:`.status`, :mod:`.routes`, :mod:`.batch_spec`, :mod:`.access`).
+The routes and the error shapes only: the work behind them is in :mod:`.files` (the S3
+layout and uploads), :mod:`.batch_runs` (the batch DAG's runs in Airflow's database),
+:mod:`.batch_view` (what a batch shows), :mod:`.status` (OpenAI's statuses),
+:mod:`.routes` (which engine serves a model), :mod:`.batch_spec` (the signed spec) and
+:mod:`.access` (who may do what).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import asdict
 from functools import lru_cache
 from typing import Any
 
@@ -28,9 +28,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
-from airflow_vllm_batch.exceptions import ConfigurationError
-from airflow_vllm_batch.openai_api.access import may, owner_key, owns
+from airflow_vllm_batch.exceptions import ConfigurationError, ManifestVersionError
+from airflow_vllm_batch.openai_api.access import may, owner_key
+from airflow_vllm_batch.openai_api.batch_runs import BatchRun, Verifier, find_run, trigger_run, user_runs
 from airflow_vllm_batch.openai_api.batch_spec import BatchSpec, ForgedBatchError, signing_key
+from airflow_vllm_batch.openai_api.batch_view import batch_from_run, shown_conf
 from airflow_vllm_batch.openai_api.files import (
     BATCH_ID,
     PART_BYTES,
@@ -42,9 +44,9 @@ from airflow_vllm_batch.openai_api.files import (
     new_batch_id,
     new_file_id,
 )
-from airflow_vllm_batch.openai_api.routes import TASK_ID, load_routes, models_in, route_of
+from airflow_vllm_batch.openai_api.routes import load_routes, models_in, route_of
 from airflow_vllm_batch.openai_api.settings import OpenAIApiSettings, load_settings
-from airflow_vllm_batch.openai_api.status import BatchDagRun, batch_object, batch_status, window_seconds
+from airflow_vllm_batch.openai_api.status import BatchDagRun, batch_object, window_seconds
 from airflow_vllm_batch.storage.s3 import ObjectWriter
 
 log = logging.getLogger(__name__)
@@ -149,6 +151,12 @@ async def _server_error(request: Request, err: Exception) -> JSONResponse:
     log.exception("The OpenAI API failed on %s %s", request.method, request.url.path)
     body = _error_body("The server failed on this request; its log says why. Try again later.", 500)
     return JSONResponse(body, status_code=500, headers={"x-request-id": new_request_id()})
+
+
+@app.exception_handler(ManifestVersionError)
+async def _newer_manifest(request: Request, err: ManifestVersionError) -> JSONResponse:
+    # A batch published by a newer release of the provider than this API server runs: upgrade the server.
+    return JSONResponse(_error_body(str(err), 500), status_code=500)
 
 
 @app.exception_handler(RequestValidationError)
@@ -384,24 +392,7 @@ def create_batch(body: BatchCreate, user: GetUserDep) -> dict[str, Any]:
     except BaseException:
         _forget_batch(store, batch_id)
         raise
-    return batch_object(batch_id, BatchDagRun(conf=_shown_conf(spec, shown), run_state="queued"), time.time())
-
-
-def _shown_conf(spec: BatchSpec, record: dict[str, Any]) -> dict[str, Any]:
-    """What :func:`.status.batch_object` reads of a batch: the verified spec's fields, and the API's record of it.
-
-    The file ids are derived from the batch id; the line count, the model and the window's name
-    come from the record the API wrote at create (a re-triggered conf can change none of them).
-    """
-    return {
-        **asdict(spec),
-        "output_file_id": spec.output_file_id,
-        "error_file_id": spec.error_file_id,
-        "metadata": record.get("metadata") or {},
-        "completion_window": record.get("completion_window"),
-        "total": record.get("total"),
-        "model": record.get("model"),
-    }
+    return batch_object(batch_id, BatchDagRun(conf=shown_conf(spec, shown), run_state="queued"), time.time())
 
 
 def _forget_batch(store: FileStore, batch_id: str) -> None:
@@ -451,14 +442,6 @@ def _signing_key() -> str:
         raise OpenAIError(503, str(err)) from None
 
 
-def _batch_spec(run: Any) -> BatchSpec | None:
-    """The verified spec of a batch run; None for a run the API did not make (triggered by hand, or edited)."""
-    try:
-        return BatchSpec.verified(run.conf, run.run_id, signing_key(), run.dag_id)
-    except (ForgedBatchError, ConfigurationError):
-        return None
-
-
 def _route(store: FileStore, key: str) -> dict[str, str]:
     """The model and batch task of a file's batch, when ``openai_models`` is configured: its lines must name one of them.
 
@@ -483,24 +466,10 @@ def _route(store: FileStore, key: str) -> dict[str, str]:
 
 
 def _trigger(dag_id: str, batch_id: str, conf: dict[str, Any], user_name: str) -> None:
-    from airflow.api.common.trigger_dag import trigger_dag
-    from airflow.exceptions import DagNotFound
-    from airflow.utils.types import DagRunTriggeredByType
-
     try:
-        trigger_dag(
-            dag_id,
-            triggered_by=DagRunTriggeredByType.REST_API,
-            run_id=batch_id,
-            conf=conf,
-            triggering_user_name=user_name,
-        )
-    except DagNotFound:
-        raise OpenAIError(
-            503,
-            f"the batch DAG {dag_id!r} ([vllm_batch] openai_batch_dag_id) is not deployed: put the provider's batch DAG "
-            "in the DAGs folder (see the docs' OpenAI API page)",
-        ) from None
+        trigger_run(dag_id, batch_id, conf, user_name)
+    except ConfigurationError as err:
+        raise OpenAIError(503, str(err)) from None
 
 
 @app.get("/batches")
@@ -512,8 +481,8 @@ def list_batches(
     if not may(user, "GET", settings.batch_dag_id):
         return _page([], None, limit)
     store = _store(settings)
-    runs = _runs(settings.batch_dag_id, user.get_id(), user.get_name(), after, limit + 1)
-    objects = [_batch_from_run(store, run, tis) for run, tis in runs]
+    runs = user_runs(settings.batch_dag_id, user.get_id(), user.get_name(), after, limit + 1, _verifier())
+    objects = [batch_from_run(store, batch, settings.aws_conn_id) for batch in runs]
     return {
         "object": "list",
         "data": objects[:limit],
@@ -527,8 +496,8 @@ def list_batches(
 def retrieve_batch(batch_id: str, user: GetUserDep) -> dict[str, Any]:
     """One of the caller's batches."""
     settings = _settings()
-    run, tis = _own_run(settings, batch_id, user)
-    return _batch_from_run(_store(settings), run, tis, live=True)
+    batch = _own_run(settings, batch_id, user)
+    return batch_from_run(_store(settings), batch, settings.aws_conn_id, live=True)
 
 
 @app.post("/batches/{batch_id}/cancel")
@@ -542,14 +511,14 @@ def cancel_batch(batch_id: str, user: GetUserDep) -> dict[str, Any]:
     (cancelled included) answers 409.
     """
     settings = _settings()
-    run, tis = _own_run(settings, batch_id, user)
+    batch = _own_run(settings, batch_id, user)
     if not may(user, "PUT", settings.batch_dag_id):
         raise OpenAIError(
             403,
             f"you may not change runs of the batch DAG {settings.batch_dag_id!r}: ask for permission to edit it",
         )
     store = _store(settings)
-    before = _batch_from_run(store, run, tis)
+    before = batch_from_run(store, batch, settings.aws_conn_id)
     if before["status"] == "cancelling":
         return before
     if before["status"] in ("completed", "failed", "expired", "cancelled"):
@@ -559,173 +528,25 @@ def cancel_batch(batch_id: str, user: GetUserDep) -> dict[str, Any]:
     return {**before, "status": "cancelling", "cancelling_at": now}
 
 
-def _own_run(settings: OpenAIApiSettings, batch_id: str, user: Any) -> tuple[Any, list[Any]]:
-    """The DAG run of one of the caller's batches, and its task instances; 404 for anyone else's, and for a run the API did not make."""
-    from airflow.models.dagrun import DagRun
-    from airflow.models.taskinstance import TaskInstance
-    from airflow.utils.session import create_session
-    from sqlalchemy import select
+def _verifier() -> Verifier:
+    """The request's check of batch runs: the signing key is read (and masked) once, each run's signature checked once."""
+    key = _signing_key()
 
+    def verify(run: Any) -> BatchSpec | None:
+        try:
+            return BatchSpec.verified(run.conf, run.run_id, key, run.dag_id)
+        except ForgedBatchError:
+            return None
+
+    return verify
+
+
+def _own_run(settings: OpenAIApiSettings, batch_id: str, user: Any) -> BatchRun:
+    """One of the caller's batch runs, its spec verified; 404 for anyone else's, and for a run the API did not make."""
     missing = OpenAIError(404, f"No such Batch object: {batch_id}", "batch_id")
     if not BATCH_ID.match(batch_id) or not may(user, "GET", settings.batch_dag_id):
         raise missing
-    with create_session() as session:
-        run = session.scalar(
-            select(DagRun).where(DagRun.dag_id == settings.batch_dag_id, DagRun.run_id == batch_id)
-        )
-        if run is None or not owns(run.conf, user.get_id()) or _batch_spec(run) is None:
-            raise missing
-        tis = list(
-            session.scalars(
-                select(TaskInstance).where(
-                    TaskInstance.dag_id == run.dag_id, TaskInstance.run_id == run.run_id
-                )
-            )
-        )
-        session.expunge_all()
-    return run, tis
-
-
-#: How many DAG runs ``GET /batches`` reads per query while it looks for the caller's.
-RUNS_PER_QUERY = 200
-
-
-def _runs(
-    dag_id: str, user_id: str, user_name: str, after: str | None, limit: int
-) -> list[tuple[Any, list[Any]]]:
-    """The caller's batch runs, newest first, after the run ``after``: ``limit`` of them at most.
-
-    Each query's rows are all read before the next query is sent (pages by primary key, the
-    task instances of a page in one query): MySQL's driver refuses a query while another's
-    rows are still streaming, and PostgreSQL's named cursors would hold a transaction open.
-    """
-    from airflow.models.dagrun import DagRun
-    from airflow.models.taskinstance import TaskInstance
-    from airflow.utils.session import create_session
-    from sqlalchemy import select
-
-    with create_session() as session:
-        query = (
-            select(DagRun)
-            .where(DagRun.dag_id == dag_id, DagRun.triggering_user_name == user_name)
-            .order_by(DagRun.id.desc())
-        )
-        if after is not None:
-            after_pk = session.scalar(
-                select(DagRun.id).where(DagRun.dag_id == dag_id, DagRun.run_id == after)
-            )
-            if after_pk is None:
-                return []
-            query = query.where(DagRun.id < after_pk)
-        found: list[tuple[Any, list[Any]]] = []
-        while len(found) < limit:
-            runs = list(session.scalars(query.limit(RUNS_PER_QUERY)))
-            mine = [run for run in runs if owns(run.conf, user_id) and _batch_spec(run) is not None][
-                : limit - len(found)
-            ]
-            if mine:
-                tis: dict[str, list[Any]] = {run.run_id: [] for run in mine}
-                for ti in session.scalars(
-                    select(TaskInstance).where(
-                        TaskInstance.dag_id == dag_id, TaskInstance.run_id.in_(list(tis))
-                    )
-                ):
-                    tis[ti.run_id].append(ti)
-                found.extend((run, tis[run.run_id]) for run in mine)
-            if len(runs) < RUNS_PER_QUERY:
-                break
-            query = query.where(DagRun.id < runs[-1].id)
-        session.expunge_all()
+    found = find_run(settings.batch_dag_id, batch_id, user.get_id(), _verifier())
+    if found is None:
+        raise missing
     return found
-
-
-def _batch_from_run(store: FileStore, run: Any, tis: list[Any], live: bool = False) -> dict[str, Any]:
-    """The Batch object of a DAG run, with what its task left in S3.
-
-    :param live: read a running batch's live counts (its progress record, one small object).
-    """
-    spec = _batch_spec(run)
-    if spec is None:
-        raise OpenAIError(404, f"No such Batch object: {run.run_id}", "batch_id")
-    where = spec.locations(store.uri(store.prefix))
-    record = store.get_json(store.batch_record_key(run.run_id)) or {}
-    # The run's conf holds no location and no metadata: the derived locations and the API's record add them.
-    # The verified spec and the API's record: the conf's other fields (none, as the API makes it) are not read.
-    conf = {**_shown_conf(spec, record), "output_uri": where.output_uri}
-    state = _state_name(run.state)
-    # The batch task (with openai_models, the route's): the route task and the routes not taken do not count.
-    tis = [ti for ti in tis if ti.task_id.startswith(TASK_ID) and _state_name(ti.state) != "skipped"]
-    task_states = [_state_name(ti.state) for ti in tis]
-    starts = [ti.start_date for ti in tis if ti.start_date is not None]
-    ends = [ti.end_date for ti in tis if ti.end_date is not None]
-    failure = None
-    manifest = _published_manifest(store, conf["output_uri"])
-    if state == "failed" or "failed" in task_states:
-        failure = store.get_json(store.failure_key(run.run_id))
-    cancel = store.get_json(store.cancel_key(run.run_id)) if manifest is None and state != "success" else None
-    view = BatchDagRun(
-        conf=conf,
-        run_state=state,
-        task_states=task_states,
-        task_start=min(starts) if starts else None,
-        task_end=max(ends) if ends else None,
-        run_end=run.end_date,
-        manifest=manifest,
-        failure=failure,
-        cancelling_at=(cancel or {}).get("cancelling_at"),
-    )
-    now = time.time()
-    if live and batch_status(view, now) in ("in_progress", "cancelling"):
-        view.progress = _live_progress(store, run.run_id)
-    return batch_object(run.run_id, view, now)
-
-
-def _published_manifest(store: FileStore, output_uri: str) -> dict[str, Any] | None:
-    """The manifest beside a batch's output, if one is published and none of its files was replaced since.
-
-    A tombstone (a try publishing, or stopped while it did) and a manifest whose files were
-    replaced since are no published output (the rule of ``OutputStore.ended``). A file its owner
-    deleted (``DELETE /files``) does not unpublish it: the batch ended, and its status stays.
-    """
-    from airflow_vllm_batch.exceptions import ManifestVersionError
-    from airflow_vllm_batch.manifest import is_tombstone, schema_version
-    from airflow_vllm_batch.storage.layout import manifest_uri
-    from airflow_vllm_batch.storage.s3 import bare_etag, head_etag
-
-    where = manifest_uri(output_uri)
-    manifest = store.get_json(where.split("/", 3)[3])
-    if not isinstance(manifest, dict) or is_tombstone(manifest):
-        return None
-    try:
-        schema_version(manifest, where)
-    except ManifestVersionError as err:
-        raise OpenAIError(500, str(err)) from None
-    for uri_field, etag_field in (("output_uri", "output_etag"), ("error_uri", "error_etag")):
-        uri, etag = manifest.get(uri_field), manifest.get(etag_field)
-        if not uri:
-            continue
-        bucket, _, key = uri.removeprefix("s3://").partition("/")
-        found = head_etag(store.client, bucket, key)
-        if found is not None and etag is not None and found != bare_etag(etag):
-            return None
-    return manifest
-
-
-def _live_progress(store: FileStore, batch_id: str) -> dict[str, int] | None:
-    """What a running batch answered so far: the progress record its task writes at each checkpoint; None when unknown.
-
-    Never fails the status call: a record that cannot be read reports 0 so far.
-    """
-    try:
-        record = store.get_json(store.progress_key(batch_id))
-    except Exception as err:  # noqa: BLE001 - the status is worth more than the count
-        log.warning("Could not read the progress of batch %s: %s", batch_id, err)
-        return None
-    if not isinstance(record, dict):
-        return None
-    return {"completed": int(record.get("completed") or 0), "failed": int(record.get("failed") or 0)}
-
-
-def _state_name(state: Any) -> str | None:
-    """A state enum's value (``"success"``), or None."""
-    return None if state is None else str(getattr(state, "value", state))

@@ -37,7 +37,7 @@ SCRIPT = textwrap.dedent(
     import json, time
     from sqlalchemy import event
     from airflow import settings
-    from airflow_vllm_batch.openai_api import app
+    from airflow_vllm_batch.openai_api import app, batch_runs
     from airflow_vllm_batch.openai_api.batch_spec import BatchSpec, signing_key
     from airflow_vllm_batch.openai_api.files import new_batch_id
 
@@ -58,10 +58,13 @@ SCRIPT = textwrap.dedent(
         statements.append({"streamed": bool(context.execution_options.get("stream_results") or context.execution_options.get("yield_per")),
                            "ti": "FROM task_instance" in statement})
 
-    app.RUNS_PER_QUERY = 3  # several pages of runs, bob's among alice's
-    first = [run.run_id for run, tis in app._runs("vllm_batch_openai", "alice", "alice", None, 5)]
-    rest = [run.run_id for run, tis in app._runs("vllm_batch_openai", "alice", "alice", first[-1], 100)]
-    tis = [len(tis) for run, tis in app._runs("vllm_batch_openai", "alice", "alice", None, 100)]
+    batch_runs.RUNS_PER_QUERY = 3  # several pages of runs, bob's among alice's
+    verify = app._verifier()
+    def runs(after, limit):
+        return batch_runs.user_runs("vllm_batch_openai", "alice", "alice", after, limit, verify)
+    first = [batch.run.run_id for batch in runs(None, 5)]
+    rest = [batch.run.run_id for batch in runs(first[-1], 100)]
+    tis = [len(batch.task_instances) for batch in runs(None, 100)]
     print(json.dumps({"made": made, "first": first, "rest": rest, "tis": tis, "statements": statements}))
     """
 )

@@ -14,3 +14,37 @@ def signing_key(monkeypatch: pytest.MonkeyPatch) -> str:
     monkeypatch.setenv("AIRFLOW__VLLM_BATCH__OPENAI_SIGNING_KEY", KEY)
     monkeypatch.setenv("AIRFLOW__VLLM_BATCH__OPENAI_FILES_URI", FILES_URI)
     return KEY
+
+
+class DictS3:
+    """A boto3 S3 client over a dict of key to bytes: what the status reads (get, head) of a store without S3.
+
+    :param objects: the objects, by key (one bucket).
+    """
+
+    def __init__(self, objects: dict[str, bytes] | None = None) -> None:
+        from types import SimpleNamespace
+
+        from botocore.exceptions import ClientError
+
+        self.objects = objects if objects is not None else {}
+        self.exceptions = SimpleNamespace(ClientError=ClientError)
+
+    def _missing(self, operation: str) -> Exception:
+        from botocore.exceptions import ClientError
+
+        return ClientError({"Error": {"Code": "NoSuchKey" if operation == "GetObject" else "404"}}, operation)
+
+    def get_object(self, *, Bucket: str, Key: str) -> dict:
+        import io
+
+        if Key not in self.objects:
+            raise self._missing("GetObject")
+        return {"Body": io.BytesIO(self.objects[Key])}
+
+    def head_object(self, *, Bucket: str, Key: str) -> dict:
+        import hashlib
+
+        if Key not in self.objects:
+            raise self._missing("HeadObject")
+        return {"ETag": f'"{hashlib.md5(self.objects[Key]).hexdigest()}"'}

@@ -82,8 +82,10 @@ def test_without_a_token_the_app_answers_401_in_openais_shape():
 
 
 def test_live_counts_that_cannot_be_read_leave_the_status_call_answering():
+    from airflow_vllm_batch.openai_api.batch_view import live_progress
+
     class Broken:
         def get_object(self, **kw):
             raise ConnectionError("S3 is down")
 
-    assert app_module._live_progress(FileStore(Broken(), "b", "p/"), "batch_0123456789abcdef") is None
+    assert live_progress(FileStore(Broken(), "b", "p/"), "batch_0123456789abcdef") is None

@@ -207,18 +207,12 @@ def test_a_missing_or_short_signing_key_is_refused_naming_the_setting(monkeypatc
 def test_the_api_shows_no_run_it_did_not_sign_even_one_naming_the_caller_as_owner():
     from airflow_vllm_batch.openai_api import app as app_module
 
-    assert (
-        app_module._batch_spec(SimpleNamespace(conf=SPEC.sign(KEY), run_id=SPEC.batch_id, dag_id=DAG)) == SPEC
-    )
+    verify = app_module._verifier()
+    assert verify(SimpleNamespace(conf=SPEC.sign(KEY), run_id=SPEC.batch_id, dag_id=DAG)) == SPEC
     forged = {k: v for k, v in SPEC.sign(KEY).items() if k != "signature"}
-    assert app_module._batch_spec(SimpleNamespace(conf=forged, run_id=SPEC.batch_id, dag_id=DAG)) is None
-    with pytest.raises(app_module.OpenAIError) as missing:
-        app_module._batch_from_run(
-            FileStore(None, "b", "p/"),
-            SimpleNamespace(conf=forged, run_id=SPEC.batch_id, dag_id=DAG, state="failed", end_date=None),
-            [],
-        )
-    assert missing.value.status_code == 404
+    assert verify(SimpleNamespace(conf=forged, run_id=SPEC.batch_id, dag_id=DAG)) is None
+    other_dag = SimpleNamespace(conf=SPEC.sign(KEY), run_id=SPEC.batch_id, dag_id="another_batch_dag")
+    assert verify(other_dag) is None
 
 
 @pytest.mark.parametrize(

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
-import json
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
 from airflow.api_fastapi.core_api.security import get_user
 from fastapi.testclient import TestClient
 
+from airflow_vllm_batch.manifest import Manifest, RequestCounts, Usage
 from airflow_vllm_batch.openai_api import app as app_module
+from airflow_vllm_batch.openai_api.batch_runs import BatchRun
 from airflow_vllm_batch.openai_api.batch_spec import BatchSpec
+from airflow_vllm_batch.openai_api.batch_view import published_manifest
 from airflow_vllm_batch.openai_api.files import FileStore
 from airflow_vllm_batch.openai_api.settings import OpenAIApiSettings
+from airflow_vllm_batch.storage.layout import manifest_uri
 from tests.unit.openai_api.conftest import KEY
 from tests.unit.openai_api.test_app import User
 
@@ -49,7 +53,9 @@ def api(s3, bucket, monkeypatch):
     )
     monkeypatch.setattr(app_module, "_settings", lambda: OpenAIApiSettings(files_uri=f"s3://{bucket}/p/"))
     monkeypatch.setattr(app_module, "_store", lambda settings: store)
-    monkeypatch.setattr(app_module, "_own_run", lambda settings, batch_id, user: (state.run, state.tis))
+    monkeypatch.setattr(
+        app_module, "_own_run", lambda settings, batch_id, user: BatchRun(state.run, spec, state.tis)
+    )
     monkeypatch.setattr(app_module, "may", lambda user, method, dag_id: True)
     app_module.app.dependency_overrides[get_user] = User
     yield SimpleNamespace(
@@ -77,16 +83,25 @@ def publish(api, status: str | None = None) -> None:
     etags = {}
     for name, uri in (("out", api.where.output_uri), ("err", api.where.error_uri)):
         etags[name] = api.client.put_object(Bucket=api.bucket, Key=key(uri), Body=b"{}\n")["ETag"].strip('"')
-    manifest = {
-        "output_uri": api.where.output_uri,
-        "error_uri": api.where.error_uri,
-        "output_etag": etags["out"],
-        "error_etag": etags["err"],
-        "request_counts": {"total": 2, "completed": 1, "failed": 1},
-        **({"status": status} if status else {}),
-    }
-    manifest_key = key(api.where.output_uri).removesuffix(".jsonl") + ".manifest.json"
-    api.client.put_object(Bucket=api.bucket, Key=manifest_key, Body=json.dumps(manifest).encode())
+    manifest = Manifest(
+        output_uri=api.where.output_uri,
+        error_uri=api.where.error_uri,
+        input_uri=None,
+        model=None,
+        request_counts=RequestCounts(total=2, completed=1, failed=1),
+        usage=Usage(),
+        duration_s=1.0,
+        vllm_version=None,
+        fingerprint="f" * 64,
+        manifest_uri=manifest_uri(api.where.output_uri),
+        # The batch's pinned input (its signed ETag): the manifest of this batch's ending, not another input's.
+        input_etag=api.spec.input_version,
+        output_etag=etags["out"],
+        error_etag=etags["err"],
+        status=status,
+    )
+    manifest_key = key(manifest_uri(api.where.output_uri))
+    api.client.put_object(Bucket=api.bucket, Key=manifest_key, Body=manifest.to_json())
 
 
 def test_cancelling_a_running_batch_asks_its_run_to_stop_and_marks_nothing_failed(api, monkeypatch):
@@ -132,9 +147,25 @@ def test_a_cancelled_batch_reports_its_published_counts_and_files(api):
 
 def test_a_manifest_whose_files_were_replaced_is_not_published(api):
     publish(api)
-    assert app_module._published_manifest(api.store, api.where.output_uri) is not None
+
+    def published():
+        return published_manifest(
+            api.store, api.spec, api.where.output_uri, api.where.error_uri, "aws_default"
+        )
+
+    assert published() is not None
     api.client.put_object(Bucket=api.bucket, Key=key(api.where.error_uri), Body=b"other\n")
-    assert app_module._published_manifest(api.store, api.where.output_uri) is None
+    assert published() is None
+
+
+def test_a_manifest_of_another_input_is_not_this_batchs_ending(api):
+    publish(api)
+    assert api.http.get(f"/batches/{BATCH}").json()["status"] == "completed"
+    api.spec = dataclasses.replace(api.spec, input_version="another")
+    assert (
+        published_manifest(api.store, api.spec, api.where.output_uri, api.where.error_uri, "aws_default")
+        is None
+    )
 
 
 def test_live_counts_come_from_the_progress_record(api):

@@ -11,7 +11,9 @@ from fastapi.testclient import TestClient
 
 from airflow_vllm_batch.openai_api import app as app_module
 from airflow_vllm_batch.openai_api.access import owner_key
+from airflow_vllm_batch.openai_api.batch_runs import BatchRun
 from airflow_vllm_batch.openai_api.batch_spec import BatchSpec
+from airflow_vllm_batch.openai_api.batch_view import batch_from_run
 from airflow_vllm_batch.openai_api.files import FileStore
 from airflow_vllm_batch.openai_api.settings import OpenAIApiSettings
 from tests.unit.openai_api.conftest import KEY
@@ -104,7 +106,9 @@ def test_a_batch_shows_its_signed_spec_and_the_apis_record_not_fields_added_to_i
     run = SimpleNamespace(
         run_id=batch_id, dag_id="vllm_batch_openai", conf=padded, state="queued", end_date=None
     )
-    shown = app_module._batch_from_run(store, run, [])
+    spec = app_module._verifier()(run)
+    assert spec is not None
+    shown = batch_from_run(store, BatchRun(run, spec), "aws_default")
     for field in ("completion_window", "expires_at", "request_counts", "model"):
         assert shown[field] == batch[field], field
     assert shown["completion_window"] == "24h"

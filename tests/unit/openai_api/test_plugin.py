@@ -55,3 +55,22 @@ def test_loading_the_plugin_does_not_import_the_api_server():
         env={"PYTHONPATH": str(REPO), "PATH": ""},
     )
     assert done.stdout.split()[-2:] == ["False", "False"]
+
+
+def test_the_batch_dags_runs_are_read_and_triggered_only_on_an_airflow_that_has_their_interface(monkeypatch):
+    """The one module that uses Airflow's internals refuses, saying why, where they are not (3.0: the floor)."""
+    import pytest
+
+    from airflow_vllm_batch.exceptions import ConfigurationError
+    from airflow_vllm_batch.openai_api import batch_runs
+
+    if AIRFLOW_V_3_1_PLUS:
+        batch_runs.require_runs_interface()
+    monkeypatch.setattr(batch_runs, "AIRFLOW_V_3_1_PLUS", False)
+    for call in (
+        lambda: batch_runs.trigger_run("d", "batch_0123456789abcdef", {}, "alice"),
+        lambda: batch_runs.find_run("d", "batch_0123456789abcdef", "alice", lambda run: None),
+        lambda: batch_runs.user_runs("d", "alice", "alice", None, 10, lambda run: None),
+    ):
+        with pytest.raises(ConfigurationError, match=r"needs Airflow 3\.1 or later"):
+            call()

@@ -14,11 +14,13 @@ from airflow_vllm_batch.engines import VLLMRunner, WarmVLLMServer
 from airflow_vllm_batch.exceptions import ConfigurationError
 from airflow_vllm_batch.openai_api import app as app_module
 from airflow_vllm_batch.openai_api.batch_dag import openai_batch_dag
+from airflow_vllm_batch.openai_api.batch_runs import BatchRun
+from airflow_vllm_batch.openai_api.batch_view import batch_from_run
 from airflow_vllm_batch.openai_api.files import FileStore
 from airflow_vllm_batch.openai_api.routes import ModelRoute, models_in, parse_routes, route_of
 from airflow_vllm_batch.openai_api.settings import OpenAIApiSettings
 from airflow_vllm_batch.storage.layout import manifest_uri
-from tests.unit.openai_api.conftest import KEY
+from tests.unit.openai_api.conftest import KEY, DictS3
 from tests.unit.openai_api.test_app import User
 from tests.unit.openai_api.test_batch_spec import SPEC
 
@@ -154,18 +156,29 @@ def test_a_batch_of_a_configured_model_runs_on_its_task(create):
 def test_a_routed_batch_is_validating_until_its_model_task_runs_whatever_the_route_task_did():
     from types import SimpleNamespace as NS
 
-    store = FileStore(None, "b", "p/")
-    store.get_json = lambda key: None
-    conf = dataclasses.replace(SPEC, route="vllm_batch__qwen").sign(KEY)
-    run = NS(run_id="batch_abcdefab", dag_id="vllm_batch_openai", conf=conf, state="running", end_date=None)
+    store = FileStore(DictS3(), "b", "p/")
+    spec = dataclasses.replace(SPEC, route="vllm_batch__qwen")
+    run = NS(
+        run_id="batch_abcdefab",
+        dag_id="vllm_batch_openai",
+        conf=spec.sign(KEY),
+        state="running",
+        end_date=None,
+    )
     routed = [
         NS(task_id="route", state="success", start_date=None, end_date=None),
         NS(task_id="vllm_batch__qwen", state="scheduled", start_date=None, end_date=None),
     ]
     skipped = NS(task_id="vllm_batch__llama_70b", state="skipped", start_date=None, end_date=None)
-    assert app_module._batch_from_run(store, run, [*routed, skipped])["status"] == "validating"
+    assert (
+        batch_from_run(store, BatchRun(run, spec, [*routed, skipped]), "aws_default")["status"]
+        == "validating"
+    )
     routed[1].state = "success"
-    assert app_module._batch_from_run(store, run, [*routed, skipped])["status"] == "finalizing"
+    assert (
+        batch_from_run(store, BatchRun(run, spec, [*routed, skipped]), "aws_default")["status"]
+        == "finalizing"
+    )
 
 
 def test_a_publishs_tombstone_at_the_manifest_key_is_no_published_output():
@@ -175,14 +188,16 @@ def test_a_publishs_tombstone_at_the_manifest_key_is_no_published_output():
 
     output_uri = SPEC.locations("s3://b/p/").output_uri
     tombstone = json.loads(Tombstone("0" * 32, output_uri, "f" * 64).to_json())
-    store = FileStore(None, "b", "p/")
+    layout = FileStore.layout("s3://b/p/")
     manifest_key = manifest_uri(output_uri).split("/", 3)[3]
-    records = {manifest_key: tombstone, store.batch_record_key(SPEC.batch_id): {"model": "qwen"}}
-    store.get_json = records.get
-    conf = dataclasses.replace(SPEC, route="vllm_batch__qwen").sign(KEY)
-    run = NS(run_id="batch_abcdefab", dag_id="vllm_batch_openai", conf=conf, state="running", end_date=None)
+    records = {manifest_key: tombstone, layout.batch_record_key(SPEC.batch_id): {"model": "qwen"}}
+    store = FileStore(DictS3({k: json.dumps(v).encode() for k, v in records.items()}), "b", "p/")
+    spec = dataclasses.replace(SPEC, route="vllm_batch__qwen")
+    run = NS(
+        run_id=SPEC.batch_id, dag_id="vllm_batch_openai", conf=spec.sign(KEY), state="running", end_date=None
+    )
     tis = [NS(task_id="vllm_batch__qwen", state="success", start_date=None, end_date=None)]
-    batch = app_module._batch_from_run(store, run, tis)
+    batch = batch_from_run(store, BatchRun(run, spec, tis), "aws_default")
     assert (batch["output_file_id"], batch["error_file_id"], batch["usage"], batch["model"]) == (
         None,
         None,

@@ -4,10 +4,10 @@ Shipped through the provider's ``airflow.plugins`` entry point. Every Airflow pr
 plugins, so the app (FastAPI, the API server's security module) is imported on the first
 request, not here: a scheduler or a task runner never imports it.
 
-The API needs Airflow 3.1 or later (it triggers runs with ``triggering_user_name``, lists a
-user's runs by ``DagRun.triggering_user_name`` and cancels through ``DBDagBag``, all new in
-3.1). On Airflow 3.0 the plugin loads but mounts nothing: the provider's operators work
-there, the OpenAI API does not exist.
+The API needs Airflow 3.1 or later: it triggers runs with ``triggering_user_name`` and lists
+a user's runs by ``DagRun.triggering_user_name``, both new in 3.1 (:mod:`.batch_runs`). On
+Airflow 3.0 the plugin loads but mounts nothing: the provider's operators work there, the
+OpenAI API does not exist.
 """
 
 from __future__ import annotations

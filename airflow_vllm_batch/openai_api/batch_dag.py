@@ -339,6 +339,8 @@ def openai_batch_dag(
     routes: dict[str, ModelRoute] | None = None,
     retries: int = 2,
     retry_delay: timedelta = timedelta(minutes=5),
+    max_active_runs: int = 4,
+    execution_timeout: timedelta | None = None,
     **operator_kwargs: Any,
 ) -> DAG:
     """Build the DAG that runs the OpenAI API's batches; call it from a DAG file.
@@ -361,6 +363,10 @@ def openai_batch_dag(
         durable (a lost worker, S3 failing for a while, an engine that died); a batch's own failure (a bad file,
         a model that does not serve the endpoint) is never retried.
     :param retry_delay: the wait before a retry (default 5 minutes, Airflow's).
+    :param max_active_runs: how many batches run at once (default 4); the others wait ``queued``, and
+        show ``validating``.
+    :param execution_timeout: the batch task's, instead of the longest window plus :data:`EXPIRY_GRACE`;
+        refused when shorter than the longest window offered.
     :param operator_kwargs: more ``VLLMBatchOperator`` arguments (``engine=VLLMRunner(args=[...])``, ...);
         a route's engine (its ``vllm_conn_id``, or ``engine_args`` for the runner) and ``queue`` replace them for its task.
     """
@@ -371,14 +377,14 @@ def openai_batch_dag(
         raise ConfigurationError(
             "openai_batch_dag needs model= or [vllm_batch] openai_models (the served models)"
         )
-    timeout = _execution_timeout(completion_window, operator_kwargs.pop("execution_timeout", None))
+    timeout = _execution_timeout(completion_window, execution_timeout)
     with DAG(
         dag_id=dag_id,
         schedule=None,
         catchup=False,
         is_paused_upon_creation=False,
         default_args={"retries": retries, "retry_delay": retry_delay},
-        max_active_runs=operator_kwargs.pop("max_active_runs", 4),
+        max_active_runs=max_active_runs,
         tags=["vllm-batch", "openai-api"],
         doc_md="Runs the batches of the OpenAI Batches API (`POST /vllm-batch/openai/v1/batches`): one run per batch.",
     ) as dag:

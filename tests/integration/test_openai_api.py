@@ -63,6 +63,8 @@ N_REQUESTS = 3
 #: One engine start on two shared cores, with the scheduler's own pace: generous.
 BATCH_TIMEOUT_S = 420
 SIGNING_KEY = "integration-signing-key-" + "0" * 16
+#: A second DAG built with openai_batch_dag (a staging DAG, one per team): it must run none of the first's batches.
+SECOND_DAG_ID = "vllm_batch_openai_second"
 PLUGIN_SHIM = "from airflow_vllm_batch.openai_api.plugin import VLLMBatchOpenAIPlugin  # noqa: F401\n"
 
 
@@ -99,9 +101,13 @@ def api(seaweed, tiny_model: Path, tmp_path_factory) -> Iterator[Api]:
         # The API server and the workers share it (the LocalExecutor's workers inherit the scheduler's environment).
         "AIRFLOW__VLLM_BATCH__OPENAI_SIGNING_KEY": SIGNING_KEY,
     }
-    dag_files = {"vllm_batch_openai.py": (REPO / "dags" / "vllm_batch_openai.py").read_text()}
+    example = (REPO / "dags" / "vllm_batch_openai.py").read_text()
+    second = example.replace('queue="gpu",', f'queue="gpu",\n    dag_id="{SECOND_DAG_ID}",', 1)
+    assert second != example
+    dag_files = {"vllm_batch_openai.py": example, "vllm_batch_openai_second.py": second}
     with local_executor_deployment(seaweed, tiny_model, home, dag_files, extra_env=env) as dep:
         dep.wait_for_dag(DEFAULT_BATCH_DAG_ID)
+        dep.wait_for_dag(SECOND_DAG_ID)
         clients = {}
         for user in ("alice", "bob", "vera"):
             dep.log_in(user)
@@ -344,6 +350,83 @@ def test_another_user_neither_sees_nor_cancels_a_users_batch(api: Api, completed
     assert batch.id not in [b.id for b in bob.batches.list()]
     with pytest.raises(NotFoundError):
         bob.files.content(batch.output_file_id)
+
+
+@contextlib.contextmanager
+def _as_admin(api: Api) -> Iterator[None]:
+    """Airflow's REST API as its admin (who may change every DAG run), then as vera again."""
+    api.dep.log_in("admin")
+    try:
+        yield
+    finally:
+        api.dep.token = api.clients["vera"].api_key
+
+
+def _final(api: Api, batch: Batch, seaweed, before: dict[str, str]) -> None:
+    """The batch, its files and everything under the API's prefix are what they were when it ended."""
+    assert _objects(seaweed) == before
+    again = api.clients["alice"].batches.retrieve(batch.id)
+    assert (again.status, again.request_counts, again.output_file_id, again.error_file_id) == (
+        batch.status,
+        batch.request_counts,
+        batch.output_file_id,
+        batch.error_file_id,
+    )
+
+
+def test_a_completed_batch_replayed_into_another_batch_dag_is_refused_and_keeps_its_files(
+    api: Api, completed, seaweed
+):
+    """Its conf copied from the run list and triggered, with its batch id, in a second batch DAG (issue 42, row 2)."""
+    _, batch, _ = completed
+    before = _objects(seaweed)
+    real = api.dep.dag_run(DEFAULT_BATCH_DAG_ID, batch.id)["conf"]
+    with _as_admin(api):
+        api.dep.request(
+            "POST",
+            f"/api/v2/dags/{SECOND_DAG_ID}/dagRuns",
+            {"dag_run_id": batch.id, "conf": real, "logical_date": None},
+        )
+        state = api.dep.wait_for_run(SECOND_DAG_ID, batch.id, BATCH_TIMEOUT_S)
+    assert state == "failed"
+    log = api.dep.task_log(SECOND_DAG_ID, batch.id, "vllm_batch", 1)
+    assert f"signed for the batch DAG '{DEFAULT_BATCH_DAG_ID}', not for '{SECOND_DAG_ID}'" in log, log[-3000:]
+    assert "nothing was read or written" in log
+    _final(api, batch, seaweed, before)
+
+
+def test_a_completed_batch_cleared_after_an_engine_change_keeps_its_files_and_runs_nothing(
+    api: Api, completed, seaweed
+):
+    """The batch DAG's engine flags change (another run identity, as a vLLM upgrade makes), then its run is cleared (issue 42, row 2).
+
+    The worker parses the DAG file when the task starts, so the cleared try runs under the
+    new flags. Before issue 42 it found no output of its own identity and ran the batch again
+    over its published files.
+    """
+    _, batch, _ = completed
+    before = _objects(seaweed)
+    dag_file = api.dep.home / "dags" / "vllm_batch_openai.py"
+    original = dag_file.read_text()
+    changed = original.replace("engine=engine(),", 'engine=engine("--seed", "7"),', 1)
+    assert changed != original
+    dag_file.write_text(changed)
+    try:
+        with _as_admin(api):
+            api.dep.request(
+                "POST",
+                f"/api/v2/dags/{DEFAULT_BATCH_DAG_ID}/clearTaskInstances",
+                {"dry_run": False, "dag_run_id": batch.id, "only_failed": False, "reset_dag_runs": True},
+            )
+            state = api.dep.wait_for_run(DEFAULT_BATCH_DAG_ID, batch.id, BATCH_TIMEOUT_S)
+    finally:
+        dag_file.write_text(original)
+    assert state == "success"
+    tries = api.dep.task_tries(DEFAULT_BATCH_DAG_ID, batch.id, "vllm_batch")
+    log = api.dep.task_log(DEFAULT_BATCH_DAG_ID, batch.id, "vllm_batch", max(t["try_number"] for t in tries))
+    assert "a published batch never changes" in log, log[-3000:]
+    assert "Starting the vLLM engine" not in log
+    _final(api, batch, seaweed, before)
 
 
 def test_a_viewer_may_not_create_a_batch(api: Api):
@@ -692,9 +775,13 @@ def warm_api(
             {"conn_type": "vllm", "host": host, "port": int(port), "password": server.hook.api_key}
         ),
     }
-    dag_files = {"vllm_batch_openai.py": (REPO / "dags" / "vllm_batch_openai.py").read_text()}
+    example = (REPO / "dags" / "vllm_batch_openai.py").read_text()
+    second = example.replace('queue="gpu",', f'queue="gpu",\n    dag_id="{SECOND_DAG_ID}",', 1)
+    assert second != example
+    dag_files = {"vllm_batch_openai.py": example, "vllm_batch_openai_second.py": second}
     with local_executor_deployment(seaweed, tiny_model, home, dag_files, extra_env=env) as dep:
         dep.wait_for_dag(DEFAULT_BATCH_DAG_ID)
+        dep.wait_for_dag(SECOND_DAG_ID)
         dep.log_in("alice")
         client = OpenAI(base_url=dep.api_url + URL_PREFIX, api_key=dep.token, max_retries=0, timeout=60)
         yield Api(dep, {"alice": client}, str(tiny_model)), server

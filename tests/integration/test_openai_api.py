@@ -845,3 +845,13 @@ def test_a_cancel_mid_run_keeps_and_publishes_the_answers_finished_so_far(warm_a
     assert "The batch is cancelled" in log
     with pytest.raises(ConflictError):
         alice.batches.cancel(batch.id)
+    # Final is final (issue 42, row 3): the owner deletes the error file, and the batch still
+    # shows cancelled, with its counts and both file ids (it showed completed with 0 counts before).
+    alice.files.delete(cancelled.error_file_id)
+    again = alice.batches.retrieve(batch.id)
+    assert (again.status, again.request_counts, again.output_file_id, again.error_file_id) == (
+        "cancelled",
+        counts,
+        cancelled.output_file_id,
+        cancelled.error_file_id,
+    )

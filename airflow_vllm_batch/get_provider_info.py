@@ -117,6 +117,30 @@ def get_provider_info() -> dict[str, Any]:
                         "example": None,
                         "default": "",
                     },
+                    "openai_old_signing_keys": {
+                        "description": "Earlier values of openai_signing_key, comma-separated, whose batches stay "
+                        "valid: a batch run signed with one of them is still listed, shown, cancellable and retried. "
+                        "New batches are signed with openai_signing_key only. To rotate, move the old key here and set a "
+                        "new openai_signing_key, alike on the API server and every worker; remove an old key once its "
+                        "batches are no longer wanted (they are then hidden, and their runs fail as forged ones). Each "
+                        "key 32 characters or more.",
+                        "version_added": "0.1.0",
+                        "type": "string",
+                        "sensitive": True,
+                        "example": None,
+                        "default": "",
+                    },
+                    "openai_media_domains": {
+                        "description": "The hosts whose http(s) media URLs (image_url, audio_url, video_url parts of a "
+                        "chat message) an API batch may carry, comma-separated: the workers fetch them from their "
+                        "network. A batch with a media URL of another host, or of another scheme than http(s) and data:, "
+                        "fails before any engine starts, naming its lines. Empty: no http(s) media URL (data: URLs only). "
+                        "Read by the workers that run the batch DAG.",
+                        "version_added": "0.1.0",
+                        "type": "string",
+                        "example": "images.example.com,cdn.example.com",
+                        "default": "",
+                    },
                     "openai_models": {
                         "description": "JSON mapping each model name the OpenAI API serves to its engine: a warm "
                         "fleet's vllm connection ({\"vllm_conn_id\": ...}; the key is a name in the fleet's /v1/models) "

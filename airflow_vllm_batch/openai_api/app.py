@@ -31,7 +31,12 @@ from starlette.concurrency import run_in_threadpool
 from airflow_vllm_batch.exceptions import ConfigurationError, ManifestVersionError
 from airflow_vllm_batch.openai_api.access import may, owner_key
 from airflow_vllm_batch.openai_api.batch_runs import BatchRun, Verifier, find_run, trigger_run, user_runs
-from airflow_vllm_batch.openai_api.batch_spec import BatchSpec, ForgedBatchError, signing_key
+from airflow_vllm_batch.openai_api.batch_spec import (
+    BatchSpec,
+    ForgedBatchError,
+    signing_key,
+    verification_keys,
+)
 from airflow_vllm_batch.openai_api.batch_view import batch_from_run, shown_conf
 from airflow_vllm_batch.openai_api.files import (
     BATCH_ID,
@@ -529,12 +534,18 @@ def cancel_batch(batch_id: str, user: GetUserDep) -> dict[str, Any]:
 
 
 def _verifier() -> Verifier:
-    """The request's check of batch runs: the signing key is read (and masked) once, each run's signature checked once."""
-    key = _signing_key()
+    """The request's check of batch runs: the accepted keys are read (and masked) once, each run's signature checked once.
+
+    Any accepted key verifies (the signing key or an old one kept for rotation): a rotation hides no batch.
+    """
+    try:
+        keys = verification_keys()
+    except ConfigurationError as err:
+        raise OpenAIError(503, str(err)) from None
 
     def verify(run: Any) -> BatchSpec | None:
         try:
-            return BatchSpec.verified(run.conf, run.run_id, key, run.dag_id)
+            return BatchSpec.verified(run.conf, run.run_id, keys, run.dag_id)
         except ForgedBatchError:
             return None
 

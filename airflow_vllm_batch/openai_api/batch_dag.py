@@ -10,6 +10,7 @@ folder calls it (the repo's ``dags/vllm_batch_openai.py``).
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import time
@@ -24,7 +25,9 @@ from airflow_vllm_batch.exceptions import (
     PreflightError,
     VLLMBatchError,
 )
-from airflow_vllm_batch.openai_api.batch_spec import BatchSpec, ForgedBatchError, signing_key
+from airflow_vllm_batch.openai_api.access import owner_key
+from airflow_vllm_batch.openai_api.batch_spec import BatchSpec, ForgedBatchError, verification_keys
+from airflow_vllm_batch.openai_api.media import media_domains, media_problems
 from airflow_vllm_batch.openai_api.routes import TASK_ID, ModelRoute, load_routes
 from airflow_vllm_batch.openai_api.settings import (
     DEFAULT_BATCH_DAG_ID,
@@ -110,7 +113,7 @@ class OpenAIBatchOperator(VLLMBatchOperator):
     """Run one batch of the OpenAI API; publish it as OpenAI's batches end: completed, expired or cancelled.
 
     The batch is the run's signed :class:`~.batch_spec.BatchSpec`: the task verifies it with
-    ``[vllm_batch] openai_signing_key`` and derives its input, output, error, failure, cancel
+    ``[vllm_batch] openai_signing_key`` (or a key of ``openai_old_signing_keys``) and derives its input, output, error, failure, cancel
     and progress locations from it and ``[vllm_batch] openai_files_uri``; none is an argument
     or a template, and a run whose conf the API did not sign fails before any read or write.
 
@@ -145,6 +148,8 @@ class OpenAIBatchOperator(VLLMBatchOperator):
         super().__init__(input_uri=UNBOUND, output_uri=UNBOUND, error_uri=UNBOUND, **kwargs)
         self.failure_uri = self.cancel_uri = self.progress_uri = UNBOUND
         self.batch: BatchSpec | None = None
+        #: The ``answer_cache`` URI the DAG was built with, under which each owner gets a prefix of their own.
+        self._cache_root: str | None = None
 
     def _bind_batch(self, context: Context) -> None:
         """Verify the run's signed batch spec and derive every location from it; nothing is read or written before.
@@ -160,7 +165,7 @@ class OpenAIBatchOperator(VLLMBatchOperator):
             spec = BatchSpec.verified(
                 getattr(dag_run, "conf", None),
                 str(getattr(dag_run, "run_id", "")),
-                signing_key(),
+                verification_keys(),
                 str(getattr(dag_run, "dag_id", "")),
             )
             if spec.route and spec.route != self.task_id:
@@ -180,6 +185,22 @@ class OpenAIBatchOperator(VLLMBatchOperator):
         )
         # As OpenAI: every line's url is the batch's endpoint; preflight fails the others, naming their lines.
         self.supported_urls = [spec.endpoint]
+        self._namespace_answer_cache(spec)
+
+    def _namespace_answer_cache(self, spec: BatchSpec) -> None:
+        """Give the batch's owner an answer cache of their own: ``<answer_cache uri>owners/<owner key>/``.
+
+        A hit is the stored result line byte for byte (its ids, its ``created`` time, a sampled
+        answer): shared between users, it would tell one user what another asked, and when. The
+        namespace is derived from the signed owner, so every try of the batch (a retry included)
+        looks up and fills the same one, and a user's identical request never reaches another's
+        entries. The root is kept from the first bind, so binding again does not nest namespaces.
+        """
+        if self.answer_cache is None:
+            return
+        root = self._cache_root = self._cache_root or self.answer_cache.uri
+        self.answer_cache = copy.copy(self.answer_cache)
+        self.answer_cache.uri = owner_cache_uri(root, spec.owner)
 
     def _check_pinned_input(self) -> None:
         """Fail when the batch's copy of its input is not the one made at create (its ETag is signed).
@@ -210,6 +231,7 @@ class OpenAIBatchOperator(VLLMBatchOperator):
         except InputNotFoundError as err:
             self.record_failure(failure_record(err))
             raise AirflowFailException(str(err)) from None
+        self._refuse_media_urls()
         try:
             manifest = super().execute(context)
         except Exception as err:
@@ -223,6 +245,28 @@ class OpenAIBatchOperator(VLLMBatchOperator):
             raise
         self.refuse_unserved_endpoint(manifest)
         return manifest
+
+    def _refuse_media_urls(self) -> None:
+        """Fail the batch, before any engine starts, when a line names a media URL the workers may not fetch.
+
+        Reads the batch's pinned input copy once (:mod:`.media`); the failure record names the
+        lines and hosts (read by the batch's owner only), the task log their numbers only.
+
+        :raises AirflowFailException: a line names a refused media URL (not retried: the file is the batch's).
+        """
+        assert self.input_uri is not None  # bound with the batch
+        allowed = media_domains()
+        with open_uri_lines(self.hook, self.input_uri) as lines:
+            count, errors = media_problems(lines, allowed)
+        if not count:
+            return
+        self.record_failure({"stage": "preflight", "errors": errors})
+        numbers = ", ".join(str(e["line"]) for e in errors[:10])
+        raise AirflowFailException(
+            f"{count} line(s) of the batch name a media URL the workers may not fetch (lines {numbers}"
+            f"{', ...' if count > 10 else ''}): nothing was run. Send media inline as data: URLs, or allow their "
+            "hosts in [vllm_batch] openai_media_domains on the workers."
+        )
 
     def ended_manifest(self) -> dict[str, Any] | None:
         """The manifest of this batch's ending when it has ended (published), whatever run identity published it.
@@ -331,6 +375,15 @@ class OpenAIBatchOperator(VLLMBatchOperator):
             )
 
 
+def owner_cache_uri(root: str, owner: str) -> str:
+    """The answer cache of one API user's batches: their own prefix under the DAG's ``answer_cache`` URI.
+
+    :param root: the ``answer_cache`` URI the DAG was built with (``s3://bucket/prefix/``).
+    :param owner: the batch's signed owner (a user id).
+    """
+    return f"{root.rstrip('/')}/owners/{owner_key(owner)}/"
+
+
 def openai_batch_dag(
     *,
     model: str | None = None,
@@ -434,7 +487,7 @@ def _execution_timeout(completion_window: timedelta | None, given: timedelta | N
 def _chosen_route(dag_run: Any, **_: Any) -> str:
     """The batch task ``POST /batches`` chose, from the run's verified spec; any other run fails here, before any engine."""
     try:
-        spec = BatchSpec.verified(dag_run.conf, dag_run.run_id, signing_key(), dag_run.dag_id)
+        spec = BatchSpec.verified(dag_run.conf, dag_run.run_id, verification_keys(), dag_run.dag_id)
     except (ForgedBatchError, ConfigurationError) as err:
         raise AirflowFailException(str(err)) from None
     if not spec.route:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -103,12 +104,13 @@ class BatchSpec:
         return {**asdict(self), SIGNATURE: self._signature(key)}
 
     @classmethod
-    def verified(cls, conf: Any, run_id: str, key: str, dag_id: str) -> BatchSpec:
+    def verified(cls, conf: Any, run_id: str, keys: str | Sequence[str], dag_id: str) -> BatchSpec:
         """The spec of a run's conf, when the API made it for this run of this DAG.
 
         :param conf: the DAG run's conf.
         :param run_id: the DAG run's run_id.
-        :param key: the signing key.
+        :param keys: the accepted keys (:func:`verification_keys`: the signing key, then the old keys kept
+            for rotation); a signature made with any of them verifies. One key alone may be given as a string.
         :param dag_id: the DAG run's dag_id.
         :raises ForgedBatchError: the conf has no spec, its signature is missing or wrong, or it was made for
             another run or another DAG.
@@ -135,9 +137,14 @@ class BatchSpec:
                 f"This run's conf is not a batch of the OpenAI API (it needs {names} and a signature): nothing was read or written. {fix}"
             )
         signature = conf.get(SIGNATURE)
-        if not isinstance(signature, str) or not hmac.compare_digest(
-            signature.encode(), spec._signature(key).encode()
-        ):
+        accepted = (keys,) if isinstance(keys, str) else tuple(keys)
+        # Every key is tried (no early exit): the time taken does not tell which key matched.
+        matches = [
+            hmac.compare_digest(signature.encode(), spec._signature(key).encode())
+            for key in accepted
+            if isinstance(signature, str)
+        ]
+        if not any(matches):
             raise ForgedBatchError(
                 f"This run's conf is not signed by the OpenAI API ({'no signature' if not signature else 'the signature does not match'}): "
                 f"nothing was read or written. {fix}"
@@ -200,10 +207,43 @@ def signing_key() -> str:
             "Set the same random key on the API server and the workers (AIRFLOW__VLLM_BATCH__OPENAI_SIGNING_KEY, or "
             "..._SECRET from the secrets backend); see docs/openai-api.md#deploying-it."
         )
+    _mask(key)
+    return key
+
+
+def verification_keys() -> tuple[str, ...]:
+    """The keys a batch run's signature is accepted under: the signing key, then ``[vllm_batch] openai_old_signing_keys``.
+
+    Rotating the key without losing batches: the new key becomes ``openai_signing_key`` (new batches are
+    signed with it) and the old one moves to ``openai_old_signing_keys`` (comma-separated, a sensitive
+    option like the signing key), on the API server and every worker; the batches signed with it stay
+    listed, shown, cancellable, and their retries run. Once no batch signed with an old key is wanted
+    any more, remove it from the list: those batches are then hidden (404, not listed) and their runs
+    fail at the signature check, as a forged run.
+
+    :raises ConfigurationError: the signing key is unset or short, or an old key is shorter than
+        :data:`MIN_KEY_CHARS` characters.
+    """
+    from airflow_vllm_batch.version_compat import conf
+
+    current = signing_key()
+    raw = conf.get("vllm_batch", "openai_old_signing_keys", fallback="") or ""
+    old = tuple(k.strip() for k in raw.split(",") if k.strip())
+    for number, key in enumerate(old, start=1):
+        if len(key) < MIN_KEY_CHARS:
+            raise ConfigurationError(
+                f"[vllm_batch] openai_old_signing_keys: its key number {number} is shorter than {MIN_KEY_CHARS} characters. "
+                "List earlier values of openai_signing_key, comma-separated (see docs/openai-api.md, Rotating the signing key)."
+            )
+        _mask(key)
+    return (current, *(k for k in old if k != current))
+
+
+def _mask(key: str) -> None:
+    """Register a key with the secrets masker, so that no log line shows it."""
     try:
         from airflow.sdk.log import mask_secret
 
         mask_secret(key)
     except ImportError:  # pragma: no cover - the masker is in every supported Airflow
         pass
-    return key

@@ -158,6 +158,7 @@ def test_the_batch_task_records_a_mistake_it_fails_without_retries(monkeypatch):
     monkeypatch.setattr(OpenAIBatchOperator, "ended_manifest", lambda self: None)
     monkeypatch.setattr(OpenAIBatchOperator, "clear_failure_record", lambda self: None)
     monkeypatch.setattr(OpenAIBatchOperator, "_check_pinned_input", lambda self: None)
+    monkeypatch.setattr(OpenAIBatchOperator, "_refuse_media_urls", lambda self: None)
     op = OpenAIBatchOperator(task_id="t", model="m")
     with pytest.raises(AirflowFailException):
         op.execute(

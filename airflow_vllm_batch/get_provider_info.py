@@ -141,6 +141,40 @@ def get_provider_info() -> dict[str, Any]:
                         "example": "images.example.com,cdn.example.com",
                         "default": "",
                     },
+                    "openai_max_user_files": {
+                        "description": "The most uploaded files one user of the OpenAI API may keep; an upload over it is "
+                        "answered 429 (code files_limit_exceeded). 0: no limit.",
+                        "version_added": "0.1.0",
+                        "type": "integer",
+                        "example": "100",
+                        "default": "0",
+                    },
+                    "openai_max_user_bytes": {
+                        "description": "The most bytes of uploaded files one user of the OpenAI API may keep; an upload "
+                        "over it is answered 429 (code bytes_limit_exceeded) and nothing is kept. 0: no limit.",
+                        "version_added": "0.1.0",
+                        "type": "integer",
+                        "example": "10737418240",
+                        "default": "0",
+                    },
+                    "openai_max_user_active_batches": {
+                        "description": "The most batches one user may have that have not ended (validating, in_progress, "
+                        "finalizing, cancelling); POST /batches over it is answered 429 (code batches_limit_exceeded). Set "
+                        "it below the batch DAG's max_active_runs so that one user's burst leaves slots to the others. "
+                        "0: no limit.",
+                        "version_added": "0.1.0",
+                        "type": "integer",
+                        "example": "2",
+                        "default": "0",
+                    },
+                    "openai_max_user_enqueued_requests": {
+                        "description": "The most requests (input lines) one user's batches that have not ended may hold "
+                        "together; POST /batches over it is answered 429 (code requests_limit_exceeded). 0: no limit.",
+                        "version_added": "0.1.0",
+                        "type": "integer",
+                        "example": "100000",
+                        "default": "0",
+                    },
                     "openai_models": {
                         "description": "JSON mapping each model name the OpenAI API serves to its engine: a warm "
                         "fleet's vllm connection ({\"vllm_conn_id\": ...}; the key is a name in the fleet's /v1/models) "

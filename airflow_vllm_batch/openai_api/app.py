@@ -18,8 +18,9 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from functools import lru_cache
-from typing import Any
+from typing import Any, TypeVar
 
 from airflow.api_fastapi.core_api.security import GetUserDep
 from fastapi import FastAPI, HTTPException, Query, Request
@@ -49,12 +50,21 @@ from airflow_vllm_batch.openai_api.files import (
     new_batch_id,
     new_file_id,
 )
+from airflow_vllm_batch.openai_api.limits import (
+    LimitExceeded,
+    UserLimits,
+    check_batch,
+    check_file_bytes,
+    check_upload,
+    load_limits,
+)
 from airflow_vllm_batch.openai_api.routes import load_routes, models_in, route_of
 from airflow_vllm_batch.openai_api.settings import OpenAIApiSettings, load_settings
 from airflow_vllm_batch.openai_api.status import BatchDagRun, batch_object, window_seconds
 from airflow_vllm_batch.storage.s3 import ObjectWriter
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 #: The endpoints a batch may name (the engines' batch URLs).
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
@@ -72,13 +82,21 @@ class OpenAIError(HTTPException):
     :param status_code: the HTTP status.
     :param message: what went wrong and what to do.
     :param param: the request parameter at fault, if one is.
+    :param kind: the error's ``type`` when not the one of its status (a 429's limited dimension).
+    :param headers: headers of the answer.
     """
 
     def __init__(
-        self, status_code: int, message: str, param: str | None = None, code: str | None = None
+        self,
+        status_code: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
-        super().__init__(status_code=status_code, detail=message)
-        self.param, self.code = param, code
+        super().__init__(status_code=status_code, detail=message, headers=headers)
+        self.param, self.code, self.kind = param, code, kind
 
 
 class BatchCreate(BaseModel):
@@ -129,11 +147,16 @@ app.add_middleware(RequestIdMiddleware)
 
 
 def _error_body(
-    message: str, status_code: int, param: str | None = None, code: str | None = None
+    message: str,
+    status_code: int,
+    param: str | None = None,
+    code: str | None = None,
+    kind: str | None = None,
 ) -> dict[str, Any]:
-    kind = "invalid_request_error" if status_code < 500 else "server_error"
-    if status_code == 401:
-        kind = "authentication_error"
+    if kind is None:
+        kind = "invalid_request_error" if status_code < 500 else "server_error"
+        if status_code == 401:
+            kind = "authentication_error"
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
@@ -146,7 +169,13 @@ async def _http_error(request: Request, err: HTTPException) -> JSONResponse:
         # to OpenAI's clients any token that does not authenticate is a 401 (AuthenticationError).
         status_code, headers = 401, {"WWW-Authenticate": "Bearer"}
         detail = f"The API key (an Airflow API token) was not accepted ({detail}): get a new one with POST /auth/token and pass it as api_key."
-    body = _error_body(detail, status_code, getattr(err, "param", None), getattr(err, "code", None))
+    body = _error_body(
+        detail,
+        status_code,
+        getattr(err, "param", None),
+        getattr(err, "code", None),
+        getattr(err, "kind", None),
+    )
     return JSONResponse(body, status_code=status_code, headers=headers)
 
 
@@ -219,6 +248,8 @@ async def create_file(request: Request, user: GetUserDep) -> dict[str, Any]:
         reader = FormReader(request.headers.get("content-type", ""))
     except UploadError as err:
         raise OpenAIError(err.status, str(err)) from None
+    limits = _limits()
+    kept = await run_in_threadpool(_within_limit, check_upload, limits, store, owner)
     writer = ObjectWriter(
         store.client, store.bucket, store.content_key(owner, file_id), content_type="application/jsonl"
     )
@@ -231,6 +262,7 @@ async def create_file(request: Request, user: GetUserDep) -> dict[str, Any]:
             _check_purpose(reader.fields.get("purpose", "batch"))
             _check_no_expiry(reader.fields)
             counter.add(data)
+            _within_limit(check_file_bytes, limits, kept, counter.bytes)
             if counter.bytes > settings.max_file_bytes:
                 raise UploadError(
                     f"the file is larger than {settings.max_file_bytes} bytes ([vllm_batch] openai_max_file_bytes): split it",
@@ -265,6 +297,24 @@ async def create_file(request: Request, user: GetUserDep) -> dict[str, Any]:
     }
     await run_in_threadpool(store.save_record, owner, record)
     return file_object_from_record(record)
+
+
+def _limits() -> UserLimits:
+    try:
+        return load_limits()
+    except ConfigurationError as err:
+        raise OpenAIError(503, str(err)) from None
+
+
+def _within_limit(check: Callable[..., T], *args: Any) -> T:
+    """Run a check of :mod:`.limits`; a user over their limit is answered 429 in OpenAI's shape."""
+    try:
+        return check(*args)
+    except LimitExceeded as err:
+        # Only an ended batch or a deleted file changes the answer: the SDK should not retry it.
+        raise OpenAIError(
+            err.status, str(err), err.param, err.code, err.kind, {"x-should-retry": "false"}
+        ) from None
 
 
 def _check_no_expiry(fields: dict[str, str]) -> None:
@@ -361,6 +411,7 @@ def create_batch(body: BatchCreate, user: GetUserDep) -> dict[str, Any]:
     )
     if record is None:
         raise _not_an_input(body.input_file_id)
+    _within_limit(check_batch, _limits(), settings.batch_dag_id, store, user, int(record.get("lines") or 0))
     batch_id = new_batch_id()
     # The batch runs this copy (its ETag is signed): deleting or replacing the file later changes nothing of it.
     version = store.pin_input(owner, body.input_file_id, batch_id)

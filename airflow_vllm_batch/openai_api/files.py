@@ -287,6 +287,25 @@ class FileStore:
         files = [f for f in found.values() if purpose is None or f["purpose"] == purpose]
         return sorted(files, key=lambda f: (f["created_at"], f["id"]), reverse=True)
 
+    def upload_usage(self, owner: str) -> tuple[int, int]:
+        """How many files ``owner`` uploaded and keeps, and their bytes: one listing, no object read.
+
+        An upload is a content object with its record beside it; the batches' output and error
+        files (no record) are not counted.
+        """
+        sizes: dict[str, int] = {}
+        records: set[str] = set()
+        paginator = self.client.get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=self.bucket, Prefix=self.user_prefix(owner), Delimiter="/"):
+            for obj in page.get("Contents", []):
+                stem, _, ext = obj["Key"].rsplit("/", 1)[-1].partition(".")
+                if ext == "jsonl":
+                    sizes[stem] = int(obj["Size"])
+                elif ext == "json":
+                    records.add(stem)
+        uploads = [size for stem, size in sizes.items() if stem in records and FILE_ID.match(stem)]
+        return len(uploads), sum(uploads)
+
     def content(self, owner: str, file_id: str) -> Iterator[bytes] | None:
         """The bytes of one of ``owner``'s files, in chunks; None when there is no such file."""
         if not FILE_ID.match(file_id):

@@ -1,0 +1,237 @@
+"""Per-user limits of the OpenAI API: stored uploads, and batches (and their requests) that have not ended.
+
+Each limit is an option of ``[vllm_batch]`` (0, the default: no limit) and is checked when a
+user asks for more: ``POST /files`` against the files and bytes they keep, ``POST /batches``
+against their batches that have not ended and the requests those hold. A refusal is HTTP
+429 in OpenAI's error shape, as its rate-limit errors are (the limited dimension as
+``type``, a ``code`` ending ``_limit_exceeded`` as the Batch API's ``token_limit_exceeded``),
+with ``x-should-retry: false`` so that the SDK raises ``RateLimitError`` at once instead of
+retrying what only an ended batch or a deleted file can change.
+
+The checks count what exists when the call starts; two calls of one user at the same
+instant may both pass (a soft limit, exceeded by at most the calls in flight).
+
+Fair order follows from the batch cap: with ``openai_max_user_active_batches`` below the
+batch DAG's ``max_active_runs``, one user's batches can hold no more run slots than the cap,
+queued ones included, so a burst of one user leaves the other slots to the others' batches,
+which Airflow's scheduler starts oldest first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from airflow_vllm_batch.exceptions import ConfigurationError
+
+if TYPE_CHECKING:
+    from airflow_vllm_batch.openai_api.files import FileStore
+
+SECTION = "vllm_batch"
+#: The options, by field of :class:`UserLimits`.
+OPTIONS = {
+    "max_files": "openai_max_user_files",
+    "max_bytes": "openai_max_user_bytes",
+    "max_active_batches": "openai_max_user_active_batches",
+    "max_enqueued_requests": "openai_max_user_enqueued_requests",
+}
+#: The DAG run states of a batch that has not ended.
+ACTIVE_STATES = ("queued", "running")
+
+
+@dataclass(frozen=True)
+class UserLimits:
+    """What one user may hold at a time; 0 is no limit.
+
+    :param max_files: uploaded files kept (``openai_max_user_files``).
+    :param max_bytes: bytes of uploaded files kept (``openai_max_user_bytes``).
+    :param max_active_batches: batches not ended (``openai_max_user_active_batches``).
+    :param max_enqueued_requests: requests of the batches not ended, the new one's included
+        (``openai_max_user_enqueued_requests``).
+    """
+
+    max_files: int = 0
+    max_bytes: int = 0
+    max_active_batches: int = 0
+    max_enqueued_requests: int = 0
+
+
+class LimitExceeded(Exception):
+    """A call over a user's limit: answered 429 in OpenAI's shape.
+
+    :param message: what was exceeded and what to do.
+    :param kind: the limited dimension (OpenAI's ``type`` of a rate-limit error): ``files``, ``bytes``, ``batches``, ``requests``.
+    :param param: the request parameter the limit is about.
+    """
+
+    status = 429
+
+    def __init__(self, message: str, kind: str, param: str) -> None:
+        super().__init__(message)
+        self.kind, self.param = kind, param
+        self.code = f"{kind}_limit_exceeded"
+
+
+def load_limits() -> UserLimits:
+    """The limits of ``[vllm_batch]``.
+
+    :raises ConfigurationError: an option is not a whole number of 0 or more.
+    """
+    from airflow_vllm_batch.version_compat import conf
+
+    values = {}
+    for name, option in OPTIONS.items():
+        raw = conf.get(SECTION, option, fallback="0") or "0"
+        try:
+            value = int(raw)
+        except ValueError:
+            value = -1
+        if value < 0:
+            raise ConfigurationError(
+                f"[{SECTION}] {option} is {raw!r}: give a whole number, 0 for no limit (AIRFLOW__VLLM_BATCH__{option.upper()})"
+            )
+        values[name] = value
+    return UserLimits(**values)
+
+
+def check_new_file(limits: UserLimits, files: int) -> None:
+    """Refuse an upload when the user keeps ``max_files`` already.
+
+    :param files: the uploads they keep (:meth:`.files.FileStore.upload_usage`).
+    :raises LimitExceeded: they keep as many as allowed.
+    """
+    if limits.max_files and files >= limits.max_files:
+        raise LimitExceeded(
+            f"You keep {files} uploaded files, the most allowed ([{SECTION}] {OPTIONS['max_files']} = {limits.max_files}): "
+            "delete files you no longer need (DELETE /files/{file_id}) and upload again.",
+            "files",
+            "file",
+        )
+
+
+def check_file_bytes(limits: UserLimits, kept: int, uploading: int) -> None:
+    """Refuse an upload once its bytes so far and the user's kept bytes pass ``max_bytes``.
+
+    :param kept: the bytes of the uploads they keep.
+    :param uploading: the bytes of this upload received so far.
+    :raises LimitExceeded: the sum passes the limit (nothing of the upload is kept).
+    """
+    if limits.max_bytes and kept + uploading > limits.max_bytes:
+        raise LimitExceeded(
+            f"This upload would bring your stored files past {limits.max_bytes} bytes ([{SECTION}] "
+            f"{OPTIONS['max_bytes']}; you keep {kept}): nothing was kept. Delete files you no longer need, or split the file.",
+            "bytes",
+            "file",
+        )
+
+
+def check_new_batch(limits: UserLimits, active_requests: Sequence[int], new_requests: int) -> None:
+    """Refuse a batch when the user's batches that have not ended are at the caps.
+
+    :param active_requests: the request count of each of their batches that has not ended.
+    :param new_requests: the new batch's requests (its input file's lines).
+    :raises LimitExceeded: the batch cap is reached, or the requests would pass theirs.
+    """
+    active = len(active_requests)
+    if limits.max_active_batches and active >= limits.max_active_batches:
+        raise LimitExceeded(
+            f"You have {active} batches that have not ended, the most allowed at a time ([{SECTION}] "
+            f"{OPTIONS['max_active_batches']} = {limits.max_active_batches}): create this one when one of them has ended.",
+            "batches",
+            "input_file_id",
+        )
+    enqueued = sum(active_requests)
+    if limits.max_enqueued_requests and enqueued + new_requests > limits.max_enqueued_requests:
+        raise LimitExceeded(
+            f"Your batches that have not ended hold {enqueued} requests and this one {new_requests}: more than the "
+            f"{limits.max_enqueued_requests} allowed at a time ([{SECTION}] {OPTIONS['max_enqueued_requests']}). "
+            "Create it when some have ended, or split the file.",
+            "requests",
+            "input_file_id",
+        )
+
+
+def check_upload(limits: UserLimits, store: FileStore, owner: str) -> int:
+    """Refuse an upload over the user's file cap; the bytes of the uploads they keep (0 when no limit needs them).
+
+    :param store: the API's files.
+    :param owner: the user's key (:func:`.access.owner_key`).
+    :raises LimitExceeded: they keep as many files as allowed.
+    """
+    if not (limits.max_files or limits.max_bytes):
+        return 0
+    files, kept = store.upload_usage(owner)
+    check_new_file(limits, files)
+    return kept
+
+
+def check_batch(limits: UserLimits, dag_id: str, store: FileStore, user: Any, requests: int) -> None:
+    """Refuse a batch over the user's caps of batches (and requests) that have not ended.
+
+    :param dag_id: the batch DAG.
+    :param store: the API's files (the batches' records hold their request counts).
+    :param user: the caller (Airflow's user).
+    :param requests: the new batch's requests.
+    :raises LimitExceeded: a cap is reached.
+    """
+    if not (limits.max_active_batches or limits.max_enqueued_requests):
+        return
+    from airflow_vllm_batch.openai_api.batch_spec import verification_keys
+
+    def total(batch_id: str) -> int:
+        return int((store.get_json(store.batch_record_key(batch_id)) or {}).get("total") or 0)
+
+    active = active_batch_requests(
+        dag_id,
+        user.get_id(),
+        user.get_name(),
+        total if limits.max_enqueued_requests else None,
+        verification_keys(),
+    )
+    check_new_batch(limits, active, requests)
+
+
+def active_batch_requests(
+    dag_id: str,
+    user_id: str,
+    user_name: str,
+    totals: Callable[[str], int] | None,
+    keys: Sequence[str],
+) -> list[int]:
+    """The request count of each of the user's batches whose run has not ended (queued or running).
+
+    Only runs the API signed for this user count (a run triggered by hand is no batch of theirs).
+
+    :param dag_id: the batch DAG.
+    :param user_id: the user's id (the signed owner).
+    :param user_name: the user's name (the runs' triggering user).
+    :param totals: called with a batch id, gives its request count (the API's record); None when
+        the count is not needed (no request cap): then 0 is given for each.
+    :param keys: the accepted signing keys.
+    """
+    from airflow.models.dagrun import DagRun
+    from airflow.utils.session import create_session
+    from sqlalchemy import select
+
+    from airflow_vllm_batch.openai_api.access import owns
+    from airflow_vllm_batch.openai_api.batch_spec import BatchSpec, ForgedBatchError
+
+    with create_session() as session:
+        rows = session.execute(
+            select(DagRun.run_id, DagRun.conf).where(
+                DagRun.dag_id == dag_id,
+                DagRun.triggering_user_name == user_name,
+                DagRun.state.in_(ACTIVE_STATES),
+            )
+        ).all()
+    batches = []
+    for run_id, conf in rows:
+        if not owns(conf, user_id):
+            continue
+        try:
+            BatchSpec.verified(conf, run_id, keys, dag_id)
+        except ForgedBatchError:
+            continue
+        batches.append(run_id)
+    return [totals(b) if totals is not None else 0 for b in batches]

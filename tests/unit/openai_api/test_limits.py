@@ -1,0 +1,134 @@
+"""Per-user limits on a real S3: refused with 429 in OpenAI's shape, counting only the caller's own files and batches."""
+
+from __future__ import annotations
+
+import contextlib
+from types import SimpleNamespace
+
+import pytest
+from airflow.api_fastapi.core_api.security import get_user
+
+from airflow_vllm_batch.openai_api import app as app_module
+from airflow_vllm_batch.openai_api.access import owner_key
+from airflow_vllm_batch.openai_api.limits import UserLimits, load_limits
+from tests.unit.openai_api.test_create import LINES, api  # noqa: F401 - the fixture
+
+
+class Bob:
+    def get_id(self) -> str:
+        return "bob"
+
+    def get_name(self) -> str:
+        return "bob"
+
+
+def upload(client, data: bytes = LINES):
+    return client.post("/files", data={"purpose": "batch"}, files={"file": ("in.jsonl", data)})
+
+
+def create(client, file_id: str):
+    return client.post("/batches", json={"input_file_id": file_id, "endpoint": "/v1/chat/completions"})
+
+
+def as_bob():
+    app_module.app.dependency_overrides[get_user] = Bob
+
+
+def as_alice():
+    from tests.unit.openai_api.test_app import User
+
+    app_module.app.dependency_overrides[get_user] = User
+
+
+def assert_limit_error(answer, kind: str, param: str, option: str) -> None:
+    assert answer.status_code == 429, answer.text
+    assert answer.headers["x-should-retry"] == "false"
+    error = answer.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert (error["type"], error["code"], error["param"]) == (kind, f"{kind}_limit_exceeded", param)
+    assert option in error["message"]
+
+
+def test_an_upload_over_the_file_cap_is_429_counting_only_the_callers_uploads(api, monkeypatch):
+    client, store, _ = api
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__OPENAI_MAX_USER_FILES", "2")
+    as_bob()
+    assert upload(client).status_code == upload(client).status_code == 200
+    as_alice()
+    # A batch's output file (no upload record) is no upload of hers.
+    store.client.put_object(
+        Bucket=store.bucket, Key=store.content_key(owner_key("alice"), "file-00000000abcdout"), Body=b"{}\n"
+    )
+    first = upload(client).json()["id"]
+    assert upload(client).status_code == 200
+    assert_limit_error(upload(client), "files", "file", "openai_max_user_files")
+    assert client.delete(f"/files/{first}").status_code == 200
+    assert upload(client).status_code == 200
+
+
+def test_an_upload_over_the_byte_cap_is_429_and_nothing_is_kept(api, monkeypatch):
+    client, store, _ = api
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__OPENAI_MAX_USER_BYTES", str(2 * len(LINES)))
+    as_bob()
+    assert upload(client, LINES * 2).status_code == 200
+    as_alice()
+    assert upload(client).status_code == 200
+    before = store.upload_usage(owner_key("alice"))
+    assert_limit_error(upload(client, LINES * 2), "bytes", "file", "openai_max_user_bytes")
+    assert store.upload_usage(owner_key("alice")) == before == (1, len(LINES))
+    assert upload(client).status_code == 200
+
+
+@pytest.fixture
+def runs(api, monkeypatch):
+    """The batch DAG's runs as the database holds them: every triggered run, minus those that ended."""
+    _, _, triggered = api
+    ended: set[str] = set()
+
+    class Session:
+        def execute(self, query):
+            return SimpleNamespace(all=lambda: [(b, conf) for b, conf in triggered if b not in ended])
+
+    @contextlib.contextmanager
+    def create_session():
+        yield Session()
+
+    import airflow.utils.session
+
+    monkeypatch.setattr(airflow.utils.session, "create_session", create_session)
+    return ended
+
+
+def test_a_batch_over_the_active_batch_cap_is_429_counting_only_the_callers_batches(api, runs, monkeypatch):
+    client, _, triggered = api
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__OPENAI_MAX_USER_ACTIVE_BATCHES", "2")
+    as_bob()
+    bobs = upload(client).json()["id"]
+    assert create(client, bobs).status_code == create(client, bobs).status_code == 200
+    as_alice()
+    file_id = upload(client).json()["id"]
+    assert create(client, file_id).status_code == create(client, file_id).status_code == 200
+    # A run naming her as owner that the API did not sign is no batch of hers.
+    triggered.append(("batch_ffffffffffffffff", {"owner": "alice"}))
+    refused = create(client, file_id)
+    assert_limit_error(refused, "batches", "input_file_id", "openai_max_user_active_batches")
+    assert len(triggered) == 5  # nothing was triggered
+    runs.add(triggered[2][0])  # one of hers ended
+    assert create(client, file_id).status_code == 200
+
+
+def test_a_batch_over_the_enqueued_request_cap_is_429(api, runs, monkeypatch):
+    client, _, _ = api
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__OPENAI_MAX_USER_ENQUEUED_REQUESTS", "3")
+    as_alice()
+    two = upload(client, LINES * 2).json()["id"]
+    assert create(client, two).status_code == 200
+    assert_limit_error(create(client, two), "requests", "input_file_id", "openai_max_user_enqueued_requests")
+    assert create(client, upload(client).json()["id"]).status_code == 200
+
+
+def test_no_limit_is_set_by_default_and_a_bad_value_is_refused_naming_the_option(monkeypatch):
+    assert load_limits() == UserLimits()
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__OPENAI_MAX_USER_ACTIVE_BATCHES", "-1")
+    with pytest.raises(Exception, match=r"openai_max_user_active_batches is '-1': give a whole number"):
+        load_limits()

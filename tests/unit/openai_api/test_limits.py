@@ -49,7 +49,7 @@ def assert_limit_error(answer, kind: str, param: str, option: str) -> None:
     assert option in error["message"]
 
 
-def test_an_upload_over_the_file_cap_is_429_counting_only_the_callers_uploads(api, monkeypatch):
+def test_an_upload_over_the_file_cap_is_429_counting_only_the_callers_uploads(api, monkeypatch):  # noqa: F811
     client, store, _ = api
     monkeypatch.setenv("AIRFLOW__VLLM_BATCH__OPENAI_MAX_USER_FILES", "2")
     as_bob()
@@ -66,7 +66,7 @@ def test_an_upload_over_the_file_cap_is_429_counting_only_the_callers_uploads(ap
     assert upload(client).status_code == 200
 
 
-def test_an_upload_over_the_byte_cap_is_429_and_nothing_is_kept(api, monkeypatch):
+def test_an_upload_over_the_byte_cap_is_429_and_nothing_is_kept(api, monkeypatch):  # noqa: F811
     client, store, _ = api
     monkeypatch.setenv("AIRFLOW__VLLM_BATCH__OPENAI_MAX_USER_BYTES", str(2 * len(LINES)))
     as_bob()
@@ -80,7 +80,7 @@ def test_an_upload_over_the_byte_cap_is_429_and_nothing_is_kept(api, monkeypatch
 
 
 @pytest.fixture
-def runs(api, monkeypatch):
+def runs(api, monkeypatch):  # noqa: F811
     """The batch DAG's runs as the database holds them: every triggered run, minus those that ended."""
     _, _, triggered = api
     ended: set[str] = set()
@@ -99,7 +99,7 @@ def runs(api, monkeypatch):
     return ended
 
 
-def test_a_batch_over_the_active_batch_cap_is_429_counting_only_the_callers_batches(api, runs, monkeypatch):
+def test_a_batch_over_the_active_batch_cap_is_429_counting_only_the_callers_batches(api, runs, monkeypatch):  # noqa: F811
     client, _, triggered = api
     monkeypatch.setenv("AIRFLOW__VLLM_BATCH__OPENAI_MAX_USER_ACTIVE_BATCHES", "2")
     as_bob()
@@ -117,7 +117,7 @@ def test_a_batch_over_the_active_batch_cap_is_429_counting_only_the_callers_batc
     assert create(client, file_id).status_code == 200
 
 
-def test_a_batch_over_the_enqueued_request_cap_is_429(api, runs, monkeypatch):
+def test_a_batch_over_the_enqueued_request_cap_is_429(api, runs, monkeypatch):  # noqa: F811
     client, _, _ = api
     monkeypatch.setenv("AIRFLOW__VLLM_BATCH__OPENAI_MAX_USER_ENQUEUED_REQUESTS", "3")
     as_alice()

@@ -411,7 +411,7 @@ def create_batch(body: BatchCreate, user: GetUserDep) -> dict[str, Any]:
     )
     if record is None:
         raise _not_an_input(body.input_file_id)
-    _within_limit(check_batch, _limits(), settings.batch_dag_id, store, user, int(record.get("lines") or 0))
+    _within_limit(check_batch, _limits(), dag_id, store, user, int(record.get("lines") or 0), _verifier())
     batch_id = new_batch_id()
     # The batch runs this copy (its ETag is signed): deleting or replacing the file later changes nothing of it.
     version = store.pin_input(owner, body.input_file_id, batch_id)

@@ -1,4 +1,4 @@
-"""The batch DAG's runs in Airflow's metadata database: trigger one, read one, list a user's.
+"""The batch DAG's runs in Airflow's metadata database: trigger one, read one, list a user's, count their active ones.
 
 The one module of the API that reaches into Airflow's internals (``trigger_dag``, ``DagRun``,
 ``TaskInstance``, ``create_session``): a plugin served by the API server runs beside the
@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 
 #: How many DAG runs :func:`user_runs` reads per query while it looks for the caller's.
 RUNS_PER_QUERY = 200
+
+#: The DAG run states of a batch that has not ended.
+ACTIVE_STATES = ("queued", "running")
 
 #: What tells a batch run from any other run of the batch DAG: its verified spec, or None.
 Verifier = Callable[[Any], "BatchSpec | None"]
@@ -171,3 +174,26 @@ def user_runs(
             query = query.where(DagRun.id < runs[-1].id)
         session.expunge_all()
     return found
+
+
+def active_batch_ids(dag_id: str, user_id: str, user_name: str, verify: Verifier) -> list[str]:
+    """The ids of the caller's batches whose runs have not ended (queued or running), for the per-user limits.
+
+    Only runs the API signed for this user count: a run triggered by hand is no batch of theirs.
+
+    :param verify: the request's verifier.
+    """
+    require_runs_interface()
+    from airflow.models.dagrun import DagRun
+    from airflow.utils.session import create_session
+    from sqlalchemy import select
+
+    with create_session() as session:
+        rows = session.execute(
+            select(DagRun.run_id, DagRun.dag_id, DagRun.conf).where(
+                DagRun.dag_id == dag_id,
+                DagRun.triggering_user_name == user_name,
+                DagRun.state.in_(ACTIVE_STATES),
+            )
+        ).all()
+    return [row.run_id for row in rows if owns(row.conf, user_id) and verify(row) is not None]

@@ -19,13 +19,14 @@ which Airflow's scheduler starts oldest first.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from airflow_vllm_batch.exceptions import ConfigurationError
 
 if TYPE_CHECKING:
+    from airflow_vllm_batch.openai_api.batch_runs import Verifier
     from airflow_vllm_batch.openai_api.files import FileStore
 
 SECTION = "vllm_batch"
@@ -36,8 +37,6 @@ OPTIONS = {
     "max_active_batches": "openai_max_user_active_batches",
     "max_enqueued_requests": "openai_max_user_enqueued_requests",
 }
-#: The DAG run states of a batch that has not ended.
-ACTIVE_STATES = ("queued", "running")
 
 
 @dataclass(frozen=True)
@@ -166,72 +165,28 @@ def check_upload(limits: UserLimits, store: FileStore, owner: str) -> int:
     return kept
 
 
-def check_batch(limits: UserLimits, dag_id: str, store: FileStore, user: Any, requests: int) -> None:
+def check_batch(
+    limits: UserLimits, dag_id: str, store: FileStore, user: Any, requests: int, verify: Verifier
+) -> None:
     """Refuse a batch over the user's caps of batches (and requests) that have not ended.
 
     :param dag_id: the batch DAG.
     :param store: the API's files (the batches' records hold their request counts).
     :param user: the caller (Airflow's user).
     :param requests: the new batch's requests.
+    :param verify: the request's verifier (only the runs the API signed count).
     :raises LimitExceeded: a cap is reached.
     """
     if not (limits.max_active_batches or limits.max_enqueued_requests):
         return
-    from airflow_vllm_batch.openai_api.batch_spec import verification_keys
+    from airflow_vllm_batch.openai_api.batch_runs import active_batch_ids
 
-    def total(batch_id: str) -> int:
-        return int((store.get_json(store.batch_record_key(batch_id)) or {}).get("total") or 0)
-
-    active = active_batch_requests(
-        dag_id,
-        user.get_id(),
-        user.get_name(),
-        total if limits.max_enqueued_requests else None,
-        verification_keys(),
-    )
-    check_new_batch(limits, active, requests)
-
-
-def active_batch_requests(
-    dag_id: str,
-    user_id: str,
-    user_name: str,
-    totals: Callable[[str], int] | None,
-    keys: Sequence[str],
-) -> list[int]:
-    """The request count of each of the user's batches whose run has not ended (queued or running).
-
-    Only runs the API signed for this user count (a run triggered by hand is no batch of theirs).
-
-    :param dag_id: the batch DAG.
-    :param user_id: the user's id (the signed owner).
-    :param user_name: the user's name (the runs' triggering user).
-    :param totals: called with a batch id, gives its request count (the API's record); None when
-        the count is not needed (no request cap): then 0 is given for each.
-    :param keys: the accepted signing keys.
-    """
-    from airflow.models.dagrun import DagRun
-    from airflow.utils.session import create_session
-    from sqlalchemy import select
-
-    from airflow_vllm_batch.openai_api.access import owns
-    from airflow_vllm_batch.openai_api.batch_spec import BatchSpec, ForgedBatchError
-
-    with create_session() as session:
-        rows = session.execute(
-            select(DagRun.run_id, DagRun.conf).where(
-                DagRun.dag_id == dag_id,
-                DagRun.triggering_user_name == user_name,
-                DagRun.state.in_(ACTIVE_STATES),
-            )
-        ).all()
-    batches = []
-    for run_id, conf in rows:
-        if not owns(conf, user_id):
-            continue
-        try:
-            BatchSpec.verified(conf, run_id, keys, dag_id)
-        except ForgedBatchError:
-            continue
-        batches.append(run_id)
-    return [totals(b) if totals is not None else 0 for b in batches]
+    active = active_batch_ids(dag_id, user.get_id(), user.get_name(), verify)
+    # A batch's request count is in the API's record (one small object each); read only for the request cap.
+    totals = [
+        int((store.get_json(store.batch_record_key(b)) or {}).get("total") or 0)
+        if limits.max_enqueued_requests
+        else 0
+        for b in active
+    ]
+    check_new_batch(limits, totals, requests)

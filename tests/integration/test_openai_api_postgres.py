@@ -65,7 +65,9 @@ SCRIPT = textwrap.dedent(
     first = [batch.run.run_id for batch in runs(None, 5)]
     rest = [batch.run.run_id for batch in runs(first[-1], 100)]
     tis = [len(batch.task_instances) for batch in runs(None, 100)]
-    print(json.dumps({"made": made, "first": first, "rest": rest, "tis": tis, "statements": statements}))
+    # The per-user limits' count of batches that have not ended (all queued here): the caller's signed runs only.
+    active = {user: batch_runs.active_batch_ids("vllm_batch_openai", user, user, verify) for user in made}
+    print(json.dumps({"made": made, "first": first, "rest": rest, "tis": tis, "statements": statements, "active": active}))
     """
 )
 
@@ -112,6 +114,9 @@ def test_the_batch_list_pages_the_callers_batches_on_postgresql_without_a_query_
     assert seen["first"] == newest_first[:5]
     assert seen["rest"] == newest_first[5:]
     assert seen["tis"] == [1] * 7  # each run's task instance, read with its page
+    assert {user: sorted(ids) for user, ids in seen["active"].items()} == {
+        user: sorted(ids) for user, ids in seen["made"].items()
+    }
     assert not [s for s in seen["statements"] if s["streamed"]], "a list query streamed its rows"
     # One task-instance query per page of the caller's runs, not one per run.
     assert sum(s["ti"] for s in seen["statements"]) <= 3 + 3 + 3

@@ -87,7 +87,12 @@ def runs(api, monkeypatch):  # noqa: F811
 
     class Session:
         def execute(self, query):
-            return SimpleNamespace(all=lambda: [(b, conf) for b, conf in triggered if b not in ended])
+            rows = [
+                SimpleNamespace(run_id=b, dag_id="vllm_batch_openai", conf=conf)
+                for b, conf in triggered
+                if b not in ended
+            ]
+            return SimpleNamespace(all=lambda: rows)
 
     @contextlib.contextmanager
     def create_session():

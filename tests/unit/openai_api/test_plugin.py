@@ -71,6 +71,7 @@ def test_the_batch_dags_runs_are_read_and_triggered_only_on_an_airflow_that_has_
         lambda: batch_runs.trigger_run("d", "batch_0123456789abcdef", {}, "alice"),
         lambda: batch_runs.find_run("d", "batch_0123456789abcdef", "alice", lambda run: None),
         lambda: batch_runs.user_runs("d", "alice", "alice", None, 10, lambda run: None),
+        lambda: batch_runs.active_batch_ids("d", "alice", "alice", lambda run: None),
     ):
         with pytest.raises(ConfigurationError, match=r"needs Airflow 3\.1 or later"):
             call()

@@ -18,9 +18,8 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable
 from functools import lru_cache
-from typing import Any, TypeVar
+from typing import Any
 
 from airflow.api_fastapi.core_api.security import GetUserDep
 from fastapi import FastAPI, HTTPException, Query, Request
@@ -64,7 +63,6 @@ from airflow_vllm_batch.openai_api.status import BatchDagRun, batch_object, wind
 from airflow_vllm_batch.storage.s3 import ObjectWriter
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 #: The endpoints a batch may name (the engines' batch URLs).
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
@@ -82,21 +80,13 @@ class OpenAIError(HTTPException):
     :param status_code: the HTTP status.
     :param message: what went wrong and what to do.
     :param param: the request parameter at fault, if one is.
-    :param kind: the error's ``type`` when not the one of its status (a 429's limited dimension).
-    :param headers: headers of the answer.
     """
 
     def __init__(
-        self,
-        status_code: int,
-        message: str,
-        param: str | None = None,
-        code: str | None = None,
-        kind: str | None = None,
-        headers: dict[str, str] | None = None,
+        self, status_code: int, message: str, param: str | None = None, code: str | None = None
     ) -> None:
-        super().__init__(status_code=status_code, detail=message, headers=headers)
-        self.param, self.code, self.kind = param, code, kind
+        super().__init__(status_code=status_code, detail=message)
+        self.param, self.code = param, code
 
 
 class BatchCreate(BaseModel):
@@ -169,14 +159,15 @@ async def _http_error(request: Request, err: HTTPException) -> JSONResponse:
         # to OpenAI's clients any token that does not authenticate is a 401 (AuthenticationError).
         status_code, headers = 401, {"WWW-Authenticate": "Bearer"}
         detail = f"The API key (an Airflow API token) was not accepted ({detail}): get a new one with POST /auth/token and pass it as api_key."
-    body = _error_body(
-        detail,
-        status_code,
-        getattr(err, "param", None),
-        getattr(err, "code", None),
-        getattr(err, "kind", None),
-    )
+    body = _error_body(detail, status_code, getattr(err, "param", None), getattr(err, "code", None))
     return JSONResponse(body, status_code=status_code, headers=headers)
+
+
+@app.exception_handler(LimitExceeded)
+async def _over_limit(request: Request, err: LimitExceeded) -> JSONResponse:
+    # Only a deleted file or an ended batch changes the answer: the SDK should not retry it.
+    body = _error_body(str(err), err.status, err.param, err.code, err.kind)
+    return JSONResponse(body, status_code=err.status, headers={"x-should-retry": "false"})
 
 
 @app.exception_handler(Exception)
@@ -249,7 +240,7 @@ async def create_file(request: Request, user: GetUserDep) -> dict[str, Any]:
     except UploadError as err:
         raise OpenAIError(err.status, str(err)) from None
     limits = _limits()
-    kept = await run_in_threadpool(_within_limit, check_upload, limits, store, owner)
+    kept = await run_in_threadpool(check_upload, limits, store, owner)
     writer = ObjectWriter(
         store.client, store.bucket, store.content_key(owner, file_id), content_type="application/jsonl"
     )
@@ -262,7 +253,7 @@ async def create_file(request: Request, user: GetUserDep) -> dict[str, Any]:
             _check_purpose(reader.fields.get("purpose", "batch"))
             _check_no_expiry(reader.fields)
             counter.add(data)
-            _within_limit(check_file_bytes, limits, kept, counter.bytes)
+            check_file_bytes(limits, kept, counter.bytes)
             if counter.bytes > settings.max_file_bytes:
                 raise UploadError(
                     f"the file is larger than {settings.max_file_bytes} bytes ([vllm_batch] openai_max_file_bytes): split it",
@@ -304,17 +295,6 @@ def _limits() -> UserLimits:
         return load_limits()
     except ConfigurationError as err:
         raise OpenAIError(503, str(err)) from None
-
-
-def _within_limit(check: Callable[..., T], *args: Any) -> T:
-    """Run a check of :mod:`.limits`; a user over their limit is answered 429 in OpenAI's shape."""
-    try:
-        return check(*args)
-    except LimitExceeded as err:
-        # Only an ended batch or a deleted file changes the answer: the SDK should not retry it.
-        raise OpenAIError(
-            err.status, str(err), err.param, err.code, err.kind, {"x-should-retry": "false"}
-        ) from None
 
 
 def _check_no_expiry(fields: dict[str, str]) -> None:
@@ -411,7 +391,7 @@ def create_batch(body: BatchCreate, user: GetUserDep) -> dict[str, Any]:
     )
     if record is None:
         raise _not_an_input(body.input_file_id)
-    _within_limit(check_batch, _limits(), dag_id, store, user, int(record.get("lines") or 0), _verifier())
+    check_batch(_limits(), dag_id, store, user, int(record.get("lines") or 0), _verifier())
     batch_id = new_batch_id()
     # The batch runs this copy (its ETag is signed): deleting or replacing the file later changes nothing of it.
     version = store.pin_input(owner, body.input_file_id, batch_id)

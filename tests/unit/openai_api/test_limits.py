@@ -137,3 +137,21 @@ def test_no_limit_is_set_by_default_and_a_bad_value_is_refused_naming_the_option
     monkeypatch.setenv("AIRFLOW__VLLM_BATCH__OPENAI_MAX_USER_ACTIVE_BATCHES", "-1")
     with pytest.raises(Exception, match=r"openai_max_user_active_batches is '-1': give a whole number"):
         load_limits()
+
+
+def test_the_sdk_raises_rate_limit_error_at_once_without_retrying(api, monkeypatch):  # noqa: F811
+    """The unmodified SDK: a 429 with x-should-retry false is RateLimitError on the first answer (no backoff, no retry)."""
+    import openai
+
+    client, _, _ = api
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__OPENAI_MAX_USER_FILES", "1")
+    as_alice()
+    sent = []
+    client.event_hooks["request"].append(lambda request: sent.append(request.url.path))
+    sdk = openai.OpenAI(api_key="token", base_url="http://testserver", http_client=client, max_retries=2)
+    sdk.files.create(file=("in.jsonl", LINES), purpose="batch")
+    with pytest.raises(openai.RateLimitError) as refused:
+        sdk.files.create(file=("in.jsonl", LINES), purpose="batch")
+    assert refused.value.code == "files_limit_exceeded"
+    assert refused.value.type == "files"
+    assert sent == ["/files", "/files"]

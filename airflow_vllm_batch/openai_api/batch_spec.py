@@ -3,8 +3,9 @@
 A batch is a run of the batch DAG, and anyone with trigger permission on that DAG can start a
 run with a conf of their own making through Airflow's UI or REST API. So the batch task trusts
 nothing in a run's conf but a :class:`BatchSpec` whose HMAC-SHA256 signature, made with the key
-the API server and the workers share (``[vllm_batch] openai_signing_key``), checks out, for that
-very run id. Every S3 location the task touches is *derived* from the spec and ``[vllm_batch]
+the API server and the workers share (``[vllm_batch] openai_signing_key``, or an earlier key kept
+in ``openai_old_signing_keys`` while a rotation's batches are wanted), checks out, for that very
+run id. Every S3 location the task touches is *derived* from the spec and ``[vllm_batch]
 openai_files_uri`` (:meth:`BatchSpec.locations`), never read from the conf, so a hand-made or
 edited run fails before it reads or writes anything.
 

@@ -94,6 +94,14 @@ def _reset(writer: asyncio.StreamWriter) -> None:
     writer.transport.abort()
 
 
+async def _cancel_all() -> None:
+    """Cancel every connection's task but this one, and wait for them."""
+    tasks = asyncio.all_tasks() - {asyncio.current_task()}
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
 class FaultProxy:
     """A seeded fault-injecting HTTP proxy on 127.0.0.1 in front of one upstream (S3).
 
@@ -153,10 +161,7 @@ class FaultProxy:
             ready.set()
             loop.run_forever()
             self._server.close()
-            tasks = asyncio.all_tasks(loop)
-            for task in tasks:
-                task.cancel()
-            loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+            loop.run_until_complete(_cancel_all())
             loop.close()
 
         self._thread = threading.Thread(target=serve, name="s3-fault-proxy", daemon=True)

@@ -77,6 +77,7 @@ from unittest import mock
 
 import openai
 import psutil
+from botocore.exceptions import BotoCoreError, ClientError
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -549,8 +550,12 @@ class Campaign:
                 return
             job.state = state
             if ended:
+                try:
+                    job.snapshot = self.etags(job)
+                except (BotoCoreError, ClientError) as err:  # S3 down or paused: snapshot it next round
+                    self.note(f"poll {job.name}: snapshot {type(err).__name__}")
+                    return
                 job.ended_at = now
-                job.snapshot = self.etags(job)
                 self.note(f"ended {job.name}: {state}")
 
     @contextlib.contextmanager
@@ -560,7 +565,10 @@ class Campaign:
 
         def loop() -> None:
             while not stop.wait(2):
-                self.poll()
+                try:
+                    self.poll()
+                except Exception as err:  # noqa: BLE001 - the poller must outlive any fault
+                    self.note(f"poll failed: {err!r}")
 
         thread = threading.Thread(target=loop, name="chaos-poller", daemon=True)
         thread.start()
@@ -720,7 +728,9 @@ class Campaign:
         for key in job.output_keys:
             try:
                 found[key] = client.head_object(Bucket=job.bucket, Key=key)["ETag"].strip('"')
-            except client.exceptions.ClientError:
+            except ClientError as err:
+                if err.response.get("Error", {}).get("Code") not in ("404", "NoSuchKey", "NotFound"):
+                    raise
                 found[key] = None
         return found
 

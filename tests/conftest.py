@@ -38,6 +38,7 @@ FIRST = (
     "tests/integration/test_floor_wheel.py",
     "tests/integration/test_openai_api.py",
     "tests/integration/test_supervised.py",
+    "tests/integration/test_chaos_smoke.py",
     "tests/integration/test_scheduled_runs.py",
     "tests/integration/test_celery_gpu_queue.py",
     "tests/integration/test_server_engine.py",

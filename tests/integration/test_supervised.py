@@ -24,7 +24,6 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -45,8 +44,8 @@ from tests.integration.deployment import (
     local_executor_deployment,
     wait_until,
 )
+from tests.integration.restartable_seaweedfs import RestartableSeaweedFS
 from tests.integration.vllm_metrics import requests_answered
-from vllm_batch_embedded.seaweedfs import SeaweedFS
 
 pytestmark = [pytest.mark.integration, pytest.mark.engine]
 
@@ -137,36 +136,6 @@ if rc == 0 and not truncated.exists():
     truncated.write_text(f"dropped 1 of {len(lines)} lines\\n")
 sys.exit(rc)
 """
-
-
-class RestartableSeaweedFS(SeaweedFS):
-    """A SeaweedFS that can crash and come back on the same ports and data.
-
-    The deployment's ``aws_default`` connection names the endpoint, so a restart must reuse
-    the ports; the first start picks free ones as usual.
-    """
-
-    def _launch(self) -> None:
-        if not self._ports:
-            super()._launch()
-            return
-        # SIGKILL leaves the S3 gateway's Unix socket behind; weed would not bind it again.
-        (self.data_dir / "s3.sock").unlink(missing_ok=True)
-        with open(self.log_path, "ab") as log:
-            self._process = subprocess.Popen(
-                self._argv(self._ports),
-                cwd=self.data_dir,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        self._pid = self._process.pid
-
-    def crash(self) -> None:
-        """SIGKILL the whole server at once (no graceful close of connections), then reap it."""
-        os.killpg(self.pid, signal.SIGKILL)
-        self.stop()
 
 
 # -- processes --------------------------------------------------------------------------

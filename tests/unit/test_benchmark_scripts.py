@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 PAGE = REPO / "docs" / "benchmarks.md"
 
 
-@pytest.mark.parametrize("script", ["overhead.py", "scale.py"])
+@pytest.mark.parametrize("script", ["overhead.py", "scale.py", "chaos.py"])
 def test_the_benchmark_starts_from_the_repository_root_as_the_page_runs_it(script):
     # The page's command, as written: `.venv/bin/python benchmarks/<script> ...` without PYTHONPATH.
     assert re.search(
@@ -53,7 +53,7 @@ print(json.dumps(sorted({name.split(".")[0] for name in names if importlib.util.
 """
 
 
-@pytest.mark.parametrize("script", ["overhead.py", "scale.py"])
+@pytest.mark.parametrize("script", ["overhead.py", "scale.py", "chaos.py"])
 def test_every_module_the_benchmark_imports_is_found_from_the_repository_root(script):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     done = subprocess.run(

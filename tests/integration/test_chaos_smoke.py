@@ -1,0 +1,50 @@
+"""The chaos campaign's smoke slice: the real stack under a few seeded faults loses and duplicates nothing.
+
+Runs ``benchmarks/chaos.py --smoke --seed 7`` as the benchmark page runs it (its own process,
+from the repository root) and reads its final JSON line: 3 operator runs (the warm server,
+with and without the answer cache, and vLLM's batch runner started by the task) and 2 OpenAI
+API batches, a handful of faults (kills, pauses, S3 faults through the proxy), then the
+checks on what is really in S3 and in Airflow's database (see the script's docstring).
+
+Fresh processes: the campaign kills and pauses the scheduler, the API server, SeaweedFS,
+the warm vLLM server and the tasks' processes: none of it can be the session's. About 3
+minutes on two cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.integration.dagrun import REPO
+
+pytestmark = [pytest.mark.integration, pytest.mark.engine]
+
+SEED = 7
+
+
+def test_the_smoke_campaign_loses_and_duplicates_no_answer_and_every_run_ends():
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "PYTEST_"))}
+    done = subprocess.run(
+        [sys.executable, "benchmarks/chaos.py", "--smoke", "--seed", str(SEED)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=420,
+        check=False,
+    )
+    lines = done.stdout.strip().splitlines()
+    assert lines, done.stderr[-4000:]
+    result = json.loads(lines[-1])
+    summary = "\n".join(lines[-40:])
+    assert result["faults"] > 0, summary
+    assert result["runs_ended"], summary
+    assert result["answers_lost"] == 0, summary
+    assert result["duplicates_published"] == 0, summary
+    assert result["failures"] == [], summary
+    assert done.returncode == 0, summary + done.stderr[-3000:]

@@ -2,9 +2,11 @@
 
 The SDK's ``api_key`` is an Airflow API token (``POST /auth/token``): the app resolves the
 user with Airflow's own dependency (``airflow.api_fastapi.core_api.security.get_user``), so
-a request without one is answered 401, and asks the auth manager what the user may do
-(:mod:`.access`). Errors have OpenAI's shape (``{"error": {"message", "type", "param",
-"code"}}``) so that the SDK raises its own exception classes.
+a request without one is answered 401, and every route asks the API's own rule
+(:func:`.access.may_use`) whether the user may use it: 403 if not. API users need no
+permission on the batch DAG: the API triggers, reads and cancels its runs itself. Errors
+have OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``) so that the SDK
+raises its own exception classes.
 
 The routes and the error shapes only: the work behind them is in :mod:`.files` (the S3
 layout and uploads), :mod:`.batch_runs` (the batch DAG's runs in Airflow's database),
@@ -19,17 +21,26 @@ import logging
 import time
 import uuid
 from functools import lru_cache
-from typing import Any
+from typing import Annotated, Any
 
+from airflow.api_fastapi.auth.managers.models.base_user import BaseUser
 from airflow.api_fastapi.core_api.security import GetUserDep
-from fastapi import FastAPI, HTTPException, Query, Request
+from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from airflow_vllm_batch.exceptions import ConfigurationError, ManifestVersionError
-from airflow_vllm_batch.openai_api.access import may, owner_key
+from airflow_vllm_batch.openai_api.access import (
+    FAB_ACTIONS,
+    RESOURCE_NAME,
+    Method,
+    may_use,
+    owner_key,
+    register_fab_permissions,
+    warn_if_not_isolated,
+)
 from airflow_vllm_batch.openai_api.batch_runs import BatchRun, Verifier, find_run, trigger_run, user_runs
 from airflow_vllm_batch.openai_api.batch_spec import (
     BatchSpec,
@@ -134,6 +145,42 @@ def new_request_id() -> str:
 
 
 app.add_middleware(RequestIdMiddleware)
+# Once, when the app is built (the plugin imports this module on the API server's first request).
+warn_if_not_isolated()
+register_fab_permissions()
+
+#: What each method lets a user do, for the 403's message.
+DOING = {
+    "GET": "read files and batches",
+    "POST": "upload files or create batches",
+    "PUT": "cancel batches",
+    "DELETE": "delete files",
+}
+
+
+def _api_user(method: Method) -> Any:
+    """A dependency: the caller (Airflow's token), if the API's rule lets them use it with ``method``; 403 otherwise."""
+
+    def allowed(user: GetUserDep) -> BaseUser:
+        try:
+            ok = may_use(user, method)
+        except ConfigurationError as err:
+            raise OpenAIError(503, str(err)) from None
+        if not ok:
+            raise OpenAIError(
+                403,
+                f"you may not {DOING[method]} with this API: ask your Airflow admin for {FAB_ACTIONS[method]!r} on "
+                f"{RESOURCE_NAME!r} (FAB), or to be listed in [vllm_batch] openai_users",
+            )
+        return user
+
+    return Depends(allowed)
+
+
+Reader = Annotated[BaseUser, _api_user("GET")]
+Creator = Annotated[BaseUser, _api_user("POST")]
+Canceller = Annotated[BaseUser, _api_user("PUT")]
+Deleter = Annotated[BaseUser, _api_user("DELETE")]
 
 
 def _error_body(
@@ -230,7 +277,7 @@ def _page(items: list[dict[str, Any]], after: str | None, limit: int) -> dict[st
 
 
 @app.post("/files")
-async def create_file(request: Request, user: GetUserDep) -> dict[str, Any]:
+async def create_file(request: Request, user: Creator) -> dict[str, Any]:
     """Upload a batch input file (``multipart/form-data``: ``purpose=batch``, ``file``), streamed to S3 part by part."""
     settings = await run_in_threadpool(_settings)
     store = await run_in_threadpool(_store, settings)
@@ -314,7 +361,7 @@ def _check_purpose(purpose: str | None) -> None:
 
 @app.get("/files")
 def list_files(
-    user: GetUserDep,
+    user: Reader,
     purpose: str | None = None,
     after: str | None = None,
     limit: int = Query(10000, ge=1, le=10000),
@@ -329,7 +376,7 @@ def list_files(
 
 
 @app.get("/files/{file_id}")
-def retrieve_file(file_id: str, user: GetUserDep) -> dict[str, Any]:
+def retrieve_file(file_id: str, user: Reader) -> dict[str, Any]:
     """One of the caller's files."""
     found = _store(_settings()).file_object(owner_key(user.get_id()), file_id)
     if found is None:
@@ -338,7 +385,7 @@ def retrieve_file(file_id: str, user: GetUserDep) -> dict[str, Any]:
 
 
 @app.get("/files/{file_id}/content")
-def file_content(file_id: str, user: GetUserDep) -> StreamingResponse:
+def file_content(file_id: str, user: Reader) -> StreamingResponse:
     """The bytes of one of the caller's files, streamed from S3."""
     chunks = _store(_settings()).content(owner_key(user.get_id()), file_id)
     if chunks is None:
@@ -347,7 +394,7 @@ def file_content(file_id: str, user: GetUserDep) -> StreamingResponse:
 
 
 @app.delete("/files/{file_id}")
-def delete_file(file_id: str, user: GetUserDep) -> dict[str, Any]:
+def delete_file(file_id: str, user: Deleter) -> dict[str, Any]:
     """Delete one of the caller's files."""
     if not _store(_settings()).delete_file(owner_key(user.get_id()), file_id):
         raise _no_file(file_id)
@@ -362,14 +409,10 @@ def _no_file(file_id: str) -> OpenAIError:
 
 
 @app.post("/batches")
-def create_batch(body: BatchCreate, user: GetUserDep) -> dict[str, Any]:
+def create_batch(body: BatchCreate, user: Creator) -> dict[str, Any]:
     """Start a batch: pin its input, sign what its run may do, trigger a run of the batch DAG."""
     settings = _settings()
     dag_id = settings.batch_dag_id
-    if not may(user, "POST", dag_id):
-        raise OpenAIError(
-            403, f"you may not trigger runs of the batch DAG {dag_id!r}: ask for permission to trigger it"
-        )
     if body.endpoint not in ENDPOINTS:
         raise OpenAIError(400, f"endpoint {body.endpoint!r} is not one of {', '.join(ENDPOINTS)}", "endpoint")
     if body.completion_window not in settings.completion_windows:
@@ -510,12 +553,10 @@ def _trigger(dag_id: str, batch_id: str, conf: dict[str, Any], user_name: str) -
 
 @app.get("/batches")
 def list_batches(
-    user: GetUserDep, after: str | None = None, limit: int = Query(20, ge=1, le=100)
+    user: Reader, after: str | None = None, limit: int = Query(20, ge=1, le=100)
 ) -> dict[str, Any]:
     """The caller's batches, newest first, paged by ``after`` (a batch id) and ``limit``."""
     settings = _settings()
-    if not may(user, "GET", settings.batch_dag_id):
-        return _page([], None, limit)
     store = _store(settings)
     runs = user_runs(settings.batch_dag_id, user.get_id(), user.get_name(), after, limit + 1, _verifier())
     objects = [batch_from_run(store, batch, settings.aws_conn_id) for batch in runs]
@@ -529,7 +570,7 @@ def list_batches(
 
 
 @app.get("/batches/{batch_id}")
-def retrieve_batch(batch_id: str, user: GetUserDep) -> dict[str, Any]:
+def retrieve_batch(batch_id: str, user: Reader) -> dict[str, Any]:
     """One of the caller's batches."""
     settings = _settings()
     batch = _own_run(settings, batch_id, user)
@@ -537,7 +578,7 @@ def retrieve_batch(batch_id: str, user: GetUserDep) -> dict[str, Any]:
 
 
 @app.post("/batches/{batch_id}/cancel")
-def cancel_batch(batch_id: str, user: GetUserDep) -> dict[str, Any]:
+def cancel_batch(batch_id: str, user: Canceller) -> dict[str, Any]:
     """Cancel one of the caller's batches: ask its run to stop; the run publishes what it answered and ends ``cancelled``.
 
     Nothing here stops a task or changes the DAG run: the batch task polls the cancel request
@@ -548,11 +589,6 @@ def cancel_batch(batch_id: str, user: GetUserDep) -> dict[str, Any]:
     """
     settings = _settings()
     batch = _own_run(settings, batch_id, user)
-    if not may(user, "PUT", settings.batch_dag_id):
-        raise OpenAIError(
-            403,
-            f"you may not change runs of the batch DAG {settings.batch_dag_id!r}: ask for permission to edit it",
-        )
     store = _store(settings)
     before = batch_from_run(store, batch, settings.aws_conn_id)
     if before["status"] == "cancelling":
@@ -586,7 +622,7 @@ def _verifier() -> Verifier:
 def _own_run(settings: OpenAIApiSettings, batch_id: str, user: Any) -> BatchRun:
     """One of the caller's batch runs, its spec verified; 404 for anyone else's, and for a run the API did not make."""
     missing = OpenAIError(404, f"No such Batch object: {batch_id}", "batch_id")
-    if not BATCH_ID.match(batch_id) or not may(user, "GET", settings.batch_dag_id):
+    if not BATCH_ID.match(batch_id):
         raise missing
     found = find_run(settings.batch_dag_id, batch_id, user.get_id(), _verifier())
     if found is None:

@@ -56,7 +56,7 @@ def api(s3, bucket, monkeypatch):
     monkeypatch.setattr(
         app_module, "_own_run", lambda settings, batch_id, user: BatchRun(state.run, spec, state.tis)
     )
-    monkeypatch.setattr(app_module, "may", lambda user, method, dag_id: True)
+    monkeypatch.setattr(app_module, "may_use", lambda user, method: True)
     app_module.app.dependency_overrides[get_user] = User
     yield SimpleNamespace(
         store=store,

@@ -30,7 +30,7 @@ def api(s3, bucket, monkeypatch):
     triggered: list[tuple[str, dict]] = []
     monkeypatch.setattr(app_module, "_settings", lambda: OpenAIApiSettings(files_uri=f"s3://{bucket}/p/"))
     monkeypatch.setattr(app_module, "_store", lambda settings: store)
-    monkeypatch.setattr(app_module, "may", lambda user, method, dag_id: True)
+    monkeypatch.setattr(app_module, "may_use", lambda user, method: True)
     monkeypatch.setattr(app_module, "load_routes", lambda: {})
     monkeypatch.setattr(
         app_module, "_trigger", lambda dag_id, batch_id, conf, user: triggered.append((batch_id, conf))

@@ -109,7 +109,7 @@ def create(monkeypatch):
     triggered = []
     monkeypatch.setattr(app_module, "_settings", lambda: OpenAIApiSettings(files_uri="s3://b/p/"))
     monkeypatch.setattr(app_module, "_store", lambda settings: store)
-    monkeypatch.setattr(app_module, "may", lambda user, method, dag_id: True)
+    monkeypatch.setattr(app_module, "may_use", lambda user, method: True)
     monkeypatch.setattr(app_module, "_trigger", lambda dag_id, batch_id, conf, user: triggered.append(conf))
     monkeypatch.setattr(app_module, "load_routes", lambda: parse_routes(ROUTES))
     app_module.app.dependency_overrides[get_user] = User

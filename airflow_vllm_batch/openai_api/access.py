@@ -68,7 +68,7 @@ def parse_users(raw: str) -> frozenset[str] | None:
 
 def load_users() -> frozenset[str] | None:
     """``[vllm_batch] openai_users``, parsed (:func:`parse_users`); ``*`` when unset."""
-    from airflow.configuration import conf
+    from airflow_vllm_batch.version_compat import conf
 
     return parse_users(conf.get("vllm_batch", "openai_users", fallback="*") or "*")
 
@@ -109,9 +109,9 @@ def isolation_gaps(manager_class: str, all_admins: bool) -> list[str]:
                 "every DAG run; turn it off and give API users role viewer"
             ]
         return [
-            "the simple auth manager cannot keep API users' batches private through Airflow's own UI and REST "
-            "API: every role reads every DAG run's conf and task logs, and role user or above may change, clear "
-            "or delete any batch run; give API users role viewer, or use FAB (see the OpenAI API docs' trust model)"
+            "the simple auth manager's roles are global: every role reads every DAG run's conf and task logs, "
+            "and role user or above may change any batch run; give API users role viewer, or use FAB (see the "
+            "OpenAI API docs' trust model)"
         ]
     if manager_class == FAB_AUTH_MANAGER:
         return []
@@ -125,7 +125,8 @@ def isolation_gaps(manager_class: str, all_admins: bool) -> list[str]:
 def warn_if_not_isolated() -> None:
     """Log a warning for each way this deployment's configuration cannot isolate API users (called once, when the app is built)."""
     from airflow.api_fastapi.app import get_auth_manager
-    from airflow.configuration import conf
+
+    from airflow_vllm_batch.version_compat import conf
 
     try:
         manager = get_auth_manager()

@@ -21,26 +21,16 @@ import logging
 import time
 import uuid
 from functools import lru_cache
-from typing import Annotated, Any
+from typing import Any
 
-from airflow.api_fastapi.auth.managers.models.base_user import BaseUser
-from airflow.api_fastapi.core_api.security import GetUserDep
-from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from airflow_vllm_batch.exceptions import ConfigurationError, ManifestVersionError
-from airflow_vllm_batch.openai_api.access import (
-    FAB_ACTIONS,
-    RESOURCE_NAME,
-    Method,
-    may_use,
-    owner_key,
-    register_fab_permissions,
-    warn_if_not_isolated,
-)
+from airflow_vllm_batch.openai_api.access import owner_key, register_fab_permissions, warn_if_not_isolated
 from airflow_vllm_batch.openai_api.batch_runs import BatchRun, Verifier, find_run, trigger_run, user_runs
 from airflow_vllm_batch.openai_api.batch_spec import (
     BatchSpec,
@@ -49,6 +39,8 @@ from airflow_vllm_batch.openai_api.batch_spec import (
     verification_keys,
 )
 from airflow_vllm_batch.openai_api.batch_view import batch_from_run, shown_conf
+from airflow_vllm_batch.openai_api.callers import Canceller, Creator, Deleter, Reader
+from airflow_vllm_batch.openai_api.errors import OpenAIError
 from airflow_vllm_batch.openai_api.files import (
     BATCH_ID,
     PART_BYTES,
@@ -83,21 +75,6 @@ MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
 #: Parameters of OpenAI's that this API refuses rather than ignore (it keeps files until they are deleted).
 REFUSED_FILE_FIELDS = ("expires_after[anchor]", "expires_after[seconds]", "expires_after")
-
-
-class OpenAIError(HTTPException):
-    """An error answered in OpenAI's shape.
-
-    :param status_code: the HTTP status.
-    :param message: what went wrong and what to do.
-    :param param: the request parameter at fault, if one is.
-    """
-
-    def __init__(
-        self, status_code: int, message: str, param: str | None = None, code: str | None = None
-    ) -> None:
-        super().__init__(status_code=status_code, detail=message)
-        self.param, self.code = param, code
 
 
 class BatchCreate(BaseModel):
@@ -148,39 +125,6 @@ app.add_middleware(RequestIdMiddleware)
 # Once, when the app is built (the plugin imports this module on the API server's first request).
 warn_if_not_isolated()
 register_fab_permissions()
-
-#: What each method lets a user do, for the 403's message.
-DOING = {
-    "GET": "read files and batches",
-    "POST": "upload files or create batches",
-    "PUT": "cancel batches",
-    "DELETE": "delete files",
-}
-
-
-def _api_user(method: Method) -> Any:
-    """A dependency: the caller (Airflow's token), if the API's rule lets them use it with ``method``; 403 otherwise."""
-
-    def allowed(user: GetUserDep) -> BaseUser:
-        try:
-            ok = may_use(user, method)
-        except ConfigurationError as err:
-            raise OpenAIError(503, str(err)) from None
-        if not ok:
-            raise OpenAIError(
-                403,
-                f"you may not {DOING[method]} with this API: ask your Airflow admin for {FAB_ACTIONS[method]!r} on "
-                f"{RESOURCE_NAME!r} (FAB), or to be listed in [vllm_batch] openai_users",
-            )
-        return user
-
-    return Depends(allowed)
-
-
-Reader = Annotated[BaseUser, _api_user("GET")]
-Creator = Annotated[BaseUser, _api_user("POST")]
-Canceller = Annotated[BaseUser, _api_user("PUT")]
-Deleter = Annotated[BaseUser, _api_user("DELETE")]
 
 
 def _error_body(

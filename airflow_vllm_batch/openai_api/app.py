@@ -2,8 +2,8 @@
 
 The SDK's ``api_key`` is an Airflow API token (``POST /auth/token``): the app resolves the
 user with Airflow's own dependency (``airflow.api_fastapi.core_api.security.get_user``), so
-a request without one is answered 401, and every route asks the API's own rule
-(:func:`.access.may_use`) whether the user may use it: 403 if not. API users need no
+a request without one is answered 401, and every route takes its caller from
+:mod:`.callers`, which asks the API's own rule (:func:`.access.may_use`): 403 if it says no. API users need no
 permission on the batch DAG: the API triggers, reads and cancels its runs itself. Errors
 have OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``) so that the SDK
 raises its own exception classes.
@@ -11,8 +11,8 @@ raises its own exception classes.
 The routes and the error shapes only: the work behind them is in :mod:`.files` (the S3
 layout and uploads), :mod:`.batch_runs` (the batch DAG's runs in Airflow's database),
 :mod:`.batch_view` (what a batch shows), :mod:`.status` (OpenAI's statuses),
-:mod:`.routes` (which engine serves a model), :mod:`.batch_spec` (the signed spec) and
-:mod:`.access` (who may do what).
+:mod:`.routes` (which engine serves a model), :mod:`.batch_spec` (the signed spec),
+:mod:`.access` (who may do what) and :mod:`.errors` (the error every route raises).
 """
 
 from __future__ import annotations

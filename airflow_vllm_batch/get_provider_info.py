@@ -104,6 +104,17 @@ def get_provider_info() -> dict[str, Any]:
                         "example": "24h,72h",
                         "default": "",
                     },
+                    "openai_users": {
+                        "description": "Who may use the OpenAI API: user names separated by commas, or * for every "
+                        "signed-in user the auth manager grants the API's resource (VLLM Batch OpenAI API). Under the "
+                        "simple auth manager, which grants that resource to every role, this list is the rule: keep API "
+                        "users at role viewer (which changes no DAG run) and list them here. Under FAB the role's "
+                        "permission on the resource decides, and a list narrows it further.",
+                        "version_added": "0.1.0",
+                        "type": "string",
+                        "example": "alice,bob",
+                        "default": "*",
+                    },
                     "openai_signing_key": {
                         "description": "The key the OpenAI API signs each batch run's conf with (HMAC-SHA256) and the "
                         "batch task verifies it with: a run the API did not make, or whose conf was edited, fails before "

@@ -2,15 +2,17 @@
 
 The SDK's ``api_key`` is an Airflow API token (``POST /auth/token``): the app resolves the
 user with Airflow's own dependency (``airflow.api_fastapi.core_api.security.get_user``), so
-a request without one is answered 401, and asks the auth manager what the user may do
-(:mod:`.access`). Errors have OpenAI's shape (``{"error": {"message", "type", "param",
-"code"}}``) so that the SDK raises its own exception classes.
+a request without one is answered 401, and every route takes its caller from
+:mod:`.callers`, which asks the API's own rule (:func:`.access.may_use`): 403 if it says no. API users need no
+permission on the batch DAG: the API triggers, reads and cancels its runs itself. Errors
+have OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``) so that the SDK
+raises its own exception classes.
 
 The routes and the error shapes only: the work behind them is in :mod:`.files` (the S3
 layout and uploads), :mod:`.batch_runs` (the batch DAG's runs in Airflow's database),
 :mod:`.batch_view` (what a batch shows), :mod:`.status` (OpenAI's statuses),
-:mod:`.routes` (which engine serves a model), :mod:`.batch_spec` (the signed spec) and
-:mod:`.access` (who may do what).
+:mod:`.routes` (which engine serves a model), :mod:`.batch_spec` (the signed spec),
+:mod:`.access` (who may do what) and :mod:`.errors` (the error every route raises).
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import uuid
 from functools import lru_cache
 from typing import Any
 
-from airflow.api_fastapi.core_api.security import GetUserDep
 from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -29,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from airflow_vllm_batch.exceptions import ConfigurationError, ManifestVersionError
-from airflow_vllm_batch.openai_api.access import may, owner_key
+from airflow_vllm_batch.openai_api.access import owner_key, register_fab_permissions, warn_if_not_isolated
 from airflow_vllm_batch.openai_api.batch_runs import BatchRun, Verifier, find_run, trigger_run, user_runs
 from airflow_vllm_batch.openai_api.batch_spec import (
     BatchSpec,
@@ -38,6 +39,8 @@ from airflow_vllm_batch.openai_api.batch_spec import (
     verification_keys,
 )
 from airflow_vllm_batch.openai_api.batch_view import batch_from_run, shown_conf
+from airflow_vllm_batch.openai_api.callers import Canceller, Creator, Deleter, Reader
+from airflow_vllm_batch.openai_api.errors import OpenAIError
 from airflow_vllm_batch.openai_api.files import (
     BATCH_ID,
     PART_BYTES,
@@ -72,21 +75,6 @@ MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
 #: Parameters of OpenAI's that this API refuses rather than ignore (it keeps files until they are deleted).
 REFUSED_FILE_FIELDS = ("expires_after[anchor]", "expires_after[seconds]", "expires_after")
-
-
-class OpenAIError(HTTPException):
-    """An error answered in OpenAI's shape.
-
-    :param status_code: the HTTP status.
-    :param message: what went wrong and what to do.
-    :param param: the request parameter at fault, if one is.
-    """
-
-    def __init__(
-        self, status_code: int, message: str, param: str | None = None, code: str | None = None
-    ) -> None:
-        super().__init__(status_code=status_code, detail=message)
-        self.param, self.code = param, code
 
 
 class BatchCreate(BaseModel):
@@ -134,6 +122,9 @@ def new_request_id() -> str:
 
 
 app.add_middleware(RequestIdMiddleware)
+# Once, when the app is built (the plugin imports this module on the API server's first request).
+warn_if_not_isolated()
+register_fab_permissions()
 
 
 def _error_body(
@@ -230,7 +221,7 @@ def _page(items: list[dict[str, Any]], after: str | None, limit: int) -> dict[st
 
 
 @app.post("/files")
-async def create_file(request: Request, user: GetUserDep) -> dict[str, Any]:
+async def create_file(request: Request, user: Creator) -> dict[str, Any]:
     """Upload a batch input file (``multipart/form-data``: ``purpose=batch``, ``file``), streamed to S3 part by part."""
     settings = await run_in_threadpool(_settings)
     store = await run_in_threadpool(_store, settings)
@@ -314,7 +305,7 @@ def _check_purpose(purpose: str | None) -> None:
 
 @app.get("/files")
 def list_files(
-    user: GetUserDep,
+    user: Reader,
     purpose: str | None = None,
     after: str | None = None,
     limit: int = Query(10000, ge=1, le=10000),
@@ -329,7 +320,7 @@ def list_files(
 
 
 @app.get("/files/{file_id}")
-def retrieve_file(file_id: str, user: GetUserDep) -> dict[str, Any]:
+def retrieve_file(file_id: str, user: Reader) -> dict[str, Any]:
     """One of the caller's files."""
     found = _store(_settings()).file_object(owner_key(user.get_id()), file_id)
     if found is None:
@@ -338,7 +329,7 @@ def retrieve_file(file_id: str, user: GetUserDep) -> dict[str, Any]:
 
 
 @app.get("/files/{file_id}/content")
-def file_content(file_id: str, user: GetUserDep) -> StreamingResponse:
+def file_content(file_id: str, user: Reader) -> StreamingResponse:
     """The bytes of one of the caller's files, streamed from S3."""
     chunks = _store(_settings()).content(owner_key(user.get_id()), file_id)
     if chunks is None:
@@ -347,7 +338,7 @@ def file_content(file_id: str, user: GetUserDep) -> StreamingResponse:
 
 
 @app.delete("/files/{file_id}")
-def delete_file(file_id: str, user: GetUserDep) -> dict[str, Any]:
+def delete_file(file_id: str, user: Deleter) -> dict[str, Any]:
     """Delete one of the caller's files."""
     if not _store(_settings()).delete_file(owner_key(user.get_id()), file_id):
         raise _no_file(file_id)
@@ -362,14 +353,10 @@ def _no_file(file_id: str) -> OpenAIError:
 
 
 @app.post("/batches")
-def create_batch(body: BatchCreate, user: GetUserDep) -> dict[str, Any]:
+def create_batch(body: BatchCreate, user: Creator) -> dict[str, Any]:
     """Start a batch: pin its input, sign what its run may do, trigger a run of the batch DAG."""
     settings = _settings()
     dag_id = settings.batch_dag_id
-    if not may(user, "POST", dag_id):
-        raise OpenAIError(
-            403, f"you may not trigger runs of the batch DAG {dag_id!r}: ask for permission to trigger it"
-        )
     if body.endpoint not in ENDPOINTS:
         raise OpenAIError(400, f"endpoint {body.endpoint!r} is not one of {', '.join(ENDPOINTS)}", "endpoint")
     if body.completion_window not in settings.completion_windows:
@@ -510,12 +497,10 @@ def _trigger(dag_id: str, batch_id: str, conf: dict[str, Any], user_name: str) -
 
 @app.get("/batches")
 def list_batches(
-    user: GetUserDep, after: str | None = None, limit: int = Query(20, ge=1, le=100)
+    user: Reader, after: str | None = None, limit: int = Query(20, ge=1, le=100)
 ) -> dict[str, Any]:
     """The caller's batches, newest first, paged by ``after`` (a batch id) and ``limit``."""
     settings = _settings()
-    if not may(user, "GET", settings.batch_dag_id):
-        return _page([], None, limit)
     store = _store(settings)
     runs = user_runs(settings.batch_dag_id, user.get_id(), user.get_name(), after, limit + 1, _verifier())
     objects = [batch_from_run(store, batch, settings.aws_conn_id) for batch in runs]
@@ -529,7 +514,7 @@ def list_batches(
 
 
 @app.get("/batches/{batch_id}")
-def retrieve_batch(batch_id: str, user: GetUserDep) -> dict[str, Any]:
+def retrieve_batch(batch_id: str, user: Reader) -> dict[str, Any]:
     """One of the caller's batches."""
     settings = _settings()
     batch = _own_run(settings, batch_id, user)
@@ -537,7 +522,7 @@ def retrieve_batch(batch_id: str, user: GetUserDep) -> dict[str, Any]:
 
 
 @app.post("/batches/{batch_id}/cancel")
-def cancel_batch(batch_id: str, user: GetUserDep) -> dict[str, Any]:
+def cancel_batch(batch_id: str, user: Canceller) -> dict[str, Any]:
     """Cancel one of the caller's batches: ask its run to stop; the run publishes what it answered and ends ``cancelled``.
 
     Nothing here stops a task or changes the DAG run: the batch task polls the cancel request
@@ -548,11 +533,6 @@ def cancel_batch(batch_id: str, user: GetUserDep) -> dict[str, Any]:
     """
     settings = _settings()
     batch = _own_run(settings, batch_id, user)
-    if not may(user, "PUT", settings.batch_dag_id):
-        raise OpenAIError(
-            403,
-            f"you may not change runs of the batch DAG {settings.batch_dag_id!r}: ask for permission to edit it",
-        )
     store = _store(settings)
     before = batch_from_run(store, batch, settings.aws_conn_id)
     if before["status"] == "cancelling":
@@ -586,7 +566,7 @@ def _verifier() -> Verifier:
 def _own_run(settings: OpenAIApiSettings, batch_id: str, user: Any) -> BatchRun:
     """One of the caller's batch runs, its spec verified; 404 for anyone else's, and for a run the API did not make."""
     missing = OpenAIError(404, f"No such Batch object: {batch_id}", "batch_id")
-    if not BATCH_ID.match(batch_id) or not may(user, "GET", settings.batch_dag_id):
+    if not BATCH_ID.match(batch_id):
         raise missing
     found = find_run(settings.batch_dag_id, batch_id, user.get_id(), _verifier())
     if found is None:

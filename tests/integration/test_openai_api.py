@@ -3,9 +3,11 @@
 One LocalExecutor deployment for the module (``deployment.py``: api-server, scheduler,
 dag-processor on 127.0.0.1, SQLite, SeaweedFS as S3) with the provider's plugin mounted at
 ``/vllm-batch/openai/v1`` and the repo's ``dags/vllm_batch_openai.py`` as the batch DAG
-(vLLM's batch runner on the tiny model). Users of Airflow's simple auth manager: ``alice``
-and ``bob`` (role ``user``: may trigger), ``vera`` (``viewer``: may only read). The SDK's
-``api_key`` is each user's Airflow API token from ``POST /auth/token``.
+(vLLM's batch runner on the tiny model). Users of Airflow's simple auth manager, as the
+docs tell a deployment to make API users: ``alice`` and ``bob``, role ``viewer`` (which
+changes nothing through Airflow's own API) and listed in ``[vllm_batch] openai_users``;
+``vera``, a ``viewer`` not listed (the API refuses her); ``admin``. The SDK's ``api_key`` is
+each user's Airflow API token from ``POST /auth/token``.
 
 Two real runner runs (alice's good batch, and one whose lines the engine refuses in part); the
 other batches fail in preflight or are cancelled before their task starts an engine. A second
@@ -96,7 +98,9 @@ def api(seaweed, tiny_model: Path, tmp_path_factory) -> Iterator[Api]:
         (home / "plugins").mkdir()
         (home / "plugins" / "vllm_batch_openai_api.py").write_text(PLUGIN_SHIM)
     env = {
-        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin,alice:user,bob:user,vera:viewer",
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin,alice:viewer,bob:viewer,vera:viewer",
+        # The API's own rule under the simple auth manager (whose roles must stay viewer): who may use it.
+        "AIRFLOW__VLLM_BATCH__OPENAI_USERS": "alice,bob",
         "AIRFLOW__VLLM_BATCH__OPENAI_FILES_URI": f"s3://{BUCKET}/api/",
         # The API server and the workers share it (the LocalExecutor's workers inherit the scheduler's environment).
         "AIRFLOW__VLLM_BATCH__OPENAI_SIGNING_KEY": SIGNING_KEY,
@@ -114,6 +118,7 @@ def api(seaweed, tiny_model: Path, tmp_path_factory) -> Iterator[Api]:
             clients[user] = OpenAI(
                 base_url=dep.api_url + URL_PREFIX, api_key=dep.token, max_retries=0, timeout=60
             )
+        dep.log_in()  # the deployment's own calls (reading runs, triggering by hand) are the admin's
         yield Api(dep, clients, str(tiny_model))
 
 
@@ -298,25 +303,21 @@ def _forged_confs(api: Api, batch: Batch) -> dict[str, dict]:
 def test_runs_triggered_by_hand_fail_before_any_read_or_write_and_are_no_ones_batches(
     api: Api, completed, seaweed
 ):
-    """Bob triggers the batch DAG through Airflow's REST API with confs the API did not sign (issue 33, item 2)."""
+    """Someone who may trigger the batch DAG (here the admin) triggers it through Airflow's REST API with confs the API did not sign (issue 33, item 2)."""
     _, batch, _ = completed
     before = _objects(seaweed)
     run_ids = {name: f"batch_{uuid.uuid4().hex}" for name in ("locations", "edited", "replayed")}
-    api.dep.token = api.clients["bob"].api_key
-    try:
-        confs = _forged_confs(api, batch)
-        for name, conf in confs.items():
-            api.dep.request(
-                "POST",
-                f"/api/v2/dags/{DEFAULT_BATCH_DAG_ID}/dagRuns",
-                {"dag_run_id": run_ids[name], "conf": conf, "logical_date": None},
-            )
-        states = {
-            name: api.dep.wait_for_run(DEFAULT_BATCH_DAG_ID, run_id, BATCH_TIMEOUT_S)
-            for name, run_id in run_ids.items()
-        }
-    finally:
-        api.dep.token = api.clients["vera"].api_key
+    confs = _forged_confs(api, batch)
+    for name, conf in confs.items():
+        api.dep.request(
+            "POST",
+            f"/api/v2/dags/{DEFAULT_BATCH_DAG_ID}/dagRuns",
+            {"dag_run_id": run_ids[name], "conf": conf, "logical_date": None},
+        )
+    states = {
+        name: api.dep.wait_for_run(DEFAULT_BATCH_DAG_ID, run_id, BATCH_TIMEOUT_S)
+        for name, run_id in run_ids.items()
+    }
     assert set(states.values()) == {"failed"}, states
     why = {
         "locations": "not a batch of the OpenAI API",
@@ -354,12 +355,12 @@ def test_another_user_neither_sees_nor_cancels_a_users_batch(api: Api, completed
 
 @contextlib.contextmanager
 def _as_admin(api: Api) -> Iterator[None]:
-    """Airflow's REST API as its admin (who may change every DAG run), then as vera again."""
+    """Airflow's REST API as its admin (who may change every DAG run): the module's deployment calls it as the admin already."""
     api.dep.log_in("admin")
     try:
         yield
     finally:
-        api.dep.token = api.clients["vera"].api_key
+        api.dep.log_in("admin")
 
 
 def _final(api: Api, batch: Batch, seaweed, before: dict[str, str]) -> None:
@@ -429,13 +430,96 @@ def test_a_completed_batch_cleared_after_an_engine_change_keeps_its_files_and_ru
     _final(api, batch, seaweed, before)
 
 
-def test_a_viewer_may_not_create_a_batch(api: Api):
+def test_a_user_not_in_openai_users_may_not_use_the_api(api: Api, completed):
+    """Vera is a viewer, as alice and bob, but not listed: every call is 403, an upload included."""
     vera = api.clients["vera"]
-    uploaded = vera.files.create(file=("v.jsonl", _lines(api.model, 1)), purpose="batch")
+    _, batch, _ = completed
+    with pytest.raises(PermissionDeniedError):
+        vera.files.create(file=("v.jsonl", _lines(api.model, 1)), purpose="batch")
+    with pytest.raises(PermissionDeniedError):
+        vera.files.list()
     with pytest.raises(PermissionDeniedError):
         vera.batches.create(
-            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+            input_file_id="file-0123456789", endpoint="/v1/chat/completions", completion_window="24h"
         )
+    with pytest.raises(PermissionDeniedError):
+        vera.batches.list()
+    with pytest.raises(PermissionDeniedError):
+        vera.batches.cancel(batch.id)
+
+
+#: What Airflow's own REST API would let a user do to another user's batch run: (method, path, body);
+#: ``{run}`` is the run's path, ``{dag}`` the DAG's, ``{conf}`` the conf read from the run list.
+#: The delete last: where it is allowed (a regression) the run is gone for the rows after it.
+RUN_CHANGES = {
+    "state success": ("PATCH", "{run}", {"state": "success"}),
+    "state failed": ("PATCH", "{run}", {"state": "failed"}),
+    "clear": ("POST", "{run}/clear", {"dry_run": False}),
+    "re-trigger with the copied conf": (
+        "POST",
+        "{dag}/dagRuns",
+        {"dag_run_id": "{new}", "conf": "{conf}", "logical_date": None},
+    ),
+    "pause the DAG": ("PATCH", "{dag}", {"is_paused": True}),
+    "delete": ("DELETE", "{run}", None),
+}
+
+
+def change_as(dep: Deployment, token: str, change: str, run_id: str, conf: dict) -> int:
+    """Call one of :data:`RUN_CHANGES` on ``run_id`` with ``token``; return the HTTP status."""
+    method, path, body = RUN_CHANGES[change]
+    dag = f"/api/v2/dags/{DEFAULT_BATCH_DAG_ID}"
+    path = path.format(run=dep.run_path(DEFAULT_BATCH_DAG_ID, run_id), dag=dag)
+    if body is not None:
+        body = {
+            k: conf if v == "{conf}" else f"batch_{uuid.uuid4().hex}" if v == "{new}" else v
+            for k, v in body.items()
+        }
+    admin, dep.token = dep.token, token
+    try:
+        dep.request(method, path, body)
+        return 200
+    except urllib.error.HTTPError as err:
+        return err.code
+    finally:
+        dep.token = admin
+
+
+def snapshot(dep: Deployment, client: OpenAI, batch: Batch) -> dict:
+    """What a user's batch is: its status and counts, its files' bytes, its DAG run's state and conf, the DAG's pause."""
+    seen = client.batches.retrieve(batch.id)
+    run = dep.dag_run(DEFAULT_BATCH_DAG_ID, batch.id)
+    return {
+        "batch": seen.model_dump(exclude={"in_progress_at"}),
+        "files": {f: client.files.content(f).content for f in (seen.output_file_id, seen.error_file_id) if f},
+        "run": (run["state"], run["conf"]),
+        "paused": dep.request("GET", f"/api/v2/dags/{DEFAULT_BATCH_DAG_ID}")["is_paused"],
+    }
+
+
+@pytest.mark.parametrize("change", list(RUN_CHANGES))
+def test_an_api_user_cannot_change_another_users_batch_through_airflows_rest_api(api: Api, completed, change):
+    """Bob, holding what the docs tell an API user to hold (role viewer, listed), on alice's batch (issue 42, item 1).
+
+    He reads the run list (a viewer may: the conf he copies is there) and calls the endpoint:
+    403, and alice's batch, its files, its run and the DAG are as they were.
+    """
+    _, batch, _ = completed
+    alice, bob = api.clients["alice"], api.clients["bob"]
+    before = snapshot(api.dep, alice, batch)
+    admin, api.dep.token = api.dep.token, bob.api_key
+    try:
+        runs = api.dep.request("GET", f"/api/v2/dags/{DEFAULT_BATCH_DAG_ID}/dagRuns?limit=100")["dag_runs"]
+    finally:
+        api.dep.token = admin
+    conf = next(r["conf"] for r in runs if r["dag_run_id"] == batch.id)
+    try:
+        # Assigned first: a failed assert shows the status, not the call's arguments (the token).
+        status = change_as(api.dep, bob.api_key, change, batch.id, conf)
+        assert status == 403, change
+    finally:
+        api.dep.request("PATCH", f"/api/v2/dags/{DEFAULT_BATCH_DAG_ID}", {"is_paused": False})
+    assert snapshot(api.dep, alice, batch) == before
 
 
 def test_a_batch_cancelled_before_it_runs_ends_cancelled(api: Api):

@@ -48,3 +48,25 @@ class DictS3:
         if Key not in self.objects:
             raise self._missing("HeadObject")
         return {"ETag": f'"{hashlib.md5(self.objects[Key]).hexdigest()}"'}
+
+
+class AllowingAuthManager:
+    """A stand-in auth manager that grants the API's resource to every user, and records what it was asked."""
+
+    def __init__(self, allowed: bool = True) -> None:
+        self.allowed = allowed
+        self.asked: list[tuple[str, str, str]] = []
+
+    def is_authorized_custom_view(self, *, method: str, resource_name: str, user) -> bool:
+        self.asked.append((method, resource_name, user.get_name()))
+        return self.allowed
+
+
+@pytest.fixture(autouse=True)
+def auth_manager(monkeypatch: pytest.MonkeyPatch) -> AllowingAuthManager:
+    """The auth manager the API asks (:func:`airflow_vllm_batch.openai_api.access.may_use`): one that allows, by default."""
+    from airflow.api_fastapi.app import _AuthManagerState
+
+    manager = AllowingAuthManager()
+    monkeypatch.setattr(_AuthManagerState, "instance", manager)
+    return manager

@@ -10,7 +10,7 @@ from airflow.api_fastapi.core_api.security import get_user
 from fastapi.testclient import TestClient
 
 from airflow_vllm_batch.manifest import Manifest, RequestCounts, Usage
-from airflow_vllm_batch.openai_api import app as app_module
+from airflow_vllm_batch.openai_api import app as app_module, callers
 from airflow_vllm_batch.openai_api.batch_runs import BatchRun
 from airflow_vllm_batch.openai_api.batch_spec import BatchSpec
 from airflow_vllm_batch.openai_api.batch_view import published_manifest
@@ -56,7 +56,7 @@ def api(s3, bucket, monkeypatch):
     monkeypatch.setattr(
         app_module, "_own_run", lambda settings, batch_id, user: BatchRun(state.run, spec, state.tis)
     )
-    monkeypatch.setattr(app_module, "may", lambda user, method, dag_id: True)
+    monkeypatch.setattr(callers, "may_use", lambda user, method: True)
     app_module.app.dependency_overrides[get_user] = User
     yield SimpleNamespace(
         store=store,

@@ -9,7 +9,7 @@ import pytest
 from airflow.api_fastapi.core_api.security import get_user
 from fastapi.testclient import TestClient
 
-from airflow_vllm_batch.openai_api import app as app_module
+from airflow_vllm_batch.openai_api import app as app_module, callers
 from airflow_vllm_batch.openai_api.access import owner_key
 from airflow_vllm_batch.openai_api.batch_runs import BatchRun
 from airflow_vllm_batch.openai_api.batch_spec import BatchSpec
@@ -30,7 +30,7 @@ def api(s3, bucket, monkeypatch):
     triggered: list[tuple[str, dict]] = []
     monkeypatch.setattr(app_module, "_settings", lambda: OpenAIApiSettings(files_uri=f"s3://{bucket}/p/"))
     monkeypatch.setattr(app_module, "_store", lambda settings: store)
-    monkeypatch.setattr(app_module, "may", lambda user, method, dag_id: True)
+    monkeypatch.setattr(callers, "may_use", lambda user, method: True)
     monkeypatch.setattr(app_module, "load_routes", lambda: {})
     monkeypatch.setattr(
         app_module, "_trigger", lambda dag_id, batch_id, conf, user: triggered.append((batch_id, conf))

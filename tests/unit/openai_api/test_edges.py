@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 from airflow_vllm_batch.batchfile.preflight_report import PreflightReport
 from airflow_vllm_batch.batchfile.problems import Problem
 from airflow_vllm_batch.exceptions import ConfigurationError, PreflightError
-from airflow_vllm_batch.openai_api import app as app_module
+from airflow_vllm_batch.openai_api import app as app_module, callers
 from airflow_vllm_batch.openai_api.batch_dag import failure_record
 from airflow_vllm_batch.openai_api.files import FileStore
 from airflow_vllm_batch.openai_api.settings import OpenAIApiSettings, parse_windows
@@ -25,7 +25,7 @@ def client(monkeypatch):
         app_module, "_settings", lambda: OpenAIApiSettings(files_uri="s3://b/p/", max_file_bytes=1000)
     )
     monkeypatch.setattr(app_module, "_store", lambda settings: FileStore(s3, "b", "p/"))
-    monkeypatch.setattr(app_module, "may", lambda user, method, dag_id: True)
+    monkeypatch.setattr(callers, "may_use", lambda user, method: True)
     monkeypatch.setattr(app_module, "_trigger", lambda *args: triggered.append(args))
     app_module.app.dependency_overrides[get_user] = User
     yield TestClient(app_module.app, raise_server_exceptions=False), s3, triggered
@@ -57,7 +57,7 @@ def test_a_token_that_does_not_authenticate_is_a_401_authentication_error(status
 
 def test_a_permission_refused_by_the_auth_manager_stays_403(client, monkeypatch):
     http, _, _ = client
-    monkeypatch.setattr(app_module, "may", lambda user, method, dag_id: False)
+    monkeypatch.setattr(callers, "may_use", lambda user, method: False)
     answer = http.post(
         "/batches",
         json={

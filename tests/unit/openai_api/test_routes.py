@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 
 from airflow_vllm_batch.engines import VLLMRunner, WarmVLLMServer
 from airflow_vllm_batch.exceptions import ConfigurationError
-from airflow_vllm_batch.openai_api import app as app_module
+from airflow_vllm_batch.openai_api import app as app_module, callers
 from airflow_vllm_batch.openai_api.batch_dag import openai_batch_dag
 from airflow_vllm_batch.openai_api.batch_runs import BatchRun
 from airflow_vllm_batch.openai_api.batch_view import batch_from_run
@@ -109,7 +109,7 @@ def create(monkeypatch):
     triggered = []
     monkeypatch.setattr(app_module, "_settings", lambda: OpenAIApiSettings(files_uri="s3://b/p/"))
     monkeypatch.setattr(app_module, "_store", lambda settings: store)
-    monkeypatch.setattr(app_module, "may", lambda user, method, dag_id: True)
+    monkeypatch.setattr(callers, "may_use", lambda user, method: True)
     monkeypatch.setattr(app_module, "_trigger", lambda dag_id, batch_id, conf, user: triggered.append(conf))
     monkeypatch.setattr(app_module, "load_routes", lambda: parse_routes(ROUTES))
     app_module.app.dependency_overrides[get_user] = User

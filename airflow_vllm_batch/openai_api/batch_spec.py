@@ -235,7 +235,8 @@ def verification_keys() -> tuple[str, ...]:
         if len(key) < MIN_KEY_CHARS:
             raise ConfigurationError(
                 f"[vllm_batch] openai_old_signing_keys: its key number {number} is shorter than {MIN_KEY_CHARS} characters. "
-                "List earlier values of openai_signing_key, comma-separated (see docs/openai-api.md, Rotating the signing key)."
+                "List earlier values of openai_signing_key, comma-separated "
+                f"({doc_ref('The OpenAI Files and Batches API', 'Rotating the signing key')})."
             )
         _mask(key)
     return (current, *(k for k in old if k != current))

@@ -1,12 +1,13 @@
-# Two entry points: `make demo` (the pipeline on the embedded default) and `make test`.
-# Both build what they need on a fresh machine; nothing installed by hand is assumed.
+# Two entry points: `make demo` (the pipeline on the embedded default) and `make test`; and
+# `make demo-api`, the OpenAI API on the same embedded default, driven by the OpenAI SDK.
+# Each builds what it needs on a fresh machine; nothing installed by hand is assumed.
 
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: demo test check test-unit lint docs venv vllm033 system-deps clean
+.PHONY: demo demo-api test check test-unit lint docs venv vllm033 system-deps clean
 
 venv: $(STAMP)
 
@@ -39,6 +40,12 @@ $(VLLM033_STAMP):
 
 demo: $(STAMP)
 	$(BIN)/python -m vllm_batch_embedded.demo
+
+# The OpenAI Files and Batches API on the embedded default (api-server with the plugin,
+# scheduler, dag-processor, SeaweedFS, the tiny model): an SDK client uploads a file, creates a
+# batch, polls it and prints its output file's lines. Stops everything it started on exit or Ctrl-C.
+demo-api: $(STAMP)
+	$(BIN)/python -m vllm_batch_embedded.demo_api
 
 # Both cores: pytest-xdist gives each test module whole to one of two workers (a module's
 # servers and stacks start once), the longest modules first (tests/conftest.py FIRST), so

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from airflow_vllm_batch.batchfile import open_lines
+from airflow_vllm_batch.docs_links import doc_ref
 from airflow_vllm_batch.exceptions import ShardingError
 
 #: Requests per shard by default. What bounds a shard is its *output*, which must
@@ -210,7 +211,7 @@ def check_merged_counts(
             f"manifests count {expected['completed']} completed and {expected['failed']} failed requests: "
             + "; ".join(disagreeing)
             + ". Nothing was published: clear those shards' inference tasks "
-            "(see docs/troubleshooting.md#a-shard-changed-after-its-manifest)."
+            f"({doc_ref('Troubleshooting', 'A shard changed after its manifest')})."
         )
 
 

@@ -1,6 +1,6 @@
 """The sharded DAG on 1 and on 2 Celery ``gpu`` workers: the measured speed-up of adding a worker.
 
-One real Airflow deployment on loopback (the pieces of ``tests/integration/deployment.py``):
+One real Airflow deployment on loopback (the pieces of ``vllm_batch_embedded/airflow_deployment.py``):
 Redis as the broker, ``api-server``, ``scheduler``, ``dag-processor``, a Celery worker on
 queue ``default`` (upload, split, merge, validate) and Celery workers on queue ``gpu``,
 ``--concurrency 1`` each, as on a fleet of one-GPU nodes. SeaweedFS for S3, vLLM on the CPU
@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 # The clone's tests and embedded default import only once the clone is on sys.path (above).
-from tests.integration.deployment import (  # noqa: E402
+from vllm_batch_embedded.airflow_deployment import (  # noqa: E402
     LOOPBACK,
     Deployment,
     deployment_env,

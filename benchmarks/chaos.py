@@ -1,6 +1,6 @@
 """The chaos campaign: the real stack under seeded kills, pauses and S3 faults, and what is really left in S3.
 
-Stands up on this machine what a user runs (the pieces of ``tests/integration/deployment.py``):
+Stands up on this machine what a user runs (the pieces of ``vllm_batch_embedded/airflow_deployment.py``):
 SeaweedFS (``weed mini``) as S3, a warm vLLM server (the tiny CPU model), Airflow's
 ``api-server`` (with the OpenAI plugin), ``scheduler`` (LocalExecutor) and ``dag-processor``,
 and a fault proxy (``tests/integration/s3_fault_proxy.py``) between every Airflow process and
@@ -90,17 +90,17 @@ from airflow_vllm_batch.engines.vllm.server_process import VLLMServerProcess  # 
 from airflow_vllm_batch.openai_api.access import owner_key  # noqa: E402
 from airflow_vllm_batch.openai_api.files import result_file_ids  # noqa: E402
 from airflow_vllm_batch.openai_api.settings import URL_PREFIX  # noqa: E402
-from tests.integration.deployment import (  # noqa: E402
-    Deployment,
-    local_executor_deployment,
-    signal_group,
-)
 from tests.integration.restartable_seaweedfs import RestartableSeaweedFS  # noqa: E402
 from tests.integration.s3_fault_proxy import (  # noqa: E402
     KINDS as PROXY_KINDS,
     FaultProxy,
 )
 from tests.integration.vllm_metrics import requests_answered  # noqa: E402
+from vllm_batch_embedded.airflow_deployment import (  # noqa: E402
+    Deployment,
+    local_executor_deployment,
+    signal_group,
+)
 from vllm_batch_embedded.demo import CPU_ENGINE_ARGS, CPU_ENGINE_ENV  # noqa: E402
 from vllm_batch_embedded.seaweedfs import _free_ports  # noqa: E402
 from vllm_batch_embedded.tiny_model import build_tiny_chat_model  # noqa: E402

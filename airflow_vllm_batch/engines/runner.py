@@ -17,6 +17,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 from airflow_vllm_batch.batchfile import CustomIdIndex, open_lines, redact_urls
 from airflow_vllm_batch.batchfile.models import decode_custom_id
 from airflow_vllm_batch.batchfile.preflight import RUNNER_URL_ADVICE
+from airflow_vllm_batch.docs_links import doc_ref
 from airflow_vllm_batch.engines.base import EngineInfo, EngineJob, EngineResults, EngineRun, StopPoll
 from airflow_vllm_batch.engines.checkpoint_parts import answered_requests, resumable_parts
 from airflow_vllm_batch.engines.local import LAUNCH_REPORT, LocalEngine
@@ -166,7 +167,7 @@ class RunnerEngine(LocalEngine):
         raise EngineError(
             f"The vLLM engine died in this try and was started {MAX_STARTS_PER_TRY} time(s) in all; the answers it "
             f"finished are staged at {staging.uri(staging.parts_prefix)}. Look for the engine's crash in the log above; "
-            "the task's retry sends only the rest (see docs/troubleshooting.md#the-engine-kept-dying)."
+            f"the task's retry sends only the rest ({doc_ref('Troubleshooting', 'The engine kept dying')})."
         )
 
     def first_run(self, info: EngineInfo, job: EngineJob, staged: EngineResults) -> EngineRun | None:

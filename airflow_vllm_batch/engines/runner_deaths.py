@@ -53,6 +53,7 @@ import msgspec
 from airflow_vllm_batch.batchfile import CustomIdIndex
 from airflow_vllm_batch.batchfile.models import error_message
 from airflow_vllm_batch.batchfile.results import ENGINE_DEAD_MESSAGE
+from airflow_vllm_batch.docs_links import doc_ref
 
 #: The type of vLLM's dead-engine error, as its traceback names it (0.33's runner dies with it).
 DEAD_ENGINE_ERROR = "EngineDeadError"
@@ -197,7 +198,7 @@ def crash_line(custom_id: str, deaths: int) -> bytes:
     message = (
         f"The vLLM engine died twice in a row with this request in flight, the second time alone ({deaths} deaths "
         "in this run), so it is answered as failed. Look for the engine's crash in the task log "
-        "(see docs/troubleshooting.md#the-engine-kept-dying)."
+        f"({doc_ref('Troubleshooting', 'The engine kept dying')})."
     )
     return (
         msgspec.json.encode(

@@ -32,6 +32,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 from airflow_vllm_batch.batchfile import redact_urls
 from airflow_vllm_batch.batchfile.cache_keys import reported_models
 from airflow_vllm_batch.batchfile.models import GENERATE_URLS
+from airflow_vllm_batch.docs_links import doc_ref
 from airflow_vllm_batch.engines.base import Engine, EngineInfo, EngineJob, EngineResults, EngineRun, StopPoll
 from airflow_vllm_batch.engines.checkpoint_parts import answered_requests, resumable_parts
 from airflow_vllm_batch.engines.local import LAUNCH_REPORT, LocalEngine
@@ -209,7 +210,7 @@ class _Streaming(Engine):
             raise RequestsUnansweredError(
                 f"{left}; the other answers are checkpointed at {staged_uri} and nothing was published. The task's "
                 "retry sends only these requests; on its last try they are published as failed lines "
-                "(see docs/troubleshooting.md#requests-left-without-a-final-answer)."
+                f"({doc_ref('Troubleshooting', 'Requests left without a final answer')})."
             )
         self.log.warning(
             "%s. This is the task's last try: they are published as failed lines in the error file.", left

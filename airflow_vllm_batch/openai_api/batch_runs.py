@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from airflow_vllm_batch.docs_links import doc_ref
 from airflow_vllm_batch.exceptions import ConfigurationError
 from airflow_vllm_batch.openai_api.access import owns
 from airflow_vllm_batch.version_compat import AIRFLOW_V_3_1_PLUS
@@ -87,7 +88,7 @@ def trigger_run(dag_id: str, batch_id: str, conf: dict[str, Any], user_name: str
     except DagNotFound:
         raise BatchDagNotDeployed(
             f"the batch DAG {dag_id!r} ([vllm_batch] openai_batch_dag_id) is not deployed: put the provider's "
-            "batch DAG in the DAGs folder (see the OpenAI API page of the docs: Deploying the API)"
+            f"batch DAG in the DAGs folder ({doc_ref('The OpenAI Files and Batches API', 'Deploying it')})"
         ) from None
 
 

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from airflow_vllm_batch.docs_links import doc_ref
 from airflow_vllm_batch.exceptions import ConfigurationError, VLLMBatchError
 from airflow_vllm_batch.openai_api.access import owner_key
 from airflow_vllm_batch.openai_api.files import BATCH_ID, FILE_ID, FileStore, result_file_ids
@@ -206,7 +207,7 @@ def signing_key() -> str:
         raise ConfigurationError(
             f"[vllm_batch] openai_signing_key is {'unset' if not key else 'shorter than ' + str(MIN_KEY_CHARS) + ' characters'}. "
             "Set the same random key on the API server and the workers (AIRFLOW__VLLM_BATCH__OPENAI_SIGNING_KEY, or "
-            "..._SECRET from the secrets backend); see docs/openai-api.md#deploying-it."
+            f"..._SECRET from the secrets backend); {doc_ref('The OpenAI Files and Batches API', 'Deploying it')}."
         )
     _mask(key)
     return key
@@ -234,7 +235,8 @@ def verification_keys() -> tuple[str, ...]:
         if len(key) < MIN_KEY_CHARS:
             raise ConfigurationError(
                 f"[vllm_batch] openai_old_signing_keys: its key number {number} is shorter than {MIN_KEY_CHARS} characters. "
-                "List earlier values of openai_signing_key, comma-separated (see docs/openai-api.md, Rotating the signing key)."
+                "List earlier values of openai_signing_key, comma-separated "
+                f"({doc_ref('The OpenAI Files and Batches API', 'Rotating the signing key')})."
             )
         _mask(key)
     return (current, *(k for k in old if k != current))

@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from botocore.exceptions import ClientError
 
+from airflow_vllm_batch.docs_links import doc_ref
 from airflow_vllm_batch.exceptions import LocationError, OutputBusyError
 from airflow_vllm_batch.lease import LeaseHolder, OutputLease
 from airflow_vllm_batch.manifest import Manifest, Tombstone, is_tombstone
@@ -414,7 +415,7 @@ class OutputStore:
     def _changed_meanwhile(self, uri: str) -> OutputBusyError:
         return OutputBusyError(
             f"{uri} changed while this try published, so this try stopped without changing it. "
-            "Give each run its own output_uri (see docs/protocol.md#fencing)."
+            f"Give each run its own output_uri ({doc_ref('The run protocol and its invariants', 'Fencing')})."
         )
 
 

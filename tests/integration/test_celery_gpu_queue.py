@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.deployment import Deployment, dags_folder, deployment_env, wait_until
+from vllm_batch_embedded.airflow_deployment import Deployment, dags_folder, deployment_env, wait_until
 from vllm_batch_embedded.demo import BUCKET
 from vllm_batch_embedded.seaweedfs import _free_ports
 

@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from tests.integration import compose_stack as cs
-from tests.integration.deployment import wait_until
+from vllm_batch_embedded.airflow_deployment import wait_until
 from vllm_batch_embedded.seaweedfs import _free_ports
 
 # Cold, the images take minutes (timings.json); the build runs in the background from the

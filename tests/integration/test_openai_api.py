@@ -1,6 +1,6 @@
 """The OpenAI Files and Batches API, driven by the official ``openai`` SDK, unmodified, against a real deployment.
 
-One LocalExecutor deployment for the module (``deployment.py``: api-server, scheduler,
+One LocalExecutor deployment for the module (``vllm_batch_embedded/airflow_deployment.py``: api-server, scheduler,
 dag-processor on 127.0.0.1, SQLite, SeaweedFS as S3) with the provider's plugin mounted at
 ``/vllm-batch/openai/v1`` and the repo's ``dags/vllm_batch_openai.py`` as the batch DAG
 (vLLM's batch runner on the tiny model). Users of Airflow's simple auth manager, as the
@@ -50,8 +50,8 @@ else:
     from airflow.exceptions import TaskDeferred
 from airflow_vllm_batch.openai_api.settings import DEFAULT_BATCH_DAG_ID, URL_PREFIX
 from tests.integration.dagrun import REPO
-from tests.integration.deployment import Deployment, local_executor_deployment, wait_until
 from tests.integration.vllm_metrics import requests_answered
+from vllm_batch_embedded.airflow_deployment import Deployment, local_executor_deployment, wait_until
 
 if TYPE_CHECKING:
     from openai.types import Batch, FileObject

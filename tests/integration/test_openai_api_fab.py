@@ -29,7 +29,8 @@ from openai import AuthenticationError, NotFoundError, OpenAI, PermissionDeniedE
 from airflow_vllm_batch.openai_api.access import FAB_ACTIONS, FAB_AUTH_MANAGER, RESOURCE_NAME
 from airflow_vllm_batch.openai_api.settings import DEFAULT_BATCH_DAG_ID, URL_PREFIX
 from tests.integration.dagrun import REPO
-from tests.integration.deployment import (
+from tests.integration.test_openai_api import PLUGIN_SHIM, RUN_CHANGES, SIGNING_KEY, change_as
+from vllm_batch_embedded.airflow_deployment import (
     LOOPBACK,
     Deployment,
     DeploymentError,
@@ -37,7 +38,6 @@ from tests.integration.deployment import (
     deployment_env,
     wait_until,
 )
-from tests.integration.test_openai_api import PLUGIN_SHIM, RUN_CHANGES, SIGNING_KEY, change_as
 from vllm_batch_embedded.seaweedfs import _free_ports
 
 pytestmark = [pytest.mark.integration]

@@ -1,6 +1,6 @@
 """The pipeline DAG on its schedule, in backfills and from the UI, under a real Airflow deployment.
 
-One LocalExecutor deployment for the module (``deployment.py``: api-server, scheduler,
+One LocalExecutor deployment for the module (``vllm_batch_embedded/airflow_deployment.py``: api-server, scheduler,
 dag-processor on 127.0.0.1, a throw-away home; every process stopped and checked gone at
 the end) on a throw-away PostgreSQL (``postgres.py``: Airflow does not support creating a
 backfill on SQLite while the scheduler writes, and fails it now and then with "database is
@@ -46,15 +46,15 @@ from typing import TYPE_CHECKING
 import pytest
 
 from tests.integration.dagrun import REPO
-from tests.integration.deployment import (
+from tests.integration.postgres import Postgres
+from tests.integration.ui_browser import Browser, missing_browser
+from tests.integration.vllm_metrics import requests_answered
+from vllm_batch_embedded.airflow_deployment import (
     RUN_DONE,
     Deployment,
     local_executor_deployment,
     wait_until,
 )
-from tests.integration.postgres import Postgres
-from tests.integration.ui_browser import Browser, missing_browser
-from tests.integration.vllm_metrics import requests_answered
 
 if TYPE_CHECKING:
     from airflow_vllm_batch.engines.vllm.server_process import VLLMServerProcess

@@ -1,7 +1,7 @@
 """The operator under Airflow's real supervisor: kills, "mark failed" and Airflow's own retries.
 
 One LocalExecutor deployment for the module (``airflow api-server``, ``scheduler``,
-``dag-processor`` on 127.0.0.1, a throw-away home and SQLite, see ``deployment.py``), its
+``dag-processor`` on 127.0.0.1, a throw-away home and SQLite, see ``vllm_batch_embedded/airflow_deployment.py``), its
 own SeaweedFS (which the S3 test crashes and brings back on the same ports) and the real
 vLLM engine on the CPU with the tiny model. Every DAG run is triggered through the REST API;
 each task runs as Airflow runs it in production: scheduler -> LocalExecutor worker ->
@@ -38,14 +38,14 @@ import pytest
 
 from airflow_vllm_batch.engines.vllm.launcher import ARGV_ENV
 from airflow_vllm_batch.engines.vllm.process import GUARD_SCRIPT
-from tests.integration.deployment import (
+from tests.integration.restartable_seaweedfs import RestartableSeaweedFS
+from tests.integration.vllm_metrics import requests_answered
+from vllm_batch_embedded.airflow_deployment import (
     Deployment,
     DeploymentError,
     local_executor_deployment,
     wait_until,
 )
-from tests.integration.restartable_seaweedfs import RestartableSeaweedFS
-from tests.integration.vllm_metrics import requests_answered
 
 pytestmark = [pytest.mark.integration, pytest.mark.engine]
 

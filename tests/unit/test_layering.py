@@ -22,6 +22,7 @@ AIRFLOW_FREE = (
     "airflow_vllm_batch.sharding",
     "airflow_vllm_batch.exceptions",
     "airflow_vllm_batch.manifest",
+    "airflow_vllm_batch.docs_links",
 )
 BLOCKED = ("airflow", "boto3", "botocore")
 

@@ -17,9 +17,11 @@ import pytest
 
 INTEGRATION = Path(__file__).resolve().parents[1] / "integration"
 
-#: Calls that start a vLLM engine (a server, the runner, the task-started server) or an Airflow stack.
+#: Calls that start a vLLM engine (a server, the runner, the task-started server) or an Airflow stack
+#: (``demo_command``: ``make demo`` starts an engine, ``make demo-api`` a stack and an engine).
 STARTS = re.compile(
-    r"\b(VLLMServerProcess|local_executor_deployment|Deployment|ComposeStack|VLLMRunner|VLLMServer|run_batch)\("
+    r"\b(VLLMServerProcess|local_executor_deployment|Deployment|ComposeStack|VLLMRunner|VLLMServer|run_batch"
+    r"|demo_command)\("
 )
 REASON = "Fresh processes:"
 

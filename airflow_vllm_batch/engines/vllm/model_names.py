@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from airflow_vllm_batch.docs_links import doc_ref
 from airflow_vllm_batch.engines.vllm.model_files import (
     COMMIT,
     HUB_ID,
@@ -211,7 +212,7 @@ def cpu_lora_slots_problem(
     return (
         f"{engine}(args=...): the batch mixes base-model lines with {len(used)} LoRA adapter(s) ({', '.join(used)}) "
         f"and --max-loras is {max_loras}, too few on a CPU. Set --max-loras to at least {len(used) + 1}, or give "
-        "base-model lines a batch of their own (see docs/troubleshooting.md#lora-on-a-cpu)."
+        f"base-model lines a batch of their own ({doc_ref('Troubleshooting', 'LoRA on a CPU')})."
     )
 
 

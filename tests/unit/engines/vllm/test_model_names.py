@@ -155,7 +155,7 @@ def test_cpu_lora_slots_need_one_more_than_the_adapters_a_mixed_batch_uses(extra
     assert (
         (found is None)
         if problem is None
-        else (problem in found and "docs/troubleshooting.md#lora-on-a-cpu" in found)
+        else (problem in found and '"LoRA on a CPU" in the docs\' Troubleshooting page' in found)
     )
 
 

@@ -1,17 +1,17 @@
-"""A real Airflow deployment on loopback for integration tests, and how to drive it.
+"""A real Airflow deployment on loopback, and how to drive it: ``make demo-api`` and the integration tests.
 
 ``airflow api-server``, ``airflow scheduler`` and ``airflow dag-processor`` run as
 separate processes on 127.0.0.1, with a throw-away ``AIRFLOW_HOME`` and SQLite (or a
-throw-away PostgreSQL, ``postgres.py``, where a test needs concurrent writers), each in a
-session of its own so that :meth:`Deployment.stop` can stop it with every descendant
-(LocalExecutor workers, task supervisors, task runners, engines) and report any PID that
-survived. Tests talk to it only as a user would: the REST API (``/api/v2``, a JWT from
-``POST /auth/token``) and the task log files.
+throw-away PostgreSQL, ``tests/integration/postgres.py``, where a test needs concurrent
+writers), each in a session of its own so that :meth:`Deployment.stop` can stop it with
+every descendant (LocalExecutor workers, task supervisors, task runners, engines) and
+report any PID that survived. It is talked to only as a user would: the REST API
+(``/api/v2``, a JWT from ``POST /auth/token``) and the task log files.
 
 :func:`local_executor_deployment` starts a LocalExecutor deployment (the executor's
 workers are children of the scheduler, each task runs under Airflow's real supervisor).
 The pieces (:class:`Deployment`, :func:`deployment_env`, :func:`wait_until`) are shared
-with deployments of other executors (see ``test_celery_gpu_queue.py``).
+with deployments of other executors (see ``tests/integration/test_celery_gpu_queue.py``).
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ from typing import Any
 
 import psutil
 
-from vllm_batch_embedded.demo import embedded_env
+from vllm_batch_embedded.demo import REPO, embedded_env
 from vllm_batch_embedded.seaweedfs import SeaweedFS, _free_ports
 
-REPO_DAGS = Path(__file__).resolve().parents[2] / "dags"
+REPO_DAGS = REPO / "dags"
 #: What the example DAGs import from their own folder (their settings), and what keeps it unparsed.
 DAG_FOLDER_SUPPORT = ("vllm_batch_examples.py", ".airflowignore")
 
@@ -310,7 +310,7 @@ def deployment_env(
 
     Writes ``<home>/passwords.json`` (user ``admin``, a random password).
 
-    :param database_url: Airflow's metadata database (see ``postgres.py``). Default: SQLite
+    :param database_url: Airflow's metadata database (see ``tests/integration/postgres.py``). Default: SQLite
         in ``home``.
     """
     (home / "passwords.json").write_text(json.dumps({"admin": secrets.token_urlsafe(16)}))

@@ -82,9 +82,10 @@ def test_a_user_not_listed_in_openai_users_may_not_use_it_whatever_the_auth_mana
 
 def test_under_the_simple_auth_manager_a_listed_viewer_may_use_it_and_an_unlisted_admin_may_not(monkeypatch):
     """The simple auth manager grants the custom view to every role: the list of names decides."""
-    from airflow.api_fastapi.app import _AuthManagerState
+    import airflow.api_fastapi.app as api_app
 
-    monkeypatch.setattr(_AuthManagerState, "instance", SimpleAuthManager())
+    manager = SimpleAuthManager()
+    monkeypatch.setattr(api_app, "get_auth_manager", lambda: manager)
     monkeypatch.setenv("AIRFLOW__VLLM_BATCH__OPENAI_USERS", "vera")
     viewer = SimpleAuthManagerUser(username="vera", role="viewer")
     admin = SimpleAuthManagerUser(username="root", role="admin")
@@ -184,9 +185,10 @@ def test_the_simple_auth_manager_is_said_not_to_isolate_users_and_fab_is_not():
 
 
 def test_the_warning_is_logged_for_a_simple_auth_manager(monkeypatch, caplog):
-    from airflow.api_fastapi.app import _AuthManagerState
+    import airflow.api_fastapi.app as api_app
 
-    monkeypatch.setattr(_AuthManagerState, "instance", SimpleAuthManager())
+    manager = SimpleAuthManager()
+    monkeypatch.setattr(api_app, "get_auth_manager", lambda: manager)
     with caplog.at_level(logging.WARNING, logger=access.log.name):
         access.warn_if_not_isolated()
     (record,) = caplog.records

@@ -10,7 +10,7 @@ from airflow_vllm_batch.openai_api import app as app_module
 from airflow_vllm_batch.openai_api.batch_dag import OpenAIBatchOperator, _chosen_route
 from airflow_vllm_batch.openai_api.batch_spec import BatchSpec, verification_keys
 from airflow_vllm_batch.version_compat import AirflowFailException
-from tests.unit.openai_api.conftest import KEY
+from tests.unit.openai_api.conftest import KEY, needs_batch_runs
 from tests.unit.openai_api.test_batch_spec import DAG, SPEC, NoS3, run
 from tests.unit.openai_api.test_cancel import BATCH, api  # noqa: F401 - the fixture
 
@@ -95,6 +95,7 @@ def test_after_a_rotation_an_old_batch_is_still_listed_and_a_retry_of_its_run_ve
     assert app_module._verifier()(SimpleNamespace(conf=forged, run_id=SPEC.batch_id, dag_id=DAG)) is None
 
 
+@needs_batch_runs
 def test_after_a_rotation_an_old_batch_is_shown_and_cancellable(rotated, database):
     batch = database
     batch.state.tis = [SimpleNamespace(task_id="vllm_batch", state="running", start_date=None, end_date=None)]
@@ -106,6 +107,7 @@ def test_after_a_rotation_an_old_batch_is_shown_and_cancellable(rotated, databas
     assert cancelled.json()["status"] == "cancelling"
 
 
+@needs_batch_runs
 def test_once_its_key_is_removed_a_batch_is_hidden_and_its_run_fails_as_forged(
     dropped, database, monkeypatch
 ):

@@ -11,6 +11,7 @@ from airflow.api_fastapi.core_api.security import get_user
 from airflow_vllm_batch.openai_api import app as app_module
 from airflow_vllm_batch.openai_api.access import owner_key
 from airflow_vllm_batch.openai_api.limits import UserLimits, load_limits
+from tests.unit.openai_api.conftest import needs_batch_runs
 from tests.unit.openai_api.test_create import LINES, api  # noqa: F401 - the fixture
 
 
@@ -104,6 +105,7 @@ def runs(api, monkeypatch):  # noqa: F811
     return ended
 
 
+@needs_batch_runs
 def test_a_batch_over_the_active_batch_cap_is_429_counting_only_the_callers_batches(api, runs, monkeypatch):  # noqa: F811
     client, _, triggered = api
     monkeypatch.setenv("AIRFLOW__VLLM_BATCH__OPENAI_MAX_USER_ACTIVE_BATCHES", "2")
@@ -122,6 +124,7 @@ def test_a_batch_over_the_active_batch_cap_is_429_counting_only_the_callers_batc
     assert create(client, file_id).status_code == 200
 
 
+@needs_batch_runs
 def test_a_batch_over_the_enqueued_request_cap_is_429(api, runs, monkeypatch):  # noqa: F811
     client, _, _ = api
     monkeypatch.setenv("AIRFLOW__VLLM_BATCH__OPENAI_MAX_USER_ENQUEUED_REQUESTS", "3")

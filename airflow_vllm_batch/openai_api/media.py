@@ -85,15 +85,18 @@ def media_urls(body: Any) -> Iterable[str]:
 def media_problems(lines: Iterable[bytes], allowed: frozenset[str]) -> tuple[int, list[dict[str, Any]]]:
     """The lines of a batch input that name a refused media URL: how many, and the first :data:`MAX_LISTED` as ``errors`` entries.
 
-    Only lines that hold ``url"`` are parsed (a media part's key ends so); a line that is not
-    JSON is left to preflight, which names it.
+    Only lines that hold ``url"`` twice are parsed: every request line names its endpoint
+    (``"url": "/v1/..."``) once, and a media part adds a key that ends so (``image_url``, a
+    part's ``url``); inside a JSON string a quote is escaped, so a prompt adds none. A line of
+    plain chat is therefore never parsed here. A line that is not JSON is left to preflight,
+    which names it.
 
     :param lines: the input's physical lines, in order.
     :param allowed: :func:`media_domains`.
     """
     count, listed = 0, list[dict[str, Any]]()
     for number, raw in enumerate(lines, start=1):
-        if b'url"' not in raw:
+        if raw.count(b'url"') < 2:
             continue
         try:
             line = json.loads(raw)

@@ -92,6 +92,23 @@ def test_the_refused_lines_are_named_by_number_and_the_others_pass():
     assert "secret" not in error["message"]
 
 
+def test_lines_of_plain_chat_are_not_parsed_and_every_media_form_is(monkeypatch):
+    """Every line names its endpoint url once: only a line with a media key besides is parsed."""
+    import airflow_vllm_batch.openai_api.media as media
+
+    parsed: list[bytes] = []
+    real_loads = json.loads
+    monkeypatch.setattr(media.json, "loads", lambda raw: parsed.append(raw) or real_loads(raw))
+    plain = chat("plain")
+    plain["body"]["messages"][0]["content"][0]["text"] = 'a prompt that says "the url" and url" in quotes'
+    short = chat("short", {"type": "image_url", "image_url": "http://10.0.0.1/a.png"})
+    lines = [json.dumps(plain).encode(), json.dumps(chat("image", image("http://10.0.0.1/x"))).encode()]
+    lines.append(json.dumps(short).encode())
+    count, _ = media_problems(lines, ALLOWED)
+    assert count == 2
+    assert parsed == lines[1:]
+
+
 def test_the_allowed_hosts_are_read_from_the_option(monkeypatch):
     monkeypatch.setenv("AIRFLOW__VLLM_BATCH__OPENAI_MEDIA_DOMAINS", " Images.Example.com, cdn.example.com ,")
     assert media_domains() == {"images.example.com", "cdn.example.com"}

@@ -66,6 +66,18 @@ def test_a_completed_batch_run_again_under_another_identity_keeps_its_files_and_
     assert objects(api_batch) == before
 
 
+def test_a_completed_batch_stays_completed_when_the_media_policy_later_refuses_a_line(api_batch, monkeypatch):
+    """The media check (no fetch of a host not allowed) runs after the ended check: it never fails an ended batch."""
+    first = api_batch.run()
+    before = objects(api_batch)
+    refused = [
+        {"code": "invalid_request", "line": 1, "param": "body.messages", "message": "host not allowed"}
+    ]
+    monkeypatch.setattr(batch_dag, "media_problems", lambda lines, allowed: (1, refused))
+    assert api_batch.run(try_number=2) == first
+    assert objects(api_batch) == before
+
+
 def test_an_expired_batch_whose_error_file_its_owner_deleted_is_not_published_again(api_batch):
     api_batch.created_at = int(time.time()) - 25 * 3600
     first = api_batch.run()

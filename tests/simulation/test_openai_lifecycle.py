@@ -81,6 +81,12 @@ if TYPE_CHECKING:
     import pytest
 
 SCHEDULES = int(os.environ.get("VLLM_BATCH_LIFECYCLE_SCHEDULES", "300"))
+#: Seeds run besides the first ``SCHEDULES``, each the first to reach a schedule the others miss:
+#: 579 pauses try 1 before it takes the lease until its successor has ended the batch (a zombie
+#: that looked before the end and leases after it); with the check once the lease is taken
+#: skipped for a write-once output (``run/batch.py``), it republishes the ended batch under its
+#: new identity (Lifecycle/ended-batch-changed), and no seed below 300 shows it.
+REGRESSION_SEEDS = (579,)
 CANCEL_KEY = "batches/batch_sim.cancel.json"
 #: The virtual clock's zero on the wall clock the stop condition reads.
 EPOCH = 1_900_000_000
@@ -551,7 +557,7 @@ def ended_batch_checks(world: LifecycleWorld) -> list[Violation]:
 
 
 def test_no_lifecycle_schedule_violates_an_invariant(tmp_path, monkeypatch, sim_seed):
-    seeds = [sim_seed] if sim_seed is not None else range(SCHEDULES)
+    seeds = [sim_seed] if sim_seed is not None else sorted({*range(SCHEDULES), *REGRESSION_SEEDS})
     failing: dict[int, list[str]] = {}
     statuses: dict[str | None, int] = {}
     started = time.perf_counter()

@@ -170,13 +170,13 @@ def get_provider_info() -> dict[str, Any]:
                     },
                     "openai_max_user_active_batches": {
                         "description": "The most batches one user may have that have not ended (validating, in_progress, "
-                        "finalizing, cancelling); POST /batches over it is answered 429 (code batches_limit_exceeded). Set "
-                        "it below the batch DAG's max_active_runs so that one user's burst leaves slots to the others. "
-                        "0: no limit.",
+                        "finalizing, cancelling); POST /batches over it is answered 429 (code batches_limit_exceeded). "
+                        "auto (the default): half the batch DAG's max_active_runs, at least 1, so that one user's burst "
+                        "leaves the other run slots to the others' batches. 0: no limit.",
                         "version_added": "0.1.0",
-                        "type": "integer",
+                        "type": "string",
                         "example": "2",
-                        "default": "0",
+                        "default": "auto",
                     },
                     "openai_max_user_enqueued_requests": {
                         "description": "The most requests (input lines) one user's batches that have not ended may hold "

@@ -177,6 +177,27 @@ def user_runs(
     return found
 
 
+def dag_max_active_runs(dag_id: str) -> int | None:
+    """How many runs of the batch DAG Airflow runs at once (its ``max_active_runs``); None when it is not deployed.
+
+    A DAG that sets none has ``[core] max_active_runs_per_dag``, as the scheduler applies it.
+    """
+    require_runs_interface()
+    from airflow.models.dag import DagModel
+    from airflow.utils.session import create_session
+    from sqlalchemy import select
+
+    from airflow_vllm_batch.version_compat import conf
+
+    with create_session() as session:
+        row = session.execute(select(DagModel.max_active_runs).where(DagModel.dag_id == dag_id)).first()
+    if row is None:
+        return None
+    if row.max_active_runs is None:
+        return conf.getint("core", "max_active_runs_per_dag", fallback=16)
+    return int(row.max_active_runs)
+
+
 def active_batch_ids(dag_id: str, user_id: str, user_name: str, verify: Verifier) -> list[str]:
     """The ids of the caller's batches whose runs have not ended (queued or running), for the per-user limits.
 

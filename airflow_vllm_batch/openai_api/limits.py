@@ -1,7 +1,7 @@
 """Per-user limits of the OpenAI API: stored uploads, and batches (and their requests) that have not ended.
 
-Each limit is an option of ``[vllm_batch]`` (0, the default: no limit) and is checked when a
-user asks for more: ``POST /files`` against the files and bytes they keep, ``POST /batches``
+Each limit is an option of ``[vllm_batch]`` (0: no limit) and is checked when a user asks
+for more: ``POST /files`` against the files and bytes they keep, ``POST /batches``
 against their batches that have not ended and the requests those hold. A refusal is HTTP
 429 in OpenAI's error shape, as its rate-limit errors are (the limited dimension as
 ``type``, a ``code`` ending ``_limit_exceeded`` as the Batch API's ``token_limit_exceeded``),
@@ -11,10 +11,12 @@ retrying what only an ended batch or a deleted file can change.
 The checks count what exists when the call starts; two calls of one user at the same
 instant may both pass (a soft limit, exceeded by at most the calls in flight).
 
-Fair order follows from the batch cap: with ``openai_max_user_active_batches`` below the
-batch DAG's ``max_active_runs``, one user's batches can hold no more run slots than the cap,
-queued ones included, so a burst of one user leaves the other slots to the others' batches,
-which Airflow's scheduler starts oldest first.
+Fair order follows from the batch cap, which is on by default: ``openai_max_user_active_batches``
+is ``auto``, half the batch DAG's ``max_active_runs`` (at least 1). One user's batches can then
+hold no more run slots than the cap, queued ones included, so a burst of one user leaves the
+other slots to the others' batches, which Airflow's scheduler starts oldest first; and a batch
+waits behind at most the cap's worth of each other user's batches. The other limits are off
+(0) by default.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ OPTIONS = {
     "max_active_batches": "openai_max_user_active_batches",
     "max_enqueued_requests": "openai_max_user_enqueued_requests",
 }
+#: The value of ``openai_max_user_active_batches`` (its default) that derives the cap from the batch DAG.
+AUTO = "auto"
 
 
 @dataclass(frozen=True)
@@ -45,14 +49,15 @@ class UserLimits:
 
     :param max_files: uploaded files kept (``openai_max_user_files``).
     :param max_bytes: bytes of uploaded files kept (``openai_max_user_bytes``).
-    :param max_active_batches: batches not ended (``openai_max_user_active_batches``).
+    :param max_active_batches: batches not ended (``openai_max_user_active_batches``); None for
+        ``auto``: half the batch DAG's ``max_active_runs``, at least 1 (:func:`batch_cap`).
     :param max_enqueued_requests: requests of the batches not ended, the new one's included
         (``openai_max_user_enqueued_requests``).
     """
 
     max_files: int = 0
     max_bytes: int = 0
-    max_active_batches: int = 0
+    max_active_batches: int | None = None
     max_enqueued_requests: int = 0
 
 
@@ -75,23 +80,52 @@ class LimitExceeded(Exception):
 def load_limits() -> UserLimits:
     """The limits of ``[vllm_batch]``.
 
-    :raises ConfigurationError: an option is not a whole number of 0 or more.
+    :raises ConfigurationError: an option is not a whole number of 0 or more (or, for the batch cap, ``auto``).
     """
     from airflow_vllm_batch.version_compat import conf
 
-    values = {}
+    values: dict[str, int | None] = {}
     for name, option in OPTIONS.items():
-        raw = conf.get(SECTION, option, fallback="0") or "0"
+        default = AUTO if name == "max_active_batches" else "0"
+        raw = (conf.get(SECTION, option, fallback=default) or default).strip()
+        if name == "max_active_batches" and raw.lower() == AUTO:
+            values[name] = None
+            continue
         try:
             value = int(raw)
         except ValueError:
             value = -1
         if value < 0:
             raise ConfigurationError(
-                f"[{SECTION}] {option} is {raw!r}: give a whole number, 0 for no limit (AIRFLOW__VLLM_BATCH__{option.upper()})"
+                f"[{SECTION}] {option} is {raw!r}: give a whole number, 0 for no limit"
+                + (
+                    f", or {AUTO!r} for half the batch DAG's max_active_runs"
+                    if name == "max_active_batches"
+                    else ""
+                )
+                + f" (AIRFLOW__VLLM_BATCH__{option.upper()})"
             )
         values[name] = value
-    return UserLimits(**values)
+    return UserLimits(**values)  # type: ignore[arg-type]  # only max_active_batches may be None
+
+
+def batch_cap(configured: int | None, dag_slots: int | None) -> tuple[int, str]:
+    """The cap on one user's batches that have not ended, and how it was set (for the 429's message).
+
+    :param configured: ``openai_max_user_active_batches`` (None: ``auto``).
+    :param dag_slots: the batch DAG's ``max_active_runs`` (None: the DAG is not deployed, and no
+        batch can be created anyway).
+    :return: the cap (0: none) and the option's value as the message names it.
+    """
+    if configured is not None:
+        return configured, f"[{SECTION}] {OPTIONS['max_active_batches']} = {configured}"
+    if dag_slots is None:
+        return 0, ""
+    cap = max(1, dag_slots // 2)
+    return cap, (
+        f"[{SECTION}] {OPTIONS['max_active_batches']} = {AUTO}: half the batch DAG's max_active_runs ({dag_slots}), "
+        "so that other users' batches keep the other run slots"
+    )
 
 
 def check_new_file(limits: UserLimits, files: int) -> None:
@@ -125,18 +159,22 @@ def check_file_bytes(limits: UserLimits, kept: int, uploading: int) -> None:
         )
 
 
-def check_new_batch(limits: UserLimits, active_requests: Sequence[int], new_requests: int) -> None:
+def check_new_batch(
+    limits: UserLimits, active_requests: Sequence[int], new_requests: int, dag_slots: int | None = None
+) -> None:
     """Refuse a batch when the user's batches that have not ended are at the caps.
 
     :param active_requests: the request count of each of their batches that has not ended.
     :param new_requests: the new batch's requests (its input file's lines).
+    :param dag_slots: the batch DAG's ``max_active_runs``, for the ``auto`` batch cap.
     :raises LimitExceeded: the batch cap is reached, or the requests would pass theirs.
     """
     active = len(active_requests)
-    if limits.max_active_batches and active >= limits.max_active_batches:
+    cap, source = batch_cap(limits.max_active_batches, dag_slots)
+    if cap and active >= cap:
         raise LimitExceeded(
-            f"You have {active} batches that have not ended, the most allowed at a time ([{SECTION}] "
-            f"{OPTIONS['max_active_batches']} = {limits.max_active_batches}): create this one when one of them has ended.",
+            f"You have {active} batches that have not ended, the most allowed at a time ({source}): "
+            "create this one when one of them has ended.",
             "batches",
             "input_file_id",
         )
@@ -177,10 +215,11 @@ def check_batch(
     :param verify: the request's verifier (only the runs the API signed count).
     :raises LimitExceeded: a cap is reached.
     """
-    if not (limits.max_active_batches or limits.max_enqueued_requests):
+    if not (limits.max_active_batches != 0 or limits.max_enqueued_requests):
         return
-    from airflow_vllm_batch.openai_api.batch_runs import active_batch_ids
+    from airflow_vllm_batch.openai_api.batch_runs import active_batch_ids, dag_max_active_runs
 
+    dag_slots = dag_max_active_runs(dag_id) if limits.max_active_batches is None else None
     active = active_batch_ids(dag_id, user.get_id(), user.get_name(), verify)
     # A batch's request count is in the API's record (one small object each); read only for the request cap.
     totals = [
@@ -189,4 +228,4 @@ def check_batch(
         else 0
         for b in active
     ]
-    check_new_batch(limits, totals, requests)
+    check_new_batch(limits, totals, requests, dag_slots)

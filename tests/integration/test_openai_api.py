@@ -38,7 +38,14 @@ from typing import TYPE_CHECKING
 
 import psutil
 import pytest
-from openai import AuthenticationError, ConflictError, NotFoundError, OpenAI, PermissionDeniedError
+from openai import (
+    AuthenticationError,
+    ConflictError,
+    NotFoundError,
+    OpenAI,
+    PermissionDeniedError,
+    RateLimitError,
+)
 from openai.types.chat import ChatCompletion
 
 from airflow_vllm_batch.openai_api.access import owner_key
@@ -62,6 +69,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.engine]
 
 BUCKET = "openai"
 N_REQUESTS = 3
+#: The statuses of a batch that has not ended (its run is queued or running).
+ACTIVE_STATUSES = ("validating", "in_progress", "finalizing", "cancelling")
 #: One engine start on two shared cores, with the scheduler's own pace: generous.
 BATCH_TIMEOUT_S = 420
 SIGNING_KEY = "integration-signing-key-" + "0" * 16
@@ -550,6 +559,43 @@ def test_a_batch_cancelled_before_it_runs_ends_cancelled(api: Api):
     # A cancelled batch has ended: cancelling it again is 409.
     with pytest.raises(ConflictError):
         alice.batches.cancel(batch.id)
+
+
+def test_by_default_a_user_holds_half_the_batch_dags_run_slots(api: Api):
+    """The default fair share, on Airflow's database: the batch DAG's max_active_runs is 4, so one user has 2 batches not ended at most.
+
+    The third is refused in OpenAI's rate-limit shape, naming the option and the DAG's run
+    slots; another user's batch is not, and once one of hers has ended she may create again.
+    """
+    alice, bob = api.clients["alice"], api.clients["bob"]
+    uploaded = alice.files.create(file=("cap.jsonl", _lines(api.model)), purpose="batch")
+    not_ended = [b.id for b in alice.batches.list(limit=100) if b.status in ACTIVE_STATUSES]
+
+    def create() -> str:
+        return alice.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        ).id
+
+    created = [create() for _ in range(2 - len(not_ended))]
+    with pytest.raises(RateLimitError) as refused:
+        create()
+    assert refused.value.code == "batches_limit_exceeded"
+    assert "openai_max_user_active_batches = auto" in refused.value.message
+    assert "max_active_runs (4)" in refused.value.message
+    bobs = bob.files.create(file=("cap.jsonl", _lines(api.model)), purpose="batch")
+    theirs = bob.batches.create(
+        input_file_id=bobs.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    for client, batch_id in [(alice, b) for b in not_ended + created] + [(bob, theirs.id)]:
+        with contextlib.suppress(ConflictError):  # ended meanwhile
+            client.batches.cancel(batch_id)
+    for client, batch_id in [(alice, b) for b in not_ended + created] + [(bob, theirs.id)]:
+        _wait(api, client, batch_id, ("cancelled", "completed", "failed", "expired"))
+    again = alice.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    alice.batches.cancel(again.id)
+    _wait(api, alice, again.id, ("cancelled", "completed", "failed", "expired"))
 
 
 class PeakRss:

@@ -20,6 +20,9 @@ needs_batch_runs = pytest.mark.skipif(
 def signing_key(monkeypatch: pytest.MonkeyPatch) -> str:
     monkeypatch.setenv("AIRFLOW__VLLM_BATCH__OPENAI_SIGNING_KEY", KEY)
     monkeypatch.setenv("AIRFLOW__VLLM_BATCH__OPENAI_FILES_URI", FILES_URI)
+    # The default batch cap (auto) reads the batch DAG's max_active_runs from Airflow's database, which
+    # these tests stand in for; test_limits.py sets it back to auto where it is the subject.
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__OPENAI_MAX_USER_ACTIVE_BATCHES", "0")
     return KEY
 
 

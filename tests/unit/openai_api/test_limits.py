@@ -10,7 +10,7 @@ from airflow.api_fastapi.core_api.security import get_user
 
 from airflow_vllm_batch.openai_api import app as app_module
 from airflow_vllm_batch.openai_api.access import owner_key
-from airflow_vllm_batch.openai_api.limits import UserLimits, load_limits
+from airflow_vllm_batch.openai_api.limits import UserLimits, batch_cap, load_limits
 from tests.unit.openai_api.conftest import needs_batch_runs
 from tests.unit.openai_api.test_create import LINES, api  # noqa: F401 - the fixture
 
@@ -135,11 +135,66 @@ def test_a_batch_over_the_enqueued_request_cap_is_429(api, runs, monkeypatch):  
     assert create(client, upload(client).json()["id"]).status_code == 200
 
 
-def test_no_limit_is_set_by_default_and_a_bad_value_is_refused_naming_the_option(monkeypatch):
-    assert load_limits() == UserLimits()
-    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__OPENAI_MAX_USER_ACTIVE_BATCHES", "-1")
-    with pytest.raises(Exception, match=r"openai_max_user_active_batches is '-1': give a whole number"):
+def test_by_default_only_the_batch_cap_is_on_and_a_bad_value_is_refused_naming_the_option(monkeypatch):
+    monkeypatch.delenv("AIRFLOW__VLLM_BATCH__OPENAI_MAX_USER_ACTIVE_BATCHES")
+    assert load_limits() == UserLimits() == UserLimits(0, 0, None, 0)
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__OPENAI_MAX_USER_ACTIVE_BATCHES", " Auto ")
+    assert load_limits().max_active_batches is None
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__OPENAI_MAX_USER_ACTIVE_BATCHES", "0")
+    assert load_limits().max_active_batches == 0
+    for bad in ("-1", "half"):
+        monkeypatch.setenv("AIRFLOW__VLLM_BATCH__OPENAI_MAX_USER_ACTIVE_BATCHES", bad)
+        with pytest.raises(
+            Exception, match=rf"openai_max_user_active_batches is '{bad}': give a whole number.*'auto'"
+        ):
+            load_limits()
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__OPENAI_MAX_USER_FILES", "auto")
+    with pytest.raises(
+        Exception, match=r"openai_max_user_files is 'auto': give a whole number, 0 for no limit \("
+    ):
         load_limits()
+
+
+@pytest.mark.parametrize(
+    ("configured", "dag_slots", "cap"),
+    [
+        (None, 4, 2),
+        (None, 5, 2),
+        (None, 1, 1),
+        (None, 16, 8),
+        (None, None, 0),
+        (3, 4, 3),
+        (0, 4, 0),
+        (6, None, 6),
+    ],
+)
+def test_the_auto_batch_cap_is_half_the_dags_run_slots_at_least_one(configured, dag_slots, cap):
+    assert batch_cap(configured, dag_slots)[0] == cap
+
+
+@needs_batch_runs
+def test_by_default_a_user_holds_half_the_batch_dags_run_slots_and_the_429_says_why(api, runs, monkeypatch):  # noqa: F811
+    """The default cap: with the batch DAG's max_active_runs 4, one user's third batch is refused, another user's is not."""
+    from airflow_vllm_batch.openai_api import batch_runs
+
+    client, _, triggered = api
+    monkeypatch.delenv("AIRFLOW__VLLM_BATCH__OPENAI_MAX_USER_ACTIVE_BATCHES")
+    asked: list[str] = []
+    monkeypatch.setattr(batch_runs, "dag_max_active_runs", lambda dag_id: asked.append(dag_id) or 4)
+    as_alice()
+    file_id = upload(client).json()["id"]
+    assert create(client, file_id).status_code == create(client, file_id).status_code == 200
+    refused = create(client, file_id)
+    assert_limit_error(refused, "batches", "input_file_id", "openai_max_user_active_batches = auto")
+    assert "half the batch DAG's max_active_runs (4)" in refused.json()["error"]["message"]
+    assert asked
+    assert set(asked) == {"vllm_batch_openai"}
+    as_bob()
+    assert create(client, upload(client).json()["id"]).status_code == 200
+    assert len(triggered) == 3
+    runs.add(triggered[0][0])  # one of hers ended: she may create one again
+    as_alice()
+    assert create(client, file_id).status_code == 200
 
 
 def test_the_sdk_raises_rate_limit_error_at_once_without_retrying(api, monkeypatch):  # noqa: F811

@@ -8,6 +8,12 @@ input. The batch task therefore refuses, before any engine starts, a batch one o
 lines names a media URL that is not a ``data:`` URL or an http(s) URL of a host the
 deployment allows, and names those lines in the batch's ``errors``.
 
+It is a pass of its own over the batch's input copy, not a check of preflight's: preflight
+tells its problems in the task log, which every viewer reads under the simple auth manager,
+and a refused URL's host (an internal address) goes to the batch's owner only, in its
+failure record. The pass costs one more streamed read of the copy, and parses only the lines
+that name a media key (:func:`media_problems`).
+
 Free of Airflow imports but the configuration read.
 """
 

@@ -32,7 +32,9 @@ OpenAI's state machine: a batch reaches one terminal status (``completed``, ``fa
 once the batch ended: the published manifest (final: nothing publishes over it, and a file
 its owner deleted does not unpublish it), the failure record of the try that failed, and
 when the run ended (not the clock: a batch that failed stays ``failed`` when ``expires_at``
-passes later). ``expires_at`` is the signed ``created_at`` plus the signed ``window_s``.
+passes later). ``expires_at`` is the signed ``created_at`` plus the signed ``window_s``. A
+published batch's times (``completed_at`` or the other ending, and ``finalizing_at``) are when
+its manifest was written (``published_at``, the object's time in S3): the same on every read.
 """
 
 from __future__ import annotations

@@ -1038,13 +1038,15 @@ def _counted(server: ExtraApiServer, user: str) -> tuple[OpenAI, list[str]]:
     return client, sent
 
 
-def _refused(err: pytest.ExceptionInfo[RateLimitError], sent: list[str], kind: str, param: str) -> None:
-    """A 429 in OpenAI's shape, which the SDK did not retry."""
+def _refused(
+    err: pytest.ExceptionInfo[RateLimitError], sent: list[str], kind: str, param: str, option: str
+) -> None:
+    """A 429 in OpenAI's shape naming the option, which the SDK did not retry."""
     assert err.value.status_code == 429
     assert err.value.response.headers["x-should-retry"] == "false"
     body = err.value.response.json()["error"]
     assert (body["type"], body["code"], body["param"]) == (kind, f"{kind}_limit_exceeded", param), body
-    assert body["message"].startswith("You "), body
+    assert f"openai_max_user_{option}" in body["message"], body
     assert len(sent) == 1, sent
 
 
@@ -1066,7 +1068,7 @@ def test_over_a_per_user_limit_the_sdk_gets_rate_limit_error_and_another_user_is
             sent.clear()
             with pytest.raises(RateLimitError) as over:
                 carol.files.create(file=("two.jsonl", _lines(api.model, 1)), purpose="batch")
-            _refused(over, sent, "files", "file")
+            _refused(over, sent, "files", "file", "files")
             created.append(
                 carol.batches.create(
                     input_file_id=kept.id, endpoint="/v1/chat/completions", completion_window="24h"
@@ -1077,7 +1079,7 @@ def test_over_a_per_user_limit_the_sdk_gets_rate_limit_error_and_another_user_is
                 carol.batches.create(
                     input_file_id=kept.id, endpoint="/v1/chat/completions", completion_window="24h"
                 )
-            _refused(over, sent, "batches", "input_file_id")
+            _refused(over, sent, "batches", "input_file_id", "active_batches")
             dave = server.client("dave")
             his = dave.files.create(file=("his.jsonl", _lines(api.model, 1)), purpose="batch")
             created.append(

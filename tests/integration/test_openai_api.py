@@ -16,7 +16,9 @@ mid-run keeping the answers finished so far.
 
 Fresh processes: the API plugin needs a deployment of its own settings (``api``); each batch's
 runner engine is its task's child. ``warm_api`` is a second deployment (a ``vllm`` connection,
-another files prefix) on the session's warm server.
+another files prefix) on the session's warm server. ``restarted`` adds three API servers to
+``api`` (its database, DAGs and S3), each with the configuration a restart would give it: a
+clock a day ahead, a rotated signing key with per-user limits, the old key dropped.
 """
 
 from __future__ import annotations

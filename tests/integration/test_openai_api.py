@@ -18,7 +18,8 @@ Fresh processes: the API plugin needs a deployment of its own settings (``api``)
 runner engine is its task's child. ``warm_api`` is a second deployment (a ``vllm`` connection,
 another files prefix) on the session's warm server. ``restarted`` adds three API servers to
 ``api`` (its database, DAGs and S3), each with the configuration a restart would give it: a
-clock a day ahead, a rotated signing key with per-user limits, the old key dropped.
+clock a day ahead, a rotated signing key with per-user limits, the old key dropped; the last
+test restarts ``warm_api``'s scheduler with the rotated key.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import email.utils
 import importlib.metadata
 import json
 import os
+import signal
+import sys
 import threading
 import time
 import urllib.error
@@ -65,7 +68,12 @@ from airflow_vllm_batch.storage.layout import manifest_uri
 from tests.integration.dagrun import REPO
 from tests.integration.extra_api_server import ExtraApiServer, extra_api_servers
 from tests.integration.vllm_metrics import requests_answered
-from vllm_batch_embedded.airflow_deployment import Deployment, local_executor_deployment, wait_until
+from vllm_batch_embedded.airflow_deployment import (
+    Deployment,
+    local_executor_deployment,
+    signal_group,
+    wait_until,
+)
 
 if TYPE_CHECKING:
     from openai.types import Batch, FileObject
@@ -1378,3 +1386,45 @@ def test_the_batch_dag_retries_its_task_by_default(warm_api):
     api, _ = warm_api
     task = api.dep.request("GET", f"/api/v2/dags/{DEFAULT_BATCH_DAG_ID}/tasks/vllm_batch")
     assert (task["retries"], task["retry_delay"]["seconds"], task["retry_delay"]["days"]) == (2, 300, 0), task
+
+
+def _restart_scheduler(dep: Deployment, options: dict[str, str]) -> None:
+    """Stop the deployment's scheduler (its LocalExecutor workers with it) and start it again with ``options`` set."""
+    old = dep.processes["scheduler"]
+    signal_group(old.pid, signal.SIGTERM)
+    old.wait(timeout=60)
+    dep.env = {**dep.env, **options}
+    dep.start("scheduler", [str(Path(sys.executable).with_name("airflow")), "scheduler"])
+
+
+def test_a_batch_created_before_a_key_rotation_runs_on_workers_restarted_with_the_new_key(warm_api):
+    """The workers restart with a new ``openai_signing_key`` and the old one in ``openai_old_signing_keys`` (issue 42, row 4).
+
+    A batch created (signed with the old key) while the DAG was paused runs on them after the
+    restart and completes; before issue 42 its run failed at the signature check, as a forged one.
+
+    Fresh processes: the deployment's scheduler (and so the workers, its children) restarts with
+    the rotated configuration, the point of the test; last in the module, the deployment keeps it.
+    """
+    api, _ = warm_api
+    alice = api.clients["alice"]
+    uploaded = alice.files.create(file=("rotation.jsonl", _lines(api.model)), purpose="batch")
+    api.dep.log_in("admin")
+    api.dep.request("PATCH", f"/api/v2/dags/{DEFAULT_BATCH_DAG_ID}", {"is_paused": True})
+    try:
+        batch = alice.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        started = time.monotonic()
+        _restart_scheduler(
+            api.dep,
+            {
+                "AIRFLOW__VLLM_BATCH__OPENAI_SIGNING_KEY": ROTATED_KEY,
+                "AIRFLOW__VLLM_BATCH__OPENAI_OLD_SIGNING_KEYS": SIGNING_KEY,
+            },
+        )
+        print(f"scheduler restarted in {time.monotonic() - started:.1f}s")
+    finally:
+        api.dep.request("PATCH", f"/api/v2/dags/{DEFAULT_BATCH_DAG_ID}", {"is_paused": False})
+    ended = _wait(api, alice, batch.id, ("completed", "failed", "cancelled", "expired"))
+    assert (ended.status, ended.request_counts.completed) == ("completed", N_REQUESTS), ended

@@ -19,6 +19,8 @@ from airflow_vllm_batch.openai_api.status import BatchDagRun, batch_object, batc
 from airflow_vllm_batch.storage.publishing import OutputStore
 
 if TYPE_CHECKING:
+    from datetime import datetime
+
     from airflow_vllm_batch.openai_api.batch_runs import BatchRun
     from airflow_vllm_batch.openai_api.batch_spec import BatchSpec
     from airflow_vllm_batch.openai_api.files import FileStore
@@ -81,7 +83,7 @@ def batch_from_run(store: FileStore, batch: BatchRun, aws_conn_id: str, live: bo
     starts = [ti.start_date for ti in tis if ti.start_date is not None]
     ends = [ti.end_date for ti in tis if ti.end_date is not None]
     failure = None
-    manifest = published_manifest(store, spec, where.output_uri, where.error_uri, aws_conn_id)
+    manifest, published_at = ending(store, spec, where.output_uri, where.error_uri, aws_conn_id)
     if state == "failed" or "failed" in task_states:
         failure = store.get_json(store.failure_key(run.run_id))
     cancel = store.get_json(store.cancel_key(run.run_id)) if manifest is None and state != "success" else None
@@ -93,6 +95,7 @@ def batch_from_run(store: FileStore, batch: BatchRun, aws_conn_id: str, live: bo
         task_end=max(ends) if ends else None,
         run_end=run.end_date,
         manifest=manifest,
+        published_at=published_at,
         failure=failure,
         cancelling_at=(cancel or {}).get("cancelling_at"),
     )
@@ -115,9 +118,23 @@ def published_manifest(
 
     :raises ManifestVersionError: the manifest is of a newer schema than this package reads.
     """
+    return ending(store, spec, output_uri, error_uri, aws_conn_id)[0]
+
+
+def ending(
+    store: FileStore, spec: BatchSpec, output_uri: str, error_uri: str, aws_conn_id: str
+) -> tuple[dict[str, Any] | None, datetime | None]:
+    """:func:`published_manifest`, and when it was published: its object's ``LastModified`` in S3.
+
+    The one time of an ended batch that no later read or try moves: the manifest is written
+    once (nothing publishes over an ended batch), whereas the run's and its task's end dates
+    come a moment after it and change with a clear.
+    """
     outputs = OutputStore(StoreHook(store.client, aws_conn_id), output_uri, error_uri)  # type: ignore[arg-type]
     manifest, _ = outputs.ended(spec.input_version)
-    return None if manifest is None else manifest.to_dict()
+    if manifest is None:
+        return None, None
+    return manifest.to_dict(), outputs.manifest_modified
 
 
 def live_progress(store: FileStore, batch_id: str) -> dict[str, int] | None:

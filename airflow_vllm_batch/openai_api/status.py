@@ -32,7 +32,9 @@ OpenAI's state machine: a batch reaches one terminal status (``completed``, ``fa
 once the batch ended: the published manifest (final: nothing publishes over it, and a file
 its owner deleted does not unpublish it), the failure record of the try that failed, and
 when the run ended (not the clock: a batch that failed stays ``failed`` when ``expires_at``
-passes later). ``expires_at`` is the signed ``created_at`` plus the signed ``window_s``.
+passes later). ``expires_at`` is the signed ``created_at`` plus the signed ``window_s``. A
+published batch's times (``completed_at`` or the other ending, and ``finalizing_at``) are when
+its manifest was written (``published_at``, the object's time in S3): the same on every read.
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ class BatchDagRun:
     :param failure: the failure record the batch task wrote when it failed for good (``{"errors": [...], "stage": ...}``).
     :param cancelling_at: when a cancel was asked (seconds since the epoch), if one was.
     :param progress: ``{"completed": n, "failed": m}`` answered so far: the progress record the task writes at each checkpoint.
+    :param published_at: when the manifest was published (its object's time in S3), when there is one.
     """
 
     conf: Mapping[str, Any]
@@ -91,6 +94,7 @@ class BatchDagRun:
     failure: Mapping[str, Any] | None = None
     cancelling_at: int | None = None
     progress: Mapping[str, int] | None = None
+    published_at: datetime | None = None
 
 
 def batch_status(run: BatchDagRun, now: float) -> str:
@@ -231,8 +235,11 @@ def batch_object(batch_id: str, run: BatchDagRun, now: float) -> dict[str, Any]:
     status = batch_status(run, now)
     conf = run.conf
     published = run.manifest is not None
+    # A published batch ended when its manifest was written: the same on every read, whereas the
+    # task's and the run's ends are recorded a moment later (and a clear changes them).
+    published_at = _ts(run.published_at) if published else None
     # The run ends a moment after its task: until then the task's end is the batch's.
-    ended_at = _ts(run.run_end) or (_ts(run.task_end) if published else None)
+    ended_at = published_at or _ts(run.run_end) or (_ts(run.task_end) if published else None)
     if ended_at is None and published:
         # The manifest decides the ending a moment before the task's end is recorded: the batch
         # ended when it published, its try's start plus the manifest's duration.
@@ -262,7 +269,8 @@ def batch_object(batch_id: str, run: BatchDagRun, now: float) -> dict[str, Any]:
         "created_at": int(conf["created_at"]),
         "in_progress_at": _ts(run.task_start) if started else None,
         "expires_at": expires_at(conf),
-        "finalizing_at": _ts(run.task_end) if status in ("finalizing", "completed") or published else None,
+        "finalizing_at": published_at
+        or (_ts(run.task_end) if status in ("finalizing", "completed") or published else None),
         "completed_at": ended_at if status == "completed" else None,
         "failed_at": ended_at if status == "failed" else None,
         "expired_at": ended_at if status == "expired" else None,

@@ -69,6 +69,8 @@ from airflow_vllm_batch.storage.s3 import (
 from airflow_vllm_batch.storage.staging import RunStaging
 
 if TYPE_CHECKING:
+    from datetime import datetime
+
     from airflow.providers.amazon.aws.hooks.s3 import S3Hook
 
     from airflow_vllm_batch.identity import RunIdentity
@@ -104,6 +106,8 @@ class OutputStore:
         self.bucket, self.key = split_s3_uri(output_uri, "output_uri")
         self.error_bucket, self.error_key = split_s3_uri(self.error_uri, "error_uri")
         self.manifest_bucket, self.manifest_key = split_s3_uri(self.manifest_uri, "output_uri")
+        #: When the manifest key's object read last was written (S3's ``LastModified``), or None.
+        self.manifest_modified: datetime | None = None
 
     # -- before the run ----------------------------------------------------------------
 
@@ -133,11 +137,9 @@ class OutputStore:
     def _manifest_body(self) -> bytes | None:
         """What the manifest key holds (a manifest, or a publish's tombstone), or None when nothing."""
         try:
-            body: bytes = (
-                self.hook.get_conn()
-                .get_object(Bucket=self.manifest_bucket, Key=self.manifest_key)["Body"]
-                .read()
-            )
+            found = self.hook.get_conn().get_object(Bucket=self.manifest_bucket, Key=self.manifest_key)
+            body: bytes = found["Body"].read()
+            self.manifest_modified = found.get("LastModified")
             return body
         except ClientError as err:
             code = error_code(err)

@@ -16,16 +16,22 @@ mid-run keeping the answers finished so far.
 
 Fresh processes: the API plugin needs a deployment of its own settings (``api``); each batch's
 runner engine is its task's child. ``warm_api`` is a second deployment (a ``vllm`` connection,
-another files prefix) on the session's warm server.
+another files prefix) on the session's warm server. ``restarted`` adds three API servers to
+``api`` (its database, DAGs and S3), each with the configuration a restart would give it: a
+clock a day ahead, a rotated signing key with per-user limits, the old key dropped; the last
+test restarts ``warm_api``'s scheduler with the rotated key.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import email.utils
 import importlib.metadata
 import json
 import os
+import signal
+import sys
 import threading
 import time
 import urllib.error
@@ -36,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import httpx
 import psutil
 import pytest
 from openai import (
@@ -49,6 +56,7 @@ from openai import (
 from openai.types.chat import ChatCompletion
 
 from airflow_vllm_batch.openai_api.access import owner_key
+from airflow_vllm_batch.openai_api.files import result_file_ids
 from airflow_vllm_batch.version_compat import AIRFLOW_V_3_2_PLUS
 
 if AIRFLOW_V_3_2_PLUS:
@@ -56,9 +64,16 @@ if AIRFLOW_V_3_2_PLUS:
 else:
     from airflow.exceptions import TaskDeferred
 from airflow_vllm_batch.openai_api.settings import DEFAULT_BATCH_DAG_ID, URL_PREFIX
+from airflow_vllm_batch.storage.layout import manifest_uri
 from tests.integration.dagrun import REPO
+from tests.integration.extra_api_server import ExtraApiServer, extra_api_servers
 from tests.integration.vllm_metrics import requests_answered
-from vllm_batch_embedded.airflow_deployment import Deployment, local_executor_deployment, wait_until
+from vllm_batch_embedded.airflow_deployment import (
+    Deployment,
+    local_executor_deployment,
+    signal_group,
+    wait_until,
+)
 
 if TYPE_CHECKING:
     from openai.types import Batch, FileObject
@@ -256,7 +271,9 @@ def test_a_batch_runs_to_completed_and_its_output_parses_with_the_sdks_types(api
     assert output.bytes == len(alice.files.content(batch.output_file_id).content)
 
 
-def test_a_bad_file_fails_in_preflight_with_line_numbered_errors(api: Api):
+@pytest.fixture(scope="module")
+def failed(api: Api) -> Batch:
+    """Alice's batch of a bad file (lines 2 and 4), ended ``failed`` in preflight, before any engine."""
     alice = api.clients["alice"]
     good = _lines(api.model, 3).splitlines(keepends=True)
     bad = (
@@ -269,14 +286,17 @@ def test_a_bad_file_fails_in_preflight_with_line_numbered_errors(api: Api):
     batch = alice.batches.create(
         input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
     )
-    failed = _wait(api, alice, batch.id, ("completed", "failed", "cancelled", "expired"))
+    return _wait(api, alice, batch.id, ("completed", "failed", "cancelled", "expired"))
+
+
+def test_a_bad_file_fails_in_preflight_with_line_numbered_errors(api: Api, failed: Batch):
     assert failed.status == "failed", failed
     assert sorted(e.line for e in failed.errors.data) == [2, 4], failed.errors
     assert all(e.code == "invalid_request" and e.message for e in failed.errors.data)
     # Preflight failed before any engine: nothing was published, and the run never was in progress.
     assert failed.output_file_id is None
     assert failed.in_progress_at is None
-    log = api.dep.task_log(DEFAULT_BATCH_DAG_ID, batch.id, "vllm_batch", 1)
+    log = api.dep.task_log(DEFAULT_BATCH_DAG_ID, failed.id, "vllm_batch", 1)
     # Told once, as the task's failure (the PreflightError's own traceback is at DEBUG).
     assert "failed preflight" in log
     assert "AirflowFailException" in log
@@ -873,6 +893,215 @@ def test_a_batch_whose_engine_refuses_some_lines_completes_with_both_files(api: 
         assert e["response"]["body"]["error"]["message"]
 
 
+# -- the same deployment, as another API server sees it: a later clock, a new configuration (issue 42, rows 3, 4, 6) --
+
+#: The key the reconfigured API servers sign with after a rotation.
+ROTATED_KEY = "integration-rotated-key-" + "1" * 16
+#: Far enough ahead that every batch of the module is past its expires_at (24 h windows).
+LATER_H = 25
+#: Two users that only the reconfigured server knows (its limits are checked on them, with no files yet).
+LIMITED_USERS = ("carol", "dave")
+
+
+@pytest.fixture(scope="module")
+def restarted(api: Api, seaweed) -> Iterator[dict[str, ExtraApiServer]]:
+    """Three more API servers of the module's deployment (its database, DAGs and S3), as a restart with another configuration makes them.
+
+    - ``later``: the same configuration, its clock ``LATER_H`` hours ahead (libfaketime);
+    - ``reconfigured``: the signing key rotated (``openai_signing_key`` new, the old one in
+      ``openai_old_signing_keys``), per-user limits (1 file, 1 batch not ended) and two more
+      viewers listed in ``openai_users``, ``carol`` and ``dave``;
+    - ``old key dropped``: the new key, the old one no longer listed.
+
+    Fresh processes: each is an ``airflow api-server`` of its own configuration (the point of
+    the tests: what a restart with it shows); the scheduler, dag-processor and engines are the
+    module's. They start together (about 25-40 s on two cores) and stop at the module's end.
+    """
+    rotated = {"AIRFLOW__VLLM_BATCH__OPENAI_SIGNING_KEY": ROTATED_KEY}
+    configs = {
+        "later": {"clock_offset_h": LATER_H},
+        "reconfigured": {
+            "options": {
+                **rotated,
+                "AIRFLOW__VLLM_BATCH__OPENAI_OLD_SIGNING_KEYS": SIGNING_KEY,
+                "AIRFLOW__VLLM_BATCH__OPENAI_MAX_USER_FILES": "1",
+                "AIRFLOW__VLLM_BATCH__OPENAI_MAX_USER_ACTIVE_BATCHES": "1",
+                "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": api.dep.env[
+                    "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS"
+                ]
+                + "".join(f",{user}:viewer" for user in LIMITED_USERS),
+                "AIRFLOW__VLLM_BATCH__OPENAI_USERS": "alice,bob," + ",".join(LIMITED_USERS),
+            }
+        },
+        "old key dropped": {"options": rotated},
+    }
+    started = time.monotonic()
+    with extra_api_servers(api.dep, seaweed, configs) as servers:
+        print(f"three more API servers up in {time.monotonic() - started:.1f}s")
+        yield servers
+
+
+@contextlib.contextmanager
+def _paused(api: Api) -> Iterator[None]:
+    """The batch DAG paused (as its admin): batches created meanwhile stay queued, their task never starts."""
+    api.dep.request("PATCH", f"/api/v2/dags/{DEFAULT_BATCH_DAG_ID}", {"is_paused": True})
+    try:
+        yield
+    finally:
+        api.dep.request("PATCH", f"/api/v2/dags/{DEFAULT_BATCH_DAG_ID}", {"is_paused": False})
+
+
+def _delete_runs(api: Api, batch_ids: list[str]) -> None:
+    """Delete queued batches' runs (as the admin), so that none starts a task after the test."""
+    for batch_id in batch_ids:
+        with contextlib.suppress(urllib.error.HTTPError):
+            api.dep.request("DELETE", api.dep.run_path(DEFAULT_BATCH_DAG_ID, batch_id))
+
+
+def test_ended_batches_keep_their_status_and_one_never_started_expires_once_the_clock_passes_expires_at(
+    api: Api, completed, failed: Batch, restarted
+):
+    """The real API server with its clock 25 h ahead reads the module's batches (issue 42, row 3).
+
+    A completed batch, a batch failed in preflight (its failure record) and one whose run an
+    operator marked failed before it started (no record: before issue 42 it turned
+    ``expired`` as the clock passed) keep their status and every field; a batch still
+    queued past its ``expires_at`` shows ``expired`` (before, ``validating``).
+    """
+    _, done, _ = completed
+    alice = api.clients["alice"]
+    created: list[str] = []
+    uploaded = alice.files.create(file=("q.jsonl", _lines(api.model, 1)), purpose="batch")
+
+    def create() -> str:
+        created.append(
+            alice.batches.create(
+                input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+            ).id
+        )
+        return created[-1]
+
+    with _paused(api):
+        try:
+            stopped = create()
+            # Marked failed before the next is made: alice has one batch not ended at a time, whatever the default cap.
+            api.dep.request("PATCH", api.dep.run_path(DEFAULT_BATCH_DAG_ID, stopped), {"state": "failed"})
+            queued = create()
+            now = {b: alice.batches.retrieve(b) for b in (done.id, failed.id, stopped, queued)}
+            assert [now[b].status for b in (done.id, failed.id, stopped, queued)] == [
+                "completed",
+                "failed",
+                "failed",
+                "validating",
+            ]
+            later = restarted["later"].client("alice")
+            raw = later.batches.with_raw_response.retrieve(done.id)
+            # The server's own clock (its Date header) is past every expires_at: libfaketime took.
+            assert email.utils.parsedate_to_datetime(raw.headers["date"]).timestamp() > max(
+                b.expires_at for b in now.values()
+            )
+            for batch_id in (done.id, failed.id, stopped):
+                assert later.batches.retrieve(batch_id).model_dump() == now[batch_id].model_dump(), batch_id
+            assert (
+                later.files.content(done.output_file_id).content
+                == alice.files.content(done.output_file_id).content
+            )
+            assert later.batches.retrieve(queued).status == "expired"
+        finally:
+            _delete_runs(api, created[1:])
+
+
+def test_a_rotated_signing_key_keeps_earlier_batches_and_dropping_the_old_key_hides_them(
+    api: Api, completed, restarted
+):
+    """The API server restarted with a new ``openai_signing_key`` (issue 42, row 4).
+
+    With the old key in ``openai_old_signing_keys``, alice's batch made before is listed,
+    retrieved as it was and its output downloaded (before issue 42: 404, not listed); once
+    the old key is dropped from the list, it is hidden (404, not listed).
+    """
+    _, done, _ = completed
+    alice = api.clients["alice"]
+    rotated = restarted["reconfigured"].client("alice")
+    assert done.id in [b.id for b in rotated.batches.list(limit=100).data]
+    assert rotated.batches.retrieve(done.id).model_dump() == alice.batches.retrieve(done.id).model_dump()
+    assert (
+        rotated.files.content(done.output_file_id).content == alice.files.content(done.output_file_id).content
+    )
+    dropped = restarted["old key dropped"].client("alice")
+    assert done.id not in [b.id for b in dropped.batches.list(limit=100).data]
+    with pytest.raises(NotFoundError):
+        dropped.batches.retrieve(done.id)
+
+
+def _counted(server: ExtraApiServer, user: str) -> tuple[OpenAI, list[str]]:
+    """The unmodified SDK with its default retries (2), and the requests it sent."""
+    sent: list[str] = []
+    client = OpenAI(
+        base_url=server.api_url + URL_PREFIX,
+        api_key=server.token(user),
+        timeout=60,
+        http_client=httpx.Client(
+            event_hooks={"request": [lambda r: sent.append(f"{r.method} {r.url.path}")]}
+        ),
+    )
+    return client, sent
+
+
+def _refused(
+    err: pytest.ExceptionInfo[RateLimitError], sent: list[str], kind: str, param: str, option: str
+) -> None:
+    """A 429 in OpenAI's shape naming the option, which the SDK did not retry."""
+    assert err.value.status_code == 429
+    assert err.value.response.headers["x-should-retry"] == "false"
+    body = err.value.response.json()["error"]
+    assert (body["type"], body["code"], body["param"]) == (kind, f"{kind}_limit_exceeded", param), body
+    assert f"openai_max_user_{option}" in body["message"], body
+    assert len(sent) == 1, sent
+
+
+def test_over_a_per_user_limit_the_sdk_gets_rate_limit_error_and_another_user_is_not_affected(
+    api: Api, restarted
+):
+    """``openai_max_user_files`` = 1 and ``openai_max_user_active_batches`` = 1 on the API server (issue 42, row 6).
+
+    Carol's second upload and second batch are refused with 429 (``RateLimitError``, OpenAI's
+    error shape, ``x-should-retry: false``: one request, no retries); dave, at the same time,
+    uploads and creates his. The DAG is paused: the batches stay queued, and are deleted after.
+    """
+    server = restarted["reconfigured"]
+    created: list[str] = []
+    with _paused(api):
+        try:
+            carol, sent = _counted(server, "carol")
+            kept = carol.files.create(file=("one.jsonl", _lines(api.model, 1)), purpose="batch")
+            sent.clear()
+            with pytest.raises(RateLimitError) as over:
+                carol.files.create(file=("two.jsonl", _lines(api.model, 1)), purpose="batch")
+            _refused(over, sent, "files", "file", "files")
+            created.append(
+                carol.batches.create(
+                    input_file_id=kept.id, endpoint="/v1/chat/completions", completion_window="24h"
+                ).id
+            )
+            sent.clear()
+            with pytest.raises(RateLimitError) as over:
+                carol.batches.create(
+                    input_file_id=kept.id, endpoint="/v1/chat/completions", completion_window="24h"
+                )
+            _refused(over, sent, "batches", "input_file_id", "active_batches")
+            dave = server.client("dave")
+            his = dave.files.create(file=("his.jsonl", _lines(api.model, 1)), purpose="batch")
+            created.append(
+                dave.batches.create(
+                    input_file_id=his.id, endpoint="/v1/chat/completions", completion_window="24h"
+                ).id
+            )
+            assert [b.status for b in map(dave.batches.retrieve, created[1:])] == ["validating"]
+        finally:
+            _delete_runs(api, created)
+
+
 #: Requests of the warm server's batch: enough that a cancel lands while it runs (the tiny model answers
 #: hundreds a second on two cores: 400 were all answered before a cancel 8 s into the run took effect).
 N_WARM = 5000
@@ -897,7 +1126,7 @@ def warm_api(
         (home / "plugins").mkdir()
         (home / "plugins" / "vllm_batch_openai_api.py").write_text(PLUGIN_SHIM)
     env = {
-        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin,alice:user",
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin,alice:user,bob:viewer",
         "AIRFLOW__VLLM_BATCH__OPENAI_FILES_URI": f"s3://{BUCKET}/warm/",
         "AIRFLOW__VLLM_BATCH__OPENAI_SIGNING_KEY": SIGNING_KEY,
         "AIRFLOW_VLLM_BATCH_VLLM_CONN_ID": WARM_CONN_ID,
@@ -912,9 +1141,13 @@ def warm_api(
     with local_executor_deployment(seaweed, tiny_model, home, dag_files, extra_env=env) as dep:
         dep.wait_for_dag(DEFAULT_BATCH_DAG_ID)
         dep.wait_for_dag(SECOND_DAG_ID)
-        dep.log_in("alice")
-        client = OpenAI(base_url=dep.api_url + URL_PREFIX, api_key=dep.token, max_retries=0, timeout=60)
-        yield Api(dep, {"alice": client}, str(tiny_model)), server
+        clients = {}
+        for user in ("bob", "alice"):
+            dep.log_in(user)
+            clients[user] = OpenAI(
+                base_url=dep.api_url + URL_PREFIX, api_key=dep.token, max_retries=0, timeout=60
+            )
+        yield Api(dep, clients, str(tiny_model)), server
 
 
 def test_a_cancel_mid_run_keeps_and_publishes_the_answers_finished_so_far(warm_api):
@@ -985,3 +1218,213 @@ def test_a_cancel_mid_run_keeps_and_publishes_the_answers_finished_so_far(warm_a
         cancelled.output_file_id,
         cancelled.error_file_id,
     )
+
+
+def _manifest_key(batch_id: str, prefix: str = "warm") -> str:
+    """Where a batch's manifest lands when it is published (the storage layer's layout, from the batch id)."""
+    output_id = result_file_ids(batch_id)[0]
+    uri = manifest_uri(f"s3://{BUCKET}/{prefix}/files/{owner_key('alice')}/{output_id}.jsonl")
+    return uri.removeprefix(f"s3://{BUCKET}/")
+
+
+def _under(seaweed, prefix: str) -> dict[str, str]:
+    """Every object under ``prefix`` of the bucket, with its ETag."""
+    pages = seaweed.client().get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
+    return {o["Key"]: o["ETag"] for page in pages for o in page.get("Contents", [])}
+
+
+def test_a_cancel_that_arrives_as_the_batch_publishes_leaves_it_completed_and_changes_nothing(
+    warm_api, seaweed
+):
+    """The cancel is sent the moment the batch's manifest lands in S3, while its task finalizes (issue 42, row 3).
+
+    The batch stays ``completed`` with its files; the cancel is answered as OpenAI's is for a
+    batch that is not in progress (409, ``ConflictError``) and writes nothing: no cancel
+    record, and a second cancel once the run has ended leaves every object under the API's
+    prefix as it was (same keys, same ETags).
+    """
+    api, _ = warm_api
+    alice = api.clients["alice"]
+    uploaded = alice.files.create(file=("race.jsonl", _lines(api.model)), purpose="batch")
+    batch = alice.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    s3, key = seaweed.client(), _manifest_key(batch.id)
+
+    def published() -> bool:
+        with contextlib.suppress(s3.exceptions.ClientError):
+            return bool(s3.head_object(Bucket=BUCKET, Key=key))
+        return False
+
+    wait_until("the batch's manifest", published, BATCH_TIMEOUT_S, api.dep, interval=0.05)
+    with pytest.raises(ConflictError) as late:
+        alice.batches.cancel(batch.id)
+    run_then = api.dep.dag_run(DEFAULT_BATCH_DAG_ID, batch.id)["state"]
+    print(f"cancel sent as the manifest landed; the DAG run was {run_then} just after")
+    assert "Cannot cancel a batch with status 'completed'" in late.value.message
+    ended = _wait(api, alice, batch.id, ("completed", "failed", "cancelled", "expired"))
+    assert api.dep.wait_for_run(DEFAULT_BATCH_DAG_ID, batch.id, BATCH_TIMEOUT_S) == "success"
+    assert (ended.status, ended.request_counts.completed, ended.cancelling_at) == (
+        "completed",
+        N_REQUESTS,
+        None,
+    )
+    output = alice.files.content(ended.output_file_id).text.splitlines()
+    assert sorted(json.loads(line)["custom_id"] for line in output) == [f"req-{i}" for i in range(N_REQUESTS)]
+    assert not _under(seaweed, f"warm/batches/{batch.id}.cancel")
+    before = _under(seaweed, "warm/")
+    with pytest.raises(ConflictError):
+        alice.batches.cancel(batch.id)
+    assert _under(seaweed, "warm/") == before
+    assert alice.batches.retrieve(batch.id).model_dump() == ended.model_dump()
+
+
+CACHE_PREFIX = "warm-cache/"
+
+
+def test_the_answer_cache_answers_a_user_from_their_own_answers_only(warm_api, seaweed):
+    """The batch DAG with ``answer_cache`` on; alice, then alice again and bob, send one identical request (issue 42, row 5).
+
+    Alice's second batch is answered from the cache (her stored line, byte for byte: the cache
+    is on); bob's is not her line (its ids and ``created`` differ): his request went to the
+    engine. The cache's objects are under ``owners/<owner key>/`` of each, and nowhere else.
+    Before issue 42 bob got alice's stored line.
+    """
+    api, _ = warm_api
+    dag_file = api.dep.home / "dags" / "vllm_batch_openai.py"
+    original = dag_file.read_text()
+    cached = original.replace(
+        "engine=engine(),",
+        f'engine=engine(),\n    answer_cache=AnswerCacheOptions(uri="s3://{BUCKET}/{CACHE_PREFIX}"),',
+        1,
+    ).replace("\ndag = ", "\nfrom airflow_vllm_batch.run import AnswerCacheOptions\n\ndag = ", 1)
+    assert cached.count("AnswerCacheOptions") == 2
+    # The worker parses the DAG file when the task starts: the batches below run with the cache.
+    dag_file.write_text(cached)
+    alice, bob = api.clients["alice"], api.clients["bob"]
+    request = _lines(api.model, 1)
+
+    def run(client: OpenAI) -> str:
+        uploaded = client.files.create(file=("same.jsonl", request), purpose="batch")
+        return client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        ).id
+
+    def answer(client: OpenAI, batch_id: str) -> bytes:
+        ended = _wait(api, client, batch_id, ("completed", "failed", "cancelled", "expired"))
+        assert ended.status == "completed", ended
+        return client.files.content(ended.output_file_id).content
+
+    try:
+        first = answer(alice, run(alice))
+        again, his = run(alice), run(bob)
+        again_line, his_line = answer(alice, again), answer(bob, his)
+    finally:
+        dag_file.write_text(original)
+    assert again_line == first
+    mine, theirs = json.loads(first), json.loads(his_line)
+    assert theirs["custom_id"] == mine["custom_id"]
+    assert theirs["id"] != mine["id"]
+    assert theirs["response"]["body"]["id"] != mine["response"]["body"]["id"]
+    assert theirs["response"]["body"]["created"] != mine["response"]["body"]["created"]
+    keys = list(_under(seaweed, CACHE_PREFIX))
+    owners = {
+        k.removeprefix(CACHE_PREFIX).split("/")[1] for k in keys if k.startswith(f"{CACHE_PREFIX}owners/")
+    }
+    assert owners == {owner_key("alice"), owner_key("bob")}, keys
+    assert all(k.startswith(f"{CACHE_PREFIX}owners/") for k in keys), keys
+
+
+def test_a_media_url_of_a_host_not_allowed_fails_the_batch_before_any_engine(warm_api):
+    """A chat line names an image by an http URL of a host ``openai_media_domains`` does not list (issue 42, row 7).
+
+    The batch ends ``failed``, ``errors.data`` naming that line and its host, and the warm
+    server answered none of its requests (its ``/metrics`` count is unchanged): the check runs
+    before any request is sent.
+    """
+    api, server = warm_api
+    assert server.hook is not None
+    alice = api.clients["alice"]
+    image = {
+        "model": api.model,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "What is this?"},
+                    {
+                        "type": "image_url",
+                        "image_url": {"url": "http://169.254.169.254/latest/meta-data/x.png"},
+                    },
+                ],
+            }
+        ],
+        "max_completion_tokens": 4,
+    }
+    line = {"custom_id": "image", "method": "POST", "url": "/v1/chat/completions", "body": image}
+    answered = requests_answered(server.hook.base_url)
+    uploaded = alice.files.create(
+        file=("media.jsonl", _lines(api.model, 1) + json.dumps(line).encode() + b"\n"), purpose="batch"
+    )
+    batch = alice.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    failed = _wait(api, alice, batch.id, ("completed", "failed", "cancelled", "expired"))
+    assert failed.status == "failed", failed
+    assert [(e.line, e.param) for e in failed.errors.data] == [(2, "body.messages")], failed.errors
+    assert "'169.254.169.254'" in failed.errors.data[0].message
+    assert (failed.output_file_id, failed.in_progress_at) == (None, None)
+    assert requests_answered(server.hook.base_url) == answered
+
+
+def test_the_batch_dag_retries_its_task_by_default(warm_api):
+    """The example batch DAG, as the deployment serialized it, retries its task: 2 retries, 5 minutes apart (issue 42, row 7).
+
+    It passes no ``retries=``: the default of ``openai_batch_dag`` (Airflow's own is none, and
+    before issue 42 resume-from-parts never ran for an API batch).
+    """
+    api, _ = warm_api
+    task = api.dep.request("GET", f"/api/v2/dags/{DEFAULT_BATCH_DAG_ID}/tasks/vllm_batch")
+    assert (task["retries"], task["retry_delay"]["seconds"], task["retry_delay"]["days"]) == (2, 300, 0), task
+
+
+def _restart_scheduler(dep: Deployment, options: dict[str, str]) -> None:
+    """Stop the deployment's scheduler (its LocalExecutor workers with it) and start it again with ``options`` set."""
+    old = dep.processes["scheduler"]
+    signal_group(old.pid, signal.SIGTERM)
+    old.wait(timeout=60)
+    dep.env = {**dep.env, **options}
+    dep.start("scheduler", [str(Path(sys.executable).with_name("airflow")), "scheduler"])
+
+
+def test_a_batch_created_before_a_key_rotation_runs_on_workers_restarted_with_the_new_key(warm_api):
+    """The workers restart with a new ``openai_signing_key`` and the old one in ``openai_old_signing_keys`` (issue 42, row 4).
+
+    A batch created (signed with the old key) while the DAG was paused runs on them after the
+    restart and completes; before issue 42 its run failed at the signature check, as a forged one.
+
+    Fresh processes: the deployment's scheduler (and so the workers, its children) restarts with
+    the rotated configuration, the point of the test; last in the module, the deployment keeps it.
+    """
+    api, _ = warm_api
+    alice = api.clients["alice"]
+    uploaded = alice.files.create(file=("rotation.jsonl", _lines(api.model)), purpose="batch")
+    api.dep.log_in("admin")
+    api.dep.request("PATCH", f"/api/v2/dags/{DEFAULT_BATCH_DAG_ID}", {"is_paused": True})
+    try:
+        batch = alice.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        started = time.monotonic()
+        _restart_scheduler(
+            api.dep,
+            {
+                "AIRFLOW__VLLM_BATCH__OPENAI_SIGNING_KEY": ROTATED_KEY,
+                "AIRFLOW__VLLM_BATCH__OPENAI_OLD_SIGNING_KEYS": SIGNING_KEY,
+            },
+        )
+        print(f"scheduler restarted in {time.monotonic() - started:.1f}s")
+    finally:
+        api.dep.request("PATCH", f"/api/v2/dags/{DEFAULT_BATCH_DAG_ID}", {"is_paused": False})
+    ended = _wait(api, alice, batch.id, ("completed", "failed", "cancelled", "expired"))
+    assert (ended.status, ended.request_counts.completed) == ("completed", N_REQUESTS), ended

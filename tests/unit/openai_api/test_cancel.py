@@ -13,7 +13,7 @@ from airflow_vllm_batch.manifest import Manifest, RequestCounts, Usage
 from airflow_vllm_batch.openai_api import app as app_module, callers
 from airflow_vllm_batch.openai_api.batch_runs import BatchRun
 from airflow_vllm_batch.openai_api.batch_spec import BatchSpec
-from airflow_vllm_batch.openai_api.batch_view import published_manifest
+from airflow_vllm_batch.openai_api.batch_view import ending, published_manifest
 from airflow_vllm_batch.openai_api.files import FileStore
 from airflow_vllm_batch.openai_api.settings import OpenAIApiSettings
 from airflow_vllm_batch.storage.layout import manifest_uri
@@ -156,6 +156,19 @@ def test_a_manifest_whose_files_were_replaced_is_not_published(api):
     assert published() is not None
     api.client.put_object(Bucket=api.bucket, Key=key(api.where.error_uri), Body=b"other\n")
     assert published() is None
+
+
+def test_a_published_batch_ended_when_its_manifest_object_was_written(api):
+    """The status's ending time is the manifest's ``LastModified`` in S3, read with the manifest (no other call)."""
+    publish(api)
+    manifest, published_at = ending(
+        api.store, api.spec, api.where.output_uri, api.where.error_uri, "aws_default"
+    )
+    assert manifest is not None
+    written = api.client.head_object(Bucket=api.bucket, Key=key(manifest_uri(api.where.output_uri)))
+    assert published_at == written["LastModified"]
+    batch = api.http.get(f"/batches/{BATCH}").json()
+    assert batch["completed_at"] == batch["finalizing_at"] == int(published_at.timestamp())
 
 
 def test_a_manifest_of_another_input_is_not_this_batchs_ending(api):

@@ -233,3 +233,25 @@ def test_a_batch_published_before_its_task_ended_has_its_ending_time_in_order():
     )
     assert batch.status == "completed"
     assert batch.created_at <= batch.in_progress_at <= batch.completed_at
+
+
+def test_a_published_batch_ended_when_its_manifest_was_written_on_every_read():
+    """completed_at and finalizing_at do not move once the manifest is out: not when the task ends, nor the run, nor a clear.
+
+    Seen on the real stack (tests/integration/test_openai_api.py, a cancel as the batch
+    publishes): read as the manifest landed, then once the run had ended, completed_at moved
+    by 7 s and finalizing_at went from None to a time.
+    """
+    published = datetime.fromtimestamp(CREATED + 20, tz=timezone.utc)
+    later = datetime.fromtimestamp(CREATED + 27, tz=timezone.utc)
+    reads = [
+        BatchDagRun(CONF, "running", ["running"], task_start=T, manifest=MANIFEST, published_at=published),
+        BatchDagRun(CONF, "running", ["success"], T, later, manifest=MANIFEST, published_at=published),
+        BatchDagRun(CONF, "success", ["success"], T, later, later, MANIFEST, published_at=published),
+        # Cleared after it ended: a new try started, and returned the same manifest.
+        BatchDagRun(CONF, "success", ["success"], later, later, later, MANIFEST, published_at=published),
+    ]
+    seen = [batch_object("batch_abcdefab", run, NOW) for run in reads]
+    assert {(b["status"], b["completed_at"], b["finalizing_at"]) for b in seen} == {
+        ("completed", int(published.timestamp()), int(published.timestamp()))
+    }

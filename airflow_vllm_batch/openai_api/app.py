@@ -378,7 +378,9 @@ def create_batch(body: BatchCreate, user: Creator) -> dict[str, Any]:
     )
     if record is None:
         raise _not_an_input(body.input_file_id)
-    check_batch(_limits(), dag_id, store, user, int(record.get("lines") or 0), _verifier())
+    check_batch(
+        _limits(), dag_id, store, settings.aws_conn_id, user, int(record.get("lines") or 0), _verifier()
+    )
     batch_id = new_batch_id()
     # The batch runs this copy (its ETag is signed): deleting or replacing the file later changes nothing of it.
     version = store.pin_input(owner, body.input_file_id, batch_id)

@@ -198,8 +198,10 @@ def dag_max_active_runs(dag_id: str) -> int | None:
     return int(row.max_active_runs)
 
 
-def active_batch_ids(dag_id: str, user_id: str, user_name: str, verify: Verifier) -> list[str]:
-    """The ids of the caller's batches whose runs have not ended (queued or running), for the per-user limits.
+def active_batches(
+    dag_id: str, user_id: str, user_name: str, verify: Verifier
+) -> list[tuple[str, BatchSpec]]:
+    """The caller's batches whose runs have not ended (queued or running), with their verified specs.
 
     Only runs the API signed for this user count: a run triggered by hand is no batch of theirs.
 
@@ -218,4 +220,14 @@ def active_batch_ids(dag_id: str, user_id: str, user_name: str, verify: Verifier
                 DagRun.state.in_(ACTIVE_STATES),
             )
         ).all()
-    return [row.run_id for row in rows if owns(row.conf, user_id) and verify(row) is not None]
+    found = []
+    for row in rows:
+        spec = verify(row) if owns(row.conf, user_id) else None
+        if spec is not None:
+            found.append((row.run_id, spec))
+    return found
+
+
+def active_batch_ids(dag_id: str, user_id: str, user_name: str, verify: Verifier) -> list[str]:
+    """The ids of :func:`active_batches`."""
+    return [batch_id for batch_id, _ in active_batches(dag_id, user_id, user_name, verify)]

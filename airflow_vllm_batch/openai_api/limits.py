@@ -204,12 +204,23 @@ def check_upload(limits: UserLimits, store: FileStore, owner: str) -> int:
 
 
 def check_batch(
-    limits: UserLimits, dag_id: str, store: FileStore, user: Any, requests: int, verify: Verifier
+    limits: UserLimits,
+    dag_id: str,
+    store: FileStore,
+    aws_conn_id: str,
+    user: Any,
+    requests: int,
+    verify: Verifier,
 ) -> None:
     """Refuse a batch over the user's caps of batches (and requests) that have not ended.
 
+    A batch has not ended while its run is queued or running and its ending is not published:
+    the status shows a batch ``cancelled`` (or ``completed``) once its manifest is, a few
+    seconds before its run ends, and the cap counts what the user sees.
+
     :param dag_id: the batch DAG.
     :param store: the API's files (the batches' records hold their request counts).
+    :param aws_conn_id: the connection of ``store``'s client (named in the storage layer's messages).
     :param user: the caller (Airflow's user).
     :param requests: the new batch's requests.
     :param verify: the request's verifier (only the runs the API signed count).
@@ -217,10 +228,16 @@ def check_batch(
     """
     if not (limits.max_active_batches != 0 or limits.max_enqueued_requests):
         return
-    from airflow_vllm_batch.openai_api.batch_runs import active_batch_ids, dag_max_active_runs
+    from airflow_vllm_batch.openai_api.batch_runs import active_batches, dag_max_active_runs
+    from airflow_vllm_batch.openai_api.batch_view import published_manifest
 
     dag_slots = dag_max_active_runs(dag_id) if limits.max_active_batches is None else None
-    active = active_batch_ids(dag_id, user.get_id(), user.get_name(), verify)
+    files_uri = store.uri(store.prefix)
+    active = []
+    for batch_id, spec in active_batches(dag_id, user.get_id(), user.get_name(), verify):
+        where = spec.locations(files_uri)
+        if published_manifest(store, spec, where.output_uri, where.error_uri, aws_conn_id) is None:
+            active.append(batch_id)
     # A batch's request count is in the API's record (one small object each); read only for the request cap.
     totals = [
         int((store.get_json(store.batch_record_key(b)) or {}).get("total") or 0)

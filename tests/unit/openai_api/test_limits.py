@@ -125,6 +125,30 @@ def test_a_batch_over_the_active_batch_cap_is_429_counting_only_the_callers_batc
 
 
 @needs_batch_runs
+def test_a_batch_whose_ending_is_published_no_longer_counts_while_its_run_ends(api, runs, monkeypatch):  # noqa: F811
+    """The status shows a batch ended once its manifest is published, seconds before its run ends: the cap agrees."""
+    from airflow_vllm_batch.openai_api import batch_view
+
+    client, _, triggered = api
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__OPENAI_MAX_USER_ACTIVE_BATCHES", "1")
+    published: set[str] = set()
+    real = batch_view.published_manifest
+    monkeypatch.setattr(
+        batch_view,
+        "published_manifest",
+        lambda store, spec, *rest: (
+            {"status": "cancelled"} if spec.batch_id in published else real(store, spec, *rest)
+        ),
+    )
+    as_alice()
+    file_id = upload(client).json()["id"]
+    assert create(client, file_id).status_code == 200
+    assert_limit_error(create(client, file_id), "batches", "input_file_id", "openai_max_user_active_batches")
+    published.add(triggered[0][0])  # its ending is published; its run is still running (not in `runs`)
+    assert create(client, file_id).status_code == 200
+
+
+@needs_batch_runs
 def test_a_batch_over_the_enqueued_request_cap_is_429(api, runs, monkeypatch):  # noqa: F811
     client, _, _ = api
     monkeypatch.setenv("AIRFLOW__VLLM_BATCH__OPENAI_MAX_USER_ENQUEUED_REQUESTS", "3")

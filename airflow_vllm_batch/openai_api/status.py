@@ -251,6 +251,12 @@ def batch_object(batch_id: str, run: BatchDagRun, now: float) -> dict[str, Any]:
         )
     preflight_failed = (run.failure or {}).get("stage") == "preflight"
     started = run.task_start is not None and not preflight_failed
+    in_progress_at = _ts(run.task_start) if started else None
+    duration = (run.manifest or {}).get("duration_s")
+    if published_at is not None and duration is not None:
+        # The start of the try that published: its manifest's time less its duration. The task's
+        # start is the latest try's, which a clear after the end would move.
+        in_progress_at = max(int(conf["created_at"]), published_at - int(float(duration)))
     return {
         "id": batch_id,
         "object": "batch",
@@ -267,7 +273,7 @@ def batch_object(batch_id: str, run: BatchDagRun, now: float) -> dict[str, Any]:
         if published and (run.manifest or {}).get("error_uri")
         else None,
         "created_at": int(conf["created_at"]),
-        "in_progress_at": _ts(run.task_start) if started else None,
+        "in_progress_at": in_progress_at,
         "expires_at": expires_at(conf),
         "finalizing_at": published_at
         or (_ts(run.task_end) if status in ("finalizing", "completed") or published else None),

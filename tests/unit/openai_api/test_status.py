@@ -255,3 +255,24 @@ def test_a_published_batch_ended_when_its_manifest_was_written_on_every_read():
     assert {(b["status"], b["completed_at"], b["finalizing_at"]) for b in seen} == {
         ("completed", int(published.timestamp()), int(published.timestamp()))
     }
+
+
+def test_a_published_batch_started_when_its_publishing_try_did_whatever_try_came_after():
+    """in_progress_at of an ended batch is its manifest's time less its duration: a clear's new try does not move it."""
+    published = datetime.fromtimestamp(CREATED + 20, tz=timezone.utc)
+    later = datetime.fromtimestamp(CREATED + 500, tz=timezone.utc)
+    manifest = {**MANIFEST, "duration_s": 8.7}
+    reads = [
+        BatchDagRun(CONF, "running", ["running"], task_start=T, manifest=manifest, published_at=published),
+        BatchDagRun(CONF, "success", ["success"], T, later, later, manifest, published_at=published),
+        # Cleared after it ended: a new try started much later, and returned the same manifest.
+        BatchDagRun(CONF, "running", ["running"], later, manifest=manifest, published_at=published),
+        BatchDagRun(CONF, "success", ["success"], later, later, later, manifest, published_at=published),
+    ]
+    seen = {batch_object("batch_abcdefab", run, NOW)["in_progress_at"] for run in reads}
+    assert seen == {CREATED + 20 - 8}
+    # Never before the batch was created (a worker's clock behind the API's).
+    early = BatchDagRun(
+        CONF, "success", ["success"], T, later, later, {**manifest, "duration_s": 99}, published_at=published
+    )
+    assert batch_object("batch_abcdefab", early, NOW)["in_progress_at"] == CREATED

@@ -65,6 +65,7 @@ import random
 import re
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -116,6 +117,8 @@ BATCH_DAG_ID = "chaos_openai"
 RUN_DAGS = ("chaos_warm", "chaos_warm_cache", "chaos_runner", "chaos_started")
 #: Tries per task: enough to outlast a burst of faults.
 RETRIES = 6
+#: The scheduler's task_instance_heartbeat_timeout: longer than an API-server restart (see _deployment).
+HEARTBEAT_TIMEOUT_S = 120
 #: A task's bound (its execution_timeout), which the checks hold every try to.
 TASK_BOUND_S = 600
 ENDED_RUN = ("success", "failed")
@@ -300,6 +303,8 @@ class Job:
 class Figures:
     faults: Counter[str] = field(default_factory=Counter)
     failures: list[str] = field(default_factory=list)
+    #: Batches the API refused with 429 (its per-user cap): owed no answer, not a failure.
+    refused: int = 0
 
 
 class Campaign:
@@ -429,8 +434,15 @@ class Campaign:
             "AIRFLOW__VLLM_BATCH__OPENAI_BATCH_DAG_ID": BATCH_DAG_ID,
             # Two cores: a few tasks at once (each may start a vLLM of its own).
             "AIRFLOW__CORE__PARALLELISM": "4",
-            # A task whose supervisor was killed is found in seconds, not Airflow's default 5 minutes.
-            "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": "30",
+            # A task whose supervisor was killed is found in 2 minutes, not Airflow's default 5 -- and
+            # not sooner: a task heartbeats through the API server, and a try whose heartbeat is
+            # older than this is failed by the scheduler ("Detected a task instance without a
+            # heartbeat"). With 30 s, every API-server restart (20-50 s here) failed every try
+            # running then, and seed 2 ran tasks out of retries (docs/reliability.md).
+            "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": str(HEARTBEAT_TIMEOUT_S),
+            # The supervisor's own side of it: it kills its task after this many failed heartbeats
+            # in a row (each one a call retried for up to ~15 s, 5 s apart); Airflow's 3 is about a minute.
+            "AIRFLOW__WORKERS__MAX_FAILED_HEARTBEATS": "10",
             "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": "5",
             # A scheduler killed leaves its running tasks to the next one, which looks for them
             # only every orphaned_tasks_check_interval (5 minutes by default; the LocalExecutor
@@ -438,7 +450,39 @@ class Campaign:
             "AIRFLOW__SCHEDULER__ORPHANED_TASKS_CHECK_INTERVAL": "10",
             "AIRFLOW__SCHEDULER__SCHEDULER_HEALTH_CHECK_THRESHOLD": "15",
         }
+        # The API's per-user cap on batches not ended (a fair share by default): the campaign's
+        # users create their batches all at once, and a refused one would only be counted as refused.
+        env["AIRFLOW__VLLM_BATCH__OPENAI_MAX_USER_ACTIVE_BATCHES"] = "0"
+        if self.args.mutant:
+            env["PYTHONPATH"] = str(self.mutant_tree())
         return local_executor_deployment(self.s3, model, home, {"chaos_dags.py": dag}, extra_env=env)
+
+    def mutant_tree(self) -> Path:
+        """A copy of the package with ``--mutant`` applied, which every process of the deployment imports first.
+
+        It goes first on their ``PYTHONPATH`` (before the editable install's finder, which
+        Python asks after ``sys.path``); a process of the deployment's environment is asked
+        where it imports the package from, so a mutant that did not take fails the campaign
+        instead of passing it for nothing.
+        """
+        from tests.simulation.mutation import PACKAGE, by_name
+
+        (mutant,) = by_name([self.args.mutant])
+        root = self.work / "mutant"
+        shutil.copytree(REPO / PACKAGE, root / PACKAGE, ignore=shutil.ignore_patterns("__pycache__"))
+        changed = mutant.apply(root)
+        probe = subprocess.run(
+            [sys.executable, "-c", "import airflow_vllm_batch; print(airflow_vllm_batch.__file__)"],
+            env={**os.environ, "PYTHONPATH": str(root)},
+            cwd=self.work,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        if not probe.stdout.strip().startswith(str(root)):
+            raise CampaignError(f"--mutant: the deployment would import {probe.stdout.strip()}, not {root}")
+        self.note(f"mutant {mutant.name} ({mutant.what}) applied to {changed.relative_to(root)}")
+        return root
 
     def _kill_orphans(self) -> None:
         """Processes a killed scheduler left behind (its executor workers and their tasks), and any other seen."""
@@ -504,9 +548,15 @@ class Campaign:
             uploaded = sdk.files.create(
                 file=(f"{tag}.jsonl", request_lines(self.model, n, refused, tag)), purpose="batch"
             )
-            batch = sdk.batches.create(
-                input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
-            )
+            try:
+                batch = sdk.batches.create(
+                    input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+                )
+            except openai.RateLimitError as err:
+                # The API's per-user cap refused it (429): nothing was started, so nothing is owed.
+                self.figures.refused += 1
+                self.note(f"batch {tag} of {user} refused: {err.status_code}")
+                continue
             cancel_at = time.monotonic() + self.rng.uniform(3, 30) if self.rng.random() < 0.3 else None
             out_id, err_id = result_file_ids(batch.id)
             files = f"{API_ROOT}files/{owner_key(user)}/"
@@ -540,9 +590,14 @@ class Campaign:
                 if job.kind == "batch":
                     sdk = self.clients[job.user or ""]
                     if job.cancel_at is not None and now >= job.cancel_at and not job.cancelled:
-                        sdk.batches.cancel(job.name)
+                        try:
+                            sdk.batches.cancel(job.name)
+                            self.note(f"cancel {job.name}")
+                        except openai.ConflictError:
+                            # It ended before the cancel came (409): nothing to cancel, and asking
+                            # again every round would hold up the polling of every job after it.
+                            self.note(f"cancel {job.name}: it had ended (409)")
                         job.cancelled = True
-                        self.note(f"cancel {job.name}")
                     state = sdk.batches.retrieve(job.name).status
                     ended = state in ENDED_BATCH
                 else:
@@ -621,6 +676,12 @@ class Campaign:
         airflow = str(Path(sys.executable).with_name("airflow"))
         if kind in ("task_kill", "task_stop"):
             procs = self.task_processes()
+            if kind == "task_kill":
+                # Not an idle LocalExecutor worker: the one reading the executor's work queue holds
+                # the queue's lock, and a SIGKILL never releases it: every other worker then waits on
+                # it forever and the tasks stay queued (Airflow's, seen with seed 2; docs/reliability.md).
+                # A worker running a task holds no lock: killing it is the lost-worker fault.
+                procs = [p for p in procs if not _idle_local_worker(p)]
             if not procs:
                 self.note(f"(no task process for {kind})")
                 return
@@ -888,6 +949,13 @@ class Campaign:
                             )
 
 
+def _idle_local_worker(proc: psutil.Process) -> bool:
+    """A LocalExecutor worker waiting for work (its process title says ``<idle>``)."""
+    with contextlib.suppress(psutil.Error):
+        return "LocalExecutor: <idle>" in " ".join(proc.cmdline())
+    return False
+
+
 def _signal(pid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.kill(pid, sig)
@@ -930,7 +998,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gap-s", type=float, default=None, help="mean seconds between two faults")
     parser.add_argument("--max-faults", type=int, default=None, help="fault decisions at most")
     parser.add_argument("--tail-s", type=float, default=None, help="how long the fault-free tail may take")
+    parser.add_argument(
+        "--keep",
+        action="store_true",
+        help="keep the scratch directory (every process's and task's log) even when every check passes",
+    )
+    parser.add_argument(
+        "--mutant",
+        default=None,
+        help="run the deployment on a deliberately broken build: a mutant of tests/simulation/mutation.py "
+        "(e.g. skip-set-ignored, failed-lines-not-published) applied to a copy of the package",
+    )
     args = parser.parse_args(argv)
+    if args.mutant:
+        from tests.simulation.mutation import by_name
+
+        try:
+            by_name([args.mutant])
+        except SystemExit as err:
+            parser.error(f"--mutant: {err}")
     if args.celery:
         parser.error("--celery is not done yet (issue 44): the campaign runs on the LocalExecutor")
     smoke = args.smoke
@@ -948,6 +1034,12 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("airflow.task.hooks", "httpx", "httpx2", "openai"):
         logging.getLogger(name).setLevel(logging.WARNING)
     work = Path(tempfile.mkdtemp(prefix="vllm-batch-chaos-"))
+
+    def stop(signum: int, _frame: Any) -> None:
+        # SIGTERM (and SIGINT, ignored in a shell's background job) stop the stack as an error would.
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, stop)
     campaign = Campaign(args, work)
     started = time.monotonic()
     try:
@@ -962,9 +1054,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"chaos: {err}", file=sys.stderr)
         return 2
     finally:
-        if campaign.figures.failures:
+        if campaign.figures.failures or args.keep:
             # The task logs and the deployment's logs, to find out why.
-            print(f"chaos: kept {work} (logs of every process and task) for a failed check", file=sys.stderr)
+            why = "for a failed check" if campaign.figures.failures else "(--keep)"
+            print(f"chaos: kept {work} (logs of every process and task) {why}", file=sys.stderr)
         else:
             with contextlib.suppress(OSError):
                 shutil.rmtree(work)
@@ -972,11 +1065,13 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "seed": args.seed,
         "smoke": smoke,
+        "mutant": args.mutant,
         "faults": sum(faults.values()),
         "faults_by_kind": dict(sorted(faults.items())),
         "runs": args.runs,
         "batches": args.batches,
         **figures,
+        "batches_refused": campaign.figures.refused,
         "runs_ended": all(job.ended_at is not None for job in campaign.jobs),
         "failures": campaign.figures.failures,
         "not_done": NOT_DONE,

@@ -170,6 +170,9 @@ COMMON = dict(
     results_dir={results_dir!r},
     retries={retries},
     retry_delay=timedelta(seconds=3),
+    # 3, 6, 12, ... 96 s: the retries outlast a warm server's restart (30 s to 2 minutes here);
+    # 3 s apart, seed 2 used a batch's 7 tries up in 20 s against a server that was down for 31.
+    retry_exponential_backoff=2.0,
     execution_timeout=timedelta(seconds={bound}),
     # Lines the engine refuses are answers (in the error file), not a reason to fail the run.
     max_failed_ratio=1.0,
@@ -201,6 +204,7 @@ openai_dag = openai_batch_dag(
     engine=WarmVLLMServer(conn_id={conn!r}, checkpoint_interval=2),
     retries={retries},
     retry_delay=timedelta(seconds=3),
+    retry_exponential_backoff=2.0,
 )
 """
 

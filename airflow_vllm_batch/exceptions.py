@@ -13,6 +13,9 @@ no Airflow imports so that the batch-file code and the CLI can use it too.
 
 from __future__ import annotations
 
+#: What a message adds about a process killed by SIGKILL: most often the kernel's OOM killer.
+OOM_HINT = " (SIGKILL: out of memory? see the kernel log)"
+
 
 class VLLMBatchError(Exception):
     """Base class of every error raised by this provider.

@@ -36,6 +36,7 @@ from airflow_vllm_batch.engines.runner_deaths import (
 from airflow_vllm_batch.engines.stall import stall_bound, stall_message
 from airflow_vllm_batch.engines.vllm.command import build_engine_argv, conceal_arguments
 from airflow_vllm_batch.exceptions import (
+    OOM_HINT,
     BatchStopped,
     EngineError,
     EngineStalledError,
@@ -64,7 +65,7 @@ def _how(run: EngineRun) -> str:
         else f"exited with code {run.returncode}"
     )
     if run.returncode in (-9, 137):
-        how += " (SIGKILL: out of memory? see the kernel log)"
+        how += OOM_HINT
     return how
 
 

@@ -37,6 +37,7 @@ from airflow_vllm_batch.engines.vllm.model_files import (  # each ``X as X`` re-
     switch_setting as switch_setting,
 )
 from airflow_vllm_batch.exceptions import (
+    OOM_HINT,
     EngineArgsCheckError,
     EngineArgumentsError,
     IncompleteModelError as IncompleteModelError,  # re-exported likewise
@@ -274,7 +275,7 @@ def run_argcheck_script(
         # the next try checks them again -- not a terminal configuration error.
         raise EngineArgsCheckError(
             f"{engine}(args=...): the argument check in the engine environment {python!r} was killed by "
-            f"signal {-proc.returncode} (SIGKILL: out of memory? see the kernel log); the task's retry checks them again.",
+            f"signal {-proc.returncode}{OOM_HINT if proc.returncode == -9 else ''}; the task's retry checks them again.",
             retryable=True,
         )
     answer = _argcheck_answer(proc.stdout)

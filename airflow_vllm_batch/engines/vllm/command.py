@@ -20,7 +20,7 @@ from airflow_vllm_batch.batchfile import DEFAULT_SUPPORTED_URLS
 from airflow_vllm_batch.engines.base import EngineInfo
 from airflow_vllm_batch.engines.vllm import RUN_BATCH_MODULE
 from airflow_vllm_batch.engines.vllm.launcher import ARGV_ENV, LAUNCH_ENV, bootstrap
-from airflow_vllm_batch.exceptions import EngineConfigurationError, EngineError
+from airflow_vllm_batch.exceptions import OOM_HINT, EngineConfigurationError, EngineError
 
 #: Used only when the engine environment cannot be asked (a custom engine command,
 #: e.g. a container) and the user gave no ``supported_urls``: vLLM 0.32's runner (the CLI's default too).
@@ -117,7 +117,7 @@ def probe_engine(python: str, timeout: float = 60, *, engine: str = "VLLMRunner"
         # environment is wrong, and the next try asks again -- not a terminal configuration error.
         raise EngineError(
             f"The probe of the engine environment {python!r} (its vLLM version and batch URLs) was killed "
-            f"by signal {-proc.returncode} (SIGKILL: out of memory? see the kernel log); the task's retry asks again."
+            f"by signal {-proc.returncode}{OOM_HINT if proc.returncode == -9 else ''}; the task's retry asks again."
         )
     if proc.returncode != 0:
         raise EngineConfigurationError(

@@ -82,31 +82,43 @@ def load_limits() -> UserLimits:
 
     :raises ConfigurationError: an option is not a whole number of 0 or more (or, for the batch cap, ``auto``).
     """
+    batch_cap_raw = _option("max_active_batches", AUTO)
+    return UserLimits(
+        max_files=_whole("max_files", _option("max_files", "0")),
+        max_bytes=_whole("max_bytes", _option("max_bytes", "0")),
+        max_active_batches=None
+        if batch_cap_raw.lower() == AUTO
+        else _whole("max_active_batches", batch_cap_raw),
+        max_enqueued_requests=_whole("max_enqueued_requests", _option("max_enqueued_requests", "0")),
+    )
+
+
+def _option(name: str, default: str) -> str:
+    """The raw value of the option of :class:`UserLimits`'s field ``name``."""
     from airflow_vllm_batch.version_compat import conf
 
-    values: dict[str, int | None] = {}
-    for name, option in OPTIONS.items():
-        default = AUTO if name == "max_active_batches" else "0"
-        raw = (conf.get(SECTION, option, fallback=default) or default).strip()
-        if name == "max_active_batches" and raw.lower() == AUTO:
-            values[name] = None
-            continue
-        try:
-            value = int(raw)
-        except ValueError:
-            value = -1
-        if value < 0:
-            raise ConfigurationError(
-                f"[{SECTION}] {option} is {raw!r}: give a whole number, 0 for no limit"
-                + (
-                    f", or {AUTO!r} for half the batch DAG's max_active_runs"
-                    if name == "max_active_batches"
-                    else ""
-                )
-                + f" (AIRFLOW__VLLM_BATCH__{option.upper()})"
-            )
-        values[name] = value
-    return UserLimits(**values)  # type: ignore[arg-type]  # only max_active_batches may be None
+    return (conf.get(SECTION, OPTIONS[name], fallback=default) or default).strip()
+
+
+def _whole(name: str, raw: str) -> int:
+    """``raw`` as a whole number of 0 or more.
+
+    :raises ConfigurationError: it is not one, naming the option (and ``auto`` where it may be given).
+    """
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        option = OPTIONS[name]
+        also = (
+            f", or {AUTO!r} for half the batch DAG's max_active_runs" if name == "max_active_batches" else ""
+        )
+        raise ConfigurationError(
+            f"[{SECTION}] {option} is {raw!r}: give a whole number, 0 for no limit{also} "
+            f"(AIRFLOW__VLLM_BATCH__{option.upper()})"
+        )
+    return value
 
 
 def batch_cap(configured: int | None, dag_slots: int | None) -> tuple[int, str]:

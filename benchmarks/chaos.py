@@ -41,8 +41,17 @@ there (S3 listed and read directly, not through the proxy; Airflow's REST API):
   answers published through it: ``duplicate_sends``, a cost figure, not a failure.
 
 Prints the fault log, the figures and a final JSON line; exits 1 when a check fails.
-Not done yet (listed in the JSON as ``not_done``): CeleryExecutor workers, a full scratch disk,
-clock jumps, a completion window short enough to expire (the API's shortest is 1 h).
+Not done yet (listed in the JSON as ``not_done``): CeleryExecutor workers, a full scratch disk
+(a focused test fills a real one: ``tests/integration/test_server_engine.py``), clock jumps, a
+completion window short enough to expire (the API's shortest is 1 h).
+
+``--scenario resume`` replaces the workload and the seeded faults with one targeted fault: one
+warm-server run (``--max-requests``, default 2,000, each request's message carrying its
+custom_id) behind a counting proxy in front of the warm server; its task runner is SIGKILLed as
+soon as the run's staging shows a checkpoint part, and the parts are read at once. After the
+retry has published, the checks above run, and one more: no request answered in those parts was
+sent again after the kill ("resent durable answers"; the run protocol's Durability). A kill
+after the last answer tests no resume: the scenario exits 2 instead of passing.
 
 Usage::
 
@@ -54,7 +63,8 @@ a copy of the package with one mutant of ``tests/simulation/mutation.py`` applie
 ``PYTHONPATH``; the worktree is not changed), e.g.::
 
     nice .venv/bin/python benchmarks/chaos.py --smoke --seed 7 --mutant failed-lines-not-published  # answers lost
-    nice .venv/bin/python benchmarks/chaos.py --smoke --seed 7 --mutant skip-set-ignored            # duplicate sends
+    nice .venv/bin/python benchmarks/chaos.py --smoke --seed 7 --mutant skip-set-ignored            # duplicate sends only
+    nice .venv/bin/python benchmarks/chaos.py --scenario resume --seed 7 --mutant skip-set-ignored  # resent durable answers
 
 What each reported is in docs/reliability.md ("The checks against a broken build").
 """
@@ -883,7 +893,9 @@ class Campaign:
         deadline = time.monotonic() + 600
         while not parts():  # often: the kill must come while most requests are still unanswered
             if time.monotonic() > deadline:
-                raise CampaignError(f"--scenario resume: no checkpoint part under s3://{BUCKET}/{staging} in 600s")
+                raise CampaignError(
+                    f"--scenario resume: no checkpoint part under s3://{BUCKET}/{staging} in 600s"
+                )
             time.sleep(0.2)
         runners = [p for p in self.task_processes() if _task_runner(p)]
         if len(runners) != 1:

@@ -104,6 +104,7 @@ sys.path.insert(0, str(REPO))
 
 from airflow_vllm_batch.engines.vllm import server_process  # noqa: E402
 from airflow_vllm_batch.engines.vllm.server_process import VLLMServerProcess  # noqa: E402
+from airflow_vllm_batch.exceptions import EngineError  # noqa: E402
 from airflow_vllm_batch.openai_api.access import owner_key  # noqa: E402
 from airflow_vllm_batch.openai_api.files import result_file_ids  # noqa: E402
 from airflow_vllm_batch.openai_api.settings import URL_PREFIX  # noqa: E402
@@ -430,14 +431,20 @@ class Campaign:
 
             airflow = threading.Thread(target=start_airflow, name="airflow-start")
             airflow.start()
+            server_error: EngineError | None = None
             try:
                 self.vllm.start()
+            except EngineError as err:  # a start-up that failed on a loaded machine: no check ran
+                server_error = err
             finally:
                 airflow.join()
                 stack.callback(self.vllm.terminate)
+            if started:
+                stack.push(deployment.__exit__)
             if errors:
                 raise CampaignError(f"the deployment did not start: {errors[0]!r}") from errors[0]
-            stack.push(deployment.__exit__)
+            if server_error is not None:
+                raise CampaignError(f"the warm vLLM server did not start: {server_error}") from server_error
             self.dep = started[0]
             stack.callback(self._kill_orphans)
             self.note(

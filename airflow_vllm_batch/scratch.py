@@ -112,11 +112,9 @@ def disk_full_named(root: Path) -> Iterator[None]:
             raise
         where = f" (writing {err.filename})" if err.filename else ""
         raise ScratchFullError(
-            f"The worker's disk is full at {root}{where}: {os.strerror(err.errno)}. This try's local files "
-            "(the answers between two checkpoints, the engine's results, the cleaned input) did not fit; it "
-            "publishes nothing, and what the run already made durable in S3 (checkpoint parts, staged results) "
-            "is kept for the task's retry, which resumes from it. Free space on that disk, or set the "
-            "operator's results_dir to a larger one."
+            f"The worker's disk is full at {root}{where}: {os.strerror(err.errno)}. This try publishes "
+            "nothing; the task's retry resumes from what the run made durable in S3. Free space on that "
+            "disk, or set the operator's results_dir to a larger one."
         ) from err
 
 

@@ -46,7 +46,7 @@ Not done yet (listed in the JSON as ``not_done``): CeleryExecutor workers, a ful
 completion window short enough to expire (the API's shortest is 1 h).
 
 ``--scenario resume`` replaces the workload and the seeded faults with one targeted fault: one
-warm-server run (``--max-requests``, default 2,000, each request's message carrying its
+warm-server run (``--max-requests``, default 4,000, each request's message carrying its
 custom_id) behind a counting proxy in front of the warm server; its task runner is SIGKILLed as
 soon as the run's staging shows a checkpoint part, and the parts are read at once. After the
 retry has published, the checks above run, and one more: no request answered in those parts was
@@ -1221,7 +1221,7 @@ def main(argv: list[str] | None = None) -> int:
         default="campaign",
         help="campaign: the seeded faults above; resume: one warm-server run whose task runner is killed once a "
         "checkpoint part is durable, and a check that its retry sends none of the part's requests again "
-        "(counted by a proxy in front of the warm server; --max-requests is its size, default 2000)",
+        "(counted by a proxy in front of the warm server; --max-requests is its size, default 4000)",
     )
     args = parser.parse_args(argv)
     weights: dict[str, float] = {}
@@ -1251,7 +1251,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.smoke:
             parser.error("--scenario resume has a workload of its own: leave out --smoke")
         args.runs, args.batches, args.engines = 1, 0, ["warm"]
-        args.max_requests = 2000 if args.max_requests is None else args.max_requests
+        args.max_requests = 4000 if args.max_requests is None else args.max_requests
         args.tail_s = 600 if args.tail_s is None else args.tail_s
     args.max_requests = 30 if args.max_requests is None else args.max_requests
     args.runs = args.runs if args.runs is not None else (3 if smoke else 8)

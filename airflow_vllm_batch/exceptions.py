@@ -129,6 +129,10 @@ class StorageUnavailableError(VLLMBatchError):
     """S3 could not be reached before anything ran (connection refused, timeout)."""
 
 
+class ScratchFullError(VLLMBatchError):
+    """The worker's disk under ``results_dir`` is full (or over its quota); the task's retry resumes from what S3 holds."""
+
+
 class InputChangedError(VLLMBatchError):
     """The input was overwritten while the task ran; the next try runs the new content."""
 

@@ -9,6 +9,7 @@ aged out or removed (invariant: No strangers).
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import shutil
@@ -19,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from airflow_vllm_batch.exceptions import ConfigurationError
+from airflow_vllm_batch.exceptions import ConfigurationError, ScratchFullError
 
 #: Local results older than this are removed when the next task starts on the worker.
 LOCAL_RESULTS_MAX_AGE_S = 7 * 24 * 3600
@@ -77,13 +78,44 @@ def scratch(results_dir: str, run: str) -> Iterator[Path]:
     :param results_dir: the worker's directory the user named; the scratch goes in its :func:`owned_dir`.
     :param run: the run identity's short form, the directory's prefix.
     """
-    root = ensure_owned_dir(results_dir)
-    age_out(root, LOCAL_RESULTS_MAX_AGE_S)
-    work = Path(tempfile.mkdtemp(prefix=f"{run}-try-", dir=root))
+    with disk_full_named(owned_dir(results_dir)):
+        root = ensure_owned_dir(results_dir)
+        age_out(root, LOCAL_RESULTS_MAX_AGE_S)
+        work = Path(tempfile.mkdtemp(prefix=f"{run}-try-", dir=root))
+        try:
+            yield work
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+#: A write that failed because the disk is full, or the user's quota on it is used up.
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+@contextlib.contextmanager
+def disk_full_named(root: Path) -> Iterator[None]:
+    """Turn a full disk under ``root`` (``ENOSPC``, ``EDQUOT``) into a retryable error that names the directory and the fix.
+
+    A bare ``OSError: [Errno 28] No space left on device`` from a write names no file: the
+    user could not tell the worker's scratch disk from any other. Raised from anywhere in the
+    try's scope (the journal of a server engine writes its parts there), it is retryable:
+    the try publishes nothing, its scratch is removed as it ends (space back for the retry),
+    and what the run already made durable in S3 stays for the retry (Bounded, Durability).
+
+    :param root: the runs' own directory (:func:`owned_dir`), which the message names.
+    :raises ScratchFullError: for a full disk; any other error passes through.
+    """
     try:
-        yield work
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+        yield
+    except OSError as err:
+        if err.errno not in _DISK_FULL:
+            raise
+        where = f" (writing {err.filename})" if err.filename else ""
+        raise ScratchFullError(
+            f"The worker's disk is full at {root}{where}: {os.strerror(err.errno)}. This try publishes "
+            "nothing; the task's retry resumes from what the run made durable in S3. Free space on that "
+            "disk, or set the operator's results_dir to a larger one."
+        ) from err
 
 
 def kept_results(results_dir: str, run: str) -> Path:

@@ -41,8 +41,17 @@ there (S3 listed and read directly, not through the proxy; Airflow's REST API):
   answers published through it: ``duplicate_sends``, a cost figure, not a failure.
 
 Prints the fault log, the figures and a final JSON line; exits 1 when a check fails.
-Not done yet (listed in the JSON as ``not_done``): CeleryExecutor workers, a full scratch disk,
-clock jumps, a completion window short enough to expire (the API's shortest is 1 h).
+Not done yet (listed in the JSON as ``not_done``): CeleryExecutor workers, a full scratch disk
+(a focused test fills a real one: ``tests/integration/test_server_engine.py``), clock jumps, a
+completion window short enough to expire (the API's shortest is 1 h).
+
+``--scenario resume`` replaces the workload and the seeded faults with one targeted fault: one
+warm-server run (``--max-requests``, default 4,000, each request's message carrying its
+custom_id) behind a counting proxy in front of the warm server; its task runner is SIGKILLed as
+soon as the run's staging shows a checkpoint part, and the parts are read at once. After the
+retry has published, the checks above run, and one more: no request answered in those parts was
+sent again after the kill ("resent durable answers"; the run protocol's Durability). A kill
+after the last answer tests no resume: the scenario exits 2 instead of passing.
 
 Usage::
 
@@ -54,7 +63,8 @@ a copy of the package with one mutant of ``tests/simulation/mutation.py`` applie
 ``PYTHONPATH``; the worktree is not changed), e.g.::
 
     nice .venv/bin/python benchmarks/chaos.py --smoke --seed 7 --mutant failed-lines-not-published  # answers lost
-    nice .venv/bin/python benchmarks/chaos.py --smoke --seed 7 --mutant skip-set-ignored            # duplicate sends
+    nice .venv/bin/python benchmarks/chaos.py --smoke --seed 7 --mutant skip-set-ignored            # duplicate sends only
+    nice .venv/bin/python benchmarks/chaos.py --scenario resume --seed 7 --mutant skip-set-ignored  # resent durable answers
 
 What each reported is in docs/reliability.md ("The checks against a broken build").
 """
@@ -94,6 +104,7 @@ sys.path.insert(0, str(REPO))
 
 from airflow_vllm_batch.engines.vllm import server_process  # noqa: E402
 from airflow_vllm_batch.engines.vllm.server_process import VLLMServerProcess  # noqa: E402
+from airflow_vllm_batch.exceptions import EngineError  # noqa: E402
 from airflow_vllm_batch.openai_api.access import owner_key  # noqa: E402
 from airflow_vllm_batch.openai_api.files import result_file_ids  # noqa: E402
 from airflow_vllm_batch.openai_api.settings import URL_PREFIX  # noqa: E402
@@ -268,13 +279,17 @@ class WarmServer(VLLMServerProcess):
 # -- the workload ---------------------------------------------------------------------------
 
 
-def request_lines(model: str, n: int, refused: int, tag: str) -> bytes:
-    """``n`` deterministic chat requests (``<tag>-<i>``), and ``refused`` more the engine refuses (too long an answer asked)."""
+def request_lines(model: str, n: int, refused: int, tag: str, *, unique: bool = False) -> bytes:
+    """``n`` deterministic chat requests (``<tag>-<i>``), and ``refused`` more the engine refuses (too long an answer asked).
+
+    :param unique: put the custom_id into each request's message, so that a proxy in front of
+        the server tells the requests apart (:func:`sent_id`).
+    """
     lines = []
     for i in range(n):
         body = {
             "model": model,
-            "messages": [{"role": "user", "content": f"Say {i % 12}."}],
+            "messages": [{"role": "user", "content": f"Say {i % 12}." + (f" [{tag}-{i}]" if unique else "")}],
             "max_completion_tokens": 4,
             "temperature": 0,
         }
@@ -291,6 +306,16 @@ def request_lines(model: str, n: int, refused: int, tag: str) -> bytes:
             {"custom_id": f"{tag}-refused-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}
         )
     return b"".join(json.dumps(line).encode() + b"\n" for line in lines)
+
+
+def sent_id(body: bytes) -> str | None:
+    """The custom_id a request sent to the server carries in its message (``request_lines(..., unique=True)``), or None."""
+    try:
+        content = json.loads(body)["messages"][0]["content"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        return None
+    found = re.search(r"\[([^\]]+)\]$", content) if isinstance(content, str) else None
+    return found.group(1) if found else None
 
 
 @dataclass
@@ -344,6 +369,10 @@ class Campaign:
         )
         self.tokens: dict[str, str] = {}
         self.clients: dict[str, Any] = {}
+        #: ``--scenario resume``: each request the warm server was sent (when, its custom_id), as the counting proxy saw it.
+        self.sends: list[tuple[float, str | None]] = []
+        self.sends_lock = threading.Lock()
+        self.scenario: dict[str, Any] = {}
 
     # -- logging -------------------------------------------------------------------------
 
@@ -373,6 +402,12 @@ class Campaign:
             self.proxy = FaultProxy(host, int(port), seed=self.rng.randrange(2**32)).start()
             stack.callback(self.proxy.stop)
             (vllm_port,) = _free_ports(1)
+            conn_port = vllm_port
+            if self.args.scenario == "resume":
+                # Every request the tasks send to the warm server passes it and is counted by custom_id.
+                self.counter = FaultProxy("127.0.0.1", vllm_port, seed=0, observe=self._observe).start()
+                stack.callback(self.counter.stop)
+                conn_port = self.counter.port
             self.vllm = WarmServer(
                 str(model),
                 engine_args=CPU_ENGINE_ARGS.split(),
@@ -384,7 +419,7 @@ class Campaign:
             # Airflow starts while the server does: both take tens of seconds of the two cores.
             # The server from this thread: it dies with the thread that started it (its
             # parent-death signal is the starting thread's), and it must outlive the start.
-            deployment = self._deployment(model, vllm_port)
+            deployment = self._deployment(model, conn_port)
             started: list[Deployment] = []
             errors: list[BaseException] = []
 
@@ -396,20 +431,32 @@ class Campaign:
 
             airflow = threading.Thread(target=start_airflow, name="airflow-start")
             airflow.start()
+            server_error: EngineError | None = None
             try:
                 self.vllm.start()
+            except EngineError as err:  # a start-up that failed on a loaded machine: no check ran
+                server_error = err
             finally:
                 airflow.join()
                 stack.callback(self.vllm.terminate)
+            if started:
+                stack.push(deployment.__exit__)
             if errors:
                 raise CampaignError(f"the deployment did not start: {errors[0]!r}") from errors[0]
-            stack.push(deployment.__exit__)
+            if server_error is not None:
+                raise CampaignError(f"the warm vLLM server did not start: {server_error}") from server_error
             self.dep = started[0]
             stack.callback(self._kill_orphans)
             self.note(
                 f"stack up: S3 {self.s3.endpoint_url} behind proxy :{self.proxy.port}, vLLM :{vllm_port}"
             )
             yield
+
+    def _observe(self, method: str, path: str, body: bytes) -> None:
+        """The counting proxy's hook: one send of the request whose custom_id the body carries."""
+        if method == "POST" and path.endswith("/chat/completions"):
+            with self.sends_lock:
+                self.sends.append((time.monotonic(), sent_id(body)))
 
     def _deployment(self, model: Path, vllm_port: int) -> contextlib.AbstractContextManager[Deployment]:
         home = self.work / "airflow"
@@ -813,6 +860,120 @@ class Campaign:
                 return
             time.sleep(2)
 
+    # -- the resume scenario -------------------------------------------------------------
+
+    def resume_scenario(self) -> None:
+        """One warm-server run, its task runner SIGKILLed once a checkpoint part is durable; its retry must not resend the part's answers.
+
+        The run's requests carry their custom_id in their message, and the counting proxy in
+        front of the warm server sees every send (:meth:`_observe`). The kill comes when a
+        listing of the run's staging (read directly, not through the S3 proxy) shows a part;
+        the parts listed once the runner is gone are what any retry resumes from. Checked in
+        :meth:`check_resume`.
+        """
+        client = self.s3.client()
+        self.dep.wait_for_dag("chaos_warm")
+        case = "resume-warm"
+        n = self.args.max_requests
+        client.put_object(
+            Bucket=BUCKET, Key=f"in/{case}.jsonl", Body=request_lines(self.model, n, 0, case, unique=True)
+        )
+        run_id = self.dep.trigger("chaos_warm", {"case": case})
+        out = f"out/{case}/results"
+        job = Job(
+            "chaos_warm",
+            case,
+            [f"{case}-{j}" for j in range(n)],
+            "chaos_warm",
+            run_id,
+            (f"{out}.jsonl", f"{out}.errors.jsonl", f"{out}.manifest.json"),
+            BUCKET,
+        )
+        self.jobs.append(job)
+        self.note(f"run {case}: {n} requests, chaos_warm {run_id}")
+        staging = f"{out}.jsonl.staging/"
+
+        def parts() -> list[str]:
+            listed = client.list_objects_v2(Bucket=BUCKET, Prefix=staging).get("Contents", [])
+            return [o["Key"] for o in listed if re.search(r"/parts/part-\d+[^/]*\.jsonl$", o["Key"])]
+
+        deadline = time.monotonic() + 600
+        while not parts():  # often: the kill must come while most requests are still unanswered
+            if time.monotonic() > deadline:
+                raise CampaignError(
+                    f"--scenario resume: no checkpoint part under s3://{BUCKET}/{staging} in 600s"
+                )
+            time.sleep(0.2)
+        runners = [p for p in self.task_processes() if _task_runner(p)]
+        if len(runners) != 1:
+            raise CampaignError(f"--scenario resume: {len(runners)} task runners at the first part, not 1")
+        (runner,) = runners
+        self.fault("runner_kill", f"pid {runner.pid} {' '.join(runner.cmdline())[:80]} (a part is durable)")
+        runner.kill()
+        killed_at = time.monotonic()
+        with self.sends_lock:
+            before = list(self.sends)
+        # Read at once: the parts stay until a try publishes, and the retry starts seconds later.
+        durable: set[str] = set()
+        keys = parts()
+        for key in keys:
+            durable.update(line["custom_id"] for line in self.read_lines(BUCKET, key))
+        self.note(f"  {len(keys)} part(s) durable at the kill, answering {len(durable)} of {n} requests")
+        if not durable or len(durable) >= n or self.etags(job)[job.output_keys[2]] is not None:
+            # A kill after the last answer (or the publish) tests no resume: the check would pass for nothing.
+            raise CampaignError(
+                f"--scenario resume: the kill came too late ({len(durable)} of {n} requests answered in parts, "
+                f"{len(before)} sent); raise --max-requests (now {n})"
+            )
+        self.scenario = {
+            "case": case,
+            "killed_at": killed_at,
+            "durable": durable,
+            "sent_before_kill": len(before),
+            "parts_at_kill": len(keys),
+        }
+
+    def check_resume(self) -> dict[str, Any]:
+        """What the retry sent after the kill against what a correct resume may send.
+
+        A correct resume sends only requests no durable part answers (plus, late, the dead
+        try's own sends that were still in the proxy's socket at the kill: never a request
+        answered in a part). A request of a durable part sent again is a resent durable answer.
+        """
+        durable: set[str] = self.scenario["durable"]
+        killed_at: float = self.scenario["killed_at"]
+        with self.sends_lock:
+            sends = list(self.sends)
+        after = [cid for at, cid in sends if at > killed_at]
+        unknown = sum(1 for _, cid in sends if cid is None)
+        resent = Counter(cid for cid in after if cid in durable)
+        job = self.jobs[0]
+        allowed = len(job.custom_ids) - len(durable)
+        if unknown:
+            self.figures.failures.append(f"{unknown} request(s) to the warm server carried no custom_id")
+        if resent:
+            self.figures.failures.append(
+                f"resent durable answers: {len(resent)} of the {len(durable)} requests answered in a checkpoint "
+                f"part before the kill were sent again after it ({sum(resent.values())} sends; "
+                f"e.g. {sorted(resent)[:5]})"
+            )
+        tries = len(self.dep.task_tries(job.dag_id, job.run_id, "vllm_batch"))
+        if tries < 2:
+            self.figures.failures.append(f"{job.name}: {tries} try: the kill did not make a retry")
+        return {
+            "resume": {
+                "requests": len(job.custom_ids),
+                "answered_in_parts_at_kill": len(durable),
+                "parts_at_kill": self.scenario["parts_at_kill"],
+                "sends": len(sends),
+                "sends_before_kill": self.scenario["sent_before_kill"],
+                "sends_after_kill": len(after),
+                "may_send_after_kill": allowed,
+                "resent_durable_answers": len(resent),
+                "tries": tries,
+            }
+        }
+
     # -- checks --------------------------------------------------------------------------
 
     def etags(self, job: Job) -> dict[str, str | None]:
@@ -1021,7 +1182,10 @@ def main(argv: list[str] | None = None) -> int:
         help="the operator runs' engines, in turn (default warm,warm_cache,runner,started; smoke: the first three)",
     )
     parser.add_argument(
-        "--max-requests", type=int, default=30, help="requests per run or batch: a third of this to all of it"
+        "--max-requests",
+        type=int,
+        default=None,
+        help="requests per run or batch: a third of this to all of it (default 30)",
     )
     parser.add_argument(
         "--smoke", action="store_true", help="a few faults on a small workload (~3 min on 2 cores)"
@@ -1051,6 +1215,14 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         help=f"KIND=WEIGHT,... over the default weights {WEIGHTS} (e.g. runner_kill=10)",
     )
+    parser.add_argument(
+        "--scenario",
+        choices=("campaign", "resume"),
+        default="campaign",
+        help="campaign: the seeded faults above; resume: one warm-server run whose task runner is killed once a "
+        "checkpoint part is durable, and a check that its retry sends none of the part's requests again "
+        "(counted by a proxy in front of the warm server; --max-requests is its size, default 4000)",
+    )
     args = parser.parse_args(argv)
     weights: dict[str, float] = {}
     for item in filter(None, args.fault_weights.split(",")):
@@ -1075,6 +1247,13 @@ def main(argv: list[str] | None = None) -> int:
     args.engines = args.engines.split(",") if args.engines else engines[:3] if smoke else engines
     if unknown := set(args.engines) - set(engines):
         parser.error(f"--engines: unknown {sorted(unknown)}; choose among {','.join(engines)}")
+    if args.scenario == "resume":
+        if args.smoke:
+            parser.error("--scenario resume has a workload of its own: leave out --smoke")
+        args.runs, args.batches, args.engines = 1, 0, ["warm"]
+        args.max_requests = 4000 if args.max_requests is None else args.max_requests
+        args.tail_s = 600 if args.tail_s is None else args.tail_s
+    args.max_requests = 30 if args.max_requests is None else args.max_requests
     args.runs = args.runs if args.runs is not None else (3 if smoke else 8)
     args.batches = args.batches if args.batches is not None else (2 if smoke else 8)
     args.fault_s = args.fault_s if args.fault_s is not None else (50 if smoke else 900)
@@ -1096,11 +1275,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with campaign.stack():
             campaign.log_in()
-            campaign.submit()
-            with campaign.poller():
-                campaign.run_faults()
-                campaign.tail()
-            figures = campaign.check()
+            if args.scenario == "resume":
+                with campaign.poller():
+                    campaign.resume_scenario()
+                    campaign.tail()
+                figures = {**campaign.check(), **campaign.check_resume()}
+            else:
+                campaign.submit()
+                with campaign.poller():
+                    campaign.run_faults()
+                    campaign.tail()
+                figures = campaign.check()
     except CampaignError as err:
         print(f"chaos: {err}", file=sys.stderr)
         return 2
@@ -1117,6 +1302,7 @@ def main(argv: list[str] | None = None) -> int:
         "seed": args.seed,
         "smoke": smoke,
         "mutant": args.mutant,
+        "scenario": args.scenario,
         "faults": sum(faults.values()),
         "faults_by_kind": dict(sorted(faults.items())),
         "runs": args.runs,
@@ -1138,6 +1324,13 @@ def main(argv: list[str] | None = None) -> int:
         f"duplicate sends: {figures['duplicate_sends']} (warm server answered {figures['warm_server_answered']}, "
         f"{figures['published_through_warm_server']} published through it)"
     )
+    if resume := figures.get("resume"):
+        print(
+            f"resume: {resume['answered_in_parts_at_kill']} of {resume['requests']} requests answered in "
+            f"{resume['parts_at_kill']} part(s) at the kill; {resume['sends_after_kill']} sends after it "
+            f"(a correct resume sends at most {resume['may_send_after_kill']}, none of the parts' requests); "
+            f"resent durable answers: {resume['resent_durable_answers']}"
+        )
     for failure in campaign.figures.failures:
         print(f"CHECK FAILED: {failure}")
     print(f"wall time {result['wall_s']:.0f}s")

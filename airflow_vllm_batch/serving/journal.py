@@ -116,6 +116,8 @@ class Journal:
         self._wakeup: asyncio.Event | None = None
         self._closing = False
         self._task: asyncio.Task[None] | None = None
+        #: Why a part could not be written whole (a full disk): every later write raises it.
+        self._failed: OSError | None = None
 
     # -- writing -------------------------------------------------------------------
 
@@ -128,6 +130,8 @@ class Journal:
         # Once per answer, on the event loop: kept to attribute look-ups and one clock read.
         if self._task is not None and self._task.done():
             self._task.result()
+        if self._failed is not None:
+            raise self._failed
         file = self._file if self._file is not None else self._open_part()
         if line[-1:] != b"\n":
             line += b"\n"
@@ -180,9 +184,18 @@ class Journal:
         if self._file is None:
             return None
         assert self._path is not None
-        self._file.close()
-        part = SealedPart(self._path, self.next_index, self._part_lines, self._part_bytes)
-        self._file = self._path = None
+        file, path, self._file, self._path = self._file, self._path, None, None
+        try:
+            file.close()
+        except OSError as err:
+            # Its buffer did not reach the disk whole (ENOSPC, EDQUOT): the part is no checkpoint
+            # (it may end in a torn line) and is neither reported nor written to again (a closed
+            # file's ValueError hid the disk's error); its answers are the retry's to send again.
+            self._failed = err
+            with contextlib.suppress(OSError):
+                path.unlink()
+            raise
+        part = SealedPart(path, self.next_index, self._part_lines, self._part_bytes)
         self.next_index += 1
         self._unreported.append(part)
         if self._wakeup is not None:

@@ -17,6 +17,10 @@ the client connection's own upstream connection and relays the response:
 Faults are off until :meth:`FaultProxy.set_faults` turns a rate of them on; every injected
 fault is counted by kind and logged (method and path only: a query may hold a presigned
 URL's signature).
+
+With ``observe`` it also counts: ``benchmarks/chaos.py --scenario resume`` puts one, faults off,
+in front of the warm vLLM server and is told every request it forwards (method, path, body), to
+count the sends of each request of a run.
 """
 
 from __future__ import annotations
@@ -109,6 +113,8 @@ class FaultProxy:
     :param upstream_port: its port.
     :param seed: the seed of the per-request decisions.
     :param log: called with one line per injected fault.
+    :param observe: called with each request's method, path (no query) and raw body as it is
+        read, before any fault is decided (from the proxy's thread: keep it short).
     """
 
     def __init__(
@@ -117,6 +123,7 @@ class FaultProxy:
         upstream_port: int,
         seed: int,
         log: Callable[[str], None] | None = None,
+        observe: Callable[[str, str, bytes], None] | None = None,
     ) -> None:
         self.upstream = (upstream_host, upstream_port)
         self._rng = random.Random(seed)
@@ -126,6 +133,7 @@ class FaultProxy:
         self.injected: Counter[str] = Counter()
         self.requests = 0
         self._log = log or (lambda line: None)
+        self._observe = observe
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._server: asyncio.base_events.Server | None = None
@@ -199,6 +207,8 @@ class FaultProxy:
                 body = await _read_body(reader, request)
                 method, _, rest = request.start.partition(" ")
                 path = rest.split(" ")[0].split("?")[0]
+                if self._observe is not None:
+                    self._observe(method, path, body)
                 kind, delay = self._decide()
                 if kind is not None:
                     self.injected[kind] += 1

@@ -3,7 +3,10 @@
 The pipeline and sharded example DAGs run against it (``AIRFLOW_VLLM_BATCH_VLLM_CONN_ID``);
 then a 2,000-request task is SIGKILLed at about half (once a checkpoint part is in S3) and run again as the same task
 instance: every custom_id is answered exactly once, and the server answered no more than
-the batch plus what was in flight plus one checkpoint interval's worth.
+the batch plus what was in flight plus one checkpoint interval's worth. And a worker whose
+``results_dir`` (a 4 MiB tmpfs, mounted by the test; skipped where ``mount`` is not allowed) fills
+up mid-run: the try fails as retryable naming the directory, publishes nothing, and the next try
+answers every request once.
 
 Fresh processes: none but the session's warm server; the runner test checks that the runner is
 refused before it starts.
@@ -19,6 +22,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import pytest
@@ -669,3 +673,82 @@ def test_the_nightly_cache_benchmark_sends_only_the_changed_rows_and_keeps_the_u
     assert figures["night2_from_cache"] == 380
     assert figures["night2_answers_every_row_once"]
     assert figures["unchanged_rows_byte_equal"]
+
+
+N_FULL = 600
+
+
+@pytest.fixture
+def small_disk(tmp_path) -> Iterator[Path]:
+    """A 4 MiB tmpfs mounted for the test (a worker's scratch disk that fills up); skipped where ``mount`` is not allowed."""
+    disk = tmp_path / "small-disk"
+    disk.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "tmpfs", str(disk)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"a small filesystem needs mount (root): {mounted.stderr.strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def _fill(disk: Path, leave: int) -> Path:
+    """Fill ``disk`` until ``leave`` bytes are free; return the filler file."""
+    filler = disk / "filler"
+    free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
+    with open(filler, "wb") as out:
+        out.write(b"\0" * max(free - leave, 0))
+    return filler
+
+
+def test_a_full_scratch_disk_fails_the_try_retryably_naming_the_directory_and_the_retry_loses_nothing(
+    warm, embedded, tiny_model, small_disk
+):
+    """The worker's ``results_dir`` fills up while the answers stream in: the try fails as retryable, naming the directory; nothing is published; the next try (space freed) answers every request once."""
+    from airflow_vllm_batch.scratch import owned_dir
+
+    client = embedded.client()
+    client.put_object(
+        Bucket=BUCKET, Key="scratch-full/input.jsonl", Body=_chat_lines(str(tiny_model), N_FULL, 8)
+    )
+    # Room for the try's scratch and its first checkpoint part, not for all 600 answers.
+    filler = _fill(small_disk, 160 * 1024)
+    dag = _warm_dag(
+        "scratch_full",
+        str(tiny_model),
+        "scratch-full/input.jsonl",
+        "scratch-full/results.jsonl",
+        engine=WarmVLLMServer(conn_id=CONN_ID, checkpoint_interval=0.5),
+        results_dir=str(small_disk),
+    )
+    first = run_dag(dag)
+    assert first.state == "failed", first.output[-3000:]
+    full = re.search(
+        r"ScratchFullError: The worker's disk is full at (\S+?): No space left on device", first.output
+    )
+    assert full, first.output[-3000:]
+    assert full.group(1) == str(owned_dir(str(small_disk)))
+    assert "AirflowFailException" not in first.output, "a full disk must be retried"
+    listed = client.list_objects_v2(Bucket=BUCKET, Prefix="scratch-full/").get("Contents", [])
+    published = [
+        o["Key"] for o in listed if o["Key"].endswith(("results.jsonl", "errors.jsonl", ".manifest.json"))
+    ]
+    assert published == [], published
+    parts = [o["Key"] for o in listed if "/parts/" in o["Key"]]
+    in_parts = sum(len(_s3_lines(embedded, f"s3://{BUCKET}/{key}")) for key in parts)
+
+    filler.unlink()
+    second = run_dag(dag)
+    assert second.state == "success", second.output[-3000:]
+    # A part sealed before the disk filled (here 1 part of 60 answers) is resumed from, not sent again.
+    if parts:
+        resumed = re.search(r"Resuming from \d+ checkpoint part\(s\) at \S+: (\d+) of", second.output)
+        assert resumed, second.output[-3000:]
+        assert int(resumed.group(1)) == in_parts
+    ids = [r["custom_id"] for r in _s3_lines(embedded, f"s3://{BUCKET}/scratch-full/results.jsonl")]
+    assert sorted(ids) == sorted(f"k{i}" for i in range(N_FULL))

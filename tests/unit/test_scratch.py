@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import time
@@ -9,7 +10,7 @@ import time
 import pytest
 
 from airflow_vllm_batch.engines.vllm.checks import write_options
-from airflow_vllm_batch.exceptions import ConfigurationError
+from airflow_vllm_batch.exceptions import ConfigurationError, ScratchFullError
 from airflow_vllm_batch.scratch import age_out, ensure_owned_dir, owned_dir, scratch
 
 
@@ -82,3 +83,21 @@ def test_a_link_in_place_of_the_directory_is_refused(tmp_path):
 
     with pytest.raises(ConfigurationError, match="is not a directory"):
         ensure_owned_dir(str(tmp_path))
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT])
+def test_a_full_disk_inside_a_tries_scratch_is_a_retryable_error_naming_the_directory(tmp_path, code):
+    with pytest.raises(ScratchFullError) as raised, scratch(str(tmp_path), "0123456789abcdef"):
+        # A write() on a full disk: its OSError names no file.
+        raise OSError(code, os.strerror(code))
+    message = str(raised.value)
+    assert str(owned_dir(str(tmp_path))) in message
+    assert os.strerror(code) in message
+    assert "results_dir" in message
+    assert raised.value.retryable
+    assert [p.name for p in owned_dir(str(tmp_path)).iterdir()] == []  # the try's scratch is gone
+
+
+def test_other_os_errors_in_a_tries_scratch_pass_through_unchanged(tmp_path):
+    with pytest.raises(PermissionError), scratch(str(tmp_path), "0123456789abcdef"):
+        raise PermissionError(errno.EACCES, "Permission denied", "/somewhere")

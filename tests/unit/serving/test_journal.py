@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import errno
+import io
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -176,3 +179,42 @@ def test_a_new_journal_does_not_inherit_lines_an_earlier_try_set_aside(tmp_path)
     assert journal.write_set_aside() == 1
     journal.close()
     assert journal.parts[-1].path.read_bytes() == b'{"custom_id":"new"}\n'
+
+
+class _FullDisk(io.RawIOBase):
+    """A part file on a full disk: every write of its buffer fails with ENOSPC (as a write(2) does)."""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_a_part_that_does_not_reach_a_full_disk_is_never_reported_and_every_later_write_raises_the_disks_error(
+    tmp_path, monkeypatch
+):
+    reported: list[int] = []
+    journal = Journal(tmp_path, on_part=lambda p, i: reported.append(i))
+    real_open = open
+    monkeypatch.setattr(
+        "airflow_vllm_batch.serving.journal.open",
+        lambda path, mode, buffering: (
+            real_open(path, "wb").close(),
+            io.BufferedWriter(_FullDisk(), 1 << 20),
+        )[1],
+        raising=False,
+    )
+    journal.write(LINE)  # in the buffer: the disk is not touched yet
+    with pytest.raises(OSError, match="No space left") as sealing:
+        journal.seal()
+    assert sealing.value.errno == errno.ENOSPC
+    # Not "ValueError: write to closed file": the disk's own error, which names the cause.
+    with pytest.raises(OSError, match="No space left") as writing:
+        journal.write(LINE)
+    assert writing.value.errno == errno.ENOSPC
+    journal.close()
+    assert reported == []
+    assert journal.parts == []
+    assert journal.lines_durable == 0
+    assert not (tmp_path / part_name(0)).exists()  # its torn bytes are not left to fill the disk

@@ -50,6 +50,34 @@ class DeploymentError(RuntimeError):
     """A deployment process died, or the deployment did not reach a state in time."""
 
 
+def rest_request(
+    base_url: str,
+    method: str,
+    path: str,
+    body: dict | None = None,
+    token: str | None = None,
+    timeout: float = 30,
+) -> Any:
+    """Call Airflow's REST API at ``base_url`` (loopback); an HTTP error is raised with the body the server sent.
+
+    :param token: a JWT from ``/auth/token``, sent as the bearer token.
+    :return: the decoded JSON answer (None for an empty one).
+    """
+    headers = {"Content-Type": "application/json", "Accept": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(base_url + path, data=data, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as response:  # loopback only
+            return json.loads(response.read() or b"null")
+    except urllib.error.HTTPError as err:
+        detail = err.read().decode(errors="replace")[:2000]
+        raise urllib.error.HTTPError(
+            err.url, err.code, f"{err.reason}: {detail}", err.headers, None
+        ) from None
+
+
 @dataclass
 class Deployment:
     """The processes of one Airflow deployment, and how to talk to it.
@@ -150,20 +178,8 @@ class Deployment:
     # -- REST API --------------------------------------------------------------------
 
     def request(self, method: str, path: str, body: dict | None = None, timeout: float = 30) -> Any:
-        """Call the REST API; an HTTP error is raised with the body the server sent."""
-        headers = {"Content-Type": "application/json", "Accept": "application/json"}
-        if self.token:
-            headers["Authorization"] = f"Bearer {self.token}"
-        data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(self.api_url + path, data=data, method=method, headers=headers)
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as response:  # loopback only
-                return json.loads(response.read() or b"null")
-        except urllib.error.HTTPError as err:
-            detail = err.read().decode(errors="replace")[:2000]
-            raise urllib.error.HTTPError(
-                err.url, err.code, f"{err.reason}: {detail}", err.headers, None
-            ) from None
+        """Call the REST API (:func:`rest_request`) with the deployment's token."""
+        return rest_request(self.api_url, method, path, body, self.token, timeout)
 
     def log_in(self, username: str = "admin") -> None:
         """Get a JWT from ``/auth/token`` with the simple auth manager's generated password."""

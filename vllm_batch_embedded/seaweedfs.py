@@ -456,7 +456,10 @@ class SeaweedFS:
         return argv
 
     def _launch(self) -> None:
-        ports = dict(zip(_PORT_FLAGS, _free_ports(len(_PORT_FLAGS)), strict=True))
+        self._spawn(dict(zip(_PORT_FLAGS, _free_ports(len(_PORT_FLAGS)), strict=True)))
+
+    def _spawn(self, ports: dict[str, int]) -> None:
+        """Start ``weed mini`` on ``ports`` (its data dir as before), logging to :attr:`log_path`."""
         argv = self._argv(ports)
         with open(self.log_path, "ab") as log:
             # A new session makes weed the leader of its own process group, so stop()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 
 from vllm_batch_embedded.seaweedfs import SeaweedFS
 
@@ -22,16 +21,7 @@ class RestartableSeaweedFS(SeaweedFS):
             return
         # SIGKILL leaves the S3 gateway's Unix socket behind; weed would not bind it again.
         (self.data_dir / "s3.sock").unlink(missing_ok=True)
-        with open(self.log_path, "ab") as log:
-            self._process = subprocess.Popen(
-                self._argv(self._ports),
-                cwd=self.data_dir,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        self._pid = self._process.pid
+        self._spawn(self._ports)
 
     def crash(self) -> None:
         """SIGKILL the whole server at once (no graceful close of connections), then reap it."""

@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from tests.integration import compose_stack as cs
-from vllm_batch_embedded.airflow_deployment import wait_until
+from vllm_batch_embedded.airflow_deployment import rest_request, wait_until
 from vllm_batch_embedded.seaweedfs import _free_ports
 
 # Cold, the images take minutes (timings.json); the build runs in the background from the
@@ -52,19 +52,7 @@ class RestAPI:
         self.token: str | None = None
 
     def request(self, method: str, path: str, body: dict | None = None) -> Any:
-        headers = {"Content-Type": "application/json", "Accept": "application/json"}
-        if self.token:
-            headers["Authorization"] = f"Bearer {self.token}"
-        data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
-        try:
-            with urllib.request.urlopen(req, timeout=30) as response:  # loopback only
-                return json.loads(response.read() or b"null")
-        except urllib.error.HTTPError as err:
-            detail = err.read().decode(errors="replace")[:2000]
-            raise urllib.error.HTTPError(
-                err.url, err.code, f"{err.reason}: {detail}", err.headers, None
-            ) from None
+        return rest_request(self.url, method, path, body, self.token)
 
 
 @pytest.fixture(scope="module")

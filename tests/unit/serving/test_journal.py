@@ -215,6 +215,8 @@ def test_a_part_that_does_not_reach_a_full_disk_is_never_reported_and_every_late
     assert writing.value.errno == errno.ENOSPC
     journal.close()
     assert reported == []
+    # Its torn bytes are gone too: no later listing of the directory takes them for a part.
+    assert [f for f in tmp_path.rglob("*") if f.is_file()] == []
     assert journal.parts == []
     assert journal.lines_durable == 0
     assert not (tmp_path / part_name(0)).exists()  # its torn bytes are not left to fill the disk

@@ -10,6 +10,13 @@ S3. Then it drives a workload:
   the answer cache, vLLM's batch runner (started by the task), a vLLM server started by the task;
 - ``--batches M`` OpenAI API batches from three users through the real API (the ``openai`` SDK),
   on the warm server; some with lines the engine refuses, some cancelled while they run;
+- ``--expiring K`` more batches past a short window, created through one more API server
+  whose clock is set back (libfaketime) by a day less ``--window-s`` seconds, so that their
+  ``24h`` window (the API's shortest is an hour) ends ``--window-s`` seconds after they were
+  created, for the deployment (its scheduler, workers and main API server keep the real
+  clock): half of them first and ten times the size (to expire while they run), the others
+  last (to expire queued). They end ``expired`` (or ``completed`` if they finished in time),
+  every request they did not answer in their error file as ``batch_expired``;
 
 and, until everything has ended or the fault phase is over, injects faults, every decision
 drawn from one RNG seeded by ``--seed`` and logged with its time and target:
@@ -42,8 +49,7 @@ there (S3 listed and read directly, not through the proxy; Airflow's REST API):
 
 Prints the fault log, the figures and a final JSON line; exits 1 when a check fails.
 Not done yet (listed in the JSON as ``not_done``): CeleryExecutor workers, a full scratch disk
-(a focused test fills a real one: ``tests/integration/test_server_engine.py``), clock jumps, a
-completion window short enough to expire (the API's shortest is 1 h).
+(a focused test fills a real one: ``tests/integration/test_server_engine.py``), clock jumps.
 
 ``--scenario resume`` replaces the workload and the seeded faults with one targeted fault: one
 warm-server run (``--max-requests``, default 4,000, each request's message carrying its
@@ -108,6 +114,13 @@ from airflow_vllm_batch.exceptions import EngineError  # noqa: E402
 from airflow_vllm_batch.openai_api.access import owner_key  # noqa: E402
 from airflow_vllm_batch.openai_api.files import result_file_ids  # noqa: E402
 from airflow_vllm_batch.openai_api.settings import URL_PREFIX  # noqa: E402
+from tests.integration.extra_api_server import (  # noqa: E402
+    ExtraApiServer,
+    ResigningS3Proxy,
+    start_api_server,
+    stop as stop_api_server,
+    wait_ready,
+)
 from tests.integration.restartable_seaweedfs import RestartableSeaweedFS  # noqa: E402
 from tests.integration.s3_fault_proxy import (  # noqa: E402
     KINDS as PROXY_KINDS,
@@ -171,7 +184,7 @@ WEIGHTS = {
     # zero weight last keeps every recorded seed's draws); ``--fault-weights runner_kill=10``.
     "runner_kill": 0,
 }
-NOT_DONE = ["celery_workers", "scratch_disk_full", "clock_jumps", "short_completion_window"]
+NOT_DONE = ["celery_workers", "scratch_disk_full", "clock_jumps"]
 
 DAG_FILE = """
 # The chaos campaign's DAGs (benchmarks/chaos.py), written into its deployment's DAGs folder.
@@ -332,6 +345,8 @@ class Job:
     user: str | None = None
     cancel_at: float | None = None
     cancelled: bool = False
+    #: Created through the API server whose clock is set back: its window ends ``--window-s`` after it was created.
+    expiring: bool = False
     state: str | None = None
     ended_at: float | None = None
     #: The ETags of its files when first seen ended.
@@ -344,6 +359,11 @@ class Figures:
     failures: list[str] = field(default_factory=list)
     #: Batches the API refused with 429 (its per-user cap): owed no answer, not a failure.
     refused: int = 0
+    #: Of the batches past their window: how many expired with some answers published, and with none.
+    expired_with_answers: int = 0
+    expired_without_answers: int = 0
+    #: Requests published as ``batch_expired`` (in the expired batches' error files).
+    batch_expired_lines: int = 0
 
 
 class Campaign:
@@ -369,6 +389,8 @@ class Campaign:
         )
         self.tokens: dict[str, str] = {}
         self.clients: dict[str, Any] = {}
+        #: The users' SDK clients of the early API server (``--expiring``).
+        self.early_clients: dict[str, Any] = {}
         #: ``--scenario resume``: each request the warm server was sent (when, its custom_id), as the counting proxy saw it.
         self.sends: list[tuple[float, str | None]] = []
         self.sends_lock = threading.Lock()
@@ -447,10 +469,33 @@ class Campaign:
                 raise CampaignError(f"the warm vLLM server did not start: {server_error}") from server_error
             self.dep = started[0]
             stack.callback(self._kill_orphans)
+            if self.args.expiring:
+                self.early = self._early_api_server(stack)
             self.note(
                 f"stack up: S3 {self.s3.endpoint_url} behind proxy :{self.proxy.port}, vLLM :{vllm_port}"
             )
             yield
+
+    def _early_api_server(self, stack: contextlib.ExitStack) -> ExtraApiServer:
+        """One more API server of the deployment, its clock a day less ``--window-s`` behind: the expiring batches' way in.
+
+        A batch it creates is signed ``created_at`` its (early) now and ``expires_at`` that plus
+        24 h: ``--window-s`` seconds after it was created, by everybody else's clock. Its S3
+        calls go through a proxy that signs them again on the real clock (SeaweedFS refuses a
+        signature 15 minutes off), around the fault proxy: the faults are the main server's.
+        """
+        resigning = stack.enter_context(ResigningS3Proxy(self.s3))
+        server = start_api_server(
+            self.dep,
+            "api-server-early",
+            {},
+            clock_offset_s=-(24 * 3600 - self.args.window_s),
+            s3_connection=resigning.connection_json(),
+        )
+        stack.callback(stop_api_server, server)
+        wait_ready(server)
+        self.note(f"early API server {server.api_url}: its clock {24 * 3600 - self.args.window_s}s behind")
+        return server
 
     def _observe(self, method: str, path: str, body: bytes) -> None:
         """The counting proxy's hook: one send of the request whose custom_id the body carries."""
@@ -568,6 +613,9 @@ class Campaign:
                 self.clients[user] = openai.OpenAI(
                     base_url=self.dep.api_url + URL_PREFIX, api_key=self.dep.token, max_retries=3, timeout=60
                 )
+                if self.args.expiring:
+                    # Its own token: one the main server issued reads as issued a day ahead there.
+                    self.early_clients[user] = self.early.client(user, max_retries=3)
         self.dep.token = self.tokens["admin"]
 
     # -- workload ------------------------------------------------------------------------
@@ -578,6 +626,13 @@ class Campaign:
         for dag_id in RUN_DAGS:
             self.dep.wait_for_dag(dag_id)
         self.dep.wait_for_dag(BATCH_DAG_ID)
+        # Half of the expiring batches first and ten times the size, to expire while they run; the
+        # others last, to expire queued behind everything else. Their sizes from an RNG of their own:
+        # a seed's other draws stay what they were without them.
+        expiring_rng = random.Random(f"{self.args.seed}-expiring")
+        running = (self.args.expiring + 1) // 2
+        for i in range(running):
+            self.create_batch(f"x{i:03d}", USERS[i % len(USERS)], expiring_rng, expiring=True, scale=10)
         kinds = [f"chaos_{engine}" for engine in self.args.engines]
         for i in range(self.args.runs):
             dag_id = kinds[i % len(kinds)]
@@ -605,46 +660,58 @@ class Campaign:
             )
             self.note(f"run {case}: {len(ids)} requests ({refused} refused), {dag_id} {run_id}")
         for i in range(self.args.batches):
-            user = USERS[i % len(USERS)]
-            n, refused = (
-                self.rng.randint(self.args.max_requests // 3, self.args.max_requests),
-                self.rng.choice((0, 0, 2)),
+            self.create_batch(f"b{i:03d}", USERS[i % len(USERS)], self.rng)
+        for i in range(running, self.args.expiring):
+            self.create_batch(f"x{i:03d}", USERS[i % len(USERS)], expiring_rng, expiring=True)
+
+    def create_batch(
+        self, tag: str, user: str, rng: random.Random, expiring: bool = False, scale: int = 1
+    ) -> None:
+        """Upload a batch's input and create it as ``user`` (through the early API server if ``expiring``).
+
+        :param scale: its size's multiple of an ordinary batch's (a third of ``--max-requests`` to all of it).
+        """
+        n, refused = (
+            scale * rng.randint(self.args.max_requests // 3, self.args.max_requests),
+            rng.choice((0, 0, 2)),
+        )
+        sdk = (self.early_clients if expiring else self.clients)[user]
+        uploaded = sdk.files.create(
+            file=(f"{tag}.jsonl", request_lines(self.model, n, refused, tag)), purpose="batch"
+        )
+        try:
+            batch = sdk.batches.create(
+                input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
             )
-            tag = f"b{i:03d}"
-            sdk = self.clients[user]
-            uploaded = sdk.files.create(
-                file=(f"{tag}.jsonl", request_lines(self.model, n, refused, tag)), purpose="batch"
+        except openai.RateLimitError as err:
+            # The API's per-user cap refused it (429): nothing was started, so nothing is owed.
+            self.figures.refused += 1
+            self.note(f"batch {tag} of {user} refused: {err.status_code}")
+            return
+        # An expiring batch is not cancelled: its window ends it.
+        cancel_at = time.monotonic() + rng.uniform(3, 30) if not expiring and rng.random() < 0.3 else None
+        out_id, err_id = result_file_ids(batch.id)
+        files = f"{API_ROOT}files/{owner_key(user)}/"
+        ids = [f"{tag}-{j}" for j in range(n)] + [f"{tag}-refused-{j}" for j in range(refused)]
+        self.jobs.append(
+            Job(
+                "batch",
+                batch.id,
+                ids,
+                BATCH_DAG_ID,
+                batch.id,
+                (f"{files}{out_id}.jsonl", f"{files}{err_id}.jsonl", f"{files}{out_id}.manifest.json"),
+                API_BUCKET,
+                user=user,
+                cancel_at=cancel_at,
+                expiring=expiring,
             )
-            try:
-                batch = sdk.batches.create(
-                    input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
-                )
-            except openai.RateLimitError as err:
-                # The API's per-user cap refused it (429): nothing was started, so nothing is owed.
-                self.figures.refused += 1
-                self.note(f"batch {tag} of {user} refused: {err.status_code}")
-                continue
-            cancel_at = time.monotonic() + self.rng.uniform(3, 30) if self.rng.random() < 0.3 else None
-            out_id, err_id = result_file_ids(batch.id)
-            files = f"{API_ROOT}files/{owner_key(user)}/"
-            ids = [f"{tag}-{j}" for j in range(n)] + [f"{tag}-refused-{j}" for j in range(refused)]
-            self.jobs.append(
-                Job(
-                    "batch",
-                    batch.id,
-                    ids,
-                    BATCH_DAG_ID,
-                    batch.id,
-                    (f"{files}{out_id}.jsonl", f"{files}{err_id}.jsonl", f"{files}{out_id}.manifest.json"),
-                    API_BUCKET,
-                    user=user,
-                    cancel_at=cancel_at,
-                )
-            )
-            self.note(
-                f"batch {batch.id} of {user}: {len(ids)} requests ({refused} refused)"
-                + (" (to be cancelled)" if cancel_at else "")
-            )
+        )
+        self.note(
+            f"batch {batch.id} of {user}: {len(ids)} requests ({refused} refused)"
+            + (" (to be cancelled)" if cancel_at else "")
+            + (f" (expires in {batch.expires_at - time.time():.0f}s)" if expiring else "")
+        )
 
     def poll(self) -> None:
         """Look at every job not seen ended yet (cancel those due); snapshot a job's files when first seen ended."""
@@ -1019,7 +1086,8 @@ class Campaign:
                 lost += len(job.custom_ids)
                 fail(f"{job.name}: no manifest (state {job.state}): all {len(job.custom_ids)} answers lost")
                 continue
-            if job.state not in ("success", "completed", "cancelled"):
+            endings = ("success", "completed", "cancelled") + (("expired",) if job.expiring else ())
+            if job.state not in endings:
                 fail(f"{job.name}: ended {job.state} although it published")
             answered = Counter()
             ok = 0
@@ -1031,6 +1099,8 @@ class Campaign:
                 lines = self.read_lines(bucket, key)
                 for line in lines:
                     answered[line["custom_id"]] += 1
+                    if ((line.get("error") or {}).get("code")) == "batch_expired":
+                        self.figures.batch_expired_lines += 1
                     if uri_field == "output_uri" and (line.get("response") or {}).get("status_code") == 200:
                         ok += 1
                 try:
@@ -1040,6 +1110,11 @@ class Campaign:
                 recorded = (manifest.get(etag_field) or "").strip('"') or None
                 if recorded != etag:
                     fail(f"{job.name}: manifest {etag_field} {recorded} but {uri_field}'s ETag is {etag}")
+            if job.state == "expired":
+                if ok:
+                    self.figures.expired_with_answers += 1
+                else:
+                    self.figures.expired_without_answers += 1
             missing = set(job.custom_ids) - set(answered)
             twice = {cid: n for cid, n in answered.items() if n > 1}
             unknown = set(answered) - set(job.custom_ids)
@@ -1068,6 +1143,9 @@ class Campaign:
             "warm_server_answered": int(sent),
             "published_through_warm_server": published_sent,
             "duplicate_sends": int(sent) - published_sent,
+            "expired_with_answers": self.figures.expired_with_answers,
+            "expired_without_answers": self.figures.expired_without_answers,
+            "batch_expired_lines": self.figures.batch_expired_lines,
         }
 
     def check_keys(self) -> None:
@@ -1188,6 +1266,19 @@ def main(argv: list[str] | None = None) -> int:
         help="requests per run or batch: a third of this to all of it (default 30)",
     )
     parser.add_argument(
+        "--expiring",
+        type=int,
+        default=None,
+        help="more batches, created first through an API server whose clock is set back, so that their window "
+        "ends --window-s after they were created (default 3; smoke 0)",
+    )
+    parser.add_argument(
+        "--window-s",
+        type=int,
+        default=20,
+        help="seconds from an expiring batch's creation to its expires_at (default 20)",
+    )
+    parser.add_argument(
         "--smoke", action="store_true", help="a few faults on a small workload (~3 min on 2 cores)"
     )
     parser.add_argument(
@@ -1250,12 +1341,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.scenario == "resume":
         if args.smoke:
             parser.error("--scenario resume has a workload of its own: leave out --smoke")
-        args.runs, args.batches, args.engines = 1, 0, ["warm"]
+        args.runs, args.batches, args.expiring, args.engines = 1, 0, 0, ["warm"]
         args.max_requests = 4000 if args.max_requests is None else args.max_requests
         args.tail_s = 600 if args.tail_s is None else args.tail_s
     args.max_requests = 30 if args.max_requests is None else args.max_requests
     args.runs = args.runs if args.runs is not None else (3 if smoke else 8)
     args.batches = args.batches if args.batches is not None else (2 if smoke else 8)
+    args.expiring = args.expiring if args.expiring is not None else (0 if smoke else 3)
+    if not 0 < args.window_s < 3600:
+        parser.error("--window-s: give seconds between 1 and 3599 (the API's shortest window is an hour)")
     args.fault_s = args.fault_s if args.fault_s is not None else (50 if smoke else 900)
     args.gap_s = args.gap_s if args.gap_s is not None else (1.5 if smoke else 3)
     args.max_faults = args.max_faults if args.max_faults is not None else (8 if smoke else 10_000)
@@ -1308,6 +1402,7 @@ def main(argv: list[str] | None = None) -> int:
         "runs": args.runs,
         "batches": args.batches,
         **figures,
+        "expiring": args.expiring,
         "batches_refused": campaign.figures.refused,
         "runs_ended": all(job.ended_at is not None for job in campaign.jobs),
         "failures": campaign.figures.failures,
@@ -1320,6 +1415,11 @@ def main(argv: list[str] | None = None) -> int:
     for kind, count in result["faults_by_kind"].items():
         print(f"  {kind:16} {count}")
     print(f"answers lost: {figures['answers_lost']}, duplicates published: {figures['duplicates_published']}")
+    if args.expiring:
+        print(
+            f"past their window: {figures['expired_with_answers']} expired with answers, "
+            f"{figures['expired_without_answers']} before any; {figures['batch_expired_lines']} requests published batch_expired"
+        )
     print(
         f"duplicate sends: {figures['duplicate_sends']} (warm server answered {figures['warm_server_answered']}, "
         f"{figures['published_through_warm_server']} published through it)"

@@ -6,9 +6,11 @@ shares: :func:`extra_api_server` starts one more ``airflow api-server`` process 
 deployment's environment plus some options, on a port of its own, and stops it (with its
 workers) at the end. Its users log in to it and get tokens it issued.
 
-With ``clock_offset_h`` it runs under libfaketime (Debian's ``faketime``; ``make
-system-deps`` installs it): the real app with a clock that many hours ahead, so that a
-batch's ``expires_at`` passes without waiting for its window (at least an hour). SeaweedFS
+With ``clock_offset_s`` it runs under libfaketime (Debian's ``faketime``; ``make
+system-deps`` installs it): the real app with a clock that many seconds ahead (or behind),
+so that a batch's ``expires_at`` passes without waiting for its window (at least an hour):
+ahead, a batch created on the real clock is past its window there; behind by a little
+less than the window, a batch it creates expires a few seconds later for everyone else. SeaweedFS
 refuses an S3 request signed more than 15 minutes off its own clock
 (``RequestTimeTooSkewed``), so that server reaches S3 through :class:`ResigningS3Proxy`,
 which signs each request again with the real clock and forwards it unchanged otherwise.
@@ -156,7 +158,7 @@ def start_api_server(
     dep: Deployment,
     name: str,
     options: Mapping[str, str],
-    clock_offset_h: int = 0,
+    clock_offset_s: int = 0,
     s3_connection: str | None = None,
 ) -> ExtraApiServer:
     """Start one more ``airflow api-server`` of ``dep`` (not waited for: :func:`wait_ready`).
@@ -164,7 +166,7 @@ def start_api_server(
     :param dep: the running deployment (its database, DAGs and S3).
     :param name: the process's name, for its log file.
     :param options: environment variables that differ from the deployment's (``AIRFLOW__VLLM_BATCH__...``).
-    :param clock_offset_h: hours to move its clock ahead by (libfaketime); 0 for the real clock.
+    :param clock_offset_s: seconds to move its clock by (libfaketime), ahead or (negative) behind; 0 for the real clock.
     :param s3_connection: the ``aws_default`` connection it uses instead of the deployment's.
     """
     (port,) = _free_ports(1)
@@ -176,14 +178,14 @@ def start_api_server(
     }
     if s3_connection is not None:
         env["AIRFLOW_CONN_AWS_DEFAULT"] = s3_connection
-    if clock_offset_h:
+    if clock_offset_s:
         if not LIBFAKETIME.exists():
             raise FileNotFoundError(f"{LIBFAKETIME} is missing: install Debian's faketime (make system-deps)")
         # Only the wall clock moves: timers and timeouts (monotonic) keep their pace.
         env.update(
             {
                 "LD_PRELOAD": str(LIBFAKETIME),
-                "FAKETIME": f"+{clock_offset_h}h",
+                "FAKETIME": f"{clock_offset_s:+d}",
                 "FAKETIME_DONT_FAKE_MONOTONIC": "1",
             }
         )
@@ -239,13 +241,13 @@ def extra_api_servers(
 ) -> Iterator[dict[str, ExtraApiServer]]:
     """Start several API servers of ``dep`` at once (their start-ups overlap), each of its own configuration; stop them at the end.
 
-    :param configs: name -> ``{"options": {...}, "clock_offset_h": n}``.
+    :param configs: name -> ``{"options": {...}, "clock_offset_s": n}``.
     """
     started: dict[str, ExtraApiServer] = {}
     with contextlib.ExitStack() as stack:
         try:
             for name, config in configs.items():
-                offset = int(config.get("clock_offset_h") or 0)
+                offset = int(config.get("clock_offset_s") or 0)
                 connection = stack.enter_context(ResigningS3Proxy(s3)).connection_json() if offset else None
                 started[name] = start_api_server(dep, name, config.get("options") or {}, offset, connection)
             for server in started.values():

@@ -109,10 +109,21 @@ def test_a_failed_batch_stays_failed_when_the_clock_passes_its_expires_at(failur
 
 
 @pytest.mark.parametrize("tis", [[], ["scheduled"], ["queued"]])
-def test_a_batch_still_queued_when_its_window_passes_is_expired(tis):
+def test_a_batch_still_queued_when_its_window_passes_is_finalizing_until_its_task_publishes_it_expired(tis):
+    """Not ``expired`` before the manifest: a terminal status must not gain its files and counts later."""
     run = BatchDagRun(CONF, "queued" if not tis else "running", tis)
     assert batch_status(run, CREATED + 86400 - 1) == "validating"
-    assert batch_status(run, CREATED + 86400) == "expired"
+    shown = batch_object("batch_abcdefab", run, CREATED + 86400)
+    assert shown["status"] == "finalizing"
+    assert shown["expired_at"] is None
+    published = BatchDagRun(CONF, "running", tis, manifest={**MANIFEST, "status": "expired"}, published_at=T)
+    assert batch_status(published, CREATED + 86400) == "expired"
+
+
+def test_a_retry_queued_past_the_window_is_not_shown_expired_before_it_publishes():
+    """Chaos campaign (--expiring): a try failed, its retry was queued when the window passed."""
+    run = BatchDagRun(CONF, "running", ["queued"], task_start=T)
+    assert batch_status(run, CREATED + 86400 + 5) == "finalizing"
 
 
 def test_the_window_and_expiry_are_the_signed_ones_not_the_confs_display_fields():
@@ -121,7 +132,11 @@ def test_the_window_and_expiry_are_the_signed_ones_not_the_confs_display_fields(
     batch = batch_object("batch_abcdefab", BatchDagRun(conf, "queued"), CREATED + 86400)
     assert batch["expires_at"] == CREATED + 86400
     assert batch["completion_window"] == "24h"
-    assert batch["status"] == "expired"
+    assert batch["status"] == "finalizing"
+    assert (
+        batch_object("batch_abcdefab", BatchDagRun(conf, "queued"), CREATED + 86400 - 1)["status"]
+        == "validating"
+    )
 
 
 def test_a_batch_failed_because_its_model_does_not_serve_the_endpoint_says_so_before_its_record_is_written():

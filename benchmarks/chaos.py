@@ -145,8 +145,13 @@ USERS = ("alice", "bob", "carol")
 BATCH_DAG_ID = "chaos_openai"
 #: The operator runs' DAGs, by engine, in the order runs take them.
 RUN_DAGS = ("chaos_warm", "chaos_warm_cache", "chaos_runner", "chaos_started")
-#: Tries per task: enough to outlast a burst of faults.
-RETRIES = 6
+#: Retries per task: enough to outlast the campaign's faults. ``task_kill`` picks among processes, so a
+#: task-started server's task (its supervisor, runner, server and EngineCore: four targets, for the
+#: minute its server takes to start here) draws four times a runner's share: with 6, seed 3 with
+#: ``--expiring 4`` (388 faults in 800 s) killed one such run's 7 tries, each before its server was up.
+RETRIES = 10
+#: The longest wait between two tries (the backoff doubles from 3 s): the tail must see the last ones.
+MAX_RETRY_DELAY_S = 120
 #: The scheduler's task_instance_heartbeat_timeout: longer than an API-server restart (see _deployment).
 HEARTBEAT_TIMEOUT_S = 120
 #: A task's bound (its execution_timeout), which the checks hold every try to.
@@ -204,9 +209,10 @@ COMMON = dict(
     results_dir={results_dir!r},
     retries={retries},
     retry_delay=timedelta(seconds=3),
-    # 3, 6, 12, ... 96 s: the retries outlast a warm server's restart (30 s to 2 minutes here);
+    # 3, 6, 12, ... 96, then 120 s: the retries outlast a warm server's restart (30 s to 2 minutes here);
     # 3 s apart, seed 2 used a batch's 7 tries up in 20 s against a server that was down for 31.
     retry_exponential_backoff=2.0,
+    max_retry_delay=timedelta(seconds={max_delay}),
     execution_timeout=timedelta(seconds={bound}),
     # Lines the engine refuses are answers (in the error file), not a reason to fail the run.
     max_failed_ratio=1.0,
@@ -239,6 +245,7 @@ openai_dag = openai_batch_dag(
     retries={retries},
     retry_delay=timedelta(seconds=3),
     retry_exponential_backoff=2.0,
+    max_retry_delay=timedelta(seconds={max_delay}),
 )
 """
 
@@ -521,6 +528,7 @@ class Campaign:
             model=str(model),
             results_dir=str(results_dir),
             retries=RETRIES,
+            max_delay=MAX_RETRY_DELAY_S,
             bound=TASK_BOUND_S,
             conn=WARM_CONN_ID,
             bucket=BUCKET,
@@ -615,7 +623,10 @@ class Campaign:
                 )
                 if self.args.expiring:
                     # Its own token: one the main server issued reads as issued a day ahead there.
-                    self.early_clients[user] = self.early.client(user, max_retries=3)
+                    self.tokens[f"{user}@early"] = token = self.early.token(user)
+                    self.early_clients[user] = openai.OpenAI(
+                        base_url=self.early.api_url + URL_PREFIX, api_key=token, max_retries=3, timeout=60
+                    )
         self.dep.token = self.tokens["admin"]
 
     # -- workload ------------------------------------------------------------------------

@@ -656,7 +656,7 @@ class Campaign:
                 Bucket=BUCKET, Key=f"in/{case}.jsonl", Body=request_lines(self.model, n, refused, case)
             )
             ids = [f"{case}-{j}" for j in range(n)] + [f"{case}-refused-{j}" for j in range(refused)]
-            run_id = self.dep.trigger(dag_id, {"case": case})
+            run_id = self.trigger(dag_id, case)
             out = f"out/{case}/results"
             self.jobs.append(
                 Job(
@@ -674,6 +674,24 @@ class Campaign:
             self.create_batch(f"b{i:03d}", USERS[i % len(USERS)], self.rng)
         for i in range(running, self.args.expiring):
             self.create_batch(f"x{i:03d}", USERS[i % len(USERS)], expiring_rng, expiring=True)
+
+    def trigger(self, dag_id: str, case: str) -> str:
+        """Trigger the run of ``case``, sent again if its answer does not come (the API server loaded by the tasks).
+
+        With the run id its own, a trigger that went through but whose answer was lost is
+        not a second run: sent again, it is refused 409 (the run exists).
+        """
+        run_id = f"chaos__{case}"
+        for attempt in range(3):
+            try:
+                return self.dep.trigger(dag_id, {"case": case}, run_id=run_id, timeout=120)
+            except urllib.error.HTTPError as err:
+                if err.code == 409 and attempt:
+                    return run_id
+                raise
+            except OSError as err:  # a timeout, or the connection dropped
+                self.note(f"trigger {case}: {type(err).__name__}, sending it again")
+        raise CampaignError(f"the API server did not answer the trigger of {case} three times")
 
     def create_batch(
         self, tag: str, user: str, rng: random.Random, expiring: bool = False, scale: int = 1

@@ -199,11 +199,22 @@ class Deployment:
         )
         self.request("PATCH", f"/api/v2/dags/{dag_id}", {"is_paused": False})
 
-    def trigger(self, dag_id: str, conf: Mapping[str, Any] | None = None) -> str:
-        """Trigger a DAG run through the REST API; return its run id."""
-        run = self.request(
-            "POST", f"/api/v2/dags/{dag_id}/dagRuns", {"logical_date": None, "conf": dict(conf or {})}
-        )
+    def trigger(
+        self,
+        dag_id: str,
+        conf: Mapping[str, Any] | None = None,
+        run_id: str | None = None,
+        timeout: float = 30,
+    ) -> str:
+        """Trigger a DAG run through the REST API; return its run id.
+
+        :param run_id: the run's id (Airflow makes one when None); with one, a trigger whose
+            answer was lost can be sent again: a 409 then says the run exists.
+        """
+        body: dict[str, Any] = {"logical_date": None, "conf": dict(conf or {})}
+        if run_id is not None:
+            body["dag_run_id"] = run_id
+        run = self.request("POST", f"/api/v2/dags/{dag_id}/dagRuns", body, timeout=timeout)
         return run["dag_run_id"]
 
     @staticmethod

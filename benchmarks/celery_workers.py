@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 
@@ -36,14 +37,13 @@ sys.path.insert(0, str(REPO))
 
 # The clone's tests and embedded default import only once the clone is on sys.path (above).
 from vllm_batch_embedded.airflow_deployment import (  # noqa: E402
-    LOOPBACK,
     Deployment,
-    deployment_env,
+    celery_executor_deployment,
     signal_group,
-    wait_until,
+    start_celery_worker,
 )
 from vllm_batch_embedded.demo import BUCKET  # noqa: E402
-from vllm_batch_embedded.seaweedfs import SeaweedFS, _free_ports  # noqa: E402
+from vllm_batch_embedded.seaweedfs import SeaweedFS  # noqa: E402
 from vllm_batch_embedded.tiny_model import build_tiny_chat_model  # noqa: E402
 
 DAG_ID = "vllm_batch_sharded"
@@ -53,68 +53,21 @@ def _when(value: str) -> float:
     return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
 
 
-def start_deployment(work: Path, s3: SeaweedFS, model: Path) -> Deployment:
-    """Redis, api-server, scheduler, dag-processor and the ``default`` worker (no ``gpu`` worker yet)."""
-    redis = shutil.which("redis-server")
-    if redis is None:
-        raise SystemExit("redis-server is not installed (make system-deps)")
+@contextlib.contextmanager
+def deployment(work: Path, s3: SeaweedFS, model: Path) -> Iterator[Deployment]:
+    """Redis, api-server, scheduler, dag-processor and the ``default`` worker (no ``gpu`` worker yet); stopped at the end."""
     home = work / "airflow"
-    dags = home / "dags"
-    dags.mkdir(parents=True)
-    (dags / f"{DAG_ID}.py").symlink_to(REPO / "dags" / f"{DAG_ID}.py")
-    redis_port, api_port = _free_ports(2)
-    env = deployment_env(s3, model, home, dags, api_port, "CeleryExecutor")
-    env.update(
-        {
-            "AIRFLOW__CELERY__BROKER_URL": f"redis://{LOOPBACK}:{redis_port}/0",
-            "AIRFLOW__CELERY__RESULT_BACKEND": f"redis://{LOOPBACK}:{redis_port}/1",
-            "AIRFLOW__CELERY__WORKER_CONCURRENCY": "1",
-            # Every shard may run at once: the workers, not Airflow's limits, are what is measured.
-            "AIRFLOW__CORE__MAX_ACTIVE_TASKS_PER_DAG": "64",
-        }
-    )
-    airflow = str(Path(sys.executable).with_name("airflow"))
-    dep = Deployment(home=home, api_url=f"http://{LOOPBACK}:{api_port}", env=env)
-    subprocess.run(
-        [airflow, "db", "migrate"], env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    dep.start(
-        "redis",
-        [
-            redis,
-            "--bind",
-            LOOPBACK,
-            "--port",
-            str(redis_port),
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(home),
-        ],
-    )
-    dep.start(
-        "api-server", [airflow, "api-server", "--host", LOOPBACK, "--port", str(api_port), "--workers", "1"]
-    )
-    dep.start("scheduler", [airflow, "scheduler"])
-    dep.start("dag-processor", [airflow, "dag-processor"])
-    start_worker(dep, "default", "default")
-    wait_until("the API server", lambda: dep.request("GET", "/api/v2/monitor/health"), 180, dep)
-    dep.log_in()
-    dep.wait_for_dag(DAG_ID, timeout=180)
-    return dep
-
-
-def start_worker(dep: Deployment, name: str, queue: str) -> None:
-    """Start one Celery worker (concurrency 1) on ``queue`` and wait until it consumes."""
-    airflow = str(Path(sys.executable).with_name("airflow"))
-    # --skip-serve-logs: several workers on one host would all bind the log server's port.
-    dep.start(
-        f"worker-{name}",
-        [airflow, "celery", "worker", "-q", queue, "-c", "1", "-H", f"{name}@%h", "--skip-serve-logs"],
-    )
-    wait_until(f"Celery worker {name}", lambda: " ready." in dep.log(f"worker-{name}"), 180, dep)
+    home.mkdir()
+    # Every shard may run at once: the workers, not Airflow's limits, are what is measured.
+    extra = {"AIRFLOW__CORE__MAX_ACTIVE_TASKS_PER_DAG": "64"}
+    dag_files = {f"{DAG_ID}.py": (REPO / "dags" / f"{DAG_ID}.py").read_text()}
+    with celery_executor_deployment(s3, model, home, dag_files, workers={}, extra_env=extra) as dep:
+        start_celery_worker(dep, "default", "default", wait_s=180)
+        dep.wait_for_dag(DAG_ID, timeout=180)
+        yield dep
+        leftover = dep.stop()
+        if leftover:
+            print(f"warning: processes left alive: {leftover}", file=sys.stderr)
 
 
 def stop_worker(dep: Deployment, name: str) -> None:
@@ -134,7 +87,7 @@ def set_gpu_workers(dep: Deployment, count: int) -> None:
     for name in running[count:]:
         stop_worker(dep, name)
     for i in range(len(running) + 1, count + 1):
-        start_worker(dep, f"gpu{i}", "gpu")
+        start_celery_worker(dep, f"gpu{i}", "gpu", wait_s=180)
 
 
 def run_phase(dep: Deployment, workers: int, conf: dict, timeout: float) -> dict:
@@ -204,26 +157,23 @@ def main() -> None:
     model = build_tiny_chat_model(REPO / ".cache" / "models" / "tiny-llama-chat")
     work = Path(tempfile.mkdtemp(prefix="vllm-batch-celery-bench-"))
     results = []
-    with SeaweedFS(work / "s3") as s3:
-        s3.create_bucket(BUCKET)
-        dep = start_deployment(work, s3, model)
-        try:
-            for workers in phases:
-                started = time.monotonic()
-                result = run_phase(dep, workers, conf, args.timeout)
-                results.append(result)
-                print(
-                    f"{workers} gpu worker(s): run {result['wall_s']:.1f}s, inference {result['inference_s']:.1f}s, "
-                    f"shards {result['shard_s']} s, per worker {result['per_worker']} "
-                    f"(phase {time.monotonic() - started:.0f}s)",
-                    flush=True,
-                )
-        finally:
-            leftover = dep.stop()
-            with contextlib.suppress(OSError):
-                shutil.rmtree(work)
-            if leftover:
-                print(f"warning: processes left alive: {leftover}", file=sys.stderr)
+    try:
+        with SeaweedFS(work / "s3") as s3:
+            s3.create_bucket(BUCKET)
+            with deployment(work, s3, model) as dep:
+                for workers in phases:
+                    started = time.monotonic()
+                    result = run_phase(dep, workers, conf, args.timeout)
+                    results.append(result)
+                    print(
+                        f"{workers} gpu worker(s): run {result['wall_s']:.1f}s, inference {result['inference_s']:.1f}s, "
+                        f"shards {result['shard_s']} s, per worker {result['per_worker']} "
+                        f"(phase {time.monotonic() - started:.0f}s)",
+                        flush=True,
+                    )
+    finally:
+        with contextlib.suppress(OSError):
+            shutil.rmtree(work)
     print(
         f"\n{args.requests} requests, {results[0]['shards']} shards of {args.shard_size}, max_tokens {args.max_tokens}"
     )

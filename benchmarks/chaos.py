@@ -2,9 +2,11 @@
 
 Stands up on this machine what a user runs (the pieces of ``vllm_batch_embedded/airflow_deployment.py``):
 SeaweedFS (``weed mini``) as S3, a warm vLLM server (the tiny CPU model), Airflow's
-``api-server`` (with the OpenAI plugin), ``scheduler`` (LocalExecutor) and ``dag-processor``,
-and a fault proxy (``tests/integration/s3_fault_proxy.py``) between every Airflow process and
-S3. Then it drives a workload:
+``api-server`` (with the OpenAI plugin), ``scheduler`` (LocalExecutor; with ``--celery`` the
+CeleryExecutor, Redis as its broker and two ``airflow celery worker`` processes, each a process
+group of its own with its own hostname) and ``dag-processor``, and a fault proxy
+(``tests/integration/s3_fault_proxy.py``) between every Airflow process and S3. Then it drives
+a workload:
 
 - ``--runs N`` operator DAG runs, their engines in turn: the warm server, the warm server with
   the answer cache, vLLM's batch runner (started by the task), a vLLM server started by the task;
@@ -23,7 +25,11 @@ drawn from one RNG seeded by ``--seed`` and logged with its time and target:
 
 - ``task_kill`` / ``task_stop``: SIGKILL, or SIGSTOP then SIGCONT, of a process under the
   scheduler (executor workers, task supervisors and runners, engines; an idle LocalExecutor
-  worker is only paused, never killed: see ``inject``);
+  worker is only paused, never killed: see ``inject``), or with ``--celery`` under either
+  Celery worker (pool processes, which are the task supervisors, task runners, engines);
+- ``worker_kill`` (``--celery``): SIGKILL of a Celery worker's whole process group, the tasks it
+  runs with it; started again at once or after a seeded delay (up to ``WORKER_DOWN_S``);
+  ``worker_stop``: SIGSTOP then SIGCONT of the group;
 - ``scheduler_kill`` / ``api_kill`` (restarted at once), ``scheduler_stop`` / ``api_stop``;
 - ``vllm_kill`` (the warm server, restarted on its port and key) and ``vllm_stop``;
 - ``s3_kill`` (SeaweedFS, restarted on its ports and data) and ``s3_stop``;
@@ -47,9 +53,12 @@ there (S3 listed and read directly, not through the proxy; Airflow's REST API):
 - requests the warm server answered (``vllm:request_success_total`` of each of its lives) against
   answers published through it: ``duplicate_sends``, a cost figure, not a failure.
 
+Once the stack is down, no process it started may be left (Redis, a worker, a killed
+scheduler's or worker's orphaned task): one left fails the campaign too.
+
 Prints the fault log, the figures and a final JSON line; exits 1 when a check fails.
-Not done yet (listed in the JSON as ``not_done``): CeleryExecutor workers, a full scratch disk
-(a focused test fills a real one: ``tests/integration/test_server_engine.py``), clock jumps.
+Not done yet (listed in the JSON as ``not_done``): a full scratch disk (a focused test fills a
+real one: ``tests/integration/test_server_engine.py``), clock jumps.
 
 ``--scenario resume`` replaces the workload and the seeded faults with one targeted fault: one
 warm-server run (``--max-requests``, default 4,000, each request's message carrying its
@@ -63,6 +72,7 @@ Usage::
 
     nice .venv/bin/python benchmarks/chaos.py --smoke --seed 7                  # ~3 min on 2 cores
     nice .venv/bin/python benchmarks/chaos.py --seed 1 --runs 14 --batches 16 --max-requests 40 --gap-s 2 --fault-s 1200  # ~10 min
+    nice .venv/bin/python benchmarks/chaos.py --celery --seed 5 --runs 16 --batches 18 --max-requests 150 --gap-s 1.0 --fault-s 1200
 
 A deliberately broken build: ``--mutant NAME`` runs every Airflow process of the deployment on
 a copy of the package with one mutant of ``tests/simulation/mutation.py`` applied (first on their
@@ -129,8 +139,10 @@ from tests.integration.s3_fault_proxy import (  # noqa: E402
 from tests.integration.vllm_metrics import requests_answered  # noqa: E402
 from vllm_batch_embedded.airflow_deployment import (  # noqa: E402
     Deployment,
+    celery_executor_deployment,
     local_executor_deployment,
     signal_group,
+    start_celery_worker,
 )
 from vllm_batch_embedded.demo import CPU_ENGINE_ARGS, CPU_ENGINE_ENV  # noqa: E402
 from vllm_batch_embedded.seaweedfs import _free_ports  # noqa: E402
@@ -188,8 +200,27 @@ WEIGHTS = {
     # mid-stream if it streams: its retry resumes from its checkpoint parts. Off by default (a
     # zero weight last keeps every recorded seed's draws); ``--fault-weights runner_kill=10``.
     "runner_kill": 0,
+    # ``--celery`` only (CELERY_WEIGHTS): SIGKILL of a whole Celery worker's process group (restarted
+    # at once or after a seeded delay), or SIGSTOP/SIGCONT of it. Zero and last on the LocalExecutor.
+    "worker_kill": 0,
+    "worker_stop": 0,
 }
-NOT_DONE = ["celery_workers", "scratch_disk_full", "clock_jumps"]
+NOT_DONE = ["scratch_disk_full", "clock_jumps"]
+
+#: ``--celery``: the Celery workers (``airflow celery worker -H <name>@<host>``, queue ``default``),
+#: each running this many tasks at once; together as many as the deployment's parallelism (4).
+CELERY_WORKERS = ("w1", "w2")
+CELERY_CONCURRENCY = 2
+#: ``--celery``: the worker faults' weights (``--fault-weights`` still overrides them).
+CELERY_WEIGHTS = {"worker_kill": 2, "worker_stop": 2}
+#: ``--celery``: the longest a killed worker stays down before it is started again (0 to this, seeded).
+WORKER_DOWN_S = 90
+#: ``--celery``: the scheduler's task_queued_timeout. A message a worker had taken off the broker
+#: but not yet started when it was SIGKILLed is never delivered again (unacked in Redis for
+#: Airflow's visibility_timeout, a day), so its task stays queued until this: then the scheduler
+#: revokes it and schedules it again (twice at most; a third time fails the task). Longer than a
+#: task may wait for a slot while a worker is down (WORKER_DOWN_S and its start-up).
+CELERY_QUEUED_TIMEOUT_S = 300
 
 DAG_FILE = """
 # The chaos campaign's DAGs (benchmarks/chaos.py), written into its deployment's DAGs folder.
@@ -402,6 +433,12 @@ class Campaign:
         self.sends: list[tuple[float, str | None]] = []
         self.sends_lock = threading.Lock()
         self.scenario: dict[str, Any] = {}
+        #: ``--celery``: workers killed and not started again yet, the timers that start them, and
+        #: a lock that keeps a timer's start from racing the stack's teardown.
+        self.workers_down: set[str] = set()
+        self.worker_timers: list[threading.Timer] = []
+        self.worker_lock = threading.Lock()
+        self.tearing_down = False
 
     # -- logging -------------------------------------------------------------------------
 
@@ -422,6 +459,8 @@ class Campaign:
         model = build_tiny_chat_model(REPO / ".cache" / "models" / "tiny-llama-chat")
         self.model = str(model)
         with contextlib.ExitStack() as stack:
+            # Last, once everything is stopped: nothing the campaign started may outlive it.
+            stack.callback(self._check_left_behind)
             self.s3 = RestartableSeaweedFS(self.work / "s3")
             self.s3.start()
             stack.callback(self.s3.stop)
@@ -478,8 +517,10 @@ class Campaign:
             stack.callback(self._kill_orphans)
             if self.args.expiring:
                 self.early = self._early_api_server(stack)
+            stack.callback(self._stop_worker_restarts)
             self.note(
                 f"stack up: S3 {self.s3.endpoint_url} behind proxy :{self.proxy.port}, vLLM :{vllm_port}"
+                + (f", Celery workers {', '.join(CELERY_WORKERS)}" if self.args.celery else "")
             )
             yield
 
@@ -574,7 +615,114 @@ class Campaign:
         if self.args.mutant:
             # Before the clone, which the embedded default puts on it (vllm_batch_embedded/demo.py).
             env["PYTHONPATH"] = self.mutant_tree()
+        if self.args.celery:
+            return self._celery_deployment(model, home, dag, env)
         return local_executor_deployment(self.s3, model, home, {"chaos_dags.py": dag}, extra_env=env)
+
+    # -- --celery: the CeleryExecutor and its two workers ------------------------------------
+
+    def _celery_deployment(
+        self, model: Path, home: Path, dag: str, env: dict[str, str]
+    ) -> contextlib.AbstractContextManager[Deployment]:
+        """The same deployment on the CeleryExecutor: Redis, and the workers of CELERY_WORKERS on queue ``default``."""
+        env = {**env, "AIRFLOW__SCHEDULER__TASK_QUEUED_TIMEOUT": str(CELERY_QUEUED_TIMEOUT_S)}
+        return celery_executor_deployment(
+            self.s3,
+            model,
+            home,
+            {"chaos_dags.py": dag},
+            workers=dict.fromkeys(CELERY_WORKERS, "default"),
+            extra_env=env,
+            concurrency=CELERY_CONCURRENCY,
+        )
+
+    def _executor_processes(self) -> list[psutil.Process]:
+        """What runs the tasks: the scheduler's descendants (LocalExecutor), or every Celery worker's (``--celery``).
+
+        A Celery worker's descendants are its pool processes (each the supervisor of the task
+        it runs), the task runners and the engines they start.
+        """
+        if not self.args.celery:
+            return self.dep.descendants("scheduler")
+        return [proc for name in CELERY_WORKERS for proc in self.dep.descendants(f"worker-{name}")]
+
+    def inject_worker(self, kind: str) -> None:
+        """``worker_kill``: SIGKILL a live Celery worker's whole group, started again at once or after a seeded delay; ``worker_stop``: pause it.
+
+        The group is the worker, its pool processes and the tasks they run (an engine, in a
+        session of its own, dies with its task: its parent-death guard). The tasks that were
+        running are failed by the scheduler once their heartbeat is older than its timeout, a
+        message taken but not yet started once it has been queued for CELERY_QUEUED_TIMEOUT_S.
+        """
+        live = [name for name in CELERY_WORKERS if name not in self.workers_down]
+        if not live:
+            self.note(f"(no live Celery worker for {kind})")
+            return
+        name = self.rng.choice(live)
+        pid = self.dep.processes[f"worker-{name}"].pid
+        self.fault(kind, f"Celery worker {name} group {pid}")
+        if kind == "worker_stop":
+            self.pause(f"Celery worker {name}", pid, group=True)
+            return
+        delay = 0.0 if self.rng.random() < 0.5 else self.rng.uniform(5, WORKER_DOWN_S)
+        self.task_processes()  # remember the group's processes: _kill_orphans makes sure of them at the end
+        with self.worker_lock:
+            self.workers_down.add(name)
+            signal_group(pid, signal.SIGKILL)
+            self.old_groups.add(pid)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.dep.processes[f"worker-{name}"].wait(timeout=30)
+        if not delay:
+            self._start_worker(name)
+            return
+        self.note(f"  Celery worker {name} stays down {delay:.0f}s")
+        timer = threading.Timer(delay, self._start_worker, (name,))
+        timer.daemon = True
+        self.worker_timers.append(timer)
+        timer.start()
+
+    def _start_worker(self, name: str) -> None:
+        """Start Celery worker ``name`` again (same hostname, queue and concurrency), unless the stack is going down."""
+        with self.worker_lock:
+            if self.tearing_down:
+                return
+            start_celery_worker(self.dep, name, "default", CELERY_CONCURRENCY)
+            self.workers_down.discard(name)
+        self.note(f"  Celery worker {name} started again")
+
+    def _stop_worker_restarts(self) -> None:
+        """No worker is started again once the teardown begins (a timer still pending would outlive the stack)."""
+        with self.worker_lock:
+            self.tearing_down = True
+        for timer in self.worker_timers:
+            timer.cancel()
+
+    def _check_left_behind(self) -> None:
+        """Fail the campaign for any process it started that outlived the stack (Redis, a worker, an orphaned task).
+
+        Looked for by process group (every deployment process leads one; the groups of killed
+        schedulers, API servers and workers are remembered) and among the processes seen under
+        the executor (engines run in sessions of their own).
+        """
+        groups = set(self.old_groups)
+        if hasattr(self, "dep"):
+            groups |= {proc.pid for proc in self.dep.processes.values()}
+        candidates: dict[int, psutil.Process] = {}
+        for proc in psutil.process_iter():
+            with contextlib.suppress(psutil.Error, OSError):
+                if os.getpgid(proc.pid) in groups:
+                    candidates[proc.pid] = proc
+        for proc in list(self.seen.values()):
+            with contextlib.suppress(psutil.Error):
+                if proc.is_running():
+                    candidates.setdefault(proc.pid, proc)
+        _, alive = psutil.wait_procs(list(candidates.values()), timeout=10)
+        for proc in alive:
+            with contextlib.suppress(psutil.Error):
+                if proc.status() != psutil.STATUS_ZOMBIE:
+                    self.figures.failures.append(
+                        f"left behind: pid {proc.pid} {' '.join(proc.cmdline())[:100]}"
+                    )
 
     def mutant_tree(self) -> str:
         """A copy of the package with ``--mutant`` applied, which every process of the deployment imports first.
@@ -805,8 +953,8 @@ class Campaign:
     # -- faults --------------------------------------------------------------------------
 
     def task_processes(self) -> list[psutil.Process]:
-        """Every live process under the scheduler, or under a scheduler killed before, in a stable order (oldest first)."""
-        for proc in self.dep.descendants("scheduler"):
+        """Every live process under the executor (the scheduler, or the Celery workers), or under one killed before, in a stable order (oldest first)."""
+        for proc in self._executor_processes():
             self.seen.setdefault(proc.pid, proc)
         procs = []
         for proc in list(self.seen.values()):  # the poller's thread adds to it
@@ -924,6 +1072,8 @@ class Campaign:
                 f"FAULT proxy window {seconds:.1f}s rate {rate:.2f} {kinds}: "
                 + (", ".join(f"{k} {c}" for k, c in sorted(hit.items()) if c) or "no call hit")
             )
+        elif kind in ("worker_kill", "worker_stop"):
+            self.inject_worker(kind)
         else:
             raise ValueError(f"unknown fault kind {kind!r}")
 
@@ -1311,7 +1461,10 @@ def main(argv: list[str] | None = None) -> int:
         "--smoke", action="store_true", help="a few faults on a small workload (~3 min on 2 cores)"
     )
     parser.add_argument(
-        "--celery", action="store_true", help="CeleryExecutor with two workers (not done yet)"
+        "--celery",
+        action="store_true",
+        help="the CeleryExecutor with two workers (Redis as the broker) instead of the LocalExecutor, "
+        f"and the worker faults worker_kill and worker_stop (weights {CELERY_WEIGHTS})",
     )
     parser.add_argument(
         "--fault-s", type=float, default=None, help="the fault phase's longest length, seconds"
@@ -1352,6 +1505,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"--fault-weights: {item!r} is not KIND=WEIGHT with KIND one of {', '.join(WEIGHTS)}"
             )
         weights[kind] = float(value)
+    if args.celery:
+        weights = {**CELERY_WEIGHTS, **weights}
+    elif celery_only := sorted(k for k in CELERY_WEIGHTS if weights.get(k)):
+        parser.error(
+            f"--fault-weights: {', '.join(celery_only)} needs --celery (the LocalExecutor has no Celery worker)"
+        )
     args.fault_weights = weights
     if args.mutant:
         from tests.simulation.mutation import by_name
@@ -1360,8 +1519,6 @@ def main(argv: list[str] | None = None) -> int:
             by_name([args.mutant])
         except SystemExit as err:
             parser.error(f"--mutant: {err}")
-    if args.celery:
-        parser.error("--celery is not done yet (issue 44): the campaign runs on the LocalExecutor")
     smoke = args.smoke
     engines = [name.removeprefix("chaos_") for name in RUN_DAGS]
     args.engines = args.engines.split(",") if args.engines else engines[:3] if smoke else engines
@@ -1426,6 +1583,7 @@ def main(argv: list[str] | None = None) -> int:
         "smoke": smoke,
         "mutant": args.mutant,
         "scenario": args.scenario,
+        "executor": "CeleryExecutor" if args.celery else "LocalExecutor",
         "faults": sum(faults.values()),
         "faults_by_kind": dict(sorted(faults.items())),
         "runs": args.runs,
@@ -1439,7 +1597,10 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": round(time.monotonic() - started, 1),
     }
     print("\n=== chaos campaign ===")
-    print(f"seed {args.seed}: {args.runs} runs, {args.batches} batches, {figures['requests']} requests")
+    print(
+        f"seed {args.seed} ({result['executor']}): {args.runs} runs, {args.batches} batches, "
+        f"{figures['requests']} requests"
+    )
     print(f"faults injected: {result['faults']}")
     for kind, count in result["faults_by_kind"].items():
         print(f"  {kind:16} {count}")

@@ -9,9 +9,11 @@ report any PID that survived. It is talked to only as a user would: the REST API
 (``/api/v2``, a JWT from ``POST /auth/token``) and the task log files.
 
 :func:`local_executor_deployment` starts a LocalExecutor deployment (the executor's
-workers are children of the scheduler, each task runs under Airflow's real supervisor).
-The pieces (:class:`Deployment`, :func:`deployment_env`, :func:`wait_until`) are shared
-with deployments of other executors (see ``tests/integration/test_celery_gpu_queue.py``).
+workers are children of the scheduler, each task runs under Airflow's real supervisor);
+:func:`celery_executor_deployment` a CeleryExecutor one (Redis as broker and result backend,
+``airflow celery worker`` processes, each in a process group of its own: see
+:func:`start_celery_worker`). Both are made of the same pieces (:class:`Deployment`,
+:func:`deployment_env`, :func:`wait_until`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -380,6 +383,17 @@ def dags_folder(home: Path, dag_files: Mapping[str, str]) -> Path:
     return dags
 
 
+def _start_airflow(dep: Deployment, api_port: int) -> None:
+    """Start the api-server, the scheduler and the dag-processor of ``dep``."""
+    airflow = str(Path(sys.executable).with_name("airflow"))
+    dep.start(
+        "api-server",
+        [airflow, "api-server", "--host", LOOPBACK, "--port", str(api_port), "--workers", "1"],
+    )
+    dep.start("scheduler", [airflow, "scheduler"])
+    dep.start("dag-processor", [airflow, "dag-processor"])
+
+
 @contextlib.contextmanager
 def local_executor_deployment(
     s3: SeaweedFS,
@@ -404,16 +418,126 @@ def local_executor_deployment(
     (api_port,) = _free_ports(1)
     env = deployment_env(s3, tiny_model, home, dags, api_port, "LocalExecutor", database_url)
     env.update(extra_env or {})
-    airflow = str(Path(sys.executable).with_name("airflow"))
     dep = Deployment(home=home, api_url=f"http://{LOOPBACK}:{api_port}", env=env)
     dep.migrate_db()
     try:
-        dep.start(
-            "api-server",
-            [airflow, "api-server", "--host", LOOPBACK, "--port", str(api_port), "--workers", "1"],
+        _start_airflow(dep, api_port)
+        wait_until("the API server", lambda: dep.request("GET", "/api/v2/monitor/health"), 180, dep)
+        dep.log_in()
+        yield dep
+    finally:
+        dep.stop()
+
+
+# -- CeleryExecutor ----------------------------------------------------------------------
+
+
+def celery_env(redis_port: int, concurrency: int = 1) -> dict[str, str]:
+    """The ``[celery]`` settings of a deployment whose broker and result backend is one Redis on loopback.
+
+    :param redis_port: the Redis server's port (database 0 is the broker, 1 the result backend).
+    :param concurrency: tasks each worker runs at once (``worker_concurrency``).
+    """
+    return {
+        "AIRFLOW__CELERY__BROKER_URL": f"redis://{LOOPBACK}:{redis_port}/0",
+        "AIRFLOW__CELERY__RESULT_BACKEND": f"redis://{LOOPBACK}:{redis_port}/1",
+        "AIRFLOW__CELERY__WORKER_CONCURRENCY": str(concurrency),
+    }
+
+
+def start_redis(dep: Deployment, port: int) -> subprocess.Popen:
+    """Start Redis (the Celery broker) as process ``redis`` of ``dep``: loopback only, nothing saved to disk.
+
+    It is stopped with the deployment's other processes (:meth:`Deployment.stop`), and its
+    queues, kept only in memory, go with it.
+    """
+    redis = shutil.which("redis-server")
+    if redis is None:
+        raise DeploymentError(
+            "redis-server is not installed: `make system-deps` installs it (apt-get install redis-server)."
         )
-        dep.start("scheduler", [airflow, "scheduler"])
-        dep.start("dag-processor", [airflow, "dag-processor"])
+    argv = [redis, "--bind", LOOPBACK, "--port", str(port), "--save", "", "--appendonly", "no"]
+    return dep.start("redis", [*argv, "--dir", str(dep.home)])
+
+
+def start_celery_worker(
+    dep: Deployment, name: str, queue: str = "default", concurrency: int = 1, wait_s: float | None = None
+) -> subprocess.Popen:
+    """Start ``airflow celery worker`` as process ``worker-<name>`` of ``dep``, with hostname ``<name>@<host>``.
+
+    Each worker is a process group of its own (:meth:`Deployment.start`): its pool processes,
+    the task supervisors they run and the tasks under those go with it when the group is signalled.
+
+    :param queue: the Celery queue it consumes.
+    :param concurrency: tasks it runs at once (``--concurrency``).
+    :param wait_s: wait this long for it to say it is ready (new output of its log); None: do not wait.
+    """
+    airflow = str(Path(sys.executable).with_name("airflow"))
+    log = dep.home / f"worker-{name}.log"
+    # A worker started again appends to the same log: only what this one writes counts.
+    written = log.stat().st_size if log.exists() else 0
+    # --skip-serve-logs: several workers on one host would all bind the log server's port.
+    proc = dep.start(
+        f"worker-{name}",
+        [
+            airflow,
+            "celery",
+            "worker",
+            "-q",
+            queue,
+            "-c",
+            str(concurrency),
+            "-H",
+            f"{name}@%h",
+            "--skip-serve-logs",
+        ],
+    )
+    if wait_s is not None:
+        wait_until(
+            f"Celery worker {name}",
+            lambda: " ready." in dep.log(f"worker-{name}")[written:],
+            wait_s,
+            dep,
+        )
+    return proc
+
+
+@contextlib.contextmanager
+def celery_executor_deployment(
+    s3: SeaweedFS,
+    tiny_model: Path,
+    home: Path,
+    dag_files: Mapping[str, str],
+    workers: Mapping[str, str],
+    extra_env: Mapping[str, str] | None = None,
+    concurrency: int = 1,
+) -> Iterator[Deployment]:
+    """Run Redis, api-server, scheduler (CeleryExecutor), dag-processor and Celery workers on loopback; stop them all at the end.
+
+    Airflow 3 runs the CeleryExecutor on SQLite: the workers reach the database only through
+    the API server's execution API.
+
+    :param s3: the SeaweedFS behind connection ``aws_default``.
+    :param tiny_model: the tiny chat model's directory.
+    :param home: an empty directory: ``AIRFLOW_HOME``, SQLite database, logs, DAGs folder.
+    :param dag_files: file name -> source of the DAG files to write into the DAGs folder (only these).
+    :param workers: worker name -> the queue it consumes; each is process ``worker-<name>``
+        (:func:`start_celery_worker`), started at once (not waited for).
+    :param extra_env: more environment variables for every process.
+    :param concurrency: tasks each worker runs at once.
+    """
+    dags = dags_folder(home, dag_files)
+    redis_port, api_port = _free_ports(2)
+    env = deployment_env(s3, tiny_model, home, dags, api_port, "CeleryExecutor")
+    env.update(celery_env(redis_port, concurrency))
+    env.update(extra_env or {})
+    dep = Deployment(home=home, api_url=f"http://{LOOPBACK}:{api_port}", env=env)
+    dep.migrate_db()
+    try:
+        start_redis(dep, redis_port)
+        _start_airflow(dep, api_port)
+        for name, queue in workers.items():
+            start_celery_worker(dep, name, queue, concurrency)
         wait_until("the API server", lambda: dep.request("GET", "/api/v2/monitor/health"), 180, dep)
         dep.log_in()
         yield dep

@@ -17,17 +17,14 @@ LocalExecutor deployment can stand in for; each shard's runner engine is its tas
 from __future__ import annotations
 
 import json
-import shutil
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from vllm_batch_embedded.airflow_deployment import Deployment, dags_folder, deployment_env, wait_until
+from vllm_batch_embedded.airflow_deployment import Deployment, celery_executor_deployment, wait_until
 from vllm_batch_embedded.demo import BUCKET
-from vllm_batch_embedded.seaweedfs import _free_ports
 
 pytestmark = [pytest.mark.integration, pytest.mark.engine, pytest.mark.celery]
 
@@ -36,86 +33,18 @@ DAG_ID = "vllm_batch_sharded"
 N_REQUESTS = 20
 SHARD_SIZE = 10
 RUN_TIMEOUT_S = 420
-LOOPBACK = "127.0.0.1"
-
-
-def _celery_env(seaweed, tiny_model: Path, home: Path, redis_port: int, api_port: int) -> dict[str, str]:
-    # Only the DAG under test: the others (a @daily one among them) would start runs of their own.
-    dags = dags_folder(home, {f"{DAG_ID}.py": (REPO / "dags" / f"{DAG_ID}.py").read_text()})
-    env = deployment_env(seaweed, tiny_model, home, dags, api_port, "CeleryExecutor")
-    env.update(
-        {
-            "AIRFLOW__CELERY__BROKER_URL": f"redis://{LOOPBACK}:{redis_port}/0",
-            "AIRFLOW__CELERY__RESULT_BACKEND": f"redis://{LOOPBACK}:{redis_port}/1",
-            "AIRFLOW__CELERY__WORKER_CONCURRENCY": "1",
-        }
-    )
-    return env
 
 
 @pytest.fixture(scope="module")
 def deployment(seaweed, tiny_model, tmp_path_factory) -> Iterator[Deployment]:
-    """Redis and a whole Airflow (CeleryExecutor) on loopback ports; stopped and checked gone at the end."""
-    redis = shutil.which("redis-server")
-    if redis is None:
-        pytest.fail("redis-server is not installed: `make test` installs it (apt-get install redis-server).")
+    """Redis and a whole Airflow (CeleryExecutor, workers ``gpu`` and ``default``) on loopback ports; stopped at the end."""
     home = tmp_path_factory.mktemp("celery-airflow")
-    redis_port, api_port = _free_ports(2)
-    env = _celery_env(seaweed, tiny_model, home, redis_port, api_port)
-    airflow = str(Path(sys.executable).with_name("airflow"))
-    dep = Deployment(home=home, api_url=f"http://{LOOPBACK}:{api_port}", env=env)
-    dep.migrate_db()
-    try:
-        dep.start(
-            "redis",
-            [
-                redis,
-                "--bind",
-                LOOPBACK,
-                "--port",
-                str(redis_port),
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                str(home),
-            ],
-        )
-        dep.start(
-            "api-server",
-            [airflow, "api-server", "--host", LOOPBACK, "--port", str(api_port), "--workers", "1"],
-        )
-        dep.start("scheduler", [airflow, "scheduler"])
-        dep.start("dag-processor", [airflow, "dag-processor"])
-        # --skip-serve-logs: two workers on one host would both bind the log server's port.
-        dep.start(
-            "worker-gpu",
-            [airflow, "celery", "worker", "-q", "gpu", "-c", "1", "-H", "gpu@%h", "--skip-serve-logs"],
-        )
-        dep.start(
-            "worker-default",
-            [
-                airflow,
-                "celery",
-                "worker",
-                "-q",
-                "default",
-                "-c",
-                "1",
-                "-H",
-                "default@%h",
-                "--skip-serve-logs",
-            ],
-        )
-        wait_until("the API server", lambda: dep.request("GET", "/api/v2/monitor/health"), 180, dep)
-        password = json.loads((home / "passwords.json").read_text())["admin"]
-        dep.token = dep.request("POST", "/auth/token", {"username": "admin", "password": password})[
-            "access_token"
-        ]
+    # Only the DAG under test: the others (a @daily one among them) would start runs of their own.
+    dag_files = {f"{DAG_ID}.py": (REPO / "dags" / f"{DAG_ID}.py").read_text()}
+    with celery_executor_deployment(
+        seaweed, tiny_model, home, dag_files, workers={"gpu": "gpu", "default": "default"}
+    ) as dep:
         yield dep
-    finally:
-        dep.stop()
 
 
 @pytest.fixture(scope="module")
@@ -198,6 +127,7 @@ def test_merged_output_of_the_celery_run_answers_every_request_in_order(celery_r
 
 def test_every_process_started_for_the_deployment_is_gone_after_teardown(deployment, celery_run):
     # Runs last in this module: stop now (the fixture's finalizer then finds nothing to stop).
+    assert {"redis", "worker-gpu", "worker-default"} <= set(deployment.processes)
     leftover = deployment.stop()
     assert leftover == []
     assert all(proc.poll() is not None for proc in deployment.processes.values())

@@ -69,3 +69,19 @@ def test_every_module_the_benchmark_imports_is_found_from_the_repository_root(sc
     assert done.stdout.splitlines()[-1] == "[]", (
         f"benchmarks/{script} cannot find {done.stdout.splitlines()[-1]}"
     )
+
+
+def test_the_chaos_campaign_refuses_celery_worker_faults_without_celery():
+    # No Celery worker runs on the LocalExecutor: a weight for one would draw faults that do nothing.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run(
+        [sys.executable, "benchmarks/chaos.py", "--fault-weights", "worker_kill=3,task_kill=2"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "--fault-weights: worker_kill needs --celery" in done.stderr

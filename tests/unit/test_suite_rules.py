@@ -20,7 +20,8 @@ INTEGRATION = Path(__file__).resolve().parents[1] / "integration"
 #: Calls that start a vLLM engine (a server, the runner, the task-started server) or an Airflow stack
 #: (``demo_command``: ``make demo`` starts an engine, ``make demo-api`` a stack and an engine).
 STARTS = re.compile(
-    r"\b(VLLMServerProcess|local_executor_deployment|Deployment|ComposeStack|VLLMRunner|VLLMServer|run_batch"
+    r"\b(VLLMServerProcess|local_executor_deployment|celery_executor_deployment|Deployment|ComposeStack|VLLMRunner"
+    r"|VLLMServer|run_batch"
     r"|demo_command)\("
 )
 REASON = "Fresh processes:"
@@ -75,3 +76,12 @@ def test_the_rule_finds_a_fresh_engine_without_a_reason_and_accepts_one_with_it(
     module = tmp_path / "test_module.py"
     module.write_text('"""M.\n\nFresh processes: the runner is the task\'s child."""\n' + bare.read_text())
     assert _unexplained(module) == []
+
+
+def test_the_rule_finds_a_fresh_celery_deployment_without_a_reason(tmp_path):
+    bare = tmp_path / "test_celery.py"
+    bare.write_text(
+        "@pytest.fixture\ndef deployment(seaweed):\n"
+        "    with celery_executor_deployment(seaweed, m, h, {}, workers={}) as dep:\n        yield dep\n"
+    )
+    assert _unexplained(bare) == ["deployment"]

@@ -824,7 +824,7 @@ class Campaign:
             self.create_batch(f"x{i:03d}", USERS[i % len(USERS)], expiring_rng, expiring=True)
 
     def trigger(self, dag_id: str, case: str) -> str:
-        """Trigger the run of ``case``, sent again if its answer does not come (the API server loaded by the tasks).
+        """Trigger the run of ``case``, sent again if its answer does not come or is a 5xx (the API server loaded by the tasks).
 
         With the run id its own, a trigger that went through but whose answer was lost is
         not a second run: sent again, it is refused 409 (the run exists).
@@ -836,7 +836,11 @@ class Campaign:
             except urllib.error.HTTPError as err:
                 if err.code == 409 and attempt:
                     return run_id
-                raise
+                if err.code < 500:
+                    raise
+                # A 500 from a database insert that failed under load (SQLite's lock, seen on
+                # --celery): nothing was made, or the next attempt's 409 says it was.
+                self.note(f"trigger {case}: HTTP {err.code}, sending it again")
             except OSError as err:  # a timeout, or the connection dropped
                 self.note(f"trigger {case}: {type(err).__name__}, sending it again")
         raise CampaignError(f"the API server did not answer the trigger of {case} three times")

@@ -1530,20 +1530,27 @@ class Campaign:
     def fault_effects(self) -> dict[str, int]:
         """What the clock jumps and the full scratch disk did, read from the logs (a figure, not a check).
 
-        ``tries_failed_scratch_full``: task tries whose log has a ``ScratchFullError`` (each try
-        logs to a file of its own). ``heartbeat_timeouts``: the scheduler's reports of a task
-        without a heartbeat (a clock jump forward makes a running try look like a zombie).
+        ``task_tries``: every try of every task (each logs to a file of its own).
+        ``tries_failed_scratch_full``: tries whose log has a ``ScratchFullError``.
+        ``heartbeat_timeouts``: the scheduler's reports of a task without a heartbeat (a clock
+        jump forward makes a running try look like a zombie). ``tokens_not_yet_valid``: calls
+        the API server refused for a token issued later than its clock now says (a step back
+        makes every token issued in the last minutes "not yet valid": task heartbeats, state
+        updates and XComs of the tries then running, beyond Airflow's 10 s ``jwt_leeway``).
         """
-        tries = sum(
-            1
-            for path in (self.dep.home / "logs").rglob("*.log")
-            if "ScratchFullError" in path.read_text(errors="replace")
-        )
+        tries = [path.read_text(errors="replace") for path in (self.dep.home / "logs").rglob("attempt=*.log")]
         zombies = sum(
             path.read_text(errors="replace").count("without a heartbeat")
             for path in self.dep.home.glob("scheduler*.log")
         )
-        return {"tries_failed_scratch_full": tries, "heartbeat_timeouts": zombies}
+        api_log = self.dep.home / "api-server.log"
+        immature = api_log.read_text(errors="replace").count("is not yet valid") if api_log.exists() else 0
+        return {
+            "task_tries": len(tries),
+            "tries_failed_scratch_full": sum(1 for text in tries if "ScratchFullError" in text),
+            "heartbeat_timeouts": zombies,
+            "tokens_not_yet_valid": immature,
+        }
 
     def check_keys(self) -> None:
         """Every object in the two buckets is an input, a cache entry, or a key of one of the jobs."""
@@ -1842,8 +1849,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{figures['expired_without_answers']} before any; {figures['batch_expired_lines']} requests published batch_expired"
         )
     print(
-        f"tries failed with ScratchFullError: {figures['tries_failed_scratch_full']}; "
-        f"tasks without a heartbeat (the scheduler's reports): {figures['heartbeat_timeouts']}"
+        f"task tries: {figures['task_tries']}; failed with ScratchFullError: {figures['tries_failed_scratch_full']}; "
+        f"tasks without a heartbeat (the scheduler's reports): {figures['heartbeat_timeouts']}; "
+        f"API calls refused for a token not yet valid (clock steps back): {figures['tokens_not_yet_valid']}"
     )
     print(
         f"duplicate sends: {figures['duplicate_sends']} (warm server answered {figures['warm_server_answered']}, "

@@ -95,16 +95,17 @@ docs: $(STAMP)
 # starts when none runs) and debootstrap (the Debian its stand-in base images are built
 # from), to start its stack; chromium and its driver for the UI test in a real browser,
 # postgresql for the scheduled-runs deployment's database, faketime (libfaketime) for the
-# OpenAI API server whose clock is a day ahead). Installed only when missing.
+# OpenAI API server whose clock is a day ahead, and the chaos campaign's clock jumps, with gcc
+# for its fix of libfaketime's sleeps: benchmarks/monotonic_sleep_fix.c). Installed only when missing.
 system-deps:
 	@command -v redis-server >/dev/null && command -v docker-compose >/dev/null && \
 	  command -v chromium >/dev/null && command -v chromedriver >/dev/null && \
 	  command -v dockerd >/dev/null && test -x /usr/bin/docker && \
 	  { command -v debootstrap >/dev/null || test -x /usr/sbin/debootstrap; } && \
 	  ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 && \
-	  ls /usr/lib/*/faketime/libfaketime.so.1 >/dev/null 2>&1 || \
+	  ls /usr/lib/*/faketime/libfaketime.so.1 >/dev/null 2>&1 && command -v cc >/dev/null || \
 	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server docker-compose \
-	      docker.io debootstrap chromium chromium-driver postgresql faketime >/dev/null; }
+	      docker.io debootstrap chromium chromium-driver postgresql faketime gcc >/dev/null; }
 
 clean:
 	rm -rf .cache .pytest_cache build/docs

@@ -1,0 +1,148 @@
+"""The chaos campaign's clock jumps and full scratch disk (``benchmarks/chaos.py``), without its stack.
+
+The campaign itself runs them on the real stack (``tests/integration/test_chaos_smoke.py``,
+docs/reliability.md); these check what it relies on: the steps' sizes and bound, that the
+processes it preloads libfaketime into can still sleep, and that a fill really fills the disk
+and leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import chaos  # noqa: E402
+
+
+def _campaign(tmp_path: Path, seed: int = 3, **args: object) -> chaos.Campaign:
+    return chaos.Campaign(argparse.Namespace(seed=seed, **args), tmp_path)
+
+
+def test_clock_jumps_step_20_s_to_5_min_either_way_and_keep_the_offset_within_10_minutes(tmp_path):
+    campaign = _campaign(tmp_path)
+    campaign.set_clock(0)
+    low, high = chaos.CLOCK_JUMP_S
+    steps = []
+    for _ in range(500):
+        before = campaign.clock_offset
+        campaign.clock_jump()
+        step = campaign.clock_offset - before
+        steps.append(step)
+        assert low - 1 <= abs(step) <= high + 1
+        assert abs(campaign.clock_offset) <= chaos.CLOCK_MAX_OFFSET_S
+        # What libfaketime reads: the offset in seconds, signed.
+        assert campaign.clock_file.read_text() == f"{campaign.clock_offset:+d}\n"
+    assert min(steps) < 0 < max(steps)
+    assert campaign.figures.faults["clock_jump"] == 500
+    # Each is logged with its step and the offset after it.
+    assert all("wall clock" in line and "offset" in line for line in campaign.log_lines)
+
+
+def test_the_same_seed_steps_the_clock_the_same_way(tmp_path):
+    offsets = []
+    for run in ("a", "b"):
+        (tmp_path / run).mkdir()
+        campaign = _campaign(tmp_path / run, seed=11)
+        campaign.set_clock(0)
+        for _ in range(20):
+            campaign.clock_jump()
+        offsets.append(campaign.clock_offset)
+    assert offsets[0] == offsets[1]
+
+
+@pytest.mark.skipif(
+    not chaos.LIBFAKETIME.exists() or shutil.which("cc") is None, reason="needs libfaketime and cc"
+)
+@pytest.mark.parametrize("offset", [0, -300, 300])
+def test_a_python_under_the_campaigns_preload_sleeps_and_reads_the_stepped_wall_clock(tmp_path, offset):
+    campaign = _campaign(tmp_path, clock_jumps=True)
+    env = campaign.clock_env()
+    campaign.set_clock(offset)
+    probe = (
+        "import time, threading\n"
+        "start, wall = time.monotonic(), time.time()\n"
+        "time.sleep(0.2)\n"
+        "threading.Event().wait(0.2)\n"
+        "print(round(time.monotonic() - start, 1), round(wall - float(__import__('sys').argv[1])))\n"
+    )
+    import time
+
+    done = subprocess.run(
+        [sys.executable, "-c", probe, str(time.time())],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    slept, moved = done.stdout.split()
+    assert float(slept) == pytest.approx(0.4, abs=0.15)  # the monotonic clock is not faked
+    assert abs(int(moved) - offset) <= 2
+    # Without the fix before libfaketime, Python 3.11's sleep fails (libfaketime 0.9.10's bug,
+    # which benchmarks/monotonic_sleep_fix.c works around): the fix is what makes the preload usable.
+    bare = {**env, "LD_PRELOAD": str(chaos.LIBFAKETIME)}
+    broken = subprocess.run(
+        [sys.executable, "-c", "import time; time.sleep(0.1)"],
+        env={**os.environ, **bare},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    if broken.returncode == 0:
+        pytest.skip("this libfaketime sleeps without the fix (newer than 0.9.10)")
+    assert "Invalid argument" in broken.stderr
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 4 MiB tmpfs (the campaign's scratch disk, smaller); skipped where ``mount`` is not allowed."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"a small filesystem needs mount (root): {mounted.stderr.strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_a_scratch_fill_leaves_no_byte_free_while_it_lasts_and_removes_its_file(
+    tmp_path, small_disk, monkeypatch
+):
+    campaign = _campaign(tmp_path)
+    campaign.results_dir = small_disk
+    owned = small_disk / "airflow-vllm-batch"
+    owned.mkdir()
+    during: list[object] = []
+
+    def held(seconds: float) -> None:
+        assert 2 <= seconds <= 10
+        during.append(shutil.disk_usage(small_disk).free)
+        with pytest.raises(OSError, match="No space left") as full:
+            (owned / "part.jsonl").write_bytes(b"x" * 4096)  # a task's write meanwhile
+        during.append(full.value.errno)
+
+    monkeypatch.setattr(chaos.time, "sleep", held)
+    campaign.fill_scratch()
+    assert during == [0, errno.ENOSPC]
+    assert sorted(p.name for p in small_disk.iterdir()) == ["airflow-vllm-batch"]  # the filler is gone
+    assert shutil.disk_usage(small_disk).free > 3 << 20
+    assert campaign.figures.faults["scratch_full"] == 1

@@ -15,8 +15,8 @@ a workload:
 - ``--expiring K`` more batches past a short window, created through one more API server
   whose clock is set back (libfaketime) by a day less ``--window-s`` seconds, so that their
   ``24h`` window (the API's shortest is an hour) ends ``--window-s`` seconds after they were
-  created, for the deployment (its scheduler, workers and main API server keep the real
-  clock): half of them first and ten times the size (to expire while they run), the others
+  created, for the deployment (its scheduler, workers and main API server keep their clock:
+  the real one, give or take the ``clock_jump`` steps below): half of them first and ten times the size (to expire while they run), the others
   last (to expire queued). They end ``expired`` (or ``completed`` if they finished in time),
   every request they did not answer in their error file as ``batch_expired``;
 

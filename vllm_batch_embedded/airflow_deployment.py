@@ -99,13 +99,16 @@ class Deployment:
 
     # -- processes -------------------------------------------------------------------
 
-    def start(self, name: str, argv: list[str]) -> subprocess.Popen:
-        """Start one process of the deployment, its output in ``<home>/<name>.log``."""
+    def start(self, name: str, argv: list[str], env: Mapping[str, str] | None = None) -> subprocess.Popen:
+        """Start one process of the deployment, its output in ``<home>/<name>.log``.
+
+        :param env: its environment, when not the deployment's (a process that is not Airflow's).
+        """
         log = open(self.home / f"{name}.log", "ab")  # noqa: SIM115 - closed with the process
         # Its own session: stop() signals the whole group (executor workers, task supervisors).
         proc = subprocess.Popen(
             argv,
-            env=self.env,
+            env=self.env if env is None else dict(env),
             cwd=self.home,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -457,7 +460,11 @@ def start_redis(dep: Deployment, port: int) -> subprocess.Popen:
             "redis-server is not installed: `make system-deps` installs it (apt-get install redis-server)."
         )
     argv = [redis, "--bind", LOOPBACK, "--port", str(port), "--save", "", "--appendonly", "no"]
-    return dep.start("redis", [*argv, "--dir", str(dep.home)])
+    # Not an Airflow process: none of what the deployment preloads into Airflow's (the chaos
+    # campaign's libfaketime, which Redis does not survive: "Cannot recover from unexpected
+    # recursive calls to clock_gettime()"). A broker is another machine, on its own clock.
+    env = {k: v for k, v in dep.env.items() if k != "LD_PRELOAD" and not k.startswith("FAKETIME")}
+    return dep.start("redis", [*argv, "--dir", str(dep.home)], env=env)
 
 
 def start_celery_worker(

@@ -622,7 +622,7 @@ class Campaign:
             # heartbeat"). With 30 s, every API-server restart (20-50 s here) failed every try
             # running then, and seed 2 ran tasks out of retries (docs/reliability.md).
             # The smoke slice keeps 30 s: its 2-minute tail could not wait out a killed supervisor's
-            # 120 s, and its seed 7 kills no API server.
+            # 120 s, and it kills no API server (run_faults).
             "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": str(
                 30 if self.args.smoke else HEARTBEAT_TIMEOUT_S
             ),
@@ -1266,8 +1266,13 @@ class Campaign:
         kinds = list(WEIGHTS)
         weights = [self.args.fault_weights.get(k, WEIGHTS[k]) for k in kinds]
         if self.args.smoke:
-            # The smoke slice: no warm-server kill (its restart is a quarter of the budget).
+            # The smoke slice: no warm-server kill (its restart is a quarter of the budget), and no
+            # API-server kill: with the slice's 30 s heartbeat timeout its restart fails every try
+            # running then, and the 2-minute tail may not outlast their retries (the clean-clone
+            # suite at 024565d drew one for seed 7: which target a draw picks consumes the RNG
+            # by the number of live processes, so a seed's later kinds depend on the machine).
             weights[kinds.index("vllm_kill")] = 0
+            weights[kinds.index("api_kill")] = 0
         if not self.args.clock_jumps:
             weights[kinds.index("clock_jump")] = 0
         if not self.args.scratch_disk:

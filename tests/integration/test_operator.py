@@ -87,7 +87,9 @@ def test_one_bad_line_fails_in_seconds_naming_the_line_and_starting_no_engine(
     # The task itself, from the runner's "Task started" to its failure (dag.test's own
     # in-process set-up before it is not the operator's time).
     assert _seconds_between(result.output, "Task started", "Task failed with exception") < 5
-    assert elapsed < 20  # dag.test's own start-up included
+    # dag.test's own start-up included: only a guard against a hang (24 s once, beside a chaos
+    # campaign on the two cores); the operator's claim is the task's bound above.
+    assert elapsed < 60
     assert _keys(embedded, "bad/") == ["input.jsonl"]
 
 

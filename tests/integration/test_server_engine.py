@@ -33,6 +33,7 @@ from airflow_vllm_batch.engines import VLLMRunner, WarmVLLMServer
 from airflow_vllm_batch.run import AnswerCacheOptions
 from tests.integration.dagrun import REPO, error_lines as _error_lines, load_dag, run_dag
 from tests.integration.vllm_metrics import requests_answered
+from tests.small_disk import small_tmpfs
 from vllm_batch_embedded.demo import BUCKET, CPU_ENGINE_ARGS
 
 if TYPE_CHECKING:
@@ -681,20 +682,8 @@ N_FULL = 600
 @pytest.fixture
 def small_disk(tmp_path) -> Iterator[Path]:
     """A 4 MiB tmpfs mounted for the test (a worker's scratch disk that fills up); skipped where ``mount`` is not allowed."""
-    disk = tmp_path / "small-disk"
-    disk.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "tmpfs", str(disk)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"a small filesystem needs mount (root): {mounted.stderr.strip()}")
-    try:
+    with small_tmpfs(tmp_path / "small-disk") as disk:
         yield disk
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
 def _fill(disk: Path, leave: int) -> Path:

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.small_disk import small_tmpfs
+
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
@@ -108,20 +110,8 @@ def test_a_python_under_the_campaigns_preload_sleeps_and_reads_the_stepped_wall_
 @pytest.fixture
 def small_disk(tmp_path):
     """A 4 MiB tmpfs (the campaign's scratch disk, smaller); skipped where ``mount`` is not allowed."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"a small filesystem needs mount (root): {mounted.stderr.strip()}")
-    try:
+    with small_tmpfs(tmp_path / "disk") as disk:
         yield disk
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
 def test_a_scratch_fill_leaves_no_byte_free_while_it_lasts_and_removes_its_file(

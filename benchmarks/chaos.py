@@ -148,6 +148,7 @@ from tests.integration.s3_fault_proxy import (  # noqa: E402
     FaultProxy,
 )
 from tests.integration.vllm_metrics import requests_answered  # noqa: E402
+from tests.small_disk import MountError, mounted_tmpfs  # noqa: E402
 from vllm_batch_embedded.airflow_deployment import (  # noqa: E402
     Deployment,
     celery_executor_deployment,
@@ -872,21 +873,15 @@ class Campaign:
         if not self.args.scratch_disk:
             yield results
             return
-        mounted = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={SCRATCH_DISK_MIB}m,mode=0755", "tmpfs", str(results)],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if mounted.returncode != 0:
-            raise CampaignError(
-                f"the tasks' scratch disk: mount -t tmpfs on {results} failed ({mounted.stderr.strip()}): "
-                "run as root, or with --no-scratch-disk"
-            )
-        try:
+        with contextlib.ExitStack() as stack:
+            try:
+                stack.enter_context(mounted_tmpfs(results, SCRATCH_DISK_MIB, mode="0755"))
+            except MountError as err:
+                raise CampaignError(
+                    f"the tasks' scratch disk: mount -t tmpfs on {results} failed ({err}): "
+                    "run as root, or with --no-scratch-disk"
+                ) from None
             yield results
-        finally:
-            subprocess.run(["umount", "-l", str(results)], capture_output=True, check=False)
 
     def fill_scratch(self) -> None:
         """Fill the tasks' scratch disk with a file for a seeded few seconds, then remove it.

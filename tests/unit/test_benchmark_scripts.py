@@ -20,22 +20,21 @@ REPO = Path(__file__).resolve().parents[2]
 PAGE = REPO / "docs" / "benchmarks.md"
 
 
+def _from_the_root(*args: str) -> subprocess.CompletedProcess[str]:
+    """Run this Python with ``args`` from the repository root, without PYTHONPATH (as the page's commands run)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run(
+        [sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+
+
 @pytest.mark.parametrize("script", ["overhead.py", "scale.py", "chaos.py"])
 def test_the_benchmark_starts_from_the_repository_root_as_the_page_runs_it(script):
     # The page's command, as written: `.venv/bin/python benchmarks/<script> ...` without PYTHONPATH.
     assert re.search(
         rf"^\s*\.venv/bin/python benchmarks/{re.escape(script)}\b", PAGE.read_text(encoding="utf-8"), re.M
     )
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    done = subprocess.run(
-        [sys.executable, f"benchmarks/{script}", "--help"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    done = _from_the_root(f"benchmarks/{script}", "--help")
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.startswith(f"usage: {script}")
 
@@ -55,16 +54,7 @@ print(json.dumps(sorted({name.split(".")[0] for name in names if importlib.util.
 
 @pytest.mark.parametrize("script", ["overhead.py", "scale.py", "chaos.py"])
 def test_every_module_the_benchmark_imports_is_found_from_the_repository_root(script):
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    done = subprocess.run(
-        [sys.executable, "-c", FIND_IMPORTS, f"benchmarks/{script}"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    done = _from_the_root("-c", FIND_IMPORTS, f"benchmarks/{script}")
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.splitlines()[-1] == "[]", (
         f"benchmarks/{script} cannot find {done.stdout.splitlines()[-1]}"
@@ -73,15 +63,6 @@ def test_every_module_the_benchmark_imports_is_found_from_the_repository_root(sc
 
 def test_the_chaos_campaign_refuses_celery_worker_faults_without_celery():
     # No Celery worker runs on the LocalExecutor: a weight for one would draw faults that do nothing.
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    done = subprocess.run(
-        [sys.executable, "benchmarks/chaos.py", "--fault-weights", "worker_kill=3,task_kill=2"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    done = _from_the_root("benchmarks/chaos.py", "--fault-weights", "worker_kill=3,task_kill=2")
     assert done.returncode == 2, done.stderr[-3000:]
     assert "--fault-weights: worker_kill needs --celery" in done.stderr

@@ -20,8 +20,9 @@ a workload:
   last (to expire queued). They end ``expired`` (or ``completed`` if they finished in time),
   every request they did not answer in their error file as ``batch_expired``;
 
-and, until everything has ended or the fault phase is over, injects faults, every decision
-drawn from one RNG seeded by ``--seed`` and logged with its time and target:
+and, until everything has ended or the fault phase is over, injects faults, each logged with
+its time and target; their gaps and kinds drawn from one RNG seeded by ``--seed``, and each
+fault's target and amounts from an RNG of its own, seeded by ``--seed`` and its number:
 
 - ``task_kill`` / ``task_stop``: SIGKILL, or SIGSTOP then SIGCONT, of a process under the
   scheduler (executor workers, task supervisors and runners, engines; an idle LocalExecutor
@@ -46,7 +47,8 @@ drawn from one RNG seeded by ``--seed`` and logged with its time and target:
   ``--no-scratch-disk``: no tmpfs, no such fault.
 
 Which request a proxy fault hits, and which process is where, depend on timing: a seed replays
-the campaign's decisions (kinds, times, choices among the live targets), not the machine.
+the campaign's schedule (each fault's time, kind and amounts, and its target's draw among the
+targets live then), not the machine.
 
 After a fault-free tail every run and batch must end; then the checks read what is really
 there (S3 listed and read directly, not through the proxy; Airflow's REST API):
@@ -105,6 +107,7 @@ import logging
 import os
 import random
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -115,10 +118,10 @@ import time
 import types
 import urllib.error
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from unittest import mock
 
 import openai
@@ -159,6 +162,8 @@ from vllm_batch_embedded.airflow_deployment import (  # noqa: E402
 from vllm_batch_embedded.demo import CPU_ENGINE_ARGS, CPU_ENGINE_ENV  # noqa: E402
 from vllm_batch_embedded.seaweedfs import _free_ports  # noqa: E402
 from vllm_batch_embedded.tiny_model import build_tiny_chat_model  # noqa: E402
+
+T = TypeVar("T")
 
 BUCKET = "chaos"
 API_BUCKET = "chaos-api"
@@ -438,17 +443,21 @@ class Campaign:
     def __init__(self, args: argparse.Namespace, work: Path) -> None:
         self.args = args
         self.work = work
+        #: The workload's draws (sizes, refused lines, cancels) and the fault schedule's (gaps, kinds).
         self.rng = random.Random(args.seed)
+        #: The draws of one fault: its target among the live ones, how long, how much. Seeded again
+        #: for each fault from the seed and the fault's number (:meth:`run_faults`), so what one
+        #: fault finds live (how many processes, none at all) never shifts a later fault's draws.
+        self.fault_rng = random.Random(f"{args.seed}-fault")
         self.started = time.monotonic()
         self.figures = Figures()
         self.jobs: list[Job] = []
         self.log_lines: list[str] = []
         self.old_groups: set[int] = set()
         self.seen: dict[int, psutil.Process] = {}
-        self.api_key = "chaos-vllm-key-" + "".join(self.rng.choice("abcdef0123456789") for _ in range(24))
-        self.signing_key = "chaos-signing-key-" + "".join(
-            self.rng.choice("abcdef0123456789") for _ in range(32)
-        )
+        # Secrets, not draws: no seed tells them.
+        self.api_key = "chaos-vllm-key-" + secrets.token_hex(12)
+        self.signing_key = "chaos-signing-key-" + secrets.token_hex(16)
         self.tokens: dict[str, str] = {}
         self.clients: dict[str, Any] = {}
         #: The users' SDK clients of the early API server (``--expiring``).
@@ -687,13 +696,13 @@ class Campaign:
         if not live:
             self.note(f"(no live Celery worker for {kind})")
             return
-        name = self.rng.choice(live)
+        name = self.pick(live)
         pid = self.dep.processes[f"worker-{name}"].pid
         self.fault(kind, f"Celery worker {name} group {pid}")
         if kind == "worker_stop":
             self.pause(f"Celery worker {name}", pid, group=True)
             return
-        delay = 0.0 if self.rng.random() < 0.5 else self.rng.uniform(5, WORKER_DOWN_S)
+        delay = 0.0 if self.fault_rng.random() < 0.5 else self.fault_rng.uniform(5, WORKER_DOWN_S)
         self.task_processes()  # remember the group's processes: _kill_orphans makes sure of them at the end
         with self.worker_lock:
             self.workers_down.add(name)
@@ -846,7 +855,7 @@ class Campaign:
 
     def clock_jump(self) -> None:
         """Step the wall clock forward or back by a seeded amount, the total offset kept within :data:`CLOCK_MAX_OFFSET_S`."""
-        delta = round(self.rng.uniform(*CLOCK_JUMP_S)) * self.rng.choice((1, -1))
+        delta = round(self.fault_rng.uniform(*CLOCK_JUMP_S)) * self.fault_rng.choice((1, -1))
         if abs(self.clock_offset + delta) > CLOCK_MAX_OFFSET_S:
             delta = -delta  # back toward the real clock: |offset| <= 600 and |delta| <= 300 keep it within
         before = self.clock_offset
@@ -889,7 +898,7 @@ class Campaign:
         The filler lies beside the runs' own directory (``airflow-vllm-batch``), never in it: the
         runs own only what they name (invariant: No strangers).
         """
-        seconds = self.rng.uniform(2, 10)
+        seconds = self.fault_rng.uniform(2, 10)
         filler = self.results_dir / "chaos-filler"
         written = 0
         fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -1140,7 +1149,7 @@ class Campaign:
 
     def pause(self, what: str, pgid_or_pid: int, group: bool) -> None:
         """SIGSTOP, a seeded while, SIGCONT."""
-        seconds = self.rng.uniform(1, 5)
+        seconds = self.fault_rng.uniform(1, 5)
         send = (
             (lambda sig: signal_group(pgid_or_pid, sig)) if group else (lambda sig: _signal(pgid_or_pid, sig))
         )
@@ -1158,6 +1167,10 @@ class Campaign:
         self.old_groups.add(old.pid)
         self.dep.start(name, argv_of())
 
+    def pick(self, live: Sequence[T]) -> T:
+        """One of ``live``, from one draw of the fault's RNG whatever its length (``choice`` draws more bits for a longer list)."""
+        return live[int(self.fault_rng.random() * len(live))]
+
     def inject(self, kind: str) -> None:
         airflow = str(Path(sys.executable).with_name("airflow"))
         if kind in ("task_kill", "task_stop"):
@@ -1171,7 +1184,7 @@ class Campaign:
             if not procs:
                 self.note(f"(no task process for {kind})")
                 return
-            proc = self.rng.choice(procs)
+            proc = self.pick(procs)
             with contextlib.suppress(psutil.Error):
                 target = f"pid {proc.pid} {' '.join(' '.join(proc.cmdline()[:3]).split())[:80]}"
                 self.fault(kind, target)
@@ -1184,7 +1197,7 @@ class Campaign:
             if not runners:
                 self.note("(no task runner for runner_kill)")
                 return
-            proc = self.rng.choice(runners)
+            proc = self.pick(runners)
             with contextlib.suppress(psutil.Error):
                 self.fault(kind, f"pid {proc.pid} {' '.join(proc.cmdline())[:80]}")
                 proc.kill()
@@ -1231,9 +1244,11 @@ class Campaign:
             self.s3.start()
             self.note("  SeaweedFS back")
         elif kind == "proxy":
-            rate = self.rng.uniform(0.05, 0.3)
-            kinds = tuple(sorted(self.rng.sample(PROXY_KINDS, self.rng.randint(1, len(PROXY_KINDS)))))
-            seconds = self.rng.uniform(2, 8)
+            rate = self.fault_rng.uniform(0.05, 0.3)
+            kinds = tuple(
+                sorted(self.fault_rng.sample(PROXY_KINDS, self.fault_rng.randint(1, len(PROXY_KINDS))))
+            )
+            seconds = self.fault_rng.uniform(2, 8)
             before = Counter(self.proxy.injected)
             self.proxy.set_faults(rate, kinds)
             time.sleep(seconds)
@@ -1264,8 +1279,8 @@ class Campaign:
             # The smoke slice: no warm-server kill (its restart is a quarter of the budget), and no
             # API-server kill: with the slice's 30 s heartbeat timeout its restart fails every try
             # running then, and the 2-minute tail may not outlast their retries (the clean-clone
-            # suite at 024565d drew one for seed 7: which target a draw picks consumes the RNG
-            # by the number of live processes, so a seed's later kinds depend on the machine).
+            # suite at 024565d drew one for seed 7, whose later kinds then depended on the machine:
+            # a target's choice drew from the schedule's RNG, by the number of live processes).
             weights[kinds.index("vllm_kill")] = 0
             weights[kinds.index("api_kill")] = 0
         if not self.args.clock_jumps:
@@ -1277,6 +1292,7 @@ class Campaign:
         while time.monotonic() < deadline and not self.all_ended() and injected < self.args.max_faults:
             time.sleep(self.rng.uniform(self.args.gap_s / 2, self.args.gap_s * 1.5))
             kind = self.rng.choices(kinds, weights)[0]
+            self.fault_rng = random.Random(f"{self.args.seed}-fault-{injected}")
             try:
                 self.inject(kind)
             except Exception as err:

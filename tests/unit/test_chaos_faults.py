@@ -1,9 +1,9 @@
-"""The chaos campaign's clock jumps and full scratch disk (``benchmarks/chaos.py``), without its stack.
+"""The chaos campaign's clock jumps, full scratch disk and seeded schedule (``benchmarks/chaos.py``), without its stack.
 
 The campaign itself runs them on the real stack (``tests/integration/test_chaos_smoke.py``,
 docs/reliability.md); these check what it relies on: the steps' sizes and bound, that the
-processes it preloads libfaketime into can still sleep, and that a fill really fills the disk
-and leaves nothing behind.
+processes it preloads libfaketime into can still sleep, that a fill really fills the disk
+and leaves nothing behind, and that a seed replays its faults whatever they find live.
 """
 
 from __future__ import annotations
@@ -136,3 +136,57 @@ def test_a_scratch_fill_leaves_no_byte_free_while_it_lasts_and_removes_its_file(
     assert sorted(p.name for p in small_disk.iterdir()) == ["airflow-vllm-batch"]  # the filler is gone
     assert shutil.disk_usage(small_disk).free > 3 << 20
     assert campaign.figures.faults["scratch_full"] == 1
+
+
+def test_a_seed_replays_its_fault_schedule_whatever_each_fault_finds_live(tmp_path, monkeypatch):
+    """The same seed draws the same kinds and each fault the same amounts, though one machine has more live targets than another.
+
+    A fault's target is picked among the processes live then, which differ from one machine (and
+    run) to the next; it draws from the fault's own RNG, so it never shifts a later draw.
+    """
+    schedules = []
+    for run, live in (("few", [0, 1, 2]), ("many", [9, 5, 14, 3])):
+        (tmp_path / run).mkdir()
+        campaign = _campaign(
+            tmp_path / run,
+            seed=5,
+            fault_weights={},
+            smoke=False,
+            clock_jumps=True,
+            scratch_disk=True,
+            fault_s=600,
+            gap_s=0.0,
+            max_faults=60,
+        )
+        drawn: list[tuple[str, int | None, float | None]] = []
+
+        def inject(
+            kind: str,
+            campaign: chaos.Campaign = campaign,
+            live: list[int] = live,
+            drawn: list[tuple[str, int | None, float | None]] = drawn,
+        ) -> None:
+            # What ``inject`` does with a target: none live, it returns; else it picks one, then
+            # draws how long (a pause's seconds).
+            targets = range(live[len(drawn) % len(live)])
+            if not targets:
+                drawn.append((kind, None, None))
+                return
+            target = campaign.pick(targets)
+            drawn.append((kind, target, campaign.fault_rng.uniform(1, 5)))
+
+        monkeypatch.setattr(campaign, "inject", inject)
+        monkeypatch.setattr(campaign, "all_ended", lambda: False)
+        monkeypatch.setattr(
+            campaign, "proxy", argparse.Namespace(set_faults=lambda rate: None), raising=False
+        )
+        campaign.run_faults()
+        schedules.append(drawn)
+    few, many = schedules
+    assert len(few) == len(many) == 60
+    assert [kind for kind, _, _ in few] == [kind for kind, _, _ in many]
+    # Where both found targets, the same amounts; the targets differ only as the live lists do.
+    both = [(a, b) for a, b in zip(few, many) if a[1] is not None and b[1] is not None]
+    assert len(both) > 10
+    assert all(a[2] == b[2] for a, b in both)
+    assert len({kind for kind, _, _ in few}) > 5

@@ -138,9 +138,10 @@ from airflow_vllm_batch.openai_api.access import owner_key  # noqa: E402
 from airflow_vllm_batch.openai_api.files import result_file_ids  # noqa: E402
 from airflow_vllm_batch.openai_api.settings import URL_PREFIX  # noqa: E402
 from tests.integration.extra_api_server import (  # noqa: E402
-    LIBFAKETIME,
     ExtraApiServer,
+    FaketimeUnavailable,
     ResigningS3Proxy,
+    faketime_preload,
     start_api_server,
     stop as stop_api_server,
     wait_ready,
@@ -806,39 +807,17 @@ class Campaign:
         :data:`CLOCK_MAX_OFFSET_S`). An environment variable ``FAKETIME`` would take precedence
         over the file: it must not be set for these processes. Empty with ``--no-clock-jumps``.
 
-        Before libfaketime goes ``benchmarks/monotonic_sleep_fix.c``, compiled here (``cc``):
-        without it, libfaketime 0.9.10 fails every ``time.sleep`` of Python 3.11 with ``EINVAL``
-        when the monotonic clock is not faked (see that file).
+        Before libfaketime goes ``benchmarks/monotonic_sleep_fix.c``, compiled here (``cc``,
+        :func:`faketime_preload`): without it, libfaketime 0.9.10 fails every ``time.sleep`` of
+        Python 3.11 with ``EINVAL`` when the monotonic clock is not faked (see that file).
         """
         if not self.args.clock_jumps:
             return {}
-        if not LIBFAKETIME.exists():
-            raise CampaignError(
-                f"{LIBFAKETIME} is missing: install Debian's faketime (make system-deps), or run with --no-clock-jumps"
-            )
-        fix = self.work / "monotonic_sleep_fix.so"
-        built = subprocess.run(
-            [
-                "cc",
-                "-shared",
-                "-fPIC",
-                "-O2",
-                "-o",
-                str(fix),
-                str(REPO / "benchmarks" / "monotonic_sleep_fix.c"),
-                "-ldl",
-            ],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if built.returncode != 0:
-            raise CampaignError(
-                f"compiling benchmarks/monotonic_sleep_fix.c failed ({built.stderr.strip()[-500:]}): "
-                "install a C compiler (make system-deps), or run with --no-clock-jumps"
-            )
+        try:
+            preload = faketime_preload(self.work)
+        except FaketimeUnavailable as err:
+            raise CampaignError(f"{err}, or run with --no-clock-jumps") from None
         self.set_clock(0)
-        preload = " ".join(p for p in (os.environ.get("LD_PRELOAD"), str(fix), str(LIBFAKETIME)) if p)
         return {
             "LD_PRELOAD": preload,
             "FAKETIME_TIMESTAMP_FILE": str(self.clock_file),

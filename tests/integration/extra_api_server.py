@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -42,6 +43,42 @@ LIBFAKETIME = next(
     iter(sorted(Path("/usr/lib").glob("*/faketime/libfaketime.so.1"))),
     Path("/usr/lib/faketime/libfaketime.so.1"),
 )
+#: Compiled and preloaded before libfaketime when the monotonic clock is not faked (see the file).
+SLEEP_FIX_SOURCE = Path(__file__).resolve().parents[2] / "benchmarks" / "monotonic_sleep_fix.c"
+
+
+class FaketimeUnavailable(RuntimeError):
+    """libfaketime is not installed, or its sleep fix does not compile here; the message says what to install."""
+
+
+def faketime_preload(work: Path) -> str:
+    """``LD_PRELOAD`` for a process whose wall clock libfaketime moves while its monotonic clock does not.
+
+    libfaketime 0.9.10 (Debian's) fails every ``time.sleep`` of Python 3.11 with ``EINVAL`` when
+    ``FAKETIME_DONT_FAKE_MONOTONIC`` is set, at any offset (wolfcw/libfaketime#426), so
+    :data:`SLEEP_FIX_SOURCE` is compiled into ``work`` (``cc``) and goes before it. A preload of
+    the caller's environment stays first.
+
+    :param work: a directory of the caller's for the compiled library.
+    :raises FaketimeUnavailable: with what to install (``make system-deps`` installs both).
+    """
+    if not LIBFAKETIME.exists():
+        raise FaketimeUnavailable(f"{LIBFAKETIME} is missing: install Debian's faketime (make system-deps)")
+    fix = work / "monotonic_sleep_fix.so"
+    built = subprocess.run(
+        ["cc", "-shared", "-fPIC", "-O2", "-o", str(fix), str(SLEEP_FIX_SOURCE), "-ldl"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if built.returncode != 0:
+        raise FaketimeUnavailable(
+            f"compiling {SLEEP_FIX_SOURCE.name} failed ({built.stderr.strip()[-500:]}): "
+            "install a C compiler (make system-deps)"
+        )
+    return " ".join(p for p in (os.environ.get("LD_PRELOAD"), str(fix), str(LIBFAKETIME)) if p)
+
+
 #: Headers the proxy does not pass on: the signature (made again), and the hop's own.
 _DROPPED = {"authorization", "x-amz-date", "x-amz-content-sha256", "host", "connection", "content-length"}
 
@@ -179,12 +216,10 @@ def start_api_server(
     if s3_connection is not None:
         env["AIRFLOW_CONN_AWS_DEFAULT"] = s3_connection
     if clock_offset_s:
-        if not LIBFAKETIME.exists():
-            raise FileNotFoundError(f"{LIBFAKETIME} is missing: install Debian's faketime (make system-deps)")
         # Only the wall clock moves: timers and timeouts (monotonic) keep their pace.
         env.update(
             {
-                "LD_PRELOAD": str(LIBFAKETIME),
+                "LD_PRELOAD": faketime_preload(dep.home),
                 "FAKETIME": f"{clock_offset_s:+d}",
                 "FAKETIME_DONT_FAKE_MONOTONIC": "1",
             }

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.extra_api_server import LIBFAKETIME
 from tests.small_disk import small_tmpfs
 
 REPO = Path(__file__).resolve().parents[2]
@@ -63,7 +64,7 @@ def test_the_same_seed_steps_the_clock_the_same_way(tmp_path):
 
 
 @pytest.mark.skipif(
-    not chaos.LIBFAKETIME.exists() or shutil.which("cc") is None, reason="needs libfaketime and cc"
+    not LIBFAKETIME.exists() or shutil.which("cc") is None, reason="needs libfaketime and cc"
 )
 @pytest.mark.parametrize("offset", [0, -300, 300])
 def test_a_python_under_the_campaigns_preload_sleeps_and_reads_the_stepped_wall_clock(tmp_path, offset):
@@ -93,7 +94,7 @@ def test_a_python_under_the_campaigns_preload_sleeps_and_reads_the_stepped_wall_
     assert abs(int(moved) - offset) <= 2
     # Without the fix before libfaketime, Python 3.11's sleep fails (libfaketime 0.9.10's bug,
     # which benchmarks/monotonic_sleep_fix.c works around): the fix is what makes the preload usable.
-    bare = {**env, "LD_PRELOAD": str(chaos.LIBFAKETIME)}
+    bare = {**env, "LD_PRELOAD": str(LIBFAKETIME)}
     broken = subprocess.run(
         [sys.executable, "-c", "import time; time.sleep(0.1)"],
         env={**os.environ, **bare},

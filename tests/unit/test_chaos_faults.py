@@ -63,9 +63,7 @@ def test_the_same_seed_steps_the_clock_the_same_way(tmp_path):
     assert offsets[0] == offsets[1]
 
 
-@pytest.mark.skipif(
-    not LIBFAKETIME.exists() or shutil.which("cc") is None, reason="needs libfaketime and cc"
-)
+@pytest.mark.skipif(not LIBFAKETIME.exists() or shutil.which("cc") is None, reason="needs libfaketime and cc")
 @pytest.mark.parametrize("offset", [0, -300, 300])
 def test_a_python_under_the_campaigns_preload_sleeps_and_reads_the_stepped_wall_clock(tmp_path, offset):
     campaign = _campaign(tmp_path, clock_jumps=True)
@@ -191,3 +189,27 @@ def test_a_seed_replays_its_fault_schedule_whatever_each_fault_finds_live(tmp_pa
     assert len(both) > 10
     assert all(a[2] == b[2] for a, b in both)
     assert len({kind for kind, _, _ in few}) > 5
+
+
+def test_the_tail_waits_for_a_published_batchs_dag_run_to_end(tmp_path, monkeypatch):
+    """A batch reads ended once published; its task, killed after the publish, runs on in Airflow until the scheduler fails it.
+
+    The checks read the tasks' states, so the tail waits for that run too (seed 7 of the smoke
+    slice at 76dff41 checked while the task was still ``running``).
+    """
+    campaign = _campaign(tmp_path, tail_s=60)
+    job = chaos.Job("batch", "batch_1", [], chaos.BATCH_DAG_ID, "batch_1", ("o", "e", "m"), chaos.API_BUCKET)
+    job.ended_at = 1.0
+    campaign.jobs = [job]
+    states = iter(["running", "running", "success"])
+    reads: list[tuple[str, str]] = []
+
+    def dag_run(dag_id: str, run_id: str) -> dict:
+        reads.append((dag_id, run_id))
+        return {"state": next(states)}
+
+    monkeypatch.setattr(campaign, "dep", argparse.Namespace(dag_run=dag_run), raising=False)
+    monkeypatch.setattr(chaos.time, "sleep", lambda seconds: None)
+    campaign.tail()
+    assert reads == [(chaos.BATCH_DAG_ID, "batch_1")] * 3
+    assert campaign.figures.failures == []

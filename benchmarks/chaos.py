@@ -1597,7 +1597,7 @@ class Campaign:
 
     def check_logs(self) -> None:
         """No credential in any task log (nor in the deployment's process logs)."""
-        secrets = {
+        credentials = {
             "the S3 secret key": self.s3.secret_key,
             "the vLLM API key": self.api_key,
             "the OpenAI signing key": self.signing_key,
@@ -1607,7 +1607,7 @@ class Campaign:
         logs = list((self.dep.home / "logs").rglob("*.log")) + list(self.dep.home.glob("*.log"))
         for path in logs:
             text = path.read_text(errors="replace")
-            for what, value in secrets.items():
+            for what, value in credentials.items():
                 if value and value in text:
                     self.figures.failures.append(f"{what} is in {path.relative_to(self.dep.home)}")
 

@@ -478,6 +478,7 @@ class Campaign:
         self.clock_file = work / "faketime.rc"
         #: Every API token the campaign was issued (it logs in again after a clock jump).
         self.old_tokens: list[str] = []
+        self.log_in_lock = threading.Lock()
 
     # -- logging -------------------------------------------------------------------------
 
@@ -911,6 +912,10 @@ class Campaign:
 
     def log_in(self) -> None:
         """Log every user in (again): a token issued at one offset of the clock is not yet valid after a step back."""
+        with self.log_in_lock:  # the poller's thread logs in again too
+            self._log_in()
+
+    def _log_in(self) -> None:
         self.old_tokens.extend(self.tokens.values())
         self.dep.token = None  # a token not yet valid would be refused with the log-in
         for user in ("admin", *USERS):
@@ -1283,6 +1288,15 @@ class Campaign:
             before = self.clock_offset
             self.set_clock(0)
             self.note(f"clock back to the real one: {-before:+d}s (offset {before:+d}s -> 0)")
+            # A token issued while the clock was ahead is not valid yet on the real one, and the
+            # checks read Airflow's API once every job has ended (when the poller no longer logs
+            # in again): new tokens, once the API server has read the file (FAKETIME_CACHE_DURATION).
+            time.sleep(2)
+            try:
+                self.log_in()
+                self.note("  logged in again on the real clock")
+            except Exception as err:  # noqa: BLE001 - the poller logs in again on a 401/403
+                self.note(f"  log-in on the real clock failed: {err!r}")
         self.note(f"fault phase over ({injected} fault decisions); fault-free tail")
 
     def tail(self) -> None:
@@ -1309,8 +1323,11 @@ class Campaign:
                     for job in batches
                     if self.dep.dag_run(job.dag_id, job.run_id)["state"] not in ENDED_RUN
                 ]
-            except OSError as err:  # the API server slow to answer: ask again
+            except OSError as err:  # the API server slow to answer, or a token not valid yet: again
                 self.note(f"tail: {type(err).__name__} reading a batch's DAG run")
+                if getattr(err, "code", None) in (401, 403):
+                    with contextlib.suppress(Exception):
+                        self.log_in()
             if batches:
                 time.sleep(2)
         if batches:

@@ -5,9 +5,9 @@ from the repository root) and reads its final JSON line: 3 operator runs (the wa
 with and without the answer cache, and vLLM's batch runner started by the task) and 2 OpenAI
 API batches (one cancelled), and the 8 faults seed 334 draws on any machine (its schedule
 replays: docs/reliability.md): 2 task processes killed and one paused, the tasks' scratch disk
-filled for 9 s, SeaweedFS paused, a window of S3 faults through the proxy, the wall clock of
-every Airflow process stepped 239 s ahead, the scheduler paused; then the checks on what is
-really in S3 and in Airflow's database (see the script's docstring). Where ``mount`` is not allowed (not root) the
+filled, SeaweedFS killed, two windows of S3 faults through the proxy, the scheduler killed (no
+clock step in the slice: see ``run_faults``); then the checks on what is really in S3 and in
+Airflow's database (see the script's docstring). Where ``mount`` is not allowed (not root) the
 slice runs without its scratch disk, and without libfaketime or a C compiler without the
 preload (``--no-scratch-disk``, ``--no-clock-jumps``): other draws of the same seed.
 
